@@ -1,0 +1,62 @@
+"""Benchmarks. Figures are reported, never asserted."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from fdx.core.sampling_params import SamplingParams
+
+
+def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+    """N requests of I random prompt tokens and O generated tokens (ignore_eos),
+    all queued at once, driven step by step through the LLM's engine."""
+    eng = llm.engine
+    rng = np.random.default_rng(seed)
+    vocab = eng.model.vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # warm-up: one short request, so one-time costs are not counted
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True))
+    reqs = [eng.make_request(rng.integers(0, vocab, input_len).tolist(), sp) for _ in range(num_requests)]
+    for r in reqs:
+        eng.add_request(r)
+    steps = []
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+        steps.append(eng.last_stats)
+    total = time.perf_counter() - t0
+    prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
+    decode_steps = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
+    prefill_time = sum(s.step_time_s for s in prefill_steps)
+    decode_time = sum(s.step_time_s for s in decode_steps)
+    prompt_tokens = num_requests * input_len
+    out_tokens = sum(r.num_output_tokens for r in reqs)
+    return {
+        "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
+        "backend": eng.backend.describe(), "resource_manager": eng.config.scheduler.resource_manager,
+        "max_num_seqs": eng.config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens,
+        "total_time_s": total, "steps": len(steps),
+        "mean_step_time_ms": 1000 * total / max(len(steps), 1),
+        "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
+        "prompt_tokens_per_s": sum(s.num_prefill_tokens for s in prefill_steps) / prefill_time if prefill_time else 0.0,
+        "decode_tokens_per_s": sum(s.num_decode_tokens for s in decode_steps) / decode_time if decode_time else 0.0,
+        "mean_decode_step_ms": 1000 * decode_time / max(len(decode_steps), 1),
+        "overall_tokens_per_s": (prompt_tokens + out_tokens) / total,
+        "output_tokens_per_s": out_tokens / total,
+        "preemptions": sum(s.num_preempted for s in steps),
+    }
+
+
+def format_throughput(r: dict) -> str:
+    return "\n".join([
+        f"fdx bench throughput: {r['num_requests']} requests x ({r['input_len']} prompt + {r['output_len']} output) tokens",
+        f"  backend {r['backend']}, resource manager {r['resource_manager']}, "
+        f"max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens {r['max_num_batched_tokens']}",
+        f"  total            {r['total_time_s']:.2f} s over {r['steps']} steps (mean step {r['mean_step_time_ms']:.1f} ms)",
+        f"  prompt           {r['prompt_tokens_per_s']:.1f} tok/s (steps with prefill)",
+        f"  decode           {r['decode_tokens_per_s']:.1f} tok/s (decode-only steps, mean {r['mean_decode_step_ms']:.1f} ms)",
+        f"  output           {r['output_tokens_per_s']:.1f} tok/s overall, {r['overall_tokens_per_s']:.1f} tok/s prompt+output",
+        f"  preemptions      {r['preemptions']}",
+    ])

@@ -1,0 +1,152 @@
+"""One config object with sections, from YAML, CLI flags and keyword overrides.
+
+Every key is checked: an unknown key or a bad value fails with a
+``ConfigError`` that names it (``cache.block_size``), never deep inside the
+engine.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    model: str | None = None                   # HF dir or .gguf; None: embedded SmolLM2
+    max_model_len: int | None = Field(None, gt=0)   # None: the model's, capped at 8192
+    dtype: Literal["float32", "auto"] = "float32"
+
+
+class CacheConfig(_Section):
+    kv_cache: str = "paged"                    # KV-cache plugin name
+    block_size: int = Field(16, gt=0, le=1024)
+    num_kv_blocks: int | None = Field(None, gt=0)   # None: sized by memory_fraction
+    memory_fraction: float = Field(0.1, gt=0, le=0.95)  # of free device memory, for KV
+    kv_cache_ratio: float = Field(0.75, gt=0, le=1)  # v0: share of blocks prompts may take
+    swap_dir: str | None = None                # prefix cache tier 2 in files here (outlives restarts)
+    swap_max_blocks: int | None = Field(None, ge=0)  # tier-2 size in blocks; None: 1024 with swap_dir, else 0 (off)
+
+
+class SchedulerConfig(_Section):
+    resource_manager: str = "v1"               # KV scheduler plugin name
+    scheduler: str = "local"                   # request-level scheduler plugin name
+    policy: str = "fcfs"                       # waiting-queue order
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)  # None: 2048, or max_model_len unchunked
+    enable_chunked_prefill: bool = True
+
+
+class BackendConfig(_Section):
+    name: str = "auto"                         # device backend plugin name, or auto
+    num_threads: int | None = Field(None, gt=0)   # CPU threads; None: cores available
+
+
+class DecodingConfig(_Section):
+    token_processor: str = "default"
+    logits_processors: list[str] = ["repetition_penalty", "presence_frequency_penalty", "min_tokens"]
+    guided_backend: str | None = None
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"                    # loopback only unless told otherwise
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None                 # required as "Authorization: Bearer ..." on /v1
+    served_model_name: str | None = None       # None: the model file or folder name
+    max_concurrency: int | None = Field(None, gt=0)  # HTTP generation requests in flight; past it 429
+    max_queue: int | None = Field(None, gt=0)  # sequences sent with no token yet; past it 429
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger bodies get 413
+    engine_death_grace_s: float = Field(2.0, ge=0)  # answer 503 this long after the engine died, then exit 1
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # uvicorn's
+    access_log: bool = False
+
+
+class FdxConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    backend: BackendConfig = BackendConfig()
+    decoding: DecodingConfig = DecodingConfig()
+    server: ServerConfig = ServerConfig()
+    seed: int | None = 0
+
+    @classmethod
+    def build(cls, yaml_path: str | None = None, /, **overrides: Any) -> "FdxConfig":
+        """YAML file first, then overrides: flat keys (``block_size``),
+        dotted keys (``cache.block_size``) or whole sections (``cache={...}``)."""
+        data: dict[str, Any] = {}
+        if yaml_path:
+            try:
+                with open(yaml_path) as f:
+                    loaded = yaml.safe_load(f) or {}
+            except OSError as e:
+                raise ConfigError(f"cannot read config file {yaml_path}: {e.strerror}") from None
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config file {yaml_path} is not valid YAML: {e}") from None
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"config file {yaml_path} must hold a mapping")
+            for key, value in loaded.items():
+                _merge(data, key, value)
+        for key, value in overrides.items():
+            if value is not None or key in ("seed",):
+                _merge(data, key, value)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_describe(e)) from None
+
+    def flat(self) -> dict[str, Any]:
+        return {k: getattr(getattr(self, s), f) if s else getattr(self, f)
+                for k, (s, f) in FLAT_KEYS.items()}
+
+
+SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "server")
+
+# flat key -> (section, field); section "" means top level
+FLAT_KEYS: dict[str, tuple[str, str]] = {"seed": ("", "seed")}
+for _s in SECTIONS:
+    for _f in FdxConfig.model_fields[_s].annotation.model_fields:
+        FLAT_KEYS.setdefault(_f, (_s, _f))
+FLAT_KEYS["backend"] = ("backend", "name")
+FLAT_KEYS["model"] = ("model", "model")
+FLAT_KEYS.pop("name", None)
+
+
+def _merge(data: dict[str, Any], key: str, value: Any) -> None:
+    if key in SECTIONS and isinstance(value, dict):
+        for k, v in value.items():
+            _merge(data, f"{key}.{k}", v)
+        return
+    if "." in key:
+        section, field = key.split(".", 1)
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section '{section}' in key '{key}' "
+                              f"(sections: {', '.join(SECTIONS)})")
+    elif key in FLAT_KEYS:
+        section, field = FLAT_KEYS[key]
+    else:
+        raise ConfigError(f"unknown config key '{key}'; known keys: {', '.join(sorted(FLAT_KEYS))}")
+    if not section:
+        data[field] = value
+        return
+    known = FdxConfig.model_fields[section].annotation.model_fields
+    if field not in known:
+        raise ConfigError(f"unknown config key '{section}.{field}'; "
+                          f"section '{section}' has: {', '.join(known)}")
+    data.setdefault(section, {})[field] = value
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        parts.append(f"config key '{loc}': {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)

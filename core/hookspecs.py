@@ -1,0 +1,103 @@
+"""The hook specifications: the whole plugin surface of fdx.
+
+Registration hooks are called once, when the plugin manager starts. Each
+receives a ``register(name, obj)`` callback; config selects an
+implementation by that name, never by call order. A name registered twice
+is an error that names both plugins.
+
+Observer hooks are called by the engine as things happen; they return
+nothing and must not block for long.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT = "fdx"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[[str, Any], None]
+
+
+# --- registration hooks -------------------------------------------------
+
+@hookspec
+def fdx_register_resource_managers(register: Register) -> None:
+    """Register KV schedulers (``ResourceManager`` subclasses) by name.
+
+    Called once at start-up. ``config.scheduler.resource_manager`` picks one
+    (built-ins: ``v1``; ``v0`` later)."""
+
+
+@hookspec
+def fdx_register_schedulers(register: Register) -> None:
+    """Register request-level schedulers (queues across engine instances).
+
+    Called once at start-up (built-in: ``local``)."""
+
+
+@hookspec
+def fdx_register_kv_caches(register: Register) -> None:
+    """Register KV block managers (``KVCacheManager`` subclasses) by name.
+
+    Called once at start-up. ``config.cache.kv_cache`` picks one (built-in:
+    ``paged``)."""
+
+
+@hookspec
+def fdx_register_connectors(register: Register) -> None:
+    """Register KV connectors that move KV blocks between instances."""
+
+
+@hookspec
+def fdx_register_token_processors(register: Register) -> None:
+    """Register token processors (``TokenProcessor`` subclasses): sampled
+    token ids -> request outputs (stop checks, detokenizing, logprobs)."""
+
+
+@hookspec
+def fdx_register_backends(register: Register) -> None:
+    """Register device backends (``Backend`` subclasses) by name.
+
+    ``config.backend.name`` picks one; ``auto`` takes the first available
+    in order of ``Backend.priority`` (highest first)."""
+
+
+@hookspec
+def fdx_register_guided_backends(register: Register) -> None:
+    """Register guided-decoding backends (grammar -> token bitmask)."""
+
+
+@hookspec
+def fdx_register_models(register: Register) -> None:
+    """Register model classes by Hugging Face architecture name
+    (``config.json``'s ``architectures[0]``)."""
+
+
+@hookspec
+def fdx_register_logits_processors(register: Register) -> None:
+    """Register batched per-request logits transforms by name."""
+
+
+# --- observer hooks -------------------------------------------------------
+
+@hookspec
+def fdx_engine_started(engine: Any) -> None:
+    """The engine has loaded its model and allocated its KV cache."""
+
+
+@hookspec
+def fdx_request_added(request: Any) -> None:
+    """A request was validated and queued in the engine."""
+
+
+@hookspec
+def fdx_step_finished(scheduler_output: Any, step_stats: Any) -> None:
+    """One engine step ran: what was scheduled, and its ``StepStats``."""
+
+
+@hookspec
+def fdx_request_finished(request: Any, output: Any) -> None:
+    """A request finished (stopped, hit its length, or was aborted)."""

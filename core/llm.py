@@ -1,0 +1,140 @@
+"""The Python API: ``LLM(...).generate()`` and ``.chat()``, engine in-process."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Sequence
+
+from fdx.core.config import FdxConfig
+from fdx.core.engine import EngineCore
+from fdx.core.request import CompletionOutput, Request, RequestOutput
+from fdx.core.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine in this process.
+
+    ``LLM()`` serves the embedded SmolLM2-135M-Instruct; ``LLM("dir")`` a
+    Hugging Face checkpoint; ``LLM("model.gguf")`` a GGUF file. Keyword
+    arguments are config keys (flat, like ``max_num_seqs``, or dotted, like
+    ``cache.block_size``); ``config=`` names a YAML file.
+    """
+
+    def __init__(self, model: str | None = None, *, config: str | FdxConfig | None = None,
+                 progress: bool = True, plugins=None, **overrides: Any):
+        if isinstance(config, FdxConfig):
+            cfg = config if model is None and not overrides else FdxConfig.build(
+                **config.model_dump(), **({"model": model} if model else {}), **overrides)
+        else:
+            cfg = FdxConfig.build(config, **({"model": model} if model else {}), **overrides)
+        self.engine = EngineCore(cfg, plugins=plugins, progress=progress)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- generate ------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        # validate everything before queueing anything
+        staged = [self._stage(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(staged, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            # the template already holds the special tokens
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -- internals ----------------------------------------------------------------
+    @staticmethod
+    def _params_list(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
+        return sp
+
+    def _stage(self, prompt: PromptType, sp: SamplingParams) -> list[Request]:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"unknown prompt key(s): {', '.join(sorted(unknown))}")
+            text = prompt.get("prompt")
+            ids = prompt.get("prompt_token_ids")
+            if ids is None:
+                if not isinstance(text, str):
+                    raise ValueError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
+                ids = self.tokenizer.encode(text)
+            ids = list(ids)
+        else:
+            raise TypeError(f"a prompt must be a str or a dict, not {type(prompt).__name__}")
+        eng = self.engine
+        base = eng.new_request_id()
+        children = []
+        for i in range(sp.n):
+            child_sp = sp if sp.n == 1 else dataclasses.replace(
+                sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+            rid = base if sp.n == 1 else f"{base}-{i}"
+            children.append(eng.make_request(ids, child_sp, request_id=rid, prompt=text))
+        return children
+
+    def _run(self, staged: list[list[Request]], use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.engine
+        for group in staged:
+            for req in group:
+                eng.add_request(req)
+        pending = {req.request_id for group in staged for req in group}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(pending), desc="requests", unit="req")
+        try:
+            while pending:
+                for req in eng.step():
+                    if req.is_finished and req.request_id in pending:
+                        pending.discard(req.request_id)
+                        if bar:
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:          # leave the engine clean on Ctrl-C or errors
+                eng.abort_request(rid)
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return [self._output(group) for group in staged]
+
+    @staticmethod
+    def _output(group: list[Request]) -> RequestOutput:
+        first = group[0]
+        outs = [CompletionOutput(
+            index=i, text=r.output_text, token_ids=list(r.output_token_ids),
+            finish_reason=r.status.value if r.is_finished else None,
+            stop_reason=r.stop_reason, logprobs=r.logprobs) for i, r in enumerate(group)]
+        base_id = first.request_id.rsplit("-", 1)[0] if len(group) > 1 else first.request_id
+        return RequestOutput(
+            request_id=base_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=outs, finished=all(r.is_finished for r in group),
+            num_cached_tokens=first.num_cached_tokens,
+            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
+                     "finished_time": first.finished_time})

@@ -1,0 +1,100 @@
+"""Prometheus metrics of ``fdx serve``, all named ``fdx:...`` (see docs/serving.md).
+
+Engine-side gauges come from the stats the engine process sends after each
+step; per-request figures are measured in the API process, from the moment
+the HTTP request arrived.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        self.labels = {"model_name": model_name}
+        lab = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, lab, registry=r).labels(**self.labels)
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, lab, buckets=buckets, registry=r).labels(**self.labels)
+
+        self.num_running = gauge("fdx:num_requests_running", "Requests running in the engine (sequences).")
+        self.num_waiting = gauge("fdx:num_requests_waiting", "Requests waiting in the engine (sequences).")
+        self.kv_usage = gauge("fdx:kv_cache_usage_perc", "KV-cache block usage, 0 to 1.")
+        self.kv_free = gauge("fdx:kv_cache_free_blocks", "KV-cache blocks free.")
+        self.kv_total = gauge("fdx:kv_cache_total_blocks", "KV-cache blocks in the pool.")
+        self.engine_up = gauge("fdx:engine_up", "1 while the engine process runs, 0 once it died.")
+        self.api_in_flight = gauge("fdx:api_requests_in_flight", "HTTP generation requests in flight.")
+        self.preemptions = Counter("fdx:num_preemptions", "Sequences preempted.", lab, registry=r).labels(**self.labels)
+        self.prompt_tokens = Counter("fdx:prompt_tokens", "Prompt tokens of requests admitted.", lab,
+                                     registry=r).labels(**self.labels)
+        self.generation_tokens = Counter("fdx:generation_tokens", "Tokens generated.", lab,
+                                         registry=r).labels(**self.labels)
+        self.request_success = Counter("fdx:request_success", "Finished sequences, by finish reason.",
+                                       lab + ["finished_reason"], registry=r)
+        self.ttft = hist("fdx:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.tpot = hist("fdx:time_per_output_token_seconds",
+                         "Mean time per output token after the first, per sequence.", TPOT_BUCKETS)
+        self.e2e = hist("fdx:e2e_request_latency_seconds", "End-to-end sequence latency.", LATENCY_BUCKETS)
+        self.queue_time = hist("fdx:request_queue_time_seconds", "Time waiting before first scheduled.",
+                               LATENCY_BUCKETS)
+        self._prefix = None                     # created when the KV cache reports prefix counters
+        self._prefix_last = (0.0, 0.0)
+
+    def observe_engine(self, stats) -> None:
+        """An ``EngineStats`` from the engine process."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_free.set(stats.num_free_blocks)
+        self.kv_total.set(stats.num_blocks)
+        if stats.num_preempted:
+            self.preemptions.inc(stats.num_preempted)
+        cs = stats.cache_stats
+        if "prefix_cache_queries" in cs and "prefix_cache_hits" in cs:
+            self._observe_prefix(cs["prefix_cache_queries"], cs["prefix_cache_hits"])
+
+    def _observe_prefix(self, queries: float, hits: float) -> None:
+        if self._prefix is None:
+            r, lab = self.registry, ["model_name"]
+            self._prefix = (
+                Counter("fdx:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lab,
+                        registry=r).labels(**self.labels),
+                Counter("fdx:prefix_cache_hits", "Prompt tokens served by the prefix cache.", lab,
+                        registry=r).labels(**self.labels),
+                Gauge("fdx:prefix_cache_hit_rate", "Prefix-cache hits / queries since start, 0 to 1.", lab,
+                      registry=r).labels(**self.labels))
+        q0, h0 = self._prefix_last
+        self._prefix[0].inc(max(0.0, queries - q0))
+        self._prefix[1].inc(max(0.0, hits - h0))
+        self._prefix_last = (queries, hits)
+        self._prefix[2].set(hits / queries if queries else 0.0)
+
+    def sequence_started(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def sequence_finished(self, seq) -> None:
+        """A ``SequenceState`` that finished (stop, length or abort)."""
+        self.request_success.labels(finished_reason=seq.finish_reason or "abort", **self.labels).inc()
+        n = len(seq.token_ids)
+        self.generation_tokens.inc(n)
+        end = seq.finished_time
+        if seq.first_token_time is not None:
+            self.ttft.observe(seq.first_token_time - seq.arrival_time)
+            if n > 1 and end is not None:
+                self.tpot.observe((end - seq.first_token_time) / (n - 1))
+        if end is not None:
+            self.e2e.observe(end - seq.arrival_time)
+        if seq.queue_time is not None:
+            self.queue_time.observe(seq.queue_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

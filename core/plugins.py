@@ -1,0 +1,184 @@
+"""The plugin manager: built-ins from one tuple, others from the ``fdx``
+entry-point group, every implementation selected by name."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import pluggy
+
+from fdx.core import hookspecs
+
+log = logging.getLogger("fdx.plugins")
+
+ENTRY_POINT_GROUP = "fdx"
+DISABLE_ENV = "FDX_DISABLED_PLUGINS"
+
+# Built-in plugins are ordinary plugins, registered from this tuple.
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "fdx.plugins.schedulers.v0",
+    "fdx.plugins.schedulers.v1",
+    "fdx.plugins.cache.paged",
+    "fdx.plugins.cache.prefix",
+    "fdx.plugins.backends.cpu",
+    "fdx.plugins.backends.cuda",
+    "fdx.plugins.backends.iluvatar",
+    "fdx.plugins.decoding.token_processor",
+    "fdx.plugins.decoding.logits_processors",
+    "fdx.plugins.models.llama",
+    "fdx.plugins.models.qwen2",
+    "fdx.plugins.models.qwen3",
+    "fdx.plugins.models.ernie4_5",
+)
+
+# registration hook -> registry kind
+KINDS: dict[str, str] = {
+    "fdx_register_resource_managers": "resource_manager",
+    "fdx_register_schedulers": "scheduler",
+    "fdx_register_kv_caches": "kv_cache",
+    "fdx_register_connectors": "connector",
+    "fdx_register_token_processors": "token_processor",
+    "fdx_register_backends": "backend",
+    "fdx_register_guided_backends": "guided_backend",
+    "fdx_register_models": "model",
+    "fdx_register_logits_processors": "logits_processor",
+}
+
+
+class PluginError(RuntimeError):
+    """A plugin registered a clashing name, or a name was not found."""
+
+
+@dataclass(slots=True)
+class Registration:
+    name: str
+    obj: Any
+    plugin: str        # the plugin (module or entry point) that registered it
+    package: str       # the distribution that shipped it ("fdx" for built-ins)
+
+
+class PluginManager:
+    def __init__(self, builtins: Iterable[str] = BUILTIN_PLUGINS,
+                 load_entry_points: bool = True, disabled: Iterable[str] | None = None):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        if disabled is None:
+            disabled = [s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()]
+        self.disabled = set(disabled)
+        self.errors: dict[str, str] = {}          # plugin name -> why it is not loaded
+        self.packages: dict[str, str] = {}        # plugin name -> distribution
+        self.registries: dict[str, dict[str, Registration]] = {k: {} for k in KINDS.values()}
+        for modname in builtins:
+            self._load(modname, lambda m=modname: importlib.import_module(m), "fdx")
+        if load_entry_points:
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                dist = ep.dist.name if ep.dist else "?"
+                self._load(ep.name, ep.load, dist)
+        self.pm.check_pending()
+        self._collect()
+
+    # -- loading -----------------------------------------------------------
+    def _load(self, name: str, loader, package: str) -> None:
+        short = name.rsplit(".", 1)[-1]
+        if name in self.disabled or short in self.disabled:
+            log.info("plugin %s disabled by %s", name, DISABLE_ENV)
+            return
+        if self.pm.has_plugin(name):
+            return                                   # idempotent
+        try:
+            plugin = loader()
+        except Exception as e:  # a broken plugin must not take fdx down
+            self._broken(name, f"failed to load: {type(e).__name__}: {e}")
+            return
+        try:
+            self.pm.register(plugin, name=name)
+        except Exception as e:
+            self._broken(name, f"failed to register: {e}")
+            return
+        self.packages[name] = package
+
+    def _broken(self, name: str, why: str) -> None:
+        self.errors[name] = why
+        log.warning("fdx plugin %r %s", name, why)
+
+    def _collect(self) -> None:
+        for hook_name, kind in KINDS.items():
+            hook = getattr(self.pm.hook, hook_name)
+            # in registration order (built-ins first), not pluggy's call order
+            for impl in hook.get_hookimpls():
+                plugin = impl.plugin_name
+                try:
+                    impl.function(register=self._registrar(kind, plugin))
+                except PluginError:
+                    raise
+                except Exception as e:
+                    self._broken(plugin, f"raised in {hook_name}: {type(e).__name__}: {e}")
+
+    def _registrar(self, kind: str, plugin: str):
+        def register(name: str, obj: Any) -> None:
+            registry = self.registries[kind]
+            if name in registry:
+                other = registry[name].plugin
+                raise PluginError(f"{kind} name {name!r} is registered twice: by plugin "
+                                  f"{other!r} and by plugin {plugin!r}")
+            registry[name] = Registration(name, obj, plugin, self.packages.get(plugin, "?"))
+        return register
+
+    # -- lookup ------------------------------------------------------------
+    def get(self, kind: str, name: str) -> Any:
+        registry = self.registries[kind]
+        if name not in registry:
+            known = ", ".join(sorted(registry)) or "none"
+            raise PluginError(f"no {kind} named {name!r}; available: {known}")
+        return registry[name].obj
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.registries[kind])
+
+    @property
+    def hook(self):
+        return self.pm.hook
+
+    def notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Call an observer hook; an observer that raises is logged, not fatal."""
+        try:
+            getattr(self.pm.hook, hook_name)(**kwargs)
+        except Exception as e:
+            log.warning("observer hook %s raised %s: %s", hook_name, type(e).__name__, e)
+
+    def report(self) -> str:
+        lines = []
+        for hook_name, kind in KINDS.items():
+            lines.append(f"{hook_name}:")
+            regs = self.registries[kind]
+            if not regs:
+                lines.append("    (none)")
+            for reg in regs.values():
+                lines.append(f"    {reg.name:<28} {reg.plugin} [{reg.package}]")
+        observers = {}
+        for hook_name in ("fdx_engine_started", "fdx_request_added",
+                          "fdx_step_finished", "fdx_request_finished"):
+            impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+            observers[hook_name] = [i.plugin_name for i in impls]
+        lines.append("observers:")
+        for hook_name, plugins in observers.items():
+            lines.append(f"    {hook_name}: {', '.join(plugins) or '(none)'}")
+        if self.errors:
+            lines.append("broken plugins:")
+            for name, why in self.errors.items():
+                lines.append(f"    {name}: {why}")
+        return "\n".join(lines)
+
+
+_default: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    global _default
+    if _default is None:
+        _default = PluginManager()
+    return _default

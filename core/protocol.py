@@ -1,0 +1,152 @@
+"""The OpenAI-compatible HTTP schema (pydantic, at the edge only).
+
+Requests are validated here; unknown fields are rejected by name, and
+OpenAI fields that fdx does not implement yet are rejected with a message
+that says so rather than silently ignored.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Model):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+    # OpenAI fields fdx does not implement yet: rejected when set (see unsupported())
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    # OpenAI fields with no effect here: accepted and ignored
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) for a field set to something fdx cannot do."""
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            return ("response_format", "response_format needs guided decoding, which is not available "
+                    "in this fdx server yet; drop response_format or ask for plain text")
+        if self.logit_bias:
+            return ("logit_bias", "logit_bias is not supported")
+        return None
+
+    def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+        """SamplingParams keyword arguments (unset fields keep its defaults)."""
+        kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
+                              "ignore_eos": self.ignore_eos, "seed": self.seed,
+                              "include_stop_str_in_output": self.include_stop_str_in_output,
+                              "skip_special_tokens": self.skip_special_tokens}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        if self.stop is not None:
+            kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return kw
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return ("suffix", "suffix (insertion) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            return ("best_of", "best_of is not supported (use n)")
+        if self.echo and self.logprobs is not None:
+            return ("echo", "echo together with logprobs is not supported (prompt logprobs are not computed)")
+        return super().unsupported()
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")      # name, tool_call_id, ...: passed to the template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"message content part of type {part.get('type')!r} is not supported: "
+                               "only text parts ({'type': 'text', 'text': ...})", param="messages")
+            parts.append(part["text"])
+        return "\n".join(parts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return ("tools", "tool calling is not supported yet")
+        if self.tool_choice not in (None, "none"):
+            return ("tool_choice", "tool calling is not supported yet")
+        if self.top_logprobs is not None and not self.logprobs:
+            return ("top_logprobs", "top_logprobs needs logprobs=true")
+        return super().unsupported()

@@ -1,0 +1,111 @@
+"""Requests as the engine sees them, and the outputs handed back."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fdx.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_REJECTED = "rejected"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0                            # lower runs first under scheduler.policy=priority
+    cache_salt: str | None = None                # prefix-cache isolation: only equal salts share blocks
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 0                       # set by the engine
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0                 # tokens whose KV is in the cache
+    num_cached_tokens: int = 0                   # prompt tokens served by a prefix hit
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None         # the stop string or token that ended it
+    generator: np.random.Generator | None = None # per-request RNG when seeded
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # filled by the token processor
+    output_text: str = ""
+    logprobs: list | None = None
+    detokenizer: object | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None:
+            self.generator = np.random.default_rng(self.sampling_params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: max_tokens, bounded by the context left."""
+        room = self.max_model_len - self.num_prompt_tokens
+        mt = self.sampling_params.max_tokens
+        return room if mt is None else min(mt, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int
+    decoded: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None               # "stop", "length", "abort" or None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, TokenLogprob]] | None = None  # one dict per generated token
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict | None = None

@@ -1,0 +1,81 @@
+"""Per-request sampling parameters (the user-facing knobs, validated once)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1                              # completions per prompt
+    temperature: float = 1.0                # 0 means greedy
+    top_p: float = 1.0                      # nucleus mass, in (0, 1]
+    top_k: int = -1                         # -1 (or 0) disables
+    min_p: float = 0.0                      # drop tokens below min_p * p_max
+    seed: int | None = None                 # per-request RNG seed
+    presence_penalty: float = 0.0           # OpenAI-style, on generated tokens
+    frequency_penalty: float = 0.0          # OpenAI-style, on generated tokens
+    repetition_penalty: float = 1.0         # HF/CTRL-style, prompt + generated
+    max_tokens: int | None = 16             # None: up to max_model_len
+    min_tokens: int = 0                     # no stop (eos/stop ids/strings) before this
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None             # top-N logprobs per sampled token (0: only the sampled)
+    skip_special_tokens: bool = True
+    detokenize: bool = True                 # False: token ids only, no text (the server detokenizes
+                                            # in its API process); stop strings need it True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        def bad(name: str, why: str):
+            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", "must not exceed max_tokens")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20]")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings need detokenize=True")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5

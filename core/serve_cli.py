@@ -1,0 +1,51 @@
+"""``fdx serve``: its flags, wired into core/cli.py by ``add_parser``."""
+from __future__ import annotations
+
+import argparse
+import os
+
+SERVER_FLAGS = {  # flag dest -> config key
+    "host": "server.host", "port": "server.port", "api_key": "server.api_key",
+    "served_model_name": "server.served_model_name", "max_concurrency": "server.max_concurrency",
+    "max_queue": "server.max_queue", "max_request_body_bytes": "server.max_request_body_bytes",
+    "uvicorn_log_level": "server.log_level",
+}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from fdx.core.cli import _add_engine_args
+    s = sub.add_parser("serve", help="the OpenAI-compatible server (default: SmolLM2 on 127.0.0.1:8000)",
+                       description="Serve a model over an OpenAI-compatible HTTP API. See docs/serving.md.")
+    _add_engine_args(s)
+    s.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $FDX_API_KEY, else none)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
+    s.add_argument("--max-concurrency", type=int, default=None, help="HTTP generation requests in flight; past it 429")
+    s.add_argument("--max-queue", type=int, default=None, help="sequences waiting for a first token; past it 429")
+    s.add_argument("--max-request-body-bytes", type=int, default=None, help="larger request bodies get 413")
+    s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
+    return s
+
+
+def server_config(args):
+    from fdx.core.cli import _overrides
+    from fdx.core.config import FdxConfig
+    overrides = _overrides(args)
+    if args.model is not None:
+        overrides["model"] = args.model
+    if args.api_key is None and os.environ.get("FDX_API_KEY"):
+        args.api_key = os.environ["FDX_API_KEY"]
+    for dest, key in SERVER_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            overrides[key] = value
+    return FdxConfig.build(args.config, **overrides)
+
+
+def cmd_serve(args) -> int:
+    config = server_config(args)              # a bad key fails here, before any process starts
+    from fdx.core.server import run_server
+    return run_server(config)

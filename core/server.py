@@ -1,0 +1,610 @@
+"""``fdx serve``: the OpenAI-compatible server (FastAPI on uvicorn).
+
+This process tokenizes, renders chat templates, detokenizes and streams;
+the EngineCore steps in its own process (core/engine_proc.py). Endpoints:
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET
+/health, GET /metrics, GET /version. See docs/serving.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fdx.core.config import FdxConfig
+from fdx.core.engine_proc import EngineClient, EngineDeadError, EngineRejected, SeqDelta
+from fdx.core.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from fdx.core.output_processor import SequenceState
+from fdx.core.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from fdx.core.sampling_params import SamplingParams
+
+log = logging.getLogger("fdx.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def fdx_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("fdx")
+    except Exception:
+        return "unknown"
+
+
+def load_tokenizer(model: str | None):
+    """The tokenizer alone (no weights), for the API process."""
+    from fdx.core.model_loader import default_model_path
+    from fdx.core.tokenizer import Tokenizer
+    path = Path(model or default_model_path())
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json: the server needs a tokenizer")
+        return Tokenizer.from_hf_dir(path)
+    if path.suffix.lower() == ".gguf":
+        return Tokenizer.from_gguf(str(path))
+    raise ValueError(f"cannot read a tokenizer from {path}")
+
+
+def model_names(config: FdxConfig) -> list[str]:
+    """The served name first, then the aliases a request may use."""
+    model = config.model.model
+    if model is None:
+        natural = [DEFAULT_MODEL_NAME]
+    else:
+        p = Path(model)
+        natural = [p.name[:-5] if p.name.lower().endswith(".gguf") else p.name, model]
+    served = config.server.served_model_name
+    names = ([served] if served else []) + natural
+    return list(dict.fromkeys(names))
+
+
+class ServerStopping(Exception):
+    """The server is shutting down."""
+
+
+# -- one HTTP generation request: its sequences in the engine -----------------------
+
+class RequestGroup:
+    def __init__(self, server: "Server", seqs: list[SequenceState], engine_params: list[dict]):
+        self.server = server
+        self.seqs = seqs
+        self.engine_params = engine_params
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = len(seqs)
+        self.queued = {s.request_id for s in seqs}     # no token yet
+        self.closed = False
+
+    def start(self) -> None:
+        srv = self.server
+        srv.groups.add(self)
+        srv.num_queued += len(self.seqs)
+        srv.metrics.api_in_flight.set(len(srv.groups))
+        try:
+            for seq, params in zip(self.seqs, self.engine_params):
+                srv.engine.add(seq.request_id, seq.prompt_token_ids, params,
+                               lambda msg, seq=seq: self.queue.put_nowait((seq, msg)))
+                srv.metrics.sequence_started(len(seq.prompt_token_ids))
+        except Exception:
+            self.close()
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        self.queue.put_nowait((None, exc))
+
+    async def next(self, timeout: float | None = None) -> SequenceState | None:
+        """Apply the next engine message; return the sequence it changed
+        (None on timeout). Raises APIError / EngineDeadError / ServerStopping."""
+        try:
+            seq, msg = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(msg, BaseException):
+            raise msg
+        if isinstance(msg, EngineRejected):
+            raise APIError(400, msg.message)
+        assert isinstance(msg, SeqDelta)
+        if seq.finished:
+            return seq
+        if msg.queue_time_s is not None:
+            seq.queue_time = msg.queue_time_s
+        seq.num_cached_tokens = msg.num_cached_tokens
+        hit_stop = seq.add(msg.token_ids, msg.finish_reason, msg.stop_reason, msg.logprobs)
+        if hit_stop:
+            self.server.engine.abort([seq.request_id])
+        if seq.request_id in self.queued and (seq.token_ids or seq.finished):
+            self.queued.discard(seq.request_id)
+            self.server.num_queued -= 1
+        if seq.finished:
+            self.unfinished -= 1
+            self.server.metrics.sequence_finished(seq)
+        return seq
+
+    async def wait_all(self, http_request: Request) -> None:
+        """Run to the end, aborting if the client goes away."""
+        while self.unfinished:
+            seq = await self.next(timeout=1.0)
+            if seq is None and await http_request.is_disconnected():
+                raise ServerStopping("the client disconnected")
+
+    def close(self) -> None:
+        """Abort what is still running and release the group's slots (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        srv = self.server
+        live = [s for s in self.seqs if not s.finished]
+        if live:
+            srv.engine.abort([s.request_id for s in live])
+            now = time.monotonic()
+            for s in live:
+                s.finish_reason, s.finished_time = "abort", now
+                srv.metrics.sequence_finished(s)
+        srv.num_queued -= len(self.queued)
+        self.queued.clear()
+        srv.groups.discard(self)
+        srv.metrics.api_in_flight.set(len(srv.groups))
+
+
+# -- the server state and endpoints ----------------------------------------------------
+
+class Server:
+    def __init__(self, config: FdxConfig):
+        self.config = config
+        self.sc = config.server
+        self.names = model_names(config)
+        self.model_name = self.names[0]
+        self.metrics = ServerMetrics(self.model_name)
+        self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.accepting = False
+        self.groups: set[RequestGroup] = set()
+        self.num_queued = 0                       # sequences sent to the engine with no token yet
+        self.exit_code = 0
+        self.uvicorn = None                       # set by run_server
+        self.created = int(time.time())
+
+    # -- lifecycle ------------------------------------------------------------
+    async def startup(self) -> None:
+        engine_task = asyncio.ensure_future(self.engine.start())
+        tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.config.model.model))
+        try:
+            ready, self.tokenizer = await asyncio.gather(engine_task, tok_task)
+        except BaseException:
+            tok_task.cancel()
+            await self.engine.shutdown()
+            raise
+        self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.metrics.engine_up.set(1)
+        self.metrics.kv_total.set(ready.num_blocks)
+        self.metrics.kv_free.set(ready.num_blocks)
+        self.accepting = True
+        log.info("engine ready: %s, max_model_len %d, %d KV blocks of %d, %s",
+                 ready.model_path, ready.max_model_len, ready.num_blocks, ready.block_size, ready.backend)
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting; end the requests in flight (SIGTERM, Ctrl-C)."""
+        self.accepting = False
+        for group in list(self.groups):
+            group.fail(ServerStopping("the server is shutting down"))
+
+    async def shutdown(self) -> None:
+        self.begin_shutdown()
+        for group in list(self.groups):
+            group.close()
+        await self.engine.shutdown()
+
+    def _on_engine_death(self, code: int) -> None:
+        # requests in flight were failed by the EngineClient; answer 503 for a
+        # moment (so health checks see it), then exit non-zero
+        self.accepting = False
+        self.metrics.engine_up.set(0)
+        self.exit_code = 1
+        asyncio.get_running_loop().call_later(self.sc.engine_death_grace_s, self._exit)
+
+    def _exit(self) -> None:
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+
+    # -- admission ------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def admit(self, num_seqs: int) -> None:
+        if self.engine.dead:
+            raise APIError(503, "the engine is not running", type="service_unavailable", code="engine_dead")
+        if not self.accepting:
+            raise APIError(503, "the server is not accepting requests (starting or shutting down)",
+                           type="service_unavailable", code="unavailable")
+        mc = self.sc.max_concurrency
+        if mc is not None and len(self.groups) >= mc:
+            raise APIError(429, f"too many requests in flight (max_concurrency={mc}); retry later",
+                           type="rate_limit_error", code="max_concurrency")
+        mq = self.sc.max_queue
+        if mq is not None and self.num_queued > 0 and self.num_queued + num_seqs > mq:
+            raise APIError(429, f"the queue is full ({self.num_queued} sequences waiting, max_queue={mq}); "
+                           "retry later", type="rate_limit_error", code="queue_full")
+
+    def sampling_params(self, kwargs: dict[str, Any]) -> SamplingParams:
+        try:
+            return SamplingParams(**kwargs)
+        except (TypeError, ValueError) as e:
+            msg = str(e)
+            param = msg.split("invalid sampling parameter ", 1)[-1].split("=", 1)[0] if "=" in msg else None
+            raise APIError(400, msg, param=param) from None
+
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
+        if not ids:
+            raise APIError(400, "the prompt is empty: at least one token is needed", param=param)
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be integers in [0, {self.vocab_size})", param=param)
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens, but this model's maximum context length "
+                           f"(max_model_len) is {self.max_model_len}: at most {self.max_model_len - 1} prompt "
+                           "tokens leave room to generate", param=param, code="context_length_exceeded")
+
+    def make_group(self, prompts: list[tuple[str | None, list[int]]], sp: SamplingParams,
+                   prefix: str) -> RequestGroup:
+        import dataclasses
+        arrival = time.monotonic()
+        seqs, params = [], []
+        for p_idx, (_text, ids) in enumerate(prompts):
+            for i in range(sp.n):
+                child = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                idx = p_idx * sp.n + i
+                seqs.append(SequenceState(f"{prefix}-{idx}", idx, p_idx, ids, child, self.tokenizer, arrival))
+                engine_side = dataclasses.asdict(child)
+                engine_side.update(stop=[], detokenize=False)   # text and stop strings: this process
+                params.append(engine_side)
+        return RequestGroup(self, seqs, params)
+
+    # -- the generation endpoints -------------------------------------------------
+    async def completions(self, req: CompletionRequest, http_request: Request):
+        self.check_model(req.model)
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, bad[1], param=bad[0])
+        prompts = self._completion_prompts(req.prompt)
+        kwargs = req.sampling_kwargs(req.max_tokens if req.max_tokens is not None else 16)
+        kwargs["logprobs"] = req.logprobs
+        sp = self.sampling_params(kwargs)
+        for _, ids in prompts:
+            self.check_prompt(ids)
+        rid = f"cmpl-{secrets.token_hex(12)}"
+        return await self._serve(req, http_request, prompts, sp, rid, chat=False)
+
+    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            return [(prompt, self.tokenizer.encode(prompt))]
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [(None, list(prompt))]
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, self.tokenizer.encode(p)) for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [(None, list(p)) for p in prompt]
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                       "lists of token ids", param="prompt")
+
+    async def chat_completions(self, req: ChatCompletionRequest, http_request: Request):
+        self.check_model(req.model)
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, bad[1], param=bad[0])
+        messages = []
+        for m in req.messages:
+            msg = {k: v for k, v in m.model_dump().items() if v is not None}
+            msg["content"] = m.text() or ""
+            messages.append(msg)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        except Exception as e:  # template errors (raise_exception, a missing template)
+            raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        kwargs = req.sampling_kwargs(max_tokens)
+        if req.logprobs:
+            kwargs["logprobs"] = req.top_logprobs or 0
+        sp = self.sampling_params(kwargs)
+        self.check_prompt(ids, param="messages")
+        rid = f"chatcmpl-{secrets.token_hex(12)}"
+        return await self._serve(req, http_request, [(text, ids)], sp, rid, chat=True)
+
+    async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, rid: str, chat: bool):
+        group = self.make_group(prompts, sp, rid)
+        self.admit(len(group.seqs))
+        group.start()
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(group, req, prompts, rid, created, chat, include_usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            await group.wait_all(http_request)
+        except (EngineDeadError, ServerStopping) as e:
+            raise APIError(503, str(e), type="service_unavailable") from None
+        finally:
+            group.close()
+        return JSONResponse(self._final_response(group, req, prompts, rid, created, chat))
+
+    # -- response bodies ---------------------------------------------------------------
+    def _usage(self, group: RequestGroup, prompts) -> dict:
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        completion = sum(len(s.token_ids) for s in group.seqs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+    def _prompt_text(self, prompts, p_idx: int) -> str:
+        text, ids = prompts[p_idx]
+        return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _final_response(self, group, req, prompts, rid, created, chat) -> dict:
+        choices = []
+        for s in group.seqs:
+            lps = s.take_logprobs()
+            if chat:
+                choices.append({"index": s.index, "message": {"role": "assistant", "content": s.text},
+                                "logprobs": self._chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
+                                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
+            else:
+                text = (self._prompt_text(prompts, s.prompt_index) if req.echo else "") + s.text
+                choices.append({"index": s.index, "text": text,
+                                "logprobs": (self._completion_logprobs(lps, 0, s.params.logprobs)
+                                             if s.logprobs is not None else None),
+                                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": self._usage(group, prompts)}
+
+    async def _stream(self, group: RequestGroup, req, prompts, rid: str, created: int, chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict], usage: dict | None = None, with_usage: bool = include_usage) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if with_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        text_offsets = {s.index: 0 for s in group.seqs}
+        try:
+            for s in group.seqs:                  # opening chunk: the role, or the echoed prompt
+                if chat:
+                    yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                elif req.echo:
+                    yield chunk([{"index": s.index, "text": self._prompt_text(prompts, s.prompt_index),
+                                  "logprobs": None, "finish_reason": None}])
+            while group.unfinished:
+                s = await group.next()
+                text = s.take_text()
+                if not text and not s.finished:
+                    continue                      # held back (a stop string may be starting)
+                lps = s.take_logprobs()
+                if chat:
+                    choice = {"index": s.index, "delta": {"content": text} if text or not s.finished else {},
+                              "logprobs": self._chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
+                              "finish_reason": s.finish_reason}
+                else:
+                    choice = {"index": s.index, "text": text,
+                              "logprobs": (self._completion_logprobs(lps, text_offsets[s.index], s.params.logprobs)
+                                           if s.logprobs is not None else None),
+                              "finish_reason": s.finish_reason}
+                    text_offsets[s.index] += len(text)
+                if s.finished:
+                    choice["stop_reason"] = s.stop_reason
+                yield chunk([choice])
+            if include_usage:
+                yield chunk([], self._usage(group, prompts))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        except (EngineDeadError, ServerStopping) as e:
+            yield f"data: {json.dumps(error_body(str(e), 'service_unavailable'))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:                                  # a disconnect lands here too: abort, free blocks
+            group.close()
+
+    # -- logprobs in OpenAI's two shapes ---------------------------------------------------
+    def _token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([int(tid)], skip_special_tokens=False)
+
+    def _completion_logprobs(self, lps, offset: int, top_n: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entries in lps:
+            tok = self._token_str(tid)
+            tokens.append(tok)
+            token_lps.append(_sampled_logprob(tid, entries))
+            tops.append({self._token_str(int(e[0])): e[1] for e in entries[:top_n]} if top_n else None)
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, lps, top_n: int) -> dict:
+        content = []
+        for tid, entries in lps:
+            tok = self._token_str(tid)
+            content.append({
+                "token": tok, "logprob": _sampled_logprob(tid, entries), "bytes": list(tok.encode()),
+                "top_logprobs": [{"token": (t := self._token_str(int(e[0]))), "logprob": e[1],
+                                  "bytes": list(t.encode())} for e in entries[:top_n]]})
+        return {"content": content}
+
+
+def _sampled_logprob(tid: int, entries) -> float | None:
+    """Entries are [token_id, logprob, rank]: the top-N by rank, then the
+    sampled token when it is not among them."""
+    return next((e[1] for e in entries if int(e[0]) == tid), None)
+
+
+# -- the ASGI app ----------------------------------------------------------------------
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """API key check on /v1 (constant-time compare) and the request body limit."""
+
+    def __init__(self, app, api_key: str | None, max_body: int):
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.max_body = max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.key is not None and scope["path"].startswith("/v1"):
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                return await _send_json(send, 401, error_body(
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    "authentication_error", code="invalid_api_key"))
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return await _send_json(send, 413, error_body(
+                f"the request body is {int(length)} bytes; the limit is {self.max_body}",
+                code="request_too_large"))
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _BodyTooLarge()
+            return message
+        return await self.app(scope, limited_receive, send)
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    raw = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def build_app(server: Server) -> FastAPI:
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await server.startup()
+        try:
+            yield
+        finally:
+            await server.shutdown()
+
+    app = FastAPI(title="fdx", version=fdx_version(), lifespan=lifespan)
+    app.add_middleware(GuardMiddleware, api_key=server.sc.api_key, max_body=server.sc.max_request_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        msg = "; ".join(f"{'.'.join(str(p) for p in er.get('loc', ()) if p != 'body') or 'body'}: {er.get('msg')}"
+                        for er in errs[:5])
+        return JSONResponse(error_body(f"invalid request: {msg}", param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(_BodyTooLarge)
+    async def _too_large(_, e):
+        return JSONResponse(error_body(f"the request body exceeds {server.sc.max_request_body_bytes} bytes",
+                                       code="request_too_large"), status_code=413)
+
+    @app.get("/health")
+    async def health():
+        if server.engine.dead:
+            return JSONResponse(error_body("the engine process died", "service_unavailable"), status_code=503)
+        if not server.accepting:
+            return JSONResponse(error_body("not ready", "service_unavailable"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": fdx_version()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "fdx",
+            "root": server.config.model.model or DEFAULT_MODEL_NAME, "max_model_len": server.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http_request: Request):
+        return await server.completions(req, http_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, http_request: Request):
+        return await server.chat_completions(req, http_request)
+
+    return app
+
+
+def run_server(config: FdxConfig) -> int:
+    """Serve until SIGTERM / Ctrl-C (exit 0) or until the engine dies (exit 1)."""
+    import uvicorn
+
+    server = Server(config)
+    app = build_app(server)
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # end the streams in flight first, so the graceful shutdown is quick;
+            # signals are not re-raised after it (uvicorn's default), the exit is 0
+            loop = getattr(self, "_fdx_loop", None)
+            if loop is not None:
+                loop.call_soon_threadsafe(server.begin_shutdown)
+            if self.should_exit and sig == 2:
+                self.force_exit = True
+            self.should_exit = True
+
+        async def startup(self, sockets=None):
+            self._fdx_loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(f"fdx serve: {server.model_name} at http://{config.server.host}:{self.servers[0].sockets[0].getsockname()[1]}/v1 "
+                      f"(engine pid {server.engine.pid})", flush=True)
+
+    uv = _Uvicorn(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                 log_level=config.server.log_level, access_log=config.server.access_log,
+                                 timeout_graceful_shutdown=10, lifespan="on"))
+    server.uvicorn = uv
+    uv.run()
+    if not uv.started:
+        return 1 if server.exit_code == 0 else server.exit_code
+    return server.exit_code

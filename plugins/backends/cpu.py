@@ -1,0 +1,58 @@
+"""The CPU backend: Paddle on the host, fp32, threads set to the cores we have."""
+from __future__ import annotations
+
+import logging
+import os
+
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import Backend
+
+log = logging.getLogger("fdx.backends.cpu")
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def host_free_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    priority = 0
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def setup(self, config) -> None:
+        threads = config.backend.num_threads or available_cores()
+        # Paddle sets OMP_NUM_THREADS=1 on import when unset; fdx/__init__
+        # sets it (and MKL_DEBUG_CPU_TYPE) before that; this makes it exact.
+        os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "7")
+        import paddle
+        paddle.set_device("cpu")
+        paddle.base.core.set_num_threads(threads)
+        self.num_threads = threads
+
+    def free_memory_bytes(self) -> int:
+        return host_free_memory_bytes()
+
+    def describe(self) -> str:
+        return f"cpu ({getattr(self, 'num_threads', '?')} threads, fp32)"
+
+
+@hookimpl
+def fdx_register_backends(register):
+    register("cpu", CpuBackend)

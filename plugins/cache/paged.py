@@ -1,0 +1,84 @@
+"""The paged block pool: a free list, reference counts, a block table per
+request. No reuse across requests; the prefix cache builds on this."""
+from __future__ import annotations
+
+from collections import deque
+
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import KVCacheManager
+from fdx.core.request import Request
+
+
+class BlockPool:
+    """Physical blocks with reference counts. Block ids are 0..num_blocks-1."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_ids):
+            raise MemoryError(f"asked for {n} KV blocks, {len(self.free_ids)} free")
+        ids = [self.free_ids.popleft() for _ in range(n)]
+        for b in ids:
+            self.ref_counts[b] = 1
+        return ids
+
+    def ref(self, block_id: int) -> None:
+        self.ref_counts[block_id] += 1
+
+    def release(self, block_id: int) -> bool:
+        """Drop one reference; returns True when the block became free."""
+        rc = self.ref_counts[block_id]
+        if rc <= 0:
+            raise AssertionError(f"KV block {block_id} freed twice")
+        self.ref_counts[block_id] = rc - 1
+        if rc == 1:
+            self.free_ids.append(block_id)
+            return True
+        return False
+
+
+class PagedKVCache(KVCacheManager):
+    def __init__(self, num_blocks: int, block_size: int, config=None):
+        super().__init__(num_blocks, block_size, config)
+        self.pool = BlockPool(num_blocks)
+        self.tables: dict[str, list[int]] = {}
+
+    def get_computed_blocks(self, request: Request) -> int:
+        return 0
+
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        total = request.num_computed_tokens + num_new_tokens
+        have = len(self.tables.get(request.request_id, ()))
+        return max(0, -(-total // self.block_size) - have)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(request, num_new_tokens)
+        if need > self.pool.num_free:
+            return False
+        table = self.tables.setdefault(request.request_id, [])
+        if need:
+            table.extend(self.pool.allocate(need))
+        return True
+
+    def free(self, request: Request) -> None:
+        for b in reversed(self.tables.pop(request.request_id, [])):
+            self.pool.release(b)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+
+@hookimpl
+def fdx_register_kv_caches(register):
+    register("paged", PagedKVCache)

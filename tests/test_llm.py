@@ -1,0 +1,82 @@
+"""End to end through LLM, against Hugging Face transformers on the same checkpoints."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_ARCHS, smollm_gguf_path
+from fdx import LLM, SamplingParams
+from fdx.core.hookspecs import hookimpl
+
+GREEDY32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_smollm(hf_smollm_model):
+    return hf_smollm_model
+
+
+def test_smollm_greedy_matches_transformers(smollm_llm, hf_smollm):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    outs = smollm_llm.generate(prompts, GREEDY32)
+    for prompt, out in zip(prompts, outs):
+        ids = smollm_llm.tokenizer.encode(prompt)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == hf_greedy(hf_smollm, ids, 32), prompt
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_architectures_match_transformers(arch, tiny_checkpoints):
+    path, hf_model = tiny_checkpoints[arch]
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=64, block_size=8, progress=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 49152, n).tolist() for n in (5, 17)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY32)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, p, 32)
+
+
+def test_batch_with_chunking_and_preemption_equals_solo_runs(smollm_llm):
+    rng = np.random.default_rng(1)
+    lens = [3, 40, 7, 90, 15, 1, 64, 33, 5, 120, 9, 50, 2, 77, 21, 11]
+    prompts = [{"prompt_token_ids": rng.integers(10, 49000, n).tolist()} for n in lens]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    solo = [smollm_llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    # 16 at once, a 64-token step budget (chunked prefill), and 24 blocks of
+    # 8 tokens: far less than 16 sequences need, so the scheduler preempts
+    small = LLM(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=32,
+                block_size=8, progress=False)
+    rec = StepRecorder()
+    small.engine.plugins.pm.register(rec)
+    try:
+        outs = small.generate(prompts, sp)
+    finally:
+        small.engine.plugins.pm.unregister(rec)
+    assert [o.outputs[0].token_ids for o in outs] == solo
+    eng = small.engine
+    assert eng.kv_cache.num_free_blocks == eng.kv_cache.num_blocks      # nothing leaked
+    assert sum(s.num_preempted for s in rec.stats) > 0                 # preemption happened
+    assert max(s.num_scheduled_tokens for s in rec.stats) <= 64         # budget held
+    assert any(0 < s.num_prefill_tokens and s.num_decode_tokens for s in rec.stats)  # mixed steps
+
+
+class StepRecorder:
+    def __init__(self):
+        self.stats = []
+
+    @hookimpl
+    def fdx_step_finished(self, scheduler_output, step_stats):
+        self.stats.append(step_stats)

@@ -1,0 +1,152 @@
+"""The LLM API's contract: prompts in, outputs in order, stops, validation, plugins."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fdx import LLM, SamplingParams
+from fdx.core.config import ConfigError
+from fdx.core.plugins import PluginManager
+
+
+def test_outputs_in_order_for_mixed_prompt_kinds(smollm_llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ids = smollm_llm.tokenizer.encode("Hello, my name is")
+    outs = smollm_llm.generate(["Hello, my name is", {"prompt_token_ids": ids}, "2 + 2 ="], sp)
+    assert len(outs) == 3
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert outs[2].prompt == "2 + 2 ="
+    text = outs[0].outputs[0].text
+    assert text == smollm_llm.tokenizer.decode(outs[0].outputs[0].token_ids)
+
+
+def test_stop_string_is_cut_and_kept_on_request(smollm_llm):
+    base = smollm_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    words = base.text.split()
+    assert len(words) > 3
+    stop = words[2]
+    cut = smollm_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == base.text[:base.text.index(stop)]
+    kept = smollm_llm.generate(["The capital of France is"], SamplingParams(
+        temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == base.text[:base.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_eos_min_tokens_and_length(smollm_llm):
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    base = smollm_llm.generate(["Once upon a time"], sp)[0].outputs[0]
+    tok = base.token_ids[5]
+    first = base.token_ids.index(tok)
+    out = smollm_llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tok]))[0].outputs[0]
+    assert out.token_ids == base.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == tok
+    # min_tokens forbids the stop token until reached
+    out2 = smollm_llm.generate(["Once upon a time"], SamplingParams(
+        temperature=0, max_tokens=20, stop_token_ids=[tok], min_tokens=first + 2))[0].outputs[0]
+    assert tok not in out2.token_ids[:first + 2]
+    # the chat model ends its answer with eos (<|im_end|>) unless ignore_eos
+    chat = smollm_llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in smollm_llm.tokenizer.eos_token_ids
+    assert len(base.token_ids) == 20 and base.finish_reason == "length"
+
+
+def test_seed_reproduces_and_n_gives_choices(smollm_llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=42, ignore_eos=True)
+    a = smollm_llm.generate(["Tell me a story"], sp)[0].outputs[0].token_ids
+    # the same seed inside a different batch gives the same tokens
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    b = smollm_llm.generate(["Something else", "Tell me a story"], [other, sp])[1].outputs[0].token_ids
+    assert a == b
+    c = smollm_llm.generate(["Tell me a story"], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=43, ignore_eos=True))[0].outputs[0].token_ids
+    assert a != c
+    two = smollm_llm.generate(["Tell me a story"], SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=1))[0]
+    assert len(two.outputs) == 2 and [o.index for o in two.outputs] == [0, 1]
+    assert two.outputs[0].token_ids != two.outputs[1].token_ids
+
+
+def test_logprobs_match_a_float64_log_softmax(smollm_llm, hf_logits):
+    prompt = "The capital of France is"
+    out = smollm_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    ids = smollm_llm.tokenizer.encode(prompt) + out.token_ids
+    ref = hf_logits(ids)                                # [T, V] float64 log-softmax
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(ids) - len(out.token_ids) - 1 + i]
+        assert lp[tok].rank == 1
+        assert abs(lp[tok].logprob - row[tok]) < 1e-3
+        top = np.argsort(-row)[:3]
+        assert [t for t, v in sorted(lp.items(), key=lambda kv: kv[1].rank)][:3] == top.tolist()
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_bad_sampling_values_are_named(bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**bad)
+
+
+def test_unknown_sampling_key_is_named():
+    with pytest.raises(ValueError, match="tempurature"):
+        SamplingParams.from_dict({"tempurature": 0.5})
+
+
+def test_bad_requests_fail_alone_and_engine_goes_on(smollm_llm):
+    eng = smollm_llm.engine
+    free = eng.kv_cache.num_free_blocks
+    with pytest.raises(ValueError, match="max_model_len"):
+        smollm_llm.generate(["ok", {"prompt_token_ids": [5] * 600}], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        smollm_llm.generate([{"prompt_token_ids": [10**7]}], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="unknown prompt key"):
+        smollm_llm.generate([{"promt": "x"}])
+    assert not eng.has_unfinished() and eng.kv_cache.num_free_blocks == free
+    out = smollm_llm.generate(["still serving"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ConfigError, match="max_num_sequences"):
+        LLM(max_num_sequences=4)
+    with pytest.raises(ConfigError, match="cache.num_kv_blocks"):
+        LLM(max_model_len=512, num_kv_blocks=2, block_size=16, progress=False)
+    with pytest.raises(Exception, match="no resource_manager named 'v9'"):
+        LLM(resource_manager="v9", progress=False)
+
+
+def test_third_party_resource_manager_selected_by_config(example_plugin_installed, smollm_llm):
+    import fdx_example_plugin as ex
+    pm = PluginManager()
+    llm = LLM(max_model_len=256, num_kv_blocks=64, block_size=16, resource_manager="shortest-first",
+              plugins=pm, progress=False)
+    assert type(llm.engine.resource_manager).__name__ == "ShortestPromptFirst"
+    assert ex.STARTED and ex.STARTED[-1] is llm.engine
+    before = len(ex.STEPS)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["A much longer prompt that has quite a few more tokens in it than the other", "Hi"]
+    outs = llm.generate(prompts, sp)
+    steps = ex.STEPS[before:]
+    assert [s for s, _ in steps] == list(range(steps[0][0], llm.engine.step_count + 1))  # every step seen
+    n_prompt = sum(len(o.prompt_token_ids) for o in outs)
+    assert sum(t for _, t in steps) == n_prompt + 2 * (6 - 1)     # every token computed once
+    # the swap changes the order of work, never what the model says
+    ref = smollm_llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_cli_generate_and_bad_flag():
+    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "generate", "The capital of France is",
+                          "--max-tokens", "8", "--max-model-len", "256", "--num-kv-blocks", "32"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("The capital of France is")
+    bad = subprocess.run([sys.executable, "-m", "fdx.core.cli", "generate", "x", "--set", "blok_size=3"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "blok_size" in bad.stderr and "Traceback" not in bad.stderr

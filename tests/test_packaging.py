@@ -1,0 +1,59 @@
+"""Guards: the wheel's package list matches the folders, and nothing
+imports the card's folders as top-level names."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOP = {"core", "plugins", "ops"}
+
+
+def _source_files():
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in {"tests", "build", "docs", ".git"} or any(p.startswith(".") for p in rel.parts):
+            continue
+        yield path
+
+
+def test_package_list_matches_folders_with_init():
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    declared = set(conf["tool"]["setuptools"]["packages"])
+    on_disk = {"fdx"}
+    for init in ROOT.rglob("__init__.py"):
+        rel = init.parent.relative_to(ROOT)
+        if not rel.parts or rel.parts[0] in {"tests", "build", "docs"} or any(p.startswith(".") for p in rel.parts):
+            continue
+        on_disk.add("fdx." + ".".join(rel.parts))
+    assert declared == on_disk
+
+
+def test_no_top_level_imports_of_card_folders():
+    offenders = []
+    for path in list(_source_files()) + list((ROOT / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    offenders.append(f"{path}:{node.lineno} relative import")
+                    continue
+                names = [node.module or ""]
+            else:
+                continue
+            for n in names:
+                if n.split(".")[0] in TOP:
+                    offenders.append(f"{path}:{node.lineno} imports {n}")
+    assert not offenders, offenders
+
+
+def test_tests_folder_has_no_init():
+    assert not (ROOT / "tests" / "__init__.py").exists()
+
+
+def test_fdx_is_the_repo_root():
+    import fdx
+    assert pathlib.Path(fdx.__file__).resolve().parent == ROOT

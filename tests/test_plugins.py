@@ -1,0 +1,85 @@
+"""The plugin manager: built-ins, entry points, clashes, broken and disabled plugins."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from fdx.core.hookspecs import hookimpl
+from fdx.core.plugins import BUILTIN_PLUGINS, PluginError, PluginManager
+
+
+def _module(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    return mod
+
+
+def test_builtins_register_every_reference_name():
+    pm = PluginManager(load_entry_points=False)
+    assert not pm.errors, pm.errors
+    assert "v1" in pm.names("resource_manager")
+    assert "paged" in pm.names("kv_cache")
+    assert {"cpu", "cuda", "iluvatar"} <= set(pm.names("backend"))
+    assert "default" in pm.names("token_processor")
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Ernie4_5ForCausalLM"} <= set(pm.names("model"))
+    assert {"repetition_penalty", "presence_frequency_penalty", "min_tokens"} <= set(pm.names("logits_processor"))
+
+
+def test_unknown_name_lists_what_exists():
+    pm = PluginManager(load_entry_points=False)
+    with pytest.raises(PluginError, match="no resource_manager named 'nope'.*v1"):
+        pm.get("resource_manager", "nope")
+
+
+def test_name_registered_twice_names_both_plugins():
+    @hookimpl
+    def fdx_register_kv_caches(register):
+        register("paged", object)
+    _module("fdx_test_clash", fdx_register_kv_caches=fdx_register_kv_caches)
+    with pytest.raises(PluginError, match="'paged' is registered twice.*fdx.plugins.cache.paged.*fdx_test_clash"):
+        PluginManager(builtins=BUILTIN_PLUGINS + ("fdx_test_clash",), load_entry_points=False)
+
+
+def test_broken_plugin_is_reported_not_fatal():
+    @hookimpl
+    def fdx_register_models(register):
+        raise RuntimeError("boom")
+    _module("fdx_test_broken", fdx_register_models=fdx_register_models)
+    pm = PluginManager(builtins=BUILTIN_PLUGINS + ("fdx_test_broken", "fdx_test_missing_module"),
+                       load_entry_points=False)
+    assert "boom" in pm.errors["fdx_test_broken"]
+    assert "failed to load" in pm.errors["fdx_test_missing_module"]
+    assert "LlamaForCausalLM" in pm.names("model")          # the rest still works
+    assert "fdx_test_broken" in pm.report()
+
+
+def test_disabled_plugins_env(monkeypatch):
+    monkeypatch.setenv("FDX_DISABLED_PLUGINS", "fdx.plugins.backends.iluvatar, cuda")
+    pm = PluginManager(load_entry_points=False)
+    assert "iluvatar" not in pm.names("backend")
+    assert "cuda" not in pm.names("backend")
+    assert "cpu" in pm.names("backend")
+
+
+def test_loading_is_idempotent():
+    pm = PluginManager(load_entry_points=False)
+    pm._load("fdx.plugins.cache.paged", lambda: __import__("fdx.plugins.cache.paged"), "fdx")
+    assert len([p for p in pm.pm.get_plugins() if pm.pm.get_name(p) == "fdx.plugins.cache.paged"]) == 1
+
+
+def test_entry_point_plugin_is_found(example_plugin_installed):
+    pm = PluginManager()
+    reg = pm.registries["resource_manager"]["shortest-first"]
+    assert reg.plugin == "example" and reg.package == "fdx-example-plugin"
+    assert "shortest-first" in pm.report() and "fdx-example-plugin" in pm.report()
+
+
+def test_fdx_plugins_cli_lists_hooks(example_plugin_installed):
+    import subprocess
+    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "plugins"], capture_output=True, text=True, check=True).stdout
+    assert "fdx_register_resource_managers:" in out
+    assert "v1" in out and "shortest-first" in out and "[fdx-example-plugin]" in out
+    assert "fdx_step_finished: example" in out
