@@ -7,6 +7,7 @@ import logging
 import sys
 
 from fdx.core import bench_serve, serve_cli
+from fdx.core import bench_prefix
 from fdx.core.config import FLAT_KEYS, ConfigError
 
 
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true")
     _add_engine_args(t)
     t.set_defaults(func=cmd_bench)
+    bench_prefix.add_parser(bsub)
     bench_serve.add_parser(bsub)
     return parser
 

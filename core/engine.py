@@ -30,6 +30,9 @@ class EngineCore:
 
         from fdx.core.model_loader import load_checkpoint
         ckpt = load_checkpoint(config.model.model, progress=progress)
+        if ckpt.tokenizer is None:
+            raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
+                             "fdx needs one to serve text")
         self.tokenizer = ckpt.tokenizer
         self.model_path = ckpt.path
         arch = (ckpt.config.get("architectures") or ["?"])[0]
@@ -42,6 +45,7 @@ class EngineCore:
 
         sc = config.scheduler
         self.kv_cache = plugins.get("kv_cache", config.cache.kv_cache)(num_blocks, config.cache.block_size, config)
+        self.kv_cache.attach_kv_tensors(self.kv_caches, self.model.num_kv_heads, self.model_path)
         self.token_processor = plugins.get("token_processor", config.decoding.token_processor)(self.tokenizer)
         self.resource_manager = plugins.get("resource_manager", sc.resource_manager)(
             config, self.kv_cache, self.token_processor, self.max_model_len)

@@ -21,7 +21,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -286,7 +285,8 @@ class EngineClient:
         import zmq.asyncio
         self._ctx = zmq.asyncio.Context()
         inbox_addr, outbox_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._push = self._ctx.socket(zmq.PUSH)
+        self._push = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)   # sync: sends never wait
+        self._push.setsockopt(zmq.SNDHWM, 0)      # admission control bounds the load, not the pipe
         self._push.bind(inbox_addr)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(outbox_addr)
@@ -375,7 +375,9 @@ class EngineClient:
                 self._push.send(_encoder.encode(EngineShutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            for action in (None, proc.terminate, proc.kill):
+            # a loading engine reads no messages: terminate it at once
+            actions = (None, proc.terminate, proc.kill) if self.ready else (proc.terminate, proc.kill)
+            for action in actions:
                 if action is not None:
                     try:
                         action()

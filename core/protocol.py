@@ -6,7 +6,7 @@ that says so rather than silently ignored.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -107,11 +107,6 @@ class CompletionRequest(_SamplingRequest):
         if self.echo and self.logprobs is not None:
             return ("echo", "echo together with logprobs is not supported (prompt logprobs are not computed)")
         return super().unsupported()
-
-
-class TextPart(_Model):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):

@@ -84,6 +84,7 @@ class RequestGroup:
         self.unfinished = len(seqs)
         self.queued = {s.request_id for s in seqs}     # no token yet
         self.closed = False
+        self._getter: asyncio.Future | None = None
 
     def start(self) -> None:
         srv = self.server
@@ -105,10 +106,14 @@ class RequestGroup:
     async def next(self, timeout: float | None = None) -> SequenceState | None:
         """Apply the next engine message; return the sequence it changed
         (None on timeout). Raises APIError / EngineDeadError / ServerStopping."""
-        try:
-            seq, msg = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
-        except asyncio.TimeoutError:
+        if self._getter is None:
+            self._getter = asyncio.ensure_future(self.queue.get())
+        # not asyncio.wait_for: on 3.11 it can drop an item that arrives as the timeout fires
+        done, _ = await asyncio.wait({self._getter}, timeout=timeout)
+        if not done:
             return None
+        seq, msg = self._getter.result()
+        self._getter = None
         if isinstance(msg, BaseException):
             raise msg
         if isinstance(msg, EngineRejected):
@@ -132,16 +137,21 @@ class RequestGroup:
 
     async def wait_all(self, http_request: Request) -> None:
         """Run to the end, aborting if the client goes away."""
+        next_check = time.monotonic() + 1.0
         while self.unfinished:
-            seq = await self.next(timeout=1.0)
-            if seq is None and await http_request.is_disconnected():
-                raise ServerStopping("the client disconnected")
+            await self.next(timeout=1.0)
+            if time.monotonic() >= next_check:
+                if await http_request.is_disconnected():
+                    raise ServerStopping("the client disconnected")
+                next_check = time.monotonic() + 1.0
 
     def close(self) -> None:
         """Abort what is still running and release the group's slots (idempotent)."""
         if self.closed:
             return
         self.closed = True
+        if self._getter is not None:
+            self._getter.cancel()
         srv = self.server
         live = [s for s in self.seqs if not s.finished]
         if live:
@@ -311,9 +321,15 @@ class Server:
             msg = {k: v for k, v in m.model_dump().items() if v is not None}
             msg["content"] = m.text() or ""
             messages.append(msg)
+        template_kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(set(template_kwargs) & {"chat_template", "tools", "documents", "messages",
+                                                  "add_generation_prompt"})
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+                messages, add_generation_prompt=req.add_generation_prompt, **template_kwargs)
         except Exception as e:  # template errors (raise_exception, a missing template)
             raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -505,17 +521,8 @@ async def _send_json(send, status: int, body: dict) -> None:
 
 
 def build_app(server: Server) -> FastAPI:
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def lifespan(app):
-        await server.startup()
-        try:
-            yield
-        finally:
-            await server.shutdown()
-
-    app = FastAPI(title="fdx", version=fdx_version(), lifespan=lifespan)
+    """The routes; ``run_server`` starts and stops the engine around serving."""
+    app = FastAPI(title="fdx", version=fdx_version())
     app.add_middleware(GuardMiddleware, api_key=server.sc.api_key, max_body=server.sc.max_request_body_bytes)
 
     @app.exception_handler(APIError)
@@ -575,8 +582,23 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
+def _bind(host: str, port: int):
+    import socket
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def run_server(config: FdxConfig) -> int:
-    """Serve until SIGTERM / Ctrl-C (exit 0) or until the engine dies (exit 1)."""
+    """Start the engine, then serve until SIGTERM / Ctrl-C (exit 0) or until
+    the engine dies (exit 1). Start-up problems exit 1 with a one-line message."""
+    import sys
+
     import uvicorn
 
     server = Server(config)
@@ -585,7 +607,7 @@ def run_server(config: FdxConfig) -> int:
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):
             # end the streams in flight first, so the graceful shutdown is quick;
-            # signals are not re-raised after it (uvicorn's default), the exit is 0
+            # unlike uvicorn's default, the signal is not re-raised: the exit is 0
             loop = getattr(self, "_fdx_loop", None)
             if loop is not None:
                 loop.call_soon_threadsafe(server.begin_shutdown)
@@ -593,18 +615,34 @@ def run_server(config: FdxConfig) -> int:
                 self.force_exit = True
             self.should_exit = True
 
-        async def startup(self, sockets=None):
-            self._fdx_loop = asyncio.get_running_loop()
-            await super().startup(sockets=sockets)
-            if self.started:
-                print(f"fdx serve: {server.model_name} at http://{config.server.host}:{self.servers[0].sockets[0].getsockname()[1]}/v1 "
-                      f"(engine pid {server.engine.pid})", flush=True)
-
-    uv = _Uvicorn(uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                 log_level=config.server.log_level, access_log=config.server.access_log,
-                                 timeout_graceful_shutdown=10, lifespan="on"))
+    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                               log_level=config.server.log_level, access_log=config.server.access_log,
+                               timeout_graceful_shutdown=10, lifespan="off")
+    try:                                      # fail on a busy port now, not after loading the model
+        sock = _bind(config.server.host, config.server.port)
+    except OSError as e:
+        print(f"fdx serve: error: cannot listen on {config.server.host}:{config.server.port}: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
+    uv = _Uvicorn(uv_config)
     server.uvicorn = uv
-    uv.run()
-    if not uv.started:
-        return 1 if server.exit_code == 0 else server.exit_code
-    return server.exit_code
+
+    async def main() -> int:
+        uv._fdx_loop = asyncio.get_running_loop()
+        try:
+            await server.startup()
+        except Exception as e:
+            print(f"fdx serve: error: {e}", file=sys.stderr)
+            return 1
+        try:
+            print(f"fdx serve: {server.model_name} at http://{config.server.host}:{sock.getsockname()[1]}/v1 "
+                  f"(engine pid {server.engine.pid})", flush=True)
+            await uv.serve(sockets=[sock])
+        finally:
+            await server.shutdown()
+        return server.exit_code
+
+    try:
+        return asyncio.run(main())
+    finally:
+        sock.close()

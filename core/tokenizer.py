@@ -333,15 +333,18 @@ class Tokenizer:
         `chat_template` is a template name or the template text itself; extra
         keyword arguments become template variables (e.g. enable_thinking).
         """
-        template = _compile_template(self._select_template(chat_template, tools))
+        source = self._select_template(chat_template, tools)
         variables = {**self.special_tokens_map, **_plain(kwargs)}
-        return template.render(
-            messages=_plain(list(messages)),
-            tools=_plain(tools),
-            documents=_plain(documents),
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        try:
+            return _compile_template(source).render(
+                messages=_plain(list(messages)),
+                tools=_plain(tools),
+                documents=_plain(documents),
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.TemplateError as e:  # syntax errors, undefined values, sandbox refusals
+            raise ChatTemplateError(f"chat template failed: {e}") from e
 
 
 # ----- Hugging Face directory helpers -------------------------------------

@@ -17,9 +17,10 @@ Two implementations, picked per step by `build_attention_metadata(impl=...)`:
 - "paddle": eager Paddle. Single-token queries (decodes) are batched: one row
   gather [S, KVH, Tmax] from the pool, grouped matmul-softmax-matmul and a
   pre-expanded length mask. Longer queries (prefill chunks) run per sequence.
-- "cpp": a compiled CPU kernel (ops/csrc/paged_attention.cc) reading blocks in
-  place for sequences with query_len <= cpp_max_query_len; longer chunks use
-  the Paddle per-sequence path, whose GEMMs are faster for them.
+- "cpp": a compiled CPU kernel (ops/csrc/) reading blocks where they lie, for
+  every sequence (or, with cpp_max_query_len, those with at most that many
+  new tokens; longer chunks then take the Paddle per-sequence path). Measured
+  here it beat the Paddle path at every size, prefill included.
 The default is "cpp" when it builds (see fdx.ops.cpp), else "paddle";
 FDX_DISABLE_CPP_OPS=1 forces "paddle".
 """
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 import paddle.nn.functional as F
+
+from fdx.ops import cpp
 
 __all__ = [
     "AttentionMetadata",
@@ -38,11 +41,8 @@ __all__ = [
     "write_kv",
     "paged_attention",
     "default_impl",
-    "CPP_MAX_QUERY_LEN",
 ]
 
-# Sequences with at most this many new tokens go to the compiled kernel.
-CPP_MAX_QUERY_LEN = 16
 _NEG = np.float32(-1e30)  # additive mask value: exp() underflows to exactly 0
 
 
@@ -120,42 +120,62 @@ class AttentionMetadata:
 
 def default_impl() -> str:
     """'cpp' if the compiled kernel is usable, else 'paddle'."""
-    from fdx.ops import cpp
-
     return "cpp" if cpp.available() else "paddle"
 
 
-def _seq_slots(table: np.ndarray, start: int, stop: int, block_size: int) -> np.ndarray:
-    pos = np.arange(start, stop)
-    return table[pos // block_size] * block_size + pos % block_size
+@dataclass
+class _Batch:
+    """The step's sequences as numpy arrays (internal to the builder)."""
+
+    query_lens: np.ndarray  # int64 [B]
+    context_lens: np.ndarray  # int64 [B]
+    starts: np.ndarray  # int64 [B + 1]: first token row of each sequence, then N
+    tables: np.ndarray  # int64 [B, W]: block tables padded with block 0
+    block_size: int
+    heads: np.ndarray  # int64 [KVH]: h * num_slots
+
+    def slots(self, seqs: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Cache slots of (sequence, position) pairs (broadcast together)."""
+        bs = self.block_size
+        return self.tables[seqs, positions // bs] * bs + positions % bs
+
+
+def _padded_tables(block_tables: list[list[int]]) -> np.ndarray:
+    width = max(1, max(len(t) for t in block_tables))
+    out = np.zeros((len(block_tables), width), dtype=np.int64)
+    for row, table in enumerate(block_tables):
+        out[row, : len(table)] = table
+    return out
 
 
 def _validate(
-    query_lens: list[int],
-    context_lens: list[int],
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
     block_tables: list[list[int]],
+    tables: np.ndarray,
     block_size: int,
     num_kv_heads: int,
     num_slots: int,
 ) -> None:
-    if not len(query_lens) == len(context_lens) == len(block_tables):
-        raise ValueError(
-            f"query_lens, context_lens and block_tables differ in length: "
-            f"{len(query_lens)}, {len(context_lens)}, {len(block_tables)}"
-        )
-    if not query_lens:
-        raise ValueError("empty batch: no sequences")
     if block_size < 1 or num_kv_heads < 1 or num_slots < 1:
         raise ValueError(f"bad block_size/num_kv_heads/num_slots: {block_size}, {num_kv_heads}, {num_slots}")
+    if (bad := np.flatnonzero((query_lens < 1) | (context_lens < 0))).size:
+        i = int(bad[0])
+        raise ValueError(
+            f"sequence {i}: query_len must be >= 1 and context_len >= 0, got {query_lens[i]}, {context_lens[i]}"
+        )
+    need = -(-(query_lens + context_lens) // block_size)
+    have = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    if (bad := np.flatnonzero(have < need)).size:
+        i = int(bad[0])
+        raise ValueError(
+            f"sequence {i}: block table has {have[i]} blocks, needs {need[i]} for "
+            f"{query_lens[i] + context_lens[i]} tokens"
+        )
     num_blocks = num_slots // block_size
-    for i, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
-        if q < 1 or c < 0:
-            raise ValueError(f"sequence {i}: query_len must be >= 1 and context_len >= 0, got {q}, {c}")
-        need = -(-(q + c) // block_size)
-        if len(table) < need:
-            raise ValueError(f"sequence {i}: block table has {len(table)} blocks, needs {need} for {q + c} tokens")
-        if need and (min(table[:need]) < 0 or max(table[:need]) >= num_blocks):
-            raise ValueError(f"sequence {i}: block id out of range [0, {num_blocks})")
+    used = np.arange(tables.shape[1])[None, :] < need[:, None]
+    if (bad := np.flatnonzero((used & ((tables < 0) | (tables >= num_blocks))).any(axis=1))).size:
+        raise ValueError(f"sequence {int(bad[0])}: block id out of range [0, {num_blocks})")
 
 
 def build_attention_metadata(
@@ -168,38 +188,45 @@ def build_attention_metadata(
     *,
     impl: str | None = None,
     num_heads: int | None = None,
-    cpp_max_query_len: int = CPP_MAX_QUERY_LEN,
+    cpp_max_query_len: int | None = None,
 ) -> AttentionMetadata:
     """Index tensors and masks for one step (see the module docstring).
 
-    impl: "paddle", "cpp" or None (default_impl()). num_heads, if given,
-    builds the decode mask now instead of in the first layer.
+    impl: "paddle", "cpp" or None (default_impl()). cpp_max_query_len: with
+    impl "cpp", longer sequences take the Paddle path (None: none do).
+    num_heads, if given, builds the Paddle path's decode mask now instead of
+    in the first layer.
     """
-    _validate(query_lens, context_lens, block_tables, block_size, num_kv_heads, num_slots)
+    if not len(query_lens) == len(context_lens) == len(block_tables):
+        raise ValueError(
+            f"query_lens, context_lens and block_tables differ in length: "
+            f"{len(query_lens)}, {len(context_lens)}, {len(block_tables)}"
+        )
+    if not len(query_lens):
+        raise ValueError("empty batch: no sequences")
     impl = default_impl() if impl is None else impl
     if impl not in ("paddle", "cpp"):
         raise ValueError(f"unknown attention impl {impl!r}; expected 'paddle' or 'cpp'")
-    query_lens, context_lens = [int(q) for q in query_lens], [int(c) for c in context_lens]
-    tables = [np.asarray(t, dtype=np.int64) for t in block_tables]
-    starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    qlens = np.asarray(query_lens, dtype=np.int64)
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    tables = _padded_tables(block_tables)
+    _validate(qlens, ctx, block_tables, tables, block_size, num_kv_heads, num_slots)
+    starts = np.zeros(len(qlens) + 1, dtype=np.int64)
+    np.cumsum(qlens, out=starts[1:])
+    batch = _Batch(qlens, ctx, starts, tables, block_size, np.arange(num_kv_heads, dtype=np.int64) * num_slots)
     n = int(starts[-1])
 
-    positions = np.concatenate([np.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
-    slots = np.concatenate(
-        [_seq_slots(t, c, c + q, block_size) for t, q, c in zip(tables, query_lens, context_lens)]
-    )
-    heads = np.arange(num_kv_heads, dtype=np.int64) * num_slots
-    write_index = (slots[:, None] + heads[None, :]).reshape(-1)  # [N, KVH] token-major
+    seq_of_token = np.repeat(np.arange(len(qlens)), qlens)
+    positions = np.arange(n) - starts[seq_of_token] + ctx[seq_of_token]
+    slots = batch.slots(seq_of_token, positions)
+    write_index = (slots[:, None] + batch.heads[None, :]).reshape(-1)  # [N, KVH] token-major
 
-    seq_ids = range(len(query_lens))
     if impl == "cpp":
-        cpp_ids = [i for i in seq_ids if query_lens[i] <= cpp_max_query_len]
-        decode_ids: list[int] = []
+        limit = np.iinfo(np.int64).max if cpp_max_query_len is None else cpp_max_query_len
+        cpp_ids, decode_ids = np.flatnonzero(qlens <= limit), np.empty(0, np.int64)
     else:
-        cpp_ids = []
-        decode_ids = [i for i in seq_ids if query_lens[i] == 1]
-    taken = set(cpp_ids) | set(decode_ids)
-    prefill_ids = [i for i in seq_ids if i not in taken]
+        cpp_ids, decode_ids = np.empty(0, np.int64), np.flatnonzero(qlens == 1)
+    prefill_ids = np.setdiff1d(np.arange(len(qlens)), np.concatenate([cpp_ids, decode_ids]))
 
     meta = AttentionMetadata(
         impl=impl,
@@ -207,15 +234,15 @@ def build_attention_metadata(
         num_kv_heads=num_kv_heads,
         num_slots=num_slots,
         block_size=block_size,
-        query_lens=query_lens,
-        context_lens=context_lens,
+        query_lens=qlens.tolist(),
+        context_lens=ctx.tolist(),
         query_starts=starts[:-1].tolist(),
-        positions=paddle.to_tensor(positions.astype(np.int64)),
-        slot_mapping=paddle.to_tensor(slots.astype(np.int64)),
+        positions=paddle.to_tensor(positions),
+        slot_mapping=paddle.to_tensor(slots),
         kv_write_index=paddle.to_tensor(write_index),
-        decode=_decode_group(decode_ids, starts, context_lens, tables, block_size, heads) if decode_ids else None,
-        prefills=[_prefill_seq(i, starts, query_lens, context_lens, tables, block_size, heads) for i in prefill_ids],
-        cpp=_cpp_group(cpp_ids, starts, query_lens, context_lens, tables) if cpp_ids else None,
+        decode=_decode_group(decode_ids, batch) if decode_ids.size else None,
+        prefills=[_prefill_seq(int(i), batch) for i in prefill_ids],
+        cpp=_cpp_group(cpp_ids, batch) if cpp_ids.size else None,
     )
     _plan_output(meta)
     if num_heads is not None and meta.decode is not None and meta.decode.needs_mask:
@@ -223,21 +250,17 @@ def build_attention_metadata(
     return meta
 
 
-def _decode_group(ids, starts, context_lens, tables, block_size, heads) -> DecodeGroup:
-    token_ids = starts[ids]
-    lens = np.asarray([context_lens[i] + 1 for i in ids], dtype=np.int64)
+def _decode_group(ids: np.ndarray, batch: _Batch) -> DecodeGroup:
+    token_ids = batch.starts[ids]
+    lens = batch.context_lens[ids] + 1
     t_max = int(lens.max())
-    width = max(len(tables[i]) for i in ids)
-    padded = np.zeros((len(ids), width), dtype=np.int64)  # padding points at block 0: masked
-    for row, i in enumerate(ids):
-        padded[row, : len(tables[i])] = tables[i]
-    pos = np.arange(t_max)
-    pos = np.where(pos[None, :] < lens[:, None], pos[None, :], 0)  # [S, T]; padding -> position 0
-    slots = np.take_along_axis(padded, pos // block_size, axis=1) * block_size + pos % block_size
-    kv_index = (heads[None, :, None] + slots[:, None, :]).reshape(-1)  # [S, KVH, T]
+    pos = np.arange(t_max)[None, :]
+    pos = np.where(pos < lens[:, None], pos, 0)  # [S, T]; padding reads position 0, masked
+    slots = batch.slots(ids[:, None], pos)
+    kv_index = (batch.heads[None, :, None] + slots[:, None, :]).reshape(-1)  # [S, KVH, T]
     contiguous = bool((np.diff(token_ids) == 1).all())
     return DecodeGroup(
-        seq_ids=list(ids),
+        seq_ids=ids.tolist(),
         token_ids=token_ids,
         token_slice=(int(token_ids[0]), int(token_ids[-1]) + 1) if contiguous else None,
         token_index=None if contiguous else paddle.to_tensor(token_ids),
@@ -248,40 +271,36 @@ def _decode_group(ids, starts, context_lens, tables, block_size, heads) -> Decod
     )
 
 
-def _prefill_seq(i, starts, query_lens, context_lens, tables, block_size, heads) -> PrefillSeq:
-    q, c = query_lens[i], context_lens[i]
+def _prefill_seq(i: int, batch: _Batch) -> PrefillSeq:
+    q, c = int(batch.query_lens[i]), int(batch.context_lens[i])
     total = q + c
-    slots = _seq_slots(tables[i], 0, total, block_size)
-    kv_index = (heads[:, None] + slots[None, :]).reshape(-1)  # [KVH, L]
+    slots = batch.slots(i, np.arange(total))
+    kv_index = (batch.heads[:, None] + slots[None, :]).reshape(-1)  # [KVH, L]
     allowed = np.arange(total)[None, :] <= (c + np.arange(q))[:, None]  # [q, L]
-    mask = np.where(allowed, np.float32(0), _NEG).astype(np.float32)
     return PrefillSeq(
         seq_id=i,
-        token_start=int(starts[i]),
+        token_start=int(batch.starts[i]),
         query_len=q,
         context_len=c,
         kv_index=paddle.to_tensor(kv_index),
-        mask=paddle.to_tensor(mask),
+        mask=paddle.to_tensor(np.where(allowed, np.float32(0), _NEG)),
     )
 
 
-def _cpp_group(ids, starts, query_lens, context_lens, tables) -> CppGroup:
-    width = max(len(tables[i]) for i in ids)
-    block_tables = np.zeros((len(ids), width), dtype=np.int32)
-    info = np.zeros((len(ids), 4), dtype=np.int32)
-    out_start = 0
-    token_ids = []
-    for row, i in enumerate(ids):
-        block_tables[row, : len(tables[i])] = tables[i]
-        info[row] = (starts[i], query_lens[i], context_lens[i], out_start)
-        token_ids.append(np.arange(starts[i], starts[i] + query_lens[i]))
-        out_start += query_lens[i]
+def _cpp_group(ids: np.ndarray, batch: _Batch) -> CppGroup:
+    qlens = batch.query_lens[ids]
+    out_starts = np.zeros(len(ids), dtype=np.int64)
+    np.cumsum(qlens[:-1], out=out_starts[1:])
+    info = np.stack([batch.starts[ids], qlens, batch.context_lens[ids], out_starts], axis=1)
+    num_tokens = int(qlens.sum())
+    group_of_row = np.repeat(np.arange(len(ids)), qlens)
+    token_ids = np.arange(num_tokens) - out_starts[group_of_row] + batch.starts[ids][group_of_row]
     return CppGroup(
-        seq_ids=list(ids),
-        token_ids=np.concatenate(token_ids),
-        seq_info=paddle.to_tensor(info),
-        block_tables=paddle.to_tensor(block_tables),
-        num_tokens=out_start,
+        seq_ids=ids.tolist(),
+        token_ids=token_ids,
+        seq_info=paddle.to_tensor(info.astype(np.int32)),
+        block_tables=paddle.to_tensor(batch.tables[ids].astype(np.int32)),
+        num_tokens=num_tokens,
     )
 
 
@@ -380,8 +399,6 @@ def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, kvh: int, scale: fl
 
 
 def _cpp_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> paddle.Tensor:
-    from fdx.ops import cpp
-
     group = meta.cpp
     return cpp.paged_attention(
         q, k_cache, v_cache, group.seq_info, group.block_tables, scale, meta.num_kv_heads, meta.block_size,

@@ -7,6 +7,7 @@ later process only loads it: $FDX_CACHE_DIR, else $XDG_CACHE_HOME/fdx, else
 and callers fall back to the Paddle path. FDX_DISABLE_CPP_OPS=1 turns the
 compiled kernels off.
 """
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -30,7 +31,19 @@ _CFLAGS = [
     # let dot-product reductions reassociate (vector horizontal sums); no -ffinite-math-only
     "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
 ]
-_LDFLAGS = ["-fopenmp"]
+
+
+def _openmp_ldflags() -> list[str]:
+    """Link OpenMP to the runtime Paddle's MKL uses (libiomp5) when it ships
+    one: two runtimes each keep spinning worker threads, which fight over the
+    cores. Else GCC's libgomp."""
+    libs = Path(paddle.__file__).parent / "libs"
+    if (libs / "libiomp5.so").exists():
+        return [f"-L{libs}", "-l:libiomp5.so", f"-Wl,-rpath,{libs}"]
+    return ["-fopenmp"]
+
+
+_LDFLAGS = _openmp_ldflags()
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -43,13 +56,14 @@ def _disabled() -> bool:
 
 
 def _cpu_id() -> str:
+    """Model and feature flags: -march=native code must not run on another CPU."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return f"{model} {flags}"
 
 
 def _cache_root() -> Path:
@@ -68,7 +82,24 @@ def build_dir() -> Path:
     return _cache_root() / "ops" / h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _quiet_paddle_extension_logs():
+    """Paddle's cpp_extension logs INFO lines on every load."""
+    ext_logger = logging.getLogger("utils.cpp_extension")
+    level = ext_logger.level
+    ext_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        ext_logger.setLevel(level)
+
+
 def _build() -> ModuleType:
+    with _quiet_paddle_extension_logs():
+        return _build_or_load()
+
+
+def _build_or_load() -> ModuleType:
     from paddle.utils.cpp_extension import load
 
     path = build_dir()
@@ -132,7 +163,7 @@ def paged_attention(
     num_out_tokens: int,
 ) -> paddle.Tensor:
     """The kernel behind fdx.ops.attention's "cpp" path (see csrc/paged_attention.cc)."""
-    module = _load()
+    module = _module if _module is not None else _load()
     if module is None:
         raise RuntimeError(f"fdx compiled CPU ops unavailable: {_error}")
     if not q.is_contiguous():

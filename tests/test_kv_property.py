@@ -149,24 +149,24 @@ def workloads(draw):
     chunked = draw(st.booleans())
     budget = draw(st.integers(1, 2 * max_model_len) if chunked else st.integers(max_model_len, 2 * max_model_len))
     max_num_seqs = draw(st.integers(1, 5))
-    swap = draw(st.sampled_from([0, 0, 3, 12]))
+    swap = draw(st.sampled_from([0, 3, 12]))
     prefixes = draw(st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=max_model_len, max_size=max_model_len),
                              min_size=1, max_size=3))
     requests = []
-    for _ in range(draw(st.integers(1, 9))):
+    for _ in range(draw(st.integers(1, 12))):
         length = draw(st.integers(1, max_model_len - 1))
-        shared = draw(st.integers(0, length))
+        shared = draw(st.one_of(st.just(length), st.integers(0, length)))   # often all shared
         prompt = draw(st.sampled_from(prefixes))[:shared] + draw(
             st.lists(st.integers(1, VOCAB - 1), min_size=length - shared, max_size=length - shared))
         requests.append(dict(
-            arrival=draw(st.integers(0, 12)), prompt=prompt, max_tokens=draw(st.integers(1, 10)),
+            arrival=draw(st.integers(0, 30)), prompt=prompt, max_tokens=draw(st.integers(1, 10)),
             priority=draw(st.integers(0, 3)), salt=draw(st.sampled_from([None, None, "s"])),
             abort_after=draw(st.one_of(st.none(), st.integers(0, 15)))))
     return dict(bs=bs, max_model_len=max_model_len, num_blocks=num_blocks, chunked=chunked, budget=budget,
                 max_num_seqs=max_num_seqs, swap=swap, requests=requests)
 
 
-def run_workload(kind: str, cache: str, policy: str, w: dict) -> dict[str, Request]:
+def run_workload(kind: str, cache: str, policy: str, w: dict):
     import paddle
     cfg = FdxConfig.build(resource_manager=kind, kv_cache=cache, policy=policy, block_size=w["bs"],
                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
@@ -226,11 +226,11 @@ def run_workload(kind: str, cache: str, policy: str, w: dict) -> dict[str, Reque
     if cache == "prefix":
         stats = kv.stats()
         assert 0 <= stats["prefix_cache_hits"] <= stats["prefix_cache_queries"]
-    return reqs
+    return reqs, kv
 
 
 @pytest.mark.parametrize("kind,cache,policy", COMBOS)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads())
 def test_kv_scheduling_properties(kind, cache, policy, w):
     run_workload(kind, cache, policy, w)
@@ -240,10 +240,17 @@ def test_shared_prefix_workload_hits_and_outputs_match():
     """A hand-picked case on every combination: shared prefixes, a tiny pool
     that forces eviction into the second tier, and one abort."""
     prefix = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
-    w = dict(bs=4, max_model_len=24, num_blocks=8, chunked=True, budget=10, max_num_seqs=3, swap=6,
-             requests=[dict(arrival=a, prompt=prefix[:n] + [20 + a], max_tokens=5, priority=a % 2,
-                            salt=None, abort_after=(3 if a == 4 else None))
-                       for a, n in enumerate([12, 12, 8, 12, 12, 4, 12])])
+    other = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 1, 2]
+    prompts = [prefix + [20], prefix + [21], other + [22], other[:8] + [23], prefix[:8] + [24], prefix + [25],
+               other + [26]]
+    w = dict(bs=4, max_model_len=24, num_blocks=8, chunked=True, budget=10, max_num_seqs=2, swap=8,
+             requests=[dict(arrival=3 * a, prompt=p, max_tokens=5, priority=a % 2, salt=None,
+                            abort_after=(2 if a == 3 else None)) for a, p in enumerate(prompts)])
     for kind, cache, policy in COMBOS:
-        reqs = run_workload(kind, cache, policy, w)
-        assert sum(r.status is RequestStatus.FINISHED_ABORTED for r in reqs.values()) <= 1
+        reqs, kv = run_workload(kind, cache, policy, w)
+        assert [r.status for r in reqs.values()].count(RequestStatus.FINISHED_ABORTED) <= 1
+        if cache == "prefix":
+            stats = kv.stats()
+            assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_evictions"] > 0
+            if policy == "fcfs":
+                assert stats["prefix_cache_tier2_hits"] > 0, (kind, policy, stats)

@@ -17,10 +17,18 @@ GREEDY32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Plain greedy decoding with transformers, eos not special (as ignore_eos)."""
+    ids = list(prompt_ids)
+    past = None
+    nxt = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
-                             min_new_tokens=n, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
+        for _ in range(n):
+            out = model(nxt, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tok = int(out.logits[0, -1].argmax())
+            ids.append(tok)
+            nxt = torch.tensor([[tok]])
+    return ids[len(prompt_ids):]
 
 
 @pytest.fixture(scope="module")

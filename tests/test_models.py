@@ -102,24 +102,27 @@ class PagedRunner:
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
 
-    def step(self, batch: list[tuple[str, list[int]]], all_rows: bool = True) -> list[np.ndarray]:
-        """Logits per sequence: [new tokens, vocab], or only the last row's."""
+    def step(self, batch: list[tuple[str, list[int]]], rows: str = "all") -> list[np.ndarray]:
+        """Logits per sequence for rows "all" its new tokens, its "last" one, or "none"."""
         qlens, ctx, tables, tokens, wanted = [], [], [], [], []
         for sid, toks in batch:
             table, done = self.tables.setdefault(sid, []), self.lens.get(sid, 0)
             while len(table) * self.block_size < done + len(toks):
                 table.append(self.free.pop())
             start = len(tokens)
-            wanted.append(list(range(start, start + len(toks))) if all_rows else [start + len(toks) - 1])
-            qlens.append(len(toks)), ctx.append(done), tables.append(table)
+            wanted.append({"all": list(range(start, start + len(toks))), "last": [start + len(toks) - 1],
+                           "none": []}[rows])
+            qlens.append(len(toks))
+            ctx.append(done)
+            tables.append(table)
             tokens += toks
             self.lens[sid] = done + len(toks)
         meta = build_attention_metadata(qlens, ctx, tables, self.block_size,
                                         self.model.num_kv_heads, self.num_slots, impl=self.impl)
-        rows = [r for w in wanted for r in w]
-        logits = self.model.forward(paddle.to_tensor(tokens, dtype="int64"), meta.positions,
-                                    self.caches, meta, paddle.to_tensor(rows, dtype="int64")).numpy()
-        assert logits.shape == (len(rows), self.model.vocab_size)
+        indices = [r for w in wanted for r in w]
+        logits = self.model.forward(paddle.to_tensor(tokens, dtype="int64"), meta.positions, self.caches,
+                                    meta, paddle.to_tensor(indices, dtype="int64").reshape([-1])).numpy()
+        assert logits.shape == (len(indices), self.model.vocab_size)
         splits = np.cumsum([len(w) for w in wanted])[:-1]
         return np.split(logits, splits)
 
@@ -147,10 +150,10 @@ def test_greedy_generation_matches_transformers(case):
                                do_sample=False, max_new_tokens=32, pad_token_id=0)
     expected = out[0, len(ids):].tolist()
     runner, got = PagedRunner(case.fdx_model(), seed=3), []
-    (logits,) = runner.step([("a", ids)], all_rows=False)
+    (logits,) = runner.step([("a", ids)], rows="last")
     for _ in range(32):
         got.append(int(logits[-1].argmax()))
-        (logits,) = runner.step([("a", [got[-1]])], all_rows=False)
+        (logits,) = runner.step([("a", [got[-1]])], rows="last")
     assert got == expected
     assert len(set(got)) > 3  # a real trajectory, not one token repeated
 
@@ -168,8 +171,8 @@ def test_mixed_batch_matches_solo_runs(case, impl):
     a, b, c = prompt(9, 6), prompt(11, 7), prompt(4, 8)
     a_next = prompt(1, 9)
     runner = PagedRunner(model, seed=10, impl=impl)
-    runner.step([("a", a)], all_rows=False)
-    runner.step([("b", b[:5])], all_rows=False)
+    runner.step([("a", a)], rows="last")
+    runner.step([("b", b[:5])], rows="last")
     # One step: b's second chunk, a's decode, c's whole prompt.
     got_b, got_a, got_c = runner.step([("b", b[5:]), ("a", a_next), ("c", c)])
 
@@ -190,6 +193,16 @@ def test_mixed_batch_matches_solo_runs(case, impl):
     for (sid, tok), logits in zip(nxt.items(), got):
         full = {"a": a + a_next, "b": b, "c": c}[sid] + [tok]
         np.testing.assert_allclose(logits, case.hf_logits(full)[-1:], atol=ATOL, rtol=0)
+
+
+def test_step_without_logits_rows():
+    """A prefill chunk that samples nothing asks for no rows and still fills the cache."""
+    case = build_case("llama-tied")
+    ids = prompt(9, 12)
+    runner = PagedRunner(case.fdx_model())
+    assert runner.step([("a", ids[:6])], rows="none")[0].shape == (0, COMMON["vocab_size"])
+    (last,) = runner.step([("a", ids[6:])], rows="last")
+    np.testing.assert_allclose(last, case.hf_logits(ids)[-1:], atol=ATOL, rtol=0)
 
 
 # --- loading, config parsing and registration ---------------------------------
@@ -259,8 +272,6 @@ def test_config_defaults_match_transformers(arch):
 def test_null_head_dim_means_hidden_over_heads(arch):
     ours = getattr(MODULES[arch], arch).parse_config({**MINIMAL, "head_dim": None})
     assert ours.head_dim == 64 // 4
-    if arch != "Qwen3ForCausalLM":  # Qwen3Config keeps None (and its modeling code fails)
-        assert CONFIGS[arch](**MINIMAL, head_dim=None).head_dim in (None, 16)
 
 
 def test_transformers4_style_rope_keys():
@@ -270,6 +281,17 @@ def test_transformers4_style_rope_keys():
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling["factor"] == 8.0
     cfg = qwen2.Qwen2ForCausalLM.parse_config({**MINIMAL, "rope_theta": 1e6, "rope_scaling": None})
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
+
+
+def test_transformers4_config_dict_runs_the_same_model():
+    """The same checkpoint described with 4.x keys (rope_theta, rope_scaling)."""
+    case = build_case("llama-untied-bias-llama3")
+    params = case.config.pop("rope_parameters")
+    case.config["rope_theta"] = params.pop("rope_theta")
+    case.config["rope_scaling"] = params
+    ids = prompt(40, 13)  # past original_max_position_embeddings=32
+    (logits,) = PagedRunner(case.fdx_model()).step([("a", ids)])
+    np.testing.assert_allclose(logits, case.hf_logits(ids), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("scaling", [

@@ -132,6 +132,13 @@ def test_raise_exception_in_template_is_value_error(ours):
         ours.apply_chat_template([{"role": "system", "content": "x"}], chat_template=template)
 
 
+def test_broken_template_is_value_error(ours):
+    with pytest.raises(ValueError, match="chat template failed"):
+        ours.apply_chat_template([], chat_template="{% for %}")
+    with pytest.raises(ValueError, match="chat template failed"):
+        ours.apply_chat_template([{"role": "user"}], chat_template="{{ messages[0].content + 'x' }}")
+
+
 def test_missing_chat_template_is_clear(ours):
     bare = Tokenizer(ours.backend, eos_token="<|im_end|>")
     with pytest.raises(ChatTemplateError, match="no chat template"):

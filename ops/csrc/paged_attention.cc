@@ -1,4 +1,7 @@
-// Paddle custom op binding of the paged attention kernel (paged_attention_kernel.h).
+// Paddle custom op binding of the paged attention kernel (paged_attention_kernel.h):
+// fdx_paged_attention(q [N, H, D], k_cache, v_cache [KVH * num_slots, D],
+// seq_info int32 [S, 4], block_tables int32 [S, W]) -> [num_out_tokens, H, D].
+// All inputs are contiguous float32 / int32 CPU tensors.
 #include <vector>
 
 #include "paddle/extension.h"
@@ -35,24 +38,20 @@ std::vector<paddle::Tensor> PagedAttentionForward(const paddle::Tensor& q,
            "block_tables must be [S, W]");
   const int64_t H = q.shape()[1], D = q.shape()[2];
   PD_CHECK(num_kv_heads > 0 && H % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  PD_CHECK(block_size > 0, "block_size must be positive");
   PD_CHECK(k_cache.shape()[1] == D, "cache head_dim differs from q's");
   PD_CHECK(k_cache.shape()[0] % num_kv_heads == 0, "cache rows must be a multiple of num_kv_heads");
 
   auto out = paddle::empty({num_out_tokens, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  fdx::Args a{q.data<float>(),
-         k_cache.data<float>(),
-         v_cache.data<float>(),
-         out.data<float>(),
-         seq_info.data<int32_t>(),
-         block_tables.data<int32_t>(),
-         block_tables.shape()[1],
-         H,
-         H / num_kv_heads,
-         D,
-         block_size,
-         k_cache.shape()[0] / num_kv_heads,
-         scale};
-
+  const fdx::Args a{q.data<float>(),      k_cache.data<float>(),       v_cache.data<float>(),
+                    out.data<float>(),    seq_info.data<int32_t>(),    block_tables.data<int32_t>(),
+                    block_tables.shape()[1],  // table_width
+                    H,                        // num_heads
+                    H / num_kv_heads,         // group
+                    D,                        // head_dim
+                    block_size,
+                    k_cache.shape()[0] / num_kv_heads,  // num_slots
+                    scale};
   fdx::PagedAttention(a, seq_info.shape()[0], num_kv_heads);
   return {out};
 }

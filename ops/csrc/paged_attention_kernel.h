@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,7 +27,16 @@
 namespace fdx {
 
 constexpr int64_t kQueryTile = 16;          // query tokens per item (bounds the score buffer)
+constexpr int64_t kChunk = 16;              // keys per chunk (one 512-bit vector of scores)
+constexpr int64_t kTransposeMinRows = 8;    // from this many query rows, transpose K chunks
+constexpr int64_t kPvRows = 4;              // score rows per register-blocked P.V group
 constexpr int64_t kMinParallelWork = 4096;  // key x query-row products below which one thread is faster
+
+// 16 floats (one AVX-512 register, two AVX2 ones); unaligned loads and stores.
+typedef float V16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline V16 Load16(const float* p) { return *reinterpret_cast<const V16*>(p); }
+inline void Store16(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
 
 struct Args {
   const float* q;    // [N, H, D]
@@ -40,8 +50,19 @@ struct Args {
 };
 
 struct Scratch {
-  std::vector<float> q, scores, acc, inv_sum;
+  std::vector<float> q, scores, acc, inv_sum, kt;
 };
+
+template <int64_t kD>
+inline float DotN(const float* a, const float* b) {
+  V16 acc = {};
+#pragma GCC unroll 16
+  for (int64_t v = 0; v < kD / 16; ++v) acc += Load16(a + 16 * v) * Load16(b + 16 * v);
+  float sum = 0.f;
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) sum += acc[i];
+  return sum;
+}
 
 inline float Dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
@@ -53,10 +74,6 @@ inline float Dot(const float* a, const float* b, int64_t n) {
 inline void Axpy(float a, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-inline void Prefetch(const float* row, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i);
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the row max), vectorizable;
@@ -78,25 +95,78 @@ inline float ExpNonPositive(float x) {
   return x < -87.0f ? 0.f : p * scale;
 }
 
-// Calls fn(j, row) for keys j in [0, num_keys) in block order, row being the
-// key's cache row (offset by head); prefetches the next block meanwhile.
-template <typename Fn>
-inline void ForEachKey(const int32_t* table, int64_t head_row, int64_t bs, int64_t num_keys,
-                       const float* cache, int64_t D, Fn&& fn) {
-  for (int64_t j0 = 0; j0 < num_keys; j0 += bs) {
-    const float* block = cache + (head_row + static_cast<int64_t>(table[j0 / bs]) * bs) * D;
-    const bool has_next = j0 + bs < num_keys;
-    const float* next = has_next ? cache + (head_row + static_cast<int64_t>(table[j0 / bs + 1]) * bs) * D : block;
-    const int64_t jn = std::min(bs, num_keys - j0);
-    for (int64_t jj = 0; jj < jn; ++jj) {
-      if (has_next) Prefetch(next + jj * D, D);
-      fn(j0 + jj, block + jj * D);
-    }
+// Rows of the keys [c0, c0 + n) of one head in a paged cache (n <= kChunk).
+inline void ChunkRows(const float* cache, const int32_t* table, int64_t head_row, int64_t bs, int64_t D,
+                      int64_t c0, int64_t n, const float** rows) {
+  int64_t block = c0 / bs, offset = c0 % bs;
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i] = cache + (head_row + static_cast<int64_t>(table[block]) * bs + offset) * D;
+    if (++offset == bs) offset = 0, ++block;
   }
 }
 
+inline void PrefetchRow(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d);
+}
+
+// Rows of chunk c0 into rows[] and of the next chunk into next[] (for
+// prefetching, spread over the chunk's work); returns chunk c0's size.
+inline int64_t ChunkAndNext(const float* cache, const int32_t* table, int64_t head_row, int64_t bs, int64_t D,
+                            int64_t c0, int64_t num_keys, const float** rows, const float** next) {
+  const int64_t n = std::min(kChunk, num_keys - c0);
+  ChunkRows(cache, table, head_row, bs, D, c0, n, rows);
+  const int64_t nn = std::max<int64_t>(0, std::min(kChunk, num_keys - c0 - kChunk));
+  ChunkRows(cache, table, head_row, bs, D, c0 + kChunk, nn, next);
+  for (int64_t i = nn; i < n; ++i) next[i] = nullptr;
+  return n;
+}
+
+// scores[rr, 0:kChunk] = q_rr . k_i for kR consecutive query rows against a
+// transposed key chunk kt [D, kChunk]; kR independent FMA chains.
+template <int64_t kR>
+inline void QkGroup(const float* q, const float* kt, int64_t D, float* scores, int64_t width) {
+  V16 acc[kR] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const V16 k = Load16(kt + d * kChunk);
+#pragma GCC unroll 8
+    for (int64_t rr = 0; rr < kR; ++rr) acc[rr] += q[rr * D + d] * k;
+  }
+#pragma GCC unroll 8
+  for (int64_t rr = 0; rr < kR; ++rr) Store16(scores + rr * width, acc[rr]);
+}
+
+// acc[rr] += sum_i p[rr, i] * v_i for kR consecutive score rows over one key
+// chunk, accumulators in registers; each V row is loaded once per group.
+template <int64_t kD, int64_t kR>
+inline void PvGroup(const float* p, int64_t width, const float* const* vrows, int64_t n, float* acc,
+                    const float* const* prefetch) {
+  constexpr int64_t kV = kD / 16;
+  V16 reg[kR][kV];
+#pragma GCC unroll 8
+  for (int64_t rr = 0; rr < kR; ++rr)
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kV; ++v) reg[rr][v] = Load16(acc + rr * kD + 16 * v);
+  for (int64_t i = 0; i < n; ++i) {
+    if (prefetch && prefetch[i]) PrefetchRow(prefetch[i], kD);
+    V16 vv[kV];
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kV; ++v) vv[v] = Load16(vrows[i] + 16 * v);
+#pragma GCC unroll 8
+    for (int64_t rr = 0; rr < kR; ++rr) {
+      const float pr = p[rr * width + i];
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < kV; ++v) reg[rr][v] += pr * vv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t rr = 0; rr < kR; ++rr)
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kV; ++v) Store16(acc + rr * kD + 16 * v, reg[rr][v]);
+}
+
 // One tile of query tokens [t0, t0 + tq) of sequence s against kv head h.
-// kD > 0 fixes head_dim at compile time (fully unrolled row loops).
+// Keys go in chunks of kChunk; scores are [rows, keys rounded up to kChunk].
+// kD > 0 fixes head_dim at compile time (unrolled rows, accumulators in registers).
 template <int64_t kD>
 void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scratch& w) {
   const int64_t D = kD > 0 ? kD : a.head_dim;
@@ -104,10 +174,12 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   const int64_t q_start = info[0], ctx = info[2], out_start = info[3];
   const int32_t* table = a.tables + s * a.table_width;
   const int64_t G = a.group, H = a.num_heads, bs = a.block_size;
-  const int64_t rows = tq * G;             // row r = t * G + g
+  const int64_t rows = tq * G;             // row r = t * G + g, at position first_pos + r / G
   const int64_t num_keys = ctx + t0 + tq;  // keys the tile's last token sees
-  const int64_t first_pos = ctx + t0;      // position of the tile's first token
+  const int64_t first_pos = ctx + t0;
   const int64_t head_row = h * a.num_slots;
+  const int64_t width = (num_keys + kChunk - 1) / kChunk * kChunk;  // score row stride
+  const bool transpose = rows >= kTransposeMinRows;
 
   w.q.resize(rows * D);
   float* qs = w.q.data();
@@ -115,19 +187,43 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
     const float* src = a.q + ((q_start + t0 + t) * H + h * G) * D;
     for (int64_t i = 0; i < G * D; ++i) qs[t * G * D + i] = src[i] * a.scale;
   }
-  w.scores.resize(rows * num_keys);
+  w.scores.resize(rows * width);
   float* scores = w.scores.data();
+  w.kt.resize(D * kChunk);
+  float* kt = w.kt.data();
+  const float* krows[kChunk];
+  const float* next[kChunk];
 
-  // scores[r, j] = q_r . k_j for the keys row r's token may see (j <= its position).
-  ForEachKey(table, head_row, bs, num_keys, a.k, D, [&](int64_t j, const float* kr) {
-    for (int64_t r = std::max<int64_t>(0, j - first_pos) * G; r < rows; ++r)
-      scores[r * num_keys + j] = Dot(qs + r * D, kr, D);
-  });
+  // scores[r, j] = q_r . k_j, for chunks the row's token reaches (others stay unset).
+  for (int64_t c0 = 0; c0 < num_keys; c0 += kChunk) {
+    const int64_t n = ChunkAndNext(a.k, table, head_row, bs, D, c0, num_keys, krows, next);
+    const int64_t r0 = std::max<int64_t>(0, c0 - first_pos) * G;  // first row that sees key c0
+    if (transpose) {  // kt[d, i] = k_{c0+i}[d]: one FMA row per q element
+      for (int64_t i = 0; i < kChunk; ++i) {
+        if (i < n && next[i]) PrefetchRow(next[i], D);
+        for (int64_t d = 0; d < D; ++d) kt[d * kChunk + i] = i < n ? krows[i][d] : 0.f;
+      }
+      int64_t r = r0;
+      for (; r + 8 <= rows; r += 8) QkGroup<8>(qs + r * D, kt, D, scores + r * width + c0, width);
+      for (; r + 4 <= rows; r += 4) QkGroup<4>(qs + r * D, kt, D, scores + r * width + c0, width);
+      for (; r < rows; ++r) QkGroup<1>(qs + r * D, kt, D, scores + r * width + c0, width);
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        if (next[i]) PrefetchRow(next[i], D);
+        for (int64_t r = r0; r < rows; ++r) {
+          if constexpr (kD > 0 && kD % 16 == 0)
+            scores[r * width + c0 + i] = DotN<kD>(qs + r * D, krows[i]);
+          else
+            scores[r * width + c0 + i] = Dot(qs + r * D, krows[i], D);
+        }
+      }
+    }
+  }
 
-  // Unnormalized softmax in place; 1 / sum kept per row.
+  // Softmax in place over the visible keys; the rest of the row becomes 0.
   w.inv_sum.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    float* row = scores + r * num_keys;
+    float* row = scores + r * width;
     const int64_t valid = first_pos + r / G + 1;
     float mx = row[0];
 #pragma omp simd reduction(max : mx)
@@ -138,23 +234,42 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
       row[j] = ExpNonPositive(row[j] - mx);
       sum += row[j];
     }
+    for (int64_t j = valid; j < width; ++j) row[j] = 0.f;
     w.inv_sum[r] = 1.f / sum;
   }
 
-  // acc[r] = sum_j p[r, j] * v_j
+  // acc[r] = sum_j p[r, j] * v_j, one key chunk at a time.
   w.acc.assign(rows * D, 0.f);
-  float* acc = w.acc.data();
-  ForEachKey(table, head_row, bs, num_keys, a.v, D, [&](int64_t j, const float* vr) {
-    for (int64_t r = std::max<int64_t>(0, j - first_pos) * G; r < rows; ++r)
-      Axpy(scores[r * num_keys + j], vr, acc + r * D, D);
-  });
+  const float* vrows[kChunk];
+  for (int64_t c0 = 0; c0 < num_keys; c0 += kChunk) {
+    const int64_t n = ChunkAndNext(a.v, table, head_row, bs, D, c0, num_keys, vrows, next);
+    const int64_t r0 = std::max<int64_t>(0, c0 - first_pos) * G;
+    float* acc = w.acc.data();
+    if constexpr (kD > 0 && kD % 16 == 0) {
+      for (int64_t r = r0; r < rows; r += kPvRows) {
+        const float* p = scores + r * width + c0;
+        const float* const* pf = r == r0 ? next : nullptr;  // prefetch during the first group only
+        switch (std::min(kPvRows, rows - r)) {
+          case 1: PvGroup<kD, 1>(p, width, vrows, n, acc + r * kD, pf); break;
+          case 2: PvGroup<kD, 2>(p, width, vrows, n, acc + r * kD, pf); break;
+          case 3: PvGroup<kD, 3>(p, width, vrows, n, acc + r * kD, pf); break;
+          default: PvGroup<kD, kPvRows>(p, width, vrows, n, acc + r * kD, pf); break;
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        if (next[i]) PrefetchRow(next[i], D);
+        for (int64_t r = r0; r < rows; ++r) Axpy(scores[r * width + c0 + i], vrows[i], acc + r * D, D);
+      }
+    }
+  }
 
   for (int64_t t = 0; t < tq; ++t) {
     float* dst = a.out + ((out_start + t0 + t) * H + h * G) * D;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = t * G + g;
       const float inv = w.inv_sum[r];
-      for (int64_t i = 0; i < D; ++i) dst[g * D + i] = acc[r * D + i] * inv;
+      for (int64_t i = 0; i < D; ++i) dst[g * D + i] = w.acc[r * D + i] * inv;
     }
   }
 }
@@ -183,12 +298,19 @@ inline void PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
   }
   work *= a.group * num_kv_heads;
   const int64_t n = static_cast<int64_t>(items.size());
+  // Longest items first, so that no thread is left with a long one at the end.
+  auto cost = [info](const Item& it) { return (info[it.s * 4 + 2] + it.t0 + it.tq) * it.tq; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return cost(x) > cost(y); });
 
+  // Dynamic scheduling by hand: only GOMP_parallel is needed, which Intel's
+  // libiomp5 (MKL's runtime, shared with Paddle's GEMMs) provides too.
+  std::atomic<int64_t> next{0};
 #pragma omp parallel if (n > 1 && work >= kMinParallelWork)
   {
-    Scratch w;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) AttendTileDispatch(a, items[i].s, items[i].h, items[i].t0, items[i].tq, w);
+    thread_local Scratch w;  // kept across calls: no allocation per call once grown
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      AttendTileDispatch(a, items[i].s, items[i].h, items[i].t0, items[i].tq, w);
   }
 }
 

@@ -17,8 +17,9 @@ its KV blocks.
 - Second tier (``cache.swap_max_blocks``, ``cache.swap_dir``): an evicted
   block is copied to host memory or, with ``swap_dir``, to a file (see
   swap.py); a later hit there is copied back into a fresh block instead of
-  recomputed. ``flush()`` (also run at exit) writes the blocks still in the
-  pool to the file tier, so they survive a restart.
+  recomputed. ``flush()`` writes the blocks still in the pool to the file
+  tier, so they survive a restart; it runs at exit and when the cache is
+  collected (a killed process keeps only what was evicted before).
 - ``stats()``: ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens of
   admitted requests, and of those the ones served from cache), tier-2 hits,
   evictions, cached blocks.
@@ -153,9 +154,10 @@ class PrefixKVCache(PagedKVCache):
                 t.scatter_(idx, paddle.to_tensor(np.ascontiguousarray(flat[layer, j])), overwrite=True)
 
     def flush(self) -> int:
-        """Copy the blocks still in the pool to the second tier (oldest
-        first); returns how many were written."""
-        if self.tier2 is None or self.kv_caches is None:
+        """Write the blocks still in the pool to the file tier (oldest
+        first), so that they outlive this engine; returns how many were
+        written. Runs at exit and when the cache is collected."""
+        if not isinstance(self.tier2, FileTier) or self.kv_caches is None:
             return 0
         order = list(self.pool.evictable) + [b for b in self.meta if b not in self.pool.evictable]
         n = 0
@@ -165,6 +167,12 @@ class PrefixKVCache(PagedKVCache):
                 self.tier2.put(meta, self.read_block(b))
                 n += 1
         return n
+
+    def __del__(self):
+        try:
+            self.flush()
+        except Exception as e:      # best effort: never raise from a finalizer
+            log.warning("prefix cache: flush at shutdown failed: %s", e)
 
     # -- keys ---------------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,95 @@
+"""Start a real ``fdx serve`` subprocess on a free loopback port, for tests."""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import yaml
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, tmp: pathlib.Path, server: dict | None = None, **sections):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = {"model": {"max_model_len": 512}, "cache": {"block_size": 16, "num_kv_blocks": 64},
+                  "server": {"api_key": API_KEY, "log_level": "warning", **(server or {})}}
+        for k, v in sections.items():
+            config.setdefault(k, {}).update(v)
+        cfg = tmp / "fdx.yaml"
+        cfg.write_text(yaml.safe_dump(config))
+        self.log_path = tmp / "server.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fdx.core.cli", "serve", "--config", str(cfg), "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-4000:]
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fdx serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"fdx serve did not become healthy in {timeout} s:\n{self.log()}")
+
+    def engine_pid(self) -> int:
+        children = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"fdx.core.engine_proc" in cmd:
+                return int(pid)
+        raise RuntimeError("no engine process found")
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics as {name{labels}: value}, plus {name: value} for single-series names."""
+        out: dict[str, float] = {}
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+            out.setdefault(key.split("{", 1)[0], float(value))
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

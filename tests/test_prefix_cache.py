@@ -1,0 +1,432 @@
+"""The prefix cache: keys, hit confirmation, sharing, LRU eviction, salts,
+the second tier (memory and files, across restarts, corrupt files), and
+with SmolLM2: outputs identical across schedulers, caches and policies."""
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+from array import array
+
+import numpy as np
+import pytest
+
+from fdx.core.config import FdxConfig
+from fdx.core.request import Request
+from fdx.core.sampling_params import SamplingParams
+from fdx.plugins.cache import prefix as prefix_mod
+from fdx.plugins.cache.prefix import PrefixKVCache
+from fdx.plugins.cache.swap import FORMAT_VERSION, MAGIC, ROOT_KEY, BlockMeta, FileTier, block_key
+
+BS = 4
+LAYERS, KVH, HD = 2, 2, 3
+
+
+def make_req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=4), cache_salt=salt, max_model_len=1000)
+
+
+def admit(kv: PrefixKVCache, req: Request) -> int:
+    hit = kv.get_computed_blocks(req)
+    req.num_computed_tokens = hit
+    assert kv.allocate_slots(req, req.num_tokens - hit)
+    return hit
+
+
+def compute(kv: PrefixKVCache, req: Request) -> None:
+    """The model ran the rest of the prompt: fill its new slots, register."""
+    if kv.kv_caches is not None:
+        for i, b in enumerate(kv.block_table(req.request_id)):
+            if i * BS >= req.num_computed_tokens:
+                kv.write_block(b, block_data(req.all_token_ids[i * BS:(i + 1) * BS], i))
+    req.num_computed_tokens = req.num_tokens
+    kv.on_tokens_computed(req)
+
+
+def block_data(tokens, index: int) -> np.ndarray:
+    """Distinct KV for a block's tokens (padding a partial block with -1)."""
+    t = np.full(BS, -1.0)
+    t[:len(tokens)] = tokens
+    base = t[None, None, None, :, None] * 100 + index
+    grid = np.arange(LAYERS * 2 * KVH * HD).reshape(LAYERS, 2, KVH, 1, HD)
+    return (base + grid * 0.5).astype(np.float32)
+
+
+def make_cache(num_blocks: int = 8, tensors: bool = False, **cache_cfg) -> PrefixKVCache:
+    cfg = FdxConfig.build(kv_cache="prefix", block_size=BS, **cache_cfg)
+    kv = PrefixKVCache(num_blocks, BS, cfg)
+    if tensors:
+        import paddle
+        rows = KVH * num_blocks * BS
+        kv.attach_kv_tensors([(paddle.zeros([rows, HD]), paddle.zeros([rows, HD])) for _ in range(LAYERS)],
+                             KVH, "fake-model")
+    return kv
+
+
+# -- keys and hits ------------------------------------------------------------
+
+def test_block_key_is_a_chained_hash_of_parent_tokens_and_extra():
+    def ref(parent, tokens, extra=()):      # written out independently
+        h = hashlib.blake2b(digest_size=16)
+        h.update(parent + len(tokens).to_bytes(4, "little") + array("q", tokens).tobytes())
+        for e in extra:
+            h.update(len(e.encode()).to_bytes(4, "little") + e.encode())
+        return h.digest()
+
+    k1 = block_key(ROOT_KEY, [1, 2, 3, 4])
+    assert k1 == ref(b"", [1, 2, 3, 4])
+    assert block_key(k1, [5, 6, 7, 8]) == ref(k1, [5, 6, 7, 8])
+    assert block_key(k1, [5, 6, 7, 8]) != block_key(ROOT_KEY, [5, 6, 7, 8])      # the parent counts
+    assert block_key(ROOT_KEY, [1, 2, 3, 4], ("salt:a",)) != k1                  # the salt counts
+    assert block_key(ROOT_KEY, [1, 2, 3, 4], ("salt:a",)) != block_key(ROOT_KEY, [1, 2, 3, 4], ("salt:b",))
+
+
+def test_hits_share_blocks_and_count_holders():
+    kv = make_cache()
+    a = make_req("a", list(range(1, 11)))                 # 2 full blocks + 2 tokens
+    assert admit(kv, a) == 0
+    compute(kv, a)
+    b = make_req("b", list(range(1, 9)) + [99, 98, 97, 96])   # shares the first 2 blocks
+    assert admit(kv, b) == 8
+    ta, tb = kv.block_table("a"), kv.block_table("b")
+    assert ta[:2] == tb[:2] and ta[2] != tb[2]
+    assert [kv.pool.ref_counts[x] for x in ta] == [2, 2, 1]
+    compute(kv, b)
+    assert kv.stats()["prefix_cache_hits"] == 8 and kv.stats()["prefix_cache_queries"] == 22
+    kv.free(a)
+    assert [kv.pool.ref_counts[x] for x in ta] == [1, 1, 0]
+    kv.free(b)
+    kv.free(b)                                            # idempotent
+    assert kv.num_free_blocks == 8 and set(kv.pool.evictable) == set(ta[:2]) | {tb[2]}
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    kv = make_cache()
+    a = make_req("a", list(range(1, 9)))                  # exactly 2 blocks
+    admit(kv, a)
+    compute(kv, a)
+    kv.free(a)
+    again = make_req("a2", list(range(1, 9)))
+    assert kv.cached_prefix_len(again) == 4
+    assert admit(kv, again) == 4                          # block 2 is recomputed: the model needs token 8
+    longer = make_req("a3", list(range(1, 10)))
+    assert admit(kv, longer) == 8
+
+
+def test_a_hash_collision_is_a_miss(monkeypatch):
+    monkeypatch.setattr(prefix_mod, "block_key", lambda parent, tokens, extra=(): b"same")
+    kv = make_cache()
+    a = make_req("a", [1, 2, 3, 4, 5])
+    admit(kv, a)
+    compute(kv, a)
+    b = make_req("b", [9, 9, 9, 9, 5])                    # same key, other tokens
+    assert kv.cached_prefix_len(b) == 0
+    assert admit(kv, b) == 0
+    assert kv.block_table("b")[0] != kv.block_table("a")[0]
+
+
+def test_salt_isolates_requests():
+    kv = make_cache()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    a = make_req("a", tokens, salt="tenant-1")
+    admit(kv, a)
+    compute(kv, a)
+    kv.free(a)
+    for rid, salt, hit in (("b", None, 0), ("c", "tenant-2", 0), ("d", "tenant-1", 8)):
+        r = make_req(rid, tokens, salt=salt)
+        assert admit(kv, r) == hit
+        kv.free(r)
+
+
+def test_uncached_free_blocks_go_first_then_lru_tail_first():
+    kv = make_cache(num_blocks=6)
+    a = make_req("a", list(range(1, 10)))                 # blocks a0 a1 + partial
+    admit(kv, a)
+    compute(kv, a)
+    b = make_req("b", list(range(50, 59)))
+    admit(kv, b)
+    compute(kv, b)
+    ta, tb = kv.block_table("a"), kv.block_table("b")
+    kv.free(a)                                            # older: a1, a0 released tail first
+    kv.free(b)
+    assert list(kv.pool.evictable) == [ta[1], ta[0], tb[1], tb[0]]
+    assert set(kv.pool.free_ids) == {ta[2], tb[2]}        # partial blocks are never cached
+    c = make_req("c", list(range(100, 115)))              # needs 4 blocks: 2 free + evict a1, a0
+    admit(kv, c)
+    assert set(kv.block_table("c")) == {ta[2], tb[2], ta[1], ta[0]}
+    assert kv.stats()["prefix_cache_evictions"] == 2
+    kv.free(c)
+    assert admit(kv, make_req("b2", list(range(50, 59)))) == 8     # b survived
+    assert admit(kv, make_req("a2", list(range(1, 10)))) == 0      # a did not
+
+
+def test_lru_touch_on_hit():
+    kv = make_cache(num_blocks=4)
+    a, b = make_req("a", [1, 2, 3, 4, 0]), make_req("b", [5, 6, 7, 8, 0])
+    for r in (a, b):
+        admit(kv, r)
+        compute(kv, r)
+        kv.free(r)
+    a2 = make_req("a2", [1, 2, 3, 4, 1])                 # a's block becomes most recent
+    admit(kv, a2)
+    kv.free(a2)
+    c = make_req("c", [9, 9, 9, 9, 9, 9, 9])             # 2 blocks: 2 free ones (partials)
+    admit(kv, c)
+    d = make_req("d", [7, 7, 7])                          # one more block: evicts b's, not a's
+    admit(kv, d)
+    assert kv.cached_prefix_len(make_req("a3", [1, 2, 3, 4, 2])) == 4
+    assert kv.cached_prefix_len(make_req("b3", [5, 6, 7, 8, 2])) == 0
+
+
+# -- second tier ----------------------------------------------------------------
+
+def fill_and_evict(kv: PrefixKVCache, tokens: list[int], rid: str = "a") -> list[int]:
+    """Cache tokens' full blocks, then push them out of the pool."""
+    r = make_req(rid, tokens)
+    admit(kv, r)
+    compute(kv, r)
+    kv.free(r)
+    filler = make_req(rid + "-filler", [1000 + i for i in range(kv.num_blocks * BS)])
+    kv.get_computed_blocks(filler)
+    assert kv.allocate_slots(filler, filler.num_tokens)
+    kv.free(filler)
+    return r.all_token_ids
+
+
+def assert_block_data(kv: PrefixKVCache, rid: str, tokens: list[int], num_blocks: int) -> None:
+    for i, b in enumerate(kv.block_table(rid)[:num_blocks]):
+        np.testing.assert_array_equal(kv.read_block(b), block_data(tokens[i * BS:(i + 1) * BS], i))
+
+
+def test_memory_tier_copies_evicted_blocks_back():
+    kv = make_cache(num_blocks=4, tensors=True, swap_max_blocks=8)
+    tokens = list(range(1, 11))
+    fill_and_evict(kv, tokens)
+    assert kv.stats()["prefix_cache_tier2_blocks"] == 2
+    again = make_req("again", tokens)
+    assert kv.cached_prefix_len(again) == 8
+    assert admit(kv, again) == 8
+    assert kv.stats()["prefix_cache_tier2_hits"] == 2
+    assert_block_data(kv, "again", tokens, 2)
+
+
+def test_file_tier_survives_a_restart(tmp_path):
+    tokens = list(range(1, 11))
+    kv = make_cache(num_blocks=4, tensors=True, swap_dir=str(tmp_path))
+    fill_and_evict(kv, tokens)
+    assert len(list(tmp_path.glob("*.kvb"))) == 2
+    restarted = make_cache(num_blocks=4, tensors=True, swap_dir=str(tmp_path))
+    req = make_req("r", tokens)
+    assert admit(restarted, req) == 8
+    assert restarted.stats()["prefix_cache_tier2_hits"] == 2
+    assert_block_data(restarted, "r", tokens, 2)
+
+
+def test_flush_writes_blocks_still_in_the_pool(tmp_path):
+    kv = make_cache(num_blocks=8, tensors=True, swap_dir=str(tmp_path))
+    r = make_req("a", list(range(1, 14)))
+    admit(kv, r)
+    compute(kv, r)
+    assert kv.flush() == 3 and kv.flush() == 0
+    restarted = make_cache(num_blocks=8, tensors=True, swap_dir=str(tmp_path))
+    assert admit(restarted, make_req("b", list(range(1, 14)))) == 12
+
+
+def test_file_tier_is_bounded(tmp_path):
+    kv = make_cache(num_blocks=4, tensors=True, swap_dir=str(tmp_path), swap_max_blocks=3)
+    fill_and_evict(kv, list(range(1, 11)), "a")
+    fill_and_evict(kv, list(range(20, 30)), "b")
+    assert len(list(tmp_path.glob("*.kvb"))) <= 3 and len(kv.tier2) <= 3
+
+
+def _write_corrupt_files(folder, good: FileTier) -> dict[str, str]:
+    """Each kind of bad file, written next to good ones; returns name -> kind."""
+    files = sorted(folder.glob("*.kvb"))
+    raw = files[0].read_bytes()
+    header_len = int.from_bytes(raw[12:16], "little")
+    payload_at = 16 + header_len
+    bad = {}
+    # flipped payload byte: header fine, checksum wrong
+    flipped = bytearray(raw)
+    flipped[payload_at + 5] ^= 0xFF
+    files[0].write_bytes(bytes(flipped))
+    bad[files[0].name] = "checksum"
+    # truncated payload
+    raw1 = files[1].read_bytes()
+    files[1].write_bytes(raw1[:-100])
+    bad[files[1].name] = "truncated"
+    # garbage and a wrong version
+    (folder / ("ab" * 16 + ".kvb")).write_bytes(b"not a kv block at all")
+    bad["ab" * 16 + ".kvb"] = "magic"
+    (folder / ("cd" * 16 + ".kvb")).write_bytes(MAGIC + (FORMAT_VERSION + 1).to_bytes(4, "little") + bytes(8))
+    bad["cd" * 16 + ".kvb"] = "version"
+    return bad
+
+
+def test_corrupt_and_foreign_files_are_ignored_with_a_warning(tmp_path, caplog):
+    tokens = list(range(1, 18))                           # 4 full blocks
+    kv = make_cache(num_blocks=5, tensors=True, swap_dir=str(tmp_path))
+    fill_and_evict(kv, tokens)
+    assert len(list(tmp_path.glob("*.kvb"))) == 4
+    bad = _write_corrupt_files(tmp_path, kv.tier2)
+
+    # a foreign model: every file is ignored at start-up
+    cfg = FdxConfig.build(kv_cache="prefix", block_size=BS, swap_dir=str(tmp_path))
+    foreign = PrefixKVCache(5, BS, cfg)
+    import paddle
+    rows = KVH * 5 * BS
+    with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
+        foreign.attach_kv_tensors([(paddle.zeros([rows, HD]), paddle.zeros([rows, HD]))] * LAYERS, KVH, "other-model")
+    assert len(foreign.tier2) == 0
+    assert "another model" in caplog.text
+    assert admit(foreign, make_req("f", tokens)) == 0
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
+        restarted = make_cache(num_blocks=5, tensors=True, swap_dir=str(tmp_path))
+        assert "bad magic" in caplog.text and "format version" in caplog.text
+        req = make_req("r", tokens)
+        hit = admit(restarted, req)
+    # the chain stops at the first bad block: block 0 or 1 was corrupted
+    names = [block_key_chain(tokens)[i].hex() + ".kvb" for i in range(4)]
+    first_bad = min(i for i, n in enumerate(names) if n in bad)
+    assert hit == first_bad * BS
+    assert_block_data(restarted, "r", tokens, first_bad)
+    assert "checksum" in caplog.text or "payload is" in caplog.text
+
+
+def block_key_chain(tokens: list[int], extra=()) -> list[bytes]:
+    keys, parent = [], ROOT_KEY
+    for i in range(len(tokens) // BS):
+        parent = block_key(parent, tokens[i * BS:(i + 1) * BS], extra)
+        keys.append(parent)
+    return keys
+
+
+def test_file_tier_rejects_a_renamed_or_tampered_header(tmp_path, caplog):
+    kv = make_cache(num_blocks=4, tensors=True, swap_dir=str(tmp_path))
+    fill_and_evict(kv, list(range(1, 11)))
+    f = sorted(tmp_path.glob("*.kvb"))[0]
+    f.rename(tmp_path / ("ee" * 16 + ".kvb"))            # name no longer matches the key
+    with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
+        restarted = make_cache(num_blocks=4, tensors=True, swap_dir=str(tmp_path))
+    assert "file name does not match" in caplog.text
+    assert len(restarted.tier2) == 1
+    # a tampered token list: the key no longer matches its tokens
+    meta = BlockMeta(b"\x01" * 16, ROOT_KEY, (1, 2, 3, 4))
+    restarted.tier2.put(meta, block_data([1, 2, 3, 4], 0))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
+        make_cache(num_blocks=4, tensors=True, swap_dir=str(tmp_path))
+    assert "key does not match its tokens" in caplog.text
+
+
+# -- with SmolLM2 -----------------------------------------------------------------
+
+SYSTEM = ("You are a careful assistant for a small bakery. The bakery opens at seven in the morning "
+          "and closes at six in the evening, every day except Monday. It sells bread, croissants, "
+          "cinnamon rolls and three kinds of cake. Answer each question in one short sentence.\n")
+QUESTIONS = ["Question: When does the bakery open?\nAnswer:",
+             "Question: Which day is the bakery closed?\nAnswer:",
+             "Question: What does the bakery sell?\nAnswer:",
+             "Question: Can I buy a cake there?\nAnswer:"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _mixed_prompts(tok) -> list[list[int]]:
+    system = tok.encode(SYSTEM)
+    prompts = [system + tok.encode(q, add_special_tokens=False) for q in QUESTIONS]
+    prompts.append(system[:40] + tok.encode(" Unrelated: the sky is", add_special_tokens=False))
+    prompts.append(tok.encode("The capital of France is"))
+    prompts.append(list(prompts[0]))                      # a whole prompt seen before
+    return prompts
+
+
+def _generate(llm, prompts, priorities=None) -> list[list[int]]:
+    eng = llm.engine
+    reqs = [eng.make_request(p, GREEDY, priority=(priorities or [0] * len(prompts))[i])
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_unfinished():
+        eng.step()
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def solo_outputs(smollm_llm):
+    prompts = _mixed_prompts(smollm_llm.tokenizer)
+    return prompts, [smollm_llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
+                     for p in prompts]
+
+
+@pytest.mark.parametrize("kind", ["v0", "v1"])
+def test_outputs_identical_across_caches_and_policies(smollm_llm, solo_outputs, kind):
+    from fdx.core.bench_prefix import use_scheduling
+    prompts, solo = solo_outputs
+    priorities = [3, 1, 2, 0, 1, 2, 0]
+    for cache in ("paged", "prefix"):
+        for policy in ("fcfs", "priority", "lpm"):
+            # few slots and a small step budget: later requests hit what earlier ones cached,
+            # prefills are chunked, and (with v1) decodes mix with prefill chunks
+            with use_scheduling(smollm_llm.engine, resource_manager=kind, kv_cache=cache, policy=policy,
+                                max_num_seqs=3, max_num_batched_tokens=48) as eng:
+                outs = _generate(smollm_llm, prompts, priorities)
+                again = _generate(smollm_llm, prompts[:2], priorities[:2])     # warm: hits
+                stats = eng.kv_cache.stats()
+                assert eng.kv_cache.num_free_blocks == eng.kv_cache.num_blocks
+            assert outs == solo, (kind, cache, policy)
+            assert again == solo[:2], (kind, cache, policy)
+            if cache == "prefix":
+                assert stats["prefix_cache_hits"] > 0, (kind, policy, stats)
+
+
+def test_second_tier_hit_equals_recompute_and_survives_restart(smollm_llm, tmp_path, caplog):
+    from fdx import LLM
+    from fdx.core.bench_prefix import use_scheduling
+    tok = smollm_llm.tokenizer
+    a = tok.encode(SYSTEM * 2 + QUESTIONS[0])             # ~140 tokens: 8+ full blocks
+    b = tok.encode("Once upon a time, " * 100)[:470]      # 30 blocks: pushes a's blocks out
+    (want_a,) = _generate(smollm_llm, [a])                # recompute: the paged engine
+    # 32 blocks of 16 = one max_model_len sequence: b evicts a's blocks into files
+    with use_scheduling(smollm_llm.engine, kv_cache="prefix", num_kv_blocks=32, swap_dir=str(tmp_path)) as eng:
+        assert _generate(smollm_llm, [a]) == [want_a]
+        _generate(smollm_llm, [b])
+        assert eng.kv_cache.stats()["prefix_cache_evictions"] > 0
+        assert len(list(tmp_path.glob("*.kvb"))) > 0
+        assert _generate(smollm_llm, [a]) == [want_a]
+        stats = eng.kv_cache.stats()
+        assert stats["prefix_cache_tier2_hits"] > 0 and stats["prefix_cache_hits"] >= 112, stats
+        del eng
+    gc.collect()                  # the cache is gone: what was still in the pool is flushed to files
+    keys = block_key_chain_of(a, 16)
+    assert all((tmp_path / (k.hex() + ".kvb")).exists() for k in keys)
+
+    # a new engine on the same folder: a's whole prefix is a hit from the files
+    restarted = LLM(max_model_len=512, num_kv_blocks=32, block_size=16, kv_cache="prefix",
+                    swap_dir=str(tmp_path), progress=False)
+    assert _generate(restarted, [a]) == [want_a]
+    assert restarted.engine.kv_cache.stats()["prefix_cache_tier2_hits"] == (len(a) - 1) // 16
+    del restarted
+
+    # corrupt every file but the first of a's chain, add a foreign one: ignored, output unchanged
+    for key in keys[1:]:
+        f = tmp_path / (key.hex() + ".kvb")
+        if f.exists():
+            data = bytearray(f.read_bytes())
+            data[-7] ^= 0x5A
+            f.write_bytes(bytes(data))
+    (tmp_path / ("00" * 16 + ".kvb")).write_bytes(b"garbage")
+    with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
+        with use_scheduling(smollm_llm.engine, kv_cache="prefix", num_kv_blocks=32, swap_dir=str(tmp_path)) as eng:
+            assert _generate(smollm_llm, [a]) == [want_a]
+            assert eng.kv_cache.stats()["prefix_cache_tier2_hits"] == 1
+    assert "checksum" in caplog.text and "bad magic" in caplog.text
+
+
+def block_key_chain_of(tokens: list[int], bs: int) -> list[bytes]:
+    keys, parent = [], ROOT_KEY
+    for i in range(len(tokens) // bs):
+        parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
+        keys.append(parent)
+    return keys
