@@ -1,8 +1,9 @@
 """fdx: a plugin-based, modular LLM inference framework."""
 import os as _os
 
-# Paddle reads these when it loads; set them before anything imports it.
-_os.environ.setdefault("OMP_NUM_THREADS", str(len(_os.sched_getaffinity(0))))
+# MKL reads this when Paddle loads it: its AVX-512 path on AMD (see DESIGN.md).
+# Threads are set by the CPU backend (Paddle warns on import when
+# OMP_NUM_THREADS > 1, and resets it to 1 when unset).
 _os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "7")
 
 __version__ = "0.1.0"

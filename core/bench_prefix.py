@@ -47,6 +47,7 @@ def use_scheduling(engine, num_kv_blocks: int | None = None, **overrides):
     finally:
         for rid in [r.request_id for r in list(rm.running) + list(getattr(rm, "waiting", []))]:
             engine.abort_request(rid)
+        kv.close()                        # before the tensors are reused
         engine.config, engine.kv_cache, engine.resource_manager = saved
 
 

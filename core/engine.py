@@ -162,12 +162,12 @@ class EngineCore:
         t0 = time.perf_counter()
         sched = self.resource_manager.schedule()
         changed = list(sched.finished_aborted)
+        decode = sum(sr.num_new_tokens for sr in sched.scheduled if sr.context_len >= sr.request.num_prompt_tokens)
         if not sched.is_empty:
             out = self.runner.execute(sched)
             changed += self.resource_manager.update(sched, out)
         self.step_count += 1
         finished = [r for r in changed if r.is_finished]
-        decode = sum(sr.num_new_tokens for sr in sched.scheduled if sr.context_len >= sr.request.num_prompt_tokens)
         stats = StepStats(
             step=self.step_count, num_running=self.resource_manager.num_running,
             num_waiting=self.resource_manager.num_waiting,

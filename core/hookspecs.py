@@ -28,7 +28,7 @@ def fdx_register_resource_managers(register: Register) -> None:
     """Register KV schedulers (``ResourceManager`` subclasses) by name.
 
     Called once at start-up. ``config.scheduler.resource_manager`` picks one
-    (built-ins: ``v1``; ``v0`` later)."""
+    (built-ins: ``v1``, ``v0``)."""
 
 
 @hookspec
@@ -42,8 +42,8 @@ def fdx_register_schedulers(register: Register) -> None:
 def fdx_register_kv_caches(register: Register) -> None:
     """Register KV block managers (``KVCacheManager`` subclasses) by name.
 
-    Called once at start-up. ``config.cache.kv_cache`` picks one (built-in:
-    ``paged``)."""
+    Called once at start-up. ``config.cache.kv_cache`` picks one (built-ins:
+    ``paged``, ``prefix``)."""
 
 
 @hookspec

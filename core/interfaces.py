@@ -116,6 +116,11 @@ class KVCacheManager(abc.ABC):
         the weights (the model path). Caches that copy blocks to another
         tier keep them; default: nothing."""
 
+    def close(self) -> None:
+        """The engine is done with this cache: keep what is worth keeping
+        (a file tier writes its blocks) and let go of the KV tensors, which
+        may be reused. Idempotent. Default: nothing."""
+
     @property
     @abc.abstractmethod
     def num_free_blocks(self) -> int:

@@ -32,6 +32,7 @@ from fdx.core.sampling_params import SamplingParams
 log = logging.getLogger("fdx.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MAX_SEQS_PER_REQUEST = 1024           # n x prompts in one request
 
 
 def fdx_version() -> str:
@@ -343,6 +344,9 @@ class Server:
         return await self._serve(req, http_request, [(text, ids)], sp, rid, chat=True)
 
     async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, rid: str, chat: bool):
+        if sp.n * len(prompts) > MAX_SEQS_PER_REQUEST:
+            raise APIError(400, f"n x prompts = {sp.n * len(prompts)} completions in one request; "
+                           f"the limit is {MAX_SEQS_PER_REQUEST}", param="n")
         group = self.make_group(prompts, sp, rid)
         self.admit(len(group.seqs))
         group.start()

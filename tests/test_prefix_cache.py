@@ -232,6 +232,24 @@ def test_flush_writes_blocks_still_in_the_pool(tmp_path):
     assert admit(restarted, make_req("b", list(range(1, 14)))) == 12
 
 
+def test_a_collected_cache_writes_its_blocks_and_a_closed_one_reads_no_tensors(tmp_path):
+    kv = make_cache(num_blocks=8, tensors=True, swap_dir=str(tmp_path))
+    r = make_req("a", list(range(1, 10)))
+    admit(kv, r)
+    compute(kv, r)
+    del kv, r
+    gc.collect()
+    assert len(list(tmp_path.glob("*.kvb"))) == 2
+    kv = make_cache(num_blocks=8, tensors=True, swap_dir=str(tmp_path / "other"))
+    r = make_req("a", list(range(1, 10)))
+    admit(kv, r)
+    compute(kv, r)
+    kv.close()
+    kv.close()
+    assert kv.kv_caches is None and len(list((tmp_path / "other").glob("*.kvb"))) == 2
+    assert kv.flush() == 0
+
+
 def test_file_tier_is_bounded(tmp_path):
     kv = make_cache(num_blocks=4, tensors=True, swap_dir=str(tmp_path), swap_max_blocks=3)
     fill_and_evict(kv, list(range(1, 11)), "a")
@@ -397,8 +415,7 @@ def test_second_tier_hit_equals_recompute_and_survives_restart(smollm_llm, tmp_p
         assert _generate(smollm_llm, [a]) == [want_a]
         stats = eng.kv_cache.stats()
         assert stats["prefix_cache_tier2_hits"] > 0 and stats["prefix_cache_hits"] >= 112, stats
-        del eng
-    gc.collect()                  # the cache is gone: what was still in the pool is flushed to files
+    # leaving use_scheduling closed the cache: what was still in the pool went to files
     keys = block_key_chain_of(a, 16)
     assert all((tmp_path / (k.hex() + ".kvb")).exists() for k in keys)
 

@@ -112,6 +112,11 @@ def test_stop_string_is_held_back_while_streaming(smollm_llm):
     assert tok.decode(ids[: hit_at + 1]).endswith("answer is") and len(seq.token_ids) == hit_at + 1
 
 
+def test_engine_side_params_carry_no_text_work():
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 # -- endpoints -------------------------------------------------------------------------------
 
 def test_models_version_health(server, client):

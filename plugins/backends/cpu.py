@@ -38,10 +38,11 @@ class CpuBackend(Backend):
 
     def setup(self, config) -> None:
         threads = config.backend.num_threads or available_cores()
-        # Paddle sets OMP_NUM_THREADS=1 on import when unset; fdx/__init__
-        # sets it (and MKL_DEBUG_CPU_TYPE) before that; this makes it exact.
-        os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "7")
+        # Paddle sets OMP_NUM_THREADS=1 on import; the OpenMP runtime reads
+        # it when it starts (first parallel region, after this), and
+        # set_num_threads sets MKL's and OpenMP's count directly.
         import paddle
+        os.environ["OMP_NUM_THREADS"] = str(threads)
         paddle.set_device("cpu")
         paddle.base.core.set_num_threads(threads)
         self.num_threads = threads

@@ -17,7 +17,7 @@ its KV blocks.
 - Second tier (``cache.swap_max_blocks``, ``cache.swap_dir``): an evicted
   block is copied to host memory or, with ``swap_dir``, to a file (see
   swap.py); a later hit there is copied back into a fresh block instead of
-  recomputed. ``flush()`` writes the blocks still in the pool to the file
+  recomputed. ``close()`` writes the blocks still in the pool to the file
   tier, so they survive a restart; it runs at exit and when the cache is
   collected (a killed process keeps only what was evicted before).
 - ``stats()``: ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens of
@@ -127,7 +127,7 @@ class PrefixKVCache(PagedKVCache):
                            "layout": "head-major rows h*num_slots+slot"}
             self.tier2 = FileTier(cc.swap_dir, size, fingerprint)
             ref = weakref.ref(self)
-            atexit.register(lambda: (c := ref()) is not None and c.flush())
+            atexit.register(lambda: (c := ref()) is not None and c.close())
         else:
             self.tier2 = MemoryTier(size)
 
@@ -156,7 +156,7 @@ class PrefixKVCache(PagedKVCache):
     def flush(self) -> int:
         """Write the blocks still in the pool to the file tier (oldest
         first), so that they outlive this engine; returns how many were
-        written. Runs at exit and when the cache is collected."""
+        written."""
         if not isinstance(self.tier2, FileTier) or self.kv_caches is None:
             return 0
         order = list(self.pool.evictable) + [b for b in self.meta if b not in self.pool.evictable]
@@ -168,9 +168,20 @@ class PrefixKVCache(PagedKVCache):
                 n += 1
         return n
 
-    def __del__(self):
+    def close(self) -> None:
+        """Flush, then let go of the KV tensors: blocks are no longer read
+        from them (the engine may reuse them). Runs at exit and when the
+        cache is collected."""
+        if self.kv_caches is None:
+            return
         try:
             self.flush()
+        finally:
+            self.kv_caches = None
+
+    def __del__(self):
+        try:
+            self.close()
         except Exception as e:      # best effort: never raise from a finalizer
             log.warning("prefix cache: flush at shutdown failed: %s", e)
 
@@ -220,7 +231,8 @@ class PrefixKVCache(PagedKVCache):
         return len(table) * self.block_size
 
     def _load_from_tier2(self, meta: BlockMeta) -> int | None:
-        if self.tier2 is None or self.pool.num_free == 0 or meta.key not in self.tier2:
+        if (self.tier2 is None or self.kv_caches is None or self.pool.num_free == 0
+                or meta.key not in self.tier2):
             return None
         data = self.tier2.get(meta)            # read before allocating: allocation may evict into tier 2
         if data is None:
