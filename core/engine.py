@@ -123,7 +123,7 @@ class EngineCore:
 
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None, prompt: str | None = None,
-                     priority: int = 0) -> Request:
+                     priority: int = 0, cache_salt: str | None = None) -> Request:
         """Validate and build a request (raises ValueError naming the problem)."""
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
@@ -139,7 +139,7 @@ class EngineCore:
                              "leave room to generate")
         req = Request(request_id or self.new_request_id(), list(prompt_token_ids), params,
                       prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len)
+                      max_model_len=self.max_model_len, cache_salt=cache_salt)
         return req
 
     def add_request(self, request: Request) -> Request:
@@ -156,6 +156,12 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.resource_manager.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Abort what is left and let the KV cache flush (a file tier writes its blocks)."""
+        for req in list(getattr(self.resource_manager, "running", [])) + list(getattr(self.resource_manager, "waiting", [])):
+            self.abort_request(req.request_id)
+        self.kv_cache.close()
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[Request]:

@@ -35,6 +35,16 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def close(self) -> None:
+        """Flush the KV cache's tiers and drop pending work."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- generate ------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

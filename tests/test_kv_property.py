@@ -230,7 +230,7 @@ def run_workload(kind: str, cache: str, policy: str, w: dict):
 
 
 @pytest.mark.parametrize("kind,cache,policy", COMBOS)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads())
 def test_kv_scheduling_properties(kind, cache, policy, w):
     run_workload(kind, cache, policy, w)

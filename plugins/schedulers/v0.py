@@ -83,7 +83,7 @@ class V0ResourceManager(V1ResourceManager):
         now = time.monotonic()
         reserved = sum(self.reserve(r) for r in self.running)
         prompt_blocks = sum(self._blocks(r.num_prompt_tokens) for r in self.running)
-        pending = sum(r.num_prompt_tokens - r.num_computed_tokens for r in self.running)
+        pending = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             own_prompt_blocks = self._blocks(req.num_prompt_tokens)
