@@ -14,7 +14,6 @@ import logging
 import os
 import platform
 import threading
-import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -101,9 +100,7 @@ def _build() -> ModuleType:
 
 
 def _build_or_load() -> ModuleType:
-    with warnings.catch_warnings():  # "No ccache found" on import
-        warnings.simplefilter("ignore", UserWarning)
-        from paddle.utils.cpp_extension import load
+    from paddle.utils.cpp_extension import load
 
     path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
