@@ -38,10 +38,13 @@ class BlockPool:
         if rc <= 0:
             raise AssertionError(f"KV block {block_id} freed twice")
         self.ref_counts[block_id] = rc - 1
-        if rc == 1:
-            self.free_ids.append(block_id)
-            return True
-        return False
+        if rc > 1:
+            return False
+        self._became_free(block_id)
+        return True
+
+    def _became_free(self, block_id: int) -> None:
+        self.free_ids.append(block_id)
 
 
 class PagedKVCache(KVCacheManager):

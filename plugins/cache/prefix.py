@@ -78,18 +78,11 @@ class CachingBlockPool(BlockPool):
             del self.evictable[block_id]       # KeyError here means a free, uncached block
         self.ref_counts[block_id] += 1
 
-    def release(self, block_id: int) -> bool:
-        rc = self.ref_counts[block_id]
-        if rc <= 0:
-            raise AssertionError(f"KV block {block_id} freed twice")
-        self.ref_counts[block_id] = rc - 1
-        if rc > 1:
-            return False
+    def _became_free(self, block_id: int) -> None:
         if self.cached[block_id]:
             self.evictable[block_id] = None
         else:
             self.free_ids.append(block_id)
-        return True
 
 
 class PrefixKVCache(PagedKVCache):

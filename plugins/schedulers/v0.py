@@ -62,7 +62,7 @@ class V0ResourceManager(V1ResourceManager):
         out = SchedulerOutput(finished_aborted=self.aborted)
         self.aborted = []
         self.waiting.reorder()
-        self._admit()
+        self._admit_waiting()
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         if prefilling:
             grants = self._split_budget(prefilling)
@@ -79,7 +79,7 @@ class V0ResourceManager(V1ResourceManager):
             out.num_scheduled_tokens += n
         return out
 
-    def _admit(self) -> None:
+    def _admit_waiting(self) -> None:
         now = time.monotonic()
         reserved = sum(self.reserve(r) for r in self.running)
         prompt_blocks = sum(self._blocks(r.num_prompt_tokens) for r in self.running)
@@ -96,12 +96,7 @@ class V0ResourceManager(V1ResourceManager):
                     or not self.kv_cache.allocate_slots(req, num_new)):
                 self._release_hit(req)
                 break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-                req.num_cached_tokens = req.num_computed_tokens
-            self.running.append(req)
+            self._admit(req, now)
             reserved += self.reserve(req)
             prompt_blocks += own_prompt_blocks
             pending += num_new

@@ -99,12 +99,7 @@ class V1ResourceManager(ResourceManager):
                 self._release_hit(req)
                 break
             num_new = min(num_new, budget)
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-                req.num_cached_tokens = req.num_computed_tokens
-            self.running.append(req)
+            self._admit(req, now)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv_cache.block_table(req.request_id)))
             budget -= num_new
 
@@ -115,6 +110,15 @@ class V1ResourceManager(ResourceManager):
         """Undo get_computed_blocks for a request that stays waiting."""
         self.kv_cache.free(req)
         req.num_computed_tokens = 0
+
+    def _admit(self, req: Request, now: float) -> None:
+        """Move the head of the waiting queue, whose blocks are allocated, to running."""
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+            req.num_cached_tokens = req.num_computed_tokens
+        self.running.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req)
