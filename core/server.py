@@ -536,6 +536,8 @@ def build_app(server: Server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
         errs = e.errors()
+        if any(er.get("type") == "json_invalid" or tuple(er.get("loc", ())) == ("body",) for er in errs):
+            return JSONResponse(error_body("the request body is not a valid JSON object"), status_code=400)
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
