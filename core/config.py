@@ -38,7 +38,6 @@ class CacheConfig(_Section):
 
 class SchedulerConfig(_Section):
     resource_manager: str = "v1"               # KV scheduler plugin name
-    scheduler: str = "local"                   # request-level scheduler plugin name
     policy: str = "fcfs"                       # waiting-queue order
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)  # None: 2048, or max_model_len unchunked

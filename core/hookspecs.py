@@ -35,7 +35,8 @@ def fdx_register_resource_managers(register: Register) -> None:
 def fdx_register_schedulers(register: Register) -> None:
     """Register request-level schedulers (queues across engine instances).
 
-    Called once at start-up (built-in: ``local``)."""
+    Called once at start-up. No built-in yet; the engine does not consult
+    this registry until multi-instance serving lands."""
 
 
 @hookspec
