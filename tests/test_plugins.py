@@ -83,3 +83,14 @@ def test_fdx_plugins_cli_lists_hooks(example_plugin_installed):
     assert "fdx_register_resource_managers:" in out
     assert "v1" in out and "shortest-first" in out and "[fdx-example-plugin]" in out
     assert "fdx_step_finished: example" in out
+
+
+def test_every_hook_is_documented():
+    import pathlib
+
+    from fdx.core import hookspecs
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    hooks = [n for n in dir(hookspecs) if n.startswith("fdx_")]
+    assert len(hooks) == 13
+    missing = [h for h in hooks if f"`{h}" not in doc]
+    assert not missing, missing
