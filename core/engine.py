@@ -12,7 +12,7 @@ import time
 
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.interfaces import Backend, StepStats
-from fdx.core.plugins import PluginManager, get_plugin_manager
+from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
 
@@ -25,6 +25,12 @@ class EngineCore:
     def __init__(self, config: FdxConfig, plugins: PluginManager | None = None, progress: bool = True):
         self.config = config = config.model_copy(deep=True)
         self.plugins = plugins = plugins or get_plugin_manager()
+        # resolve every plugin name before the (slow) model load, so a typo fails at once
+        sc, dc = config.scheduler, config.decoding
+        kv_cache_cls = self._pick("kv_cache", "cache.kv_cache", config.cache.kv_cache)
+        token_processor_cls = self._pick("token_processor", "decoding.token_processor", dc.token_processor)
+        resource_manager_cls = self._pick("resource_manager", "scheduler.resource_manager", sc.resource_manager)
+        processors = [self._pick("logits_processor", "decoding.logits_processors", n) for n in dc.logits_processors]
         self.backend = self._select_backend()
         self.backend.setup(config)
 
@@ -36,23 +42,20 @@ class EngineCore:
         self.tokenizer = ckpt.tokenizer
         self.model_path = ckpt.path
         arch = (ckpt.config.get("architectures") or ["?"])[0]
-        self.model = plugins.get("model", arch)(ckpt.config, ckpt.weights)
+        self.model = self._pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
         del ckpt
 
         self.max_model_len = self._resolve_lengths()
         num_blocks = self._resolve_num_blocks()
         self.kv_caches = self._allocate_kv(num_blocks)
 
-        sc = config.scheduler
-        self.kv_cache = plugins.get("kv_cache", config.cache.kv_cache)(num_blocks, config.cache.block_size, config)
+        self.kv_cache = kv_cache_cls(num_blocks, config.cache.block_size, config)
         self.kv_cache.attach_kv_tensors(self.kv_caches, self.model.num_kv_heads, self.model_path)
-        self.token_processor = plugins.get("token_processor", config.decoding.token_processor)(self.tokenizer)
-        self.resource_manager = plugins.get("resource_manager", sc.resource_manager)(
-            config, self.kv_cache, self.token_processor, self.max_model_len)
+        self.token_processor = token_processor_cls(self.tokenizer)
+        self.resource_manager = resource_manager_cls(config, self.kv_cache, self.token_processor, self.max_model_len)
 
         from fdx.core.model_runner import ModelRunner
         from fdx.plugins.decoding.sampler import Sampler
-        processors = [plugins.get("logits_processor", n) for n in config.decoding.logits_processors]
         self.sampler = Sampler(processors, seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_caches, num_blocks, config.cache.block_size,
@@ -62,10 +65,16 @@ class EngineCore:
         plugins.notify("fdx_engine_started", engine=self)
 
     # -- set-up ---------------------------------------------------------------
+    def _pick(self, kind: str, key: str, name: str):
+        try:
+            return self.plugins.get(kind, name)
+        except PluginError as e:
+            raise ConfigError(f"config key '{key}': {e}") from None
+
     def _select_backend(self) -> Backend:
         name = self.config.backend.name
         if name != "auto":
-            cls = self.plugins.get("backend", name)
+            cls = self._pick("backend", "backend.name", name)
             if not cls.is_available():
                 raise ConfigError(f"config key 'backend.name': backend {name!r} is not available here")
             return cls()

@@ -238,7 +238,8 @@ def engine_main(argv: list[str] | None = None) -> int:
             int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe())))
         EngineLoop(engine, inbox, outbox, args.parent_pid).run()
     except Exception as e:
-        log.exception("engine failed")
+        if not isinstance(e, (ValueError, FileNotFoundError, KeyError)):   # ConfigError is a ValueError
+            log.exception("engine failed")                # a bug: keep the traceback in the log
         outbox.send(_encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
         outbox.close(linger=2000)
         return 1
