@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import logging
 import time
 
@@ -140,8 +141,10 @@ class EngineCore:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         vocab = self.model.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
+               for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
                              f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens "

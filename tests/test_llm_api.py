@@ -18,6 +18,8 @@ def test_outputs_in_order_for_mixed_prompt_kinds(smollm_llm):
     outs = smollm_llm.generate(["Hello, my name is", {"prompt_token_ids": ids}, "2 + 2 ="], sp)
     assert len(outs) == 3
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    as_numpy = smollm_llm.generate([{"prompt_token_ids": np.asarray(ids)}], sp)[0]
+    assert as_numpy.outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert outs[2].prompt == "2 + 2 ="
     text = outs[0].outputs[0].text
     assert text == smollm_llm.tokenizer.decode(outs[0].outputs[0].token_ids)
