@@ -89,17 +89,12 @@ def cmd_plugins(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
+def cmd_bench_throughput(args) -> int:
     from fdx.core import bench
-    if args.bench_cmd == "throughput":
-        llm = _make_llm(args, progress=False)
-        result = bench.throughput(llm, args.num_requests, args.input_len, args.output_len, seed=args.bench_seed)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        else:
-            print(bench.format_throughput(result))
-        return 0
-    raise SystemExit(f"unknown bench command {args.bench_cmd!r}")
+    llm = _make_llm(args, progress=False)
+    result = bench.throughput(llm, args.num_requests, args.input_len, args.output_len, seed=args.bench_seed)
+    print(json.dumps(result, indent=2) if args.json else bench.format_throughput(result))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--bench-seed", type=int, default=0)
     t.add_argument("--json", action="store_true")
     _add_engine_args(t)
-    t.set_defaults(func=cmd_bench)
+    t.set_defaults(func=cmd_bench_throughput)
     bench_prefix.add_parser(bsub)
     bench_serve.add_parser(bsub)
     return parser

@@ -149,7 +149,7 @@ class EngineCore:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
                              f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens "
                              "leave room to generate")
-        req = Request(request_id or self.new_request_id(), list(prompt_token_ids), params,
+        req = Request(request_id or self.new_request_id(), prompt_token_ids, params,
                       prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, cache_salt=cache_salt)
         return req
