@@ -6,8 +6,9 @@ import json
 import logging
 import sys
 
-from fdx.core import bench_serve, serve_cli
-from fdx.core import bench_prefix
+from fdx.core.bench import serve as bench_serve
+from fdx.core.serving import cli as serve_cli
+from fdx.core.bench import prefix as bench_prefix
 from fdx.core.config import FLAT_KEYS, ConfigError
 
 
@@ -90,7 +91,7 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_bench_throughput(args) -> int:
-    from fdx.core import bench
+    from fdx.core.bench import throughput as bench
     llm = _make_llm(args, progress=False)
     result = bench.throughput(llm, args.num_requests, args.input_len, args.output_len, seed=args.bench_seed)
     print(json.dumps(result, indent=2) if args.json else bench.format_throughput(result))

@@ -35,7 +35,7 @@ class EngineCore:
         self.backend = self._select_backend()
         self.backend.setup(config)
 
-        from fdx.core.model_loader import load_checkpoint
+        from fdx.core.checkpoint.loader import load_checkpoint
         ckpt = load_checkpoint(config.model.model, progress=progress)
         if ckpt.tokenizer is None:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "

@@ -33,7 +33,7 @@ def smollm_llm():
 
 
 def smollm_gguf_path() -> str:
-    from fdx.core.model_loader import default_model_path
+    from fdx.core.checkpoint.loader import default_model_path
     return default_model_path()
 
 

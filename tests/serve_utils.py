@@ -57,7 +57,7 @@ class ServerProcess:
         children = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         for pid in children:
             cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"fdx.core.engine_proc" in cmd:
+            if b"fdx.core.serving.engine_proc" in cmd:
                 return int(pid)
         raise RuntimeError("no engine process found")
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from serve_utils import API_KEY, ServerProcess, pid_alive
 
-from fdx.core.bench_serve import RequestResult, format_report, summarize
+from fdx.core.bench.serve import RequestResult, format_report, summarize
 
 
 @pytest.fixture(scope="module")

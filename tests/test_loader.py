@@ -1,4 +1,4 @@
-"""fdx.core.model_loader against transformers and brute-force references."""
+"""fdx.core.checkpoint.loader against transformers and brute-force references."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdx.core import model_loader
-from fdx.core.model_loader import Checkpoint, default_model_path, load_checkpoint
+from fdx.core.checkpoint import loader as model_loader
+from fdx.core.checkpoint.loader import Checkpoint, default_model_path, load_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -380,7 +380,7 @@ def solo_outputs(smollm_llm):
 
 @pytest.mark.parametrize("kind", ["v0", "v1"])
 def test_outputs_identical_across_caches_and_policies(smollm_llm, solo_outputs, kind):
-    from fdx.core.bench_prefix import use_scheduling
+    from fdx.core.bench.prefix import use_scheduling
     prompts, solo = solo_outputs
     priorities = [3, 1, 2, 0, 1, 2, 0]
     for cache in ("paged", "prefix"):
@@ -401,7 +401,7 @@ def test_outputs_identical_across_caches_and_policies(smollm_llm, solo_outputs, 
 
 def test_second_tier_hit_equals_recompute_and_survives_restart(smollm_llm, tmp_path, caplog):
     from fdx import LLM
-    from fdx.core.bench_prefix import use_scheduling
+    from fdx.core.bench.prefix import use_scheduling
     tok = smollm_llm.tokenizer
     a = tok.encode(SYSTEM * 2 + QUESTIONS[0])             # ~140 tokens: 8+ full blocks
     b = tok.encode("Once upon a time, " * 100)[:470]      # 30 blocks: pushes a's blocks out

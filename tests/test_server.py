@@ -15,7 +15,7 @@ import openai
 import pytest
 from serve_utils import API_KEY, ServerProcess, pid_alive
 
-from fdx.core.output_processor import SequenceState
+from fdx.core.output import SequenceState
 from fdx.core.sampling_params import SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -1,4 +1,4 @@
-"""fdx.core.tokenizer against transformers' own tokenizers (the reference)."""
+"""fdx.core.checkpoint.tokenizer against transformers' own tokenizers (the reference)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fdx.core.model_loader import default_model_path
-from fdx.core.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from fdx.core.checkpoint.loader import default_model_path
+from fdx.core.checkpoint.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

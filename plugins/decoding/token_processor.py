@@ -6,15 +6,14 @@ import time
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import TokenProcessor
 from fdx.core.request import Request, RequestStatus, TokenLogprob
-from fdx.core.tokenizer import IncrementalDetokenizer
+from fdx.core.output import TextOutput
 
 
 class DefaultTokenProcessor(TokenProcessor):
     def start(self, request: Request) -> None:
         """Attach per-request state (called when the engine accepts it)."""
         sp = request.sampling_params
-        request.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=sp.skip_special_tokens) if sp.detokenize else None
+        request.detokenizer = TextOutput(self.tokenizer, sp) if sp.detokenize else None
         request.logprobs = [] if sp.logprobs is not None else None
 
     def process(self, request: Request, token_id: int, logprobs=None) -> bool:
@@ -28,10 +27,6 @@ class DefaultTokenProcessor(TokenProcessor):
         if request.logprobs is not None and logprobs is not None:
             request.logprobs.append(self._logprob_dict(logprobs))
 
-        prev_len = len(request.output_text)
-        if request.detokenizer is not None:
-            request.output_text += request.detokenizer.add([token_id])
-
         n_out = request.num_output_tokens
         status, reason = None, None
         if n_out >= sp.min_tokens:
@@ -39,37 +34,23 @@ class DefaultTokenProcessor(TokenProcessor):
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in sp.stop_token_ids:
                 status, reason = RequestStatus.FINISHED_STOPPED, token_id
-            elif sp.stop:
-                reason = self._check_stop_strings(request, prev_len)
-                if reason is not None:
-                    status = RequestStatus.FINISHED_STOPPED
+        text = request.detokenizer
+        if text is not None:
+            stop = text.add(token_id, n_out, check_stop=status is None)
+            if stop is not None:
+                status, reason = RequestStatus.FINISHED_STOPPED, stop
         if status is None and (n_out >= request.max_tokens or request.num_tokens >= request.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
+        if text is not None:
+            if status is not None and not isinstance(reason, str):
+                text.finish()                  # not cut by a stop string: flush an incomplete tail
+            request.output_text = text.text
         if status is not None:
             request.status = status
             request.stop_reason = reason
             request.finished_time = now
             return True
         return False
-
-    @staticmethod
-    def _check_stop_strings(request: Request, prev_len: int) -> str | None:
-        """Find the earliest stop string that the new text completed; cut
-        the text there (keeping the stop string if asked)."""
-        sp = request.sampling_params
-        text = request.output_text
-        best: tuple[int, str] | None = None
-        for stop in sp.stop:
-            # a match must end inside the new text
-            start = max(0, prev_len - len(stop) + 1)
-            idx = text.find(stop, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
-            return None
-        idx, stop = best
-        request.output_text = text[: idx + len(stop)] if sp.include_stop_str_in_output else text[:idx]
-        return stop
 
     def _logprob_dict(self, lp) -> dict[int, TokenLogprob]:
         out: dict[int, TokenLogprob] = {}

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 from tqdm import tqdm
 
-from fdx.core.tokenizer import Tokenizer
+from fdx.core.checkpoint.tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_MODEL_FILE",
@@ -384,3 +384,15 @@ def _load_gguf(path: Path, progress: bool) -> Checkpoint:
             array = _unpermute_rows(array, config["num_key_value_heads"])
         weights[name] = array
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="gguf")
+
+
+def load_tokenizer(model: str | None):
+    """The tokenizer alone (no weights), for the API process."""
+    path = Path(model or default_model_path())
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json: the server needs a tokenizer")
+        return Tokenizer.from_hf_dir(path)
+    if path.suffix.lower() == ".gguf":
+        return Tokenizer.from_gguf(str(path))
+    raise ValueError(f"cannot read a tokenizer from {path}")

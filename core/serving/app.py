@@ -1,7 +1,7 @@
 """``fdx serve``: the OpenAI-compatible server (FastAPI on uvicorn).
 
 This process tokenizes, renders chat templates, detokenizes and streams;
-the EngineCore steps in its own process (core/engine_proc.py). Endpoints:
+the EngineCore steps in its own process (core/serving/engine_proc.py). Endpoints:
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET
 /health, GET /metrics, GET /version. See docs/serving.md.
 """
@@ -22,11 +22,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fdx.core.checkpoint.loader import load_tokenizer
 from fdx.core.config import FdxConfig
-from fdx.core.engine_proc import EngineClient, EngineDeadError, EngineRejected, SeqDelta
-from fdx.core.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from fdx.core.output_processor import SequenceState
-from fdx.core.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from fdx.core.serving.engine_client import EngineClient, EngineDeadError
+from fdx.core.serving.messages import EngineRejected, SeqDelta
+from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from fdx.core.output import SequenceState
+from fdx.core.serving.rendering import Renderer
+from fdx.core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.server")
@@ -41,20 +44,6 @@ def fdx_version() -> str:
         return version("fdx")
     except Exception:
         return "unknown"
-
-
-def load_tokenizer(model: str | None):
-    """The tokenizer alone (no weights), for the API process."""
-    from fdx.core.model_loader import default_model_path
-    from fdx.core.tokenizer import Tokenizer
-    path = Path(model or default_model_path())
-    if path.is_dir():
-        if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{path} has no tokenizer.json: the server needs a tokenizer")
-        return Tokenizer.from_hf_dir(path)
-    if path.suffix.lower() == ".gguf":
-        return Tokenizer.from_gguf(str(path))
-    raise ValueError(f"cannot read a tokenizer from {path}")
 
 
 def model_names(config: FdxConfig) -> list[str]:
@@ -178,6 +167,7 @@ class Server:
         self.metrics = ServerMetrics(self.model_name)
         self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
         self.tokenizer = None
+        self.render: Renderer | None = None
         self.max_model_len = 0
         self.vocab_size = 0
         self.accepting = False
@@ -193,6 +183,7 @@ class Server:
         tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.config.model.model))
         try:
             ready, self.tokenizer = await asyncio.gather(engine_task, tok_task)
+            self.render = Renderer(self.tokenizer, self.model_name)
         except BaseException:
             tok_task.cancel()
             await self.engine.shutdown()
@@ -289,7 +280,7 @@ class Server:
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
-        prompts = self._completion_prompts(req.prompt)
+        prompts = self.render.completion_prompts(req.prompt)
         kwargs = req.sampling_kwargs(req.max_tokens if req.max_tokens is not None else 16)
         kwargs["logprobs"] = req.logprobs
         sp = self.sampling_params(kwargs)
@@ -298,42 +289,12 @@ class Server:
         rid = f"cmpl-{secrets.token_hex(12)}"
         return await self._serve(req, http_request, prompts, sp, rid, chat=False)
 
-    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompt, str):
-            return [(prompt, self.tokenizer.encode(prompt))]
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [(None, list(prompt))]
-        if all(isinstance(p, str) for p in prompt):
-            return [(p, self.tokenizer.encode(p)) for p in prompt]
-        if all(isinstance(p, list) for p in prompt):
-            return [(None, list(p)) for p in prompt]
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
-                       "lists of token ids", param="prompt")
-
     async def chat_completions(self, req: ChatCompletionRequest, http_request: Request):
         self.check_model(req.model)
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
-        messages = []
-        for m in req.messages:
-            msg = {k: v for k, v in m.model_dump().items() if v is not None}
-            msg["content"] = m.text() or ""
-            messages.append(msg)
-        template_kwargs = req.chat_template_kwargs or {}
-        reserved = sorted(set(template_kwargs) & {"chat_template", "tools", "documents", "messages",
-                                                  "add_generation_prompt"})
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
-                           param="chat_template_kwargs")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **template_kwargs)
-        except Exception as e:  # template errors (raise_exception, a missing template)
-            raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        text, ids = self.render.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         kwargs = req.sampling_kwargs(max_tokens)
         if req.logprobs:
@@ -362,35 +323,7 @@ class Server:
             raise APIError(503, str(e), type="service_unavailable") from None
         finally:
             group.close()
-        return JSONResponse(self._final_response(group, req, prompts, rid, created, chat))
-
-    # -- response bodies ---------------------------------------------------------------
-    def _usage(self, group: RequestGroup, prompts) -> dict:
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
-        completion = sum(len(s.token_ids) for s in group.seqs)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
-
-    def _prompt_text(self, prompts, p_idx: int) -> str:
-        text, ids = prompts[p_idx]
-        return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def _final_response(self, group, req, prompts, rid, created, chat) -> dict:
-        choices = []
-        for s in group.seqs:
-            lps = s.take_logprobs()
-            if chat:
-                choices.append({"index": s.index, "message": {"role": "assistant", "content": s.text},
-                                "logprobs": self._chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
-                                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
-            else:
-                text = (self._prompt_text(prompts, s.prompt_index) if req.echo else "") + s.text
-                choices.append({"index": s.index, "text": text,
-                                "logprobs": (self._completion_logprobs(lps, 0, s.params.logprobs)
-                                             if s.logprobs is not None else None),
-                                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": self._usage(group, prompts)}
+        return JSONResponse(self.render.final_response(group.seqs, req, prompts, rid, created, chat))
 
     async def _stream(self, group: RequestGroup, req, prompts, rid: str, created: int, chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -409,7 +342,7 @@ class Server:
                     yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
                 elif req.echo:
-                    yield chunk([{"index": s.index, "text": self._prompt_text(prompts, s.prompt_index),
+                    yield chunk([{"index": s.index, "text": self.render.prompt_text(prompts, s.prompt_index),
                                   "logprobs": None, "finish_reason": None}])
             while group.unfinished:
                 s = await group.next()
@@ -419,11 +352,11 @@ class Server:
                 lps = s.take_logprobs()
                 if chat:
                     choice = {"index": s.index, "delta": {"content": text} if text or not s.finished else {},
-                              "logprobs": self._chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
+                              "logprobs": self.render.chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
                               "finish_reason": s.finish_reason}
                 else:
                     choice = {"index": s.index, "text": text,
-                              "logprobs": (self._completion_logprobs(lps, text_offsets[s.index], s.params.logprobs)
+                              "logprobs": (self.render.completion_logprobs(lps, text_offsets[s.index], s.params.logprobs)
                                            if s.logprobs is not None else None),
                               "finish_reason": s.finish_reason}
                     text_offsets[s.index] += len(text)
@@ -431,7 +364,7 @@ class Server:
                     choice["stop_reason"] = s.stop_reason
                 yield chunk([choice])
             if include_usage:
-                yield chunk([], self._usage(group, prompts))
+                yield chunk([], self.render.usage(group.seqs, prompts))
             yield "data: [DONE]\n\n"
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
@@ -441,38 +374,6 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:                                  # a disconnect lands here too: abort, free blocks
             group.close()
-
-    # -- logprobs in OpenAI's two shapes ---------------------------------------------------
-    def _token_str(self, tid: int) -> str:
-        return self.tokenizer.decode([int(tid)], skip_special_tokens=False)
-
-    def _completion_logprobs(self, lps, offset: int, top_n: int) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, entries in lps:
-            tok = self._token_str(tid)
-            tokens.append(tok)
-            token_lps.append(_sampled_logprob(tid, entries))
-            tops.append({self._token_str(int(e[0])): e[1] for e in entries[:top_n]} if top_n else None)
-            offsets.append(offset)
-            offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def _chat_logprobs(self, lps, top_n: int) -> dict:
-        content = []
-        for tid, entries in lps:
-            tok = self._token_str(tid)
-            content.append({
-                "token": tok, "logprob": _sampled_logprob(tid, entries), "bytes": list(tok.encode()),
-                "top_logprobs": [{"token": (t := self._token_str(int(e[0]))), "logprob": e[1],
-                                  "bytes": list(t.encode())} for e in entries[:top_n]]})
-        return {"content": content}
-
-
-def _sampled_logprob(tid: int, entries) -> float | None:
-    """Entries are [token_id, logprob, rank]: the top-N by rank, then the
-    sampled token when it is not among them."""
-    return next((e[1] for e in entries if int(e[0]) == tid), None)
-
 
 # -- the ASGI app ----------------------------------------------------------------------
 

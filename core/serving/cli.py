@@ -47,5 +47,5 @@ def server_config(args):
 
 def cmd_serve(args) -> int:
     config = server_config(args)              # a bad key fails here, before any process starts
-    from fdx.core.server import run_server
+    from fdx.core.serving.app import run_server
     return run_server(config)

@@ -1,0 +1,1 @@
+"""Benchmarks: fdx bench throughput | serve | prefix."""

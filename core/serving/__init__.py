@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: app, protocol, rendering, engine process and client."""

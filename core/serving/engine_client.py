@@ -1,0 +1,178 @@
+"""The client the API process drives the engine process with.
+
+    API process                                    engine process
+    EngineClient --- EngineAdd / EngineAbort ---->  EngineLoop: drain inbox
+                 <-- EngineOutputs (per step) ----             step(), send deltas
+
+Two ZMQ PUSH/PULL pipes over ipc:// sockets; every message is a msgspec
+struct encoded as msgpack (messages.py, never pickle).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from fdx.core.serving.messages import (EngineAbort, EngineAdd, EngineFailed, EngineOutputs, EngineReady,
+                                       EngineRejected, EngineShutdown, EngineStats, FromEngine)
+from fdx.core.serving.messages import encoder as _encoder
+
+log = logging.getLogger("fdx.engine_client")
+
+
+# -- the client, in the API process ----------------------------------------------------
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone."""
+
+
+class EngineClient:
+    """Starts the engine process, sends it requests, routes its deltas.
+
+    ``add()`` registers a callback per engine request id; the output task
+    calls it with each ``SeqDelta`` (or an ``EngineRejected``), and with an
+    ``EngineDeadError`` if the engine dies. ``on_stats`` receives each
+    step's ``EngineStats``; ``on_death`` is called once if the process dies
+    while not shutting down.
+    """
+
+    def __init__(self, config, on_stats: Callable[[EngineStats], None] | None = None,
+                 on_death: Callable[[int], None] | None = None):
+        self.config = config
+        self.on_stats = on_stats
+        self.on_death = on_death
+        self.ready: EngineReady | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.callbacks: dict[str, Callable[[Any], None]] = {}
+        self.dead = False
+        self.stopping = False
+        self._dir = tempfile.mkdtemp(prefix="fdx-")
+        self._ctx = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    async def start(self) -> EngineReady:
+        import zmq.asyncio
+        self._ctx = zmq.asyncio.Context()
+        inbox_addr, outbox_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._push = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)   # sync: sends never wait
+        self._push.setsockopt(zmq.SNDHWM, 0)      # admission control bounds the load, not the pipe
+        self._push.bind(inbox_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(outbox_addr)
+        self._decoder = msgspec.msgpack.Decoder(FromEngine)
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fdx.core.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
+            "--parent-pid", str(os.getpid()), stdin=asyncio.subprocess.PIPE)
+        self.proc.stdin.write(self.config.model_dump_json().encode())
+        self.proc.stdin.close()
+        first = asyncio.ensure_future(self._pull.recv())
+        exited = asyncio.ensure_future(self.proc.wait())
+        await asyncio.wait([first, exited], return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            raise EngineDeadError(f"the engine process exited with status {self.proc.returncode} "
+                                  "while loading (see its messages above)")
+        exited.cancel()
+        msg = self._decoder.decode(first.result())
+        if isinstance(msg, EngineFailed):
+            await self.proc.wait()
+            raise EngineDeadError(f"the engine failed to start: {msg.message}")
+        assert isinstance(msg, EngineReady), msg
+        self.ready = msg
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch())]
+        return msg
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
+            callback: Callable[[Any], None]) -> None:
+        if self.dead or self.stopping:
+            raise EngineDeadError("the engine is not running")
+        self.callbacks[request_id] = callback
+        self._push.send(_encoder.encode(EngineAdd(request_id, prompt_token_ids, params)), zmq.NOBLOCK)
+
+    def abort(self, request_ids: list[str]) -> None:
+        live = [rid for rid in request_ids if self.callbacks.pop(rid, None) is not None]
+        if live and not self.dead:
+            try:
+                self._push.send(_encoder.encode(EngineAbort(live)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def finished(self, request_id: str) -> None:
+        """Forget a request the engine reported finished."""
+        self.callbacks.pop(request_id, None)
+
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._pull.recv())
+            if isinstance(msg, EngineOutputs):
+                for delta in msg.outputs:
+                    cb = self.callbacks.get(delta.request_id)
+                    if cb is not None:
+                        if delta.finish_reason is not None:
+                            del self.callbacks[delta.request_id]
+                        cb(delta)
+                if self.on_stats:
+                    self.on_stats(msg.stats)
+            elif isinstance(msg, EngineRejected):
+                cb = self.callbacks.pop(msg.request_id, None)
+                if cb is not None:
+                    cb(msg)
+            elif isinstance(msg, EngineFailed):
+                log.error("engine failed: %s", msg.message)
+
+    async def _watch(self) -> None:
+        code = await self.proc.wait()
+        if self.stopping:
+            return
+        self.dead = True
+        log.error("the engine process died (status %s)", code)
+        err = EngineDeadError(f"the engine process died (status {code})")
+        callbacks, self.callbacks = self.callbacks, {}
+        for cb in callbacks.values():
+            cb(err)
+        if self.on_death:
+            self.on_death(code)
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine process (a shutdown message, then SIGTERM, then SIGKILL)."""
+        self.stopping = True
+        for t in self._tasks:
+            t.cancel()
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            try:
+                self._push.send(_encoder.encode(EngineShutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            # a loading engine reads no messages: terminate it at once
+            actions = (None, proc.terminate, proc.kill) if self.ready else (proc.terminate, proc.kill)
+            for action in actions:
+                if action is not None:
+                    try:
+                        action()
+                    except ProcessLookupError:
+                        break
+                try:
+                    await asyncio.wait_for(proc.wait(), timeout)
+                    break
+                except asyncio.TimeoutError:
+                    continue
+        if self._ctx is not None:
+            self._push.close(linger=0)
+            self._pull.close(linger=0)
+            self._ctx.term()
+            self._ctx = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+

@@ -1,0 +1,186 @@
+"""The EngineCore in its own process (the client is engine_client.py).
+
+    API process                                    engine process
+    EngineClient --- EngineAdd / EngineAbort ---->  EngineLoop: drain inbox
+                 <-- EngineOutputs (per step) ----             step(), send deltas
+
+Two ZMQ PUSH/PULL pipes over ipc:// sockets; every message is a msgspec
+struct encoded as msgpack (never pickle). The engine process sends token
+ids only: the API process detokenizes and checks stop strings (see
+docs/serving.md). The engine process dies with its parent (PR_SET_PDEATHSIG
+on Linux, and a parent-pid check while idle).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from fdx.core.serving.messages import (EngineAbort, EngineAdd, EngineFailed, EngineOutputs, EngineReady,
+                                       EngineRejected, EngineShutdown, EngineStats, SeqDelta, ToEngine)
+from fdx.core.serving.messages import encoder as _encoder
+
+log = logging.getLogger("fdx.engine_proc")
+
+
+# -- the engine process ------------------------------------------------------------
+
+class EngineLoop:
+    """Drain the inbox without blocking while requests run, block on it while
+    idle; step; send each changed request's new tokens."""
+
+    IDLE_POLL_MS = 500
+
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None = None):
+        self.engine = engine
+        self.inbox, self.outbox = inbox, outbox
+        self.parent_pid = parent_pid
+        self.decoder = msgspec.msgpack.Decoder(ToEngine)
+        self.num_sent: dict[str, int] = {}       # request id -> tokens already sent
+        self.running = True
+
+    def run(self) -> None:
+        eng = self.engine
+        while self.running:
+            busy = eng.has_unfinished()
+            touched = self._drain(block=not busy)
+            if not self.running:
+                break
+            if eng.has_unfinished():
+                changed = eng.step()
+                self._send(changed, eng.last_stats.num_preempted)
+            elif touched:
+                self._send([], 0)                 # aborts freed blocks: publish the stats
+
+    def _drain(self, block: bool) -> bool:
+        touched = False
+        if block:
+            while not self.inbox.poll(self.IDLE_POLL_MS):
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    self.running = False          # orphaned: the API process is gone
+                    return False
+        while True:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return touched
+            touched = True
+            self._handle(self.decoder.decode(raw))
+
+    def _handle(self, msg: ToEngine) -> None:
+        eng = self.engine
+        if isinstance(msg, EngineAdd):
+            from fdx.core.sampling_params import SamplingParams
+            try:
+                params = SamplingParams(**msg.params)
+                req = eng.make_request(msg.prompt_token_ids, params, request_id=msg.request_id)
+            except (TypeError, ValueError) as e:
+                self.outbox.send(_encoder.encode(EngineRejected(msg.request_id, str(e))))
+                return
+            eng.add_request(req)
+            self.num_sent[req.request_id] = 0
+        elif isinstance(msg, EngineAbort):
+            for rid in msg.request_ids:
+                eng.abort_request(rid)
+                self.num_sent.pop(rid, None)
+        elif isinstance(msg, EngineShutdown):
+            self.running = False
+
+    def _send(self, changed: list, num_preempted: int) -> None:
+        deltas = []
+        for req in changed:
+            sent = self.num_sent.get(req.request_id)
+            if sent is None:                      # aborted by the API: it knows already
+                continue
+            new = req.output_token_ids[sent:]
+            finished = req.is_finished
+            if not new and not finished:
+                continue
+            lps = None
+            if req.logprobs is not None:
+                lps = [[[float(t.token_id), t.logprob, float(t.rank)]
+                        for t in sorted(d.values(), key=lambda t: t.rank)]
+                       for d in req.logprobs[sent:sent + len(new)]]
+            queue_time = None
+            if sent == 0 and req.first_scheduled_time is not None:
+                queue_time = req.first_scheduled_time - req.arrival_time
+            deltas.append(SeqDelta(
+                req.request_id, list(new),
+                finish_reason=req.status.value if finished else None,
+                stop_reason=req.stop_reason if finished else None,
+                logprobs=lps, num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time))
+            if finished:
+                del self.num_sent[req.request_id]
+            else:
+                self.num_sent[req.request_id] = sent + len(new)
+        self.outbox.send(_encoder.encode(EngineOutputs(deltas, self._stats(num_preempted))))
+
+    def _stats(self, num_preempted: int) -> EngineStats:
+        eng = self.engine
+        kv = eng.kv_cache
+        try:
+            cache_stats = {k: float(v) for k, v in (kv.stats() or {}).items()}
+        except Exception:                         # a plugin's stats must not stop serving
+            cache_stats = {}
+        return EngineStats(eng.resource_manager.num_running, eng.resource_manager.num_waiting,
+                           float(kv.usage), int(kv.num_free_blocks), int(kv.num_blocks),
+                           cache_stats, num_preempted)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def engine_main(argv: list[str] | None = None) -> int:
+    """Entry point of the engine process: ``python -m fdx.core.serving.engine_proc``."""
+    p = argparse.ArgumentParser(prog="fdx-engine")
+    p.add_argument("--inbox", required=True)
+    p.add_argument("--outbox", required=True)
+    p.add_argument("--parent-pid", type=int, default=None)
+    args = p.parse_args(argv)
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server; it stops us
+    if args.parent_pid is not None and os.getppid() != args.parent_pid:
+        return 1
+    logging.basicConfig(level=os.environ.get("FDX_ENGINE_LOG_LEVEL", "WARNING"),
+                        format="%(levelname)s %(name)s: %(message)s")
+    config_json = sys.stdin.read()               # the config comes over stdin, as JSON
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(args.inbox)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(args.outbox)
+    try:
+        from fdx.core.config import FdxConfig
+        from fdx.core.engine import EngineCore
+        engine = EngineCore(FdxConfig.model_validate(json.loads(config_json)), progress=False)
+        outbox.send(_encoder.encode(EngineReady(
+            engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
+            int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe())))
+        EngineLoop(engine, inbox, outbox, args.parent_pid).run()
+    except Exception as e:
+        if not isinstance(e, (ValueError, FileNotFoundError, KeyError)):   # ConfigError is a ValueError
+            log.exception("engine failed")                # a bug: keep the traceback in the log
+        outbox.send(_encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        outbox.close(linger=2000)
+        return 1
+    outbox.close(linger=1000)
+    inbox.close(linger=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(engine_main())

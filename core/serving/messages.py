@@ -1,0 +1,77 @@
+"""The wire format between the API process and the engine process (and
+any other process fed an engine's work): msgspec structs encoded as
+msgpack, never pickle. Each message is tagged, so a decoder typed with a
+union rejects anything that is not one of them."""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# -- messages --------------------------------------------------------------------
+
+class EngineAdd(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]                   # SamplingParams fields (stop strings stay in the API)
+
+
+class EngineAbort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class EngineShutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class SeqDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    token_ids: list[int]                     # new tokens since the last delta
+    finish_reason: str | None = None         # "stop", "length", "abort" once finished
+    stop_reason: int | str | None = None     # the stop token id that ended it
+    logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob, rank], ...]
+    num_cached_tokens: int = 0
+    queue_time_s: float | None = None        # arrival to first scheduled, on the first delta
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    cache_stats: dict[str, float] = {}      # kv_cache.stats(): prefix-cache counters, if any
+    num_preempted: int = 0                   # preemptions in this step
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[SeqDelta]
+    stats: EngineStats
+
+
+class EngineRejected(msgspec.Struct, tag="rejected"):
+    request_id: str
+    message: str
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    model_path: str
+    backend: str
+
+
+class EngineFailed(msgspec.Struct, tag="failed"):
+    message: str
+
+
+ToEngine = EngineAdd | EngineAbort | EngineShutdown
+FromEngine = EngineOutputs | EngineRejected | EngineReady | EngineFailed
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+
+encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,106 @@
+"""Rendering: chat messages into a prompt, and engine results into OpenAI's
+response bodies (choices, usage, the two logprobs shapes)."""
+from __future__ import annotations
+
+
+from fdx.core.serving.protocol import APIError
+
+
+class Renderer:
+    def __init__(self, tokenizer, model_name: str):
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    # -- input ---------------------------------------------------------------------------
+    def chat_prompt(self, req) -> tuple[str, list[int]]:
+        """The chat template applied to the request's messages: (text, token ids)."""
+        messages = []
+        for m in req.messages:
+            msg = {k: v for k, v in m.model_dump().items() if v is not None}
+            msg["content"] = m.text() or ""
+            messages.append(msg)
+        template_kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(set(template_kwargs) & {"chat_template", "tools", "documents", "messages",
+                                                  "add_generation_prompt"})
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, **template_kwargs)
+        except Exception as e:  # template errors (raise_exception, a missing template)
+            raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            return [(prompt, self.tokenizer.encode(prompt))]
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [(None, list(prompt))]
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, self.tokenizer.encode(p)) for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [(None, list(p)) for p in prompt]
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                       "lists of token ids", param="prompt")
+
+    # -- output ---------------------------------------------------------------
+    def usage(self, seqs, prompts) -> dict:
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        completion = sum(len(s.token_ids) for s in seqs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+    def prompt_text(self, prompts, p_idx: int) -> str:
+        text, ids = prompts[p_idx]
+        return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def final_response(self, seqs, req, prompts, rid, created, chat) -> dict:
+        choices = []
+        for s in seqs:
+            lps = s.take_logprobs()
+            if chat:
+                choices.append({"index": s.index, "message": {"role": "assistant", "content": s.text},
+                                "logprobs": self.chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
+                                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
+            else:
+                text = (self.prompt_text(prompts, s.prompt_index) if req.echo else "") + s.text
+                choices.append({"index": s.index, "text": text,
+                                "logprobs": (self.completion_logprobs(lps, 0, s.params.logprobs)
+                                             if s.logprobs is not None else None),
+                                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": self.usage(seqs, prompts)}
+
+    # -- logprobs in OpenAI's two shapes ---------------------------------------------------
+    def _token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([int(tid)], skip_special_tokens=False)
+
+    def completion_logprobs(self, lps, offset: int, top_n: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entries in lps:
+            tok = self._token_str(tid)
+            tokens.append(tok)
+            token_lps.append(_sampled_logprob(tid, entries))
+            tops.append({self._token_str(int(e[0])): e[1] for e in entries[:top_n]} if top_n else None)
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, lps, top_n: int) -> dict:
+        content = []
+        for tid, entries in lps:
+            tok = self._token_str(tid)
+            content.append({
+                "token": tok, "logprob": _sampled_logprob(tid, entries), "bytes": list(tok.encode()),
+                "top_logprobs": [{"token": (t := self._token_str(int(e[0]))), "logprob": e[1],
+                                  "bytes": list(t.encode())} for e in entries[:top_n]]})
+        return {"content": content}
+
+
+def _sampled_logprob(tid: int, entries) -> float | None:
+    """Entries are [token_id, logprob, rank]: the top-N by rank, then the
+    sampled token when it is not among them."""
+    return next((e[1] for e in entries if int(e[0]) == tid), None)
