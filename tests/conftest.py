@@ -14,14 +14,30 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLUGIN_PKG = ROOT / "tests" / "plugin_pkg"
 
 
+def _plugin_up_to_date() -> bool:
+    """Whether the installed test plugin is this checkout's (same files)."""
+    import importlib.util
+    importlib.invalidate_caches()
+    if not any(ep.name == "example" for ep in importlib.metadata.entry_points(group="fdx")):
+        return False
+    spec = importlib.util.find_spec("fdx_example_plugin")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    installed = pathlib.Path(list(spec.submodule_search_locations)[0])
+    source = PLUGIN_PKG / "fdx_example_plugin"
+    files = sorted(p.relative_to(source) for p in source.rglob("*.py"))
+    return files == sorted(p.relative_to(installed) for p in installed.rglob("*.py")) and all(
+        (source / f).read_bytes() == (installed / f).read_bytes() for f in files)
+
+
 @pytest.fixture(scope="session")
 def example_plugin_installed():
-    """Install the third-party test plugin with pip (once), as a user would."""
-    eps = [ep for ep in importlib.metadata.entry_points(group="fdx") if ep.name == "example"]
-    if not eps:
+    """Install the third-party test plugin with pip, as a user would
+    (again when the installed copy is not this checkout's)."""
+    if not _plugin_up_to_date():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        str(PLUGIN_PKG)], check=True)
-        importlib.invalidate_caches()
+                        "--force-reinstall", str(PLUGIN_PKG)], check=True)
+        assert _plugin_up_to_date()
     yield
 
 
