@@ -23,7 +23,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     model: str | None = None                   # HF dir or .gguf; None: embedded SmolLM2
     max_model_len: int | None = Field(None, gt=0)   # None: the model's, capped at 8192
-    dtype: Literal["float32", "auto"] = "float32"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"   # auto: the backend's first;
+                                               # one the backend does not compute in is a config error
 
 
 class CacheConfig(_Section):
@@ -34,11 +35,15 @@ class CacheConfig(_Section):
     kv_cache_ratio: float = Field(0.75, gt=0, le=1)  # v0: share of blocks prompts may take
     swap_dir: str | None = None                # prefix cache tier 2 in files here (outlives restarts)
     swap_max_blocks: int | None = Field(None, ge=0)  # tier-2 size in blocks; None: 1024 with swap_dir, else 0 (off)
+    kv_connector: str | None = None            # KV connector plugin name; None: "swap" when swap_dir or
+                                               # swap_max_blocks is set, else none
 
 
 class SchedulerConfig(_Section):
     resource_manager: str = "v1"               # KV scheduler plugin name
-    policy: str = "fcfs"                       # waiting-queue order
+    policy: str = "fcfs"                       # waiting-queue order (queue policy plugin name)
+    admission: list[str] = []                  # admission rule plugin names, all must agree
+    preemption: str = "newest"                 # preemption victim policy plugin name
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)  # None: 2048, or max_model_len unchunked
     enable_chunked_prefill: bool = True
@@ -51,8 +56,10 @@ class BackendConfig(_Section):
 
 class DecodingConfig(_Section):
     token_processor: str = "default"
-    logits_processors: list[str] = ["repetition_penalty", "presence_frequency_penalty", "min_tokens"]
-    guided_backend: str | None = None
+    logits_processors: list[str] = []          # logits processor plugins added to the built-ins
+    guided_backend: str | None = None          # consumed by guided decoding (xgrammar, llguidance)
+    capture_logits: bool = False               # research tap: raw logits in each StepContext
+    capture_hidden_states: bool = False        # research tap: final hidden states in each StepContext
 
 
 class ServerConfig(_Section):
@@ -76,6 +83,8 @@ class FdxConfig(_Section):
     decoding: DecodingConfig = DecodingConfig()
     server: ServerConfig = ServerConfig()
     seed: int | None = 0
+    # plugin settings: {kind: {name: {key: value}}}, handed to that plugin's constructor
+    plugins: dict[str, dict[str, dict[str, Any]]] = {}
 
     @classmethod
     def build(cls, yaml_path: str | None = None, /, **overrides: Any) -> "FdxConfig":
@@ -120,6 +129,26 @@ FLAT_KEYS.pop("name", None)
 
 
 def _merge(data: dict[str, Any], key: str, value: Any) -> None:
+    if key == "plugins" or key.startswith("plugins."):
+        path = key.split(".")[1:]
+        if not path:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key 'plugins' must be a mapping {{kind: {{name: {{...}}}}}}, got {value!r}")
+            for kind, names in value.items():
+                _merge(data, f"plugins.{kind}", names)
+            return
+        if len(path) < 2 and not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        node = data.setdefault("plugins", {})
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key '{key}': '{part}' is not a mapping")
+        if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
+            node[path[-1]].update(value)
+        else:
+            node[path[-1]] = value
+        return
     if key in SECTIONS and isinstance(value, dict):
         for k, v in value.items():
             _merge(data, f"{key}.{k}", v)

@@ -1,18 +1,19 @@
-"""EngineCore: loads the model through the plugins config names, and steps.
+"""EngineCore: builds every part from the plugins config names, and steps.
 
-    sched = resource_manager.schedule()        # which requests, how many tokens
-    out   = model_runner.execute(sched)        # one batched forward + sampling
+    sched = resource_manager.schedule()          # plain data: which requests, how many tokens
+    out   = runner.execute(sched)                # one batched forward + logits processors + sampling
     done  = resource_manager.update(sched, out)  # append tokens, stop checks, free blocks
 """
 from __future__ import annotations
 
 import itertools
-import numbers
 import logging
+import numbers
 import time
 
 from fdx.core.config import ConfigError, FdxConfig
-from fdx.core.interfaces import Backend, StepStats
+from fdx.core.interfaces import (Backend, KVCacheSpec, RequestStepInfo, RunnerContext, SchedulingExtensions,
+                                 StepContext, StepStats)
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
@@ -26,13 +27,25 @@ class EngineCore:
     def __init__(self, config: FdxConfig, plugins: PluginManager | None = None, progress: bool = True):
         self.config = config = config.model_copy(deep=True)
         self.plugins = plugins = plugins or get_plugin_manager()
+        self._check_plugin_settings()
         # resolve every plugin name before the (slow) model load, so a typo fails at once
-        sc, dc = config.scheduler, config.decoding
-        kv_cache_cls = self._pick("kv_cache", "cache.kv_cache", config.cache.kv_cache)
+        sc, dc, cc = config.scheduler, config.decoding, config.cache
+        kv_cache_cls = self._pick("kv_cache", "cache.kv_cache", cc.kv_cache)
         token_processor_cls = self._pick("token_processor", "decoding.token_processor", dc.token_processor)
         resource_manager_cls = self._pick("resource_manager", "scheduler.resource_manager", sc.resource_manager)
-        processors = [self._pick("logits_processor", "decoding.logits_processors", n) for n in dc.logits_processors]
+        policy_cls = self._pick("queue_policy", "scheduler.policy", sc.policy)
+        admission_cls = [self._pick("admission_rule", "scheduler.admission", n) for n in sc.admission]
+        victim_cls = self._pick("preemption_policy", "scheduler.preemption", sc.preemption)
+        connector_name = cc.kv_connector or ("swap" if cc.swap_dir or cc.swap_max_blocks else None)
+        connector_cls = self._pick("connector", "cache.kv_connector", connector_name) if connector_name else None
+        builtin = list(self.plugins.builtin_names("logits_processor"))
+        names = builtin + [n for n in dc.logits_processors if n not in builtin]
+        processor_classes = [(n, self._pick("logits_processor", "decoding.logits_processors", n)) for n in names]
         self.backend = self._select_backend()
+        attention_cls = self._pick("attention_backend", "backend.name", self.backend.attention_backend)
+        sampler_cls = self._pick("sampler", "backend.name", self.backend.sampler)
+        runner_cls = self._pick("model_runner", "backend.name", self.backend.model_runner)
+        dtype = self._resolve_dtype()
         self.backend.setup(config)
 
         from fdx.core.checkpoint.loader import load_checkpoint
@@ -47,21 +60,42 @@ class EngineCore:
         del ckpt
 
         self.max_model_len = self._resolve_lengths()
-        num_blocks = self._resolve_num_blocks()
-        self.kv_caches = self._allocate_kv(num_blocks)
+        m = self.model
+        spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, cc.block_size,
+                           self.backend.kv_cache_dtype(dtype))
+        num_blocks = self._resolve_num_blocks(spec)
+        self.kv_spec = spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
+                                          spec.block_size, spec.dtype)
+        self.kv_caches = self.backend.allocate_kv_cache(spec)
 
-        self.kv_cache = kv_cache_cls(num_blocks, config.cache.block_size, config)
-        self.kv_cache.attach_kv_tensors(self.kv_caches, self.model.num_kv_heads, self.model_path)
-        self.token_processor = token_processor_cls(self.tokenizer)
-        self.resource_manager = resource_manager_cls(config, self.kv_cache, self.token_processor, self.max_model_len)
-
-        from fdx.core.model_runner import ModelRunner
-        from fdx.plugins.decoding.sampler import Sampler
-        self.sampler = Sampler(processors, seed=config.seed)
+        settings = self._settings
+        self.kv_cache = kv_cache_cls(num_blocks, cc.block_size, config, settings=settings("kv_cache", cc.kv_cache))
+        self.connector = connector_cls(config, cc.block_size, settings=settings("connector", connector_name)) \
+            if connector_cls else None
+        self.token_processor = token_processor_cls(self.tokenizer, settings=settings("token_processor",
+                                                                                     dc.token_processor))
+        extensions = SchedulingExtensions(
+            queue_policy=policy_cls(self.kv_cache, settings("queue_policy", sc.policy)),
+            admission_rules=[cls(config, settings("admission_rule", n)) for n, cls in zip(sc.admission, admission_cls)],
+            preemption_policy=victim_cls(config, settings("preemption_policy", sc.preemption)),
+            connector=self.connector)
+        self.resource_manager = resource_manager_cls(config, self.kv_cache, self.token_processor, self.max_model_len,
+                                                     settings=settings("resource_manager", sc.resource_manager),
+                                                     extensions=extensions)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_caches, num_blocks, config.cache.block_size,
-                                  self.sampler, set(self.eos_token_ids))
+        self.logits_processors = [cls(config, self.tokenizer, m.vocab_size, settings("logits_processor", n))
+                                  for n, cls in processor_classes]
+        self.processor_classes = [cls for _, cls in processor_classes]
+        self.attention = attention_cls(settings("attention_backend", self.backend.attention_backend))
+        self.sampler = sampler_cls(config=config, settings=settings("sampler", self.backend.sampler))
+        self.runner = runner_cls(RunnerContext(
+            config=config, model=self.model, kv_caches=self.kv_caches, kv_spec=spec, attention=self.attention,
+            sampler=self.sampler, logits_processors=self.logits_processors, eos_token_ids=self.eos_token_ids,
+            connector=self.connector, settings=settings("model_runner", self.backend.model_runner)))
         self.step_count = 0
+        self.num_computed_tokens = 0
+        self.num_recomputed_tokens = 0
+        self.last_stats: StepStats | None = None
         self._ids = itertools.count()
         plugins.notify("fdx_engine_started", engine=self)
 
@@ -72,19 +106,43 @@ class EngineCore:
         except PluginError as e:
             raise ConfigError(f"config key '{key}': {e}") from None
 
+    def _settings(self, kind: str, name: str | None) -> dict:
+        return dict(self.config.plugins.get(kind, {}).get(name or "", {}) or {})
+
+    def _check_plugin_settings(self) -> None:
+        kinds = self.plugins.registries
+        for kind, by_name in self.config.plugins.items():
+            if kind not in kinds:
+                raise ConfigError(f"config key 'plugins.{kind}': no such plugin kind; "
+                                  f"kinds: {', '.join(sorted(kinds))}")
+            for name, value in (by_name or {}).items():
+                if name not in kinds[kind]:
+                    raise ConfigError(f"config key 'plugins.{kind}.{name}': no {kind} named {name!r}; "
+                                      f"available: {', '.join(sorted(kinds[kind])) or 'none'}")
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config key 'plugins.{kind}.{name}' must be a mapping of settings")
+
     def _select_backend(self) -> Backend:
         name = self.config.backend.name
         if name != "auto":
             cls = self._pick("backend", "backend.name", name)
             if not cls.is_available():
                 raise ConfigError(f"config key 'backend.name': backend {name!r} is not available here")
-            return cls()
-        candidates = sorted((r.obj for r in self.plugins.registries["backend"].values()),
-                            key=lambda c: -c.priority)
-        for cls in candidates:
-            if cls.is_available():
-                return cls()
+            return cls(settings=self._settings("backend", name))
+        candidates = sorted(self.plugins.registries["backend"].items(), key=lambda kv: -kv[1].obj.priority)
+        for reg_name, reg in candidates:
+            if reg.obj.is_available():
+                return reg.obj(settings=self._settings("backend", reg_name))
         raise ConfigError("config key 'backend.name': no available backend")
+
+    def _resolve_dtype(self) -> str:
+        want, have = self.config.model.dtype, self.backend.dtypes
+        if want == "auto":
+            return have[0]
+        if want not in have:
+            raise ConfigError(f"config key 'model.dtype': the {self.backend.name} backend computes in "
+                              f"{', '.join(have)}, not {want}")
+        return want
 
     def _resolve_lengths(self) -> int:
         mc, sc = self.config.model, self.config.scheduler
@@ -102,15 +160,11 @@ class EngineCore:
                 f"max_model_len ({max_len}) with chunked prefill off; a long prompt could never run")
         return max_len
 
-    def _bytes_per_block(self) -> int:
-        m = self.model
-        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.config.cache.block_size * 4
-
-    def _resolve_num_blocks(self) -> int:
+    def _resolve_num_blocks(self, spec: KVCacheSpec) -> int:
         cc = self.config.cache
         need_per_seq = -(-self.max_model_len // cc.block_size)
         if cc.num_kv_blocks is None:
-            by_memory = int(self.backend.free_memory_bytes() * cc.memory_fraction) // self._bytes_per_block()
+            by_memory = int(self.backend.free_memory_bytes() * cc.memory_fraction) // spec.bytes_per_block
             by_demand = need_per_seq * self.config.scheduler.max_num_seqs
             cc.num_kv_blocks = max(1, min(by_memory, by_demand))
         if cc.num_kv_blocks < need_per_seq:
@@ -119,13 +173,6 @@ class EngineCore:
                 f"cannot hold one sequence of max_model_len={self.max_model_len}; raise it to at least "
                 f"{need_per_seq} or lower max_model_len")
         return cc.num_kv_blocks
-
-    def _allocate_kv(self, num_blocks: int):
-        import paddle
-        m = self.model
-        rows = m.num_kv_heads * num_blocks * self.config.cache.block_size
-        return [(paddle.zeros([rows, m.head_dim], dtype="float32"),
-                 paddle.zeros([rows, m.head_dim], dtype="float32")) for _ in range(m.num_layers)]
 
     # -- requests -------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -144,15 +191,21 @@ class EngineCore:
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
                for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name)
+            if ids is not None and any(t >= vocab for t in ids):
+                raise ValueError(f"invalid sampling parameter {name}: token ids must be below the "
+                                 f"vocabulary size {vocab}")
+        for cls in self.processor_classes:
+            cls.validate_params(params)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
                              f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens "
                              "leave room to generate")
-        req = Request(request_id or self.new_request_id(), prompt_token_ids, params,
-                      prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len, cache_salt=cache_salt)
-        return req
+        return Request(request_id or self.new_request_id(), prompt_token_ids, params,
+                       prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,
+                       max_model_len=self.max_model_len, cache_salt=cache_salt)
 
     def add_request(self, request: Request) -> Request:
         self.token_processor.start(request)
@@ -170,32 +223,64 @@ class EngineCore:
         return self.resource_manager.has_unfinished()
 
     def shutdown(self) -> None:
-        """Abort what is left and let the KV cache flush (a file tier writes its blocks)."""
-        for req in list(getattr(self.resource_manager, "running", [])) + list(getattr(self.resource_manager, "waiting", [])):
+        """Abort what is left and let the KV cache and connector flush."""
+        for req in self.resource_manager.requests():
             self.abort_request(req.request_id)
+        if self.connector is not None:
+            self.connector.close()
         self.kv_cache.close()
+
+    @property
+    def recompute_tax(self) -> float:
+        """Recomputed tokens / all computed tokens since the engine started."""
+        return self.num_recomputed_tokens / self.num_computed_tokens if self.num_computed_tokens else 0.0
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[Request]:
         t0 = time.perf_counter()
-        sched = self.resource_manager.schedule()
-        changed = list(sched.finished_aborted)
-        decode = sum(sr.num_new_tokens for sr in sched.scheduled if sr.context_len >= sr.request.num_prompt_tokens)
-        if not sched.is_empty:
+        rm = self.resource_manager
+        sched = rm.schedule()
+        changed = rm.pop_finished()
+        context = None
+        num_recomputed = 0
+        if not sched.is_empty or sched.kv_connector_metadata is not None:
             out = self.runner.execute(sched)
-            changed += self.resource_manager.update(sched, out)
+            context = self._context(sched)
+            changed += rm.update(sched, out)
+            num_recomputed = out.num_recomputed_tokens
         self.step_count += 1
+        self.num_computed_tokens += sched.total_num_scheduled_tokens
+        self.num_recomputed_tokens += num_recomputed
+        decode = 0 if context is None else sum(r.num_decode_tokens for r in context.requests)
         finished = [r for r in changed if r.is_finished]
         stats = StepStats(
-            step=self.step_count, num_running=self.resource_manager.num_running,
-            num_waiting=self.resource_manager.num_waiting,
-            num_scheduled_tokens=sched.num_scheduled_tokens,
-            num_prefill_tokens=sched.num_scheduled_tokens - decode, num_decode_tokens=decode,
-            num_preempted=len(sched.preempted), kv_usage=self.kv_cache.usage,
-            step_time_s=time.perf_counter() - t0, num_finished=len(finished))
+            step=self.step_count, num_running=rm.num_running, num_waiting=rm.num_waiting,
+            num_scheduled_tokens=sched.total_num_scheduled_tokens,
+            num_prefill_tokens=sched.total_num_scheduled_tokens - decode, num_decode_tokens=decode,
+            num_preempted=len(sched.preempted_req_ids), kv_usage=self.kv_cache.usage,
+            step_time_s=time.perf_counter() - t0, num_finished=len(finished),
+            num_recomputed_tokens=num_recomputed, recompute_tax=self.recompute_tax)
         self.last_stats = stats
-        self.plugins.notify("fdx_step_finished", scheduler_output=sched, step_stats=stats)
+        self.plugins.notify("fdx_step_finished", scheduler_output=sched, step_stats=stats,
+                            context=context or self._context(sched))
         for req in finished:
             if req.status is not RequestStatus.FINISHED_ABORTED:
                 self.plugins.notify("fdx_request_finished", request=req, output=None)
         return changed
+
+    def _context(self, sched) -> StepContext:
+        """The StepContext of a step that ran, before update(): counts from
+        each request's state as the scheduler left it."""
+        by_id = {r.request_id: r for r in self.resource_manager.requests()}
+        infos = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = by_id.get(rid)
+            if req is None:
+                continue
+            ctx_len = req.num_computed_tokens
+            prefill = max(0, min(ctx_len + n, req.num_prompt_tokens) - ctx_len)
+            infos.append(RequestStepInfo(rid, prefill, n - prefill, ctx_len))
+        kv = self.kv_cache
+        return StepContext(engine=self, step=sched.step, requests=infos,
+                           kv_blocks_used=kv.num_blocks - kv.num_free_blocks, kv_blocks_free=kv.num_free_blocks,
+                           **self.runner.last_step_taps())

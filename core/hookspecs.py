@@ -32,11 +32,34 @@ def fdx_register_resource_managers(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_queue_policies(register: Register) -> None:
+    """Register waiting-queue orders (``QueuePolicy`` subclasses).
+
+    ``config.scheduler.policy`` picks one (built-ins: ``fcfs``, ``priority``,
+    ``lpm``). Preempted requests go first whatever the policy."""
+
+
+@hookspec
+def fdx_register_admission_rules(register: Register) -> None:
+    """Register admission rules (``AdmissionRule`` subclasses): may a
+    waiting request start now. ``config.scheduler.admission`` lists the
+    ones in force (none by default)."""
+
+
+@hookspec
+def fdx_register_preemption_policies(register: Register) -> None:
+    """Register preemption victim policies (``PreemptionPolicy`` subclasses).
+
+    ``config.scheduler.preemption`` picks one (built-ins: ``newest``,
+    ``least-computed``)."""
+
+
+@hookspec
 def fdx_register_schedulers(register: Register) -> None:
     """Register request-level schedulers (queues across engine instances).
 
-    Called once at start-up. No built-in yet; the engine does not consult
-    this registry until multi-instance serving lands."""
+    Called once at start-up. No built-in yet: the global (Redis) scheduler
+    of the scale-out issue is its first consumer."""
 
 
 @hookspec
@@ -49,7 +72,9 @@ def fdx_register_kv_caches(register: Register) -> None:
 
 @hookspec
 def fdx_register_connectors(register: Register) -> None:
-    """Register KV connectors that move KV blocks between instances."""
+    """Register KV connectors (``KVConnector`` subclasses) that move KV
+    blocks in and out of the pool: a host/file tier, another instance.
+    ``config.cache.kv_connector`` picks one (built-in: ``swap``)."""
 
 
 @hookspec
@@ -67,8 +92,29 @@ def fdx_register_backends(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_attention_backends(register: Register) -> None:
+    """Register attention backends (``AttentionBackend`` subclasses) by
+    name; a ``Backend`` names the one its device uses (built-ins:
+    ``paddle``, the device-agnostic reference, and ``cpu``, the compiled
+    CPU kernel with the reference as fallback)."""
+
+
+@hookspec
+def fdx_register_samplers(register: Register) -> None:
+    """Register samplers (``Sampler`` subclasses); a ``Backend`` names the
+    one its device uses (built-in: ``host``, numpy)."""
+
+
+@hookspec
+def fdx_register_model_runners(register: Register) -> None:
+    """Register model runners (``ModelRunner`` subclasses); a ``Backend``
+    names the one its device uses (built-in: ``default``)."""
+
+
+@hookspec
 def fdx_register_guided_backends(register: Register) -> None:
-    """Register guided-decoding backends (grammar -> token bitmask)."""
+    """Register guided-decoding backends (grammar -> token bitmask),
+    selected by ``config.decoding.guided_backend``."""
 
 
 @hookspec
@@ -79,7 +125,9 @@ def fdx_register_models(register: Register) -> None:
 
 @hookspec
 def fdx_register_logits_processors(register: Register) -> None:
-    """Register batched per-request logits transforms by name."""
+    """Register logits processors (``LogitsProcessor`` subclasses) by
+    name. The built-ins always run; ``config.decoding.logits_processors``
+    adds others."""
 
 
 # --- observer hooks -------------------------------------------------------
@@ -95,8 +143,10 @@ def fdx_request_added(request: Any) -> None:
 
 
 @hookspec
-def fdx_step_finished(scheduler_output: Any, step_stats: Any) -> None:
-    """One engine step ran: what was scheduled, and its ``StepStats``."""
+def fdx_step_finished(scheduler_output: Any, step_stats: Any, context: Any) -> None:
+    """One engine step ran: what was scheduled (``SchedulerOutput``), its
+    ``StepStats``, and a ``StepContext`` taken before ``update()``. An
+    implementation may take any subset of these arguments."""
 
 
 @hookspec

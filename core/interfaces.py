@@ -1,51 +1,91 @@
-"""The contracts plugins implement. Each contract is written here, once."""
+"""The contracts plugins implement, each written here once.
+
+A plugin implements one of these classes (subclassing it, or matching it
+method for method) and registers it by name through a registration hook
+(core/hookspecs.py); config picks it by that name. Every class the engine
+constructs receives ``settings``: the dict from the config section
+``plugins: {<kind>: {<name>: {...}}}`` (empty when absent), which the plugin
+validates itself, raising ``ValueError`` naming the key.
+
+The data between the parts is plain: dataclasses of ints, strings, lists
+and ``SamplingParams``, so a step can cross a process boundary (msgspec
+encodes every one of them; see core/serving/messages.py).
+"""
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
+
+from fdx.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from fdx.core.config import FdxConfig
     from fdx.core.request import Request
 
 
-# --- data between scheduler, model runner and token processor -------------
+# =============================================================================
+# The step: what the scheduler hands the model runner, and what comes back
+# =============================================================================
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    request: "Request"
-    num_new_tokens: int          # tokens computed this step, from request.num_computed_tokens on
-    block_table: list[int]       # physical KV blocks holding the request's tokens, in order
+class NewRequestData:
+    """Everything a runner needs about a request the first time it is
+    scheduled, and again when it resumes after a preemption (the runner
+    dropped its state then, and rebuilds it from this)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]          # generated before a preemption (recomputed now); [] when new
+    sampling_params: SamplingParams
+    block_ids: list[int]                 # the whole block table, in token order
+    num_computed_tokens: int             # tokens whose KV is already in those blocks (a prefix hit)
 
-    @property
-    def context_len(self) -> int:
-        """Tokens already in the KV cache before this step."""
-        return self.request.num_computed_tokens
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so
-        the model runner samples the next one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+    request_id: str
+    new_block_ids: list[int]             # appended to its block table
+    num_computed_tokens: int             # before this step (the runner's own count must agree)
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
-    num_scheduled_tokens: int = 0                  # sum of num_new_tokens, <= the step budget
-    preempted: list["Request"] = field(default_factory=list)   # freed this step, to recompute
-    finished_aborted: list["Request"] = field(default_factory=list)  # aborted or rejected since last step
+    """One step's batch, as plain data. Batch order is the order of
+    ``num_scheduled_tokens``; every id in it is in ``new_requests`` or
+    ``cached_requests``. The runner never sees a ``Request``."""
+    step: int = 0                                                        # the scheduler's step number
+    new_requests: list[NewRequestData] = field(default_factory=list)     # first scheduled or resumed
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)   # request id -> tokens this step
+    total_num_scheduled_tokens: int = 0                                  # their sum, <= the step budget
+    finished_req_ids: list[str] = field(default_factory=list)   # left since the last step (finished,
+                                                                # aborted, preempted): drop their state
+    preempted_req_ids: list[str] = field(default_factory=list)  # of those, preempted (to be recomputed)
+    kv_connector_metadata: Any = None    # the KV connector's plain data for its runner side, if any
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int                       # the sampled (or prompt) token
+    logprob: float                      # its logprob under the raw logits
+    rank: int                           # 1 + number of tokens with a higher logprob
+    top: list[tuple[int, float]] = field(default_factory=list)  # top-N (token_id, logprob), best first
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)     # request_id -> next token id
-    logprobs: dict[str, Any] = field(default_factory=dict)    # request_id -> TokenLogprobs
+    sampled: dict[str, int] = field(default_factory=dict)              # request id -> next token id
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)   # rows that asked for them
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # of prompt tokens
+                                    # context_len + 1, ... (the tokens after each one computed this step)
+    finished_sending: list[str] = field(default_factory=list)   # KV transfers (saves) done: free the blocks
+    finished_recving: list[str] = field(default_factory=list)   # KV loads done
+    num_recomputed_tokens: int = 0     # filled by the scheduler's helpers (see scheduling.py)
 
 
 @dataclass(slots=True)
@@ -60,36 +100,81 @@ class StepStats:
     kv_usage: float
     step_time_s: float
     num_finished: int
+    num_recomputed_tokens: int = 0     # tokens computed again after a preemption, this step
+    recompute_tax: float = 0.0         # recomputed / all computed tokens, since the engine started
 
 
-# --- KV cache ------------------------------------------------------------
+@dataclass(slots=True)
+class RequestStepInfo:
+    request_id: str
+    num_prefill_tokens: int            # prompt tokens computed this step
+    num_decode_tokens: int             # output tokens computed this step (1 per decode)
+    context_len: int                   # tokens in the KV cache before this step
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What observers get with ``fdx_step_finished``: taken after the forward
+    and before ``update()``. ``logits`` and ``hidden_states`` are filled only
+    when the taps are on (``decoding.capture_logits``,
+    ``decoding.capture_hidden_states``): numpy arrays, one row per request
+    that sampled this step, in ``sampled_request_ids`` order."""
+    engine: Any
+    step: int
+    requests: list[RequestStepInfo]
+    kv_blocks_used: int
+    kv_blocks_free: int
+    sampled_request_ids: list[str] = field(default_factory=list)
+    logits: Any = None                 # float32 [rows, vocab], the raw logits
+    hidden_states: Any = None          # float32 [rows, hidden], the final norm's output
+
+
+# =============================================================================
+# KV cache: the block pool and prefix reuse
+# =============================================================================
+
+@dataclass(slots=True, frozen=True)
+class PrefixHit:
+    """A cached prefix found by ``lookup_prefix``: nothing is taken yet."""
+    block_ids: tuple[int, ...] = ()    # cached blocks holding the request's first tokens, in order
+    num_tokens: int = 0                # tokens they cover (len(block_ids) * block_size)
+    num_evictable: int = 0             # of those blocks, how many no request holds now (they count
+                                       # as free until the hit is committed)
+
 
 class KVCacheManager(abc.ABC):
     """Owns the physical KV blocks and maps each request to its block table.
 
     A block holds ``block_size`` consecutive token positions of one request.
     Blocks are reference counted: a block is free when no request holds it.
-    All methods are called from the engine thread only.
+    Called from the engine thread only.
+
+    A prefix hit is two-phase: ``lookup_prefix`` finds cached blocks with no
+    side effect; ``allocate_slots(request, n, prefix=hit)`` commits it (takes
+    references on the hit blocks) together with the new blocks, all or
+    nothing.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, config: "FdxConfig | None" = None):
+    def __init__(self, num_blocks: int, block_size: int, config: "FdxConfig | None" = None,
+                 settings: dict | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.config = config
+        self.settings = settings or {}
+
+    def lookup_prefix(self, request: "Request") -> PrefixHit:
+        """The longest cached prefix of the request's tokens, in whole blocks
+        and always short of its last token (which must be computed to sample).
+        No side effects. Caches without reuse return ``PrefixHit()``."""
+        return PrefixHit()
 
     @abc.abstractmethod
-    def get_computed_blocks(self, request: "Request") -> int:
-        """Before a request is first scheduled (or rescheduled after
-        preemption): attach any cached blocks holding a prefix of its tokens
-        and return how many tokens they cover (a multiple of block_size, and
-        always less than ``request.num_tokens``: the last token is computed).
-        Caches without reuse return 0."""
-
-    @abc.abstractmethod
-    def allocate_slots(self, request: "Request", num_new_tokens: int) -> bool:
-        """Make the request's block table cover num_computed_tokens +
-        num_new_tokens positions. Returns False, changing nothing, when
-        there are not enough free blocks."""
+    def allocate_slots(self, request: "Request", num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        """Make the request's block table cover ``num_computed_tokens +
+        num_new_tokens`` positions; with ``prefix`` (only for a request that
+        holds no blocks), its table starts with the hit's blocks and covers
+        ``prefix.num_tokens + num_new_tokens``. Returns False, changing
+        nothing, when there are not enough free blocks."""
 
     @abc.abstractmethod
     def free(self, request: "Request") -> None:
@@ -98,33 +183,19 @@ class KVCacheManager(abc.ABC):
 
     @abc.abstractmethod
     def block_table(self, request_id: str) -> list[int]:
-        """The request's blocks, in token order."""
+        """The request's blocks, in token order ([] when it holds none)."""
 
     def on_tokens_computed(self, request: "Request") -> None:
         """Called after a step computed tokens for the request (a prefix
         cache registers the blocks that became full). Default: nothing."""
 
-    def cached_prefix_len(self, request: "Request") -> int:
-        """How many of the request's tokens a prefix hit would cover now,
-        without attaching anything (the lpm policy orders by it). Default: 0."""
-        return 0
-
-    def attach_kv_tensors(self, kv_caches: list, num_kv_heads: int, model_id: str = "") -> None:
-        """Called once by the engine after building the cache: the per-layer
-        ``(k, v)`` tensors, ``[num_kv_heads * num_slots, head_dim]`` each (row
-        of kv head h and slot s: ``h * num_slots + s``), and a string naming
-        the weights (the model path). Caches that copy blocks to another
-        tier keep them; default: nothing."""
-
     def close(self) -> None:
-        """The engine is done with this cache: keep what is worth keeping
-        (a file tier writes its blocks) and let go of the KV tensors, which
-        may be reused. Idempotent. Default: nothing."""
+        """The engine is done with this cache. Idempotent. Default: nothing."""
 
     @property
     @abc.abstractmethod
     def num_free_blocks(self) -> int:
-        """Blocks that can be allocated now."""
+        """Blocks that can be allocated now (cached blocks no request holds count)."""
 
     @property
     def usage(self) -> float:
@@ -136,26 +207,132 @@ class KVCacheManager(abc.ABC):
         return {}
 
 
-# --- KV scheduler --------------------------------------------------------
+# =============================================================================
+# KV connector: moving KV blocks in and out of the pool
+# =============================================================================
+
+class KVConnector(abc.ABC):
+    """Moves KV blocks between this engine's pool and somewhere else (host
+    memory, files, another instance). Split by role as vLLM v1's connector:
+    the scheduler side runs on the engine thread and decides; the runner
+    side moves the bytes. One connector runs at a time (``cache.kv_connector``);
+    connectors do not chain.
+
+    A step: the scheduler asks ``get_num_new_matched_tokens`` for a waiting
+    request, allocates blocks for them and calls ``update_state_after_alloc``;
+    ``build_connector_meta`` turns what the step needs into plain data, which
+    rides in ``SchedulerOutput.kv_connector_metadata``; the runner calls
+    ``start_load_kv`` before the forward (loaded blocks must be in place
+    before any layer reads them), ``save_kv_layer`` after each layer if it
+    saves layer by layer, and reports finished transfers with
+    ``get_finished``. A finished request whose ``request_finished`` returned
+    True keeps its blocks until the runner reports its id in
+    ``finished_sending``.
+    """
+
+    def __init__(self, config: "FdxConfig", block_size: int, settings: dict | None = None):
+        self.config = config
+        self.block_size = block_size
+        self.settings = settings or {}
+
+    # -- scheduler side ------------------------------------------------------
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        """Tokens past ``num_computed_tokens`` (the local prefix hit) that the
+        external store holds for the request: a multiple of block_size, and
+        leaving the request's last token to compute. No side effects."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        """Blocks were allocated for the request (its whole table); the
+        ``num_external_tokens`` after its local hit (``request.num_computed_tokens``
+        at this call) are to be loaded."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self) -> Any:
+        """Plain data for the runner side for this step (what to load and
+        save); resets the scheduler side's per-step state."""
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> bool:
+        """The request finished (or was aborted or preempted). Return True to
+        keep its blocks until the runner side reports the id in
+        ``get_finished``'s first set. Default: False."""
+        return False
+
+    # -- runner side ------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list, layout: "KVCacheSpec") -> None:
+        """The runner's KV tensors, once, before the first step."""
+
+    @abc.abstractmethod
+    def start_load_kv(self, metadata: Any) -> None:
+        """Load what ``metadata`` says into the KV blocks (before the forward)."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Block until ``layer``'s KV is loaded. Default: loads are synchronous."""
+
+    def save_kv_layer(self, layer: int, metadata: Any) -> None:
+        """Called after each layer's KV was written. Default: nothing."""
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(request ids whose saves finished, ids whose loads finished) since
+        the last call. Default: none."""
+        return set(), set()
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        """The engine is stopping: keep what is worth keeping. Idempotent."""
+
+
+# =============================================================================
+# KV scheduler (resource manager) and its extension points
+# =============================================================================
+
+@dataclass(slots=True)
+class SchedulingExtensions:
+    """The pluggable parts a scheduler consults, built by the engine from
+    config (``scheduler.policy``, ``scheduler.admission``,
+    ``scheduler.preemption``, ``cache.kv_connector``)."""
+    queue_policy: "QueuePolicy"
+    admission_rules: list["AdmissionRule"] = field(default_factory=list)
+    preemption_policy: "PreemptionPolicy | None" = None      # None: newest first
+    connector: KVConnector | None = None
+
 
 class ResourceManager(abc.ABC):
     """A KV scheduler: decides, each step, which requests run and how many
     of their tokens, and holds their KV blocks through ``kv_cache``.
 
-    Contract: ``schedule()`` never exceeds ``max_num_batched_tokens`` tokens
-    or ``max_num_seqs`` running requests, never schedules a request whose
-    blocks were not allocated, and never leaves a request waiting forever.
+    Rules every resource manager keeps (the conformance kit in
+    ``fdx.core.testing`` checks them):
+    - ``schedule()`` never exceeds ``max_num_batched_tokens`` tokens or
+      ``max_num_seqs`` running requests, and never schedules a request whose
+      blocks are not allocated;
+    - a preempted request goes back to the waiting queue ahead of every
+      request that never ran, and is resumed before them;
+    - no request waits forever while the engine steps (a request that can
+      never fit is rejected when it arrives);
+    - a finished, aborted or preempted request holds no blocks (unless the
+      KV connector holds them for a transfer) and its id is in the next
+      ``SchedulerOutput.finished_req_ids``.
     ``update()`` appends the sampled tokens through the token processor,
     frees the blocks of finished requests and returns the requests whose
-    output changed this step.
+    output changed this step. The helpers in ``fdx.core.scheduling`` do the
+    bookkeeping; v0 and v1 are built on them, and so can a new scheduler be,
+    without subclassing either.
     """
 
-    def __init__(self, config: "FdxConfig", kv_cache: KVCacheManager,
-                 token_processor: "TokenProcessor", max_model_len: int):
+    def __init__(self, config: "FdxConfig", kv_cache: KVCacheManager, token_processor: "TokenProcessor",
+                 max_model_len: int, settings: dict | None = None,
+                 extensions: SchedulingExtensions | None = None):
         self.config = config
         self.kv_cache = kv_cache
         self.token_processor = token_processor
         self.max_model_len = max_model_len
+        self.settings = settings or {}
+        self.extensions = extensions      # None: build them from config (fdx.core.scheduling)
 
     @abc.abstractmethod
     def add_request(self, request: "Request") -> None:
@@ -176,6 +353,16 @@ class ResourceManager(abc.ABC):
         """Account for a step that ran; return the requests that produced a
         token (finished or not)."""
 
+    @abc.abstractmethod
+    def requests(self) -> list["Request"]:
+        """Every unfinished request it holds, running and waiting."""
+
+    def pop_finished(self) -> list["Request"]:
+        """Requests the scheduler finished on its own since the last call
+        (rejected on arrival: no blocks could ever hold them), for the
+        engine to report. Default: none."""
+        return []
+
     @property
     @abc.abstractmethod
     def num_running(self) -> int: ...
@@ -188,7 +375,161 @@ class ResourceManager(abc.ABC):
         return self.num_running + self.num_waiting > 0
 
 
-# --- token processing ----------------------------------------------------
+class QueuePolicy(abc.ABC):
+    """The order of the waiting queue (``scheduler.policy``). The core queue
+    keeps preempted requests ahead of everything (last preempted first);
+    the policy orders the rest by ``key``, smallest first, ties by arrival."""
+
+    dynamic: bool = False   # True: keys change over time; the queue re-sorts each schedule()
+    max_dynamic_queue: int | None = None   # past this many waiting, a dynamic policy's re-sort falls
+                                           # back to arrival order (its lookups would cost too much)
+
+    def __init__(self, kv_cache: KVCacheManager, settings: dict | None = None):
+        self.kv_cache = kv_cache
+        self.settings = settings or {}
+
+    @abc.abstractmethod
+    def key(self, request: "Request") -> tuple:
+        """The sort key (without the arrival tie-break)."""
+
+
+@dataclass(slots=True)
+class SchedulerState:
+    """What admission rules and victim policies may read."""
+    step: int
+    running: Sequence["Request"]       # in run order, oldest first
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    max_num_seqs: int
+
+
+class AdmissionRule(abc.ABC):
+    """May this waiting request start now (``scheduler.admission``, a list:
+    all must agree)? A request refused is skipped this step and the next
+    one is tried; rules are never asked about preempted requests, which
+    resume first. A rule that refuses forever starves a request: bound it."""
+
+    def __init__(self, config: "FdxConfig", settings: dict | None = None):
+        self.config = config
+        self.settings = settings or {}
+
+    @abc.abstractmethod
+    def admit(self, request: "Request", state: SchedulerState) -> bool: ...
+
+
+class PreemptionPolicy(abc.ABC):
+    """Which running request gives up its blocks when a step runs out of
+    them (``scheduler.preemption``)."""
+
+    def __init__(self, config: "FdxConfig", settings: dict | None = None):
+        self.config = config
+        self.settings = settings or {}
+
+    @abc.abstractmethod
+    def choose_victim(self, running: Sequence["Request"], state: SchedulerState) -> "Request":
+        """One of ``running`` (never empty, in run order, oldest first): the
+        running requests not yet scheduled in this step, the one that needs
+        blocks included."""
+
+
+# =============================================================================
+# Decoding: per-request state, sampling, token processing
+# =============================================================================
+
+@dataclass(slots=True)
+class RowState:
+    """What a logits processor may read about one request in the batch.
+    The token lists are the runner's own and grow as tokens are sampled."""
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass(slots=True)
+class BatchUpdate:
+    """How the sampling batch changed since the last step. ``rows`` holds
+    the request id of each row of the logits this step; ``added`` the
+    requests that joined (new, or resumed after a preemption: rebuild any
+    state from ``output_token_ids``), ``removed`` the ids that left
+    (finished, aborted, preempted)."""
+    added: list[RowState]
+    removed: list[str]
+    rows: list[str]
+    rows_changed: bool                 # False when rows equal the last step's
+
+
+class LogitsProcessor(abc.ABC):
+    """A batched, stateful transform of the logits (``decoding.logits_processors``
+    adds to the built-ins: penalties, min_tokens, logit_bias,
+    allowed_token_ids, bad_words). Each step the runner calls
+    ``update_state`` then ``apply`` on the logits of the requests that sample,
+    one row each. Per-request arguments ride in ``SamplingParams.extra_args``
+    (over HTTP: the body's ``extra_args`` / ``vllm_xargs``)."""
+
+    def __init__(self, config: "FdxConfig", tokenizer: Any, vocab_size: int, settings: dict | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.settings = settings or {}
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        """Check a request's arguments when it arrives; raise ValueError
+        naming the field (the server answers 400). Default: nothing."""
+
+    @abc.abstractmethod
+    def update_state(self, update: BatchUpdate) -> None:
+        """Called every step before ``apply``."""
+
+    @abc.abstractmethod
+    def apply(self, logits: Any) -> Any:
+        """Transform float32 logits [rows, vocab] (in place or not); return them."""
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """What the sampler knows about each row of the logits (lists of length B)."""
+    params: list[SamplingParams]
+    prompt_token_ids: list[Sequence[int]]
+    output_token_ids: list[Sequence[int]]      # generated so far
+    generators: list[Any] | None = None        # per-row numpy Generator or None; None: none has one
+    eos_token_ids: frozenset[int] | set[int] = frozenset()   # the model's
+    request_ids: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.generators is None:
+            self.generators = [None] * len(self.params)
+        n = len(self.params)
+        if not (len(self.prompt_token_ids) == len(self.output_token_ids) == len(self.generators) == n):
+            raise ValueError("SamplingBatch: params, prompt_token_ids, output_token_ids "
+                             "and generators must have one entry per row")
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: Any                          # int64 [B]
+    logprobs: list[TokenLogprobs | None]    # per row; None where params.logprobs is None
+
+
+class Sampler(abc.ABC):
+    """Draws one token per row from processed logits (temperature, top-k,
+    top-p, min-p, seeds) and computes logprobs from the raw logits. The
+    backend names the sampler (``Backend.sampler``)."""
+
+    def __init__(self, config: "FdxConfig | None" = None, settings: dict | None = None):
+        self.config = config
+        self.settings = settings or {}
+
+    @abc.abstractmethod
+    def sample(self, logits: Any, batch: SamplingBatch, raw_logits: Any = None) -> SamplerOutput:
+        """``logits``: processed float32 [B, V]; ``raw_logits``: before the
+        processors (for logprobs; None: the same as ``logits``)."""
+
 
 class TokenProcessor(abc.ABC):
     """Turns sampled token ids into request state: appends the token,
@@ -196,26 +537,112 @@ class TokenProcessor(abc.ABC):
     request is finished (eos, stop token ids, stop strings, max_tokens,
     context length), setting ``request.status`` and ``stop_reason``."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, settings: dict | None = None):
         self.tokenizer = tokenizer
+        self.settings = settings or {}
 
     def start(self, request: "Request") -> None:
         """Called once when the engine accepts a request (per-request state)."""
 
     @abc.abstractmethod
-    def process(self, request: "Request", token_id: int, logprobs: Any = None) -> bool:
+    def process(self, request: "Request", token_id: int, logprobs: TokenLogprobs | None = None) -> bool:
         """Append one sampled token; return True when the request finished."""
 
+    def add_prompt_logprobs(self, request: "Request", start: int, entries: list[TokenLogprobs]) -> None:
+        """Record the logprobs of prompt tokens ``start + 1 ...`` (one entry
+        each) computed this step. Default: nothing."""
 
-# --- device backend ------------------------------------------------------
 
-class Backend(abc.ABC):
-    """A device: whether it is present, how to set it up, how much memory
-    the KV cache may take. Models and ops run through Paddle on the device
-    the backend selects."""
+# =============================================================================
+# Device: backend, attention backend, model runner
+# =============================================================================
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSpec:
+    """How the KV cache is laid out in memory, as the backend chose it."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int
+    dtype: str                         # "float32", "float16", "bfloat16"
+    layout: str = "head_major"         # per layer (k, v), each [num_kv_heads * num_slots, head_dim];
+                                       # row of (kv head h, slot s) = h * num_slots + s,
+                                       # slot = block_id * block_size + offset
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size * itemsize
+
+
+class AttentionBackend(abc.ABC):
+    """Attention over the paged KV cache: the metadata builder (index and
+    mask math, once per step) and the kernels every layer calls. The
+    backend names the one it uses (``Backend.attention_backend``); ops/ holds
+    the device-agnostic Paddle reference."""
 
     name: str = ""
-    priority: int = 0          # auto picks the available backend with the highest
+    layout: str = "head_major"
+
+    def __init__(self, settings: dict | None = None):
+        self.settings = settings or {}
+
+    @abc.abstractmethod
+    def build_metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                       spec: KVCacheSpec, num_heads: int) -> Any:
+        """Per-step metadata for a batch: each sequence's new tokens
+        (``query_lens``), tokens already cached (``context_lens``) and blocks.
+        The result must have ``positions`` (int64 tensor [num_tokens])."""
+
+    @abc.abstractmethod
+    def write_kv(self, k_cache: Any, v_cache: Any, k: Any, v: Any, metadata: Any) -> None:
+        """Write the step's new K/V ([N, KVH, D]) into one layer's caches."""
+
+    @abc.abstractmethod
+    def forward(self, q: Any, k_cache: Any, v_cache: Any, metadata: Any, scale: float) -> Any:
+        """Causal attention of q [N, H, D] over context + new tokens -> [N, H, D]."""
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    """What a model's forward gets as ``attn_metadata``: the attention
+    backend and this step's metadata, so layers call ``write_kv`` and
+    ``attention`` without knowing which kernel runs."""
+    backend: AttentionBackend
+    metadata: Any
+
+    @property
+    def positions(self) -> Any:
+        return self.metadata.positions
+
+    def write_kv(self, k_cache, v_cache, k, v) -> None:
+        self.backend.write_kv(k_cache, v_cache, k, v, self.metadata)
+
+    def attention(self, q, k_cache, v_cache, scale: float):
+        return self.backend.forward(q, k_cache, v_cache, self.metadata, scale)
+
+
+class Backend(abc.ABC):
+    """A device: whether it is present, how to set it up, and what runs on
+    it. The engine asks the backend which attention backend, sampler and
+    model runner to use (names in their registries), which dtypes it
+    computes in, how to lay out and allocate the KV cache, and how much
+    memory the KV cache may take."""
+
+    name: str = ""
+    priority: int = 0                  # auto picks the available backend with the highest
+    attention_backend: str = "paddle"  # a name registered by fdx_register_attention_backends
+    sampler: str = "host"              # a name registered by fdx_register_samplers
+    model_runner: str = "default"      # a name registered by fdx_register_model_runners
+    dtypes: tuple[str, ...] = ("float32",)   # model.dtype values it computes in; the first is "auto"
+
+    def __init__(self, settings: dict | None = None):
+        self.settings = settings or {}
 
     @classmethod
     @abc.abstractmethod
@@ -230,5 +657,49 @@ class Backend(abc.ABC):
     def free_memory_bytes(self) -> int:
         """Memory the KV cache may draw from, before applying memory_fraction."""
 
+    def kv_cache_dtype(self, model_dtype: str) -> str:
+        """The KV cache's dtype for a model computing in ``model_dtype``."""
+        return model_dtype
+
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> list:
+        """Zeroed per-layer (k, v) tensors in ``spec``'s layout."""
+        import paddle
+        shape = [spec.num_kv_heads * spec.num_slots, spec.head_dim]
+        return [(paddle.zeros(shape, dtype=spec.dtype), paddle.zeros(shape, dtype=spec.dtype))
+                for _ in range(spec.num_layers)]
+
     def describe(self) -> str:
         return self.name
+
+
+@dataclass(slots=True)
+class RunnerContext:
+    """Everything the engine hands a model runner when it builds it."""
+    config: "FdxConfig"
+    model: Any
+    kv_caches: list
+    kv_spec: KVCacheSpec
+    attention: AttentionBackend
+    sampler: Sampler
+    logits_processors: list[LogitsProcessor]
+    eos_token_ids: frozenset[int]
+    connector: KVConnector | None = None
+    settings: dict = field(default_factory=dict)
+
+
+class ModelRunner(abc.ABC):
+    """Turns a ``SchedulerOutput`` (plain data) into one batched forward and
+    sampled tokens. It keeps a persistent batch of its own per-request state
+    (token ids, block tables, sampling state), built from ``new_requests``
+    and updated from ``cached_requests``; it never sees a ``Request``."""
+
+    def __init__(self, ctx: RunnerContext):
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def last_step_taps(self) -> dict[str, Any]:
+        """The last step's ``sampled_request_ids``, ``logits`` and
+        ``hidden_states`` for the StepContext (empty when not captured)."""
+        return {}

@@ -145,6 +145,6 @@ class LLM:
         return RequestOutput(
             request_id=base_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=outs, finished=all(r.is_finished for r in group),
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,
             metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
                      "finished_time": first.finished_time})

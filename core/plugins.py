@@ -22,11 +22,16 @@ DISABLE_ENV = "FDX_DISABLED_PLUGINS"
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.schedulers.v0",
     "fdx.plugins.schedulers.v1",
+    "fdx.plugins.schedulers.policies",
     "fdx.plugins.cache.paged",
     "fdx.plugins.cache.prefix",
+    "fdx.plugins.cache.swap",
     "fdx.plugins.backends.cpu",
     "fdx.plugins.backends.cuda",
     "fdx.plugins.backends.iluvatar",
+    "fdx.plugins.backends.attention",
+    "fdx.plugins.backends.runner",
+    "fdx.plugins.decoding.sampler",
     "fdx.plugins.decoding.token_processor",
     "fdx.plugins.decoding.logits_processors",
     "fdx.plugins.models.llama",
@@ -38,11 +43,17 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
 # registration hook -> registry kind
 KINDS: dict[str, str] = {
     "fdx_register_resource_managers": "resource_manager",
+    "fdx_register_queue_policies": "queue_policy",
+    "fdx_register_admission_rules": "admission_rule",
+    "fdx_register_preemption_policies": "preemption_policy",
     "fdx_register_schedulers": "scheduler",
     "fdx_register_kv_caches": "kv_cache",
     "fdx_register_connectors": "connector",
     "fdx_register_token_processors": "token_processor",
     "fdx_register_backends": "backend",
+    "fdx_register_attention_backends": "attention_backend",
+    "fdx_register_samplers": "sampler",
+    "fdx_register_model_runners": "model_runner",
     "fdx_register_guided_backends": "guided_backend",
     "fdx_register_models": "model",
     "fdx_register_logits_processors": "logits_processor",
@@ -69,6 +80,7 @@ class PluginManager:
         if disabled is None:
             disabled = [s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()]
         self.disabled = set(disabled)
+        self.skipped: list[str] = []              # plugins not loaded because disabled
         self.errors: dict[str, str] = {}          # plugin name -> why it is not loaded
         self.packages: dict[str, str] = {}        # plugin name -> distribution
         self.registries: dict[str, dict[str, Registration]] = {k: {} for k in KINDS.values()}
@@ -77,15 +89,19 @@ class PluginManager:
         if load_entry_points:
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
                 dist = ep.dist.name if ep.dist else "?"
-                self._load(ep.name, ep.load, dist)
+                self._load(ep.name, ep.load, dist, module=ep.value.split(":")[0])
         self.pm.check_pending()
         self._collect()
 
     # -- loading -----------------------------------------------------------
-    def _load(self, name: str, loader, package: str) -> None:
-        short = name.rsplit(".", 1)[-1]
-        if name in self.disabled or short in self.disabled:
+    def _load(self, name: str, loader, package: str, module: str | None = None) -> None:
+        """``name``: the module (built-ins) or entry-point name; ``module``:
+        the entry point's module. FDX_DISABLED_PLUGINS matches either, or
+        the module's last part."""
+        module = module or name
+        if self.disabled & {name, module, module.rsplit(".", 1)[-1]}:
             log.info("plugin %s disabled by %s", name, DISABLE_ENV)
+            self.skipped.append(name)
             return
         if self.pm.has_plugin(name):
             return                                   # idempotent
@@ -139,16 +155,23 @@ class PluginManager:
     def names(self, kind: str) -> list[str]:
         return sorted(self.registries[kind])
 
+    def builtin_names(self, kind: str) -> list[str]:
+        """Names fdx's own plugins registered, in registration order."""
+        return [n for n, r in self.registries[kind].items() if r.package == "fdx"]
+
     @property
     def hook(self):
         return self.pm.hook
 
     def notify(self, hook_name: str, **kwargs: Any) -> None:
-        """Call an observer hook; an observer that raises is logged, not fatal."""
-        try:
-            getattr(self.pm.hook, hook_name)(**kwargs)
-        except Exception as e:
-            log.warning("observer hook %s raised %s: %s", hook_name, type(e).__name__, e)
+        """Call an observer hook, each implementation on its own: one that
+        raises is logged and the others still run."""
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            try:
+                impl.function(**{k: kwargs[k] for k in impl.argnames})
+            except Exception as e:
+                log.warning("observer %s of %s raised %s: %s", impl.plugin_name, hook_name,
+                            type(e).__name__, e)
 
     def report(self) -> str:
         lines = []
@@ -167,6 +190,9 @@ class PluginManager:
         lines.append("observers:")
         for hook_name, plugins in observers.items():
             lines.append(f"    {hook_name}: {', '.join(plugins) or '(none)'}")
+        if self.skipped:
+            lines.append(f"disabled by {DISABLE_ENV}:")
+            lines.extend(f"    {name}" for name in self.skipped)
         if self.errors:
             lines.append("broken plugins:")
             for name, why in self.errors.items():

@@ -5,8 +5,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from fdx.core.sampling_params import SamplingParams
 
 
@@ -40,19 +38,16 @@ class Request:
     num_computed_tokens: int = 0                 # tokens whose KV is in the cache
     num_cached_tokens: int = 0                   # prompt tokens served by a prefix hit
     num_preemptions: int = 0
+    max_num_computed_tokens: int = 0             # high-water mark: below it, computing again is recompute
     stop_reason: int | str | None = None         # the stop string or token that ended it
-    generator: np.random.Generator | None = None # per-request RNG when seeded
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     # filled by the token processor
     output_text: str = ""
     logprobs: list | None = None
-    detokenizer: object | None = None
-
-    def __post_init__(self) -> None:
-        if self.sampling_params.seed is not None:
-            self.generator = np.random.default_rng(self.sampling_params.seed)
+    prompt_logprobs: list | None = None          # [None, {token: TokenLogprob}, ...] with prompt_logprobs=N
+    detokenizer: object | None = None            # the token processor's TextOutput
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -108,4 +103,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None   # None for the first token
     metrics: dict | None = None

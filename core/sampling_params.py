@@ -1,7 +1,9 @@
 """Per-request sampling parameters (the user-facing knobs, validated once)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -25,12 +27,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True                 # False: token ids only, no text (the server detokenizes
                                             # in its API process); stop strings need it True
+    prompt_logprobs: int | None = None      # top-N logprobs of each prompt token (0: only the token)
+    logit_bias: dict[int, float] | None = None     # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None     # only these may be sampled
+    bad_words: list[str] | None = None      # never generate these words (their last token is banned
+                                            # where the tokens before it were just generated)
+    extra_args: dict[str, Any] | None = None       # per-request arguments for logits-processor plugins
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):   # OpenAI sends token ids as JSON object keys (strings)
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("invalid sampling parameter logit_bias: keys must be token ids") from None
         self.validate()
 
     @classmethod
@@ -75,6 +88,24 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", "must be an integer in [0, 20]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0
+                    or isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+                    or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
+                bad("logit_bias", "must map non-negative token ids to numbers in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or any(not isinstance(w, str) or not w for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-empty strings")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            bad("extra_args", "must be a JSON object (a dict)")
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,10 @@ def host_free_memory_bytes() -> int:
 class CpuBackend(Backend):
     name = "cpu"
     priority = 0
+    attention_backend = "cpu"   # the compiled CPU kernel, Paddle fallback
+    sampler = "host"
+    model_runner = "default"
+    dtypes = ("float32",)
 
     @classmethod
     def is_available(cls) -> bool:

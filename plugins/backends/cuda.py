@@ -13,6 +13,10 @@ from fdx.core.interfaces import Backend
 class CudaBackend(Backend):
     name = "cuda"
     priority = 10
+    attention_backend = "paddle"   # GPU-capable Paddle reference; never the CPU kernel
+    sampler = "host"
+    model_runner = "default"
+    dtypes = ("float32",)
 
     @classmethod
     def is_available(cls) -> bool:

@@ -10,6 +10,10 @@ DEVICE = "iluvatar_gpu"
 class IluvatarBackend(Backend):
     name = "iluvatar"
     priority = 5
+    attention_backend = "paddle"   # GPU-capable Paddle reference; never the CPU kernel
+    sampler = "host"
+    model_runner = "default"
+    dtypes = ("float32",)
 
     @classmethod
     def is_available(cls) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import KVCacheManager
+from fdx.core.interfaces import KVCacheManager, PrefixHit
 from fdx.core.request import Request
 
 
@@ -48,24 +48,28 @@ class BlockPool:
 
 
 class PagedKVCache(KVCacheManager):
-    def __init__(self, num_blocks: int, block_size: int, config=None):
-        super().__init__(num_blocks, block_size, config)
+    def __init__(self, num_blocks: int, block_size: int, config=None, settings=None):
+        super().__init__(num_blocks, block_size, config, settings)
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[int]] = {}
 
-    def get_computed_blocks(self, request: Request) -> int:
-        return 0
-
-    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        total = request.num_computed_tokens + num_new_tokens
-        have = len(self.tables.get(request.request_id, ()))
-        return max(0, -(-total // self.block_size) - have)
-
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(request, num_new_tokens)
-        if need > self.pool.num_free:
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        rid = request.request_id
+        table = self.tables.get(rid, [])
+        if prefix is not None and prefix.num_tokens:
+            if table:
+                raise ValueError(f"{rid} already holds blocks: a prefix hit is committed only at admission")
+            base, have, free = prefix.num_tokens, len(prefix.block_ids), self.pool.num_free - prefix.num_evictable
+        else:
+            base, have, free = request.num_computed_tokens, len(table), self.pool.num_free
+        need = max(0, -(-(base + num_new_tokens) // self.block_size) - have)
+        if need > free:
             return False
-        table = self.tables.setdefault(request.request_id, [])
+        table = self.tables.setdefault(rid, table)
+        if prefix is not None and prefix.num_tokens:
+            for b in prefix.block_ids:          # taken first: allocation must not evict them
+                self.pool.ref(b)
+            table.extend(prefix.block_ids)
         if need:
             table.extend(self.pool.allocate(need))
         return True

@@ -30,44 +30,21 @@ import json
 import logging
 import os
 import struct
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
+
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import KVConnector
+from fdx.plugins.cache.blocks import BlockMeta, block_key, block_metas
 
 log = logging.getLogger("fdx.cache.swap")
 
 MAGIC = b"FDXKVBLK"
 FORMAT_VERSION = 1
 SUFFIX = ".kvb"
-ROOT_KEY = b""                 # the parent of a request's first block
-
-
-def block_key(parent: bytes, tokens: Sequence[int], extra: Sequence[str] = ()) -> bytes:
-    """The chained key of a full block: a hash of its parent's key, its
-    token ids and extra keys (a cache salt). Stable across processes."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent)
-    h.update(len(tokens).to_bytes(4, "little"))
-    h.update(array("q", tokens).tobytes())
-    for e in extra:
-        b = e.encode()
-        h.update(len(b).to_bytes(4, "little") + b)
-    return h.digest()
-
-
-@dataclass(slots=True, frozen=True)
-class BlockMeta:
-    """What a cached block holds: enough to confirm a hit token by token."""
-    key: bytes
-    parent: bytes
-    tokens: tuple[int, ...]
-    extra: tuple[str, ...] = ()
-
-
 class HostTier(abc.ABC):
     def __init__(self, max_blocks: int):
         self.max_blocks = max_blocks
@@ -273,3 +250,170 @@ def model_fingerprint(model_id: str) -> dict:
             f for f in p.iterdir() if f.suffix in (".safetensors", ".gguf", ".json") and f.is_file())
         out["files"] = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     return out
+
+
+# =============================================================================
+# The connector: the second tier on the KV connector seam
+# =============================================================================
+
+DEFAULT_SWAP_BLOCKS = 1024      # tier size when swap_dir is set and swap_max_blocks is not
+
+
+@dataclass(slots=True)
+class SwapStep:
+    """The runner side's work for one step (plain data)."""
+    loads: list[tuple[int, BlockMeta]]                      # (block id, what to load into it)
+    saves: list[tuple[str, list[tuple[int, BlockMeta]]]]    # (request id, its full blocks to save)
+
+
+class SwapConnector(KVConnector):
+    """A second tier for KV blocks: host memory (``MemoryTier``), or files
+    under ``cache.swap_dir`` (``FileTier``) that outlive the engine, sized by
+    ``cache.swap_max_blocks`` (default 1024 with swap_dir).
+
+    - Saving is write-through at the end of a request: its full computed
+      blocks that the tier lacks are copied out by the runner side in the
+      next step, while the scheduler keeps the blocks (``request_finished``
+      returns True); then they are freed. Blocks the tier has are not
+      copied again.
+    - Loading: for a waiting request, the blocks after its local prefix hit
+      that the tier holds (same chained keys, tokens confirmed) are counted
+      as matched; after allocation, the runner side copies them into the
+      new blocks before the forward, and the prefix cache (if any)
+      registers them like computed blocks.
+    - ``close()`` (engine shutdown) performs the saves still pending.
+    """
+
+    def __init__(self, config, block_size: int, settings=None):
+        super().__init__(config, block_size, settings)
+        cc = config.cache
+        size = cc.swap_max_blocks
+        if size is None:
+            size = DEFAULT_SWAP_BLOCKS if cc.swap_dir else 0
+        self.max_blocks = size
+        self.tier: HostTier | None = None if cc.swap_dir else MemoryTier(size)
+        self.memo: dict[str, list[bytes]] = {}
+        self.pending_loads: list[tuple[int, BlockMeta]] = []
+        self.pending_saves: list[tuple[str, list[tuple[int, BlockMeta]]]] = []
+        self.saved: set[str] = set()
+        self.kv_caches: list | None = None
+        self.counters = {"swap_loaded_blocks": 0, "swap_saved_blocks": 0}
+
+    # -- scheduler side ----------------------------------------------------------
+    def _metas(self, request, stop: int, start: int = 0):
+        return block_metas(request, self.block_size, stop, start, self.memo.setdefault(request.request_id, []))
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        if self.tier is None or not self.max_blocks:
+            return 0
+        first = num_computed_tokens // self.block_size
+        n = 0
+        for _, meta in self._metas(request, (request.num_tokens - 1) // self.block_size, first):
+            if meta.key not in self.tier:
+                break
+            n += 1
+        return n * self.block_size
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        start = request.num_computed_tokens // self.block_size      # the local hit's blocks
+        n = num_external_tokens // self.block_size
+        self.pending_loads.extend((block_ids[i], meta) for i, meta in self._metas(request, start + n, start))
+
+    def request_finished(self, request, block_ids: list[int]) -> bool:
+        self.memo.pop(request.request_id, None)
+        if self.tier is None or not self.max_blocks:
+            return False
+        full = min(request.num_computed_tokens // self.block_size, len(block_ids))
+        todo = [(block_ids[i], meta) for i, meta in block_metas(request, self.block_size, full)
+                if meta.key not in self.tier]
+        if not todo:
+            return False
+        self.pending_saves.append((request.request_id, todo))
+        return True
+
+    def build_connector_meta(self) -> SwapStep:
+        step = SwapStep(self.pending_loads, self.pending_saves)
+        self.pending_loads, self.pending_saves = [], []
+        return step
+
+    # -- runner side ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list, layout) -> None:
+        self.kv_caches, self.spec = kv_caches, layout
+        self.num_kv_heads, self.num_slots, self.head_dim = layout.num_kv_heads, layout.num_slots, layout.head_dim
+        cc = self.config.cache
+        if cc.swap_dir and self.max_blocks:
+            fingerprint = {**model_fingerprint(cc_model(self.config)), "num_layers": layout.num_layers,
+                           "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+                           "block_size": layout.block_size, "dtype": "float32",
+                           "layout": "head-major rows h*num_slots+slot"}
+            self.tier = FileTier(cc.swap_dir, self.max_blocks, fingerprint)
+
+    def _rows(self, block_id: int):
+        import paddle
+        base = block_id * self.block_size
+        idx = [h * self.num_slots + base + o for h in range(self.num_kv_heads) for o in range(self.block_size)]
+        return paddle.to_tensor(np.asarray(idx, dtype=np.int64))
+
+    def read_block(self, block_id: int) -> np.ndarray:
+        """The block's KV: [num_layers, 2, num_kv_heads, block_size, head_dim], float32."""
+        import paddle
+        idx = self._rows(block_id)
+        parts = [paddle.gather(t, idx) for kv in self.kv_caches for t in kv]
+        shape = [len(self.kv_caches), 2, self.num_kv_heads, self.block_size, self.head_dim]
+        return paddle.stack(parts).astype("float32").numpy().reshape(shape)
+
+    def write_block(self, block_id: int, data: np.ndarray) -> None:
+        import paddle
+        idx = self._rows(block_id)
+        flat = data.reshape(len(self.kv_caches), 2, self.num_kv_heads * self.block_size, self.head_dim)
+        for layer, kv in enumerate(self.kv_caches):
+            for j, t in enumerate(kv):
+                src = paddle.to_tensor(np.ascontiguousarray(flat[layer, j])).astype(t.dtype)
+                t.scatter_(idx, src, overwrite=True)
+
+    def start_load_kv(self, metadata: SwapStep | None) -> None:
+        if metadata is None or self.tier is None:
+            return
+        for rid, blocks in metadata.saves:
+            for block_id, meta in blocks:
+                self.tier.put(meta, self.read_block(block_id))
+                self.counters["swap_saved_blocks"] += 1
+            self.saved.add(rid)
+        for block_id, meta in metadata.loads:
+            data = self.tier.get(meta)
+            if data is None:
+                # gone since the lookup (a corrupt file, or evicted by the saves above):
+                # the block then holds stale KV, which must not be served
+                raise RuntimeError(f"swap tier: block {meta.key.hex()} vanished between lookup and load")
+            self.write_block(block_id, data)
+            self.counters["swap_loaded_blocks"] += 1
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        done, self.saved = self.saved, set()
+        return done, set()
+
+    def stats(self) -> dict[str, float]:
+        return {**self.counters, "swap_blocks": len(self.tier) if self.tier is not None else 0}
+
+    def close(self) -> None:
+        if self.kv_caches is None:
+            return
+        try:
+            self.start_load_kv(SwapStep([], self.pending_saves))
+            self.pending_saves = []
+        finally:
+            self.kv_caches = None
+
+
+def cc_model(config) -> str:
+    """What names the weights in the fingerprint (the model path, or the embedded default)."""
+    model = config.model.model
+    if model is None:
+        from fdx.core.checkpoint.loader import default_model_path
+        model = default_model_path()
+    return str(model)
+
+
+@hookimpl
+def fdx_register_connectors(register):
+    register("swap", SwapConnector)

@@ -1,22 +1,27 @@
 """Built-in logits processors: batched, per-request transforms of the logits.
 
-Each processor is ``(logits: np.ndarray [B, V] float32, batch: SamplingBatch)
--> np.ndarray``: it may edit ``logits`` in place and returns the result. Row
-``i`` of ``logits`` belongs to ``batch.params[i]``. Rows whose parameters are
-neutral are skipped; the work is over the rows' token ids, never a Python
-loop over the vocabulary.
+Two layers:
+- functional transforms ``(logits [B, V] float32, batch: SamplingBatch) ->
+  logits`` (``repetition_penalty``, ``presence_frequency_penalty``,
+  ``min_tokens``): row ``i`` belongs to ``batch.params[i]``; they may edit
+  ``logits`` in place. The standalone host sampler applies them.
+- the ``LogitsProcessor`` plugins the engine runs (contract in
+  core/interfaces.py), always on: ``penalties``, ``min_tokens``,
+  ``logit_bias``, ``allowed_token_ids`` and ``bad_words``. Each keeps the
+  rows' state it needs (``RowsProcessor``) and does nothing for rows whose
+  parameters are neutral; the work is over token ids, never a Python loop
+  over the vocabulary.
 """
 from __future__ import annotations
 
 from itertools import chain
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from fdx.core.hookspecs import hookimpl
-
-if TYPE_CHECKING:
-    from fdx.plugins.decoding.sampler import SamplingBatch
+from fdx.core.interfaces import BatchUpdate, LogitsProcessor, RowState, SamplingBatch
+from fdx.core.sampling_params import SamplingParams
 
 
 def _flat_ids(rows: Sequence[int], seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -74,10 +79,183 @@ def min_tokens(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     return logits
 
 
-BUILTIN_LOGITS_PROCESSORS = {
+BUILTIN_TRANSFORMS = {
     "repetition_penalty": repetition_penalty,
     "presence_frequency_penalty": presence_frequency_penalty,
     "min_tokens": min_tokens,
+}
+
+
+# --- the engine's stateful processors -----------------------------------------------
+
+class RowsProcessor(LogitsProcessor):
+    """Keeps each row's ``RowState`` and the row order; subclasses read
+    ``self.rows`` (RowState per logits row) in ``apply``. ``wants(params)``
+    says which requests concern it: others cost nothing."""
+
+    def __init__(self, config, tokenizer, vocab_size, settings=None):
+        super().__init__(config, tokenizer, vocab_size, settings)
+        self.states: dict[str, RowState] = {}
+        self.rows: list[RowState] = []
+        self.active = False                     # some row wants this processor
+
+    def wants(self, params) -> bool:
+        return True
+
+    def on_added(self, state: RowState) -> None:
+        """A request joined (new or resumed): build its per-request state."""
+
+    def on_removed(self, request_id: str) -> None:
+        """A request left."""
+
+    def update_state(self, update: BatchUpdate) -> None:
+        for rid in update.removed:
+            if self.states.pop(rid, None) is not None:
+                self.on_removed(rid)
+        for state in update.added:
+            if self.wants(state.params):
+                self.states[state.request_id] = state
+                self.on_added(state)
+        if update.rows_changed or update.added or update.removed:
+            self.rows = [self.states.get(rid) for rid in update.rows]
+            self.active = any(r is not None for r in self.rows)
+
+    def batch(self) -> SamplingBatch:
+        """The rows as a SamplingBatch for the functional transforms
+        (neutral parameters for rows that do not concern this processor)."""
+        neutral = _NEUTRAL
+        return SamplingBatch(
+            params=[r.params if r is not None else neutral for r in self.rows],
+            prompt_token_ids=[r.prompt_token_ids if r is not None else () for r in self.rows],
+            output_token_ids=[r.output_token_ids if r is not None else () for r in self.rows],
+            eos_token_ids=frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ()))
+
+
+_NEUTRAL = SamplingParams(max_tokens=None)
+
+
+class Penalties(RowsProcessor):
+    """Repetition (HF), presence and frequency (OpenAI) penalties."""
+
+    def wants(self, p) -> bool:
+        return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+    def apply(self, logits):
+        if self.active:
+            batch = self.batch()
+            logits = presence_frequency_penalty(repetition_penalty(logits, batch), batch)
+        return logits
+
+
+class MinTokens(RowsProcessor):
+    """No eos (unless ignore_eos) or stop token id before min_tokens outputs."""
+
+    def wants(self, p) -> bool:
+        return p.min_tokens > 0
+
+    def apply(self, logits):
+        return min_tokens(logits, self.batch()) if self.active else logits
+
+
+class LogitBias(RowsProcessor):
+    """OpenAI's logit_bias: token id -> added to its logit."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def wants(self, p) -> bool:
+        return bool(p.logit_bias)
+
+    def on_added(self, state):
+        bias = state.params.logit_bias
+        self._arrays[state.request_id] = (np.fromiter(bias.keys(), np.int64, len(bias)),
+                                          np.fromiter(bias.values(), np.float32, len(bias)))
+
+    def on_removed(self, request_id):
+        self._arrays.pop(request_id, None)
+
+    def apply(self, logits):
+        if self.active:
+            for row, state in enumerate(self.rows):
+                if state is not None:
+                    ids, vals = self._arrays[state.request_id]
+                    logits[row, ids] += vals
+        return logits
+
+
+class AllowedTokenIds(RowsProcessor):
+    """Only the listed token ids may be sampled."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._ids: dict[str, np.ndarray] = {}
+
+    def wants(self, p) -> bool:
+        return p.allowed_token_ids is not None
+
+    def on_added(self, state):
+        self._ids[state.request_id] = np.unique(np.asarray(state.params.allowed_token_ids, dtype=np.int64))
+
+    def on_removed(self, request_id):
+        self._ids.pop(request_id, None)
+
+    def apply(self, logits):
+        if self.active:
+            for row, state in enumerate(self.rows):
+                if state is not None:
+                    ids = self._ids[state.request_id]
+                    kept = logits[row, ids].copy()
+                    logits[row] = -np.inf
+                    logits[row, ids] = kept
+        return logits
+
+
+class BadWords(RowsProcessor):
+    """Never generate the listed words: each word is tokenized as written and
+    with a leading space; a sequence's last token is banned wherever the
+    tokens before it were the last ones generated (a one-token word is
+    always banned). vLLM's semantics."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._seqs: dict[str, list[tuple[int, ...]]] = {}
+
+    def wants(self, p) -> bool:
+        return bool(p.bad_words)
+
+    def on_added(self, state):
+        seqs = set()
+        for word in state.params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    seqs.add(ids)
+        self._seqs[state.request_id] = sorted(seqs)
+
+    def on_removed(self, request_id):
+        self._seqs.pop(request_id, None)
+
+    def apply(self, logits):
+        if self.active:
+            for row, state in enumerate(self.rows):
+                if state is None:
+                    continue
+                out = state.output_token_ids
+                banned = [seq[-1] for seq in self._seqs[state.request_id]
+                          if len(seq) == 1 or (len(out) >= len(seq) - 1
+                                               and tuple(out[len(out) - len(seq) + 1:]) == seq[:-1])]
+                if banned:
+                    logits[row, banned] = -np.inf
+        return logits
+
+
+BUILTIN_LOGITS_PROCESSORS: dict[str, type[RowsProcessor]] = {
+    "penalties": Penalties,
+    "min_tokens": MinTokens,
+    "logit_bias": LogitBias,
+    "allowed_token_ids": AllowedTokenIds,
+    "bad_words": BadWords,
 }
 
 

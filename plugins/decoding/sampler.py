@@ -19,15 +19,17 @@ vectorized over the vocabulary; Python loops run over rows at most.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import Sampler as SamplerContract
+from fdx.core.interfaces import SamplerOutput, SamplingBatch, TokenLogprobs
 from fdx.core.sampling_params import SamplingParams
-from fdx.plugins.decoding.logits_processors import BUILTIN_LOGITS_PROCESSORS
+from fdx.plugins.decoding.logits_processors import BUILTIN_TRANSFORMS
 
-LogitsProcessor = Callable[[np.ndarray, "SamplingBatch"], np.ndarray]
+LogitsTransform = Callable[[np.ndarray, SamplingBatch], np.ndarray]
 
 _BLOCK = 256         # inverse-CDF block width (see _inverse_cdf)
 _SELECT = 64         # top-k/top-p block width (see _top_k_top_p_cutoff)
@@ -38,52 +40,29 @@ def make_generator(params: SamplingParams) -> np.random.Generator | None:
     return None if params.seed is None else np.random.default_rng(params.seed)
 
 
-@dataclass(slots=True)
-class SamplingBatch:
-    """What the sampler knows about each row of the logits (lists of length B)."""
-    params: list[SamplingParams]
-    prompt_token_ids: list[Sequence[int]]
-    output_token_ids: list[Sequence[int]]      # generated so far
-    generators: list[np.random.Generator | None] | None = None   # None: no row has one
-    eos_token_ids: frozenset[int] | set[int] = frozenset()        # the model's
+class Sampler(SamplerContract):
+    """The ``host`` sampler (numpy).
 
-    def __post_init__(self) -> None:
-        if self.generators is None:
-            self.generators = [None] * len(self.params)
-        n = len(self.params)
-        if not (len(self.prompt_token_ids) == len(self.output_token_ids) == len(self.generators) == n):
-            raise ValueError("SamplingBatch: params, prompt_token_ids, output_token_ids "
-                             "and generators must have one entry per row")
+    Standalone, ``Sampler(logits_processors, seed)`` applies the given
+    functional transforms first (None: the built-in penalties and
+    min_tokens). Built by the engine (``config`` given), it applies none:
+    the runner has run the stateful logits processors already, and the
+    seed is ``config.seed``."""
 
-    def __len__(self) -> int:
-        return len(self.params)
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int                       # the sampled token
-    logprob: float                      # its logprob (raw logits)
-    rank: int                           # 1 + number of tokens with a higher logprob
-    top: list[tuple[int, float]] = field(default_factory=list)  # top-N (token_id, logprob), best first
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    token_ids: np.ndarray               # int64 [B]
-    logprobs: list[TokenLogprobs | None]  # per row; None where params.logprobs is None
-
-
-class Sampler:
-    def __init__(self, logits_processors: list[LogitsProcessor] | None = None, seed: int | None = None):
-        """``logits_processors``: applied in order; None means the built-ins
-        (repetition, presence/frequency penalties, min_tokens)."""
+    def __init__(self, logits_processors: list[LogitsTransform] | None = None, seed: int | None = None, *,
+                 config=None, settings=None):
+        super().__init__(config, settings)
         if logits_processors is None:
-            logits_processors = list(BUILTIN_LOGITS_PROCESSORS.values())
+            logits_processors = [] if config is not None else list(BUILTIN_TRANSFORMS.values())
+        if config is not None and seed is None:
+            seed = config.seed
         self.logits_processors = list(logits_processors)
         self.rng = np.random.default_rng(seed)
 
-    def sample(self, logits: np.ndarray, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row of ``logits`` [B, V]; ``logits`` itself is not modified."""
+    def sample(self, logits: np.ndarray, batch: SamplingBatch, raw_logits: np.ndarray | None = None) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [B, V]; ``logits`` itself is
+        not modified. Logprobs come from ``raw_logits`` (default: ``logits``)."""
+        raw = logits if raw_logits is None else raw_logits
         x = self._processed(logits, batch)
         params = batch.params
         token_ids = np.empty(len(batch), dtype=np.int64)
@@ -98,7 +77,7 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(batch)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if lp_rows:
-            found = _logprobs(logits[lp_rows].astype(np.float32), token_ids[lp_rows],
+            found = _logprobs(raw[lp_rows].astype(np.float32), token_ids[lp_rows],
                               [params[i].logprobs for i in lp_rows])
             for i, lp in zip(lp_rows, found):
                 logprobs[i] = lp
@@ -279,3 +258,14 @@ def _logprobs(raw: np.ndarray, token_ids: np.ndarray, top_n: list[int]) -> list[
     return [TokenLogprobs(int(token_ids[k]), float(chosen[k] - lse[k]), int(ranks[k]),
                           [(int(t), float(raw[k, t] - lse[k])) for t in top[k, :top_n[k]]])
             for k in range(len(raw))]
+
+
+def logprobs_of(raw: np.ndarray, token_ids: np.ndarray, top_n: int) -> list[TokenLogprobs]:
+    """Logprobs of given tokens, one per row of ``raw`` (prompt logprobs)."""
+    return _logprobs(np.asarray(raw, dtype=np.float32), np.asarray(token_ids, dtype=np.int64),
+                     [top_n] * len(raw))
+
+
+@hookimpl
+def fdx_register_samplers(register):
+    register("host", Sampler)

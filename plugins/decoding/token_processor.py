@@ -52,6 +52,14 @@ class DefaultTokenProcessor(TokenProcessor):
             return True
         return False
 
+    def add_prompt_logprobs(self, request: Request, start: int, entries) -> None:
+        """Entries for prompt tokens start+1, ... (recomputed ones overwrite)."""
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None] * request.num_prompt_tokens
+        for i, lp in enumerate(entries, start=start + 1):
+            if i < request.num_prompt_tokens:
+                request.prompt_logprobs[i] = self._logprob_dict(lp)
+
     def _logprob_dict(self, lp) -> dict[int, TokenLogprob]:
         out: dict[int, TokenLogprob] = {}
         decode = self.tokenizer.decode

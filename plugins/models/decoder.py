@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 import numpy as np
 import paddle
 
+from fdx.core.interfaces import AttentionContext
 from fdx.ops.activation import silu_and_mul
-from fdx.ops.attention import AttentionMetadata, paged_attention, write_kv
 from fdx.ops.norm import add_rms_norm, rms_norm
 from fdx.ops.rotary import RotaryEmbedding
 
@@ -217,7 +217,7 @@ class Attention:
         self.k_norm = w.vector(f"{p}.k_norm.weight", cfg.head_dim) if cfg.qk_norm else None
 
     def __call__(self, x: Tensor, positions: Tensor, kv_cache: KVCache,
-                 meta: AttentionMetadata) -> Tensor:
+                 meta: AttentionContext) -> Tensor:
         n = x.shape[0]
         qkv = linear(x, self.wqkv, self.bqkv)
         q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
@@ -229,8 +229,8 @@ class Attention:
             k = rms_norm(k, self.k_norm, self.eps)
         q, k = self.rope(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        meta.write_kv(k_cache, v_cache, k, v)
+        out = meta.attention(q, k_cache, v_cache, self.scale)
         return linear(out.reshape([n, self.q_size]), self.wo, self.bo)
 
 
@@ -259,7 +259,7 @@ class DecoderLayer:
         self.mlp = FeedForward(cfg, w, prefix)
 
     def __call__(self, x: Tensor, residual: Tensor | None, positions: Tensor,
-                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+                 kv_cache: KVCache, meta: AttentionContext) -> tuple[Tensor, Tensor]:
         if residual is None:
             residual, x = x, rms_norm(x, self.input_norm, self.eps)
         else:
@@ -286,7 +286,10 @@ class DecoderForCausalLM:
     def __init__(self, config: dict[str, Any], weights: dict[str, np.ndarray]):
         cfg = self.cfg = self.parse_config(config)
         self.num_layers = cfg.num_layers
+        self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
+        self.capture_hidden_states = False        # research tap: keep the final hidden states
+        self.last_hidden_states: Tensor | None = None
         self.head_dim = cfg.head_dim
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
@@ -307,15 +310,19 @@ class DecoderForCausalLM:
         self.norm = w.vector("model.norm.weight", cfg.hidden_size)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, logits_indices: Tensor) -> Tensor:
+                meta: AttentionContext, logits_indices: Tensor) -> Tensor:
         """Run the new tokens of a mixed batch; float32 logits [M, vocab]
-        for the rows in ``logits_indices`` only."""
+        for the rows in ``logits_indices`` only. ``meta`` is an
+        ``AttentionContext``: the attention backend and the step's metadata."""
         x = paddle.gather(self.embed_tokens, input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
-        return paddle.matmul(paddle.gather(x, logits_indices), self.lm_head)
+        x = paddle.gather(x, logits_indices)
+        if self.capture_hidden_states:
+            self.last_hidden_states = x
+        return paddle.matmul(x, self.lm_head)
 
     __call__ = forward
 

@@ -29,19 +29,17 @@ finishes. A request whose worst case exceeds the whole pool is rejected.
 """
 from __future__ import annotations
 
-import time
-
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import ScheduledRequest, SchedulerOutput
-from fdx.core.request import Request, RequestStatus
+from fdx.core.interfaces import SchedulerOutput
+from fdx.core.request import Request
 from fdx.plugins.schedulers.v1 import V1ResourceManager
 
 
 class V0ResourceManager(V1ResourceManager):
-    """v1's queue and bookkeeping with FastDeploy v0's ``schedule()``."""
+    """v1's bookkeeping (fdx.core.scheduling) with FastDeploy v0's ``schedule()``."""
 
-    def __init__(self, config, kv_cache, token_processor, max_model_len):
-        super().__init__(config, kv_cache, token_processor, max_model_len)
+    def __init__(self, config, kv_cache, token_processor, max_model_len, settings=None, extensions=None):
+        super().__init__(config, kv_cache, token_processor, max_model_len, settings, extensions)
         self.block_size = kv_cache.block_size
         self.max_prompt_blocks = config.cache.kv_cache_ratio * kv_cache.num_blocks
 
@@ -52,55 +50,57 @@ class V0ResourceManager(V1ResourceManager):
     def _worst_case_blocks(self, req: Request) -> int:
         return self._blocks(min(req.num_prompt_tokens + req.max_tokens, self.max_model_len))
 
-    def reserve(self, req: Request) -> int:
+    def reserve(self, req: Request, have: int | None = None) -> int:
         """Blocks the request may still allocate before it finishes."""
-        have = len(self.kv_cache.block_table(req.request_id))
+        if have is None:
+            have = len(self.kv_cache.block_table(req.request_id))
         return max(0, self._worst_case_blocks(req) - have)
 
     # -- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_aborted=self.aborted)
-        self.aborted = []
-        self.waiting.reorder()
+        core = self.core
+        out = core.begin_step()
         self._admit_waiting()
-        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        prefilling = [r for r in core.running if r.num_computed_tokens < r.num_prompt_tokens]
         if prefilling:
             grants = self._split_budget(prefilling)
             batch = [(r, grants[r.request_id]) for r in prefilling if grants[r.request_id] > 0]
         else:
-            batch = [(r, 1) for r in self.running[:self.max_num_batched_tokens]]
+            batch = [(r, 1) for r in core.running[:core.max_num_batched_tokens]]
             # when the budget is below the running count, the rest go first next step
-            self.running = self.running[len(batch):] + self.running[:len(batch)]
+            core.running[:] = core.running[len(batch):] + core.running[:len(batch)]
         for req, n in batch:
             if not self.kv_cache.allocate_slots(req, n):
                 raise RuntimeError(f"v0: the decode reserve of {req.request_id} did not hold "
                                    f"({self.kv_cache.num_free_blocks} blocks free)")
-            out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.block_table(req.request_id)))
-            out.num_scheduled_tokens += n
-        return out
+            core.schedule_request(out, req, n)
+        return core.end_step(out)
 
     def _admit_waiting(self) -> None:
-        now = time.monotonic()
-        reserved = sum(self.reserve(r) for r in self.running)
-        prompt_blocks = sum(self._blocks(r.num_prompt_tokens) for r in self.running)
-        pending = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        core = self.core
+        reserved = sum(self.reserve(r) for r in core.running)
+        prompt_blocks = sum(self._blocks(r.num_prompt_tokens) for r in core.running)
+        pending = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in core.running)
+        skipped = 0
+        while skipped < len(core.waiting) and len(core.running) < core.max_num_seqs:
+            req = core.waiting[skipped]
+            if not core.may_admit(req):
+                skipped += 1
+                continue
             own_prompt_blocks = self._blocks(req.num_prompt_tokens)
-            if self.running and prompt_blocks + own_prompt_blocks > self.max_prompt_blocks:
+            if core.running and prompt_blocks + own_prompt_blocks > self.max_prompt_blocks:
                 break
-            req.num_computed_tokens = self.kv_cache.get_computed_blocks(req)
-            num_new = req.num_prompt_tokens - req.num_computed_tokens
-            fits_budget = self.chunked_prefill or pending + num_new <= self.max_num_batched_tokens
-            if (not fits_budget or reserved + self.reserve(req) > self.kv_cache.num_free_blocks
-                    or not self.kv_cache.allocate_slots(req, num_new)):
-                self._release_hit(req)
+            hit, external = core.lookup(req)
+            num_new = req.num_prompt_tokens - hit.num_tokens - external
+            fits_budget = core.chunked_prefill or pending + num_new <= core.max_num_batched_tokens
+            # the hit's evictable blocks leave the free count when it is committed
+            free_after_hit = self.kv_cache.num_free_blocks - hit.num_evictable
+            if (not fits_budget or reserved + self.reserve(req, len(hit.block_ids)) > free_after_hit
+                    or not core.admit(req, hit, external, num_new)):
                 break
-            self._admit(req, now)
             reserved += self.reserve(req)
             prompt_blocks += own_prompt_blocks
             pending += num_new
-
     def _split_budget(self, prefilling: list[Request]) -> dict[str, int]:
         budget = self.max_num_batched_tokens
         left_of = {r.request_id: r.num_prompt_tokens - r.num_computed_tokens for r in prefilling}

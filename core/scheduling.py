@@ -1,0 +1,339 @@
+"""What every KV scheduler needs, to use by composition: the waiting queue,
+admission, preemption, freeing, and building the plain-data step.
+
+A scheduler (``ResourceManager``) holds a ``SchedulingCore`` and keeps the
+correctness-critical rules through it:
+
+- preempted requests wait ahead of every request that never ran (last
+  preempted first), whatever the queue policy says about the rest;
+- a waiting request holds no blocks: a prefix hit is looked up with no side
+  effect and committed only by ``admit``, with the new blocks, all or nothing;
+- a request that the whole pool could never hold is rejected when it arrives
+  (it would otherwise wait forever);
+- a finished, aborted or preempted request gives its blocks back (after the
+  KV connector's transfer, if it holds them) and its id reaches the runner in
+  the next step's ``finished_req_ids``;
+- ``update`` counts recompute: tokens computed again after a preemption.
+
+v0 and v1 (plugins/schedulers/) are written on it; the only thing they
+decide is which requests run and how many tokens each gets.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from typing import Iterator
+
+from fdx.core.interfaces import (CachedRequestData, KVCacheManager, ModelRunnerOutput, NewRequestData,
+                                 PrefixHit, SchedulerOutput, SchedulerState, SchedulingExtensions,
+                                 QueuePolicy)
+from fdx.core.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """Preempted requests first (last preempted first), then the others in
+    the policy's order (its key, then arrival). Reads like a deque:
+    ``append``, ``appendleft`` (= ``push_preempted``), ``popleft``, ``[i]``,
+    ``remove``, iteration, ``len``."""
+
+    def __init__(self, policy: QueuePolicy):
+        self.policy = policy
+        self.preempted: list[Request] = []               # a stack: the last pushed is first
+        self._entries: list[tuple[tuple, Request]] = []  # sorted by ((policy key), arrival seq)
+        self._keys: dict[str, tuple] = {}
+        self._seq = itertools.count()
+
+    def append(self, request: Request) -> None:
+        if request.request_id in self._keys or request in self.preempted:
+            raise ValueError(f"request {request.request_id!r} is already waiting")
+        # a dynamic policy's keys are computed by reorder(), at the start of each step
+        key = (() if self.policy.dynamic else tuple(self.policy.key(request)), next(self._seq))
+        self._keys[request.request_id] = key
+        bisect.insort(self._entries, (key, request), key=lambda e: e[0])
+
+    def push_preempted(self, request: Request) -> None:
+        self.preempted.append(request)
+
+    appendleft = push_preempted
+
+    def reorder(self) -> None:
+        """Called at the start of each schedule(): re-sort when the policy's
+        keys change over time (lpm)."""
+        if self.policy.dynamic and len(self._entries) > 1:
+            limit = self.policy.max_dynamic_queue
+            if limit is not None and len(self._entries) > limit:
+                key_of = lambda r: ()          # arrival order: only the sequence numbers count
+            else:
+                key_of = self.policy.key
+            entries = [((tuple(key_of(r)), key[-1]), r) for key, r in self._entries]
+            entries.sort(key=lambda e: e[0])
+            self._entries = entries
+            self._keys = {r.request_id: key for key, r in entries}
+
+    def popleft(self) -> Request:
+        if self.preempted:
+            return self.preempted.pop()
+        _, req = self._entries.pop(0)
+        del self._keys[req.request_id]
+        return req
+
+    def remove(self, request: Request) -> None:
+        if request in self.preempted:
+            self.preempted.remove(request)
+            return
+        key = self._keys.pop(request.request_id)
+        i = bisect.bisect_left(self._entries, key, key=lambda e: e[0])
+        assert self._entries[i][1] is request
+        del self._entries[i]
+
+    def __getitem__(self, i: int) -> Request:
+        n = len(self.preempted)
+        return self.preempted[n - 1 - i] if i < n else self._entries[i - n][1]
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter([*reversed(self.preempted), *(r for _, r in self._entries)])
+
+    def __len__(self) -> int:
+        return len(self.preempted) + len(self._entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.preempted or self._entries)
+
+    def __contains__(self, request: Request) -> bool:
+        return request.request_id in self._keys or request in self.preempted
+
+
+def unservable_reason(request: Request, kv_cache: KVCacheManager, max_model_len: int) -> str | None:
+    """Why a request can never run, or None. A request needs, at worst,
+    blocks for its prompt plus its output tokens; a pool smaller than that
+    would leave it waiting (or preempting itself) forever."""
+    total = min(request.num_prompt_tokens + max(request.max_tokens, 0), max_model_len)
+    need = -(-total // kv_cache.block_size)
+    if need > kv_cache.num_blocks:
+        return (f"needs {need} KV blocks for {total} tokens, but the pool has "
+                f"{kv_cache.num_blocks} blocks of {kv_cache.block_size} tokens")
+    return None
+
+
+def default_extensions(config, kv_cache: KVCacheManager) -> SchedulingExtensions:
+    """The extensions config names, from the default plugin manager (for a
+    scheduler built outside an engine, as tests do)."""
+    from fdx.core.plugins import get_plugin_manager
+    pm = get_plugin_manager()
+    sc = config.scheduler
+    settings = config.plugins
+    return SchedulingExtensions(
+        queue_policy=pm.get("queue_policy", sc.policy)(kv_cache, settings.get("queue_policy", {}).get(sc.policy)),
+        admission_rules=[pm.get("admission_rule", n)(config, settings.get("admission_rule", {}).get(n))
+                         for n in sc.admission],
+        preemption_policy=pm.get("preemption_policy", sc.preemption)(
+            config, settings.get("preemption_policy", {}).get(sc.preemption)))
+
+
+class SchedulingCore:
+    """The bookkeeping: queues, blocks, the runner's view, recompute."""
+
+    def __init__(self, config, kv_cache: KVCacheManager, max_model_len: int,
+                 extensions: SchedulingExtensions | None = None):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.ext = extensions or default_extensions(config, kv_cache)
+        self.connector = self.ext.connector
+        sc = config.scheduler
+        self.max_num_seqs = sc.max_num_seqs
+        self.max_num_batched_tokens = sc.max_num_batched_tokens
+        self.chunked_prefill = sc.enable_chunked_prefill
+        self.waiting = WaitingQueue(self.ext.queue_policy)
+        self.running: list[Request] = []
+        self.rejected: list[Request] = []
+        self.held: dict[str, Request] = {}          # finished, blocks kept for a connector transfer
+        self.in_runner: dict[str, int] = {}         # request id -> blocks of its table the runner has
+        self.left_runner: list[str] = []            # ids for the next finished_req_ids
+        self.preempted_ids: list[str] = []
+        self.step = 0
+        self.num_computed_total = 0
+        self.num_recomputed_total = 0
+
+    # -- arrivals and aborts ------------------------------------------------------
+    def add(self, request: Request) -> None:
+        reason = unservable_reason(request, self.kv_cache, self.max_model_len)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_REJECTED
+            request.stop_reason = f"rejected: {reason}"
+            request.finished_time = time.monotonic()
+            self.rejected.append(request)
+            return
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in self.running:
+            if req.request_id == request_id:
+                self.running.remove(req)
+                break
+        else:
+            req = next((r for r in self.waiting if r.request_id == request_id), None)
+            if req is None:
+                return None
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        req.finished_time = time.monotonic()
+        self.release(req)
+        return req
+
+    def pop_rejected(self) -> list[Request]:
+        out, self.rejected = self.rejected, []
+        return out
+
+    def requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]
+
+    # -- a step -----------------------------------------------------------------
+    def begin_step(self) -> SchedulerOutput:
+        """A new, empty SchedulerOutput; ``preempted_ids`` now lists only
+        this step's preemptions."""
+        self.step += 1
+        self.waiting.reorder()
+        return SchedulerOutput(step=self.step)
+
+    def end_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Hand the runner every id that left it since the last step (this
+        step's preemptions included: the runner drops those before it adds
+        the step's new requests) and the connector's metadata."""
+        out.finished_req_ids, self.left_runner = self.left_runner, []
+        out.preempted_req_ids, self.preempted_ids = self.preempted_ids, []
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
+        return out
+
+    def state(self) -> SchedulerState:
+        kv = self.kv_cache
+        return SchedulerState(self.step, self.running, len(self.waiting), kv.num_free_blocks, kv.num_blocks,
+                              self.max_num_seqs)
+
+    def may_admit(self, request: Request) -> bool:
+        """The admission rules' verdict (preempted requests are not asked)."""
+        if request.num_preemptions and request in self.waiting.preempted:
+            return True
+        if not self.ext.admission_rules:
+            return True
+        state = self.state()
+        return all(rule.admit(request, state) for rule in self.ext.admission_rules)
+
+    def lookup(self, request: Request) -> tuple[PrefixHit, int]:
+        """(the local prefix hit, tokens the connector can load after it): no
+        side effects. A request that wants prompt logprobs computes its whole
+        prompt, so it takes no hit."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return PrefixHit(), 0
+        hit = self.kv_cache.lookup_prefix(request)
+        external = 0
+        if self.connector is not None:
+            external = self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
+        return hit, external
+
+    def admit(self, request: Request, hit: PrefixHit, external: int, num_new_tokens: int) -> bool:
+        """Commit a lookup and allocate blocks for ``num_new_tokens`` computed
+        tokens after it; False (nothing changed) when they do not fit. On
+        success the request is running, with ``num_computed_tokens`` = hit +
+        loaded tokens."""
+        if not self.kv_cache.allocate_slots(request, external + num_new_tokens, prefix=hit):
+            return False
+        self.waiting.remove(request)
+        request.num_computed_tokens = hit.num_tokens
+        if external and self.connector is not None:
+            self.connector.update_state_after_alloc(request, self.kv_cache.block_table(request.request_id),
+                                                    external)
+        request.num_computed_tokens = hit.num_tokens + external
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = request.num_computed_tokens
+        self.running.append(request)
+        return True
+
+    def choose_victim(self, candidates: list[Request] | None = None) -> Request:
+        """The preemption policy's pick among ``candidates`` (default: all
+        running requests); newest first without a policy."""
+        candidates = self.running if candidates is None else candidates
+        policy = self.ext.preemption_policy
+        if policy is None or len(candidates) == 1:
+            return candidates[-1]
+        victim = policy.choose_victim(candidates, self.state())
+        if not any(victim is c for c in candidates):
+            raise RuntimeError(f"preemption policy {type(policy).__name__} chose a request that is not a candidate")
+        return victim
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's blocks and put it back at the head of the queue."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        if request.request_id in self.in_runner:
+            del self.in_runner[request.request_id]
+            self.left_runner.append(request.request_id)
+            self.preempted_ids.append(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.push_preempted(request)
+
+    def release(self, request: Request) -> None:
+        """A request finished or was aborted: give its blocks back, unless
+        the connector keeps them for a transfer (freed when it reports)."""
+        if request.request_id in self.in_runner:
+            del self.in_runner[request.request_id]
+            self.left_runner.append(request.request_id)
+        if self.connector is not None and self.kv_cache.block_table(request.request_id):
+            if self.connector.request_finished(request, list(self.kv_cache.block_table(request.request_id))):
+                self.held[request.request_id] = request
+                return
+        self.kv_cache.free(request)
+
+    def schedule_request(self, out: SchedulerOutput, request: Request, num_new_tokens: int) -> None:
+        """Add a running request whose blocks cover its new tokens to the step."""
+        rid = request.request_id
+        table = self.kv_cache.block_table(rid)
+        sent = self.in_runner.get(rid)
+        if sent is None:
+            out.new_requests.append(NewRequestData(
+                rid, list(request.prompt_token_ids), list(request.output_token_ids), request.sampling_params,
+                list(table), request.num_computed_tokens))
+        else:
+            out.cached_requests.append(CachedRequestData(rid, list(table[sent:]), request.num_computed_tokens))
+        self.in_runner[rid] = len(table)
+        out.num_scheduled_tokens[rid] = num_new_tokens
+        out.total_num_scheduled_tokens += num_new_tokens
+
+    # -- after the forward ------------------------------------------------------------
+    def update(self, out: SchedulerOutput, runner_output: ModelRunnerOutput, token_processor) -> list[Request]:
+        for rid in runner_output.finished_sending:
+            req = self.held.pop(rid, None)
+            if req is not None:
+                self.kv_cache.free(req)
+        by_id = {r.request_id: r for r in self.running}
+        changed, recomputed = [], 0
+        for rid, n in out.num_scheduled_tokens.items():
+            req = by_id.get(rid)
+            if req is None or req.is_finished:          # aborted while the step ran
+                continue
+            start = req.num_computed_tokens
+            recomputed += max(0, min(req.max_num_computed_tokens, start + n) - start)
+            req.num_computed_tokens = start + n
+            req.max_num_computed_tokens = max(req.max_num_computed_tokens, start + n)
+            self.kv_cache.on_tokens_computed(req)
+            if rid in runner_output.prompt_logprobs:
+                token_processor.add_prompt_logprobs(req, start, runner_output.prompt_logprobs[rid])
+            token = runner_output.sampled.get(rid)
+            if token is None:
+                continue                                  # a prefill chunk short of the end
+            done = token_processor.process(req, token, runner_output.logprobs.get(rid))
+            changed.append(req)
+            if done:
+                self.running.remove(req)
+                self.release(req)
+        self.num_computed_total += out.total_num_scheduled_tokens
+        self.num_recomputed_total += recomputed
+        runner_output.num_recomputed_tokens = recomputed
+        return changed

@@ -1,0 +1,176 @@
+"""The default model runner (contract: ``ModelRunner``): a persistent batch
+of per-request state, fed only plain-data ``SchedulerOutput`` steps.
+
+Each step: drop the state of requests in ``finished_req_ids``; build state
+for ``new_requests`` (prompt, outputs so far, params, block table) and
+extend the tables of ``cached_requests``; gather the step's tokens; one
+forward through the attention backend the device backend chose; run the
+logits processors over the rows that sample (telling them which requests
+joined and left) and the sampler; append each sampled token to its own
+request state, so the next step's input needs nothing from the scheduler
+but the block ids. Prompt logprobs, logits and hidden-state taps are
+computed here when asked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import (AttentionContext, BatchUpdate, ModelRunner, ModelRunnerOutput, RowState,
+                                 SamplingBatch, SchedulerOutput)
+from fdx.core.sampling_params import SamplingParams
+from fdx.plugins.decoding.sampler import logprobs_of
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    row: RowState
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class DefaultModelRunner(ModelRunner):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.model = ctx.model
+        self.spec = ctx.kv_spec
+        self.requests: dict[str, RequestState] = {}
+        self.in_processors: set[str] = set()      # requests the logits processors hold
+        self.rows: list[str] = []                  # last step's sampling rows
+        self.capture_logits = ctx.config.decoding.capture_logits
+        self.capture_hidden = ctx.config.decoding.capture_hidden_states
+        if self.capture_hidden:
+            self.model.capture_hidden_states = True
+        self.taps: dict = {}
+        if ctx.connector is not None:
+            ctx.connector.register_kv_caches(ctx.kv_caches, ctx.kv_spec)
+
+    # -- the persistent batch ---------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> list[str]:
+        removed = []
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            if rid in self.in_processors:
+                self.in_processors.discard(rid)
+                removed.append(rid)
+        for nr in so.new_requests:
+            outputs = list(nr.output_token_ids)
+            prompt = list(nr.prompt_token_ids)
+            self.requests[nr.request_id] = RequestState(
+                nr.request_id, prompt, outputs, nr.sampling_params, list(nr.block_ids), nr.num_computed_tokens,
+                RowState(nr.request_id, nr.sampling_params, prompt, outputs))
+        for cr in so.cached_requests:
+            st = self.requests[cr.request_id]
+            st.block_ids.extend(cr.new_block_ids)
+            if st.num_computed_tokens != cr.num_computed_tokens:
+                raise RuntimeError(f"runner and scheduler disagree on {cr.request_id}: "
+                                   f"{st.num_computed_tokens} != {cr.num_computed_tokens} computed tokens")
+        return removed
+
+    # -- one step ---------------------------------------------------------------------
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        ctx = self.ctx
+        removed = self._update_states(so)
+        out = ModelRunnerOutput()
+        if ctx.connector is not None:
+            ctx.connector.start_load_kv(so.kv_connector_metadata)
+        if so.num_scheduled_tokens:
+            self._forward(so, removed, out)
+        if ctx.connector is not None:
+            sending, recving = ctx.connector.get_finished()
+            out.finished_sending, out.finished_recving = sorted(sending), sorted(recving)
+        return out
+
+    def _forward(self, so: SchedulerOutput, removed: list[str], out: ModelRunnerOutput) -> None:
+        ctx = self.ctx
+        input_ids: list[int] = []
+        query_lens, context_lens, tables = [], [], []
+        sample_rows, samplers = [], []
+        prompt_rows: list[tuple[RequestState, int, int, int]] = []   # (state, first row, count, start)
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.requests[rid]
+            start, p = st.num_computed_tokens, len(st.prompt_token_ids)
+            if start + n <= p:
+                input_ids += st.prompt_token_ids[start:start + n]
+            else:
+                input_ids += st.prompt_token_ids[start:] + st.output_token_ids[max(0, start - p):start + n - p]
+            if st.params.prompt_logprobs is not None and start < p - 1:
+                count = min(start + n, p - 1) - start
+                prompt_rows.append((st, len(input_ids) - n, count, start))
+            query_lens.append(n)
+            context_lens.append(start)
+            tables.append(st.block_ids)
+            st.num_computed_tokens = start + n
+            if start + n == st.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                samplers.append(st)
+
+        meta = ctx.attention.build_metadata(query_lens, context_lens, tables, self.spec,
+                                            getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
+        attn = AttentionContext(ctx.attention, meta)
+        extra = [r for st, first, count, _ in prompt_rows for r in range(first, first + count)]
+        rows = paddle.to_tensor(np.asarray(sample_rows + extra, dtype=np.int64))
+        ids = paddle.to_tensor(np.asarray(input_ids, dtype=np.int64))
+        with paddle.no_grad():
+            logits = self.model.forward(ids, attn.positions, ctx.kv_caches, attn, rows)
+        logits = logits.astype("float32").numpy() if logits.dtype != paddle.float32 else logits.numpy()
+        raw, prompt_logits = logits[:len(sample_rows)], logits[len(sample_rows):]
+
+        k = 0
+        for st, _, count, start in prompt_rows:
+            targets = st.prompt_token_ids[start + 1:start + 1 + count]
+            out.prompt_logprobs[st.request_id] = logprobs_of(prompt_logits[k:k + count], np.asarray(targets),
+                                                             st.params.prompt_logprobs)
+            k += count
+        if not samplers:
+            self.taps = {}
+            return
+        self._sample(samplers, raw, removed, out)
+
+    def _sample(self, samplers: list[RequestState], raw: np.ndarray, removed: list[str],
+                out: ModelRunnerOutput) -> None:
+        ctx = self.ctx
+        rows = [st.request_id for st in samplers]
+        added = [st.row for st in samplers if st.request_id not in self.in_processors]
+        self.in_processors.update(rows)
+        update = BatchUpdate(added, removed, rows, rows != self.rows)
+        self.rows = rows
+        x = raw.copy()
+        for processor in ctx.logits_processors:
+            processor.update_state(update)
+            x = processor.apply(x)
+        batch = SamplingBatch(
+            params=[st.params for st in samplers], prompt_token_ids=[st.prompt_token_ids for st in samplers],
+            output_token_ids=[st.output_token_ids for st in samplers], eos_token_ids=ctx.eos_token_ids,
+            request_ids=rows)
+        result = ctx.sampler.sample(x, batch, raw_logits=raw)
+        for i, st in enumerate(samplers):
+            token = int(result.token_ids[i])
+            st.output_token_ids.append(token)
+            out.sampled[st.request_id] = token
+            if result.logprobs[i] is not None:
+                out.logprobs[st.request_id] = result.logprobs[i]
+        self.taps = {"sampled_request_ids": rows}
+        if self.capture_logits:
+            self.taps["logits"] = raw
+        if self.capture_hidden and getattr(self.model, "last_hidden_states", None) is not None:
+            self.taps["hidden_states"] = self.model.last_hidden_states.numpy()[:len(rows)]
+
+    def last_step_taps(self) -> dict:
+        return self.taps
+
+
+@hookimpl
+def fdx_register_model_runners(register):
+    register("default", DefaultModelRunner)
