@@ -246,6 +246,44 @@ def test_a_raising_observer_does_not_stop_the_others(tiny):
     assert calls and calls == list(range(1, len(calls) + 1))
 
 
+# pairwise over (scheduler, cache, queue order, victim), the outside plugins included
+PAIRWISE = [("v1", "paged", "fcfs", "newest"), ("v1", "prefix", "priority", "least-computed"),
+            ("v1", "example-blocks", "lpm", "most-output"), ("v1", "prefix", "shortest-first", "newest"),
+            ("v0", "prefix", "fcfs", "newest"), ("v0", "paged", "lpm", "newest"),
+            ("v0", "example-blocks", "shortest-first", "newest"), ("v0", "prefix", "priority", "newest"),
+            ("example-fifo", "prefix", "fcfs", "most-output"), ("example-fifo", "paged", "priority", "newest"),
+            ("example-fifo", "example-blocks", "lpm", "least-computed"),
+            ("example-fifo", "prefix", "shortest-first", "least-computed")]
+
+
+@pytest.mark.slow
+def test_greedy_outputs_unchanged_pairwise(tiny, reference, pm):
+    """A small pool and step budget (chunked prefill and preemption forced)
+    on every pair of (scheduler, cache, order, victim) values."""
+    for rm, cache, policy, victim in PAIRWISE:
+        llm = make_llm(tiny, plugins=pm, resource_manager=rm, kv_cache=cache, policy=policy, preemption=victim,
+                       num_kv_blocks=20, max_num_batched_tokens=12, max_num_seqs=3)
+        assert token_ids(llm.generate(prompts(), GREEDY)) == reference, (rm, cache, policy, victim)
+        kv = llm.engine.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks, (rm, cache, policy, victim)
+
+
+def test_every_registered_scheduler_and_extension_keeps_the_rules(ex):
+    """The conformance kit over every name registered for each kind, the
+    outside package's included (each value at least once, pairwise-light)."""
+    pm = get_plugin_manager()
+    for name in pm.names("resource_manager"):
+        check_scheduler(name, "prefix", max_examples=8)
+    for name in pm.names("kv_cache"):
+        check_scheduler("v1", name, max_examples=8)
+    for name in pm.names("queue_policy"):
+        check_scheduler("v1", "prefix", name, max_examples=8)
+    for name in pm.names("preemption_policy"):
+        check_scheduler("v1", "paged", preemption=name, max_examples=8)
+    for name in pm.names("admission_rule"):
+        check_scheduler("v1", "paged", admission=[name], max_examples=8)
+
+
 def test_conformance_kit_on_the_outside_plugins(ex):
     check_scheduler("example-fifo", "example-blocks", "shortest-first", preemption="most-output",
                     max_examples=25)
