@@ -1,11 +1,14 @@
-"""Compiled CPU kernels (ops/csrc/), built on first use.
+"""Compiled CPU kernels (ops/csrc/), built once per machine and Paddle install.
 
-The extension is built with paddle.utils.cpp_extension.load (about 10 s)
-into a cache folder keyed by the source, flags, Paddle version and CPU, so a
-later process only loads it: $FDX_CACHE_DIR, else $XDG_CACHE_HOME/fdx, else
-~/.cache/fdx, then ops/<key>. If the build fails, a warning is logged once
-and callers fall back to the Paddle path. FDX_DISABLE_CPP_OPS=1 turns the
-compiled kernels off.
+``prepare()`` builds the extension with paddle.utils.cpp_extension.load
+(10-50 s) or loads the cached build; the engine process calls it before it
+reports ready, so no request waits for a compiler. The build lives in a
+cache folder keyed by the source, flags, Paddle version and CPU:
+$FDX_CACHE_DIR, else $XDG_CACHE_HOME/fdx, else ~/.cache/fdx, then
+ops/<key>. The compiler's output goes to ops/<key>/build.log, and one log
+line says what was built and how long it took. Without a C++ compiler, or
+if the build fails, one warning says so and callers use the Paddle path.
+FDX_DISABLE_CPP_OPS=1 turns the compiled kernels off.
 """
 import contextlib
 import fcntl
@@ -13,13 +16,16 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
 import paddle
 
-__all__ = ["available", "unavailable_reason", "paged_attention", "build_dir"]
+__all__ = ["available", "unavailable_reason", "paged_attention", "build_dir", "prepare", "status"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +55,11 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
 _tried = False
+_status: str | None = None                   # what prepare() did, in words (the log line)
+
+# Decode attention, 64 sequences x 256 cached tokens (python -m fdx.ops.bench_attention,
+# idle 2-core machine): the Paddle path takes this many times the compiled kernel's time.
+PADDLE_PATH_COST = "about 4x slower attention (docs/benchmarks.md)"
 
 
 def _disabled() -> bool:
@@ -83,23 +94,36 @@ def build_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _quiet_paddle_extension_logs():
-    """Paddle's cpp_extension logs INFO lines on every load."""
+def _output_to(log_path: Path):
+    """Send this process's stdout and stderr (the compiler's command lines and
+    warnings, Paddle's INFO lines, child processes' output) to a file."""
     ext_logger = logging.getLogger("utils.cpp_extension")
     level = ext_logger.level
     ext_logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        ext_logger.setLevel(level)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log_path, "a") as log_file:
+        os.dup2(log_file.fileno(), 1)
+        os.dup2(log_file.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            ext_logger.setLevel(level)
 
 
-def _build() -> ModuleType:
-    with _quiet_paddle_extension_logs():
-        return _build_or_load()
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
-def _build_or_load() -> ModuleType:
+def _build_or_load() -> tuple[ModuleType, bool]:
+    """(the module, whether it was compiled now rather than loaded from the cache)."""
     from paddle.utils.cpp_extension import load
 
     path = build_dir()
@@ -112,32 +136,65 @@ def _build_or_load() -> ModuleType:
             try:  # already built: load the library without load()'s setup.py run (~6 s)
                 from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
 
-                return _import_module_from_library(name, str(path / name))
+                with _output_to(path / "build.log"):
+                    return _import_module_from_library(name, str(path / name)), False
             except Exception as e:
                 logger.info("reloading the cached fdx ops failed (%s); rebuilding", e)
-        module = load(
-            name=name,
-            sources=[str(s) for s in _SOURCES],
-            extra_cxx_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
-            build_directory=str(path),
-            verbose=False,
-        )
+        if _compiler() is None:
+            raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
+        with _output_to(path / "build.log"):
+            module = load(
+                name=name,
+                sources=[str(s) for s in _SOURCES],
+                extra_cxx_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                build_directory=str(path),
+                verbose=False,
+            )
         (path / ".built").touch()
-        return module
+        return module, True
 
 
 def _load() -> ModuleType | None:
-    global _module, _error, _tried
+    global _module, _error, _tried, _status
     with _lock:
         if not _tried:
             _tried = True
+            t0 = time.perf_counter()
             try:
-                _module = _build()
+                _module, built = _build_or_load()
+                secs = time.perf_counter() - t0
+                if built:
+                    _status = (f"built the compiled attention kernel (ops/csrc/paged_attention.cc) in {secs:.1f} s, "
+                               f"cached in {build_dir()} (compiler output: build.log there)")
+                    logger.info("fdx: %s", _status)
+                else:
+                    _status = f"loaded the compiled attention kernel from {build_dir()} in {secs:.1f} s"
+                    logger.debug("fdx: %s", _status)
             except Exception as e:  # any build or load failure means: use the Paddle path
                 _error = f"{type(e).__name__}: {e}"
-                logger.warning("fdx compiled CPU ops unavailable, using the Paddle path: %s", _error)
+                try:
+                    log_hint = build_dir() / "build.log"
+                    where = f"; compiler output in {log_hint}" if log_hint.exists() else ""
+                except OSError:
+                    where = ""
+                _status = f"the compiled attention kernel is unavailable ({_error}{where})"
+                logger.warning("fdx: %s: using the Paddle attention path, %s", _status, PADDLE_PATH_COST)
     return _module
+
+
+def prepare() -> str:
+    """Build or load the compiled kernels now (the engine calls this before
+    it reports ready); returns what was done, in words."""
+    if _disabled():
+        return "compiled kernels off (FDX_DISABLE_CPP_OPS): Paddle attention path"
+    _load()
+    return _status or ""
+
+
+def status() -> str | None:
+    """What prepare() did, or None before it ran."""
+    return _status
 
 
 def available() -> bool:

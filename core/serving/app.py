@@ -22,9 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fdx.core.checkpoint.loader import load_tokenizer
+from fdx.core.checkpoint.loader import check_model_path, load_tokenizer
 from fdx.core.config import FdxConfig
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
+from fdx.core.serving.engine_proc import user_message
 from fdx.core.serving.messages import EngineRejected, SeqDelta
 from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from fdx.core.output import SequenceState
@@ -171,6 +172,7 @@ class Server:
         self.max_model_len = 0
         self.vocab_size = 0
         self.accepting = False
+        self.loading = True                       # until the engine is loaded and warmed: /health says so
         self.groups: set[RequestGroup] = set()
         self.num_queued = 0                       # sequences sent to the engine with no token yet
         self.exit_code = 0
@@ -179,6 +181,7 @@ class Server:
 
     # -- lifecycle ------------------------------------------------------------
     async def startup(self) -> None:
+        check_model_path(self.config.model.model)      # a bad path fails here, worded as fdx generate words it
         engine_task = asyncio.ensure_future(self.engine.start())
         tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.config.model.model))
         try:
@@ -193,8 +196,10 @@ class Server:
         self.metrics.kv_total.set(ready.num_blocks)
         self.metrics.kv_free.set(ready.num_blocks)
         self.accepting = True
-        log.info("engine ready: %s, max_model_len %d, %d KV blocks of %d, %s",
-                 ready.model_path, ready.max_model_len, ready.num_blocks, ready.block_size, ready.backend)
+        self.loading = False
+        log.info("engine ready: %s, max_model_len %d, %d KV blocks of %d, %s; %s",
+                 ready.model_path, ready.max_model_len, ready.num_blocks, ready.block_size, ready.backend,
+                 ready.kernels)
 
     def begin_shutdown(self) -> None:
         """Stop accepting; end the requests in flight (SIGTERM, Ctrl-C)."""
@@ -461,7 +466,8 @@ def build_app(server: Server) -> FastAPI:
         if server.engine.dead:
             return JSONResponse(error_body("the engine process died", "service_unavailable"), status_code=503)
         if not server.accepting:
-            return JSONResponse(error_body("not ready", "service_unavailable"), status_code=503)
+            return JSONResponse(error_body("loading" if server.loading else "not ready", "service_unavailable",
+                                           code="loading" if server.loading else None), status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")
@@ -508,6 +514,11 @@ def run_server(config: FdxConfig) -> int:
 
     import uvicorn
 
+    try:                                      # a bad model path fails now, before anything starts
+        check_model_path(config.model.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fdx: error: {e}", file=sys.stderr)
+        return 1
     server = Server(config)
     app = build_app(server)
 
@@ -528,23 +539,33 @@ def run_server(config: FdxConfig) -> int:
     try:                                      # fail on a busy port now, not after loading the model
         sock = _bind(config.server.host, config.server.port)
     except OSError as e:
-        print(f"fdx serve: error: cannot listen on {config.server.host}:{config.server.port}: {e.strerror or e}",
+        print(f"fdx: error: cannot listen on {config.server.host}:{config.server.port}: {e.strerror or e}",
               file=sys.stderr)
         return 1
     uv = _Uvicorn(uv_config)
     server.uvicorn = uv
 
     async def main() -> int:
+        # serve from the start, so /health answers 503 "loading" while the engine loads and warms
         uv._fdx_loop = asyncio.get_running_loop()
-        try:
-            await server.startup()
-        except Exception as e:
-            print(f"fdx serve: error: {e}", file=sys.stderr)
+        url = f"http://{config.server.host}:{sock.getsockname()[1]}"
+        serving = asyncio.ensure_future(uv.serve(sockets=[sock]))
+        starting = asyncio.ensure_future(server.startup())
+        log.info("loading %s; %s/health answers 503 until it is ready", server.model_name, url)
+        await asyncio.wait({serving, starting}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():                   # stopped (SIGTERM, Ctrl-C) while loading
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await server.engine.shutdown()
+            return 0
+        if starting.exception() is not None:
+            print(f"fdx: error: {user_message(starting.exception())}", file=sys.stderr)
+            uv.should_exit = True
+            await asyncio.gather(serving, return_exceptions=True)
             return 1
         try:
-            print(f"fdx serve: {server.model_name} at http://{config.server.host}:{sock.getsockname()[1]}/v1 "
-                  f"(engine pid {server.engine.pid})", flush=True)
-            await uv.serve(sockets=[sock])
+            print(f"fdx serve: {server.model_name} at {url}/v1 (engine pid {server.engine.pid})", flush=True)
+            await serving
         finally:
             await server.shutdown()
         return server.exit_code

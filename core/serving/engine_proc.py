@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 import zmq
@@ -133,6 +134,29 @@ class EngineLoop:
                            cache_stats, num_preempted)
 
 
+def warm_up(engine) -> float:
+    """One 2-token greedy request through the engine (a prefill and a decode
+    step), so the first client request does not pay for first-call set-up.
+    Its blocks are freed after; returns the seconds it took."""
+    from fdx.core.sampling_params import SamplingParams
+    t0 = time.perf_counter()
+    if engine.max_model_len < 4:
+        return 0.0
+    req = engine.make_request([0, 0], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                              request_id="fdx-warmup")
+    engine.add_request(req)
+    while engine.has_unfinished():
+        engine.step()
+    secs = time.perf_counter() - t0
+    log.debug("warm-up request: %.2f s", secs)
+    return secs
+
+
+def user_message(e: BaseException) -> str:
+    """A start-up error as every command prints it (a KeyError's str() quotes it)."""
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
@@ -154,8 +178,12 @@ def engine_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server; it stops us
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
         return 1
-    logging.basicConfig(level=os.environ.get("FDX_ENGINE_LOG_LEVEL", "WARNING"),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fdx").setLevel(
+        (os.environ.get("FDX_ENGINE_LOG_LEVEL") or os.environ.get("FDX_LOG_LEVEL") or "INFO").upper())
+    # Paddle warns at import when OMP_NUM_THREADS > 1; the CPU backend sets the
+    # thread count from config (backend.num_threads) or the cores, not from it
+    os.environ.pop("OMP_NUM_THREADS", None)
     config_json = sys.stdin.read()               # the config comes over stdin, as JSON
 
     ctx = zmq.Context()
@@ -167,14 +195,19 @@ def engine_main(argv: list[str] | None = None) -> int:
         from fdx.core.config import FdxConfig
         from fdx.core.engine import EngineCore
         engine = EngineCore(FdxConfig.model_validate(json.loads(config_json)), progress=False)
+        from fdx.ops import cpp
+        kernels = cpp.prepare()                   # build or load the compiled kernels before ready
+        warm_up(engine)
         outbox.send(_encoder.encode(EngineReady(
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
-            int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe())))
+            int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe(), kernels)))
         EngineLoop(engine, inbox, outbox, args.parent_pid).run()
     except Exception as e:
-        if not isinstance(e, (ValueError, FileNotFoundError, KeyError)):   # ConfigError is a ValueError
+        expected = isinstance(e, (ValueError, FileNotFoundError, KeyError))   # ConfigError is a ValueError
+        if not expected:
             log.exception("engine failed")                # a bug: keep the traceback in the log
-        outbox.send(_encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        message = user_message(e) if expected else f"{type(e).__name__}: {e}"
+        outbox.send(_encoder.encode(EngineFailed(message, expected)))
         outbox.close(linger=2000)
         return 1
     outbox.close(linger=1000)

@@ -61,10 +61,12 @@ class EngineReady(msgspec.Struct, tag="ready"):
     block_size: int
     model_path: str
     backend: str
+    kernels: str = ""                        # what fdx.ops.cpp.prepare() did: built, loaded, or unavailable
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
     message: str
+    expected: bool = False                   # a bad model or config (the message says what), not a bug
 
 
 ToEngine = EngineAdd | EngineAbort | EngineShutdown
