@@ -149,7 +149,7 @@ def test_no_compiler_says_the_paddle_path_is_used_and_what_it_costs(monkeypatch,
         status = cpp.prepare()
         assert cpp.prepare() == status and not cpp.available()
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [f"fdx: {status}: using the Paddle attention path, {cpp.PADDLE_PATH_COST}"]
+    assert lines == [f"{status}: using the Paddle attention path, {cpp.PADDLE_PATH_COST}"]
     assert "no C++ compiler" in status
 
 
@@ -167,3 +167,102 @@ def test_every_flag_has_help_with_its_default():
     assert len(flags) > 60
     missing = [(cmd, a.option_strings) for cmd, a in flags if not a.help or "default" not in a.help]
     assert not missing
+
+
+# --- generation defaults ----------------------------------------------------------
+
+def _tiny_llama_dir(path, generation_config: dict | None = None):
+    """A random-weight two-layer Llama folder written with numpy (no torch)."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    V, H, I, L = 32, 16, 32, 2
+    rng = np.random.default_rng(0)
+    w = {"model.embed_tokens.weight": rng.standard_normal((V, H)), "model.norm.weight": np.ones(H)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        w.update({p + "input_layernorm.weight": np.ones(H), p + "post_attention_layernorm.weight": np.ones(H),
+                  p + "mlp.gate_proj.weight": rng.standard_normal((I, H)), p + "mlp.up_proj.weight": rng.standard_normal((I, H)),
+                  p + "mlp.down_proj.weight": rng.standard_normal((H, I))})
+        for name, rows in (("q", H), ("k", H // 2), ("v", H // 2), ("o", H)):
+            w[p + f"self_attn.{name}_proj.weight"] = rng.standard_normal((rows, H))
+    path.mkdir()
+    save_file({k: (0.5 * v).astype(np.float32) for k, v in w.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": V, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1}))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config))
+    return path
+
+
+def test_the_models_generation_config_is_the_default_and_a_request_overrides_it(tmp_path):
+    from fdx import LLM, SamplingParams
+    from fdx.core.generation import CHAT_DEFAULTS
+    model = _tiny_llama_dir(tmp_path / "m", {"temperature": 0.0, "max_new_tokens": 5, "repetition_penalty": 1.3,
+                                              "do_sample": False, "bos_token_id": 0})
+    llm = LLM(str(model), num_kv_blocks=16, block_size=4, progress=False)
+    assert llm.engine.generation_config == {"temperature": 0.0, "max_tokens": 5, "repetition_penalty": 1.3}
+    assert llm.get_default_sampling_params(chat=True) == SamplingParams(**{**CHAT_DEFAULTS, **{
+        "temperature": 0.0, "max_tokens": 5, "repetition_penalty": 1.3}})
+    prompt = "w5 w6 w7 w5 w6"
+    by_default = llm.generate(prompt)[0].outputs[0]
+    explicit = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, repetition_penalty=1.3))[0].outputs[0]
+    assert by_default.token_ids == explicit.token_ids and len(by_default.token_ids) <= 5
+    plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))[0].outputs[0]
+    assert len(plain.token_ids) == 9                     # a SamplingParams passed in is used as it is
+
+
+def test_gguf_sampling_metadata_and_hf_keys_map_to_sampling_fields(tmp_path):
+    from fdx.core import generation
+    fields = {"general.sampling.temp": 0.6, "general.sampling.top_k": 40, "general.sampling.top_p": 0.95,
+              "general.sampling.min_p": 0.05, "general.sampling.penalty_repeat": 1.05, "general.name": "x"}
+    assert generation.from_gguf_fields(fields) == {"temperature": 0.6, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+                                                   "repetition_penalty": 1.05}
+    assert generation.from_gguf_fields({"general.name": "x"}) == {}
+    (tmp_path / "generation_config.json").write_text('{"top_k": 20, "temperature": true, "max_new_tokens": 64}')
+    assert generation.from_hf_dir(tmp_path) == {"top_k": 20, "max_tokens": 64}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        generation.from_hf_dir(tmp_path)
+
+
+def _repeats_a_line(text: str) -> bool:
+    from collections import Counter
+    counts = Counter(line.strip() for line in text.splitlines() if line.strip())
+    return any(n >= 3 for n in counts.values())
+
+
+README_CHATS = [[{"role": "user", "content": "Write a haiku about the sea"}],
+                [{"role": "user", "content": "What is 2+2?"}]]
+
+
+def test_llm_chat_defaults_answer_the_readme_examples_completely(smollm_llm):
+    """The README's examples with LLM.chat's defaults (the embedded GGUF ships no
+    sampling keys, so fdx's chat defaults), over several seeds: each answer
+    ends with "stop" and repeats no line three times."""
+    import dataclasses
+    defaults = smollm_llm.get_default_sampling_params(chat=True)
+    convs, params = [], []
+    for conv in README_CHATS:
+        for seed in range(5):
+            convs.append(conv)
+            params.append(dataclasses.replace(defaults, seed=seed))
+    outs = smollm_llm.chat(convs, params)
+    for out in outs:
+        o = out.outputs[0]
+        assert o.finish_reason == "stop" and o.text.strip() and not _repeats_a_line(o.text), o.text
+    assert smollm_llm.chat(README_CHATS[0])[0].outputs[0].finish_reason == "stop"    # no SamplingParams at all
+
+
+@pytest.mark.slow
+def test_fdx_chat_readme_example_is_complete():
+    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "chat", "Write a haiku about the sea",
+                          "--max-model-len", "1024"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and not _repeats_a_line(out.stdout)
+    assert "[finish_reason=stop," in out.stderr
+    assert "Loading" not in out.stderr and "g++" not in out.stderr and "OMP_NUM_THREADS" not in out.stderr

@@ -24,11 +24,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fdx.core.checkpoint.loader import check_model_path, load_tokenizer
 from fdx.core.config import FdxConfig
+from fdx.core.generation import defaults_for
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
 from fdx.core.serving.messages import EngineRejected, SeqDelta
 from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from fdx.core.output import SequenceState
+from fdx.core.serving import ui
 from fdx.core.serving.rendering import Renderer
 from fdx.core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from fdx.core.sampling_params import SamplingParams
@@ -171,6 +173,7 @@ class Server:
         self.render: Renderer | None = None
         self.max_model_len = 0
         self.vocab_size = 0
+        self.generation_config: dict[str, Any] = {}   # the model's sampling defaults
         self.accepting = False
         self.loading = True                       # until the engine is loaded and warmed: /health says so
         self.groups: set[RequestGroup] = set()
@@ -192,14 +195,14 @@ class Server:
             await self.engine.shutdown()
             raise
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.generation_config = dict(ready.generation_config)
         self.metrics.engine_up.set(1)
         self.metrics.kv_total.set(ready.num_blocks)
         self.metrics.kv_free.set(ready.num_blocks)
         self.accepting = True
         self.loading = False
-        log.info("engine ready: %s, max_model_len %d, %d KV blocks of %d, %s; %s",
-                 ready.model_path, ready.max_model_len, ready.num_blocks, ready.block_size, ready.backend,
-                 ready.kernels)
+        log.info("engine ready: %s, max_model_len %d, %d KV blocks of %d, %s",
+                 ready.model_path, ready.max_model_len, ready.num_blocks, ready.block_size, ready.backend)
 
     def begin_shutdown(self) -> None:
         """Stop accepting; end the requests in flight (SIGTERM, Ctrl-C)."""
@@ -246,6 +249,16 @@ class Server:
             raise APIError(429, f"the queue is full ({self.num_queued} sequences waiting, max_queue={mq}); "
                            "retry later", type="rate_limit_error", code="queue_full")
 
+    def with_defaults(self, req, kwargs: dict[str, Any], chat: bool) -> dict[str, Any]:
+        """The model's generation defaults (and fdx's chat defaults, for chat)
+        for every field the request body left out (core/generation.py)."""
+        given = req.model_fields_set
+        for name, value in defaults_for(self.generation_config, chat).items():
+            fields = ("max_tokens", "max_completion_tokens") if name == "max_tokens" else (name,)
+            if not given.intersection(fields):
+                kwargs[name] = value
+        return kwargs
+
     def sampling_params(self, kwargs: dict[str, Any]) -> SamplingParams:
         try:
             return SamplingParams(**kwargs)
@@ -286,7 +299,8 @@ class Server:
         if bad:
             raise APIError(400, bad[1], param=bad[0])
         prompts = self.render.completion_prompts(req.prompt)
-        kwargs = req.sampling_kwargs(req.max_tokens if req.max_tokens is not None else 16)
+        kwargs = self.with_defaults(req, req.sampling_kwargs(req.max_tokens if req.max_tokens is not None else 16),
+                                    chat=False)
         kwargs["logprobs"] = req.logprobs
         sp = self.sampling_params(kwargs)
         for _, ids in prompts:
@@ -301,7 +315,7 @@ class Server:
             raise APIError(400, bad[1], param=bad[0])
         text, ids = self.render.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        kwargs = req.sampling_kwargs(max_tokens)
+        kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=True)
         if req.logprobs:
             kwargs["logprobs"] = req.top_logprobs or 0
         sp = self.sampling_params(kwargs)
@@ -492,6 +506,7 @@ def build_app(server: Server) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, http_request: Request):
         return await server.chat_completions(req, http_request)
 
+    ui.install(app, server)                   # the page at / and /v1/engine/stats (server.ui)
     return app
 
 

@@ -55,7 +55,7 @@ class EngineLoop:
                 break
             if eng.has_unfinished():
                 changed = eng.step()
-                self._send(changed, eng.last_stats.num_preempted)
+                self._send(changed, eng.last_stats.num_preempted, eng.last_stats)
             elif touched:
                 self._send([], 0)                 # aborts freed blocks: publish the stats
 
@@ -93,7 +93,7 @@ class EngineLoop:
         elif isinstance(msg, EngineShutdown):
             self.running = False
 
-    def _send(self, changed: list, num_preempted: int) -> None:
+    def _send(self, changed: list, num_preempted: int, step=None) -> None:
         deltas = []
         for req in changed:
             sent = self.num_sent.get(req.request_id)
@@ -120,9 +120,9 @@ class EngineLoop:
                 del self.num_sent[req.request_id]
             else:
                 self.num_sent[req.request_id] = sent + len(new)
-        self.outbox.send(_encoder.encode(EngineOutputs(deltas, self._stats(num_preempted))))
+        self.outbox.send(_encoder.encode(EngineOutputs(deltas, self._stats(num_preempted, step))))
 
-    def _stats(self, num_preempted: int) -> EngineStats:
+    def _stats(self, num_preempted: int, step=None) -> EngineStats:
         eng = self.engine
         kv = eng.kv_cache
         try:
@@ -131,7 +131,10 @@ class EngineLoop:
             cache_stats = {}
         return EngineStats(eng.resource_manager.num_running, eng.resource_manager.num_waiting,
                            float(kv.usage), int(kv.num_free_blocks), int(kv.num_blocks),
-                           cache_stats, num_preempted)
+                           cache_stats, num_preempted,
+                           step_time_s=float(step.step_time_s) if step else 0.0,
+                           num_prefill_tokens=int(step.num_prefill_tokens) if step else 0,
+                           num_decode_tokens=int(step.num_decode_tokens) if step else 0)
 
 
 def warm_up(engine) -> float:
@@ -200,7 +203,8 @@ def engine_main(argv: list[str] | None = None) -> int:
         warm_up(engine)
         outbox.send(_encoder.encode(EngineReady(
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
-            int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe(), kernels)))
+            int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe(), kernels,
+            dict(engine.generation_config))))
         EngineLoop(engine, inbox, outbox, args.parent_pid).run()
     except Exception as e:
         expected = isinstance(e, (ValueError, FileNotFoundError, KeyError))   # ConfigError is a ValueError

@@ -42,6 +42,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_blocks: int
     cache_stats: dict[str, float] = {}      # kv_cache.stats(): prefix-cache counters, if any
     num_preempted: int = 0                   # preemptions in this step
+    step_time_s: float = 0.0                 # this step's wall time (0: no step ran, e.g. only aborts)
+    num_prefill_tokens: int = 0              # prompt tokens computed in this step
+    num_decode_tokens: int = 0               # decode tokens computed in this step
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -62,6 +65,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     model_path: str
     backend: str
     kernels: str = ""                        # what fdx.ops.cpp.prepare() did: built, loaded, or unavailable
+    generation_config: dict[str, int | float] = {}   # the model's sampling defaults (core/generation.py)
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

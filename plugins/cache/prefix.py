@@ -284,6 +284,7 @@ class PrefixKVCache(PagedKVCache):
 
     def stats(self) -> dict[str, float]:
         return {**self.counters, "prefix_cache_blocks": len(self.meta),
+                "prefix_cache_idle_blocks": len(self.pool.evictable),    # cached and free (reusable)
                 "prefix_cache_tier2_blocks": len(self.tier2) if self.tier2 is not None else 0}
 
 
