@@ -266,3 +266,26 @@ def test_fdx_chat_readme_example_is_complete():
     assert out.stdout.strip() and not _repeats_a_line(out.stdout)
     assert "[finish_reason=stop," in out.stderr
     assert "Loading" not in out.stderr and "g++" not in out.stderr and "OMP_NUM_THREADS" not in out.stderr
+
+
+def test_log_level_comes_from_the_flag_then_fdx_log_level_then_quiet(monkeypatch):
+    from fdx.core.cli import log_level
+    parser = build_parser()
+    monkeypatch.delenv("FDX_LOG_LEVEL", raising=False)
+    assert log_level(parser.parse_args(["chat", "hi"])) == "INFO"
+    args = parser.parse_args(["chat", "hi", "--quiet"])
+    assert log_level(args) == "WARNING" and args.quiet
+    args = parser.parse_args(["-q", "generate", "hi"])
+    assert log_level(args) == "WARNING" and args.quiet
+    monkeypatch.setenv("FDX_LOG_LEVEL", "debug")
+    assert log_level(parser.parse_args(["serve"])) == "DEBUG"
+    assert log_level(parser.parse_args(["serve", "--quiet"])) == "DEBUG"       # the variable is explicit
+    assert log_level(parser.parse_args(["serve", "--log-level", "error"])) == "ERROR"
+    assert log_level(parser.parse_args(["--log-level", "warning", "serve"])) == "WARNING"
+
+
+def test_a_bad_fdx_log_level_is_named(monkeypatch, capsys):
+    monkeypatch.setenv("FDX_LOG_LEVEL", "loud")
+    assert main(["plugins"]) == 2
+    assert capsys.readouterr().err == ("fdx: error: FDX_LOG_LEVEL='loud' is not a log level "
+                                       "(debug, info, warning, error)\n")

@@ -191,3 +191,16 @@ def test_page_chats_with_streamed_text_and_shows_the_engine_working(server, brow
         assert max(b["running"] for b in stats["history"]) >= 2
     finally:
         page.close()
+
+
+def test_401_and_413_bodies_are_rendered_like_every_other_error():
+    c = _client(max_request_body_bytes=64)
+    no_key = c.get("/v1/models")
+    bad = c.post("/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, content=b"{not json")
+    big = c.post("/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, content=b"x" * 100)
+    assert (no_key.status_code, bad.status_code, big.status_code) == (401, 400, 413)
+    for r in (no_key, bad, big):
+        body = r.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+        assert r.headers["content-type"] == "application/json"
+        assert r.content == json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()

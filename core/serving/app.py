@@ -438,7 +438,7 @@ class GuardMiddleware:
 
 
 async def _send_json(send, status: int, body: dict) -> None:
-    raw = json.dumps(body).encode()
+    raw = JSONResponse(body).body                 # the same bytes as every other error body
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
     await send({"type": "http.response.body", "body": raw})
