@@ -184,16 +184,20 @@ def test_chat_n2_seeded_sampling_matches_llm(server, smollm_llm):
 
 
 def test_chat_defaults_fill_only_the_fields_the_request_leaves_out(server, smollm_llm):
-    messages = [{"role": "user", "content": "What is 2+2?"}]
+    """temperature, top_p and repetition_penalty from fdx's chat defaults (the
+    embedded GGUF ships none), then max_tokens too; LLM.chat is the reference."""
     defaults = smollm_llm.get_default_sampling_params(chat=True)
-    ref = smollm_llm.chat(messages, dataclasses.replace(defaults, seed=7))[0].outputs[0]
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ref = smollm_llm.chat(messages, dataclasses.replace(defaults, seed=7, max_tokens=16))[0].outputs[0]
     r = httpx.post(server.base_url + "/v1/chat/completions", headers=HEADERS, timeout=300,
-                   json={"messages": messages, "seed": 7})
+                   json={"messages": messages, "seed": 7, "max_tokens": 16})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ref.text
-    greedy = smollm_llm.chat(messages, dataclasses.replace(defaults, temperature=0.0, max_tokens=12))[0].outputs[0]
+    messages = [{"role": "user", "content": "Say hi."}]
+    greedy = smollm_llm.chat(messages, dataclasses.replace(defaults, temperature=0.0))[0].outputs[0]
     r = httpx.post(server.base_url + "/v1/chat/completions", headers=HEADERS, timeout=300,
-                   json={"messages": messages, "temperature": 0, "max_tokens": 12})
-    assert r.json()["choices"][0]["message"]["content"] == greedy.text
+                   json={"messages": messages, "temperature": 0})
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == greedy.text and choice["finish_reason"] == greedy.finish_reason == "stop"
 
 
 def test_stop_strings_match_llm(server, client, smollm_llm):
