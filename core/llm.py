@@ -29,6 +29,8 @@ class LLM:
         else:
             cfg = FdxConfig.build(config, **({"model": model} if model else {}), **overrides)
         self.engine = EngineCore(cfg, plugins=plugins, progress=progress)
+        from fdx.ops import cpp
+        cpp.prepare()                    # build or load the compiled kernels now, not on the first forward
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
 

@@ -199,8 +199,9 @@ def _tiny_llama_dir(path, generation_config: dict | None = None):
     return path
 
 
-def test_the_models_generation_config_is_the_default_and_a_request_overrides_it(tmp_path):
+def test_the_models_generation_config_is_the_default_and_a_request_overrides_it(tmp_path, monkeypatch):
     from fdx import LLM, SamplingParams
+    monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")       # the Paddle path: no kernel build in the quick subset
     from fdx.core.generation import CHAT_DEFAULTS
     model = _tiny_llama_dir(tmp_path / "m", {"temperature": 0.0, "max_new_tokens": 5, "repetition_penalty": 1.3,
                                               "do_sample": False, "bos_token_id": 0})
