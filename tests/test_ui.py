@@ -98,7 +98,7 @@ def chromium() -> str:
             pytest.skip("chromium is missing and apt-get cannot install it here (not root)")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True, timeout=900)
-        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"],
+        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"],
                        check=True, env=env, capture_output=True, timeout=1800)
     return CHROMIUM
 

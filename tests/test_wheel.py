@@ -38,7 +38,14 @@ def built_wheel(tmp_path_factory) -> pathlib.Path:
     src = out / "src"                       # a copy: building in place would leave build/ in the checkout
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
                                                              ".pytest_cache", "tests"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+    # build with this interpreter's setuptools when it is new enough (no download), else pip's isolated build
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        local = int(version("setuptools").split(".")[0]) >= 68          # pyproject's build requirement
+    except PackageNotFoundError:
+        local = False
+    isolation = ["--no-build-isolation"] if local else []
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(out),
                     str(src)], check=True, capture_output=True, timeout=600)
     (wheel,) = out.glob("fdx-*.whl")
     return wheel
