@@ -115,7 +115,15 @@ def _sampling(args, llm, chat: bool):
     return SamplingParams(**kw, seed=args.sampling_seed, stop=args.stop)
 
 
+def _check_sampling_flags(args) -> None:
+    """A bad sampling flag fails before the model loads (ValueError naming it)."""
+    from fdx.core.sampling_params import SamplingParams
+    SamplingParams(**{k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None},
+                   seed=args.sampling_seed, stop=args.stop)
+
+
 def cmd_generate(args) -> int:
+    _check_sampling_flags(args)
     llm = _make_llm(args)
     sp = _sampling(args, llm, chat=False)
     out = llm.generate([args.prompt], sp)[0].outputs[0]
@@ -126,6 +134,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    _check_sampling_flags(args)
     llm = _make_llm(args)
     sp = _sampling(args, llm, chat=True)
     messages = []

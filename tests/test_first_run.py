@@ -312,3 +312,9 @@ def test_kernel_cache_is_per_paddle_build_not_per_virtualenv(monkeypatch):
     assert cpp.build_dir() == here                       # another virtualenv, the same Paddle: one build
     monkeypatch.setattr(paddle, "__version__", paddle.__version__ + ".post1")
     assert cpp.build_dir() != here                       # another Paddle: its own build
+
+
+def test_a_bad_sampling_flag_fails_before_the_model_loads(capsys, monkeypatch):
+    # a model path that does not exist: had the model been loaded first, that would be the error
+    code, err = _cli(capsys, monkeypatch, "chat", "hi", "--top-p", "3", "--model", "/nonexistent")
+    assert (code, err) == (2, "fdx: error: invalid sampling parameter top_p=3.0: must be in (0, 1]\n")
