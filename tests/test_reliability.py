@@ -501,6 +501,31 @@ def test_closed_health_and_metrics_need_the_key(tmp_path, tiny_model):
     assert srv.proc.returncode == 0
 
 
+# -- 1. fdx bench soak (briefly) ---------------------------------------------------------------
+
+def test_bench_soak_reports_what_held(server):
+    """A 12-second soak: every request is served, cancelled or counted as
+    an error; none errs; memory of both processes is reported from /metrics
+    and the server is idle with its pool free at the end."""
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-m", "fdx.core.cli", "bench", "soak", "--base-url", server.base_url, "--api-key",
+         API_KEY, "--minutes", "0.2", "--concurrency", "16", "--max-input-len", "64", "--max-output-len", "24",
+         "--json"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    r = json.loads(out.stdout)
+    assert r["errors"] == 0, r["error_samples"]
+    assert r["served"] > 16 and r["cancelled"] > 0
+    assert r["requests"] == r["served"] + r["cancelled"] + r["errors"]
+    assert 0 < r["p50_latency_ms"] <= r["p99_latency_ms"] <= 1000 * r["duration_s"]
+    assert r["duration_s"] >= 12
+    for k in ("api_rss_mib_start", "api_rss_mib_end", "engine_rss_mib_start", "engine_rss_mib_end"):
+        assert 20 < r[k] < 4096, (k, r[k])
+    assert r["idle_at_end"] is True and r["kv_free_blocks_end"] == r["kv_total_blocks"] > 0
+    m = server.metrics()                      # the engine's figure is its own: not the API process's
+    assert m["fdx:engine_resident_memory_bytes"] != m["fdx:api_resident_memory_bytes"]
+
+
 # -- 2. SIGTERM during a burst (last on the module server: it stops it) --------------------------
 
 def test_sigterm_during_a_burst_ends_every_stream(server):
