@@ -529,13 +529,16 @@ def test_bench_soak_reports_what_held(server):
 # -- 2. SIGTERM during a burst (last on the module server: it stops it) --------------------------
 
 def test_sigterm_during_a_burst_ends_every_stream(server):
-    """SIGTERM while 12 streams are open: each gets a final error event and
-    [DONE], the server exits 0 and the engine process is gone."""
+    """SIGTERM while 12 streams are open, to the server and its engine at
+    once (as systemd stops a service's whole process group): each stream
+    gets a final error event and [DONE], the server exits 0, the engine
+    process is gone, and nobody reports a crash."""
     engine = server.engine_pid()
     with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60) as http:
         with contextlib.ExitStack() as stack:
             streams = open_streams(http, stack, 12)
             server.proc.send_signal(signal.SIGTERM)
+            os.kill(engine, signal.SIGTERM)
             for events in streams:
                 rest = rest_of(events, timeout=30)
                 assert rest[-1] == "[DONE]"
@@ -543,6 +546,8 @@ def test_sigterm_during_a_burst_ends_every_stream(server):
                 assert len(errors) == 1 and "shutting down" in errors[0]["error"]["message"]
     assert server.proc.wait(30) == 0
     wait_for(lambda: not pid_alive(engine), timeout=10, what="the engine process to exit")
+    log = server.log()
+    assert "FatalError" not in log and "Traceback" not in log and "died" not in log, log
 
 
 # -- 2. the engine killed mid-batch ------------------------------------------------------------

@@ -39,6 +39,7 @@ class EngineLoop:
     idle; step; send each changed request's new tokens."""
 
     IDLE_POLL_MS = 500
+    TERM_GRACE_S = 3.0      # after a SIGTERM of its own, wait this long for the API's shutdown message
 
     def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None = None):
         self.engine = engine
@@ -49,11 +50,24 @@ class EngineLoop:
         self.running = True
         self.last_round = time.monotonic()       # read by the heartbeat thread
         self.num_rejected = 0                    # inbox messages that were not engine messages
+        self.stop_by: float | None = None        # set by SIGTERM: stop at this monotonic time
+
+    def on_sigterm(self, signum=None, frame=None) -> None:
+        """A SIGTERM for the engine itself (systemd stops the whole process
+        group; the parent dying sends one too): the API process, stopped at
+        the same time, ends its streams and tells us to stop; stop on our own
+        only if it does not, or if it is gone. No traceback, no core dump."""
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            self.running = False
+        elif self.stop_by is None:
+            self.stop_by = time.monotonic() + self.TERM_GRACE_S
 
     def run(self) -> None:
         eng = self.engine
         while self.running:
             self.last_round = time.monotonic()
+            if self.stop_by is not None and self.last_round >= self.stop_by:
+                break
             busy = eng.has_unfinished()
             touched = self._drain(block=not busy)
             if not self.running:
@@ -70,6 +84,8 @@ class EngineLoop:
             while not self.inbox.poll(self.IDLE_POLL_MS):
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.running = False          # orphaned: the API process is gone
+                    return False
+                if not self.running or (self.stop_by is not None and time.monotonic() >= self.stop_by):
                     return False
         while True:
             try:
@@ -222,6 +238,7 @@ def engine_main(argv: list[str] | None = None) -> int:
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
             int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe())))
         loop = EngineLoop(engine, inbox, outbox, args.parent_pid)
+        signal.signal(signal.SIGTERM, loop.on_sigterm)    # in place of Paddle's fatal-error dump
         beat.loop = loop
         loop.run()
     except Exception as e:
