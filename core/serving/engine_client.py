@@ -194,8 +194,14 @@ class EngineClient:
 
     async def _watchdog(self) -> None:
         """Kill the engine when it has been silent past the timeout."""
+        period = min(self.heartbeat_s, self.heartbeat_timeout_s / 4)
         while not self.stopping and self.proc.returncode is None:
-            await asyncio.sleep(min(self.heartbeat_s, self.heartbeat_timeout_s / 4))
+            t = time.monotonic()
+            await asyncio.sleep(period)
+            if time.monotonic() - t > period + self.heartbeat_timeout_s / 2:
+                continue                              # this process was stalled, not the engine
+            if self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                continue                              # messages wait to be read: it is alive
             silent = time.monotonic() - self.last_heard
             if silent > self.heartbeat_timeout_s and not self.stopping and self.proc.returncode is None:
                 self.hung = True
