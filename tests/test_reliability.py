@@ -216,6 +216,9 @@ def _hostile_cases() -> list[tuple[str, str, bytes, str | None]]:
         ("lone surrogate in chat", CH, b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
          "messages.0.content"),
         ("1 MB prompt", C, js({"prompt": "x" * (1 << 20)}), "prompt"),
+        ("4 MB prompt", C, js({"prompt": "hello world " * 349000}), "prompt"),
+        ("4 MB chat message", CH, js({"messages": [{"role": "user", "content": "hi there " * 460000}]}),
+         "messages"),
         ("max_tokens 10**12", C, js({"prompt": "hi", "max_tokens": 10 ** 12}), "max_tokens"),
         ("max_tokens past the context", C, js({"prompt": [5] * 4000, "max_tokens": 100}), "max_tokens"),
         ("negative max_tokens", C, js({"prompt": "hi", "max_tokens": -5}), "max_tokens"),
@@ -264,6 +267,8 @@ def test_hostile_inputs_answer_4xx_and_the_server_keeps_serving(server):
             assert err["message"] and len(err["message"]) < 1000, (name, err)
             if param is not None:
                 assert err["param"] == param, (name, err)
+            if name.endswith("MB prompt"):        # refused on its head: not all of it is tokenized
+                assert f"first {8 * MAX_MODEL_LEN} characters" in err["message"], err
             ok = http.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 3, "ignore_eos": True})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, name
         # 100 MB: refused from its Content-Length before it is read (413)

@@ -184,7 +184,7 @@ class Server:
         tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.config.model.model))
         try:
             ready, self.tokenizer = await asyncio.gather(engine_task, tok_task)
-            self.render = Renderer(self.tokenizer, self.model_name)
+            self.render = Renderer(self.tokenizer, self.model_name, ready.max_model_len)
         except BaseException:
             tok_task.cancel()
             await self.engine.shutdown()
