@@ -82,7 +82,6 @@ class TimedStreamingResponse(StreamingResponse):
     def __init__(self, *args, send_timeout: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.send_timeout = send_timeout
-        self.stalled = False
 
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -91,10 +90,9 @@ class TimedStreamingResponse(StreamingResponse):
                 if not isinstance(chunk, (bytes, memoryview)):
                     chunk = chunk.encode(self.charset)
                 try:
-                    await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
-                                           self.send_timeout)
-                except asyncio.TimeoutError:
-                    self.stalled = True
+                    async with asyncio.timeout(self.send_timeout):    # no task per chunk, unlike wait_for
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except TimeoutError:
                     log.warning("a client took no stream data for %g s (stream_send_timeout_s): "
                                 "its request is aborted", self.send_timeout)
                     return
