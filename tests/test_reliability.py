@@ -330,6 +330,8 @@ def test_schemathesis_finds_no_server_error(server):
             resp = case.call(headers=HEADERS, timeout=60)
             tried["n"] += 1
             tried["http_s"] = tried.get("http_s", 0) + time.monotonic() - t
+            key = f"{case.method} {case.path} {resp.status_code}"
+            tried[key] = tried.get(key, 0) + 1
             try:
                 case.validate_response(resp, checks=[not_a_server_error], headers=HEADERS)
             except Exception as e:            # schemathesis's failure, with the request to reproduce it
@@ -339,6 +341,8 @@ def test_schemathesis_finds_no_server_error(server):
         run()
     print("schemathesis:", tried)
     assert tried["n"] >= 200, tried
+    for path in ("/v1/completions", "/v1/chat/completions"):   # generation ran, not only the 4xx paths
+        assert tried.get(f"POST {path} 200", 0) >= 5, tried
     assert not failures, "\n".join(failures[:10])
     assert httpx.get(server.base_url + "/health").status_code == 200
     wait_for(lambda: idle(server), what="idle")
