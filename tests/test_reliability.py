@@ -120,7 +120,7 @@ def rest_of(events, timeout: float) -> list:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model):
     srv = start_server(tmp_path_factory.mktemp("rel"), tiny_model, stream_send_timeout_s=3,
-                       max_tokens_per_request=16384, metrics_access="open", health_access="open")
+                       max_tokens_per_request=100_000, metrics_access="open", health_access="open")
     srv.model = tiny_model
     try:
         yield srv
@@ -248,8 +248,8 @@ def _hostile_cases() -> list[tuple[str, str, bytes, str | None]]:
         ("empty prompt", C, js({"prompt": ""}), "prompt"),
         ("body not an object", C, b"[1, 2]", None),
         ("empty body", C, b"", None),
-        ("past max_tokens_per_request", C, js({"prompt": "hi", "n": 20, "max_tokens": 1000}), "max_tokens"),
-        ("past max_tokens_per_request, chat", CH, js({"messages": msgs, "n": 5, "max_tokens": 4000}),
+        ("past max_tokens_per_request", C, js({"prompt": "hi", "n": 200, "max_tokens": 1000}), "max_tokens"),
+        ("past max_tokens_per_request, chat", CH, js({"messages": msgs, "n": 50, "max_tokens": 4000}),
          "max_tokens"),
     ]
 
@@ -362,7 +362,8 @@ def test_slow_client_is_cut_off_without_stalling_others(server):
     keep growing."""
     before_aborts = aborts(server)
     rss0 = _rss(server.proc.pid)
-    body = json.dumps({"prompt": [11, 12, 13], "max_tokens": 900, "ignore_eos": True, "n": 16,
+    # 16 x 4000 tokens: generating it all takes far longer than the stall and the timeout
+    body = json.dumps({"prompt": [11, 12, 13], "max_tokens": 4000, "ignore_eos": True, "n": 16,
                        "logprobs": 20, "stream": True}).encode()
     slow = socket.socket()
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
