@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -75,6 +75,22 @@ class ServerConfig(_Section):
     access_log: bool = False
     # -- first-run UX (issue 12)
     ui: bool = True                            # the web page at / and GET /v1/engine/stats (core/serving/ui.py)
+
+    # -- reliability and security (issue 13)
+    engine_heartbeat_interval_s: float = Field(1.0, gt=0)   # the engine process says it is alive this often
+    engine_heartbeat_timeout_s: float = Field(30.0, gt=0)   # silent this long: hung; killed, 503, exit 1
+    stream_send_timeout_s: float = Field(60.0, gt=0)  # a client that takes no stream data this long is cut off
+    max_tokens_per_request: int | None = Field(None, gt=0)  # tokens one request may ask to generate, all
+                                                            # completions together; past it 400
+    health_access: Literal["open", "key", "off"] = "open"   # /health: no key needed, the API key, or 404
+    metrics_access: Literal["open", "key", "off"] = "open"  # /metrics likewise
+
+    @model_validator(mode="after")
+    def _key_for_closed_endpoints(self):
+        closed = [n for n in ("health_access", "metrics_access") if getattr(self, n) == "key"]
+        if closed and not self.api_key:
+            raise ValueError(f"{', '.join(closed)}='key' needs server.api_key to be set")
+        return self
 
 
 class FdxConfig(_Section):

@@ -56,8 +56,31 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str):
-            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+            shown = repr(getattr(self, name))
+            shown = shown if len(shown) <= 80 else shown[:60] + f"... ({len(shown)} characters)"
+            raise ValueError(f"invalid sampling parameter {name}={shown}: {why}")
 
+        # hostile-input bounds (issue 13): real finite numbers, 64-bit integers, bounded lists
+        import math
+        import numbers
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs"):
+            v = getattr(self, name)
+            if isinstance(v, int) and not -2**63 <= v < 2**63:
+                bad(name, "is out of the 64-bit integer range")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            bad("seed", "must be an integer in [0, 2**63)")
+        if not isinstance(self.top_k, int) or self.top_k >= 2**31:
+            bad("top_k", "must be an integer below 2**31")
+        if len(self.stop) > 128 or any(isinstance(s, str) and len(s) > 4096 for s in self.stop):
+            bad("stop", "at most 128 stop strings of at most 4096 characters each")
+        if len(self.stop_token_ids) > 1024 or any(isinstance(t, int) and t >= 2**31 for t in self.stop_token_ids):
+            bad("stop_token_ids", "at most 1024 token ids, each below 2**31")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
         if self.temperature < 0:

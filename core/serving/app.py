@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fdx.core.checkpoint.loader import check_model_path, load_tokenizer
@@ -33,6 +33,7 @@ from fdx.core.output import SequenceState
 from fdx.core.serving import ui
 from fdx.core.serving.rendering import Renderer
 from fdx.core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from fdx.core.serving import security
 from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.server")
@@ -189,7 +190,7 @@ class Server:
         tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.config.model.model))
         try:
             ready, self.tokenizer = await asyncio.gather(engine_task, tok_task)
-            self.render = Renderer(self.tokenizer, self.model_name)
+            self.render = Renderer(self.tokenizer, self.model_name, ready.max_model_len)
         except BaseException:
             tok_task.cancel()
             await self.engine.shutdown()
@@ -284,7 +285,7 @@ class Server:
         seqs, params = [], []
         for p_idx, (_text, ids) in enumerate(prompts):
             for i in range(sp.n):
-                child = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                child = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + i) % 2**63)
                 idx = p_idx * sp.n + i
                 seqs.append(SequenceState(f"{prefix}-{idx}", idx, p_idx, ids, child, self.tokenizer, arrival))
                 engine_side = dataclasses.asdict(child)
@@ -327,14 +328,17 @@ class Server:
         if sp.n * len(prompts) > MAX_SEQS_PER_REQUEST:
             raise APIError(400, f"n x prompts = {sp.n * len(prompts)} completions in one request; "
                            f"the limit is {MAX_SEQS_PER_REQUEST}", param="n")
+        sp = security.check_token_budget(sp, [len(ids) for _, ids in prompts], self.max_model_len,
+                                         self.sc.max_tokens_per_request)
         group = self.make_group(prompts, sp, rid)
         self.admit(len(group.seqs))
         group.start()
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
+            return security.TimedStreamingResponse(
                 self._stream(group, req, prompts, rid, created, chat, include_usage),
+                send_timeout=self.sc.stream_send_timeout_s,
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             await group.wait_all(http_request)
@@ -403,16 +407,18 @@ class _BodyTooLarge(Exception):
 class GuardMiddleware:
     """API key check on /v1 (constant-time compare) and the request body limit."""
 
-    def __init__(self, app, api_key: str | None, max_body: int):
+    def __init__(self, app, api_key: str | None, max_body: int, sc=None):
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.max_body = max_body
+        self.sc = sc
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.key is not None and scope["path"].startswith("/v1"):
+        if self.key is not None and (security.needs_key(self.sc, scope["path"]) if self.sc is not None
+                                     else scope["path"].startswith("/v1")):
             auth = headers.get(b"authorization", b"")
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
@@ -447,7 +453,8 @@ async def _send_json(send, status: int, body: dict) -> None:
 def build_app(server: Server) -> FastAPI:
     """The routes; ``run_server`` starts and stops the engine around serving."""
     app = FastAPI(title="fdx", version=fdx_version())
-    app.add_middleware(GuardMiddleware, api_key=server.sc.api_key, max_body=server.sc.max_request_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=server.sc.api_key, max_body=server.sc.max_request_body_bytes,
+                       sc=server.sc)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -468,7 +475,12 @@ def build_app(server: Server) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+        if isinstance(e.__cause__, _BodyTooLarge):          # FastAPI wraps what reading the body raised
+            return await _too_large(None, e.__cause__)
+        detail = str(e.detail)
+        if detail == "There was an error parsing the body":   # FastAPI's words for bad UTF-8, deep nesting
+            detail = "the request body could not be parsed as JSON (it must be UTF-8 and not absurdly nested)"
+        return JSONResponse(error_body(detail, kind), status_code=e.status_code)
 
     @app.exception_handler(_BodyTooLarge)
     async def _too_large(_, e):
@@ -477,8 +489,11 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if server.sc.health_access == "off":
+            raise StarletteHTTPException(404, "Not Found")
         if server.engine.dead:
-            return JSONResponse(error_body("the engine process died", "service_unavailable"), status_code=503)
+            why = "the engine process stopped responding" if server.engine.hung else "the engine process died"
+            return JSONResponse(error_body(why, "service_unavailable"), status_code=503)
         if not server.accepting:
             return JSONResponse(error_body("loading" if server.loading else "not ready", "service_unavailable",
                                            code="loading" if server.loading else None), status_code=503)
@@ -490,6 +505,9 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        if server.sc.metrics_access == "off":
+            raise StarletteHTTPException(404, "Not Found")
+        server.metrics.observe_memory(server.engine.last_beat)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -551,6 +569,10 @@ def run_server(config: FdxConfig) -> int:
     uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                log_level=config.server.log_level, access_log=config.server.access_log,
                                timeout_graceful_shutdown=10, lifespan="off")
+    warning = security.exposure_warning(config.server)
+    if warning:
+        log.warning("%s", warning)
+        print(f"fdx serve: warning: {warning}", file=sys.stderr, flush=True)
     try:                                      # fail on a busy port now, not after loading the model
         sock = _bind(config.server.host, config.server.port)
     except OSError as e:

@@ -15,14 +15,15 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 
-from fdx.core.serving.messages import (EngineAbort, EngineAdd, EngineFailed, EngineOutputs, EngineReady,
-                                       EngineRejected, EngineShutdown, EngineStats, FromEngine)
+from fdx.core.serving.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeartbeat, EngineOutputs,
+                                       EngineReady, EngineRejected, EngineShutdown, EngineStats, FromEngine)
 from fdx.core.serving.messages import encoder as _encoder
 
 log = logging.getLogger("fdx.engine_client")
@@ -31,7 +32,11 @@ log = logging.getLogger("fdx.engine_client")
 # -- the client, in the API process ----------------------------------------------------
 
 class EngineDeadError(RuntimeError):
-    """The engine process is gone."""
+    """The engine process is gone (or hung, and was stopped)."""
+
+
+class EngineHungError(EngineDeadError):
+    """The engine process sent nothing, not even a heartbeat, for too long."""
 
 
 class EngineStartError(EngineDeadError):
@@ -47,6 +52,13 @@ class EngineClient:
     ``EngineDeadError`` if the engine dies. ``on_stats`` receives each
     step's ``EngineStats``; ``on_death`` is called once if the process dies
     while not shutting down.
+
+    Liveness: the engine process sends a heartbeat every
+    ``server.engine_heartbeat_interval_s`` from its start (loading and
+    kernel builds included); if nothing at all arrives for
+    ``server.engine_heartbeat_timeout_s`` the engine is taken as hung: it is
+    killed and handled as a death, so requests fail with a message instead
+    of waiting forever.
     """
 
     def __init__(self, config, on_stats: Callable[[EngineStats], None] | None = None,
@@ -62,6 +74,13 @@ class EngineClient:
         self._dir: str | None = None             # the ipc sockets' folder, made by start()
         self._ctx = None
         self._tasks: list[asyncio.Task] = []
+        sc = config.server
+        self.heartbeat_s = sc.engine_heartbeat_interval_s
+        self.heartbeat_timeout_s = sc.engine_heartbeat_timeout_s
+        self.last_heard = time.monotonic()       # any message from the engine, beats included
+        self.last_beat: EngineHeartbeat | None = None
+        self.hung = False
+        self.num_rejected = 0                    # messages on our socket that were not engine messages
 
     @property
     def pid(self) -> int | None:
@@ -77,30 +96,66 @@ class EngineClient:
         self._push.bind(inbox_addr)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(outbox_addr)
+        for name in ("in", "out"):
+            os.chmod(os.path.join(self._dir, name), 0o600)
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "fdx.core.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
-            "--parent-pid", str(os.getpid()), stdin=asyncio.subprocess.PIPE)
+            "--parent-pid", str(os.getpid()), "--heartbeat-s", str(self.heartbeat_s), stdin=asyncio.subprocess.PIPE)
         self.proc.stdin.write(self.config.model_dump_json().encode())
         self.proc.stdin.close()
-        first = asyncio.ensure_future(self._pull.recv())
         exited = asyncio.ensure_future(self.proc.wait())
-        await asyncio.wait([first, exited], return_when=asyncio.FIRST_COMPLETED)
-        if not first.done():
-            first.cancel()
-            raise EngineDeadError(f"the engine process exited with status {self.proc.returncode} "
-                                  "while loading (see its messages above)")
-        exited.cancel()
-        msg = self._decoder.decode(first.result())
-        if isinstance(msg, EngineFailed):
-            await self.proc.wait()
-            if msg.expected:
-                raise EngineStartError(msg.message)
-            raise EngineDeadError(f"the engine failed to start: {msg.message}")
-        assert isinstance(msg, EngineReady), msg
+        self.last_heard = time.monotonic()
+        try:
+            while True:                               # heartbeats until EngineReady or EngineFailed
+                first = asyncio.ensure_future(self._pull.recv())
+                await asyncio.wait([first, exited], timeout=self.heartbeat_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not first.done():
+                    first.cancel()
+                    if exited.done():
+                        raise EngineDeadError(f"the engine process exited with status {self.proc.returncode} "
+                                              "while loading (see its messages above)")
+                    silent = time.monotonic() - self.last_heard
+                    if silent > self.heartbeat_timeout_s:
+                        self.proc.kill()
+                        await self.proc.wait()
+                        raise EngineHungError(f"the engine process stopped responding while loading "
+                                              f"(no heartbeat for {silent:.0f} s)")
+                    continue
+                msg = self._decode(first.result())
+                if msg is None:
+                    continue
+                self.last_heard = time.monotonic()
+                if isinstance(msg, EngineHeartbeat):
+                    self.last_beat = msg
+                    continue
+                if isinstance(msg, EngineFailed):
+                    await self.proc.wait()
+                    if msg.expected:
+                        raise EngineStartError(msg.message)
+                    raise EngineDeadError(f"the engine failed to start: {msg.message}")
+                if isinstance(msg, EngineReady):
+                    break
+        finally:
+            if not exited.done():
+                exited.cancel()
         self.ready = msg
-        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch())]
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch()),
+                       asyncio.create_task(self._watchdog())]
         return msg
+
+    def _decode(self, raw: bytes):
+        """An engine message, or None (logged) for anything else: the socket
+        is owner-only, but a foreign payload must not be unpickled or crash us."""
+        try:
+            return self._decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.num_rejected += 1
+            if self.num_rejected <= 10:
+                log.warning("ignoring a message from the engine socket that is not an fdx engine "
+                            "message (%d bytes): %s", len(raw), e)
+            return None
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
             callback: Callable[[Any], None]) -> None:
@@ -123,8 +178,13 @@ class EngineClient:
 
     async def _read_outputs(self) -> None:
         while True:
-            msg = self._decoder.decode(await self._pull.recv())
-            if isinstance(msg, EngineOutputs):
+            msg = self._decode(await self._pull.recv())
+            if msg is None:
+                continue
+            self.last_heard = time.monotonic()
+            if isinstance(msg, EngineHeartbeat):
+                self.last_beat = msg
+            elif isinstance(msg, EngineOutputs):
                 for delta in msg.outputs:
                     cb = self.callbacks.get(delta.request_id)
                     if cb is not None:
@@ -140,13 +200,40 @@ class EngineClient:
             elif isinstance(msg, EngineFailed):
                 log.error("engine failed: %s", msg.message)
 
+    async def _watchdog(self) -> None:
+        """Kill the engine when it has been silent past the timeout."""
+        period = min(self.heartbeat_s, self.heartbeat_timeout_s / 4)
+        while not self.stopping and self.proc.returncode is None:
+            t = time.monotonic()
+            await asyncio.sleep(period)
+            if time.monotonic() - t > period + self.heartbeat_timeout_s / 2:
+                continue                              # this process was stalled, not the engine
+            if self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                continue                              # messages wait to be read: it is alive
+            silent = time.monotonic() - self.last_heard
+            if silent > self.heartbeat_timeout_s and not self.stopping and self.proc.returncode is None:
+                self.hung = True
+                log.error("the engine process (pid %s) stopped responding: no heartbeat for %.1f s "
+                          "(engine_heartbeat_timeout_s=%g); killing it", self.proc.pid, silent,
+                          self.heartbeat_timeout_s)
+                try:
+                    self.proc.kill()                  # _watch fails the requests in flight
+                except ProcessLookupError:
+                    pass
+                return
+
     async def _watch(self) -> None:
         code = await self.proc.wait()
         if self.stopping:
             return
         self.dead = True
-        log.error("the engine process died (status %s)", code)
-        err = EngineDeadError(f"the engine process died (status {code})")
+        if self.hung:
+            err: EngineDeadError = EngineHungError(
+                f"the engine process stopped responding (no heartbeat for {self.heartbeat_timeout_s:g} s) "
+                "and was stopped")
+        else:
+            log.error("the engine process died (status %s)", code)
+            err = EngineDeadError(f"the engine process died (status {code})")
         callbacks, self.callbacks = self.callbacks, {}
         for cb in callbacks.values():
             cb(err)

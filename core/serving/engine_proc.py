@@ -18,13 +18,15 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import msgspec
 import zmq
 
-from fdx.core.serving.messages import (EngineAbort, EngineAdd, EngineFailed, EngineOutputs, EngineReady,
-                                       EngineRejected, EngineShutdown, EngineStats, SeqDelta, ToEngine)
+from fdx.core.serving.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeartbeat, EngineOutputs,
+                                       EngineReady, EngineRejected, EngineShutdown, EngineStats, SeqDelta,
+                                       ToEngine)
 from fdx.core.serving.messages import encoder as _encoder
 
 log = logging.getLogger("fdx.engine_proc")
@@ -37,6 +39,7 @@ class EngineLoop:
     idle; step; send each changed request's new tokens."""
 
     IDLE_POLL_MS = 500
+    TERM_GRACE_S = 3.0      # after a SIGTERM of its own, wait this long for the API's shutdown message
 
     def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None = None):
         self.engine = engine
@@ -45,10 +48,26 @@ class EngineLoop:
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.num_sent: dict[str, int] = {}       # request id -> tokens already sent
         self.running = True
+        self.last_round = time.monotonic()       # read by the heartbeat thread
+        self.num_rejected = 0                    # inbox messages that were not engine messages
+        self.stop_by: float | None = None        # set by SIGTERM: stop at this monotonic time
+
+    def on_sigterm(self, signum=None, frame=None) -> None:
+        """A SIGTERM for the engine itself (systemd stops the whole process
+        group; the parent dying sends one too): the API process, stopped at
+        the same time, ends its streams and tells us to stop; stop on our own
+        only if it does not, or if it is gone. No traceback, no core dump."""
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            self.running = False
+        elif self.stop_by is None:
+            self.stop_by = time.monotonic() + self.TERM_GRACE_S
 
     def run(self) -> None:
         eng = self.engine
         while self.running:
+            self.last_round = time.monotonic()
+            if self.stop_by is not None and self.last_round >= self.stop_by:
+                break
             busy = eng.has_unfinished()
             touched = self._drain(block=not busy)
             if not self.running:
@@ -66,13 +85,24 @@ class EngineLoop:
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.running = False          # orphaned: the API process is gone
                     return False
+                if not self.running or (self.stop_by is not None and time.monotonic() >= self.stop_by):
+                    return False
         while True:
             try:
                 raw = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return touched
             touched = True
-            self._handle(self.decoder.decode(raw))
+            try:
+                msg = self.decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                # never unpickled, never half-read: a foreign payload is dropped
+                self.num_rejected += 1
+                if self.num_rejected <= 10:
+                    log.warning("engine: ignoring a message that is not an fdx engine message "
+                                "(%d bytes): %s", len(raw), e)
+                continue
+            self._handle(msg)
 
     def _handle(self, msg: ToEngine) -> None:
         eng = self.engine
@@ -165,6 +195,39 @@ def user_message(e: BaseException) -> str:
     return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
 
 
+class Heartbeat(threading.Thread):
+    """Sends an ``EngineHeartbeat`` every ``interval`` seconds over its own
+    socket (ZMQ sockets are not shared between threads). It beats while the
+    process loads, builds kernels or runs a long step, and stops only when
+    the process is frozen (SIGSTOP, a GIL-holding deadlock) or gone; the
+    client treats silence as a hang (engine_client.py)."""
+
+    def __init__(self, ctx: zmq.Context, outbox_addr: str, interval: float):
+        super().__init__(name="fdx-heartbeat", daemon=True)
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, 4)     # beats are worthless once stale
+        self.sock.connect(outbox_addr)
+        self.interval = interval
+        self.loop: EngineLoop | None = None      # set once loaded
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self.stop.wait(self.interval):
+            loop = self.loop
+            idle = time.monotonic() - loop.last_round if loop is not None else 0.0
+            try:
+                with open("/proc/self/statm") as f:
+                    rss = int(f.read().split()[1]) * page
+            except (OSError, ValueError, IndexError):
+                rss = 0
+            try:
+                self.sock.send(_encoder.encode(EngineHeartbeat(loop is None, idle, rss)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass                              # the API is not reading: nothing to tell it
+        self.sock.close(linger=0)
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
@@ -181,6 +244,7 @@ def engine_main(argv: list[str] | None = None) -> int:
     p.add_argument("--inbox", required=True)
     p.add_argument("--outbox", required=True)
     p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
     args = p.parse_args(argv)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server; it stops us
@@ -199,6 +263,8 @@ def engine_main(argv: list[str] | None = None) -> int:
     inbox.connect(args.inbox)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(args.outbox)
+    beat = Heartbeat(ctx, args.outbox, args.heartbeat_s)
+    beat.start()                                  # loading counts as alive, not as a hang
     try:
         from fdx.core.config import FdxConfig
         from fdx.core.engine import EngineCore
@@ -209,18 +275,25 @@ def engine_main(argv: list[str] | None = None) -> int:
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
             int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe(), kernels,
             dict(engine.generation_config))))
+        loop = EngineLoop(engine, inbox, outbox, args.parent_pid)
+        signal.signal(signal.SIGTERM, loop.on_sigterm)    # in place of Paddle's fatal-error dump
+        beat.loop = loop
         try:
-            EngineLoop(engine, inbox, outbox, args.parent_pid).run()
+            loop.run()
         finally:
             engine.shutdown()        # abort what is left; a KV connector writes its pending saves
     except Exception as e:
+        beat.stop.set()
         expected = isinstance(e, (ValueError, FileNotFoundError, KeyError))   # ConfigError is a ValueError
         if not expected:
             log.exception("engine failed")                # a bug: keep the traceback in the log
         message = user_message(e) if expected else f"{type(e).__name__}: {e}"
         outbox.send(_encoder.encode(EngineFailed(message, expected)))
         outbox.close(linger=2000)
+        beat.join(5)
         return 1
+    beat.stop.set()
+    beat.join(5)
     outbox.close(linger=1000)
     inbox.close(linger=0)
     return 0

@@ -75,8 +75,17 @@ class EngineFailed(msgspec.Struct, tag="failed"):
     expected: bool = False                   # a bad model or config (the message says what), not a bug
 
 
+class EngineHeartbeat(msgspec.Struct, tag="beat"):
+    """Sent every ``server.engine_heartbeat_interval_s`` by a thread of the
+    engine process, from its start (loading included) to its end: silence
+    means the process is frozen or gone, not that a step is long."""
+    loading: bool                            # still loading (no EngineReady yet)
+    loop_idle_s: float                       # seconds since the step loop last went round
+    resident_bytes: int                      # the engine process's resident memory
+
+
 ToEngine = EngineAdd | EngineAbort | EngineShutdown
-FromEngine = EngineOutputs | EngineRejected | EngineReady | EngineFailed
+FromEngine = EngineOutputs | EngineRejected | EngineReady | EngineFailed | EngineHeartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -50,6 +50,9 @@ class ServerMetrics:
         self.e2e = hist("fdx:e2e_request_latency_seconds", "End-to-end sequence latency.", LATENCY_BUCKETS)
         self.queue_time = hist("fdx:request_queue_time_seconds", "Time waiting before first scheduled.",
                                LATENCY_BUCKETS)
+        self.api_rss = gauge("fdx:api_resident_memory_bytes", "Resident memory of the API server process.")
+        self.engine_rss = gauge("fdx:engine_resident_memory_bytes",
+                                "Resident memory of the engine process (from its last heartbeat).")
         self._prefix = None                     # created when the KV cache reports prefix counters
         self._prefix_last = (0.0, 0.0)
 
@@ -83,6 +86,17 @@ class ServerMetrics:
         self._prefix[1].inc(max(0.0, hits - h0))
         self._prefix_last = (queries, hits)
         self._prefix[2].set(hits / queries if queries else 0.0)
+
+    def observe_memory(self, beat) -> None:
+        """This process's resident memory, and the engine's from its last ``EngineHeartbeat``."""
+        import os
+        try:
+            with open("/proc/self/statm") as f:
+                self.api_rss.set(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError, IndexError):
+            pass
+        if beat is not None:
+            self.engine_rss.set(beat.resident_bytes)
 
     def sequence_started(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

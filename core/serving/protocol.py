@@ -6,9 +6,12 @@ that says so rather than silently ignored.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_JSON_DEPTH = 32            # deeper nesting anywhere in a request body: 400
+MAX_PROMPTS = 1024             # prompts in one completion request (checked before tokenizing)
 
 
 class APIError(Exception):
@@ -28,8 +31,39 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def check_untrusted(data: Any) -> None:
+    """Reject, naming where, text that is not Unicode (a lone surrogate
+    sent as a ``\\ud800`` escape; tokenizers and JSON encoders fail on it)
+    and nesting deeper than MAX_JSON_DEPTH. Iterative: no recursion to
+    exhaust."""
+    stack = [(data, (), 0)]
+    while stack:
+        obj, path, depth = stack.pop()
+        where = ".".join(str(p) for p in path) or None
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request nests deeper than {MAX_JSON_DEPTH} levels (at {where})",
+                           param=path[0] if path else None)
+        if isinstance(obj, str):
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"{where or 'the body'}: the text holds a lone surrogate "
+                               f"({obj[e.start]!r} at index {e.start}), which is not valid Unicode",
+                               param=where) from None
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                stack.append((k, path, depth + 1))
+                if isinstance(v, (str, dict, list)):
+                    stack.append((v, path + (k,), depth + 1))
+        elif isinstance(obj, list):
+            for i, v in enumerate(obj):
+                if isinstance(v, (str, dict, list)):
+                    stack.append((v, path + (i,), depth + 1))
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity (which Python's JSON parser accepts) are not numbers a request may carry
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -72,6 +106,12 @@ class _SamplingRequest(_Model):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _untrusted(cls, data: Any) -> Any:
+        check_untrusted(data)                     # raises APIError (a 400), not a validation error
+        return data
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a field set to something fdx cannot do."""
         rf = self.response_format
@@ -109,6 +149,13 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _few_prompts(cls, v):
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(v)}")
+        return v
+
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
             return ("suffix", "suffix (insertion) is not supported")
@@ -121,7 +168,7 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")      # name, tool_call_id, ...: passed to the template
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str | None:

@@ -7,9 +7,29 @@ from fdx.core.serving.protocol import APIError
 
 
 class Renderer:
-    def __init__(self, tokenizer, model_name: str):
+    # a text this many characters per allowed token is checked on its head first (see _encode)
+    CHARS_PER_TOKEN_BOUND = 8
+
+    def __init__(self, tokenizer, model_name: str, max_prompt_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def _encode(self, text: str, param: str, **kw) -> list[int]:
+        """Tokenize, refusing a text far too long without tokenizing it all:
+        tokenizing blocks this process (4 MB of text: seconds), and no token
+        of it could be used. A head of the text that alone has more tokens
+        than the context is proof enough."""
+        limit = self.max_prompt_tokens
+        head_len = None if limit is None else self.CHARS_PER_TOKEN_BOUND * limit
+        if head_len is not None and len(text) > head_len:
+            head = self.tokenizer.encode(text[:head_len], **kw)
+            if len(head) > limit + 16:            # + a margin for a token cut at the seam
+                raise APIError(400, f"the prompt has more than {limit} tokens (its first {head_len} characters "
+                               f"alone are {len(head)} tokens of {len(text)} characters), but this model's "
+                               f"maximum context length (max_model_len) is {limit}", param=param,
+                               code="context_length_exceeded")
+        return self.tokenizer.encode(text, **kw)
 
     # -- input ---------------------------------------------------------------------------
     def chat_prompt(self, req) -> tuple[str, list[int]]:
@@ -30,17 +50,17 @@ class Renderer:
                 messages, add_generation_prompt=req.add_generation_prompt, **template_kwargs)
         except Exception as e:  # template errors (raise_exception, a missing template)
             raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self._encode(text, "messages", add_special_tokens=False)
 
     def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
-            return [(prompt, self.tokenizer.encode(prompt))]
+            return [(prompt, self._encode(prompt, "prompt"))]
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [(None, list(prompt))]
         if all(isinstance(p, str) for p in prompt):
-            return [(p, self.tokenizer.encode(p)) for p in prompt]
+            return [(p, self._encode(p, "prompt")) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
             return [(None, list(p)) for p in prompt]
         raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "

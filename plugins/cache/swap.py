@@ -99,7 +99,13 @@ class FileTier(HostTier):
     def __init__(self, folder: str | os.PathLike, max_blocks: int, fingerprint: dict):
         super().__init__(max_blocks)
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.write_error: str | None = None      # set once a write failed: the tier stops writing
+        try:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)   # owner-only: KV is prompt content
+        except OSError as e:
+            self.write_error = e.strerror or type(e).__name__
+            log.warning("prefix cache: cannot create %s (%s): going on without the file tier",
+                        self.folder, self.write_error)
         self.fingerprint = fingerprint
         self.shape = [fingerprint["num_layers"], 2, fingerprint["num_kv_heads"],
                       fingerprint["block_size"], fingerprint["head_dim"]]
@@ -205,6 +211,8 @@ class FileTier(HostTier):
         if meta.key in self.index:
             self.index.move_to_end(meta.key)
             return
+        if self.write_error is not None:        # disk full or read-only: said once, go on without
+            return
         payload = np.ascontiguousarray(data, dtype=np.float32).tobytes()
         assert len(payload) == self.payload_bytes, (len(payload), self.payload_bytes)
         header = json.dumps({
@@ -216,12 +224,18 @@ class FileTier(HostTier):
         p = self.path(meta.key)
         tmp = p.with_name(p.name + f".tmp{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)    # owner-only
+            with open(fd, "wb") as f:
                 f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header + payload)
             os.replace(tmp, p)
         except OSError as e:
-            log.warning("prefix cache: cannot write %s: %s", p, e.strerror)
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self.write_error = e.strerror or type(e).__name__
+            log.warning("prefix cache: cannot write to %s (%s): going on without saving blocks to the "
+                        "file tier (blocks already there are still read)", self.folder, self.write_error)
             return
         self.index[meta.key] = meta
         while len(self.index) > self.max_blocks:
