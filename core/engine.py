@@ -74,9 +74,15 @@ class EngineCore:
             if connector_cls else None
         self.token_processor = token_processor_cls(self.tokenizer, settings=settings("token_processor",
                                                                                      dc.token_processor))
+        # guided decoding: one compile service (thread pool + cache) for its admission rule and processor
+        from fdx.core.guided import GuidedAdmission, GuidedDecoding
+        self.guided = GuidedDecoding.from_config(config, plugins, self.tokenizer, m.vocab_size,
+                                                 self.tokenizer.eos_token_ids)
+        guided_rules = [GuidedAdmission(config, guided=self.guided)] if self.guided.enabled else []
         extensions = SchedulingExtensions(
             queue_policy=policy_cls(self.kv_cache, settings("queue_policy", sc.policy)),
-            admission_rules=[cls(config, settings("admission_rule", n)) for n, cls in zip(sc.admission, admission_cls)],
+            admission_rules=[cls(config, settings("admission_rule", n))
+                             for n, cls in zip(sc.admission, admission_cls)] + guided_rules,
             preemption_policy=victim_cls(config, settings("preemption_policy", sc.preemption)),
             connector=self.connector)
         self.resource_manager = resource_manager_cls(config, self.kv_cache, self.token_processor, self.max_model_len,
@@ -198,6 +204,7 @@ class EngineCore:
                                  f"vocabulary size {vocab}")
         for cls in self.processor_classes:
             cls.validate_params(params)
+        self.guided.submit(params)      # starts the grammar's compile; refuses what cannot compile
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
@@ -229,6 +236,7 @@ class EngineCore:
         if self.connector is not None:
             self.connector.close()
         self.kv_cache.close()
+        self.guided.close()
 
     @property
     def recompute_tax(self) -> float:

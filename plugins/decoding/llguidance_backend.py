@@ -1,0 +1,87 @@
+"""The ``llguidance`` guided backend: JSON schemas, any JSON object,
+regexes, choices and GBNF-style grammars (converted to Lark with
+llguidance's own converter). No heavy dependencies: serving with it needs
+no torch. Its tokenizer is built from the tokenizer.json text of fdx's own
+tokenizer.
+
+Settings (``plugins.guided_backend.llguidance``): ``log_level`` (0-2,
+default 0), plus the service's ``compile_threads`` and ``cache_size``.
+"""
+from __future__ import annotations
+
+import json
+
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import GuidedBackend, GuidedMatcher
+
+
+class LLGuidanceMatcher(GuidedMatcher):
+    __slots__ = ("m", "fill")
+
+    def __init__(self, matcher, fill):
+        self.m = matcher
+        self.fill = fill
+
+    def fill_bitmask(self, bitmask, row):
+        self.fill(self.m, bitmask, row)
+
+    def accept_token(self, token_id):
+        return self.m.consume_token(token_id)
+
+    def rollback(self, num_tokens):
+        self.m.rollback(num_tokens)
+
+    def is_terminated(self):
+        return self.m.is_stopped()
+
+
+class LLGuidanceBackend(GuidedBackend):
+    requires = ("llguidance",)
+    setting_keys = ("log_level",)
+    kinds = ("json", "json_object", "regex", "choice", "grammar")
+
+    def __init__(self, tokenizer, vocab_size, eos_token_ids, settings=None):
+        super().__init__(tokenizer, vocab_size, eos_token_ids, settings)
+        import llguidance
+        import llguidance.numpy as llnp
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+        self.llg, self.gbnf_to_lark = llguidance, gbnf_to_lark
+        self.fill = llnp.fill_next_token_bitmask
+        self.log_level = int(self.settings.get("log_level", 0))
+        self.lltok = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                            eos_token=self.eos_token_ids or None)
+
+    def compile(self, kind, spec, whitespace_flexible=False):
+        M = self.llg.LLMatcher
+        ws = ({"whitespace_flexible": True} if whitespace_flexible else
+              {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"})
+        if kind == "json":
+            grammar = M.grammar_from_json_schema(spec, overrides=ws)
+        elif kind == "json_object":
+            grammar = M.grammar_from_json_schema('{"type": "object"}', overrides=ws)
+        elif kind == "regex":
+            grammar = M.grammar_from_regex(spec)
+        elif kind == "choice":
+            grammar = M.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in json.loads(spec)))
+        elif kind == "grammar":
+            try:
+                grammar = M.grammar_from_lark(self.gbnf_to_lark(spec))
+            except Exception as e:
+                raise ValueError(f"not a valid GBNF grammar: {e}") from None
+        else:
+            raise ValueError(f"unknown constraint kind {kind!r}")
+        error = M.validate_grammar(grammar, self.lltok)
+        if error and not error.startswith("WARNING"):
+            raise ValueError(error.strip())
+        return grammar
+
+    def matcher(self, compiled):
+        m = self.llg.LLMatcher(self.lltok, compiled, log_level=self.log_level)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return LLGuidanceMatcher(m, self.fill)
+
+
+@hookimpl
+def fdx_register_guided_backends(register):
+    register("llguidance", LLGuidanceBackend)
