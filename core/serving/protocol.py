@@ -58,8 +58,16 @@ class _SamplingRequest(_Model):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
-    # OpenAI fields fdx does not implement yet: rejected when set (see unsupported())
+    # structured output: OpenAI's response_format, or one of the guided_* extra body keys (docs/guided.md)
     response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_json_object: bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    guided_whitespace_flexible: bool | None = None
+    # OpenAI fields fdx does not implement yet: rejected when set (see unsupported())
     logit_bias: dict[str, float] | None = None
     # OpenAI fields with no effect here: accepted and ignored
     store: bool | None = None
@@ -68,10 +76,6 @@ class _SamplingRequest(_Model):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a field set to something fdx cannot do."""
-        rf = self.response_format
-        if rf is not None and rf.get("type", "text") != "text":
-            return ("response_format", "response_format needs guided decoding, which is not available "
-                    "in this fdx server yet; drop response_format or ask for plain text")
         if self.logit_bias:
             return ("logit_bias", "logit_bias is not supported")
         return None
@@ -89,7 +93,42 @@ class _SamplingRequest(_Model):
                 kw[name] = value
         if self.stop is not None:
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        for name in ("guided_json", "guided_json_object", "guided_regex", "guided_choice", "guided_grammar",
+                     "structural_tag", "guided_whitespace_flexible"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        from_format = self.response_format_kwargs()
+        both = [k for k in kw if k.startswith(("guided_", "structural_tag")) and k != "guided_whitespace_flexible"
+                and kw[k] not in (None, False)]
+        if from_format and both:
+            raise APIError(400, f"response_format and {', '.join(both)}: a request takes at most one guided "
+                           "decoding constraint", param="response_format")
+        kw.update(from_format)
         return kw
+
+    def response_format_kwargs(self) -> dict[str, Any]:
+        """OpenAI's response_format as guided-decoding SamplingParams fields
+        (APIError 400 for a malformed one)."""
+        rf = self.response_format
+        if rf is None:
+            return {}
+        kind = rf.get("type", "text")
+        if kind == "text":
+            return {}
+        if kind == "json_object":
+            return {"guided_json_object": True}
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object "
+                               "(strict is always on: the output follows the schema)", param="response_format")
+            return {"guided_json": schema}
+        if kind == "structural_tag":
+            return {"structural_tag": {k: v for k, v in rf.items() if k != "type"}}
+        raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema, "
+                       "structural_tag", param="response_format")
 
 
 class CompletionRequest(_SamplingRequest):

@@ -16,20 +16,29 @@ from fdx.core.interfaces import GuidedBackend, GuidedMatcher
 
 
 class LLGuidanceMatcher(GuidedMatcher):
-    __slots__ = ("m", "fill")
+    __slots__ = ("m", "fill", "counted")
 
     def __init__(self, matcher, fill):
         self.m = matcher
         self.fill = fill
+        self.counted: list[bool] = []   # per accepted token: did llguidance count it (an eos
+                                        # accepted once stopped is not a token to roll back)
 
     def fill_bitmask(self, bitmask, row):
         self.fill(self.m, bitmask, row)
 
     def accept_token(self, token_id):
-        return self.m.consume_token(token_id)
+        was_stopped = self.m.is_stopped()
+        if not self.m.consume_token(token_id):
+            return False
+        self.counted.append(not was_stopped)
+        return True
 
     def rollback(self, num_tokens):
-        self.m.rollback(num_tokens)
+        real = sum(self.counted[-num_tokens:]) if num_tokens else 0
+        del self.counted[len(self.counted) - num_tokens:]
+        if real and not self.m.rollback(real):
+            raise ValueError(f"llguidance could not roll back {real} tokens: {self.m.get_error()}")
 
     def is_terminated(self):
         return self.m.is_stopped()
