@@ -29,23 +29,10 @@ class EngineCore:
         self.plugins = plugins = plugins or get_plugin_manager()
         self._check_plugin_settings()
         # resolve every plugin name before the (slow) model load, so a typo fails at once
-        sc, dc, cc = config.scheduler, config.decoding, config.cache
-        kv_cache_cls = self._pick("kv_cache", "cache.kv_cache", cc.kv_cache)
-        token_processor_cls = self._pick("token_processor", "decoding.token_processor", dc.token_processor)
-        resource_manager_cls = self._pick("resource_manager", "scheduler.resource_manager", sc.resource_manager)
-        policy_cls = self._pick("queue_policy", "scheduler.policy", sc.policy)
-        admission_cls = [self._pick("admission_rule", "scheduler.admission", n) for n in sc.admission]
-        victim_cls = self._pick("preemption_policy", "scheduler.preemption", sc.preemption)
-        connector_name = cc.kv_connector or ("swap" if cc.swap_dir or cc.swap_max_blocks else None)
-        connector_cls = self._pick("connector", "cache.kv_connector", connector_name) if connector_name else None
-        builtin = list(self.plugins.builtin_names("logits_processor"))
-        names = builtin + [n for n in dc.logits_processors if n not in builtin]
-        processor_classes = [(n, self._pick("logits_processor", "decoding.logits_processors", n)) for n in names]
+        self._resolve_parts(config)
         self.backend = self._select_backend()
-        attention_cls = self._pick("attention_backend", "backend.name", self.backend.attention_backend)
-        sampler_cls = self._pick("sampler", "backend.name", self.backend.sampler)
-        runner_cls = self._pick("model_runner", "backend.name", self.backend.model_runner)
         dtype = self._resolve_dtype()
+        self._resolve_parts(config)
         self.backend.setup(config)
 
         from fdx.core.checkpoint.loader import load_checkpoint
@@ -60,44 +47,23 @@ class EngineCore:
         del ckpt
 
         self.max_model_len = self._resolve_lengths()
-        m = self.model
+        m, cc = self.model, config.cache
         spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, cc.block_size,
                            self.backend.kv_cache_dtype(dtype))
         num_blocks = self._resolve_num_blocks(spec)
-        self.kv_spec = spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
-                                          spec.block_size, spec.dtype)
-        self.kv_caches = self.backend.allocate_kv_cache(spec)
-
-        settings = self._settings
-        self.kv_cache = kv_cache_cls(num_blocks, cc.block_size, config, settings=settings("kv_cache", cc.kv_cache))
-        self.connector = connector_cls(config, cc.block_size, settings=settings("connector", connector_name)) \
-            if connector_cls else None
-        self.token_processor = token_processor_cls(self.tokenizer, settings=settings("token_processor",
-                                                                                     dc.token_processor))
-        # guided decoding: one compile service (thread pool + cache) for its admission rule and processor
-        from fdx.core.guided import GuidedAdmission, GuidedDecoding
-        self.guided = GuidedDecoding.from_config(config, plugins, self.tokenizer, m.vocab_size,
-                                                 self.tokenizer.eos_token_ids)
-        guided_rules = [GuidedAdmission(config, guided=self.guided)] if self.guided.enabled else []
-        extensions = SchedulingExtensions(
-            queue_policy=policy_cls(self.kv_cache, settings("queue_policy", sc.policy)),
-            admission_rules=[cls(config, settings("admission_rule", n))
-                             for n, cls in zip(sc.admission, admission_cls)] + guided_rules,
-            preemption_policy=victim_cls(config, settings("preemption_policy", sc.preemption)),
-            connector=self.connector)
-        self.resource_manager = resource_manager_cls(config, self.kv_cache, self.token_processor, self.max_model_len,
-                                                     settings=settings("resource_manager", sc.resource_manager),
-                                                     extensions=extensions)
+        self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
+                                   spec.block_size, spec.dtype)
+        self.kv_caches = self.backend.allocate_kv_cache(self.kv_spec)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.logits_processors = [cls(config, self.tokenizer, m.vocab_size, settings("logits_processor", n))
-                                  for n, cls in processor_classes]
-        self.processor_classes = [cls for _, cls in processor_classes]
-        self.attention = attention_cls(settings("attention_backend", self.backend.attention_backend))
-        self.sampler = sampler_cls(config=config, settings=settings("sampler", self.backend.sampler))
-        self.runner = runner_cls(RunnerContext(
-            config=config, model=self.model, kv_caches=self.kv_caches, kv_spec=spec, attention=self.attention,
-            sampler=self.sampler, logits_processors=self.logits_processors, eos_token_ids=self.eos_token_ids,
-            connector=self.connector, settings=settings("model_runner", self.backend.model_runner)))
+        # guided decoding: one compile service (thread pool + cache) per engine, for the guided
+        # admission rule and logits processor that build_parts makes
+        from fdx.core.guided import GuidedDecoding
+        self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
+                                                 self.eos_token_ids)
+        self.token_processor = self._pick("token_processor", "decoding.token_processor",
+                                          config.decoding.token_processor)(
+            self.tokenizer, settings=self._settings("token_processor", config.decoding.token_processor))
+        self._install(self.build_parts(config, num_blocks))
         self.step_count = 0
         self.num_computed_tokens = 0
         self.num_recomputed_tokens = 0
@@ -114,6 +80,87 @@ class EngineCore:
 
     def _settings(self, kind: str, name: str | None) -> dict:
         return dict(self.config.plugins.get(kind, {}).get(name or "", {}) or {})
+
+    def _resolve_parts(self, config: FdxConfig) -> dict:
+        """Every plugin class the config names (ConfigError naming the key
+        when one is unknown). Backend-chosen parts once a backend is set."""
+        sc, dc, cc = config.scheduler, config.decoding, config.cache
+        pick = self._pick
+        connector = cc.kv_connector or ("swap" if cc.swap_dir or cc.swap_max_blocks else None)
+        builtin = self.plugins.builtin_names("logits_processor")
+        processors = builtin + [n for n in dc.logits_processors if n not in builtin]
+        parts = {
+            "kv_cache": pick("kv_cache", "cache.kv_cache", cc.kv_cache),
+            "resource_manager": pick("resource_manager", "scheduler.resource_manager", sc.resource_manager),
+            "queue_policy": pick("queue_policy", "scheduler.policy", sc.policy),
+            "admission": [(n, pick("admission_rule", "scheduler.admission", n)) for n in sc.admission],
+            "preemption": pick("preemption_policy", "scheduler.preemption", sc.preemption),
+            "connector": (connector, pick("connector", "cache.kv_connector", connector)) if connector else None,
+            "processors": [(n, pick("logits_processor", "decoding.logits_processors", n)) for n in processors],
+        }
+        pick("token_processor", "decoding.token_processor", dc.token_processor)
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            parts["attention"] = pick("attention_backend", "backend.name", backend.attention_backend)
+            parts["sampler"] = pick("sampler", "backend.name", backend.sampler)
+            parts["runner"] = pick("model_runner", "backend.name", backend.model_runner)
+        return parts
+
+    def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
+        """The KV cache, connector, scheduler and runner for ``config``, over
+        this engine's model and KV tensors (``num_blocks`` of them in use)."""
+        c = self._resolve_parts(config)
+        sc, cc = config.scheduler, config.cache
+
+        def settings(kind: str, name: str | None) -> dict:
+            return dict(config.plugins.get(kind, {}).get(name or "", {}) or {})
+
+        def make(kind: str, name: str, cls, *args, **kwargs):
+            """Construct a plugin; a setting it rejects is a config error naming the key."""
+            try:
+                return cls(*args, **kwargs)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"config key 'plugins.{kind}.{name}': {e}") from None
+
+        kv_cache = make("kv_cache", cc.kv_cache, c["kv_cache"], num_blocks, cc.block_size, config,
+                        settings=settings("kv_cache", cc.kv_cache))
+        connector = None
+        if c["connector"] is not None:
+            name, cls = c["connector"]
+            connector = make("connector", name, cls, config, cc.block_size, settings=settings("connector", name))
+        extensions = SchedulingExtensions(
+            queue_policy=make("queue_policy", sc.policy, c["queue_policy"], kv_cache,
+                              settings("queue_policy", sc.policy)),
+            admission_rules=[make("admission_rule", n, cls, config, settings("admission_rule", n))
+                             for n, cls in c["admission"]] + self.guided.admission_rules(config),
+            preemption_policy=make("preemption_policy", sc.preemption, c["preemption"], config,
+                                   settings("preemption_policy", sc.preemption)),
+            connector=connector)
+        resource_manager = make("resource_manager", sc.resource_manager, c["resource_manager"],
+                                config, kv_cache, self.token_processor, self.max_model_len,
+                                settings=settings("resource_manager", sc.resource_manager), extensions=extensions)
+        processors = [make("logits_processor", n, cls, config, self.tokenizer, self.model.vocab_size,
+                           settings("logits_processor", n)) for n, cls in c["processors"]]
+        b = self.backend
+        attention = make("attention_backend", b.attention_backend, c["attention"],
+                         settings("attention_backend", b.attention_backend))
+        sampler = make("sampler", b.sampler, c["sampler"], config=config, settings=settings("sampler", b.sampler))
+        spec = KVCacheSpec(self.kv_spec.num_layers, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, num_blocks,
+                           self.kv_spec.block_size, self.kv_spec.dtype)
+        runner = c["runner"](RunnerContext(
+            config=config, model=self.model, kv_caches=self.kv_caches, kv_spec=spec, attention=attention,
+            sampler=sampler, logits_processors=processors, eos_token_ids=self.eos_token_ids,
+            connector=connector, settings=settings("model_runner", b.model_runner)))
+        return dict(config=config, kv_cache=kv_cache, connector=connector, resource_manager=resource_manager,
+                    logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
+                    attention=attention, sampler=sampler, runner=runner)
+
+    def _install(self, parts: dict) -> dict:
+        """Make ``parts`` (from build_parts) the engine's; returns the old ones."""
+        old = {k: getattr(self, k, None) for k in parts}
+        for k, v in parts.items():
+            setattr(self, k, v)
+        return old
 
     def _check_plugin_settings(self) -> None:
         kinds = self.plugins.registries

@@ -62,7 +62,7 @@ class GuidedDecoding:
     """The compile service for one model and one backend (``None``: guided
     decoding is off, and a constrained request is refused)."""
 
-    _by_config: "weakref.WeakValueDictionary[int, GuidedDecoding]" = weakref.WeakValueDictionary()
+    _by_tokenizer: "weakref.WeakValueDictionary[int, GuidedDecoding]" = weakref.WeakValueDictionary()
 
     def __init__(self, name: str | None, backend_cls: type[GuidedBackend] | None, tokenizer: Any,
                  vocab_size: int, eos_token_ids, settings: dict | None = None):
@@ -109,16 +109,21 @@ class GuidedDecoding:
                 raise ConfigError(f"config key 'decoding.guided_backend': {e}") from None
         settings = (config.plugins.get("guided_backend", {}) or {}).get(name or "", {}) or {}
         service = cls(name, backend_cls, tokenizer, vocab_size, eos_token_ids, settings)
-        cls._by_config[id(config)] = service
+        cls._by_tokenizer[id(tokenizer)] = service
         if warm_up and backend_cls is not None:
             service._pool.submit(service.backend_or_error)      # import and build off the step loop
         return service
 
     @classmethod
-    def of(cls, config) -> "GuidedDecoding | None":
-        """The service the engine built for this config object (the guided
-        logits processor finds it so)."""
-        return cls._by_config.get(id(config))
+    def of(cls, tokenizer) -> "GuidedDecoding | None":
+        """The service the engine built for this tokenizer object (the
+        guided logits processor, built with the engine's tokenizer, finds it
+        so; the service holds the tokenizer, so its id stays unique)."""
+        return cls._by_tokenizer.get(id(tokenizer))
+
+    def admission_rules(self, config) -> list[AdmissionRule]:
+        """The always-on guided admission rule, when a backend is set."""
+        return [GuidedAdmission(config, guided=self)] if self.enabled else []
 
     @property
     def enabled(self) -> bool:

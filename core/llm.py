@@ -126,6 +126,9 @@ class LLM:
                         pending.discard(req.request_id)
                         if bar:
                             bar.update(1)
+            rm = eng.resource_manager
+            while eng.has_unfinished() and not (rm.num_running or rm.num_waiting):
+                eng.step()                 # only KV transfers left (a connector saving blocks)
         except BaseException:
             for rid in pending:          # leave the engine clean on Ctrl-C or errors
                 eng.abort_request(rid)

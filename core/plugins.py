@@ -124,12 +124,25 @@ class PluginManager:
         self.errors[name] = why
         log.warning("fdx plugin %r %s", name, why)
 
-    def _collect(self) -> None:
+    def add_plugin(self, plugin: Any, name: str | None = None, package: str = "local") -> None:
+        """Register a plugin object (a module, a class instance) at run time,
+        as an entry point would, and collect what it registers: a plugin
+        written in a notebook or a test needs no package."""
+        name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+        if self.pm.has_plugin(name):
+            return
+        self.pm.register(plugin, name=name)
+        self.packages[name] = package
+        self._collect(only=name)
+
+    def _collect(self, only: str | None = None) -> None:
         for hook_name, kind in KINDS.items():
             hook = getattr(self.pm.hook, hook_name)
             # in registration order (built-ins first), not pluggy's call order
             for impl in hook.get_hookimpls():
                 plugin = impl.plugin_name
+                if only is not None and plugin != only:
+                    continue
                 try:
                     impl.function(register=self._registrar(kind, plugin))
                 except PluginError:

@@ -38,6 +38,10 @@ def example_plugin_installed():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--force-reinstall", str(PLUGIN_PKG)], check=True)
         assert _plugin_up_to_date()
+        for name in [m for m in sys.modules if m == "fdx_example_plugin" or m.startswith("fdx_example_plugin.")]:
+            del sys.modules[name]                # an old copy imported earlier in this session
+        import fdx.core.plugins
+        fdx.core.plugins._default = None         # built before the install: rebuild with it
     yield
 
 

@@ -15,7 +15,12 @@ import torch
 import transformers
 
 from fdx.ops import cpp
+from fdx.core.interfaces import AttentionContext
 from fdx.ops.attention import build_attention_metadata
+from fdx.plugins.backends.attention import PaddleAttention
+
+# write_kv/forward of fdx.ops dispatch on the metadata's impl ("paddle" or "cpp")
+REFERENCE_ATTENTION = PaddleAttention()
 from fdx.plugins.models import ernie4_5, llama, qwen2, qwen3
 from fdx.plugins.models.decoder import allocate_kv_caches
 
@@ -120,8 +125,9 @@ class PagedRunner:
         meta = build_attention_metadata(qlens, ctx, tables, self.block_size,
                                         self.model.num_kv_heads, self.num_slots, impl=self.impl)
         indices = [r for w in wanted for r in w]
+        attn = AttentionContext(REFERENCE_ATTENTION, meta)     # ops/ metadata of the impl under test
         logits = self.model.forward(paddle.to_tensor(tokens, dtype="int64"), meta.positions, self.caches,
-                                    meta, paddle.to_tensor(indices, dtype="int64").reshape([-1])).numpy()
+                                    attn, paddle.to_tensor(indices, dtype="int64").reshape([-1])).numpy()
         assert logits.shape == (len(indices), self.model.vocab_size)
         splits = np.cumsum([len(w) for w in wanted])[:-1]
         return np.split(logits, splits)

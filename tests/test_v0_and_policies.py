@@ -8,10 +8,11 @@ from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.interfaces import ModelRunnerOutput
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
+from fdx.core.scheduling import WaitingQueue
 from fdx.plugins.cache.paged import PagedKVCache
 from fdx.plugins.cache.prefix import PrefixKVCache
 from fdx.plugins.decoding.token_processor import DefaultTokenProcessor
-from fdx.plugins.schedulers import queue as queue_mod
+from fdx.plugins.schedulers.policies import Fcfs, LongestPrefixMatch, Priority
 from fdx.plugins.schedulers.v0 import V0ResourceManager
 from fdx.plugins.schedulers.v1 import V1ResourceManager
 
@@ -39,10 +40,13 @@ def req(rid, n, max_tokens=4, priority=0, first=1):
 
 
 def step(rm, token=5):
+    """One step with a model that always says ``token``: which requests ran, how many tokens each."""
     sched = rm.schedule()
-    out = ModelRunnerOutput(sampled={sr.request.request_id: token for sr in sched.scheduled if sr.samples})
-    rm.update(sched, out)
-    return {sr.request.request_id: sr.num_new_tokens for sr in sched.scheduled}, sched
+    by_id = {r.request_id: r for r in rm.requests()}
+    sampled = {rid: token for rid, n in sched.num_scheduled_tokens.items()
+               if by_id[rid].num_computed_tokens + n == by_id[rid].num_tokens}
+    rm.update(sched, ModelRunnerOutput(sampled=sampled))
+    return dict(sched.num_scheduled_tokens), sched
 
 
 def test_v0_splits_the_budget_in_whole_blocks_leftover_to_the_shortest():
@@ -74,12 +78,12 @@ def test_v0_reserves_blocks_for_every_admitted_request_to_finish():
     grants, _ = step(rm)
     assert set(grants) == {"a", "b"} and rm.num_waiting == 1
     finished = set()
-    while rm.has_unfinished():
+    while rm.has_unfinished() or len(finished) < 3:
         grants, sched = step(rm)
-        assert not sched.preempted
+        assert not sched.preempted_req_ids
+        finished |= set(sched.finished_req_ids)           # those that finished before this step
         if "c" in grants:
             assert "b" in finished                          # c ran only once b gave its blocks back
-        finished |= {sr.request.request_id for sr in sched.scheduled if sr.request.is_finished}
     assert finished == {"a", "b", "c"}
 
 
@@ -107,8 +111,8 @@ def test_a_request_the_pool_cannot_hold_is_rejected_with_a_reason(kind):
     r = req("big", 30, max_tokens=10)
     rm.add_request(r)
     assert r.status is RequestStatus.FINISHED_REJECTED and "needs 5 KV blocks" in r.stop_reason
-    sched = rm.schedule()
-    assert sched.finished_aborted == [r] and not rm.has_unfinished()
+    assert rm.pop_finished() == [r] and not rm.has_unfinished()
+    assert rm.schedule().is_empty
 
 
 def test_v1_waiting_requests_hold_no_blocks():
@@ -124,32 +128,33 @@ def test_v1_waiting_requests_hold_no_blocks():
 
 
 def test_unknown_policy_is_a_config_error():
-    with pytest.raises(ConfigError, match="scheduler.policy.*nope.*fcfs, priority, lpm"):
+    with pytest.raises(ConfigError, match="scheduler.policy.*nope.*fcfs, lpm, priority"):
         make_rm(policy="nope")
 
 
-def test_priority_lower_first_ties_in_arrival_order_preempted_to_the_front_of_its_class():
-    q = queue_mod.PriorityQueue()
+def test_priority_lower_first_ties_in_arrival_order_preempted_before_all():
+    q = WaitingQueue(Priority(None))
     rs = [req(f"r{i}", 4, priority=p) for i, p in enumerate([2, 0, 1, 0, 2])]
-    q.extend(rs)
+    for r in rs:
+        q.append(r)
     assert [r.request_id for r in q] == ["r1", "r3", "r2", "r0", "r4"]
-    back = req("back", 4, priority=2)
-    q.appendleft(back)
-    assert [r.request_id for r in q] == ["r1", "r3", "r2", "back", "r0", "r4"]
+    back, again = req("back", 4, priority=2), req("again", 4, priority=3)
+    q.push_preempted(back)
+    q.push_preempted(again)                                 # the last preempted resumes first
+    assert [r.request_id for r in q] == ["again", "back", "r1", "r3", "r2", "r0", "r4"]
     q.remove(rs[2])
-    assert q.popleft() is rs[1] and len(q) == 4
+    assert q.popleft() is again and q.popleft() is back and q.popleft() is rs[1] and len(q) == 3
 
 
 def test_fcfs_queue_reads_like_a_deque():
-    q = queue_mod.WaitingQueue()
+    q = WaitingQueue(Fcfs(None))
     a, b, c = req("a", 1), req("b", 1), req("c", 1)
     q.append(a)
     q.append(b)
     q.appendleft(c)
-    assert list(q) == [c, a, b] and q[0] is c
-    q.clear()
-    q.extend([b, a])
-    assert list(q) == [b, a]
+    assert list(q) == [c, a, b] and q[0] is c and q[1] is a and c in q
+    with pytest.raises(ValueError, match="already waiting"):
+        q.append(a)
 
 
 def test_lpm_orders_by_cached_prefix_and_falls_back_to_fcfs_when_long(monkeypatch):
@@ -161,6 +166,6 @@ def test_lpm_orders_by_cached_prefix_and_falls_back_to_fcfs_when_long(monkeypatc
     rm.add_request(req("half", 16, max_tokens=1, first=1)) # same tokens as seed
     rm.waiting.reorder()
     assert [r.request_id for r in rm.waiting] == ["half", "first"]
-    monkeypatch.setattr(queue_mod, "LPM_MAX_QUEUE", 1)
+    monkeypatch.setattr(LongestPrefixMatch, "max_dynamic_queue", 1)
     rm.waiting.reorder()
     assert [r.request_id for r in rm.waiting] == ["first", "half"]

@@ -32,23 +32,24 @@ def use_scheduling(engine, num_kv_blocks: int | None = None, **overrides):
     for key, value in overrides.items():
         section = "cache" if key in type(cfg.cache).model_fields else "scheduler"
         setattr(getattr(cfg, section), key, value)
+    if "swap_dir" in overrides or "swap_max_blocks" in overrides:
+        cfg.cache.kv_connector = cfg.cache.kv_connector or "swap"
     num_blocks = num_kv_blocks or engine.kv_cache.num_blocks
     if num_blocks > engine.config.cache.num_kv_blocks:
         raise ValueError(f"num_kv_blocks={num_blocks} exceeds the engine's {engine.config.cache.num_kv_blocks}")
     cfg.cache.num_kv_blocks = num_blocks
-    kv = engine.plugins.get("kv_cache", cfg.cache.kv_cache)(num_blocks, cfg.cache.block_size, cfg)
-    kv.attach_kv_tensors(engine.kv_caches, engine.model.num_kv_heads, engine.model_path)
-    rm = engine.plugins.get("resource_manager", cfg.scheduler.resource_manager)(
-        cfg, kv, engine.token_processor, engine.max_model_len)
-    saved = engine.config, engine.kv_cache, engine.resource_manager
-    engine.config, engine.kv_cache, engine.resource_manager = cfg, kv, rm
+    saved = engine._install(engine.build_parts(cfg, num_blocks))
     try:
         yield engine
     finally:
-        for rid in [r.request_id for r in list(rm.running) + list(getattr(rm, "waiting", []))]:
-            engine.abort_request(rid)
-        kv.close()                        # before the tensors are reused
-        engine.config, engine.kv_cache, engine.resource_manager = saved
+        for req in engine.resource_manager.requests():
+            engine.abort_request(req.request_id)
+        while engine.has_unfinished():      # let a connector finish its transfers
+            engine.step()
+        if engine.connector is not None:
+            engine.connector.close()         # before the tensors are reused
+        engine.kv_cache.close()
+        engine._install(saved)
 
 
 def _run(engine, prompts: list[list[int]], sp: SamplingParams) -> tuple[list, float]:

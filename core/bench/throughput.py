@@ -21,6 +21,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     for r in reqs:
         eng.add_request(r)
     steps = []
+    computed0, recomputed0 = eng.num_computed_tokens, eng.num_recomputed_tokens
     t0 = time.perf_counter()
     while eng.has_unfinished():
         eng.step()
@@ -46,6 +47,10 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         "overall_tokens_per_s": (prompt_tokens + out_tokens) / total,
         "output_tokens_per_s": out_tokens / total,
         "preemptions": sum(s.num_preempted for s in steps),
+        "preemption_policy": eng.config.scheduler.preemption,
+        # recomputed tokens / all computed tokens in this run: what preemption cost
+        "recompute_tax": ((eng.num_recomputed_tokens - recomputed0) / (eng.num_computed_tokens - computed0)
+                          if eng.num_computed_tokens > computed0 else 0.0),
     }
 
 
@@ -58,5 +63,6 @@ def format_throughput(r: dict) -> str:
         f"  prompt           {r['prompt_tokens_per_s']:.1f} tok/s (steps with prefill)",
         f"  decode           {r['decode_tokens_per_s']:.1f} tok/s (decode-only steps, mean {r['mean_decode_step_ms']:.1f} ms)",
         f"  output           {r['output_tokens_per_s']:.1f} tok/s overall, {r['overall_tokens_per_s']:.1f} tok/s prompt+output",
-        f"  preemptions      {r['preemptions']}",
+        f"  preemptions      {r['preemptions']} (victims: {r['preemption_policy']}), "
+        f"recompute tax {100 * r['recompute_tax']:.1f}% of computed tokens",
     ])

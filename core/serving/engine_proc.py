@@ -125,12 +125,16 @@ class EngineLoop:
         eng = self.engine
         kv = eng.kv_cache
         try:
-            cache_stats = {k: float(v) for k, v in (kv.stats() or {}).items()}
+            stats = dict(kv.stats() or {})
+            if eng.connector is not None:
+                stats.update(eng.connector.stats() or {})
+            cache_stats = {k: float(v) for k, v in stats.items()}
         except Exception:                         # a plugin's stats must not stop serving
             cache_stats = {}
         return EngineStats(eng.resource_manager.num_running, eng.resource_manager.num_waiting,
                            float(kv.usage), int(kv.num_free_blocks), int(kv.num_blocks),
-                           cache_stats, num_preempted)
+                           cache_stats, num_preempted, int(eng.num_computed_tokens),
+                           int(eng.num_recomputed_tokens))
 
 
 def _die_with_parent() -> None:

@@ -42,6 +42,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_blocks: int
     cache_stats: dict[str, float] = {}      # kv_cache.stats(): prefix-cache counters, if any
     num_preempted: int = 0                   # preemptions in this step
+    num_computed_tokens: int = 0             # since the engine started
+    num_recomputed_tokens: int = 0           # of those, computed again after a preemption
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

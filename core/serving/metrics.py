@@ -36,6 +36,8 @@ class ServerMetrics:
         self.engine_up = gauge("fdx:engine_up", "1 while the engine process runs, 0 once it died.")
         self.api_in_flight = gauge("fdx:api_requests_in_flight", "HTTP generation requests in flight.")
         self.preemptions = Counter("fdx:num_preemptions", "Sequences preempted.", lab, registry=r).labels(**self.labels)
+        self.recompute_tax = gauge("fdx:recompute_tax",
+                                   "Tokens computed again after a preemption / all tokens computed, since start.")
         self.prompt_tokens = Counter("fdx:prompt_tokens", "Prompt tokens of requests admitted.", lab,
                                      registry=r).labels(**self.labels)
         self.generation_tokens = Counter("fdx:generation_tokens", "Tokens generated.", lab,
@@ -60,6 +62,8 @@ class ServerMetrics:
         self.kv_total.set(stats.num_blocks)
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
+        if stats.num_computed_tokens:
+            self.recompute_tax.set(stats.num_recomputed_tokens / stats.num_computed_tokens)
         cs = stats.cache_stats
         if "prefix_cache_queries" in cs and "prefix_cache_hits" in cs:
             self._observe_prefix(cs["prefix_cache_queries"], cs["prefix_cache_hits"])

@@ -58,6 +58,13 @@ class _SamplingRequest(_Model):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    logit_bias: dict[str, float] | None = None          # OpenAI's: token id (as a string) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # per-request arguments for logits-processor plugins (SamplingParams.extra_args);
+    # vllm_xargs is vLLM's name for the same thing
+    extra_args: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     # structured output: OpenAI's response_format, or one of the guided_* extra body keys (docs/guided.md)
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -67,8 +74,6 @@ class _SamplingRequest(_Model):
     guided_grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
     guided_whitespace_flexible: bool | None = None
-    # OpenAI fields fdx does not implement yet: rejected when set (see unsupported())
-    logit_bias: dict[str, float] | None = None
     # OpenAI fields with no effect here: accepted and ignored
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -76,8 +81,8 @@ class _SamplingRequest(_Model):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a field set to something fdx cannot do."""
-        if self.logit_bias:
-            return ("logit_bias", "logit_bias is not supported")
+        if self.extra_args is not None and self.vllm_xargs is not None:
+            return ("extra_args", "send per-request plugin arguments as extra_args or vllm_xargs, not both")
         return None
 
     def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
@@ -87,12 +92,16 @@ class _SamplingRequest(_Model):
                               "include_stop_str_in_output": self.include_stop_str_in_output,
                               "skip_special_tokens": self.skip_special_tokens}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "stop_token_ids"):
+                     "frequency_penalty", "repetition_penalty", "stop_token_ids", "logit_bias",
+                     "allowed_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
         if self.stop is not None:
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        extra = self.extra_args if self.extra_args is not None else self.vllm_xargs
+        if extra is not None:
+            kw["extra_args"] = extra
         for name in ("guided_json", "guided_json_object", "guided_regex", "guided_choice", "guided_grammar",
                      "structural_tag", "guided_whitespace_flexible"):
             value = getattr(self, name)

@@ -262,7 +262,7 @@ DEFAULT_SWAP_BLOCKS = 1024      # tier size when swap_dir is set and swap_max_bl
 @dataclass(slots=True)
 class SwapStep:
     """The runner side's work for one step (plain data)."""
-    loads: list[tuple[int, BlockMeta]]                      # (block id, what to load into it)
+    loads: list[tuple[int, BlockMeta, np.ndarray | None]]   # (block id, what to load, its data if read)
     saves: list[tuple[str, list[tuple[int, BlockMeta]]]]    # (request id, its full blocks to save)
 
 
@@ -277,8 +277,9 @@ class SwapConnector(KVConnector):
       returns True); then they are freed. Blocks the tier has are not
       copied again.
     - Loading: for a waiting request, the blocks after its local prefix hit
-      that the tier holds (same chained keys, tokens confirmed) are counted
-      as matched; after allocation, the runner side copies them into the
+      that the tier holds (same chained keys, tokens confirmed, file
+      checksums verified: read at lookup and kept until admission) are
+      counted as matched; after allocation, the runner side copies them into the
       new blocks before the forward, and the prefix cache (if any)
       registers them like computed blocks.
     - ``close()`` (engine shutdown) performs the saves still pending.
@@ -293,7 +294,8 @@ class SwapConnector(KVConnector):
         self.max_blocks = size
         self.tier: HostTier | None = None if cc.swap_dir else MemoryTier(size)
         self.memo: dict[str, list[bytes]] = {}
-        self.pending_loads: list[tuple[int, BlockMeta]] = []
+        self.pending_loads: list[tuple[int, BlockMeta, np.ndarray | None]] = []
+        self.staged: dict[str, tuple[int, list[np.ndarray]]] = {}   # request -> (first block, data read)
         self.pending_saves: list[tuple[str, list[tuple[int, BlockMeta]]]] = []
         self.saved: set[str] = set()
         self.kv_caches: list | None = None
@@ -304,23 +306,35 @@ class SwapConnector(KVConnector):
         return block_metas(request, self.block_size, stop, start, self.memo.setdefault(request.request_id, []))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        """Blocks are read (and checked: a corrupt file is a miss) here, and
+        kept until the request is admitted, so a load cannot fail later."""
         if self.tier is None or not self.max_blocks:
             return 0
         first = num_computed_tokens // self.block_size
-        n = 0
+        staged = self.staged.get(request.request_id)
+        if staged is not None and staged[0] == first:
+            return len(staged[1]) * self.block_size
+        data = []
         for _, meta in self._metas(request, (request.num_tokens - 1) // self.block_size, first):
             if meta.key not in self.tier:
                 break
-            n += 1
-        return n * self.block_size
+            block = self.tier.get(meta)
+            if block is None:
+                break
+            data.append(block)
+        self.staged = {request.request_id: (first, data)}          # only the request being admitted
+        return len(data) * self.block_size
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         start = request.num_computed_tokens // self.block_size      # the local hit's blocks
         n = num_external_tokens // self.block_size
-        self.pending_loads.extend((block_ids[i], meta) for i, meta in self._metas(request, start + n, start))
+        _, data = self.staged.pop(request.request_id, (start, []))
+        for k, (i, meta) in enumerate(self._metas(request, start + n, start)):
+            self.pending_loads.append((block_ids[i], meta, data[k] if k < len(data) else None))
 
     def request_finished(self, request, block_ids: list[int]) -> bool:
         self.memo.pop(request.request_id, None)
+        self.staged.pop(request.request_id, None)
         if self.tier is None or not self.max_blocks:
             return False
         full = min(request.num_computed_tokens // self.block_size, len(block_ids))
@@ -379,11 +393,10 @@ class SwapConnector(KVConnector):
                 self.tier.put(meta, self.read_block(block_id))
                 self.counters["swap_saved_blocks"] += 1
             self.saved.add(rid)
-        for block_id, meta in metadata.loads:
-            data = self.tier.get(meta)
+        for block_id, meta, data in metadata.loads:
             if data is None:
-                # gone since the lookup (a corrupt file, or evicted by the saves above):
-                # the block then holds stale KV, which must not be served
+                data = self.tier.get(meta)
+            if data is None:       # cannot happen: lookups read and keep the data they match
                 raise RuntimeError(f"swap tier: block {meta.key.hex()} vanished between lookup and load")
             self.write_block(block_id, data)
             self.counters["swap_loaded_blocks"] += 1

@@ -38,7 +38,7 @@ class GuidedProcessor(RowsProcessor):
 
     def __init__(self, config, tokenizer, vocab_size, settings=None):
         super().__init__(config, tokenizer, vocab_size, settings)
-        self.guided = GuidedDecoding.of(config)
+        self.guided = GuidedDecoding.of(tokenizer)
         self.matchers: dict[str, _Row] = {}
         self.eos = np.asarray(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()), dtype=np.int64)
         self.words = (vocab_size + 31) // 32

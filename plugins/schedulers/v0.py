@@ -102,9 +102,9 @@ class V0ResourceManager(V1ResourceManager):
             prompt_blocks += own_prompt_blocks
             pending += num_new
     def _split_budget(self, prefilling: list[Request]) -> dict[str, int]:
-        budget = self.max_num_batched_tokens
+        budget = self.core.max_num_batched_tokens
         left_of = {r.request_id: r.num_prompt_tokens - r.num_computed_tokens for r in prefilling}
-        if not self.chunked_prefill:
+        if not self.core.chunked_prefill:
             return left_of                       # admission kept the sum within the budget
         share = budget // len(prefilling) // self.block_size * self.block_size
         grants = {rid: min(n, share) for rid, n in left_of.items()}

@@ -1,31 +1,409 @@
-"""A third-party fdx plugin: a shortest-prompt-first resource manager and a
-step observer. It is installed with pip and found through the ``fdx``
-entry-point group; fdx itself knows nothing about it."""
+"""A third-party fdx plugin package: one plugin per contract, each written
+against ``fdx.core`` only (never ``fdx.plugins``), installed with pip and
+found through the ``fdx`` entry-point group. fdx knows nothing about it.
+
+- ``example-fifo`` resource manager: a whole scheduler on the shared
+  helpers of ``fdx.core.scheduling``, not a v1 subclass.
+- ``shortest-first`` queue policy, ``tenant-cap`` admission rule,
+  ``most-output`` preemption victim policy.
+- ``example-blocks`` KV cache: a plain block pool, written from scratch.
+- ``fakedev`` backend with its own ``example-naive`` attention backend.
+- ``stop-after`` logits processor: a per-request argument
+  (``extra_args={"stop_after": n}``) ends a request after n tokens.
+- ``example-memory`` KV connector: a host-memory store of whole prompts.
+- an observer of every step, through the ``StepContext``.
+"""
 from __future__ import annotations
 
+import numpy as np
+
 from fdx.core.hookspecs import hookimpl
-from fdx.plugins.schedulers.v1 import V1ResourceManager
+from fdx.core.interfaces import (AdmissionRule, AttentionBackend, Backend, KVCacheManager, KVConnector,
+                                 LogitsProcessor, PreemptionPolicy, QueuePolicy, ResourceManager)
+from fdx.core.scheduling import SchedulingCore
 
 # what the observer saw, for tests to read
-STEPS: list[tuple[int, int]] = []      # (step, num_scheduled_tokens)
+STEPS: list[tuple[int, int]] = []        # (step, num_scheduled_tokens)
+CONTEXTS: list[tuple[int, int, int, int]] = []   # (step, prefill tokens, decode tokens, kv blocks used)
 STARTED: list[object] = []
 FINISHED: list[str] = []
 
 
-class ShortestPromptFirst(V1ResourceManager):
-    """v1, but the waiting queue is ordered by prompt length (shortest
-    first) instead of arrival. Preempted requests still go first."""
+# --- a scheduler ---------------------------------------------------------------
 
-    def add_request(self, request) -> None:
-        super().add_request(request)
-        ordered = sorted(self.waiting, key=lambda r: (r.num_preemptions == 0, r.num_prompt_tokens))
-        self.waiting.clear()
-        self.waiting.extend(ordered)
+class FifoScheduler(ResourceManager):
+    """Running requests first, each its remaining tokens within the budget
+    (the oldest first); then waiting ones in queue order. When blocks run
+    out, the victim policy picks who gives way."""
 
+    def __init__(self, config, kv_cache, token_processor, max_model_len, settings=None, extensions=None):
+        super().__init__(config, kv_cache, token_processor, max_model_len, settings, extensions)
+        self.core = SchedulingCore(config, kv_cache, max_model_len, extensions)
+
+    def add_request(self, request):
+        self.core.add(request)
+
+    def abort_request(self, request_id):
+        return self.core.abort(request_id)
+
+    def requests(self):
+        return self.core.requests()
+
+    def pop_finished(self):
+        return self.core.pop_rejected()
+
+    def update(self, scheduler_output, runner_output):
+        return self.core.update(scheduler_output, runner_output, self.token_processor)
+
+    @property
+    def num_running(self):
+        return len(self.core.running)
+
+    @property
+    def num_waiting(self):
+        return len(self.core.waiting)
+
+    def has_unfinished(self):
+        return bool(self.core.running or self.core.waiting or self.core.held)
+
+    def schedule(self):
+        core = self.core
+        out = core.begin_step()
+        budget = core.max_num_batched_tokens
+        i = 0
+        while i < len(core.running) and budget > 0:
+            req = core.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(req, n):
+                victim = core.choose_victim(core.running[i:])
+                core.preempt(victim)
+                if victim is req:
+                    break
+            else:
+                core.schedule_request(out, req, n)
+                budget -= n
+                i += 1
+        k = 0
+        while not core.preempted_ids and k < len(core.waiting) and budget > 0 \
+                and len(core.running) < core.max_num_seqs:
+            req = core.waiting[k]
+            if not core.may_admit(req):
+                k += 1
+                continue
+            hit, external = core.lookup(req)
+            n = req.num_tokens - hit.num_tokens - external
+            if n > budget and not core.chunked_prefill:
+                break
+            n = min(n, budget)
+            if not core.admit(req, hit, external, n):
+                break
+            core.schedule_request(out, req, n)
+            budget -= n
+        return core.end_step(out)
+
+
+# --- scheduling extensions ------------------------------------------------------
+
+class ShortestFirst(QueuePolicy):
+    """Shortest prompt first; ties by arrival."""
+
+    def key(self, request):
+        return (request.num_prompt_tokens,)
+
+
+class TenantCap(AdmissionRule):
+    """At most ``max_running`` running requests per tenant (``extra_args["tenant"]``)."""
+
+    def __init__(self, config, settings=None):
+        super().__init__(config, settings)
+        self.max_running = self.settings.get("max_running", 1)
+        if not isinstance(self.max_running, int) or self.max_running < 1:
+            raise ValueError(f"max_running must be a positive integer, got {self.max_running!r}")
+
+    @staticmethod
+    def tenant(request):
+        return (request.sampling_params.extra_args or {}).get("tenant")
+
+    def admit(self, request, state):
+        tenant = self.tenant(request)
+        if tenant is None:
+            return True
+        return sum(self.tenant(r) == tenant for r in state.running) < self.max_running
+
+
+class MostOutput(PreemptionPolicy):
+    """The request with the most generated tokens gives way (ties: the newest)."""
+
+    def choose_victim(self, running, state):
+        return max(reversed(running), key=lambda r: r.num_output_tokens)
+
+
+# --- a KV cache -------------------------------------------------------------------
+
+class SimpleBlocks(KVCacheManager):
+    """A free list and a block table per request; no sharing."""
+
+    def __init__(self, num_blocks, block_size, config=None, settings=None):
+        super().__init__(num_blocks, block_size, config, settings)
+        self.free_ids = list(range(num_blocks - 1, -1, -1))   # pops the lowest id first
+        self.tables: dict[str, list[int]] = {}
+
+    def allocate_slots(self, request, num_new_tokens, prefix=None):
+        table = self.tables.get(request.request_id, [])
+        need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+        if need > len(self.free_ids):
+            return False
+        self.tables.setdefault(request.request_id, table).extend(self.free_ids.pop() for _ in range(max(0, need)))
+        return True
+
+    def free(self, request):
+        self.free_ids.extend(reversed(self.tables.pop(request.request_id, [])))
+
+    def block_table(self, request_id):
+        return self.tables.get(request_id, [])
+
+    @property
+    def num_free_blocks(self):
+        return len(self.free_ids)
+
+
+# --- a device backend with its own attention ------------------------------------------
+
+class NaiveMetadata:
+    def __init__(self, positions, slots, seqs):
+        self.positions = positions      # int64 [N]
+        self.slots = slots              # int64 [N]: each new token's cache slot
+        self.seqs = seqs                # per sequence: (first token row, query_len, all its slots [ctx + q])
+
+
+class NaiveAttention(AttentionBackend):
+    """Attention one sequence at a time, every KV head repeated: slow and
+    plain, for a device that has no paged kernel."""
+    name = "example-naive"
+
+    def build_metadata(self, query_lens, context_lens, block_tables, spec, num_heads):
+        import paddle
+        positions, slots, seqs, row = [], [], [], 0
+        for q, c, table in zip(query_lens, context_lens, block_tables):
+            pos = np.arange(c + q)
+            all_slots = np.asarray(table, dtype=np.int64)[pos // spec.block_size] * spec.block_size \
+                + pos % spec.block_size
+            positions.append(pos[c:])
+            slots.append(all_slots[c:])
+            seqs.append((row, q, paddle.to_tensor(all_slots)))
+            row += q
+        self.num_slots, self.num_kv_heads = spec.num_slots, spec.num_kv_heads
+        return NaiveMetadata(paddle.to_tensor(np.concatenate(positions)), np.concatenate(slots), seqs)
+
+    def _rows(self, slots):
+        import paddle
+        heads = np.arange(self.num_kv_heads)[None, :] * self.num_slots
+        return paddle.to_tensor((np.asarray(slots)[:, None] + heads).reshape(-1))
+
+    def write_kv(self, k_cache, v_cache, k, v, metadata):
+        n, kvh, d = k.shape
+        rows = self._rows(metadata.slots)
+        k_cache.scatter_(rows, k.reshape([n * kvh, d]), overwrite=True)
+        v_cache.scatter_(rows, v.reshape([n * kvh, d]), overwrite=True)
+
+    def forward(self, q, k_cache, v_cache, metadata, scale):
+        import paddle
+        import paddle.nn.functional as F
+        _, h, d = q.shape
+        kvh = self.num_kv_heads
+        outs = []
+        for row, ql, slots in metadata.seqs:
+            total = slots.shape[0]
+            rows = self._rows(slots.numpy())
+            k = paddle.gather(k_cache, rows).reshape([total, kvh, d]).transpose([1, 0, 2])
+            v = paddle.gather(v_cache, rows).reshape([total, kvh, d]).transpose([1, 0, 2])
+            k = paddle.repeat_interleave(k, h // kvh, axis=0)
+            v = paddle.repeat_interleave(v, h // kvh, axis=0)
+            qs = q[row:row + ql].transpose([1, 0, 2])                     # [H, ql, D]
+            scores = paddle.matmul(qs, k, transpose_y=True) * scale       # [H, ql, total]
+            causal = np.arange(total)[None, :] <= (total - ql + np.arange(ql))[:, None]
+            scores = scores + paddle.to_tensor(np.where(causal, 0.0, -1e30).astype("float32"))
+            outs.append(paddle.matmul(F.softmax(scores, axis=-1), v).transpose([1, 0, 2]))
+        return paddle.concat(outs, axis=0)
+
+
+class FakeDevice(Backend):
+    """A "device" that is the host, with its own attention backend."""
+    name = "fakedev"
+    priority = -1                       # never picked by auto
+    attention_backend = "example-naive"
+
+    @classmethod
+    def is_available(cls):
+        return True
+
+    def setup(self, config):
+        import paddle
+        paddle.set_device("cpu")
+
+    def free_memory_bytes(self):
+        return 1 << 30
+
+
+# --- a stateful logits processor driven by a per-request argument -----------------------
+
+class StopAfter(LogitsProcessor):
+    """``extra_args={"stop_after": n}``: after n generated tokens, only eos
+    may follow. Counts from the request's own outputs, so a request that
+    comes back after a preemption resumes its count."""
+
+    def __init__(self, config, tokenizer, vocab_size, settings=None):
+        super().__init__(config, tokenizer, vocab_size, settings)
+        self.eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())[:1]
+        self.limits: dict[str, tuple[int, object]] = {}    # request id -> (n, its live output list)
+        self.rows: list[str] = []
+
+    @classmethod
+    def validate_params(cls, params):
+        n = (params.extra_args or {}).get("stop_after")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"extra_args.stop_after must be a non-negative integer, got {n!r}")
+
+    def update_state(self, update):
+        for rid in update.removed:
+            self.limits.pop(rid, None)
+        for row in update.added:
+            n = (row.params.extra_args or {}).get("stop_after")
+            if n is not None:
+                self.limits[row.request_id] = (n, row.output_token_ids)
+        self.rows = update.rows
+
+    def apply(self, logits):
+        if self.limits and self.eos:
+            for i, rid in enumerate(self.rows):
+                limit = self.limits.get(rid)
+                if limit is not None and len(limit[1]) >= limit[0]:
+                    eos_logit = logits[i, self.eos[0]]
+                    logits[i] = -np.inf
+                    logits[i, self.eos[0]] = eos_logit if np.isfinite(eos_logit) else 0.0
+        return logits
+
+
+# --- a KV connector ---------------------------------------------------------------------
+
+class MemoryStore(KVConnector):
+    """Keeps the KV of finished requests' full blocks in host memory, keyed
+    by the token prefix they hold, and loads it back for a later request
+    with the same prefix (a toy prefix cache beside the pool)."""
+
+    def __init__(self, config, block_size, settings=None):
+        super().__init__(config, block_size, settings)
+        self.store: dict[tuple[int, ...], np.ndarray] = {}
+        self.loads, self.saves, self.done = [], [], set()
+        self.loaded_blocks = 0
+
+    def _prefixes(self, request, first, last):
+        toks = request.all_token_ids
+        return [(i, tuple(toks[:(i + 1) * self.block_size])) for i in range(first, last)]
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        n = 0
+        for _, key in self._prefixes(request, num_computed_tokens // self.block_size,
+                                     (request.num_tokens - 1) // self.block_size):
+            if key not in self.store:
+                break
+            n += 1
+        return n * self.block_size
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        first = request.num_computed_tokens // self.block_size
+        for i, key in self._prefixes(request, first, first + num_external_tokens // self.block_size):
+            self.loads.append((block_ids[i], key))
+
+    def request_finished(self, request, block_ids):
+        full = min(request.num_computed_tokens // self.block_size, len(block_ids))
+        todo = [(block_ids[i], key) for i, key in self._prefixes(request, 0, full) if key not in self.store]
+        if todo:
+            self.saves.append((request.request_id, todo))
+        return bool(todo)
+
+    def build_connector_meta(self):
+        meta, self.loads, self.saves = (self.loads, self.saves), [], []
+        return meta
+
+    def register_kv_caches(self, kv_caches, layout):
+        self.kv_caches, self.spec = kv_caches, layout
+
+    def _rows(self, block_id):
+        import paddle
+        s = self.spec
+        slots = block_id * s.block_size + np.arange(s.block_size)
+        return paddle.to_tensor((np.arange(s.num_kv_heads)[:, None] * s.num_slots + slots[None, :]).reshape(-1))
+
+    def start_load_kv(self, metadata):
+        import paddle
+        if metadata is None:
+            return
+        loads, saves = metadata
+        for rid, blocks in saves:
+            for block_id, key in blocks:
+                rows = self._rows(block_id)
+                self.store[key] = np.stack([paddle.gather(t, rows).numpy() for kv in self.kv_caches for t in kv])
+            self.done.add(rid)
+        for block_id, key in loads:
+            rows, data = self._rows(block_id), self.store[key]
+            for j, t in enumerate(t for kv in self.kv_caches for t in kv):
+                t.scatter_(rows, paddle.to_tensor(data[j]), overwrite=True)
+            self.loaded_blocks += 1
+
+    def get_finished(self):
+        done, self.done = self.done, set()
+        return done, set()
+
+    def stats(self):
+        return {"loaded_blocks": self.loaded_blocks, "stored_blocks": len(self.store)}
+
+
+# --- registration --------------------------------------------------------------------------
 
 @hookimpl
 def fdx_register_resource_managers(register):
-    register("shortest-first", ShortestPromptFirst)
+    register("example-fifo", FifoScheduler)
+
+
+@hookimpl
+def fdx_register_queue_policies(register):
+    register("shortest-first", ShortestFirst)
+
+
+@hookimpl
+def fdx_register_admission_rules(register):
+    register("tenant-cap", TenantCap)
+
+
+@hookimpl
+def fdx_register_preemption_policies(register):
+    register("most-output", MostOutput)
+
+
+@hookimpl
+def fdx_register_kv_caches(register):
+    register("example-blocks", SimpleBlocks)
+
+
+@hookimpl
+def fdx_register_backends(register):
+    register("fakedev", FakeDevice)
+
+
+@hookimpl
+def fdx_register_attention_backends(register):
+    register("example-naive", NaiveAttention)
+
+
+@hookimpl
+def fdx_register_logits_processors(register):
+    register("stop-after", StopAfter)
+
+
+@hookimpl
+def fdx_register_connectors(register):
+    register("example-memory", MemoryStore)
 
 
 @hookimpl
@@ -34,8 +412,10 @@ def fdx_engine_started(engine):
 
 
 @hookimpl
-def fdx_step_finished(scheduler_output, step_stats):
+def fdx_step_finished(step_stats, context):
     STEPS.append((step_stats.step, step_stats.num_scheduled_tokens))
+    CONTEXTS.append((context.step, sum(r.num_prefill_tokens for r in context.requests),
+                     sum(r.num_decode_tokens for r in context.requests), context.kv_blocks_used))
 
 
 @hookimpl

@@ -1,0 +1,354 @@
+"""A conformance kit for plugin authors: the checks fdx runs on its own
+schedulers, KV caches and logits processors, parametrized by plugin name.
+
+    # in an outside package's tests (pip install "fdx[testing]")
+    from fdx.core.testing import check_scheduler, check_logits_processor
+
+    def test_my_scheduler_keeps_the_rules():
+        check_scheduler("my-sched", kv_cache="prefix", max_examples=30)
+
+``check_scheduler`` drives the named resource manager over random
+workloads (hypothesis) with a fake model whose next token is a hash of the
+sequence, the real default token processor and tiny block pools, and checks
+every rule of the ``ResourceManager`` contract: the step budget and
+``max_num_seqs``; each scheduled request's blocks cover its tokens; the KV
+it attends to is exactly what was written for its tokens (a wrong prefix
+hit, a second-tier copy into the wrong block or a write into a shared block
+shows up); preempted requests resume before any request that never ran; no
+request waits forever; no block leaks; and every finished request's tokens
+equal its solo run. The fake runner sees only the plain-data
+``SchedulerOutput``, round-tripped through msgspec.
+
+``check_logits_processor`` checks a processor's batch contract: applied to
+a batch, each row equals what the processor does to that row alone, across
+joins, leaves and preemptions. ``check_equivalence`` runs an ``LLM``
+against solo runs of the same prompts.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from fdx.core.config import FdxConfig
+from fdx.core.interfaces import (BatchUpdate, KVCacheSpec, ModelRunnerOutput, RowState, SchedulerOutput,
+                                 SchedulingExtensions)
+from fdx.core.plugins import get_plugin_manager
+from fdx.core.request import Request, RequestStatus
+from fdx.core.sampling_params import SamplingParams
+
+VOCAB, EOS = 40, 0
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 2
+
+
+class StubTokenizer:
+    """Enough of a tokenizer for the token processor (one letter a token)."""
+    eos_token_ids = [EOS]
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def encode(self, text, add_special_tokens=False) -> list[int]:
+        return [(ord(c) - 97) % VOCAB for c in text]
+
+
+def next_token(tokens: list[int]) -> int:
+    """The fake model: a hash of the last tokens and the length."""
+    h = (tokens[-1] * 2654435761 + (tokens[-2] if len(tokens) > 1 else 7) * 40503 + len(tokens) * 97) % 1000003
+    return h % VOCAB
+
+
+def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> list[int]:
+    toks, out = list(prompt), []
+    limit = min(max_tokens, max_model_len - len(prompt))
+    while True:
+        t = next_token(toks)
+        toks.append(t)
+        out.append(t)
+        if t == EOS or len(out) >= limit or len(toks) >= max_model_len:
+            return out
+
+
+def kv_value(tokens: np.ndarray, positions: np.ndarray, layer: int, j: int, head: int) -> np.ndarray:
+    """[n, HEAD_DIM] float32 values that identify (token, position, layer, k/v, head)."""
+    a = tokens * 1000.0 + positions
+    b = np.full_like(a, layer * 100 + j * 10 + head)
+    return np.stack([a, b], axis=1).astype(np.float32)
+
+
+class FakeRunner:
+    """A model runner fed only plain data: it keeps its own per-request
+    state, checks the KV each request attends to, writes the new tokens' KV
+    and samples the fake model's next token."""
+
+    def __init__(self, kv_caches, block_size: int, num_slots: int, connector=None):
+        import msgspec
+        self.kv_caches, self.bs, self.num_slots = kv_caches, block_size, num_slots
+        self.connector = connector
+        self.state: dict[str, dict] = {}
+        self.decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def _rows(self, table, positions, head):
+        table = np.asarray(table, dtype=np.int64)
+        return head * self.num_slots + table[positions // self.bs] * self.bs + positions % self.bs
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        import paddle
+        meta = sched.kv_connector_metadata
+        sched.kv_connector_metadata = None           # connector data is the connector's own business
+        sched = self.decoder.decode(self.encoder.encode(sched))   # the runner sees a decoded copy only
+        for rid in sched.finished_req_ids:
+            self.state.pop(rid, None)
+        for nr in sched.new_requests:
+            assert nr.request_id not in self.state, f"{nr.request_id} sent as new twice"
+            self.state[nr.request_id] = dict(tokens=nr.prompt_token_ids + nr.output_token_ids,
+                                             table=list(nr.block_ids), computed=nr.num_computed_tokens)
+        for cr in sched.cached_requests:
+            st = self.state[cr.request_id]
+            assert st["computed"] == cr.num_computed_tokens, f"{cr.request_id}: computed tokens disagree"
+            st["table"].extend(cr.new_block_ids)
+        if self.connector is not None:
+            self.connector.start_load_kv(meta)
+        out = ModelRunnerOutput()
+        snapshot = [(k.numpy(), v.numpy()) for k, v in self.kv_caches]
+        writes = collections.defaultdict(list)
+        for rid, n in sched.num_scheduled_tokens.items():
+            st = self.state[rid]
+            ctx, table = st["computed"], st["table"]
+            tokens = np.asarray(st["tokens"][:ctx + n], dtype=np.int64)
+            assert ctx + n <= len(st["tokens"]), f"{rid}: scheduled past its known tokens"
+            assert len(table) * self.bs >= ctx + n, f"{rid}: block table too short"
+            assert len(set(table)) == len(table), f"{rid}: a block twice in one table"
+            ctx_pos, new_pos = np.arange(ctx), np.arange(ctx, ctx + n)
+            for layer, j, h in itertools.product(range(NUM_LAYERS), range(2), range(NUM_KV_HEADS)):
+                got = snapshot[layer][j][self._rows(table, ctx_pos, h)]
+                assert np.array_equal(got, kv_value(tokens[:ctx], ctx_pos, layer, j, h)), \
+                    f"{rid}: wrong KV in its context"
+                writes[layer, j].append((self._rows(table, new_pos, h), kv_value(tokens[ctx:], new_pos, layer, j, h)))
+            st["computed"] = ctx + n
+            if ctx + n == len(st["tokens"]):
+                token = next_token(st["tokens"])
+                st["tokens"].append(token)
+                out.sampled[rid] = token
+        for (layer, j), parts in writes.items():
+            rows = np.concatenate([r for r, _ in parts])
+            vals = np.concatenate([v for _, v in parts])
+            assert len(np.unique(rows)) == len(rows), "two requests write one KV slot in a step"
+            self.kv_caches[layer][j].scatter_(paddle.to_tensor(rows), paddle.to_tensor(vals), overwrite=True)
+        if self.connector is not None:
+            sending, recving = self.connector.get_finished()
+            out.finished_sending, out.finished_recving = sorted(sending), sorted(recving)
+        return out
+
+
+def workloads(max_requests: int = 12):
+    """A hypothesis strategy of small workloads that stress pools and budgets."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def build(draw):
+        bs = draw(st.sampled_from([2, 4]))
+        max_model_len = draw(st.sampled_from([12, 16, 24]))
+        need = -(-max_model_len // bs)
+        num_blocks = draw(st.integers(max(2, need // 2), need + 8))
+        chunked = draw(st.booleans())
+        budget = draw(st.integers(1, 2 * max_model_len) if chunked else st.integers(max_model_len, 2 * max_model_len))
+        prefixes = draw(st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=max_model_len,
+                                          max_size=max_model_len), min_size=1, max_size=3))
+        requests = []
+        for _ in range(draw(st.integers(1, max_requests))):
+            length = draw(st.integers(1, max_model_len - 1))
+            shared = draw(st.one_of(st.just(length), st.integers(0, length)))
+            prompt = draw(st.sampled_from(prefixes))[:shared] + draw(
+                st.lists(st.integers(1, VOCAB - 1), min_size=length - shared, max_size=length - shared))
+            requests.append(dict(
+                arrival=draw(st.integers(0, 30)), prompt=prompt, max_tokens=draw(st.integers(1, 10)),
+                priority=draw(st.integers(0, 3)), salt=draw(st.sampled_from([None, None, "s"])),
+                abort_after=draw(st.one_of(st.none(), st.integers(0, 15)))))
+        return dict(bs=bs, max_model_len=max_model_len, num_blocks=num_blocks, chunked=chunked, budget=budget,
+                    max_num_seqs=draw(st.integers(1, 5)), swap=draw(st.sampled_from([0, 3, 12])),
+                    requests=requests)
+    return build()
+
+
+def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, preemption: str = "newest",
+                 admission: Iterable[str] = (), plugins: dict | None = None,
+                 audit: Callable[[Any, Any], None] | None = None):
+    """Run one workload through the named plugins; check every rule; return
+    (requests by id, the KV cache, the resource manager)."""
+    import paddle
+    pm = get_plugin_manager()
+    cfg = FdxConfig.build(resource_manager=resource_manager, kv_cache=kv_cache, policy=policy,
+                          preemption=preemption, admission=list(admission), block_size=w["bs"],
+                          max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
+                          enable_chunked_prefill=w["chunked"], swap_max_blocks=w["swap"], plugins=plugins or {})
+    settings = lambda kind, name: cfg.plugins.get(kind, {}).get(name)     # noqa: E731
+    kv = pm.get("kv_cache", kv_cache)(w["num_blocks"], w["bs"], cfg, settings=settings("kv_cache", kv_cache))
+    num_slots = w["num_blocks"] * w["bs"]
+    kv_caches = [(paddle.zeros([NUM_KV_HEADS * num_slots, HEAD_DIM]), paddle.zeros([NUM_KV_HEADS * num_slots, HEAD_DIM]))
+                 for _ in range(NUM_LAYERS)]
+    connector = None
+    if w["swap"]:
+        connector = pm.get("connector", "swap")(cfg, w["bs"])
+        connector.register_kv_caches(kv_caches, KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, w["num_blocks"],
+                                                            w["bs"], "float32"))
+    tp = pm.get("token_processor", "default")(StubTokenizer())
+    ext = SchedulingExtensions(
+        queue_policy=pm.get("queue_policy", policy)(kv, settings("queue_policy", policy)),
+        admission_rules=[pm.get("admission_rule", n)(cfg, settings("admission_rule", n)) for n in admission],
+        preemption_policy=pm.get("preemption_policy", preemption)(cfg, settings("preemption_policy", preemption)),
+        connector=connector)
+    rm = pm.get("resource_manager", resource_manager)(cfg, kv, tp, w["max_model_len"],
+                                                      settings=settings("resource_manager", resource_manager),
+                                                      extensions=ext)
+    runner = FakeRunner(kv_caches, w["bs"], num_slots, connector)
+
+    reqs: dict[str, Request] = {}
+    events = collections.defaultdict(list)
+    for i, spec in enumerate(w["requests"]):
+        events[spec["arrival"]].append(("add", i, spec))
+        if spec["abort_after"] is not None:
+            events[spec["arrival"] + spec["abort_after"]].append(("abort", i, spec))
+    last_event = max(events)
+    total = sum(len(s["prompt"]) + s["max_tokens"] for s in w["requests"])
+    bound = last_event + 10 * total + 20
+    ever_ran: set[str] = set()
+    step = 0
+    while step <= last_event or rm.has_unfinished():
+        assert step < bound, f"no progress after {step} steps: {rm.num_running} running, {rm.num_waiting} waiting"
+        for what, i, spec in events.get(step, ()):
+            if what == "add":
+                req = Request(f"r{i}", list(spec["prompt"]), SamplingParams(temperature=0, max_tokens=spec["max_tokens"]),
+                              priority=spec["priority"], cache_salt=spec["salt"],
+                              eos_token_ids=frozenset({EOS}), max_model_len=w["max_model_len"])
+                tp.start(req)
+                rm.add_request(req)
+                reqs[req.request_id] = req
+            else:
+                aborted = rm.abort_request(f"r{i}")
+                assert aborted is None or aborted.status is RequestStatus.FINISHED_ABORTED
+        rm.pop_finished()
+        waiting_preempted = {r.request_id for r in rm.requests() if r.status is RequestStatus.PREEMPTED}
+        sched = rm.schedule()
+        check_schedule(sched, rm, cfg, waiting_preempted, ever_ran)
+        ever_ran |= set(sched.num_scheduled_tokens)
+        if not sched.is_empty or sched.kv_connector_metadata is not None:
+            rm.update(sched, runner.execute(sched))
+        check_blocks(rm, kv)
+        if audit is not None:
+            audit(rm, kv)
+        step += 1
+
+    assert kv.num_free_blocks == w["num_blocks"], "blocks leaked"
+    for spec_i, spec in enumerate(w["requests"]):
+        req = reqs[f"r{spec_i}"]
+        assert req.is_finished, f"{req.request_id} never finished"
+        assert not kv.block_table(req.request_id), f"{req.request_id} finished holding blocks"
+        want = reference_output(spec["prompt"], spec["max_tokens"], w["max_model_len"])
+        if req.status is RequestStatus.FINISHED_REJECTED:
+            assert isinstance(req.stop_reason, str) and req.stop_reason.startswith("rejected")
+            assert -(-min(len(spec["prompt"]) + spec["max_tokens"], w["max_model_len"]) // w["bs"]) > w["num_blocks"]
+        elif req.status is RequestStatus.FINISHED_ABORTED:
+            assert req.output_token_ids == want[:len(req.output_token_ids)]
+        else:
+            assert req.output_token_ids == want, f"{req.request_id}: output differs from the solo run"
+    return reqs, kv, rm
+
+
+def check_schedule(sched: SchedulerOutput, rm, cfg: FdxConfig, waiting_preempted: set[str], ever_ran: set[str]) -> None:
+    """The per-step rules of the ResourceManager contract."""
+    sc = cfg.scheduler
+    by_id = {r.request_id: r for r in rm.requests()}
+    assert sched.total_num_scheduled_tokens == sum(sched.num_scheduled_tokens.values())
+    assert sched.total_num_scheduled_tokens <= sc.max_num_batched_tokens, "over the step budget"
+    assert len(sched.num_scheduled_tokens) <= sc.max_num_seqs and rm.num_running <= sc.max_num_seqs
+    ids = [d.request_id for d in sched.new_requests] + [d.request_id for d in sched.cached_requests]
+    assert sorted(ids) == sorted(sched.num_scheduled_tokens), "scheduled ids and request data disagree"
+    resumed = [rid for rid in sched.num_scheduled_tokens if rid in waiting_preempted]
+    fresh = [rid for rid in sched.num_scheduled_tokens if rid not in ever_ran]
+    if fresh:
+        still_waiting = waiting_preempted - set(resumed) - set(sched.num_scheduled_tokens)
+        assert not still_waiting, f"new requests {fresh} ran while preempted {sorted(still_waiting)} waited"
+    for rid, n in sched.num_scheduled_tokens.items():
+        req = by_id[rid]
+        assert n >= 1
+        assert req.status is RequestStatus.RUNNING
+        assert req.num_computed_tokens + n <= req.num_tokens
+        assert len(rm.kv_cache.block_table(rid)) * rm.kv_cache.block_size >= req.num_computed_tokens + n, \
+            f"{rid} scheduled without the blocks for its tokens"
+        if not sc.enable_chunked_prefill:
+            assert req.num_computed_tokens + n == req.num_tokens, "a chunk without chunking"
+
+
+def check_blocks(rm, kv) -> None:
+    """Blocks held by waiting requests, and the pool's count."""
+    held = set()
+    for req in rm.requests():
+        table = kv.block_table(req.request_id)
+        if req.status is not RequestStatus.RUNNING:
+            assert not table, f"{req.request_id} waits holding blocks"
+        held |= set(table)
+    assert len(held) + kv.num_free_blocks <= kv.num_blocks, "more blocks held and free than exist"
+
+
+def check_scheduler(resource_manager: str, kv_cache: str = "paged", policy: str = "fcfs", *,
+                    preemption: str = "newest", admission: Iterable[str] = (), plugins: dict | None = None,
+                    max_examples: int = 30, max_requests: int = 12, audit=None) -> None:
+    """Property-check a resource manager (and cache, queue policy, victim
+    policy, admission rules) over ``max_examples`` random workloads."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck),
+              database=None)
+    @given(w=workloads(max_requests))
+    def run(w):
+        run_workload(resource_manager, kv_cache, policy, w, preemption=preemption, admission=admission,
+                     plugins=plugins, audit=audit)
+    run()
+
+
+def check_logits_processor(name: str, params: list[SamplingParams], *, vocab_size: int = 64,
+                           tokenizer: Any = None, settings: dict | None = None, seed: int = 0) -> None:
+    """A processor's batch contract: over several steps in which requests
+    join, leave and come back (as after a preemption), each row of the batch
+    result equals the processor applied to that request alone."""
+    pm = get_plugin_manager()
+    cls = pm.get("logits_processor", name)
+    cfg = FdxConfig()
+    tokenizer = tokenizer or StubTokenizer()
+    rng = np.random.default_rng(seed)
+    for p in params:
+        cls.validate_params(p)
+    batch_proc = cls(cfg, tokenizer, vocab_size, settings)
+    solo = {f"q{i}": cls(cfg, tokenizer, vocab_size, settings) for i in range(len(params))}
+    outputs = {f"q{i}": [] for i in range(len(params))}
+    rows_state = {rid: RowState(rid, params[i], [1, 2, 3], outputs[rid]) for i, rid in enumerate(solo)}
+    schedule = [list(solo)[: max(1, len(solo) // 2)], list(solo), list(solo)[1:], list(solo)]
+    present: set[str] = set()
+    for step, rows in enumerate(schedule):
+        gone = sorted(present - set(rows))
+        added = [rid for rid in rows if rid not in present]
+        logits = rng.standard_normal((len(rows), vocab_size)).astype(np.float32)
+        batch_proc.update_state(BatchUpdate([rows_state[r] for r in added], gone, rows, True))
+        got = batch_proc.apply(logits.copy())
+        for k, rid in enumerate(rows):
+            one = solo[rid]
+            one.update_state(BatchUpdate([rows_state[rid]] if rid in added else [], [], [rid], rid in added))
+            want = one.apply(logits[k:k + 1].copy())
+            np.testing.assert_array_equal(got[k], want[0], err_msg=f"{name}: row {rid} at step {step}")
+        for rid in gone:                              # left: the solo processor forgets it too
+            solo[rid].update_state(BatchUpdate([], [rid], [], True))
+        for rid in rows:
+            outputs[rid].append(int(rng.integers(vocab_size)))
+        present = set(rows)
+
+
+def check_equivalence(llm, prompts: list, sampling_params: SamplingParams | None = None) -> None:
+    """The outputs of a batch equal each prompt's solo run on the same LLM."""
+    sp = sampling_params or SamplingParams(temperature=0, max_tokens=8)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone, "batched outputs differ from solo runs"

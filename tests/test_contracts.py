@@ -1,0 +1,334 @@
+"""The plugin contracts, proven from outside: the plain-data step, core's
+imports, backends choosing kernels, the plugins of tests/plugin_pkg (one per
+contract, written against fdx.core only) selected by config end to end, the
+conformance kit run on them, plugin settings, observers and research taps."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import msgspec
+import numpy as np
+import pytest
+
+from fdx import LLM, SamplingParams
+from fdx.core.config import ConfigError
+from fdx.core.interfaces import SchedulerOutput
+from fdx.core.plugins import PluginManager, get_plugin_manager
+from fdx.core.testing import check_logits_processor, check_scheduler
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[5, 17, 300, 42, 9, 11, 8000], [7] * 23, list(range(100, 140)), [3, 4]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    return str(tiny_checkpoints["LlamaForCausalLM"][0])
+
+
+def make_llm(path, **kw):
+    base = dict(max_model_len=64, num_kv_blocks=48, block_size=4, progress=False)
+    return LLM(path, **{**base, **kw})
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Each prompt run alone on the default parts: what every combination must say."""
+    llm = make_llm(tiny)
+    return [llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+def prompts():
+    return [{"prompt_token_ids": p} for p in PROMPTS]
+
+
+# --- the step is plain data -------------------------------------------------------
+
+def test_runner_fed_only_a_msgspec_copy_of_each_step_says_the_same(tiny, reference):
+    llm = make_llm(tiny, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=3)   # chunks, preemption
+    runner = llm.engine.runner
+    execute = runner.execute
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(SchedulerOutput)
+    seen = []
+
+    def execute_copy(sched):
+        copy = decoder.decode(encoder.encode(sched))
+        assert copy == sched
+        seen.append(copy)
+        return execute(copy)
+    runner.execute = execute_copy
+    assert token_ids(llm.generate(prompts(), GREEDY)) == reference
+    assert any(s.preempted_req_ids for s in seen) and any(s.cached_requests for s in seen)
+    assert all(isinstance(d.block_ids, list) for s in seen for d in s.new_requests)
+    # the recompute tax, recounted from the steps: tokens computed below a request's high-water mark
+    high, recomputed, computed = {}, 0, 0
+    for s in seen:
+        ctx = {d.request_id: d.num_computed_tokens for d in [*s.new_requests, *s.cached_requests]}
+        for rid, n in s.num_scheduled_tokens.items():
+            recomputed += max(0, min(high.get(rid, 0), ctx[rid] + n) - ctx[rid])
+            high[rid] = max(high.get(rid, 0), ctx[rid] + n)
+            computed += n
+    eng = llm.engine
+    assert recomputed > 0 and (eng.num_recomputed_tokens, eng.num_computed_tokens) == (recomputed, computed)
+    assert eng.last_stats.recompute_tax == pytest.approx(recomputed / computed)
+
+
+def test_core_imports_no_plugin_and_nothing_device_specific():
+    bad = []
+    for path in (ROOT / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            bad += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                    if n.startswith(("fdx.plugins", "fdx.ops"))]
+    assert not bad, bad
+
+
+# --- backends choose -------------------------------------------------------------------
+
+def test_cpu_backend_uses_the_compiled_kernel_and_rejects_other_dtypes(tiny):
+    from fdx.ops import cpp
+    llm = make_llm(tiny)
+    assert llm.engine.attention.name == "cpu"
+    assert llm.engine.attention.impl == ("cpp" if cpp.available() else "paddle")
+    with pytest.raises(ConfigError, match="model.dtype.*cpu backend computes in float32, not bfloat16"):
+        make_llm(tiny, dtype="bfloat16")
+
+
+class FakeCudaDevice:
+    """A test double for Paddle's device layer: a CUDA build with one GPU
+    whose kernels run on the host."""
+
+    def __init__(self, monkeypatch):
+        import paddle
+        self.set_devices = []
+        cuda = paddle.device.cuda
+        monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: 1, raising=False)
+        monkeypatch.setattr(cuda, "get_device_name", lambda i=0: "Fake GPU", raising=False)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda i=0: 0, raising=False)
+        monkeypatch.setattr(cuda, "get_device_properties",
+                            lambda i=0: type("P", (), {"total_memory": 8 << 30})(), raising=False)
+        real = paddle.set_device
+        monkeypatch.setattr(paddle, "set_device", lambda d: (self.set_devices.append(d), real("cpu"))[1])
+
+
+def test_gpu_backends_never_choose_the_cpu_kernel(tiny, reference, monkeypatch):
+    from fdx.ops import cpp
+    fake = FakeCudaDevice(monkeypatch)
+    calls = []
+    real_kernel = cpp.paged_attention
+    monkeypatch.setattr(cpp, "paged_attention", lambda *a, **k: (calls.append(1), real_kernel(*a, **k))[1])
+    llm = make_llm(tiny)
+    eng = llm.engine
+    assert eng.backend.name == "cuda" and fake.set_devices == ["gpu:0"]      # auto picked the fake GPU
+    assert eng.attention.name == "paddle" and eng.attention.impl == "paddle"
+    assert token_ids(llm.generate(prompts(), GREEDY)) == reference
+    assert not calls, "the compiled CPU kernel ran on a GPU backend"
+    from fdx.plugins.backends.iluvatar import IluvatarBackend
+    assert IluvatarBackend.attention_backend == "paddle"
+
+
+# --- the third-party plugins, selected by config ----------------------------------------
+
+@pytest.fixture(scope="module")
+def ex(example_plugin_installed):
+    import fdx_example_plugin
+    return fdx_example_plugin
+
+
+@pytest.fixture(scope="module")
+def pm(example_plugin_installed):
+    return PluginManager()
+
+
+def test_outside_scheduler_queue_order_and_victim_keep_outputs(tiny, reference, ex, pm):
+    llm = make_llm(tiny, plugins=pm, resource_manager="example-fifo", policy="shortest-first",
+                   preemption="most-output", num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=3)
+    eng = llm.engine
+    assert type(eng.resource_manager).__name__ == "FifoScheduler"
+    assert token_ids(llm.generate(prompts(), GREEDY)) == reference
+
+
+def test_outside_kv_cache_and_fake_device_backend(tiny, reference, pm):
+    llm = make_llm(tiny, plugins=pm, kv_cache="example-blocks", backend="fakedev")
+    assert llm.engine.attention.name == "example-naive" and llm.engine.backend.name == "fakedev"
+    assert token_ids(llm.generate(prompts(), GREEDY)) == reference
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
+def test_outside_connector_loads_what_it_saved(tiny, reference, pm):
+    llm = make_llm(tiny, plugins=pm, kv_connector="example-memory")
+    first = token_ids(llm.generate(prompts(), GREEDY))
+    again = token_ids(llm.generate(prompts(), GREEDY))
+    assert first == again == reference
+    stats = llm.engine.connector.stats()
+    assert stats["loaded_blocks"] >= sum((len(p) - 1) // 4 for p in PROMPTS), stats
+
+
+def test_outside_admission_rule_caps_a_tenant_with_settings(tiny, ex, pm):
+    llm = make_llm(tiny, plugins=pm, admission=["tenant-cap"],
+                   **{"plugins.admission_rule.tenant-cap": {"max_running": 1}})
+    sp = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, extra_args={"tenant": t})
+          for t in ("a", "a", "b", "a")]
+    from fdx.core.hookspecs import hookimpl
+    from fdx.core.request import RequestStatus
+    running_by_step = []
+
+    class Watch:
+        @hookimpl
+        def fdx_step_finished(self, context):
+            running_by_step.append([r.sampling_params.extra_args["tenant"]
+                                    for r in context.engine.resource_manager.requests()
+                                    if r.status is RequestStatus.RUNNING])
+    pm.add_plugin(Watch(), name="tenant-watch")
+    try:
+        outs = llm.generate(prompts(), sp)
+    finally:
+        pm.pm.unregister(name="tenant-watch")
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert all(t.count("a") <= 1 for t in running_by_step) and any(len(t) == 2 for t in running_by_step)
+    with pytest.raises(ConfigError, match=r"plugins.admission_rule.tenant-cap.*max_running must be a positive"):
+        make_llm(tiny, plugins=pm, admission=["tenant-cap"],
+                 **{"plugins.admission_rule.tenant-cap": {"max_running": 0}})
+    with pytest.raises(ConfigError, match=r"plugins.admission_rule.nope.*no admission_rule named 'nope'"):
+        make_llm(tiny, plugins=pm, **{"plugins.admission_rule.nope": {"x": 1}})
+
+
+def test_outside_logits_processor_with_extra_args(tiny, pm):
+    llm = make_llm(tiny, plugins=pm, logits_processors=["stop-after"])
+    eos = min(llm.tokenizer.eos_token_ids)
+    sp = SamplingParams(temperature=0, max_tokens=20, extra_args={"stop_after": 3})
+    out = llm.generate(prompts()[:2], sp)
+    for o in out:
+        assert o.outputs[0].token_ids[3] == eos and len(o.outputs[0].token_ids) == 4
+        assert o.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="extra_args.stop_after must be a non-negative integer"):
+        llm.generate(prompts()[:1], SamplingParams(extra_args={"stop_after": "x"}))
+
+
+def test_observer_sees_step_context_before_update(tiny, ex, pm):
+    llm = make_llm(tiny, plugins=pm, max_num_batched_tokens=16)
+    start = len(ex.CONTEXTS)
+    outs = llm.generate(prompts(), GREEDY)
+    seen = ex.CONTEXTS[start:]
+    assert sum(p for _, p, _, _ in seen) == sum(len(p) for p in PROMPTS)       # every prompt token once
+    assert sum(d for _, _, d, _ in seen) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    assert all(used > 0 for *_, used in seen)
+
+
+def test_a_raising_observer_does_not_stop_the_others(tiny):
+    from fdx.core.hookspecs import hookimpl
+    calls = []
+
+    class Bad:
+        @hookimpl
+        def fdx_step_finished(self, step_stats):
+            raise RuntimeError("boom")
+
+    class Good:
+        @hookimpl
+        def fdx_step_finished(self, step_stats):
+            calls.append(step_stats.step)
+    pm = PluginManager(load_entry_points=False)
+    pm.add_plugin(Good(), name="good")
+    pm.add_plugin(Bad(), name="bad")            # pluggy calls the last registered first
+    llm = make_llm(tiny, plugins=pm)
+    llm.generate(prompts()[:1], SamplingParams(max_tokens=3))
+    assert calls and calls == list(range(1, len(calls) + 1))
+
+
+def test_conformance_kit_on_the_outside_plugins(ex):
+    check_scheduler("example-fifo", "example-blocks", "shortest-first", preemption="most-output",
+                    max_examples=25)
+    check_scheduler("v1", "prefix", "fcfs", admission=["tenant-cap"], max_examples=15)
+    check_logits_processor("stop-after", [SamplingParams(extra_args={"stop_after": 1}), SamplingParams(),
+                                          SamplingParams(extra_args={"stop_after": 2})])
+
+
+@pytest.mark.parametrize("name,params", [
+    ("penalties", [SamplingParams(repetition_penalty=1.3), SamplingParams(),
+                   SamplingParams(presence_penalty=0.5, frequency_penalty=0.3)]),
+    ("min_tokens", [SamplingParams(min_tokens=2), SamplingParams(min_tokens=5, ignore_eos=True)]),
+    ("logit_bias", [SamplingParams(logit_bias={3: 5.0, 7: -100}), SamplingParams()]),
+    ("allowed_token_ids", [SamplingParams(allowed_token_ids=[1, 2, 9]), SamplingParams()]),
+    ("bad_words", [SamplingParams(bad_words=["ab", "c"]), SamplingParams()]),
+])
+def test_conformance_kit_on_the_builtin_processors(name, params):
+    check_logits_processor(name, params)
+
+
+# --- built-in processors against numpy ------------------------------------------------
+
+def test_logit_bias_allowed_ids_and_bad_words_against_numpy(tiny):
+    llm = make_llm(tiny)
+    vocab = llm.engine.model.vocab_size
+    ids = PROMPTS[0]
+    base = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+    first = base.outputs[0].token_ids[0]
+    runner_up = [t for t in base.outputs[0].logprobs[0] if t != first][0]
+    # +100 on the runner-up makes it the argmax; -100 on the argmax removes it
+    biased = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=1, logit_bias={str(runner_up): 100}))[0].outputs[0].token_ids
+    assert biased == [runner_up]
+    allowed = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=[11, 12, 13]))[0]
+    assert set(allowed.outputs[0].token_ids) <= {11, 12, 13}
+    word = llm.tokenizer.decode([first])
+    banned = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=1, bad_words=[word.strip() or word]))[0].outputs[0].token_ids
+    assert banned != [first]
+    with pytest.raises(ValueError, match="allowed_token_ids.*below the vocabulary size"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=[vocab]))
+
+
+# --- research taps ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_prompt_logprobs_match_transformers(smollm_llm, hf_logits):
+    ids = smollm_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    out = smollm_llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    ref = hf_logits(ids)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        entry = out.prompt_logprobs[i]
+        assert entry[ids[i]].logprob == pytest.approx(ref[i - 1, ids[i]], abs=2e-3)
+        top = sorted(entry.values(), key=lambda t: t.rank)
+        assert top[0].token_id == int(np.argmax(ref[i - 1]))
+
+
+def test_logits_and_hidden_state_taps(tiny, pm):
+    from fdx.core.hookspecs import hookimpl
+    seen = []
+
+    class Tap:
+        @hookimpl
+        def fdx_step_finished(self, context):
+            seen.append((context.sampled_request_ids, context.logits, context.hidden_states))
+    pm2 = PluginManager(load_entry_points=False)
+    pm2.add_plugin(Tap(), name="tap")
+    llm = make_llm(tiny, plugins=pm2, capture_logits=True, capture_hidden_states=True)
+    out = llm.generate(prompts()[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    firsts = [s for s in seen if s[0]]
+    rows, logits, hidden = firsts[0]
+    assert logits.shape == (len(rows), llm.engine.model.vocab_size) and hidden.shape[0] == len(rows)
+    # greedy: the tapped logits' argmax is the token sampled
+    assert [int(t) for t in logits.argmax(axis=1)] == [o.outputs[0].token_ids[0] for o in out][:len(rows)]
+
+
+# --- plugin manager --------------------------------------------------------------------------
+
+def test_disabled_plugins_by_entry_point_or_module_name_are_listed(example_plugin_installed):
+    for name in ("example", "fdx_example_plugin"):
+        pm = PluginManager(disabled=[name])
+        assert "example-fifo" not in pm.names("resource_manager")
+        assert "disabled by FDX_DISABLED_PLUGINS" in pm.report() and "example" in pm.report()
+    assert "example-fifo" in get_plugin_manager().names("resource_manager")
