@@ -5,6 +5,7 @@ are reported, never asserted.
    then the same prompts unconstrained with each request's max_tokens set
    to the length its guided run produced (ignore_eos): the same batch
    shapes step by step, so the ratio isolates the matcher and mask cost.
+   Alternating rounds of each, so drifting machine load hits both.
 2. Compile time: distinct schemas compiled cold (median), then found in
    the cache.
 3. Steps while grammars compile: a batch decodes; at one step K new
@@ -56,28 +57,36 @@ def _drive(eng, reqs) -> tuple[float, list]:
     return time.perf_counter() - t0, steps
 
 
-def throughput(llm, num_requests: int, max_tokens: int, seed: int) -> dict:
+def throughput(llm, num_requests: int, max_tokens: int, seed: int, rounds: int = 3) -> dict:
+    """Guided and unguided runs alternate (``rounds`` of each, a new seed
+    each round), so a machine whose load drifts affects both alike; the
+    ratio is of the summed times."""
     eng = llm.engine
     ids = llm.tokenizer.encode(PROMPT)
     llm.generate([PROMPT], SamplingParams(guided_json=schema(0), max_tokens=8))   # warm-up, compiles schema(0)
-    guided = [eng.make_request(ids, SamplingParams(guided_json=schema(0), max_tokens=max_tokens,
-                                                   temperature=1.0, seed=seed + i)) for i in range(num_requests)]
-    g_time, _ = _drive(eng, guided)
-    lens = [r.num_output_tokens for r in guided]
-    plain = [eng.make_request(ids, SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=seed + i))
-             for i, n in enumerate(lens)]
-    p_time, _ = _drive(eng, plain)
-    valid = 0
-    for r in guided:
-        try:
-            json.loads(llm.tokenizer.decode(r.output_token_ids))
-            valid += r.status.value == "stop"
-        except ValueError:
-            pass
-    toks = sum(lens)
-    return {"num_requests": num_requests, "output_tokens": toks, "valid_json_stopped": valid,
+    g_time = p_time = 0.0
+    toks = valid = 0
+    for k in range(rounds):
+        s0 = seed + 1000 * k
+        guided = [eng.make_request(ids, SamplingParams(guided_json=schema(0), max_tokens=max_tokens,
+                                                       temperature=1.0, seed=s0 + i)) for i in range(num_requests)]
+        t, _ = _drive(eng, guided)
+        g_time += t
+        lens = [r.num_output_tokens for r in guided]
+        plain = [eng.make_request(ids, SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=s0 + i))
+                 for i, n in enumerate(lens)]
+        t, _ = _drive(eng, plain)
+        p_time += t
+        toks += sum(lens)
+        for r in guided:
+            try:
+                json.loads(llm.tokenizer.decode(r.output_token_ids))
+                valid += r.status.value == "stop"
+            except ValueError:
+                pass
+    return {"num_requests": num_requests, "rounds": rounds, "output_tokens": toks, "valid_json_stopped": valid,
             "guided_tokens_per_s": toks / g_time, "unguided_tokens_per_s": toks / p_time,
-            "ratio": (toks / g_time) / (toks / p_time)}
+            "ratio": p_time / g_time}
 
 
 def compile_times(llm, count: int, offset: int) -> dict:
@@ -143,7 +152,7 @@ def run(args) -> dict:
         llm = _make_llm(args, progress=False)
         out["backend"] = llm.engine.backend.describe()
         llm.engine.guided.validate(SamplingParams(guided_regex="a"))       # the backend is built
-        r = {"throughput": throughput(llm, args.num_requests, args.max_tokens, args.bench_seed),
+        r = {"throughput": throughput(llm, args.num_requests, args.max_tokens, args.bench_seed, args.rounds),
              "compile": compile_times(llm, args.compile_schemas, 1000),
              "stall": stall(llm, args.stall_batch, args.stall_arrivals, 2000, args.bench_seed)}
         out["backends"][name] = r
@@ -157,8 +166,8 @@ def format_result(r: dict) -> str:
         t, c, s = b["throughput"], b["compile"], b["stall"]
         lines += [
             f"  {name}:",
-            f"    {t['num_requests']} concurrent JSON-schema requests, {t['output_tokens']} output tokens "
-            f"({t['valid_json_stopped']} valid JSON ending in stop): guided {t['guided_tokens_per_s']:.1f} tok/s, "
+            f"    {t['num_requests']} concurrent JSON-schema requests x {t['rounds']} rounds, {t['output_tokens']} "
+            f"output tokens ({t['valid_json_stopped']} valid JSON ending in stop): guided {t['guided_tokens_per_s']:.1f} tok/s, "
             f"unguided {t['unguided_tokens_per_s']:.1f} tok/s: ratio {t['ratio']:.3f}",
             f"    compile: cold {c['cold_ms']:.2f} ms median (max {c['cold_max_ms']:.2f}) over {c['schemas']} "
             f"schemas, cached {c['cached_ms']:.3f} ms",
@@ -183,6 +192,7 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--backends", default="xgrammar,llguidance", help="comma-separated guided backends")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--rounds", type=int, default=3, help="guided and unguided runs, alternating")
     p.add_argument("--compile-schemas", type=int, default=8)
     p.add_argument("--stall-batch", type=int, default=16)
     p.add_argument("--stall-arrivals", type=int, default=8)
