@@ -55,7 +55,8 @@ class LLGuidanceBackend(GuidedBackend):
         import llguidance.numpy as llnp
         from llguidance.gbnf_to_lark import gbnf_to_lark
         self.llg, self.gbnf_to_lark = llguidance, gbnf_to_lark
-        self.fill = llnp.fill_next_token_bitmask
+        import numpy
+        self.fill, self.np = llnp.fill_next_token_bitmask, numpy
         self.log_level = int(self.settings.get("log_level", 0))
         self.lltok = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                             eos_token=self.eos_token_ids or None)
@@ -82,13 +83,16 @@ class LLGuidanceBackend(GuidedBackend):
         error = M.validate_grammar(grammar, self.lltok)
         if error and not error.startswith("WARNING"):
             raise ValueError(error.strip())
-        return grammar
+        # build a matcher here, off the step loop, and compute its first mask (llguidance does
+        # most of its work then); requests get copies of it (deep_copy: microseconds)
+        template = M(self.lltok, grammar, log_level=self.log_level)
+        if template.is_error():
+            raise ValueError(template.get_error())
+        self.fill(template, self.np.zeros((1, (self.vocab_size + 31) // 32), dtype=self.np.int32), 0)
+        return template
 
     def matcher(self, compiled):
-        m = self.llg.LLMatcher(self.lltok, compiled, log_level=self.log_level)
-        if m.is_error():
-            raise ValueError(m.get_error())
-        return LLGuidanceMatcher(m, self.fill)
+        return LLGuidanceMatcher(compiled.deep_copy(), self.fill)
 
 
 @hookimpl
