@@ -26,14 +26,14 @@ from fdx.core.config import ConfigError
 from fdx.core.interfaces import GUIDED_KINDS, AdmissionRule, GuidedBackend
 from fdx.core.sampling_params import SamplingParams
 
-# what each backend plugin needs installed (for a clear error before anything loads)
+# how to install the backends' packages (named in the errors when one is missing)
 INSTALL_HINT = 'pip install "fdx[guided]"'
 
 
 def constraint_of(params: SamplingParams) -> tuple[str, str] | None:
-    """(kind, spec text) of the request's constraint, or None. The text is
-    canonical (JSON re-serialized compactly, key order kept: it is the output order), so equal constraints
-    share one compile."""
+    """(kind, spec text) of the request's constraint, or None. JSON is
+    re-serialized compactly (key order kept: it is the output order), so
+    equal constraints share one compile."""
     def canon(value) -> str:
         if isinstance(value, str):
             value = json.loads(value)
