@@ -145,10 +145,10 @@ class EngineCore:
         attention = make("attention_backend", b.attention_backend, c["attention"],
                          settings("attention_backend", b.attention_backend))
         sampler = make("sampler", b.sampler, c["sampler"], config=config, settings=settings("sampler", b.sampler))
-        spec = KVCacheSpec(self.kv_spec.num_layers, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, num_blocks,
-                           self.kv_spec.block_size, self.kv_spec.dtype)
+        # the tensors' layout (num_slots) stays that of the whole allocation, even when the pool
+        # the KV cache manages uses fewer of its blocks
         runner = c["runner"](RunnerContext(
-            config=config, model=self.model, kv_caches=self.kv_caches, kv_spec=spec, attention=attention,
+            config=config, model=self.model, kv_caches=self.kv_caches, kv_spec=self.kv_spec, attention=attention,
             sampler=sampler, logits_processors=processors, eos_token_ids=self.eos_token_ids,
             connector=connector, settings=settings("model_runner", b.model_runner)))
         return dict(config=config, kv_cache=kv_cache, connector=connector, resource_manager=resource_manager,

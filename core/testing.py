@@ -176,11 +176,13 @@ def workloads(max_requests: int = 12):
 
 def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, preemption: str = "newest",
                  admission: Iterable[str] = (), plugins: dict | None = None,
-                 audit: Callable[[Any, Any], None] | None = None):
-    """Run one workload through the named plugins; check every rule; return
-    (requests by id, the KV cache, the resource manager)."""
+                 audit: Callable[[Any, Any], None] | None = None, plugin_manager=None):
+    """Run one workload through the named plugins (``plugins``: their
+    settings, as the config section; ``plugin_manager``: where to find them,
+    default the process's); check every rule; return (requests by id, the
+    KV cache, the resource manager)."""
     import paddle
-    pm = get_plugin_manager()
+    pm = plugin_manager or get_plugin_manager()
     cfg = FdxConfig.build(resource_manager=resource_manager, kv_cache=kv_cache, policy=policy,
                           preemption=preemption, admission=list(admission), block_size=w["bs"],
                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
@@ -296,7 +298,7 @@ def check_blocks(rm, kv) -> None:
 
 def check_scheduler(resource_manager: str, kv_cache: str = "paged", policy: str = "fcfs", *,
                     preemption: str = "newest", admission: Iterable[str] = (), plugins: dict | None = None,
-                    max_examples: int = 30, max_requests: int = 12, audit=None) -> None:
+                    max_examples: int = 30, max_requests: int = 12, audit=None, plugin_manager=None) -> None:
     """Property-check a resource manager (and cache, queue policy, victim
     policy, admission rules) over ``max_examples`` random workloads."""
     from hypothesis import HealthCheck, given, settings
@@ -306,16 +308,17 @@ def check_scheduler(resource_manager: str, kv_cache: str = "paged", policy: str 
     @given(w=workloads(max_requests))
     def run(w):
         run_workload(resource_manager, kv_cache, policy, w, preemption=preemption, admission=admission,
-                     plugins=plugins, audit=audit)
+                     plugins=plugins, audit=audit, plugin_manager=plugin_manager)
     run()
 
 
 def check_logits_processor(name: str, params: list[SamplingParams], *, vocab_size: int = 64,
-                           tokenizer: Any = None, settings: dict | None = None, seed: int = 0) -> None:
+                           tokenizer: Any = None, settings: dict | None = None, seed: int = 0,
+                           plugin_manager=None) -> None:
     """A processor's batch contract: over several steps in which requests
     join, leave and come back (as after a preemption), each row of the batch
     result equals the processor applied to that request alone."""
-    pm = get_plugin_manager()
+    pm = plugin_manager or get_plugin_manager()
     cls = pm.get("logits_processor", name)
     cfg = FdxConfig()
     tokenizer = tokenizer or StubTokenizer()

@@ -103,38 +103,44 @@ def test_cpu_backend_uses_the_compiled_kernel_and_rejects_other_dtypes(tiny):
         make_llm(tiny, dtype="bfloat16")
 
 
-class FakeCudaDevice:
-    """A test double for Paddle's device layer: a CUDA build with one GPU
-    whose kernels run on the host."""
+class FakeDevice:
+    """A test double for Paddle's device layer: a CUDA build with one GPU, or
+    the iluvatar_gpu custom device, whose kernels run on the host."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, kind: str):
         import paddle
         self.set_devices = []
-        cuda = paddle.device.cuda
-        monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
-        monkeypatch.setattr(cuda, "device_count", lambda: 1, raising=False)
-        monkeypatch.setattr(cuda, "get_device_name", lambda i=0: "Fake GPU", raising=False)
-        monkeypatch.setattr(cuda, "memory_reserved", lambda i=0: 0, raising=False)
-        monkeypatch.setattr(cuda, "get_device_properties",
-                            lambda i=0: type("P", (), {"total_memory": 8 << 30})(), raising=False)
+        props = lambda *a: type("P", (), {"total_memory": 8 << 30})()   # noqa: E731
+        if kind == "cuda":
+            cuda = paddle.device.cuda
+            monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+            monkeypatch.setattr(cuda, "device_count", lambda: 1, raising=False)
+            monkeypatch.setattr(cuda, "get_device_name", lambda i=0: "Fake GPU", raising=False)
+            monkeypatch.setattr(cuda, "memory_reserved", lambda i=0: 0, raising=False)
+            monkeypatch.setattr(cuda, "get_device_properties", props, raising=False)
+        else:
+            monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: False)
+            monkeypatch.setattr(paddle.device, "get_all_custom_device_type", lambda: ["iluvatar_gpu"], raising=False)
+            monkeypatch.setattr(paddle.device, "get_device_properties", props, raising=False)
         real = paddle.set_device
         monkeypatch.setattr(paddle, "set_device", lambda d: (self.set_devices.append(d), real("cpu"))[1])
 
 
-def test_gpu_backends_never_choose_the_cpu_kernel(tiny, reference, monkeypatch):
+@pytest.mark.parametrize("kind,device", [("cuda", "gpu:0"), ("iluvatar", "iluvatar_gpu:0")])
+def test_gpu_backends_never_choose_the_cpu_kernel(tiny, reference, monkeypatch, kind, device):
     from fdx.ops import cpp
-    fake = FakeCudaDevice(monkeypatch)
+    fake = FakeDevice(monkeypatch, kind)
     calls = []
     real_kernel = cpp.paged_attention
     monkeypatch.setattr(cpp, "paged_attention", lambda *a, **k: (calls.append(1), real_kernel(*a, **k))[1])
     llm = make_llm(tiny)
     eng = llm.engine
-    assert eng.backend.name == "cuda" and fake.set_devices == ["gpu:0"]      # auto picked the fake GPU
+    assert eng.backend.name == kind and fake.set_devices == [device]      # auto picked the fake device
     assert eng.attention.name == "paddle" and eng.attention.impl == "paddle"
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference
     assert not calls, "the compiled CPU kernel ran on a GPU backend"
-    from fdx.plugins.backends.iluvatar import IluvatarBackend
-    assert IluvatarBackend.attention_backend == "paddle"
+    with pytest.raises(ConfigError, match=f"model.dtype.*{kind} backend computes in float32"):
+        make_llm(tiny, dtype="float16")
 
 
 # --- the third-party plugins, selected by config ----------------------------------------
@@ -244,6 +250,44 @@ def test_a_raising_observer_does_not_stop_the_others(tiny):
     llm = make_llm(tiny, plugins=pm)
     llm.generate(prompts()[:1], SamplingParams(max_tokens=3))
     assert calls and calls == list(range(1, len(calls) + 1))
+
+
+# pairwise over (scheduler, cache, queue order, victim), the outside plugins included
+PAIRWISE = [("v1", "paged", "fcfs", "newest"), ("v1", "prefix", "priority", "least-computed"),
+            ("v1", "example-blocks", "lpm", "most-output"), ("v1", "prefix", "shortest-first", "newest"),
+            ("v0", "prefix", "fcfs", "newest"), ("v0", "paged", "lpm", "newest"),
+            ("v0", "example-blocks", "shortest-first", "newest"), ("v0", "prefix", "priority", "newest"),
+            ("example-fifo", "prefix", "fcfs", "most-output"), ("example-fifo", "paged", "priority", "newest"),
+            ("example-fifo", "example-blocks", "lpm", "least-computed"),
+            ("example-fifo", "prefix", "shortest-first", "least-computed")]
+
+
+@pytest.mark.slow
+def test_greedy_outputs_unchanged_pairwise(tiny, reference, pm):
+    """A small pool and step budget (chunked prefill and preemption forced)
+    on every pair of (scheduler, cache, order, victim) values."""
+    for rm, cache, policy, victim in PAIRWISE:
+        llm = make_llm(tiny, plugins=pm, resource_manager=rm, kv_cache=cache, policy=policy, preemption=victim,
+                       num_kv_blocks=20, max_num_batched_tokens=12, max_num_seqs=3)
+        assert token_ids(llm.generate(prompts(), GREEDY)) == reference, (rm, cache, policy, victim)
+        kv = llm.engine.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks, (rm, cache, policy, victim)
+
+
+def test_every_registered_scheduler_and_extension_keeps_the_rules(ex):
+    """The conformance kit over every name registered for each kind, the
+    outside package's included (each value at least once, pairwise-light)."""
+    pm = get_plugin_manager()
+    for name in pm.names("resource_manager"):
+        check_scheduler(name, "prefix", max_examples=8)
+    for name in pm.names("kv_cache"):
+        check_scheduler("v1", name, max_examples=8)
+    for name in pm.names("queue_policy"):
+        check_scheduler("v1", "prefix", name, max_examples=8)
+    for name in pm.names("preemption_policy"):
+        check_scheduler("v1", "paged", preemption=name, max_examples=8)
+    for name in pm.names("admission_rule"):
+        check_scheduler("v1", "paged", admission=[name], max_examples=8)
 
 
 def test_conformance_kit_on_the_outside_plugins(ex):

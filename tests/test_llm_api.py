@@ -128,9 +128,9 @@ def test_bad_config_is_named():
 def test_third_party_resource_manager_selected_by_config(example_plugin_installed, smollm_llm):
     import fdx_example_plugin as ex
     pm = PluginManager()
-    llm = LLM(max_model_len=256, num_kv_blocks=64, block_size=16, resource_manager="shortest-first",
-              plugins=pm, progress=False)
-    assert type(llm.engine.resource_manager).__name__ == "ShortestPromptFirst"
+    llm = LLM(max_model_len=256, num_kv_blocks=64, block_size=16, resource_manager="example-fifo",
+              policy="shortest-first", plugins=pm, progress=False)
+    assert type(llm.engine.resource_manager).__name__ == "FifoScheduler"
     assert ex.STARTED and ex.STARTED[-1] is llm.engine
     before = len(ex.STEPS)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

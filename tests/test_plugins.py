@@ -25,7 +25,11 @@ def test_builtins_register_every_reference_name():
     assert {"cpu", "cuda", "iluvatar"} <= set(pm.names("backend"))
     assert "default" in pm.names("token_processor")
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Ernie4_5ForCausalLM"} <= set(pm.names("model"))
-    assert {"repetition_penalty", "presence_frequency_penalty", "min_tokens"} <= set(pm.names("logits_processor"))
+    assert {"penalties", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words"} <= set(pm.names("logits_processor"))
+    assert {"fcfs", "priority", "lpm"} <= set(pm.names("queue_policy"))
+    assert {"newest", "least-computed"} <= set(pm.names("preemption_policy"))
+    assert {"cpu", "paddle"} <= set(pm.names("attention_backend"))
+    assert "swap" in pm.names("connector") and "host" in pm.names("sampler") and "default" in pm.names("model_runner")
 
 
 def test_unknown_name_lists_what_exists():
@@ -72,16 +76,16 @@ def test_loading_is_idempotent():
 
 def test_entry_point_plugin_is_found(example_plugin_installed):
     pm = PluginManager()
-    reg = pm.registries["resource_manager"]["shortest-first"]
+    reg = pm.registries["resource_manager"]["example-fifo"]
     assert reg.plugin == "example" and reg.package == "fdx-example-plugin"
-    assert "shortest-first" in pm.report() and "fdx-example-plugin" in pm.report()
+    assert "example-fifo" in pm.report() and "fdx-example-plugin" in pm.report()
 
 
 def test_fdx_plugins_cli_lists_hooks(example_plugin_installed):
     import subprocess
     out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "plugins"], capture_output=True, text=True, check=True).stdout
     assert "fdx_register_resource_managers:" in out
-    assert "v1" in out and "shortest-first" in out and "[fdx-example-plugin]" in out
+    assert "v1" in out and "example-fifo" in out and "[fdx-example-plugin]" in out
     assert "fdx_step_finished: example" in out
 
 
@@ -91,6 +95,6 @@ def test_every_hook_is_documented():
     from fdx.core import hookspecs
     doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
     hooks = [n for n in dir(hookspecs) if n.startswith("fdx_")]
-    assert len(hooks) == 13
+    assert len(hooks) == 19
     missing = [h for h in hooks if f"`{h}" not in doc]
     assert not missing, missing

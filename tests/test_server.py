@@ -25,8 +25,9 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, request):
+    request.getfixturevalue("example_plugin_installed")      # its stop-after logits processor
     srv = ServerProcess(tmp_path_factory.mktemp("serve"), scheduler={"max_num_seqs": 4},
-                        cache={"num_kv_blocks": 128},
+                        cache={"num_kv_blocks": 128}, decoding={"logits_processors": ["stop-after"]},
                         server={"max_concurrency": 3, "max_queue": 2, "max_request_body_bytes": 65536,
                                 "engine_death_grace_s": 3})
     try:
@@ -216,6 +217,27 @@ def test_max_tokens_and_sampling_fields(server, client):
                                   extra_body={"stop_token_ids": [2]})
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) for c in r.choices)
+
+
+def test_per_request_plugin_arguments_and_logit_bias_over_http(server, client, smollm_llm):
+    """extra_args (and vLLM's vllm_xargs) reach an outside logits processor
+    unchanged; OpenAI's logit_bias and allowed_token_ids work as in LLM."""
+    for key in ("extra_args", "vllm_xargs"):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                                      extra_body={key: {"stop_after": 3}})
+        assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
+    ids = smollm_llm.tokenizer.encode(PROMPT)
+    ref = smollm_llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=4, logit_bias={12: 30.0}, allowed_token_ids=[12, 13, 14, 28]))[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, logit_bias={"12": 30},
+                                  extra_body={"allowed_token_ids": [12, 13, 14, 28]})
+    assert r.choices[0].text == ref.text and set(ref.token_ids) <= {12, 13, 14, 28}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"extra_args": {"stop_after": -1}})
+    assert "stop_after" in error_of(e)["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"5": 500})
+    assert "logit_bias" in error_of(e)["message"]
 
 
 def error_of(exc_info) -> dict:

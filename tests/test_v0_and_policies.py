@@ -128,7 +128,7 @@ def test_v1_waiting_requests_hold_no_blocks():
 
 
 def test_unknown_policy_is_a_config_error():
-    with pytest.raises(ConfigError, match="scheduler.policy.*nope.*fcfs, lpm, priority"):
+    with pytest.raises(ConfigError, match="scheduler.policy.*nope.*available: fcfs, .*lpm, priority"):
         make_rm(policy="nope")
 
 

@@ -174,7 +174,10 @@ def engine_main(argv: list[str] | None = None) -> int:
         outbox.send(_encoder.encode(EngineReady(
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
             int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe())))
-        EngineLoop(engine, inbox, outbox, args.parent_pid).run()
+        try:
+            EngineLoop(engine, inbox, outbox, args.parent_pid).run()
+        finally:
+            engine.shutdown()        # abort what is left; a KV connector writes its pending saves
     except Exception as e:
         if not isinstance(e, (ValueError, FileNotFoundError, KeyError)):   # ConfigError is a ValueError
             log.exception("engine failed")                # a bug: keep the traceback in the log
