@@ -225,16 +225,19 @@ def test_tiny_model_outputs_follow_every_constraint(name, tiny_checkpoints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache", ["prefix", "paged"])
-def test_preempted_constrained_requests_stay_valid(tiny_checkpoints, kv_cache):
-    """A pool too small for the batch forces preemptions in the middle of
-    constrained requests; the matchers are rebuilt and replay the outputs."""
+@pytest.mark.parametrize("resource_manager,kv_cache", [("v1", "prefix"), ("v1", "paged"), ("v0", "paged")])
+def test_preempted_constrained_requests_stay_valid(tiny_checkpoints, resource_manager, kv_cache):
+    """A pool too small for the batch forces preemptions (v1) in the middle
+    of constrained requests; the matchers are rebuilt and replay the
+    outputs. v0 runs the same workload as a scheduler check."""
     llm = tiny_llm(tiny_checkpoints, "llguidance", num_kv_blocks=26, block_size=4, max_model_len=96,
-                   kv_cache=kv_cache)
+                   resource_manager=resource_manager, kv_cache=kv_cache)
     schema = SCHEMAS[1]
     sp = SamplingParams(guided_json=schema, max_tokens=80, temperature=1.0, seed=2)
     outs = llm.generate([f"prompt {i}" for i in range(8)], sp)
-    assert llm.engine.num_recomputed_tokens > 0            # preemption really happened
+    if resource_manager == "v1":
+        assert llm.engine.num_recomputed_tokens > 0        # preemption really happened (v0 did not
+                                                           # preempt at these sizes: a scheduler check only)
     check_all(outs, lambda t: jsonschema.validate(json.loads(t), schema))
 
 
