@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from fdx.core.bench import serve as bench_serve
@@ -13,33 +14,73 @@ from fdx.core.bench import prefix as bench_prefix
 from fdx.core.config import FLAT_KEYS, ConfigError
 
 
+_ENGINE_INT_FLAGS = {  # flag -> help
+    "max_model_len": "context length in tokens (default: the model's, capped at 8192)",
+    "max_num_seqs": "sequences in one engine step (default: 64)",
+    "max_num_batched_tokens": "tokens in one engine step (default: 2048 with chunked prefill)",
+    "block_size": "tokens per KV-cache block (default: 16)",
+    "num_kv_blocks": "KV-cache blocks (default: sized by cache.memory_fraction of free memory)",
+    "num_threads": "CPU threads (default: the cores this process may use)",
+    "seed": "the engine's sampling seed for requests without one (default: 0)",
+}
+_ENGINE_STR_FLAGS = {
+    "resource_manager": "KV scheduler plugin (default: v1; see fdx plugins)",
+    "kv_cache": "KV-cache plugin: paged or prefix (default: paged)",
+    "backend": "device backend plugin (default: auto, the best available)",
+}
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--config", "-c", default=None, help="YAML config file")
+    p.add_argument("--model", "-m", default=None,
+                   help="a local Hugging Face folder or .gguf file; fdx downloads nothing "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--config", "-c", default=None, help="YAML config file (default: none)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any config key, flat (block_size=32) or dotted (cache.block_size=32); repeatable")
-    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                "num_threads", "seed"):
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, dest=key)
-    for key in ("resource_manager", "kv_cache", "backend"):
-        p.add_argument(f"--{key.replace('_', '-')}", default=None, dest=key)
-    p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False, default=None)
+                   help="any config key, flat (block_size=32) or dotted (cache.block_size=32); repeatable "
+                        "(default: none; keys in docs/configuration.md)")
+    for key, text in _ENGINE_INT_FLAGS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, dest=key, help=text)
+    for key, text in _ENGINE_STR_FLAGS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", default=None, dest=key, help=text)
+    p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False,
+                   default=None, help="run each prompt in one step (default: chunked prefill on)")
+    _add_output_args(p)
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed")
-    p.add_argument("--stop", action="append", default=[])
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars and only warnings and errors from fdx (default: off)")
+    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"], type=str.lower,
+                   help="fdx's log level (default: $FDX_LOG_LEVEL, else info; warning with --quiet)")
+
+
+# where neither a flag nor the model's generation_config sets a field
+GENERATE_FALLBACK = {"temperature": 0.0, "max_tokens": 128}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, chat: bool) -> None:
+    from fdx.core.generation import CHAT_DEFAULTS
+    d = {**(CHAT_DEFAULTS if chat else GENERATE_FALLBACK)}
+
+    def default(name: str, plain: str) -> str:
+        return f"(default: the model's generation_config, else {d.get(name, plain)})"
+
+    p.add_argument("--max-tokens", type=int, default=None, help=f"tokens to generate at most {default('max_tokens', '')}")
+    p.add_argument("--temperature", type=float, default=None, help=f"0 is greedy {default('temperature', '')}")
+    p.add_argument("--top-p", type=float, default=None, help=f"nucleus probability mass, in (0, 1] {default('top_p', 1.0)}")
+    p.add_argument("--top-k", type=int, default=None, help=f"keep the k likeliest tokens; -1 keeps all {default('top_k', -1)}")
+    p.add_argument("--min-p", type=float, default=None,
+                   help=f"drop tokens below min_p x the top probability {default('min_p', 0.0)}")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"above 1 discourages repeating prompt or output tokens {default('repetition_penalty', 1.0)}")
+    p.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed",
+                   help="this request's seed (default: none: the engine's --seed stream)")
+    p.add_argument("--stop", action="append", default=[], help="stop string; repeatable (default: none)")
 
 
 def _overrides(args) -> dict:
     out = {}
-    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                "num_threads", "seed", "resource_manager", "kv_cache", "backend", "enable_chunked_prefill"):
+    for key in (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "enable_chunked_prefill"):
         v = getattr(args, key, None)
         if v is not None:
             out[key] = v
@@ -52,36 +93,59 @@ def _overrides(args) -> dict:
     return out
 
 
-def _make_llm(args, progress=True):
+def _show_progress(args) -> bool:
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
+def _make_llm(args, progress=None):
     from fdx.core.llm import LLM
+    progress = _show_progress(args) if progress is None else progress
     return LLM(args.model, config=args.config, progress=progress, **_overrides(args))
 
 
-def _sampling(args):
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _sampling(args, llm, chat: bool):
+    """Flags set on the command line, then the model's generation defaults,
+    then fdx's chat defaults (chat) or GENERATE_FALLBACK (generate)."""
+    from fdx.core.generation import defaults_for
     from fdx.core.sampling_params import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop)
+    kw = {**(GENERATE_FALLBACK if not chat else {}), **defaults_for(llm.engine.generation_config, chat)}
+    kw.update({k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None})
+    return SamplingParams(**kw, seed=args.sampling_seed, stop=args.stop)
+
+
+def _check_sampling_flags(args) -> None:
+    """A bad sampling flag fails before the model loads (ValueError naming it)."""
+    from fdx.core.sampling_params import SamplingParams
+    SamplingParams(**{k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None},
+                   seed=args.sampling_seed, stop=args.stop)
 
 
 def cmd_generate(args) -> int:
-    sp = _sampling(args)
+    _check_sampling_flags(args)
     llm = _make_llm(args)
+    sp = _sampling(args, llm, chat=False)
     out = llm.generate([args.prompt], sp)[0].outputs[0]
     print(args.prompt + out.text)
-    print(f"[finish_reason={out.finish_reason}, tokens={len(out.token_ids)}]", file=sys.stderr)
+    if not args.quiet:
+        print(f"[finish_reason={out.finish_reason}, tokens={len(out.token_ids)}]", file=sys.stderr)
     return 0
 
 
 def cmd_chat(args) -> int:
-    sp = _sampling(args)
+    _check_sampling_flags(args)
     llm = _make_llm(args)
+    sp = _sampling(args, llm, chat=True)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.message})
     out = llm.chat(messages, sp)[0].outputs[0]
     print(out.text)
-    print(f"[finish_reason={out.finish_reason}, tokens={len(out.token_ids)}]", file=sys.stderr)
+    if not args.quiet:
+        print(f"[finish_reason={out.finish_reason}, tokens={len(out.token_ids)}]", file=sys.stderr)
     return 0
 
 
@@ -101,20 +165,24 @@ def cmd_bench_throughput(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fdx", description="fdx: plugin-based LLM inference")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", dest="global_log_level", default=None, type=str.lower,
+                        choices=["debug", "info", "warning", "error"],
+                        help="fdx's log level (default: $FDX_LOG_LEVEL, else info)")
+    parser.add_argument("--quiet", "-q", dest="global_quiet", action="store_true",
+                        help="no progress bars and only warnings and errors from fdx (default: off)")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the text to continue")
     _add_engine_args(g)
-    _add_sampling_args(g)
+    _add_sampling_args(g, chat=False)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="one chat turn through the model's chat template")
-    c.add_argument("message")
-    c.add_argument("--system", default=None)
+    c.add_argument("message", help="the user's message")
+    c.add_argument("--system", default=None, help="a system message before it (default: none)")
     _add_engine_args(c)
-    _add_sampling_args(c)
+    _add_sampling_args(c, chat=True)
     c.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("plugins", help="list registered plugins by hook")
@@ -125,11 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     t = bsub.add_parser("throughput", help="offline throughput through LLM")
-    t.add_argument("--num-requests", type=int, default=64)
-    t.add_argument("--input-len", type=int, default=128)
-    t.add_argument("--output-len", type=int, default=128)
-    t.add_argument("--bench-seed", type=int, default=0)
-    t.add_argument("--json", action="store_true")
+    t.add_argument("--num-requests", type=int, default=64, help="requests, all queued at once (default: 64)")
+    t.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request (default: 128)")
+    t.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: 128)")
+    t.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts (default: 0)")
+    t.add_argument("--json", action="store_true", help="print every figure as JSON (default: a table)")
     _add_engine_args(t)
     t.set_defaults(func=cmd_bench_throughput)
     bench_prefix.add_parser(bsub)
@@ -138,14 +206,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def log_level(args) -> str:
+    """--log-level, else $FDX_LOG_LEVEL, else info (warning with --quiet)."""
+    quiet = getattr(args, "quiet", False) or args.global_quiet
+    args.quiet = quiet
+    level = getattr(args, "log_level", None) or args.global_log_level or os.environ.get("FDX_LOG_LEVEL")
+    return (level or ("warning" if quiet else "info")).upper()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = log_level(args)
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    try:
+        logging.getLogger("fdx").setLevel(level)
+    except ValueError:
+        print(f"fdx: error: FDX_LOG_LEVEL={level.lower()!r} is not a log level (debug, info, warning, error)",
+              file=sys.stderr)
+        return 2
+    os.environ["FDX_LOG_LEVEL"] = level            # the engine process of fdx serve logs at the same level
+    # Paddle warns at import when OMP_NUM_THREADS > 1; the CPU backend sets the
+    # thread count from config (backend.num_threads) or the cores, not from it
+    os.environ.pop("OMP_NUM_THREADS", None)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"fdx: error: {e}", file=sys.stderr)
+    except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:
+        from fdx.core.serving.engine_proc import user_message
+        print(f"fdx: error: {user_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

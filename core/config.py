@@ -73,6 +73,8 @@ class ServerConfig(_Section):
     engine_death_grace_s: float = Field(2.0, ge=0)  # answer 503 this long after the engine died, then exit 1
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # uvicorn's
     access_log: bool = False
+    # -- first-run UX (issue 12)
+    ui: bool = True                            # the web page at / and GET /v1/engine/stats (core/serving/ui.py)
 
 
 class FdxConfig(_Section):

@@ -42,7 +42,11 @@ class EngineCore:
                              "fdx needs one to serve text")
         self.tokenizer = ckpt.tokenizer
         self.model_path = ckpt.path
+        self.generation_config = ckpt.generation_config     # the model's sampling defaults (core/generation.py)
         arch = (ckpt.config.get("architectures") or ["?"])[0]
+        if arch not in plugins.names("model"):
+            raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
+                             f"supported: {', '.join(plugins.names('model'))}")
         self.model = self._pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
         del ckpt
 

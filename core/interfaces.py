@@ -651,8 +651,11 @@ class AttentionBackend(abc.ABC):
 
     name: str = ""
     layout: str = "head_major"
+    status: str = ""           # what it built or loaded at start-up, in words (reported when ready)
 
     def __init__(self, settings: dict | None = None):
+        """Build or load any compiled kernel here: the engine constructs its
+        attention backend before it reports ready, never on a request."""
         self.settings = settings or {}
 
     @abc.abstractmethod

@@ -35,6 +35,14 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self, chat: bool = False) -> SamplingParams:
+        """What ``generate`` (chat=False) and ``chat`` (chat=True) use when given
+        no SamplingParams: the model's generation defaults (generation_config.json,
+        GGUF ``general.sampling.*``), and for chat fdx's CHAT_DEFAULTS under them
+        (core/generation.py). A SamplingParams passed in is used as it is."""
+        from fdx.core.generation import defaults_for
+        return SamplingParams(**defaults_for(getattr(self.engine, "generation_config", {}), chat))
+
     def close(self) -> None:
         """Flush the KV cache's tiers and drop pending work."""
         self.engine.shutdown()
@@ -52,6 +60,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params(chat=False)
         params = self._params_list(sampling_params, len(prompts))
         # validate everything before queueing anything
         staged = [self._stage(p, sp) for p, sp in zip(prompts, params)]
@@ -68,6 +78,8 @@ class LLM:
                 conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
             # the template already holds the special tokens
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params(chat=True)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -- internals ----------------------------------------------------------------

@@ -13,6 +13,24 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLUGIN_PKG = ROOT / "tests" / "plugin_pkg"
 
+# Fixtures that load SmolLM2, build torch reference models, install a package
+# or start a server: a test that uses one is marked slow, so that
+# `python -m pytest -m "not slow"` stays the quick subset. Tests that start a
+# subprocess themselves carry @pytest.mark.slow.
+SLOW_FIXTURES = {
+    "smollm_llm", "smollm", "smollm_reference", "hf_smollm", "hf_smollm_model", "hf_logits",
+    "tiny_checkpoints", "smollm_hf_tokenizer_dir", "example_plugin_installed", "server", "case", "ref",
+    "browser", "built_wheel",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        compiled = isinstance(params.get("impl"), (tuple, str)) and "cpp" in str(params.get("impl"))
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or compiled:
+            item.add_marker(pytest.mark.slow)
+
 
 def _plugin_up_to_date() -> bool:
     """Whether the installed test plugin is this checkout's (same files)."""

@@ -114,6 +114,7 @@ def test_bad_requests_fail_alone_and_engine_goes_on(smollm_llm):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.slow                                   # loads SmolLM2 to reach the block check
 def test_bad_config_is_named():
     with pytest.raises(ConfigError, match="max_num_sequences"):
         LLM(max_num_sequences=4)
@@ -145,6 +146,7 @@ def test_third_party_resource_manager_selected_by_config(example_plugin_installe
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
+@pytest.mark.slow
 def test_cli_generate_and_bad_flag():
     out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "generate", "The capital of France is",
                           "--max-tokens", "8", "--max-model-len", "256", "--num-kv-blocks", "32"],

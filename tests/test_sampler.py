@@ -1,7 +1,6 @@
 """Sampler and logits processors against plain numpy references."""
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import numpy as np
@@ -342,30 +341,10 @@ def test_mixed_batch_rows_get_what_they_would_alone():
     assert together.token_ids[5] not in (0, 11)
 
 
-# --- validation and speed -----------------------------------------------------
+# --- validation -----------------------------------------------------
 
 def test_shape_mismatches_are_errors():
     with pytest.raises(ValueError):
         SamplingBatch(params=[SP()], prompt_token_ids=[], output_token_ids=[[]])
     with pytest.raises(ValueError):
         Sampler().sample(np.zeros((2, 5), dtype=np.float32), make_batch([SP()]))
-
-
-def test_speed_sanity(capsys):
-    """Not asserted: prints sample() time for B=64, V=49152, mixed rows."""
-    rng = np.random.default_rng(10)
-    B, V = 64, 49152
-    logits = (rng.standard_normal((B, V)) * 3).astype(np.float32)
-    kinds = [SP(temperature=0), SP(top_p=0.9), SP(top_k=50, temperature=0.7), SP(seed=1, min_p=0.05),
-             SP(repetition_penalty=1.1, presence_penalty=0.5, top_k=40, top_p=0.95), SP(logprobs=5)]
-    params = [kinds[i % len(kinds)] for i in range(B)]
-    batch = make_batch(params, [list(rng.integers(0, V, 256)) for _ in range(B)],
-                       [list(rng.integers(0, V, 64)) for _ in range(B)], [make_generator(p) for p in params])
-    sampler = Sampler(seed=0)
-    sampler.sample(logits, batch)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        sampler.sample(logits, batch)
-    ms = (time.perf_counter() - t0) / 3 * 1e3
-    with capsys.disabled():
-        print(f"\nsample(): B={B} V={V} mixed rows: {ms:.1f} ms")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -142,7 +143,9 @@ def test_completion_greedy_matches_llm(server, client, smollm_llm):
 
 def test_chat_stream_matches_llm(server, smollm_llm):
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is 2+2?"}]
-    ref = smollm_llm.chat(messages, SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    # fields the request leaves out (top_p, repetition_penalty) get fdx's chat defaults, as in LLM.chat
+    chat_defaults = smollm_llm.get_default_sampling_params(chat=True)
+    ref = smollm_llm.chat(messages, dataclasses.replace(chat_defaults, temperature=0, max_tokens=10))[0].outputs[0]
 
     async def go():
         async with async_client(server) as c:
@@ -168,7 +171,8 @@ def test_chat_stream_matches_llm(server, smollm_llm):
 
 def test_chat_n2_seeded_sampling_matches_llm(server, smollm_llm):
     messages = [{"role": "user", "content": "Name a color."}]
-    ref = smollm_llm.chat(messages, SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=8))[0].outputs
+    ref = smollm_llm.chat(messages, dataclasses.replace(smollm_llm.get_default_sampling_params(chat=True), n=2,
+                                                        temperature=0.9, seed=11, max_tokens=8))[0].outputs
 
     async def go():
         async with async_client(server) as c:
@@ -178,6 +182,23 @@ def test_chat_n2_seeded_sampling_matches_llm(server, smollm_llm):
     assert [c.index for c in r.choices] == [0, 1]
     assert [c.message.content for c in r.choices] == [o.text for o in ref]
     assert r.usage.completion_tokens == sum(len(o.token_ids) for o in ref)
+
+
+def test_chat_defaults_fill_only_the_fields_the_request_leaves_out(server, smollm_llm):
+    """temperature, top_p and repetition_penalty from fdx's chat defaults (the
+    embedded GGUF ships none), then max_tokens too; LLM.chat is the reference."""
+    defaults = smollm_llm.get_default_sampling_params(chat=True)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ref = smollm_llm.chat(messages, dataclasses.replace(defaults, seed=7, max_tokens=16))[0].outputs[0]
+    r = httpx.post(server.base_url + "/v1/chat/completions", headers=HEADERS, timeout=300,
+                   json={"messages": messages, "seed": 7, "max_tokens": 16})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ref.text
+    messages = [{"role": "user", "content": "Say hi."}]
+    greedy = smollm_llm.chat(messages, dataclasses.replace(defaults, temperature=0.0))[0].outputs[0]
+    r = httpx.post(server.base_url + "/v1/chat/completions", headers=HEADERS, timeout=300,
+                   json={"messages": messages, "temperature": 0})
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == greedy.text and choice["finish_reason"] == greedy.finish_reason == "stop"
 
 
 def test_stop_strings_match_llm(server, client, smollm_llm):

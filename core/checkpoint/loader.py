@@ -14,13 +14,14 @@ import json
 import threading
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from tqdm import tqdm
 
+from fdx.core import generation
 from fdx.core.checkpoint.tokenizer import Tokenizer
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "DEFAULT_MODEL_PACKAGE",
     "Checkpoint",
     "default_model_path",
+    "check_model_path",
     "load_checkpoint",
 ]
 
@@ -63,6 +65,7 @@ class Checkpoint:
     tokenizer: Tokenizer | None
     path: str
     format: Literal["hf", "gguf"]
+    generation_config: dict[str, Any] = dataclass_field(default_factory=dict)  # sampling defaults (core/generation.py)
 
     @property
     def architecture(self) -> str:
@@ -85,20 +88,43 @@ def default_model_path() -> str:
     )
 
 
+_HF_FOLDER = "a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_path(path: str | None) -> Path:
+    """The model's path (None: the embedded default), or the error every
+    command reports: a missing path (with a hint for a hub id: fdx loads local
+    files only), an empty folder, a folder without config.json, a file that
+    is neither a folder nor a .gguf. GGUF contents are checked by read_gguf."""
+    p = Path(default_model_path() if path is None else str(path))
+    if not p.exists():
+        msg = f"model path does not exist: {path}"
+        if _HUB_ID.match(str(path)) and not str(path).startswith("."):
+            msg += (f"; '{path}' looks like a Hugging Face hub id, but fdx loads local files only and "
+                    f"downloads nothing: download it first (for example `huggingface-cli download {path} "
+                    f"--local-dir {p.name}`) and pass the folder or a .gguf file")
+        raise FileNotFoundError(msg)
+    if p.is_dir():
+        entries = sorted(x.name for x in p.iterdir())
+        if not entries:
+            raise FileNotFoundError(f"the model folder {p} is empty: expected {_HF_FOLDER} or a .gguf file")
+        if "config.json" not in entries:
+            ggufs = [e for e in entries if e.lower().endswith(".gguf")]
+            hint = f" (it holds {ggufs[0]}: pass that file instead)" if ggufs else ""
+            raise FileNotFoundError(f"no config.json in {p}: expected {_HF_FOLDER}{hint}")
+        return p
+    if p.suffix.lower() != ".gguf":
+        raise ValueError(f"cannot load {p}: expected {_HF_FOLDER} or a .gguf file")
+    return p
+
+
 def load_checkpoint(path: str | None = None, progress: bool = True) -> Checkpoint:
     """Load a Hugging Face directory or a .gguf file; None loads the default model."""
-    path = default_model_path() if path is None else str(path)
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"model path does not exist: {path}")
+    p = check_model_path(path)
     if p.is_dir():
         return _load_hf_dir(p, progress)
-    if p.suffix.lower() == ".gguf":
-        return _load_gguf(p, progress)
-    raise ValueError(
-        f"cannot load {path}: expected a Hugging Face model directory (config.json, "
-        "*.safetensors) or a .gguf file"
-    )
+    return _load_gguf(p, progress)
 
 
 def _require(config: Mapping[str, Any], key: str, where: str) -> Any:
@@ -123,7 +149,8 @@ def _load_hf_dir(path: Path, progress: bool) -> Checkpoint:
     weights = _load_safetensors_dir(path, progress)
     config = _normalize_hf_config(config, weights, str(config_file))
     tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="hf")
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="hf",
+                      generation_config=generation.from_hf_dir(path))
 
 
 def _normalize_hf_config(config: dict, weights: Mapping[str, np.ndarray], where: str) -> dict:
@@ -345,16 +372,44 @@ _memmap_lock = threading.Lock()
 def read_gguf(path):
     """Parse a GGUF file from memory rather than a memmap: GGUFReader walks
     the vocabulary element by element, and numpy.memmap's per-slice
-    overhead made that 3-4x slower (7 s against 2 s for SmolLM2)."""
+    overhead made that 3-4x slower (7 s against 2 s for SmolLM2).
+
+    A file that is not GGUF, truncated or corrupt raises a ValueError that
+    names the file and what is wrong."""
     import gguf
+
+    class _Truncated(Exception):
+        pass
+
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            end = 0                               # where the last tensor's data ends
+            for field in fields:
+                dims, raw_dtype, offset = field.parts[3], field.parts[4], field.parts[5]
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+                end = max(end, start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block)
+            if end > len(self.data):
+                raise _Truncated(end)
+            super()._build_tensors(start_offs, fields)
+
     data = np.fromfile(str(path), dtype=np.uint8)
+    if data[:4].tobytes() != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file: it does not start with the GGUF magic bytes "
+                         f"(it starts with {data[:4].tobytes()!r}, {data.size} bytes in all)")
     with _memmap_lock:
         saved = np.memmap
         np.memmap = lambda *a, **k: data  # GGUFReader.__init__ calls np.memmap(path, mode=...)
         try:
-            return gguf.GGUFReader(str(path))
+            reader = CheckedReader(str(path))
+        except _Truncated as e:
+            raise ValueError(f"{path} is truncated: its tensors need {e.args[0]} bytes but the file has "
+                             f"{data.size}") from None
+        except Exception as e:
+            raise ValueError(f"{path} is truncated or corrupt: reading its GGUF metadata and tensor index failed "
+                             f"({data.size} bytes; {type(e).__name__}: {e})") from None
         finally:
             np.memmap = saved
+    return reader
 
 
 def _load_gguf(path: Path, progress: bool) -> Checkpoint:
@@ -365,7 +420,8 @@ def _load_gguf(path: Path, progress: bool) -> Checkpoint:
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCHES:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {path}; supported: {sorted(_GGUF_ARCHES)}"
+            f"unsupported GGUF architecture {arch!r} in {path} (general.architecture); "
+            f"supported: {', '.join(sorted(_GGUF_ARCHES))}"
         )
     spec = _GGUF_ARCHES[arch]
     tokenizer = Tokenizer.from_gguf(reader)
@@ -383,16 +439,16 @@ def _load_gguf(path: Path, progress: bool) -> Checkpoint:
         elif spec.permute_qk and ".self_attn.k_proj." in name:
             array = _unpermute_rows(array, config["num_key_value_heads"])
         weights[name] = array
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="gguf")
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="gguf",
+                      generation_config=generation.from_gguf_fields(fields))
 
 
 def load_tokenizer(model: str | None):
     """The tokenizer alone (no weights), for the API process."""
-    path = Path(model or default_model_path())
+    path = check_model_path(model)
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{path} has no tokenizer.json: the server needs a tokenizer")
+            raise FileNotFoundError(f"the checkpoint at {path} has no tokenizer (tokenizer.json); "
+                                    "fdx needs one to serve text")
         return Tokenizer.from_hf_dir(path)
-    if path.suffix.lower() == ".gguf":
-        return Tokenizer.from_gguf(str(path))
-    raise ValueError(f"cannot read a tokenizer from {path}")
+    return Tokenizer.from_gguf(str(path))

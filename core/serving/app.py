@@ -22,14 +22,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fdx.core.checkpoint.loader import load_tokenizer
+from fdx.core.checkpoint.loader import check_model_path, load_tokenizer
 from fdx.core.config import FdxConfig
+from fdx.core.generation import defaults_for
 from fdx.core.guided import GuidedDecoding, constraint_of
 from fdx.core.plugins import get_plugin_manager
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
+from fdx.core.serving.engine_proc import user_message
 from fdx.core.serving.messages import EngineRejected, SeqDelta
 from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from fdx.core.output import SequenceState
+from fdx.core.serving import ui
 from fdx.core.serving.rendering import Renderer
 from fdx.core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from fdx.core.sampling_params import SamplingParams
@@ -173,7 +176,9 @@ class Server:
         self.guided: GuidedDecoding | None = None      # the API process's compile cache (validation)
         self.max_model_len = 0
         self.vocab_size = 0
+        self.generation_config: dict[str, Any] = {}   # the model's sampling defaults
         self.accepting = False
+        self.loading = True                       # until the engine is loaded and warmed: /health says so
         self.groups: set[RequestGroup] = set()
         self.num_queued = 0                       # sequences sent to the engine with no token yet
         self.exit_code = 0
@@ -182,6 +187,7 @@ class Server:
 
     # -- lifecycle ------------------------------------------------------------
     async def startup(self) -> None:
+        check_model_path(self.config.model.model)      # a bad path fails here, worded as fdx generate words it
         engine_task = asyncio.ensure_future(self.engine.start())
         tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.config.model.model))
         try:
@@ -192,10 +198,12 @@ class Server:
             await self.engine.shutdown()
             raise
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.generation_config = dict(ready.generation_config)
         self.metrics.engine_up.set(1)
         self.metrics.kv_total.set(ready.num_blocks)
         self.metrics.kv_free.set(ready.num_blocks)
         self.accepting = True
+        self.loading = False
         log.info("engine ready: %s, max_model_len %d, %d KV blocks of %d, %s",
                  ready.model_path, ready.max_model_len, ready.num_blocks, ready.block_size, ready.backend)
 
@@ -243,6 +251,16 @@ class Server:
         if mq is not None and self.num_queued > 0 and self.num_queued + num_seqs > mq:
             raise APIError(429, f"the queue is full ({self.num_queued} sequences waiting, max_queue={mq}); "
                            "retry later", type="rate_limit_error", code="queue_full")
+
+    def with_defaults(self, req, kwargs: dict[str, Any], chat: bool) -> dict[str, Any]:
+        """The model's generation defaults (and fdx's chat defaults, for chat)
+        for every field the request body left out (core/generation.py)."""
+        given = req.model_fields_set
+        for name, value in defaults_for(self.generation_config, chat).items():
+            fields = ("max_tokens", "max_completion_tokens") if name == "max_tokens" else (name,)
+            if not given.intersection(fields):
+                kwargs[name] = value
+        return kwargs
 
     def sampling_params(self, kwargs: dict[str, Any]) -> SamplingParams:
         try:
@@ -303,7 +321,8 @@ class Server:
         if bad:
             raise APIError(400, bad[1], param=bad[0])
         prompts = self.render.completion_prompts(req.prompt)
-        kwargs = req.sampling_kwargs(req.max_tokens if req.max_tokens is not None else 16)
+        kwargs = self.with_defaults(req, req.sampling_kwargs(req.max_tokens if req.max_tokens is not None else 16),
+                                    chat=False)
         kwargs["logprobs"] = req.logprobs
         sp = self.sampling_params(kwargs)
         for _, ids in prompts:
@@ -319,7 +338,7 @@ class Server:
             raise APIError(400, bad[1], param=bad[0])
         text, ids = self.render.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        kwargs = req.sampling_kwargs(max_tokens)
+        kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=True)
         if req.logprobs:
             kwargs["logprobs"] = req.top_logprobs or 0
         sp = self.sampling_params(kwargs)
@@ -443,7 +462,7 @@ class GuardMiddleware:
 
 
 async def _send_json(send, status: int, body: dict) -> None:
-    raw = json.dumps(body).encode()
+    raw = JSONResponse(body).body                 # the same bytes as every other error body
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
     await send({"type": "http.response.body", "body": raw})
@@ -485,7 +504,8 @@ def build_app(server: Server) -> FastAPI:
         if server.engine.dead:
             return JSONResponse(error_body("the engine process died", "service_unavailable"), status_code=503)
         if not server.accepting:
-            return JSONResponse(error_body("not ready", "service_unavailable"), status_code=503)
+            return JSONResponse(error_body("loading" if server.loading else "not ready", "service_unavailable",
+                                           code="loading" if server.loading else None), status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")
@@ -510,6 +530,7 @@ def build_app(server: Server) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, http_request: Request):
         return await server.chat_completions(req, http_request)
 
+    ui.install(app, server)                   # the page at / and /v1/engine/stats (server.ui)
     return app
 
 
@@ -532,6 +553,11 @@ def run_server(config: FdxConfig) -> int:
 
     import uvicorn
 
+    try:                                      # a bad model path fails now, before anything starts
+        check_model_path(config.model.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fdx: error: {e}", file=sys.stderr)
+        return 1
     server = Server(config)
     app = build_app(server)
 
@@ -552,23 +578,33 @@ def run_server(config: FdxConfig) -> int:
     try:                                      # fail on a busy port now, not after loading the model
         sock = _bind(config.server.host, config.server.port)
     except OSError as e:
-        print(f"fdx serve: error: cannot listen on {config.server.host}:{config.server.port}: {e.strerror or e}",
+        print(f"fdx: error: cannot listen on {config.server.host}:{config.server.port}: {e.strerror or e}",
               file=sys.stderr)
         return 1
     uv = _Uvicorn(uv_config)
     server.uvicorn = uv
 
     async def main() -> int:
+        # serve from the start, so /health answers 503 "loading" while the engine loads and warms
         uv._fdx_loop = asyncio.get_running_loop()
-        try:
-            await server.startup()
-        except Exception as e:
-            print(f"fdx serve: error: {e}", file=sys.stderr)
+        url = f"http://{config.server.host}:{sock.getsockname()[1]}"
+        serving = asyncio.ensure_future(uv.serve(sockets=[sock]))
+        starting = asyncio.ensure_future(server.startup())
+        log.info("loading %s; %s/health answers 503 until it is ready", server.model_name, url)
+        await asyncio.wait({serving, starting}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():                   # stopped (SIGTERM, Ctrl-C) while loading
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await server.engine.shutdown()
+            return 0
+        if starting.exception() is not None:
+            print(f"fdx: error: {user_message(starting.exception())}", file=sys.stderr)
+            uv.should_exit = True
+            await asyncio.gather(serving, return_exceptions=True)
             return 1
         try:
-            print(f"fdx serve: {server.model_name} at http://{config.server.host}:{sock.getsockname()[1]}/v1 "
-                  f"(engine pid {server.engine.pid})", flush=True)
-            await uv.serve(sockets=[sock])
+            print(f"fdx serve: {server.model_name} at {url}/v1 (engine pid {server.engine.pid})", flush=True)
+            await serving
         finally:
             await server.shutdown()
         return server.exit_code

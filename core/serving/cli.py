@@ -21,11 +21,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $FDX_API_KEY, else none)")
-    s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
-    s.add_argument("--max-concurrency", type=int, default=None, help="HTTP generation requests in flight; past it 429")
-    s.add_argument("--max-queue", type=int, default=None, help="sequences waiting for a first token; past it 429")
-    s.add_argument("--max-request-body-bytes", type=int, default=None, help="larger request bodies get 413")
-    s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists (default: the model file or folder name)")
+    s.add_argument("--max-concurrency", type=int, default=None, help="HTTP generation requests in flight; past it 429 (default: no limit)")
+    s.add_argument("--max-queue", type=int, default=None, help="sequences waiting for a first token; past it 429 (default: no limit)")
+    s.add_argument("--max-request-body-bytes", type=int, default=None, help="larger request bodies get 413 (default: 4194304)")
+    s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's own log level (default: info; warning with --quiet)")
     s.set_defaults(func=cmd_serve)
     return s
 
@@ -38,6 +39,8 @@ def server_config(args):
         overrides["model"] = args.model
     if args.api_key is None and os.environ.get("FDX_API_KEY"):
         args.api_key = os.environ["FDX_API_KEY"]
+    if getattr(args, "quiet", False) and args.uvicorn_log_level is None:
+        args.uvicorn_log_level = "warning"
     for dest, key in SERVER_FLAGS.items():
         value = getattr(args, dest, None)
         if value is not None:

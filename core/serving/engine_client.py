@@ -34,6 +34,11 @@ class EngineDeadError(RuntimeError):
     """The engine process is gone."""
 
 
+class EngineStartError(EngineDeadError):
+    """The engine could not load the model or config; the message says why,
+    worded as ``fdx generate`` words it."""
+
+
 class EngineClient:
     """Starts the engine process, sends it requests, routes its deltas.
 
@@ -54,7 +59,7 @@ class EngineClient:
         self.callbacks: dict[str, Callable[[Any], None]] = {}
         self.dead = False
         self.stopping = False
-        self._dir = tempfile.mkdtemp(prefix="fdx-")
+        self._dir: str | None = None             # the ipc sockets' folder, made by start()
         self._ctx = None
         self._tasks: list[asyncio.Task] = []
 
@@ -64,6 +69,7 @@ class EngineClient:
 
     async def start(self) -> EngineReady:
         import zmq.asyncio
+        self._dir = tempfile.mkdtemp(prefix="fdx-")
         self._ctx = zmq.asyncio.Context()
         inbox_addr, outbox_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._push = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)   # sync: sends never wait
@@ -88,6 +94,8 @@ class EngineClient:
         msg = self._decoder.decode(first.result())
         if isinstance(msg, EngineFailed):
             await self.proc.wait()
+            if msg.expected:
+                raise EngineStartError(msg.message)
             raise EngineDeadError(f"the engine failed to start: {msg.message}")
         assert isinstance(msg, EngineReady), msg
         self.ready = msg
@@ -174,5 +182,7 @@ class EngineClient:
             self._pull.close(linger=0)
             self._ctx.term()
             self._ctx = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 

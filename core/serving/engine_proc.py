@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 import zmq
@@ -54,7 +55,7 @@ class EngineLoop:
                 break
             if eng.has_unfinished():
                 changed = eng.step()
-                self._send(changed, eng.last_stats.num_preempted)
+                self._send(changed, eng.last_stats.num_preempted, eng.last_stats)
             elif touched:
                 self._send([], 0)                 # aborts freed blocks: publish the stats
 
@@ -92,7 +93,7 @@ class EngineLoop:
         elif isinstance(msg, EngineShutdown):
             self.running = False
 
-    def _send(self, changed: list, num_preempted: int) -> None:
+    def _send(self, changed: list, num_preempted: int, step=None) -> None:
         deltas = []
         for req in changed:
             sent = self.num_sent.get(req.request_id)
@@ -119,9 +120,9 @@ class EngineLoop:
                 del self.num_sent[req.request_id]
             else:
                 self.num_sent[req.request_id] = sent + len(new)
-        self.outbox.send(_encoder.encode(EngineOutputs(deltas, self._stats(num_preempted))))
+        self.outbox.send(_encoder.encode(EngineOutputs(deltas, self._stats(num_preempted, step))))
 
-    def _stats(self, num_preempted: int) -> EngineStats:
+    def _stats(self, num_preempted: int, step=None) -> EngineStats:
         eng = self.engine
         kv = eng.kv_cache
         try:
@@ -133,8 +134,35 @@ class EngineLoop:
             cache_stats = {}
         return EngineStats(eng.resource_manager.num_running, eng.resource_manager.num_waiting,
                            float(kv.usage), int(kv.num_free_blocks), int(kv.num_blocks),
-                           cache_stats, num_preempted, int(eng.num_computed_tokens),
-                           int(eng.num_recomputed_tokens))
+                           cache_stats, num_preempted,
+                           num_computed_tokens=int(eng.num_computed_tokens),
+                           num_recomputed_tokens=int(eng.num_recomputed_tokens),
+                           step_time_s=float(step.step_time_s) if step else 0.0,
+                           num_prefill_tokens=int(step.num_prefill_tokens) if step else 0,
+                           num_decode_tokens=int(step.num_decode_tokens) if step else 0)
+
+
+def warm_up(engine) -> float:
+    """One 2-token greedy request through the engine (a prefill and a decode
+    step), so the first client request does not pay for first-call set-up.
+    Its blocks are freed after; returns the seconds it took."""
+    from fdx.core.sampling_params import SamplingParams
+    t0 = time.perf_counter()
+    if engine.max_model_len < 4:
+        return 0.0
+    req = engine.make_request([0, 0], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                              request_id="fdx-warmup")
+    engine.add_request(req)
+    while engine.has_unfinished():
+        engine.step()
+    secs = time.perf_counter() - t0
+    log.debug("warm-up request: %.2f s", secs)
+    return secs
+
+
+def user_message(e: BaseException) -> str:
+    """A start-up error as every command prints it (a KeyError's str() quotes it)."""
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
 
 
 def _die_with_parent() -> None:
@@ -158,8 +186,12 @@ def engine_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server; it stops us
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
         return 1
-    logging.basicConfig(level=os.environ.get("FDX_ENGINE_LOG_LEVEL", "WARNING"),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fdx").setLevel(
+        (os.environ.get("FDX_ENGINE_LOG_LEVEL") or os.environ.get("FDX_LOG_LEVEL") or "INFO").upper())
+    # Paddle warns at import when OMP_NUM_THREADS > 1; the CPU backend sets the
+    # thread count from config (backend.num_threads) or the cores, not from it
+    os.environ.pop("OMP_NUM_THREADS", None)
     config_json = sys.stdin.read()               # the config comes over stdin, as JSON
 
     ctx = zmq.Context()
@@ -171,17 +203,22 @@ def engine_main(argv: list[str] | None = None) -> int:
         from fdx.core.config import FdxConfig
         from fdx.core.engine import EngineCore
         engine = EngineCore(FdxConfig.model_validate(json.loads(config_json)), progress=False)
+        kernels = engine.attention.status         # built or loaded by the attention backend at start-up
+        warm_up(engine)
         outbox.send(_encoder.encode(EngineReady(
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
-            int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe())))
+            int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe(), kernels,
+            dict(engine.generation_config))))
         try:
             EngineLoop(engine, inbox, outbox, args.parent_pid).run()
         finally:
             engine.shutdown()        # abort what is left; a KV connector writes its pending saves
     except Exception as e:
-        if not isinstance(e, (ValueError, FileNotFoundError, KeyError)):   # ConfigError is a ValueError
+        expected = isinstance(e, (ValueError, FileNotFoundError, KeyError))   # ConfigError is a ValueError
+        if not expected:
             log.exception("engine failed")                # a bug: keep the traceback in the log
-        outbox.send(_encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        message = user_message(e) if expected else f"{type(e).__name__}: {e}"
+        outbox.send(_encoder.encode(EngineFailed(message, expected)))
         outbox.close(linger=2000)
         return 1
     outbox.close(linger=1000)

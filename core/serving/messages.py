@@ -44,6 +44,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preempted: int = 0                   # preemptions in this step
     num_computed_tokens: int = 0             # since the engine started
     num_recomputed_tokens: int = 0           # of those, computed again after a preemption
+    step_time_s: float = 0.0                 # this step's wall time (0: no step ran, e.g. only aborts)
+    num_prefill_tokens: int = 0              # prompt tokens computed in this step
+    num_decode_tokens: int = 0               # decode tokens computed in this step
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -63,10 +66,13 @@ class EngineReady(msgspec.Struct, tag="ready"):
     block_size: int
     model_path: str
     backend: str
+    kernels: str = ""                        # what fdx.ops.cpp.prepare() did: built, loaded, or unavailable
+    generation_config: dict[str, int | float] = {}   # the model's sampling defaults (core/generation.py)
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
     message: str
+    expected: bool = False                   # a bad model or config (the message says what), not a bug
 
 
 ToEngine = EngineAdd | EngineAbort | EngineShutdown

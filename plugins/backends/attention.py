@@ -9,13 +9,11 @@
 """
 from __future__ import annotations
 
-import logging
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import AttentionBackend, KVCacheSpec
 from fdx.ops import attention as ops_attention
 
-log = logging.getLogger("fdx.backends.attention")
 
 
 class PaddleAttention(AttentionBackend):
@@ -40,12 +38,8 @@ class CpuAttention(PaddleAttention):
     def __init__(self, settings=None):
         super().__init__(settings)
         from fdx.ops import cpp
-        if cpp.available():
-            self.impl = "cpp"
-        else:
-            self.impl = "paddle"
-            log.warning("compiled CPU attention unavailable (%s): using the Paddle reference, "
-                        "2-6x slower", cpp.unavailable_reason())
+        self.status = cpp.prepare()          # build or load the kernel now (logged by fdx.ops.cpp)
+        self.impl = "cpp" if cpp.available() else "paddle"
 
 
 @hookimpl

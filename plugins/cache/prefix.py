@@ -147,7 +147,8 @@ class PrefixKVCache(PagedKVCache):
         self.pending_stats.pop(rid, None)
 
     def stats(self) -> dict[str, float]:
-        return {**self.counters, "prefix_cache_blocks": len(self.meta)}
+        return {**self.counters, "prefix_cache_blocks": len(self.meta),
+                "prefix_cache_idle_blocks": len(self.pool.evictable)}    # cached and free (reusable)
 
 
 @hookimpl
