@@ -208,14 +208,20 @@ def add_parser(bench_subparsers) -> None:
     from fdx.core.cli import _add_engine_args
     p = bench_subparsers.add_parser("guided", help="guided decoding: throughput ratio, compile time, steps "
                                                    "while grammars compile")
-    p.add_argument("--backends", default="xgrammar,llguidance", help="comma-separated guided backends")
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=160)
-    p.add_argument("--rounds", type=int, default=3, help="guided and unguided runs, alternating")
-    p.add_argument("--compile-schemas", type=int, default=8)
-    p.add_argument("--stall-batch", type=int, default=16)
-    p.add_argument("--stall-arrivals", type=int, default=8)
-    p.add_argument("--bench-seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--backends", default="xgrammar,llguidance",
+                   help="comma-separated guided backends, one engine each (default: xgrammar,llguidance)")
+    p.add_argument("--num-requests", type=int, default=16,
+                   help="throughput case: concurrent JSON-schema requests (default: 16)")
+    p.add_argument("--max-tokens", type=int, default=160, help="throughput case: max_tokens of each (default: 160)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="throughput case: guided and unguided runs, alternating (default: 3)")
+    p.add_argument("--compile-schemas", type=int, default=8,
+                   help="compile case: distinct schemas compiled cold then cached (default: 8)")
+    p.add_argument("--stall-batch", type=int, default=16,
+                   help="stall case: requests decoding when the new ones arrive (default: 16)")
+    p.add_argument("--stall-arrivals", type=int, default=8,
+                   help="stall case: constrained requests that arrive with new grammars (default: 8)")
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the sampled requests (default: 0)")
+    p.add_argument("--json", action="store_true", help="print every figure as JSON (default: a summary)")
     _add_engine_args(p)
     p.set_defaults(func=cmd)
