@@ -9,6 +9,7 @@ import sys
 
 from fdx.core.bench import serve as bench_serve
 from fdx.core.serving import cli as serve_cli
+from fdx.core.bench import guided as bench_guided
 from fdx.core.bench import prefix as bench_prefix
 from fdx.core.bench import soak as bench_soak
 from fdx.core.config import FLAT_KEYS, ConfigError
@@ -201,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(t)
     t.set_defaults(func=cmd_bench_throughput)
     bench_prefix.add_parser(bsub)
+    bench_guided.add_parser(bsub)
     bench_serve.add_parser(bsub)
     bench_soak.add_parser(bsub)
     return parser

@@ -59,6 +59,11 @@ class EngineCore:
                                    spec.block_size, spec.dtype)
         self.kv_caches = self.backend.allocate_kv_cache(self.kv_spec)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        # guided decoding: one compile service (thread pool + cache) per engine, for the guided
+        # admission rule and logits processor that build_parts makes
+        from fdx.core.guided import GuidedDecoding
+        self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
+                                                 self.eos_token_ids)
         self.token_processor = self._pick("token_processor", "decoding.token_processor",
                                           config.decoding.token_processor)(
             self.tokenizer, settings=self._settings("token_processor", config.decoding.token_processor))
@@ -131,7 +136,7 @@ class EngineCore:
             queue_policy=make("queue_policy", sc.policy, c["queue_policy"], kv_cache,
                               settings("queue_policy", sc.policy)),
             admission_rules=[make("admission_rule", n, cls, config, settings("admission_rule", n))
-                             for n, cls in c["admission"]],
+                             for n, cls in c["admission"]] + self.guided.admission_rules(config),
             preemption_policy=make("preemption_policy", sc.preemption, c["preemption"], config,
                                    settings("preemption_policy", sc.preemption)),
             connector=connector)
@@ -250,6 +255,7 @@ class EngineCore:
                                  f"vocabulary size {vocab}")
         for cls in self.processor_classes:
             cls.validate_params(params)
+        self.guided.submit(params)      # starts the grammar's compile; refuses what cannot compile
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
@@ -281,6 +287,7 @@ class EngineCore:
         if self.connector is not None:
             self.connector.close()
         self.kv_cache.close()
+        self.guided.close()
 
     @property
     def recompute_tax(self) -> float:

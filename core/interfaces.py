@@ -553,6 +553,69 @@ class TokenProcessor(abc.ABC):
         each) computed this step. Default: nothing."""
 
 
+# -- guided decoding (decoding.guided_backend; the built-in `guided` logits processor drives it) --
+
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+class GuidedMatcher(abc.ABC):
+    """One request's position in its grammar. Not thread-safe; used from the
+    engine thread only."""
+
+    @abc.abstractmethod
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]``: a numpy int32
+        array [rows, ceil(vocab_size / 32)] where bit ``t % 32`` of word
+        ``t // 32`` set means token ``t`` may be sampled. Once the grammar is
+        complete only the eos ids are allowed."""
+
+    @abc.abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) if the
+        grammar does not allow it. Accepting an eos id completes the match."""
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """The match is complete (an eos id was accepted, or the grammar
+        allows nothing more)."""
+
+
+class GuidedBackend(abc.ABC):
+    """Compiles constraints for one model's tokenizer and makes matchers
+    (``fdx_register_guided_backends``). Built once per model, from fdx's
+    own tokenizer (``tokenizer.backend`` is a ``tokenizers.Tokenizer``), and
+    heavy libraries are imported in ``__init__``, not at module import: a
+    missing one raises ImportError naming the package to install."""
+
+    kinds: tuple[str, ...] = GUIDED_KINDS[:5]    # the constraint kinds it compiles (GUIDED_KINDS)
+    requires: tuple[str, ...] = ()               # importable packages it needs (checked at start-up)
+    setting_keys: tuple[str, ...] = ()           # the settings it reads (others are a config error)
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 settings: dict | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size             # the model's (bitmask width), >= the tokenizer's
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.settings = settings or {}
+
+    @abc.abstractmethod
+    def compile(self, kind: str, spec: str, whitespace_flexible: bool = False) -> Any:
+        """Compile one constraint: ``kind`` in ``self.kinds``; ``spec`` is the
+        JSON schema's text (json), "" (json_object), the regex, the choices as
+        a JSON list (choice), the GBNF-style grammar, or the structural tag's
+        JSON. JSON output is compact unless ``whitespace_flexible``. Raise
+        ValueError with the compiler's message for a bad constraint. Called
+        from worker threads: must be thread-safe."""
+
+    @abc.abstractmethod
+    def matcher(self, compiled: Any) -> GuidedMatcher:
+        """A fresh matcher at the start of ``compiled``."""
+
+
 # =============================================================================
 # Device: backend, attention backend, model runner
 # =============================================================================

@@ -111,6 +111,7 @@ class LLM:
         else:
             raise TypeError(f"a prompt must be a str or a dict, not {type(prompt).__name__}")
         eng = self.engine
+        eng.guided.validate(sp)     # compile now: a bad constraint raises here, with the compiler's message
         base = eng.new_request_id()
         children = []
         for i in range(sp.n):

@@ -1,6 +1,7 @@
 """Per-request sampling parameters (the user-facing knobs, validated once)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -33,6 +34,14 @@ class SamplingParams:
     bad_words: list[str] | None = None      # never generate these words (their last token is banned
                                             # where the tokens before it were just generated)
     extra_args: dict[str, Any] | None = None       # per-request arguments for logits-processor plugins
+    # guided decoding (decoding.guided_backend; at most one constraint per request; see docs/guided.md)
+    guided_json: dict | str | None = None   # a JSON schema (a dict, or its JSON text)
+    guided_json_object: bool = False        # any JSON object
+    guided_regex: str | None = None         # the whole output matches this regex
+    guided_choice: list[str] | None = None  # the output is one of these strings
+    guided_grammar: str | None = None       # a GBNF-style EBNF grammar (its start rule is `root`)
+    structural_tag: dict | str | None = None   # tagged segments in free text (xgrammar)
+    guided_whitespace_flexible: bool = False   # JSON may hold any whitespace (default: compact)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +138,36 @@ class SamplingParams:
             bad("bad_words", "must be a list of non-empty strings")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", "must be a JSON object (a dict)")
+        self._validate_guided(bad)
+
+    GUIDED_FIELDS = ("guided_json", "guided_json_object", "guided_regex", "guided_choice", "guided_grammar",
+                     "structural_tag")
+
+    def _validate_guided(self, bad) -> None:
+        for name in ("guided_json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    bad(name, f"is not valid JSON: {e}")
+            if value is not None and not isinstance(value, dict):
+                bad(name, "must be a JSON object (a dict or its JSON text)")
+        for name in ("guided_regex", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(name, "must be a non-empty string")
+        if self.guided_choice is not None and (
+                not isinstance(self.guided_choice, list) or not self.guided_choice
+                or any(not isinstance(c, str) or not c for c in self.guided_choice)):
+            bad("guided_choice", "must be a non-empty list of non-empty strings")
+        for name in ("guided_json_object", "guided_whitespace_flexible"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
+        given = [n for n in self.GUIDED_FIELDS if getattr(self, n) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"invalid sampling parameters {', '.join(given)}: a request takes at most one "
+                             "guided decoding constraint")
 
     @property
     def greedy(self) -> bool:

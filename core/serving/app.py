@@ -25,6 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fdx.core.checkpoint.loader import check_model_path, load_tokenizer
 from fdx.core.config import FdxConfig
 from fdx.core.generation import defaults_for
+from fdx.core.guided import GuidedDecoding, constraint_of
+from fdx.core.plugins import get_plugin_manager
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
 from fdx.core.serving.messages import EngineRejected, SeqDelta
@@ -172,6 +174,7 @@ class Server:
         self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
         self.tokenizer = None
         self.render: Renderer | None = None
+        self.guided: GuidedDecoding | None = None      # the API process's compile cache (validation)
         self.max_model_len = 0
         self.vocab_size = 0
         self.generation_config: dict[str, Any] = {}   # the model's sampling defaults
@@ -268,6 +271,25 @@ class Server:
             param = msg.split("invalid sampling parameter ", 1)[-1].split("=", 1)[0] if "=" in msg else None
             raise APIError(400, msg, param=param) from None
 
+    async def check_guided(self, req, sp: SamplingParams) -> None:
+        """Compile the request's constraint here (cached, off the event
+        loop) so a bad one is a 400 with the compiler's message before any
+        response starts, streaming or not. The engine compiles its own copy."""
+        if constraint_of(sp) is None:
+            return
+        param = "response_format" if req.response_format_kwargs() else None
+        try:
+            if self.guided is None:
+                self.guided = await asyncio.to_thread(
+                    GuidedDecoding.from_config, self.config, get_plugin_manager(), self.tokenizer,
+                    self.vocab_size, self.tokenizer.eos_token_ids, False)
+            await asyncio.to_thread(self.guided.validate, sp)
+        except ValueError as e:     # ConfigError too
+            msg = str(e)
+            if param is None and msg.startswith("invalid sampling parameter "):
+                param = msg.split("invalid sampling parameter ", 1)[1].split(":", 1)[0]
+            raise APIError(400, msg, param=param) from None
+
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
         if not ids:
             raise APIError(400, "the prompt is empty: at least one token is needed", param=param)
@@ -306,6 +328,7 @@ class Server:
         sp = self.sampling_params(kwargs)
         for _, ids in prompts:
             self.check_prompt(ids)
+        await self.check_guided(req, sp)
         rid = f"cmpl-{secrets.token_hex(12)}"
         return await self._serve(req, http_request, prompts, sp, rid, chat=False)
 
@@ -321,6 +344,7 @@ class Server:
             kwargs["logprobs"] = req.top_logprobs or 0
         sp = self.sampling_params(kwargs)
         self.check_prompt(ids, param="messages")
+        await self.check_guided(req, sp)
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         return await self._serve(req, http_request, [(text, ids)], sp, rid, chat=True)
 

@@ -99,8 +99,15 @@ class _SamplingRequest(_Model):
     # vllm_xargs is vLLM's name for the same thing
     extra_args: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
-    # OpenAI fields fdx does not implement yet: rejected when set (see unsupported())
+    # structured output: OpenAI's response_format, or one of the guided_* extra body keys (docs/guided.md)
     response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_json_object: bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    guided_whitespace_flexible: bool | None = None
     # OpenAI fields with no effect here: accepted and ignored
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -114,10 +121,6 @@ class _SamplingRequest(_Model):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a field set to something fdx cannot do."""
-        rf = self.response_format
-        if rf is not None and rf.get("type", "text") != "text":
-            return ("response_format", "response_format needs guided decoding, which is not available "
-                    "in this fdx server yet; drop response_format or ask for plain text")
         if self.extra_args is not None and self.vllm_xargs is not None:
             return ("extra_args", "send per-request plugin arguments as extra_args or vllm_xargs, not both")
         return None
@@ -139,7 +142,42 @@ class _SamplingRequest(_Model):
         extra = self.extra_args if self.extra_args is not None else self.vllm_xargs
         if extra is not None:
             kw["extra_args"] = extra
+        for name in ("guided_json", "guided_json_object", "guided_regex", "guided_choice", "guided_grammar",
+                     "structural_tag", "guided_whitespace_flexible"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        from_format = self.response_format_kwargs()
+        both = [k for k in kw if k.startswith(("guided_", "structural_tag")) and k != "guided_whitespace_flexible"
+                and kw[k] not in (None, False)]
+        if from_format and both:
+            raise APIError(400, f"response_format and {', '.join(both)}: a request takes at most one guided "
+                           "decoding constraint", param="response_format")
+        kw.update(from_format)
         return kw
+
+    def response_format_kwargs(self) -> dict[str, Any]:
+        """OpenAI's response_format as guided-decoding SamplingParams fields
+        (APIError 400 for a malformed one)."""
+        rf = self.response_format
+        if rf is None:
+            return {}
+        kind = rf.get("type", "text")
+        if kind == "text":
+            return {}
+        if kind == "json_object":
+            return {"guided_json_object": True}
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object "
+                               "(strict is always on: the output follows the schema)", param="response_format")
+            return {"guided_json": schema}
+        if kind == "structural_tag":
+            return {"structural_tag": {k: v for k, v in rf.items() if k != "type"}}
+        raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema, "
+                       "structural_tag", param="response_format")
 
 
 class CompletionRequest(_SamplingRequest):
