@@ -53,7 +53,9 @@ class EngineCore:
         num_blocks = self._resolve_num_blocks(spec)
         self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
                                    spec.block_size, spec.dtype)
-        self.kv_caches = self.backend.allocate_kv_cache(self.kv_spec)
+        # with tensor parallel the workers hold the KV cache, each its share of the heads
+        tp = config.parallel.tensor_parallel_size > 1
+        self.kv_caches = [] if tp else self.backend.allocate_kv_cache(self.kv_spec)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.token_processor = self._pick("token_processor", "decoding.token_processor",
                                           config.decoding.token_processor)(
@@ -98,7 +100,10 @@ class EngineCore:
         if backend is not None:
             parts["attention"] = pick("attention_backend", "backend.name", backend.attention_backend)
             parts["sampler"] = pick("sampler", "backend.name", backend.sampler)
-            parts["runner"] = pick("model_runner", "backend.name", backend.model_runner)
+            if config.parallel.tensor_parallel_size > 1:   # worker processes, each with its shard
+                parts["runner"] = pick("model_runner", "parallel.tensor_parallel_size", "tp")
+            else:
+                parts["runner"] = pick("model_runner", "backend.name", backend.model_runner)
         return parts
 
     def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
@@ -277,6 +282,9 @@ class EngineCore:
         if self.connector is not None:
             self.connector.close()
         self.kv_cache.close()
+        close = getattr(self.runner, "close", None)     # a runner with processes of its own (tp)
+        if close is not None:
+            close()
 
     @property
     def recompute_tax(self) -> float:
