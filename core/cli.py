@@ -145,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"fdx: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        if e.name != "paddle":
+            raise
+        print("fdx: error: PaddlePaddle is not installed; install fdx with its extra: "
+              "pip install 'fdx[cpu]' (or 'fdx[gpu]', see docs/backends.md)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

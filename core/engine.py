@@ -216,8 +216,14 @@ class EngineCore:
     def _resolve_num_blocks(self, spec: KVCacheSpec) -> int:
         cc = self.config.cache
         need_per_seq = -(-self.max_model_len // cc.block_size)
-        if cc.num_kv_blocks is None:
-            by_memory = int(self.backend.free_memory_bytes() * cc.memory_fraction) // spec.bytes_per_block
+        if cc.num_kv_blocks is None:       # memory_fraction of what one largest-batch forward leaves
+            from fdx.core.memory import kv_budget
+            attention = self._resolve_parts(self.config)["attention"](
+                self._settings("attention_backend", self.backend.attention_backend))
+            self.kv_budget = kv_budget(self.backend, self.model, attention, spec,
+                                       self.config.scheduler.max_num_batched_tokens,
+                                       self.config.scheduler.max_num_seqs, cc.memory_fraction)
+            by_memory = self.kv_budget.kv_bytes // spec.bytes_per_block
             by_demand = need_per_seq * self.config.scheduler.max_num_seqs
             cc.num_kv_blocks = max(1, min(by_memory, by_demand))
         if cc.num_kv_blocks < need_per_seq:
