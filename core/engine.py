@@ -45,6 +45,7 @@ class EngineCore:
         arch = (ckpt.config.get("architectures") or ["?"])[0]
         self.model = self._pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
         del ckpt
+        self.backend.prepare_model(self.model, dtype)
 
         self.max_model_len = self._resolve_lengths()
         m, cc = self.model, config.cache

@@ -317,6 +317,7 @@ def build_worker(config, rank: int, world: int, num_blocks: int, threads: int):
     tokenizer = ckpt.tokenizer
     del ckpt
     dtype = backend.dtypes[0] if config.model.dtype == "auto" else config.model.dtype
+    backend.prepare_model(model, dtype)
     spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, num_blocks,
                        config.cache.block_size, backend.kv_cache_dtype(dtype))
     kv_caches = backend.allocate_kv_cache(spec)

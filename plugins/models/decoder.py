@@ -370,6 +370,25 @@ class DecoderForCausalLM:
             layer.mlp.shard(rank, world, reduce)
         self.num_heads, self.num_kv_heads = cfg.num_heads // world, cfg.num_kv_heads // world
 
+    def cast(self, dtype: str) -> None:
+        """Hold every weight (and the rotary tables) in ``dtype``; logits come
+        out in it too (the runner reads them as float32)."""
+        def conv(obj, names):
+            for name in names:
+                t = getattr(obj, name)
+                if t is not None:
+                    setattr(obj, name, t.astype(dtype))
+        conv(self, ("embed_tokens", "lm_head", "norm"))
+        ropes = set()
+        for layer in self.layers:
+            conv(layer, ("input_norm", "post_norm"))
+            conv(layer.attn, ("wqkv", "bqkv", "wo", "bo", "q_norm", "k_norm"))
+            conv(layer.mlp, ("w_gate_up", "b_gate_up", "w_down", "b_down"))
+            ropes.add(layer.attn.rope)
+        for rope in ropes:
+            conv(rope, [n for n in ("cos_cache", "sin_cache") if hasattr(rope, n)])
+        self.dtype = dtype
+
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache],
                 meta: AttentionContext, logits_indices: Tensor) -> Tensor:
         """Run the new tokens of a mixed batch; float32 logits [M, vocab]
