@@ -137,7 +137,8 @@ def test_smollm2_tp3_llm_equals_tp1(smollm_llm):
     """9 query heads, 3 KV heads, 1536 MLP columns: 3 ranks of 3 / 1 / 512.
     Greedy and seeded sampling (drawn in rank 0) with logprobs."""
     text = ["The capital of France is", "def fibonacci(n):"]
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
     ref = smollm_llm.generate(text, GREEDY) + smollm_llm.generate(text[:1], seeded)
     with LLM(max_model_len=256, num_kv_blocks=64, block_size=16, tensor_parallel_size=3, progress=False) as tp:
         assert len(tp.engine.runner.procs) == 3
@@ -145,7 +146,9 @@ def test_smollm2_tp3_llm_equals_tp1(smollm_llm):
     for a, b in zip(out, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     la, lb = out[-1].outputs[0].logprobs, ref[-1].outputs[0].logprobs
-    for da, db in zip(la, lb):
+    pa, pb = out[-1].prompt_logprobs[1:], ref[-1].prompt_logprobs[1:]
+    assert len(pa) == len(pb) == len(out[-1].prompt_token_ids) - 1
+    for da, db in zip(la + pa, lb + pb):
         assert da.keys() == db.keys()
         for t in da:
             assert abs(da[t].logprob - db[t].logprob) < 1e-3

@@ -13,10 +13,11 @@ The engine picks this runner when ``parallel.tensor_parallel_size`` is
 above 1. Each worker loads the checkpoint itself, keeps its heads and MLP
 columns (``DecoderForCausalLM.shard``), allocates its share of the KV
 cache (``num_kv_heads / N`` heads of every block) and runs the default
-runner's persistent batch over the plain-data steps. Embedding, norms and
-lm_head are whole on every rank, so every rank computes the logits; only
-rank 0 samples (logits processors included), and ``broadcast`` hands the
-sampled ids to the others so every rank's next input is the same.
+runner's persistent batch over the plain-data steps. Embedding and norms
+are whole on every rank; only rank 0 keeps the lm_head (the others a
+1-wide stand-in), computes logits and samples (logits processors
+included), and ``broadcast`` hands the sampled ids to the others so every
+rank's next input is the same.
 
 Steps travel as msgspec over ZMQ (never pickle, never paddle's object
 broadcast). A worker that exits or fails makes ``execute`` raise at once
@@ -28,6 +29,7 @@ check), so none outlives it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -268,6 +270,15 @@ def _make_worker_runner(base):
     class WorkerRunner(base):
         rank = 0
 
+        def _update_states(self, so):
+            removed = super()._update_states(so)
+            if self.rank != 0:                     # only rank 0 reads logits (its lm_head is whole)
+                for nr in so.new_requests:
+                    st = self.requests[nr.request_id]
+                    if st.params.prompt_logprobs is not None:
+                        st.params = dataclasses.replace(st.params, prompt_logprobs=None)
+            return removed
+
         def _sample(self, samplers, raw, removed, out):
             if self.rank == 0:
                 super()._sample(samplers, raw, removed, out)
@@ -303,6 +314,7 @@ def build_worker(config, rank: int, world: int, num_blocks: int, threads: int):
     config.backend.num_threads = threads
     backend.setup(config)
 
+    import paddle
     import paddle.distributed as dist
     dist.init_parallel_env()
 
@@ -316,6 +328,8 @@ def build_worker(config, rank: int, world: int, num_blocks: int, threads: int):
     model.shard(rank, world, all_reduce)
     tokenizer = ckpt.tokenizer
     del ckpt
+    if rank != 0:        # the other ranks never read logits: a 1-wide head instead of the vocabulary
+        model.lm_head = paddle.zeros([model.lm_head.shape[0], 1], dtype=model.lm_head.dtype)
     dtype = backend.dtypes[0] if config.model.dtype == "auto" else config.model.dtype
     backend.prepare_model(model, dtype)
     spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, num_blocks,
