@@ -237,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         from fdx.core.serving.engine_proc import user_message
         print(f"fdx: error: {user_message(e)}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        if e.name != "paddle":
+            raise
+        print("fdx: error: PaddlePaddle is not installed; install fdx with its extra: "
+              "pip install 'fdx[cpu]' (or 'fdx[gpu]', see docs/backends.md)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -54,6 +54,11 @@ class BackendConfig(_Section):
     num_threads: int | None = Field(None, gt=0)   # CPU threads; None: cores available
 
 
+class ParallelConfig(_Section):
+    tensor_parallel_size: int = Field(1, gt=0, le=64)   # worker processes sharing each layer's heads and
+                                               # MLP columns (the "tp" model runner); 1: in-process
+
+
 class DecodingConfig(_Section):
     token_processor: str = "default"
     logits_processors: list[str] = []          # logits processor plugins added to the built-ins
@@ -99,6 +104,7 @@ class FdxConfig(_Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     backend: BackendConfig = BackendConfig()
     decoding: DecodingConfig = DecodingConfig()
+    parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
     seed: int | None = 0
     # plugin settings: {kind: {name: {key: value}}}, handed to that plugin's constructor
@@ -134,7 +140,7 @@ class FdxConfig(_Section):
                 for k, (s, f) in FLAT_KEYS.items()}
 
 
-SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "server")
+SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server")
 
 # flat key -> (section, field); section "" means top level
 FLAT_KEYS: dict[str, tuple[str, str]] = {"seed": ("", "seed")}

@@ -49,6 +49,7 @@ class EngineCore:
                              f"supported: {', '.join(plugins.names('model'))}")
         self.model = self._pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
         del ckpt
+        self.backend.prepare_model(self.model, dtype)
 
         self.max_model_len = self._resolve_lengths()
         m, cc = self.model, config.cache
@@ -57,7 +58,9 @@ class EngineCore:
         num_blocks = self._resolve_num_blocks(spec)
         self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
                                    spec.block_size, spec.dtype)
-        self.kv_caches = self.backend.allocate_kv_cache(self.kv_spec)
+        # with tensor parallel the workers hold the KV cache, each its share of the heads
+        tp = config.parallel.tensor_parallel_size > 1
+        self.kv_caches = [] if tp else self.backend.allocate_kv_cache(self.kv_spec)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         # guided decoding: one compile service (thread pool + cache) per engine, for the guided
         # admission rule and logits processor that build_parts makes
@@ -107,7 +110,10 @@ class EngineCore:
         if backend is not None:
             parts["attention"] = pick("attention_backend", "backend.name", backend.attention_backend)
             parts["sampler"] = pick("sampler", "backend.name", backend.sampler)
-            parts["runner"] = pick("model_runner", "backend.name", backend.model_runner)
+            if config.parallel.tensor_parallel_size > 1:   # worker processes, each with its shard
+                parts["runner"] = pick("model_runner", "parallel.tensor_parallel_size", "tp")
+            else:
+                parts["runner"] = pick("model_runner", "backend.name", backend.model_runner)
         return parts
 
     def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
@@ -220,8 +226,14 @@ class EngineCore:
     def _resolve_num_blocks(self, spec: KVCacheSpec) -> int:
         cc = self.config.cache
         need_per_seq = -(-self.max_model_len // cc.block_size)
-        if cc.num_kv_blocks is None:
-            by_memory = int(self.backend.free_memory_bytes() * cc.memory_fraction) // spec.bytes_per_block
+        if cc.num_kv_blocks is None:       # memory_fraction of what one largest-batch forward leaves
+            from fdx.core.memory import kv_budget
+            attention = self._resolve_parts(self.config)["attention"](
+                self._settings("attention_backend", self.backend.attention_backend))
+            self.kv_budget = kv_budget(self.backend, self.model, attention, spec,
+                                       self.config.scheduler.max_num_batched_tokens,
+                                       self.config.scheduler.max_num_seqs, cc.memory_fraction)
+            by_memory = self.kv_budget.kv_bytes // spec.bytes_per_block
             by_demand = need_per_seq * self.config.scheduler.max_num_seqs
             cc.num_kv_blocks = max(1, min(by_memory, by_demand))
         if cc.num_kv_blocks < need_per_seq:
@@ -288,6 +300,9 @@ class EngineCore:
             self.connector.close()
         self.kv_cache.close()
         self.guided.close()
+        close = getattr(self.runner, "close", None)     # a runner with processes of its own (tp)
+        if close is not None:
+            close()
 
     @property
     def recompute_tax(self) -> float:

@@ -723,6 +723,17 @@ class Backend(abc.ABC):
     def free_memory_bytes(self) -> int:
         """Memory the KV cache may draw from, before applying memory_fraction."""
 
+    def prepare_model(self, model: Any, dtype: str) -> None:
+        """The model is loaded (float32 weights): put it in ``dtype`` (one of
+        ``dtypes``) and on this device. Default: nothing (float32 only)."""
+
+    def profile_peak_bytes(self, run: Any) -> int:
+        """Call ``run()`` (one forward at the largest batch) once and return
+        the memory it needed at its peak beyond what was in use before, in
+        bytes. Default: the process's resident set (host memory)."""
+        from fdx.core.memory import host_peak_bytes
+        return host_peak_bytes(run)
+
     def kv_cache_dtype(self, model_dtype: str) -> str:
         """The KV cache's dtype for a model computing in ``model_dtype``."""
         return model_dtype

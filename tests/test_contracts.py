@@ -107,21 +107,30 @@ class FakeDevice:
     """A test double for Paddle's device layer: a CUDA build with one GPU, or
     the iluvatar_gpu custom device, whose kernels run on the host."""
 
-    def __init__(self, monkeypatch, kind: str):
+    def __init__(self, monkeypatch, kind: str, capability: tuple[int, int] = (8, 0), total: int = 8 << 30):
         import paddle
         self.set_devices = []
-        props = lambda *a: type("P", (), {"total_memory": 8 << 30})()   # noqa: E731
+        # the allocator's counters, in bytes: tests move them to play a forward's peak
+        self.allocated, self.reserved, self.peak = 0, 0, 0
+        props = lambda *a: type("P", (), {"total_memory": total})()   # noqa: E731
+        stats = dict(memory_allocated=lambda *a: self.allocated, memory_reserved=lambda *a: self.reserved,
+                     max_memory_allocated=lambda *a: max(self.peak, self.allocated),
+                     max_memory_reserved=lambda *a: self.reserved,
+                     reset_max_memory_allocated=lambda *a: setattr(self, "peak", self.allocated),
+                     synchronize=lambda *a: None, get_device_properties=props)
         if kind == "cuda":
             cuda = paddle.device.cuda
             monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
             monkeypatch.setattr(cuda, "device_count", lambda: 1, raising=False)
             monkeypatch.setattr(cuda, "get_device_name", lambda i=0: "Fake GPU", raising=False)
-            monkeypatch.setattr(cuda, "memory_reserved", lambda i=0: 0, raising=False)
-            monkeypatch.setattr(cuda, "get_device_properties", props, raising=False)
+            monkeypatch.setattr(cuda, "get_device_capability", lambda i=0: capability, raising=False)
+            for name, fn in stats.items():
+                monkeypatch.setattr(cuda, name, fn, raising=False)
         else:
             monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: False)
             monkeypatch.setattr(paddle.device, "get_all_custom_device_type", lambda: ["iluvatar_gpu"], raising=False)
-            monkeypatch.setattr(paddle.device, "get_device_properties", props, raising=False)
+            for name, fn in stats.items():
+                monkeypatch.setattr(paddle.device, name, fn, raising=False)
         real = paddle.set_device
         monkeypatch.setattr(paddle, "set_device", lambda d: (self.set_devices.append(d), real("cpu"))[1])
 
@@ -129,18 +138,19 @@ class FakeDevice:
 @pytest.mark.parametrize("kind,device", [("cuda", "gpu:0"), ("iluvatar", "iluvatar_gpu:0")])
 def test_gpu_backends_never_choose_the_cpu_kernel(tiny, reference, monkeypatch, kind, device):
     from fdx.ops import cpp
-    fake = FakeDevice(monkeypatch, kind)
+    fake = FakeDevice(monkeypatch, kind, capability=(7, 5))     # a Turing GPU: no bfloat16
     calls = []
     real_kernel = cpp.paged_attention
     monkeypatch.setattr(cpp, "paged_attention", lambda *a, **k: (calls.append(1), real_kernel(*a, **k))[1])
-    llm = make_llm(tiny)
+    llm = make_llm(tiny, dtype="float32")     # the host runs the fake device's kernels: no half matmul
     eng = llm.engine
     assert eng.backend.name == kind and fake.set_devices == [device]      # auto picked the fake device
     assert eng.attention.name == "paddle" and eng.attention.impl == "paddle"
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference
     assert not calls, "the compiled CPU kernel ran on a GPU backend"
-    with pytest.raises(ConfigError, match=f"model.dtype.*{kind} backend computes in float32"):
-        make_llm(tiny, dtype="float16")
+    with pytest.raises(ConfigError, match=f"model.dtype.*{kind} backend computes in float16, float32, "
+                                          "not bfloat16"):
+        make_llm(tiny, dtype="bfloat16")
 
 
 # --- the third-party plugins, selected by config ----------------------------------------

@@ -173,4 +173,6 @@ class DefaultModelRunner(ModelRunner):
 
 @hookimpl
 def fdx_register_model_runners(register):
+    from fdx.plugins.backends.tp import TensorParallelRunner
     register("default", DefaultModelRunner)
+    register("tp", TensorParallelRunner)       # the engine's pick when parallel.tensor_parallel_size > 1

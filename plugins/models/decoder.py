@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import paddle
@@ -202,6 +202,21 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias
 
 
+def row_parallel(x: Tensor, weight: Tensor, bias: Tensor | None,
+                 reduce: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """``linear`` whose input rows are split over tensor-parallel ranks: each
+    rank's partial product is summed (``reduce``) before the bias, which is
+    added once."""
+    y = paddle.matmul(x, weight)
+    if reduce is not None:
+        y = reduce(y)
+    return y if bias is None else y + bias
+
+
+def _take(t: Tensor, index: np.ndarray, axis: int) -> Tensor:
+    return paddle.to_tensor(np.ascontiguousarray(np.take(t.numpy(), index, axis=axis)))
+
+
 class Attention:
     def __init__(self, cfg: DecoderConfig, w: _Weights, prefix: str, rope: RotaryEmbedding):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -215,6 +230,7 @@ class Attention:
         self.wo, self.bo = w.fused([f"{p}.o_proj"], self.q_size, [cfg.hidden_size], cfg.o_bias)
         self.q_norm = w.vector(f"{p}.q_norm.weight", cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = w.vector(f"{p}.k_norm.weight", cfg.head_dim) if cfg.qk_norm else None
+        self.reduce: Callable[[Tensor], Tensor] | None = None   # tensor parallel: sum over ranks
 
     def __call__(self, x: Tensor, positions: Tensor, kv_cache: KVCache,
                  meta: AttentionContext) -> Tensor:
@@ -231,7 +247,22 @@ class Attention:
         k_cache, v_cache = kv_cache
         meta.write_kv(k_cache, v_cache, k, v)
         out = meta.attention(q, k_cache, v_cache, self.scale)
-        return linear(out.reshape([n, self.q_size]), self.wo, self.bo)
+        return row_parallel(out.reshape([n, self.q_size]), self.wo, self.bo, self.reduce)
+
+    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
+        """Keep this rank's query heads and their KV heads: its columns of
+        the fused q/k/v weight and its rows of o_proj."""
+        h, kvh, d = self.num_heads // world, self.num_kv_heads // world, self.head_dim
+        q_cols = np.arange(rank * h * d, (rank + 1) * h * d)
+        k_cols = self.q_size + np.arange(rank * kvh * d, (rank + 1) * kvh * d)
+        v_cols = k_cols + self.kv_size
+        cols = np.concatenate([q_cols, k_cols, v_cols])
+        self.wqkv = _take(self.wqkv, cols, axis=1)
+        self.bqkv = None if self.bqkv is None else _take(self.bqkv, cols, axis=0)
+        self.wo = _take(self.wo, q_cols, axis=0)
+        self.num_heads, self.num_kv_heads = h, kvh
+        self.q_size, self.kv_size = h * d, kvh * d
+        self.reduce = reduce
 
 
 class FeedForward:
@@ -240,10 +271,24 @@ class FeedForward:
         self.w_gate_up, self.b_gate_up = w.fused([f"{p}.gate_proj", f"{p}.up_proj"],
                                                  cfg.hidden_size, [i, i], cfg.mlp_bias)
         self.w_down, self.b_down = w.fused([f"{p}.down_proj"], i, [cfg.hidden_size], cfg.mlp_bias)
+        self.intermediate_size = i
+        self.reduce: Callable[[Tensor], Tensor] | None = None   # tensor parallel: sum over ranks
 
     def __call__(self, x: Tensor) -> Tensor:
-        return linear(silu_and_mul(linear(x, self.w_gate_up, self.b_gate_up)),
-                      self.w_down, self.b_down)
+        return row_parallel(silu_and_mul(linear(x, self.w_gate_up, self.b_gate_up)),
+                            self.w_down, self.b_down, self.reduce)
+
+    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
+        """Keep this rank's intermediate columns of gate and up (the fused
+        weight stays [gate | up]) and the same rows of down_proj."""
+        i, n = self.intermediate_size, self.intermediate_size // world
+        mine = np.arange(rank * n, (rank + 1) * n)
+        cols = np.concatenate([mine, i + mine])
+        self.w_gate_up = _take(self.w_gate_up, cols, axis=1)
+        self.b_gate_up = None if self.b_gate_up is None else _take(self.b_gate_up, cols, axis=0)
+        self.w_down = _take(self.w_down, mine, axis=0)
+        self.intermediate_size = n
+        self.reduce = reduce
 
 
 class DecoderLayer:
@@ -308,6 +353,41 @@ class DecoderForCausalLM:
         rope = build_rotary(cfg)
         self.layers = [DecoderLayer(cfg, w, i, rope) for i in range(cfg.num_layers)]
         self.norm = w.vector("model.norm.weight", cfg.hidden_size)
+
+    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
+        """Keep only tensor-parallel rank ``rank`` of ``world``'s part: its
+        query and KV heads in attention, its intermediate columns in the MLP;
+        ``reduce`` sums a tensor over the ranks (after o_proj and down_proj).
+        Embedding, norms and lm_head stay whole on every rank."""
+        cfg = self.cfg
+        for key, count in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                           ("intermediate_size", cfg.intermediate_size)):
+            if count % world:
+                raise ValueError(f"{self.architecture}: {key}={count} does not divide by "
+                                 f"tensor_parallel_size={world}")
+        for layer in self.layers:
+            layer.attn.shard(rank, world, reduce)
+            layer.mlp.shard(rank, world, reduce)
+        self.num_heads, self.num_kv_heads = cfg.num_heads // world, cfg.num_kv_heads // world
+
+    def cast(self, dtype: str) -> None:
+        """Hold every weight (and the rotary tables) in ``dtype``; logits come
+        out in it too (the runner reads them as float32)."""
+        def conv(obj, names):
+            for name in names:
+                t = getattr(obj, name)
+                if t is not None:
+                    setattr(obj, name, t.astype(dtype))
+        conv(self, ("embed_tokens", "lm_head", "norm"))
+        ropes = set()
+        for layer in self.layers:
+            conv(layer, ("input_norm", "post_norm"))
+            conv(layer.attn, ("wqkv", "bqkv", "wo", "bo", "q_norm", "k_norm"))
+            conv(layer.mlp, ("w_gate_up", "b_gate_up", "w_down", "b_down"))
+            ropes.add(layer.attn.rope)
+        for rope in ropes:
+            conv(rope, [n for n in ("cos_cache", "sin_cache") if hasattr(rope, n)])
+        self.dtype = dtype
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache],
                 meta: AttentionContext, logits_indices: Tensor) -> Tensor:

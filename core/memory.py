@@ -1,0 +1,112 @@
+"""KV sizing by profiling: one forward at the largest batch the config
+allows, its peak memory measured, and the KV cache given
+``cache.memory_fraction`` of what remains free after it.
+
+The forward runs over a throwaway KV cache just large enough for the
+batch (allocated before the measurement, so it does not count). The
+peak is the backend's to measure (``Backend.profile_peak_bytes``): the
+device allocator's high-water mark on a GPU, the process's resident set
+on the host (``host_peak_bytes`` here).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from fdx.core.interfaces import AttentionContext, KVCacheSpec
+
+log = logging.getLogger("fdx.memory")
+MiB = 1 << 20
+
+
+def rss_bytes() -> int:
+    """This process's resident set now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's resident-set high-water mark (Linux 4.0+)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def host_peak_bytes(run: Callable[[], None]) -> int:
+    """Memory ``run()`` needed beyond what the process held before it: the
+    resident-set high-water mark during it (or, where that cannot be reset,
+    the resident set after it) minus the resident set before."""
+    before = rss_bytes()
+    reset = _reset_peak_rss()
+    run()
+    peak = _peak_rss_bytes() if reset else None
+    return max(0, (peak if peak is not None else rss_bytes()) - before)
+
+
+@dataclass(slots=True)
+class KVBudget:
+    free_bytes: int            # what the backend reports free after the profile forward
+    peak_bytes: int            # extra memory that forward needed at its peak
+    kv_bytes: int              # memory_fraction of what remains for the KV cache
+    num_tokens: int            # the profiled batch
+    num_seqs: int
+
+
+def profile_forward(model, attention, backend, spec: KVCacheSpec, num_tokens: int, num_seqs: int
+                    ) -> Callable[[], None]:
+    """A function that runs one prefill forward of ``num_tokens`` tokens in
+    ``num_seqs`` sequences (logits for each one's last token) over a
+    throwaway KV cache, allocated now."""
+    import paddle
+    block_size = spec.block_size
+    seqs = max(1, min(num_seqs, num_tokens))
+    lens = [num_tokens // seqs] * seqs
+    lens[-1] += num_tokens - sum(lens)
+    per_seq = [-(-n // block_size) for n in lens]
+    spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, sum(per_seq), block_size, spec.dtype)
+    caches = backend.allocate_kv_cache(spec)
+    starts = np.cumsum([0] + per_seq)
+    tables = [list(range(int(starts[i]), int(starts[i + 1]))) for i in range(seqs)]
+    meta = attention.build_metadata(lens, [0] * seqs, tables, spec, getattr(model, "num_heads", spec.num_kv_heads))
+    ids = paddle.to_tensor(np.ones(num_tokens, dtype=np.int64))
+    rows = paddle.to_tensor(np.cumsum(lens).astype(np.int64) - 1)
+
+    def run() -> None:
+        with paddle.no_grad():
+            logits = model.forward(ids, meta.positions, caches, AttentionContext(attention, meta), rows)
+        logits.numpy()                          # wait for the device
+    return run
+
+
+def kv_budget(backend, model, attention, spec: KVCacheSpec, num_tokens: int, num_seqs: int,
+              memory_fraction: float) -> KVBudget:
+    """Profile one forward at the given batch (KV laid out as ``spec``; its
+    block count is ignored) and size the KV cache's memory."""
+    run = profile_forward(model, attention, backend, spec, num_tokens, num_seqs)
+    peak = int(backend.profile_peak_bytes(run))
+    del run                                     # the throwaway cache goes with it
+    free = int(backend.free_memory_bytes())
+    kv = int(max(0, free - peak) * memory_fraction)
+    log.info("KV sizing: a forward of %d tokens in %d sequences peaked %.1f MiB above the loaded model; "
+             "%.1f MiB free; the KV cache gets %.0f%% of the %.1f MiB left: %.1f MiB",
+             num_tokens, min(num_seqs, num_tokens), peak / MiB, free / MiB, memory_fraction * 100,
+             max(0, free - peak) / MiB, kv / MiB)
+    return KVBudget(free, peak, kv, num_tokens, min(num_seqs, num_tokens))

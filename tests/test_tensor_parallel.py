@@ -1,0 +1,202 @@
+"""Tensor parallel on CPU, for real: worker processes under paddle.distributed
+(gloo), steps as msgspec over ZMQ, rank 0 sampling.
+
+Greedy outputs with tensor_parallel_size 2 equal transformers' and TP 1's
+on tiny random checkpoints of every architecture (and one with random
+biases, which must be added once, not once per rank); SmolLM2 with 3
+ranks (9 heads / 3 KV heads) equals TP 1 through ``LLM`` and through
+``fdx serve``; a worker killed mid-request fails the engine cleanly (an
+error in ``LLM``, 503 and exit 1 in the server) and leaves no process.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+import signal
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from fdx import LLM, SamplingParams
+from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.hookspecs import hookimpl
+from serve_utils import API_KEY, ServerProcess, pid_alive
+from test_llm import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+TINY = dict(max_model_len=128, num_kv_blocks=48, block_size=8, progress=False)
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 49152, n).tolist() for n in (5, 19, 2)]
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.engine.runner.procs]
+
+
+def test_config_key_flat_and_dotted():
+    assert FdxConfig.build(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
+    assert FdxConfig.build(**{"parallel.tensor_parallel_size": 3}).parallel.tensor_parallel_size == 3
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel_size"):
+        FdxConfig.build(tensor_parallel_size=0)
+
+
+def test_heads_that_do_not_divide_are_a_config_error(tiny_checkpoints):
+    path, _ = tiny_checkpoints["LlamaForCausalLM"]          # 4 heads, 2 KV heads
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel_size.*KV heads \(2\)"):
+        LLM(str(path), tensor_parallel_size=4, **TINY)     # 4 query heads divide, 2 KV heads do not
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel_size.*attention heads \(4\)"):
+        LLM(str(path), tensor_parallel_size=3, **TINY)
+
+
+@pytest.fixture(scope="module")
+def biased_checkpoint(tmp_path_factory, tiny_checkpoints):
+    """A Llama with q/k/v/o and MLP biases, every weight random (transformers
+    starts biases at 0): a bias added on each rank would show."""
+    from conftest import tiny_hf_config
+    torch.manual_seed(7)
+    cfg = tiny_hf_config("LlamaForCausalLM", tie=False)
+    cfg.attention_bias = cfg.mlp_bias = True
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_((0.3 if name.endswith("bias") else 0.2) * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("biased")
+    model.save_pretrained(str(d), safe_serialization=True)
+    src, _ = tiny_checkpoints["LlamaForCausalLM"]
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, d / f.name)
+    return d, model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "Ernie4_5ForCausalLM", "biased"])
+def test_tp2_greedy_equals_tp1_and_transformers(arch, tiny_checkpoints, request):
+    path, hf = (request.getfixturevalue("biased_checkpoint") if arch == "biased" else tiny_checkpoints[arch])
+    ps = prompts()
+    with LLM(str(path), **TINY) as one:
+        tp1 = [o.outputs[0].token_ids for o in one.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    with LLM(str(path), tensor_parallel_size=2, **TINY) as two:
+        pids = worker_pids(two)
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+        assert two.engine.kv_caches == []                    # the KV cache lives in the workers
+        tp2 = [o.outputs[0].token_ids for o in two.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    assert tp2 == tp1
+    assert tp2 == [hf_greedy(hf, p, GREEDY.max_tokens) for p in ps]
+    assert not any(pid_alive(p) for p in pids)               # close() stopped them
+
+
+class KillRankAt:
+    """An observer that kills one worker after a given step."""
+
+    def __init__(self, llm: LLM, rank: int, step: int):
+        self.llm, self.rank, self.step = llm, rank, step
+
+    @hookimpl
+    def fdx_step_finished(self, scheduler_output, step_stats, context):
+        if step_stats.step == self.step:
+            os.kill(self.llm.engine.runner.procs[self.rank].pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_generate_and_leaves_no_process(tiny_checkpoints):
+    path, _ = tiny_checkpoints["Qwen2ForCausalLM"]
+    llm = LLM(str(path), tensor_parallel_size=2, **TINY)
+    pids = worker_pids(llm)
+    llm.engine.plugins.pm.register(KillRankAt(llm, rank=1, step=3))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor parallel worker rank 1 exited"):
+        llm.generate([{"prompt_token_ids": prompts()[1]}], SamplingParams(temperature=0, max_tokens=50))
+    assert time.monotonic() - t0 < 60                        # no hang on the survivor's all_reduce
+    for pid in pids:
+        for _ in range(50):
+            if not pid_alive(pid):
+                break
+            time.sleep(0.1)
+        assert not pid_alive(pid)
+    with pytest.raises(RuntimeError, match="rank 1"):         # the engine stays failed
+        llm.generate([{"prompt_token_ids": [5, 6]}], GREEDY)
+    llm.close()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_llm_equals_tp1(smollm_llm):
+    """9 query heads, 3 KV heads, 1536 MLP columns: 3 ranks of 3 / 1 / 512.
+    Greedy and seeded sampling (drawn in rank 0) with logprobs."""
+    text = ["The capital of France is", "def fibonacci(n):"]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+    ref = smollm_llm.generate(text, GREEDY) + smollm_llm.generate(text[:1], seeded)
+    with LLM(max_model_len=256, num_kv_blocks=64, block_size=16, tensor_parallel_size=3, progress=False) as tp:
+        assert len(tp.engine.runner.procs) == 3
+        out = tp.generate(text, GREEDY) + tp.generate(text[:1], seeded)
+    for a, b in zip(out, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    la, lb = out[-1].outputs[0].logprobs, ref[-1].outputs[0].logprobs
+    pa, pb = out[-1].prompt_logprobs[1:], ref[-1].prompt_logprobs[1:]
+    assert len(pa) == len(pb) == len(out[-1].prompt_token_ids) - 1
+    for da, db in zip(la + pa, lb + pb):
+        assert da.keys() == db.keys()
+        for t in da:
+            assert abs(da[t].logprob - db[t].logprob) < 1e-3
+
+
+def tp_workers_of(engine_pid: int) -> list[int]:
+    children = pathlib.Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    return [int(p) for p in children
+            if b"fdx.plugins.backends.tp" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+def test_serve_tp3_equals_tp1_then_dead_worker_gives_503_and_exit(tmp_path, smollm_llm):
+    srv = ServerProcess(tmp_path, model={"max_model_len": 256}, cache={"num_kv_blocks": 64},
+                        parallel={"tensor_parallel_size": 3}, server={"engine_death_grace_s": 2})
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    prompt = "The capital of France is"
+    try:
+        srv.wait_ready(timeout=300)
+        engine = srv.engine_pid()
+        workers = tp_workers_of(engine)
+        assert len(workers) == 3
+        ref = smollm_llm.generate([prompt], GREEDY)[0].outputs[0].text
+        with httpx.Client(base_url=srv.base_url, headers=headers, timeout=120) as http:
+            r = http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt,
+                                                   "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref
+            with contextlib.ExitStack() as stack:
+                resp = stack.enter_context(http.stream(
+                    "POST", "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt,
+                                                     "max_tokens": 200, "ignore_eos": True, "stream": True}))
+                lines = resp.iter_lines()
+                for line in lines:                        # a token arrived: the request is mid-flight
+                    if line.startswith("data: ") and '"text"' in line:
+                        break
+                os.kill(workers[1], signal.SIGKILL)
+                t0 = time.monotonic()
+                rest = list(lines)                        # the stream ends, with an error event
+                assert time.monotonic() - t0 < 30
+                assert any('"error"' in line for line in rest)
+            assert http.get("/health").status_code == 503
+        assert srv.proc.wait(30) == 1
+        for pid in [engine, *workers]:
+            for _ in range(50):
+                if not pid_alive(pid):
+                    break
+                time.sleep(0.1)
+            assert not pid_alive(pid), f"process {pid} outlived the server"
+    finally:
+        srv.stop()
