@@ -180,6 +180,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     s.add_argument("--idle-wait", type=float, default=30.0, help="seconds to wait for the server to be idle after")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
+    for action in s._actions:                    # every flag's help says its default
+        if action.option_strings and action.dest != "help" and "default" not in (action.help or ""):
+            action.help = f"{action.help or action.dest.replace('_', ' ')} (default: %(default)s)"
     s.set_defaults(func=cmd_bench_soak)
     return s
 

@@ -8,6 +8,7 @@ GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -302,7 +303,6 @@ class Server:
 
     def make_group(self, prompts: list[tuple[str | None, list[int]]], sp: SamplingParams,
                    prefix: str) -> RequestGroup:
-        import dataclasses
         arrival = time.monotonic()
         seqs, params = [], []
         for p_idx, (_text, ids) in enumerate(prompts):
@@ -352,6 +352,11 @@ class Server:
         if sp.n * len(prompts) > MAX_SEQS_PER_REQUEST:
             raise APIError(400, f"n x prompts = {sp.n * len(prompts)} completions in one request; "
                            f"the limit is {MAX_SEQS_PER_REQUEST}", param="n")
+        if sp.max_tokens is not None and not req.model_fields_set & {"max_tokens", "max_completion_tokens"}:
+            # a default max_tokens (the model's, fdx's chat default, or 16) never asks past the context
+            room = self.max_model_len - max(len(ids) for _, ids in prompts)
+            if sp.max_tokens > room:
+                sp = dataclasses.replace(sp, max_tokens=room)
         sp = security.check_token_budget(sp, [len(ids) for _, ids in prompts], self.max_model_len,
                                          self.sc.max_tokens_per_request)
         group = self.make_group(prompts, sp, rid)
