@@ -502,10 +502,10 @@ def test_closed_health_and_metrics_need_the_key(tmp_path, tiny_model):
                         cache={"num_kv_blocks": 32}, server={"health_access": "key", "metrics_access": "off"})
     try:
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:       # ready: /v1/models answers
+        while time.monotonic() < deadline:       # ready: /health with the key says ok (loading: 503)
             assert srv.proc.poll() is None, srv.log()
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(srv.base_url + "/v1/models", headers=HEADERS, timeout=2).status_code == 200:
+                if httpx.get(srv.base_url + "/health", headers=HEADERS, timeout=2).status_code == 200:
                     break
             time.sleep(0.5)
         r = httpx.get(srv.base_url + "/health")
