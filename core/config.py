@@ -75,6 +75,18 @@ class ServerConfig(_Section):
     access_log: bool = False
 
 
+class SplitwiseConfig(_Section):
+    """Prefill/decode disaggregation (plugins/cache/splitwise.py, docs/deployment.md)."""
+    role: Literal["mixed", "prefill", "decode"] = "mixed"   # flat key: splitwise_role; not mixed: the
+                                               # splitwise KV connector runs (cache.kv_connector)
+    connector_host: str = "127.0.0.1"          # where a decode instance's connector listens (loopback
+                                               # unless told otherwise)
+    connector_port: int = Field(0, ge=0, le=65535)   # required (non-zero) for role decode
+    connector_secret: str | None = None        # shared secret every transfer message must carry
+    transfer_timeout_s: float = Field(30.0, gt=0)    # a transfer step not answered in time fails
+    debug_transfer_delay_s: float = Field(0.0, ge=0)  # test-only: hold each transfer open this long
+
+
 class FdxConfig(_Section):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
@@ -82,6 +94,7 @@ class FdxConfig(_Section):
     backend: BackendConfig = BackendConfig()
     decoding: DecodingConfig = DecodingConfig()
     server: ServerConfig = ServerConfig()
+    splitwise: SplitwiseConfig = SplitwiseConfig()
     seed: int | None = 0
     # plugin settings: {kind: {name: {key: value}}}, handed to that plugin's constructor
     plugins: dict[str, dict[str, dict[str, Any]]] = {}
@@ -116,7 +129,7 @@ class FdxConfig(_Section):
                 for k, (s, f) in FLAT_KEYS.items()}
 
 
-SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "server")
+SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "server", "splitwise")
 
 # flat key -> (section, field); section "" means top level
 FLAT_KEYS: dict[str, tuple[str, str]] = {"seed": ("", "seed")}
@@ -126,6 +139,8 @@ for _s in SECTIONS:
 FLAT_KEYS["backend"] = ("backend", "name")
 FLAT_KEYS["model"] = ("model", "model")
 FLAT_KEYS.pop("name", None)
+FLAT_KEYS.pop("role", None)
+FLAT_KEYS["splitwise_role"] = ("splitwise", "role")
 
 
 def _merge(data: dict[str, Any], key: str, value: Any) -> None:

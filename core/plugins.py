@@ -26,6 +26,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.cache.paged",
     "fdx.plugins.cache.prefix",
     "fdx.plugins.cache.swap",
+    "fdx.plugins.cache.splitwise",
     "fdx.plugins.backends.cpu",
     "fdx.plugins.backends.cuda",
     "fdx.plugins.backends.iluvatar",
