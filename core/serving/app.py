@@ -464,6 +464,12 @@ def build_app(server: Server) -> FastAPI:
             return JSONResponse(error_body("not ready", "service_unavailable"), status_code=503)
         return {"status": "ok"}
 
+    @app.get("/load")
+    async def load():                     # what a router pairs instances by (core/serving/router.py)
+        sw = server.config.splitwise
+        return {"role": sw.role, "connector": f"tcp://{sw.connector_host}:{sw.connector_port}"
+                if sw.role == "decode" else None, "in_flight": len(server.groups), "queued": server.num_queued}
+
     @app.get("/version")
     async def version():
         return {"version": fdx_version()}

@@ -118,9 +118,20 @@ def _splitwise_args(request) -> dict:
     return sw if isinstance(sw, dict) else {}
 
 
+def wire_id(request) -> str:
+    """The id both instances know a request by: ``<transfer_id>-<sequence
+    index>`` when the router named the transfer (each server names its own
+    engine requests ``<its id>-<index>``), else the engine request id."""
+    tid = _splitwise_args(request).get("transfer_id")
+    if not tid:
+        return request.request_id
+    return f"{tid}-{request.request_id.rsplit('-', 1)[-1]}"
+
+
 @dataclass(slots=True)
 class SendJob:
-    request_id: str
+    request_id: str                          # the engine's
+    wire_id: str                             # on the wire
     block_ids: list[int]
     num_tokens: int
     first_token: int
@@ -166,7 +177,7 @@ class SplitwiseConnector(KVConnector):
         self.pending_sends: list[SendJob] = []
         self.pending_loads: dict[str, tuple[list[int], int, int]] = {}
         self.pending_cancels: list[str] = []
-        self.expected: dict[str, float] = {}          # decode: waiting remote-prefill requests -> since
+        self.expected: dict[str, tuple[float, str]] = {}   # decode: waiting requests -> (since, engine id)
         self.offers: dict[str, _OfferState] = {}      # decode: offers received (socket thread writes)
         self.accepted: dict[str, tuple[_OfferState, list[int], int, int, float]] = {}
         self.failed: dict[str, str] = {}
@@ -206,23 +217,23 @@ class SplitwiseConnector(KVConnector):
     def defer_request(self, request) -> bool:
         if not _splitwise_args(request).get("remote_prefill"):
             return False
-        rid, now = request.request_id, time.monotonic()
+        rid, key, now = request.request_id, wire_id(request), time.monotonic()
         with self.lock:
-            self.expected.setdefault(rid, now)
-            st = self.offers.get(rid)
+            since = self.expected.setdefault(key, (now, rid))[0]
+            st = self.offers.get(key)
         if st is None:
-            if now - self.expected[rid] > self.timeout:
+            if now - since > self.timeout:
                 self.failed[rid] = f"splitwise: no KV offer from a prefill instance within {self.timeout:g} s"
             return True
         if self._loadable(request, request.num_computed_tokens, st.offer) <= 0:
             with self.lock:                             # nothing worth loading: computed here
-                self.offers.pop(rid, None)
-            self._reply(st.identity, Accept(PROTOCOL_VERSION, rid, [], 0, 0))
+                self.offers.pop(key, None)
+            self._reply(st.identity, Accept(PROTOCOL_VERSION, key, [], 0, 0))
             return False
         if now - st.arrived > self.reserve_timeout:     # offered, but no blocks freed up in time
             with self.lock:
-                self.offers.pop(rid, None)
-            self._reply(st.identity, Refuse(PROTOCOL_VERSION, rid, "no free KV blocks"))
+                self.offers.pop(key, None)
+            self._reply(st.identity, Refuse(PROTOCOL_VERSION, key, "no free KV blocks"))
             self.failed[rid] = "splitwise: refused: no free KV blocks for the transfer"
             self.counters["splitwise_transfers_failed"] += 1
             return True
@@ -233,50 +244,51 @@ class SplitwiseConnector(KVConnector):
         return min(offer.num_tokens, request.num_prompt_tokens - 1) - num_computed
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
-        st = self.offers.get(request.request_id)
+        st = self.offers.get(wire_id(request))
         if st is None or not _splitwise_args(request).get("remote_prefill"):
             return 0
         return max(0, self._loadable(request, num_computed_tokens, st.offer))
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        rid = request.request_id
+        rid, key = request.request_id, wire_id(request)
         with self.lock:
-            st = self.offers.pop(rid, None)
+            st = self.offers.pop(key, None)
         if st is None:
             return
         start = request.num_computed_tokens
-        self.accepted[rid] = (st, list(block_ids), start, num_external_tokens, time.monotonic())
-        self.pending_loads[rid] = (list(block_ids), start, num_external_tokens)
+        self.accepted[key] = (st, list(block_ids), start, num_external_tokens, time.monotonic(), rid)
+        self.pending_loads[key] = (list(block_ids), start, num_external_tokens)
         if st.offer.first_token >= 0:
             self.first_tokens[rid] = st.offer.first_token
-        self._reply(st.identity, Accept(PROTOCOL_VERSION, rid, list(block_ids), start, num_external_tokens))
+        self._reply(st.identity, Accept(PROTOCOL_VERSION, key, list(block_ids), start, num_external_tokens))
 
     def load_async(self, request) -> bool:
-        return request.request_id in self.accepted
+        return wire_id(request) in self.accepted
 
     def take_failed(self) -> dict[str, str]:
         now = time.monotonic()
-        for rid, (st, _, _, _, since) in list(self.accepted.items()):
+        for st, _, _, _, since, rid in list(self.accepted.values()):
             if now - since > self.timeout:
                 self.failed[rid] = (f"splitwise: the KV transfer from the prefill instance did not complete "
                                     f"within {self.timeout:g} s")
                 self.counters["splitwise_transfers_failed"] += 1
-        out, self.failed = self.failed, {}
+        with self.lock:
+            out, self.failed = self.failed, {}
         return out
 
     # -- scheduler side: both ---------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int]) -> bool:
-        rid = request.request_id
+        rid, key = request.request_id, wire_id(request)
         with self.lock:
-            self.expected.pop(rid, None)
-            st = self.offers.pop(rid, None)
+            self.expected.pop(key, None)
+            st = self.offers.pop(key, None)
         if st is not None:
-            self._reply(st.identity, Refuse(PROTOCOL_VERSION, rid, "the decode request ended"))
-        acc = self.accepted.pop(rid, None)
+            self._reply(st.identity, Refuse(PROTOCOL_VERSION, key, "the decode request ended"))
+        acc = self.accepted.pop(key, None)
         if acc is not None:
-            self.pending_loads.pop(rid, None)
-            self.pending_cancels.append(rid)
-            self._reply(acc[0].identity, Refuse(PROTOCOL_VERSION, rid, "the decode request ended"))
+            self.pending_loads.pop(key, None)
+            self.pending_cancels.append(key)
+            self._reply(acc[0].identity, Refuse(PROTOCOL_VERSION, key, "the decode request ended"))
         first_p = self.first_tokens.pop(rid, None)
         if first_p is not None and request.output_token_ids:
             agree = request.output_token_ids[0] == first_p
@@ -286,7 +298,7 @@ class SplitwiseConnector(KVConnector):
             return False
         n = min(request.num_computed_tokens, request.num_prompt_tokens)
         first = request.output_token_ids[0] if request.output_token_ids else -1
-        self.pending_sends.append(SendJob(rid, list(block_ids), n, int(first), str(peer)))
+        self.pending_sends.append(SendJob(rid, key, list(block_ids), n, int(first), str(peer)))
         return True
 
     def build_connector_meta(self) -> SplitwiseStep:
@@ -337,21 +349,21 @@ class SplitwiseConnector(KVConnector):
             self.loading.pop(rid, None)
         with self.lock:
             arrived, self.arrived = self.arrived, {}
-        for rid, frames in arrived.items():
-            spec = self.loading.pop(rid, None)
-            acc = self.accepted.pop(rid, None)
+        for key, frames in arrived.items():
+            spec = self.loading.pop(key, None)
+            acc = self.accepted.pop(key, None)
             if spec is None or acc is None:
                 continue                                  # the request ended meanwhile
             block_ids, start, n = spec
             self._write(block_ids, start, n, frames)
-            self.done_recving.add(rid)
+            self.done_recving.add(acc[5])
             nbytes = sum(len(f) for f in frames)
             c = self.counters
             c["splitwise_blocks_received"] += -(-(start + n) // self.block_size) - start // self.block_size
             c["splitwise_bytes_received"] += nbytes
             c["splitwise_transfers_received"] += 1
             self._record_time(time.monotonic() - acc[4])
-            self._reply(acc[0].identity, Confirm(PROTOCOL_VERSION, rid))
+            self._reply(acc[0].identity, Confirm(PROTOCOL_VERSION, key))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self.lock:
@@ -392,9 +404,9 @@ class SplitwiseConnector(KVConnector):
         decoder = msgspec.msgpack.Decoder(ToPrefill)
         try:
             sock.connect(job.peer)
-            sock.send(_encoder.encode(Offer(PROTOCOL_VERSION, job.request_id, job.num_tokens, job.first_token,
+            sock.send(_encoder.encode(Offer(PROTOCOL_VERSION, job.wire_id, job.num_tokens, job.first_token,
                                             self.fingerprint or {}, self.secret)))
-            reply = self._await(sock, decoder, job.request_id)
+            reply = self._await(sock, decoder, job.wire_id)
             if isinstance(reply, Accept):
                 if reply.num_tokens == 0:
                     ok = True
@@ -405,10 +417,10 @@ class SplitwiseConnector(KVConnector):
                         self.stop.wait(self.delay)
                     lo, hi = reply.start, reply.start + reply.num_tokens
                     frames = [np.ascontiguousarray(d[:, :, lo:hi]) for d in data]
-                    header = Blocks(PROTOCOL_VERSION, job.request_id, reply.block_ids, reply.start,
+                    header = Blocks(PROTOCOL_VERSION, job.wire_id, reply.block_ids, reply.start,
                                     reply.num_tokens, self.fingerprint or {}, self.secret)
                     sock.send_multipart([_encoder.encode(header), *frames], copy=False)
-                    confirm = self._await(sock, decoder, job.request_id)
+                    confirm = self._await(sock, decoder, job.wire_id)
                     if isinstance(confirm, Confirm):
                         ok = True
                         with self.lock:
@@ -458,6 +470,9 @@ class SplitwiseConnector(KVConnector):
     def _reject(self, identity: bytes | None, rid: str, why: str) -> None:
         with self.lock:
             self.counters["splitwise_messages_rejected"] += 1
+            waiting = self.expected.get(rid)
+            if waiting is not None and rid not in self.accepted:    # its prefill side cannot serve it
+                self.failed[waiting[1]] = f"splitwise: refused: {why}"
         log.warning("splitwise: rejected a message%s: %s", f" for {rid!r}" if rid else "", why)
         if identity is not None:
             self._reply(identity, Refuse(PROTOCOL_VERSION, rid, why))
@@ -521,7 +536,7 @@ class SplitwiseConnector(KVConnector):
         acc = self.accepted.get(rid)
         if acc is None:
             return self._reject(identity, rid, "no reservation for this request id")
-        _, block_ids, start, n, _ = acc
+        _, block_ids, start, n, _, _ = acc
         if msg.block_ids != block_ids or msg.start != start or msg.num_tokens != n:
             return self._reject(identity, rid, "block ids or token counts differ from the reservation")
         want = 2 * self.spec.num_kv_heads * n * self.spec.head_dim * self.dtype.itemsize
