@@ -195,3 +195,29 @@ def test_a_dead_peer_frees_the_prefill_blocks_and_a_missing_offer_ends_the_reque
     r = run(dec)[(id(dec), "d1")]
     assert r.status is RequestStatus.FINISHED_ABORTED and "no KV offer" in r.stop_reason
     assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
+
+
+def test_the_deployment_page_configs_are_valid(tmp_path):
+    import pathlib
+    import re
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "deployment.md").read_text()
+    configs = re.findall(r"`(\w+\.yaml)` on host \w:\n\n```yaml\n(.*?)```", page, re.S)
+    assert [name for name, _ in configs] == ["prefill.yaml", "decode.yaml"]
+    roles = []
+    for name, text in configs:
+        (tmp_path / name).write_text(text)
+        roles.append(FdxConfig.build(str(tmp_path / name)).splitwise.role)
+    assert roles == ["prefill", "decode"]
+    assert FdxConfig.build(splitwise_role="decode").splitwise.role == "decode"
+
+
+def test_decode_role_needs_a_port_and_bad_settings_name_the_key(tiny_checkpoints):
+    from fdx.core.config import ConfigError
+    model = str(tiny_checkpoints["LlamaForCausalLM"][0])
+    with pytest.raises(ConfigError, match="connector_port"):
+        EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="decode"), progress=False)
+    with pytest.raises(ConfigError, match="plugins.connector.splitwise.*bogus"):
+        EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="prefill",
+                                   plugins={"connector": {"splitwise": {"bogus": 1}}}), progress=False)
+    with pytest.raises(ConfigError, match="splitwise.role"):
+        FdxConfig.build(splitwise_role="both")
