@@ -47,6 +47,8 @@ class SchedulerConfig(_Section):
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)  # None: 2048, or max_model_len unchunked
     enable_chunked_prefill: bool = True
+    request_scheduler: str = "local"           # request-level scheduler plugin: local (this engine) or
+                                               # global (a Redis queue shared by instances, docs/deployment.md)
 
 
 class BackendConfig(_Section):

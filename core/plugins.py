@@ -23,6 +23,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.schedulers.v0",
     "fdx.plugins.schedulers.v1",
     "fdx.plugins.schedulers.policies",
+    "fdx.plugins.schedulers.global_redis",
     "fdx.plugins.cache.paged",
     "fdx.plugins.cache.prefix",
     "fdx.plugins.cache.swap",

@@ -208,6 +208,9 @@ def test_the_deployment_page_configs_are_valid(tmp_path):
         (tmp_path / name).write_text(text)
         roles.append(FdxConfig.build(str(tmp_path / name)).splitwise.role)
     assert roles == ["prefill", "decode"]
+    for i, text in enumerate(re.findall(r"```yaml\n(.*?)```", page, re.S)):   # the global scheduler's too
+        (tmp_path / f"{i}.yaml").write_text(text)
+        FdxConfig.build(str(tmp_path / f"{i}.yaml"))
     assert FdxConfig.build(splitwise_role="decode").splitwise.role == "decode"
 
 

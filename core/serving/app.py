@@ -166,6 +166,9 @@ class Server:
         self.model_name = self.names[0]
         self.metrics = ServerMetrics(self.model_name)
         self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
+        if config.scheduler.request_scheduler != "local":     # requests go through a shared queue
+            from fdx.core.serving.request_scheduler import wrap_engine
+            self.engine = wrap_engine(config, self.engine, self.metrics)
         self.tokenizer = None
         self.render: Renderer | None = None
         self.max_model_len = 0
