@@ -241,6 +241,8 @@ class SchedulingCore:
             return True
         if self.connector is not None and self.connector.defer_request(request):
             return False
+        if self.recving and len(self.running) + len(self.recving) >= self.max_num_seqs:
+            return False                       # loading requests will run: they count
         if not self.ext.admission_rules:
             return True
         state = self.state()

@@ -17,7 +17,7 @@ from fdx.core.config import FdxConfig
 from fdx.core.engine import EngineCore
 from fdx.core.request import RequestStatus
 from fdx.core.sampling_params import SamplingParams
-from fdx.plugins.cache.splitwise import PROTOCOL_VERSION, Accept, Blocks, Offer, Refuse
+from fdx.plugins.cache.splitwise import PROTOCOL_VERSION, Accept, Blocks, Offer, Refuse, sign
 
 SECRET = "s3cret"
 MAX_TOKENS = 6
@@ -129,17 +129,17 @@ def test_bad_messages_are_refused_and_the_connector_keeps_working(engines):
     cases = {
         "garbage": [b"\x00\xffnot msgpack at all"],
         "not a splitwise message": [enc({"hello": "world"})],
-        "version": [enc(Offer(PROTOCOL_VERSION + 1, "x", 4, 1, fp, SECRET))],
-        "secret": [enc(Offer(PROTOCOL_VERSION, "x", 4, 1, fp, "wrong"))],
-        "layout": [enc(Offer(PROTOCOL_VERSION, "x", 4, 1, {**fp, "head_dim": 999}, SECRET))],
-        "no reservation": [enc(Blocks(PROTOCOL_VERSION, "x", [0], 0, 4, fp, SECRET)), b"\0" * 8],
-        "tokens": [enc(Offer(PROTOCOL_VERSION, "x", -3, 1, fp, SECRET))],
+        "version": [enc(Offer(PROTOCOL_VERSION + 1, "x", 4, 1, fp, sign(SECRET, "offer", "x")))],
+        "secret": [enc(Offer(PROTOCOL_VERSION, "x", 4, 1, fp, sign("wrong", "offer", "x")))],
+        "layout": [enc(Offer(PROTOCOL_VERSION, "x", 4, 1, {**fp, "head_dim": 999}, sign(SECRET, "offer", "x")))],
+        "no reservation": [enc(Blocks(PROTOCOL_VERSION, "x", [0], 0, 4, fp, sign(SECRET, "blocks", "x"))), b"\0" * 8],
+        "tokens": [enc(Offer(PROTOCOL_VERSION, "x", -3, 1, fp, sign(SECRET, "offer", "x")))],
     }
     for what, frames in cases.items():
         reply = _ask(peer, frames)
         assert isinstance(reply, Refuse), (what, reply)
     # a well-formed offer for a request this instance never saw: refused after the grace period
-    reply = _ask(peer, [enc(Offer(PROTOCOL_VERSION, "nobody", 4, 1, fp, SECRET))], timeout_ms=8000)
+    reply = _ask(peer, [enc(Offer(PROTOCOL_VERSION, "nobody", 4, 1, fp, sign(SECRET, "offer", "nobody")))], timeout_ms=8000)
     assert isinstance(reply, Refuse) and "unknown request id" in reply.reason
 
     # a real reservation, then a truncated and a wrong-shape payload: both refused, and the
@@ -152,7 +152,7 @@ def test_bad_messages_are_refused_and_the_connector_keeps_working(engines):
     s.setsockopt(zmq.LINGER, 0)
     s.connect(peer)
     try:
-        s.send(enc(Offer(PROTOCOL_VERSION, "t0", len(prompt), 1, fp, SECRET)))
+        s.send(enc(Offer(PROTOCOL_VERSION, "t0", len(prompt), 1, fp, sign(SECRET, "offer", "t0"))))
         deadline = time.monotonic() + 10
         while not s.poll(1):
             assert time.monotonic() < deadline
@@ -161,7 +161,8 @@ def test_bad_messages_are_refused_and_the_connector_keeps_working(engines):
         assert isinstance(acc, Accept) and acc.num_tokens == len(prompt) - 1
         assert dec.kv_cache.num_free_blocks < dec.kv_cache.num_blocks        # reserved
         frame = np.zeros((2, 2, acc.num_tokens, 16), np.float32).tobytes()
-        head = enc(Blocks(PROTOCOL_VERSION, "t0", acc.block_ids, acc.start, acc.num_tokens, fp, SECRET))
+        head = enc(Blocks(PROTOCOL_VERSION, "t0", acc.block_ids, acc.start, acc.num_tokens, fp,
+                             sign(SECRET, "blocks", "t0")))
         for frames in ([head, frame, frame[:-4]], [head, frame], [head, frame, frame, frame]):
             s.send_multipart(frames)
             while not s.poll(1):

@@ -33,8 +33,11 @@ frame per layer keeps each buffer a contiguous slice that the receiver
 checks on its own (its size against the fingerprint) before writing any.
 
 Every header is a tagged msgspec struct in msgpack (never pickle) carrying
-``v`` (``PROTOCOL_VERSION``) and the shared secret (``connector_secret``);
-anything that does not decode, has another version, a wrong secret, an
+``v`` (``PROTOCOL_VERSION``) and ``auth``: an HMAC-SHA256 of the message
+kind and request id under the shared secret (``connector_secret``), so the
+secret itself never travels (a prefill instance sends to whatever address
+its request names: only the router should reach its API). Anything that
+does not decode, has another version, a wrong ``auth``, an
 unknown request id, block ids or counts other than those reserved, or a
 fingerprint (layers, KV heads, head dim, dtype, model name) other than the
 receiver's is refused and logged; the connector keeps running. A step not
@@ -44,6 +47,7 @@ error and frees its blocks.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import queue
@@ -75,7 +79,7 @@ class Offer(msgspec.Struct, tag="offer"):
     num_tokens: int                          # tokens whose KV the prefill side holds
     first_token: int                         # the token the prefill side sampled
     fingerprint: dict[str, str | int]
-    secret: str = ""
+    auth: str = ""                           # sign(secret, kind, request_id)
 
 
 class Blocks(msgspec.Struct, tag="blocks"):
@@ -85,7 +89,7 @@ class Blocks(msgspec.Struct, tag="blocks"):
     start: int
     num_tokens: int
     fingerprint: dict[str, str | int]
-    secret: str = ""
+    auth: str = ""                           # sign(secret, kind, request_id)
 
 
 class Accept(msgspec.Struct, tag="accept"):
@@ -110,6 +114,11 @@ class Confirm(msgspec.Struct, tag="confirm"):
 ToDecode = Offer | Blocks
 ToPrefill = Accept | Refuse | Confirm
 _encoder = msgspec.msgpack.Encoder()
+
+
+def sign(secret: str, kind: str, request_id: str) -> str:
+    """The ``auth`` of an Offer ("offer") or Blocks ("blocks") message."""
+    return hmac.new(secret.encode(), f"fdx-splitwise:{kind}:{request_id}".encode(), hashlib.sha256).hexdigest()
 
 
 def _splitwise_args(request) -> dict:
@@ -405,7 +414,7 @@ class SplitwiseConnector(KVConnector):
         try:
             sock.connect(job.peer)
             sock.send(_encoder.encode(Offer(PROTOCOL_VERSION, job.wire_id, job.num_tokens, job.first_token,
-                                            self.fingerprint or {}, self.secret)))
+                                            self.fingerprint or {}, sign(self.secret, "offer", job.wire_id))))
             reply = self._await(sock, decoder, job.wire_id)
             if isinstance(reply, Accept):
                 if reply.num_tokens == 0:
@@ -418,7 +427,8 @@ class SplitwiseConnector(KVConnector):
                     lo, hi = reply.start, reply.start + reply.num_tokens
                     frames = [np.ascontiguousarray(d[:, :, lo:hi]) for d in data]
                     header = Blocks(PROTOCOL_VERSION, job.wire_id, reply.block_ids, reply.start,
-                                    reply.num_tokens, self.fingerprint or {}, self.secret)
+                                    reply.num_tokens, self.fingerprint or {},
+                                    sign(self.secret, "blocks", job.wire_id))
                     sock.send_multipart([_encoder.encode(header), *frames], copy=False)
                     confirm = self._await(sock, decoder, job.wire_id)
                     if isinstance(confirm, Confirm):
@@ -516,7 +526,8 @@ class SplitwiseConnector(KVConnector):
         rid = msg.request_id
         if msg.v != PROTOCOL_VERSION:
             return self._reject(identity, rid, f"protocol version {msg.v}, expected {PROTOCOL_VERSION}")
-        if not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+        kind = "offer" if isinstance(msg, Offer) else "blocks"
+        if not hmac.compare_digest(msg.auth.encode(), sign(self.secret, kind, rid).encode()):
             return self._reject(identity, rid, "wrong or missing connector secret")
         if self.fingerprint is not None and msg.fingerprint != self.fingerprint:
             diff = sorted(k for k in set(msg.fingerprint) | set(self.fingerprint)
