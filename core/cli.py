@@ -10,6 +10,7 @@ import sys
 from fdx.core.bench import serve as bench_serve
 from fdx.core.serving import cli as serve_cli
 from fdx.core.bench import guided as bench_guided
+from fdx.core.serving import router as router_cli
 from fdx.core.bench import prefix as bench_prefix
 from fdx.core.bench import soak as bench_soak
 from fdx.core.config import FLAT_KEYS, ConfigError
@@ -190,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plugins)
 
     serve_cli.add_parser(sub)
+    router_cli.add_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)

@@ -47,6 +47,8 @@ class SchedulerConfig(_Section):
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)  # None: 2048, or max_model_len unchunked
     enable_chunked_prefill: bool = True
+    request_scheduler: str = "local"           # request-level scheduler plugin: local (this engine) or
+                                               # global (a Redis queue shared by instances, docs/deployment.md)
 
 
 class BackendConfig(_Section):
@@ -98,6 +100,18 @@ class ServerConfig(_Section):
         return self
 
 
+class SplitwiseConfig(_Section):
+    """Prefill/decode disaggregation (plugins/cache/splitwise.py, docs/deployment.md)."""
+    role: Literal["mixed", "prefill", "decode"] = "mixed"   # flat key: splitwise_role; not mixed: the
+                                               # splitwise KV connector runs (cache.kv_connector)
+    connector_host: str = "127.0.0.1"          # where a decode instance's connector listens (loopback
+                                               # unless told otherwise)
+    connector_port: int = Field(0, ge=0, le=65535)   # required (non-zero) for role decode
+    connector_secret: str | None = None        # shared secret every transfer message must carry
+    transfer_timeout_s: float = Field(30.0, gt=0)    # a transfer step not answered in time fails
+    debug_transfer_delay_s: float = Field(0.0, ge=0)  # test-only: hold each transfer open this long
+
+
 class FdxConfig(_Section):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
@@ -106,6 +120,7 @@ class FdxConfig(_Section):
     decoding: DecodingConfig = DecodingConfig()
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
+    splitwise: SplitwiseConfig = SplitwiseConfig()
     seed: int | None = 0
     # plugin settings: {kind: {name: {key: value}}}, handed to that plugin's constructor
     plugins: dict[str, dict[str, dict[str, Any]]] = {}
@@ -140,7 +155,7 @@ class FdxConfig(_Section):
                 for k, (s, f) in FLAT_KEYS.items()}
 
 
-SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server")
+SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "splitwise")
 
 # flat key -> (section, field); section "" means top level
 FLAT_KEYS: dict[str, tuple[str, str]] = {"seed": ("", "seed")}
@@ -150,6 +165,8 @@ for _s in SECTIONS:
 FLAT_KEYS["backend"] = ("backend", "name")
 FLAT_KEYS["model"] = ("model", "model")
 FLAT_KEYS.pop("name", None)
+FLAT_KEYS.pop("role", None)
+FLAT_KEYS["splitwise_role"] = ("splitwise", "role")
 
 
 def _merge(data: dict[str, Any], key: str, value: Any) -> None:

@@ -93,7 +93,8 @@ class EngineCore:
         when one is unknown). Backend-chosen parts once a backend is set."""
         sc, dc, cc = config.scheduler, config.decoding, config.cache
         pick = self._pick
-        connector = cc.kv_connector or ("swap" if cc.swap_dir or cc.swap_max_blocks else None)
+        connector = cc.kv_connector or ("splitwise" if config.splitwise.role != "mixed" else None) or (
+            "swap" if cc.swap_dir or cc.swap_max_blocks else None)
         builtin = self.plugins.builtin_names("logits_processor")
         processors = builtin + [n for n in dc.logits_processors if n not in builtin]
         parts = {

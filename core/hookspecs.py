@@ -58,8 +58,9 @@ def fdx_register_preemption_policies(register: Register) -> None:
 def fdx_register_schedulers(register: Register) -> None:
     """Register request-level schedulers (queues across engine instances).
 
-    Called once at start-up. No built-in yet: the global (Redis) scheduler
-    of the scale-out issue is its first consumer."""
+    Called once at start-up. Built-ins: ``local`` and ``global`` (Redis),
+    picked by ``scheduler.request_scheduler``; the contract is in
+    core/serving/request_scheduler.py."""
 
 
 @hookspec

@@ -239,8 +239,10 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         """Tokens past ``num_computed_tokens`` (the local prefix hit) that the
-        external store holds for the request: a multiple of block_size, and
-        leaving the request's last token to compute. No side effects."""
+        external store holds for the request: a multiple of block_size (a
+        connector that moves whole requests, as splitwise, may end inside a
+        block), and leaving the request's last token to compute. No side
+        effects."""
 
     @abc.abstractmethod
     def update_state_after_alloc(self, request: "Request", block_ids: list[int],
@@ -259,6 +261,28 @@ class KVConnector(abc.ABC):
         keep its blocks until the runner side reports the id in
         ``get_finished``'s first set. Default: False."""
         return False
+
+    # -- scheduler side, for KV that arrives from another instance (splitwise) ----
+    def defer_request(self, request: "Request") -> bool:
+        """True: leave this waiting request in the queue this step, because its
+        KV will come from elsewhere and is not offered yet (asked before
+        ``get_num_new_matched_tokens``; the connector bounds the wait and
+        ends the request through ``take_failed``). Default: False."""
+        return False
+
+    def load_async(self, request: "Request") -> bool:
+        """Asked right after ``update_state_after_alloc``. True: the matched
+        tokens load in the background; the scheduler keeps the request out of
+        every batch (holding its blocks) until the runner side reports its id
+        in ``get_finished``'s second set. Default: False (loaded in
+        ``start_load_kv`` before the forward)."""
+        return False
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests whose external KV will never come: request id -> reason.
+        The scheduler ends each (aborted, with the reason as stop_reason) and
+        frees its blocks. Called once a step; resets. Default: none."""
+        return {}
 
     # -- runner side ------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list, layout: "KVCacheSpec") -> None:

@@ -155,6 +155,7 @@ class SchedulingCore:
         self.running: list[Request] = []
         self.rejected: list[Request] = []
         self.held: dict[str, Request] = {}          # finished, blocks kept for a connector transfer
+        self.recving: dict[str, Request] = {}       # admitted, blocks held, KV loading in the background
         self.in_runner: dict[str, int] = {}         # request id -> blocks of its table the runner has
         self.left_runner: list[str] = []            # ids for the next finished_req_ids
         self.preempted_ids: list[str] = []
@@ -180,10 +181,12 @@ class SchedulingCore:
                 self.running.remove(req)
                 break
         else:
-            req = next((r for r in self.waiting if r.request_id == request_id), None)
+            req = self.recving.pop(request_id, None)
             if req is None:
-                return None
-            self.waiting.remove(req)
+                req = next((r for r in self.waiting if r.request_id == request_id), None)
+                if req is None:
+                    return None
+                self.waiting.remove(req)
         req.status = RequestStatus.FINISHED_ABORTED
         req.finished_time = time.monotonic()
         self.release(req)
@@ -194,13 +197,26 @@ class SchedulingCore:
         return out
 
     def requests(self) -> list[Request]:
-        return [*self.running, *self.waiting]
+        return [*self.running, *self.recving.values(), *self.waiting]
+
+    def fail_external(self) -> None:
+        """End the requests whose external KV will never come (the connector's
+        ``take_failed``): aborted with the reason, blocks freed, reported
+        with the rejected ones."""
+        if self.connector is None:
+            return
+        for rid, reason in self.connector.take_failed().items():
+            req = self.abort(rid)
+            if req is not None:
+                req.stop_reason = reason
+                self.rejected.append(req)
 
     # -- a step -----------------------------------------------------------------
     def begin_step(self) -> SchedulerOutput:
         """A new, empty SchedulerOutput; ``preempted_ids`` now lists only
         this step's preemptions."""
         self.step += 1
+        self.fail_external()
         self.waiting.reorder()
         return SchedulerOutput(step=self.step)
 
@@ -223,6 +239,10 @@ class SchedulingCore:
         """The admission rules' verdict (preempted requests are not asked)."""
         if request.num_preemptions and request in self.waiting.preempted:
             return True
+        if self.connector is not None and self.connector.defer_request(request):
+            return False
+        if self.recving and len(self.running) + len(self.recving) >= self.max_num_seqs:
+            return False                       # loading requests will run: they count
         if not self.ext.admission_rules:
             return True
         state = self.state()
@@ -253,10 +273,13 @@ class SchedulingCore:
             self.connector.update_state_after_alloc(request, self.kv_cache.block_table(request.request_id),
                                                     external)
         request.num_computed_tokens = hit.num_tokens + external
-        request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
             request.num_cached_tokens = request.num_computed_tokens
+        if external and self.connector is not None and self.connector.load_async(request):
+            self.recving[request.request_id] = request    # schedule_request skips it until loaded
+            return True
+        request.status = RequestStatus.RUNNING
         self.running.append(request)
         return True
 
@@ -298,8 +321,11 @@ class SchedulingCore:
         self.kv_cache.free(request)
 
     def schedule_request(self, out: SchedulerOutput, request: Request, num_new_tokens: int) -> None:
-        """Add a running request whose blocks cover its new tokens to the step."""
+        """Add a running request whose blocks cover its new tokens to the step
+        (a request whose KV is still loading in the background is skipped)."""
         rid = request.request_id
+        if rid in self.recving:
+            return
         table = self.kv_cache.block_table(rid)
         sent = self.in_runner.get(rid)
         if sent is None:
@@ -318,6 +344,11 @@ class SchedulingCore:
             req = self.held.pop(rid, None)
             if req is not None:
                 self.kv_cache.free(req)
+        for rid in runner_output.finished_recving:
+            req = self.recving.pop(rid, None)
+            if req is not None:                           # loaded: it joins the batch next step
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
         by_id = {r.request_id: r for r in self.running}
         changed, recomputed = [], 0
         for rid, n in out.num_scheduled_tokens.items():

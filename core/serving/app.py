@@ -173,6 +173,9 @@ class Server:
         self.model_name = self.names[0]
         self.metrics = ServerMetrics(self.model_name)
         self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
+        if config.scheduler.request_scheduler != "local":     # requests go through a shared queue
+            from fdx.core.serving.request_scheduler import wrap_engine
+            self.engine = wrap_engine(config, self.engine, self.metrics)
         self.tokenizer = None
         self.render: Renderer | None = None
         self.guided: GuidedDecoding | None = None      # the API process's compile cache (validation)
@@ -527,6 +530,12 @@ def build_app(server: Server) -> FastAPI:
             return JSONResponse(error_body("loading" if server.loading else "not ready", "service_unavailable",
                                            code="loading" if server.loading else None), status_code=503)
         return {"status": "ok"}
+
+    @app.get("/load")
+    async def load():                     # what a router pairs instances by (core/serving/router.py)
+        sw = server.config.splitwise
+        return {"role": sw.role, "connector": f"tcp://{sw.connector_host}:{sw.connector_port}"
+                if sw.role == "decode" else None, "in_flight": len(server.groups), "queued": server.num_queued}
 
     @app.get("/version")
     async def version():

@@ -40,6 +40,7 @@ class EngineLoop:
 
     IDLE_POLL_MS = 500
     TERM_GRACE_S = 3.0      # after a SIGTERM of its own, wait this long for the API's shutdown message
+    WAIT_POLL_MS = 2
 
     def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None = None):
         self.engine = engine
@@ -47,6 +48,7 @@ class EngineLoop:
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.num_sent: dict[str, int] = {}       # request id -> tokens already sent
+        self.last_free = -1                      # free KV blocks in the last stats sent
         self.running = True
         self.last_round = time.monotonic()       # read by the heartbeat thread
         self.num_rejected = 0                    # inbox messages that were not engine messages
@@ -74,7 +76,11 @@ class EngineLoop:
                 break
             if eng.has_unfinished():
                 changed = eng.step()
-                self._send(changed, eng.last_stats.num_preempted, eng.last_stats)
+                if (changed or eng.last_stats.num_scheduled_tokens or touched
+                        or eng.kv_cache.num_free_blocks != self.last_free):
+                    self._send(changed, eng.last_stats.num_preempted, eng.last_stats)
+                else:                             # only waiting on a KV transfer: do not spin
+                    self.inbox.poll(self.WAIT_POLL_MS)
             elif touched:
                 self._send([], 0)                 # aborts freed blocks: publish the stats
 
@@ -155,6 +161,7 @@ class EngineLoop:
     def _stats(self, num_preempted: int, step=None) -> EngineStats:
         eng = self.engine
         kv = eng.kv_cache
+        self.last_free = int(kv.num_free_blocks)
         try:
             stats = dict(kv.stats() or {})
             if eng.connector is not None:

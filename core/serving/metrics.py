@@ -54,6 +54,7 @@ class ServerMetrics:
         self.engine_rss = gauge("fdx:engine_resident_memory_bytes",
                                 "Resident memory of the engine process (from its last heartbeat).")
         self._prefix = None                     # created when the KV cache reports prefix counters
+        self._splitwise = None                  # created when the splitwise connector reports
         self._prefix_last = (0.0, 0.0)
 
     def observe_engine(self, stats) -> None:
@@ -70,6 +71,11 @@ class ServerMetrics:
         cs = stats.cache_stats
         if "prefix_cache_queries" in cs and "prefix_cache_hits" in cs:
             self._observe_prefix(cs["prefix_cache_queries"], cs["prefix_cache_hits"])
+        if "splitwise_transfers_failed" in cs:
+            if self._splitwise is None:
+                self._splitwise = SplitwiseCollector(self.labels)
+                self.registry.register(self._splitwise)
+            self._splitwise.stats = dict(cs)
 
     def _observe_prefix(self, queries: float, hits: float) -> None:
         if self._prefix is None:
@@ -118,3 +124,41 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SplitwiseCollector:
+    """The splitwise connector's counters (plugins/cache/splitwise.py), as the
+    engine reports them: blocks and bytes moved, transfers, failures,
+    rejected messages, and the transfer time histogram."""
+
+    COUNTERS = {"blocks_sent": "KV blocks sent to decode instances.",
+                "bytes_sent": "KV bytes sent to decode instances.",
+                "blocks_received": "KV blocks received from prefill instances.",
+                "bytes_received": "KV bytes received from prefill instances.",
+                "transfers_sent": "KV transfers completed, prefill side.",
+                "transfers_received": "KV transfers completed, decode side.",
+                "transfers_failed": "KV transfers failed (refused, timed out, peer gone).",
+                "messages_rejected": "Connector messages rejected (malformed, wrong version, secret or shape).",
+                "first_token_agree": "Decode-side first tokens equal to the prefill side's.",
+                "first_token_differ": "Decode-side first tokens different from the prefill side's."}
+
+    def __init__(self, labels: dict):
+        self.labels = labels
+        self.stats: dict[str, float] = {}
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        names, values = list(self.labels), list(self.labels.values())
+        st = self.stats
+        for key, doc in self.COUNTERS.items():
+            c = CounterMetricFamily(f"fdx:splitwise_{key}", doc, labels=names)
+            c.add_metric(values, st.get(f"splitwise_{key}", 0.0))
+            yield c
+        prefix = "splitwise_transfer_seconds_le_"
+        buckets = sorted((float(k[len(prefix):]), v) for k, v in st.items() if k.startswith(prefix))
+        h = HistogramMetricFamily("fdx:splitwise_transfer_seconds", "KV transfer time, reservation to confirm.",
+                                  labels=names)
+        h.add_metric(values, [(f"{le:g}", v) for le, v in buckets]
+                     + [("+Inf", st.get("splitwise_transfer_seconds_count", 0.0))],
+                     sum_value=st.get("splitwise_transfer_seconds_sum", 0.0))
+        yield h

@@ -57,7 +57,7 @@ class V1ResourceManager(ResourceManager):
 
     def has_unfinished(self) -> bool:
         # finished requests whose blocks a connector still holds keep the engine stepping
-        return bool(self.core.running or self.core.waiting or self.core.held)
+        return bool(self.core.running or self.core.waiting or self.core.held or self.core.recving)
 
     # -- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

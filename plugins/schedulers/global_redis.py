@@ -1,0 +1,382 @@
+"""Request-level schedulers: ``local`` (this server's engine) and ``global``:
+several instances share one request queue and their results over Redis.
+
+``scheduler.request_scheduler: global`` with settings under ``plugins:
+{scheduler: {global: {url: redis://host:6379/0, ...}}}``. Each server that
+receives an HTTP request pushes a job to ``<prefix>:queue``; every instance
+pulls jobs while it has fewer than ``scheduler.max_num_seqs`` of them in its
+engine (a reliable queue: ``BLMOVE`` into ``<prefix>:processing:<instance>``),
+runs them, and pushes the token deltas to ``<prefix>:results:<origin>``,
+which the receiving server reads and streams. Messages are msgpack
+(msgspec), never pickle.
+
+Faults:
+- an instance that dies stops refreshing ``<prefix>:alive:<instance>``
+  (``heartbeat_s`` x 3); any other instance then moves its jobs back to the
+  queue, where another pulls them (the receiving server skips the tokens it
+  already streamed, checking they are the same: greedy and seeded requests
+  continue seamlessly, an unseeded sampled one that diverges ends with an
+  error). After ``max_attempts`` a job fails with an error instead.
+- a server stopped with SIGTERM hands its jobs back to the queue at once.
+- a request with no news for ``ttl_s`` (its job lost: Redis restarted
+  without persistence, or every instance is gone) ends with an error (503).
+  Redis going away is retried every half second; jobs already in an engine
+  finish and their results are delivered once Redis is back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+
+import msgspec
+
+from fdx.core.hookspecs import hookimpl
+from fdx.core.serving.engine_client import EngineDeadError
+from fdx.core.serving.messages import EngineRejected, SeqDelta
+
+log = logging.getLogger("fdx.scheduler.global")
+
+
+class Job(msgspec.Struct, tag="job"):
+    request_id: str
+    origin: str                          # the instance whose client waits for it
+    prompt_token_ids: list[int]
+    params: dict
+
+
+class Result(msgspec.Struct, tag="result"):
+    request_id: str
+    attempt: int                         # a retried job's deltas restart at offset 0
+    offset: int                          # index of token_ids[0] in the output
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list | None = None
+    num_cached_tokens: int = 0
+    queue_time_s: float | None = None
+    error: str | None = None             # rejected by the engine (a 400)
+    fatal: str | None = None             # cannot be served (a 503)
+
+
+_enc = msgspec.msgpack.Encoder()
+_job_dec = msgspec.msgpack.Decoder(Job)
+_res_dec = msgspec.msgpack.Decoder(Result)
+
+SETTINGS = {"url", "prefix", "ttl_s", "heartbeat_s", "max_attempts", "instance_id"}
+
+
+class LocalScheduler:
+    """The default: requests run in this server's engine (no wrapping)."""
+    local = True
+
+
+class _Pending:
+    __slots__ = ("callback", "tokens", "attempt", "last", "raw")
+
+    def __init__(self, callback, raw: bytes):
+        self.callback, self.raw = callback, raw
+        self.tokens: list[int] = []
+        self.attempt = 0
+        self.last = time.monotonic()
+
+
+class GlobalScheduler:
+    def __init__(self, config, engine, metrics, settings: dict):
+        bad = set(settings) - SETTINGS
+        if bad:
+            raise ValueError(f"unknown setting {sorted(bad)[0]!r}; known: {', '.join(sorted(SETTINGS))}")
+        try:
+            import redis.asyncio  # noqa: F401
+        except ImportError:
+            raise ValueError("the global scheduler needs the redis client: pip install 'fdx[scaleout]'") from None
+        self.local = engine
+        self.config = config
+        self.url = str(settings.get("url", "redis://127.0.0.1:6379/0"))
+        self.prefix = str(settings.get("prefix", "fdx"))
+        self.ttl = float(settings.get("ttl_s", 60.0))
+        self.heartbeat = float(settings.get("heartbeat_s", 1.0))
+        self.max_attempts = int(settings.get("max_attempts", 3))
+        if self.ttl <= 0 or self.heartbeat <= 0 or self.max_attempts < 1:
+            raise ValueError("ttl_s and heartbeat_s must be positive, max_attempts at least 1")
+        self.id = str(settings.get("instance_id") or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
+        self.capacity = config.scheduler.max_num_seqs
+        self.pending: dict[str, _Pending] = {}         # origin side: requests this server received
+        self.running: dict[str, tuple[bytes, Job, int, int]] = {}   # executor: id -> (raw, job, attempt, sent)
+        self.outbox: asyncio.Queue = asyncio.Queue()   # executor: results to publish, in order
+        self.tasks: list[asyncio.Task] = []
+        self.stopping = False
+        self._metrics(metrics)
+
+    def _metrics(self, metrics) -> None:
+        from prometheus_client import Counter, Gauge
+        lab, r = ["model_name"], metrics.registry
+        self.m_queue = Gauge("fdx:global_queue_length", "Jobs waiting in the global (Redis) queue.", lab,
+                             registry=r).labels(**metrics.labels)
+        self.m_pulls = Counter("fdx:global_pulls", "Jobs this instance pulled from the global queue.", lab,
+                               registry=r).labels(**metrics.labels)
+        self.m_requeued = Counter("fdx:global_requeued", "Jobs of dead instances put back in the queue.", lab,
+                                  registry=r).labels(**metrics.labels)
+
+    def k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self):
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError, TimeoutError
+        ready = await self.local.start()
+        # a dropped connection (Redis restarted) is retried on a fresh one, a few times
+        self.r = aioredis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2,
+                                   retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
+                                   retry_on_error=[ConnectionError, TimeoutError])
+        try:
+            await self.r.ping()
+        except Exception as e:
+            await self.local.shutdown()
+            raise EngineDeadError(f"the global scheduler cannot reach Redis at {self.url}: {e}") from None
+        self.tasks = [asyncio.create_task(f()) for f in (self._pull, self._read, self._publish, self._watch)]
+        return ready
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Hand the jobs this instance holds back to the queue, then stop."""
+        self.stopping = True
+        for t in self.tasks:
+            t.cancel()
+        try:
+            await self._drain_outbox()
+            for rid in list(self.running):
+                raw = self.running.pop(rid)[0]
+                await self.r.lrem(self.k("processing", self.id), 1, raw)
+                await self.r.lpush(self.k("queue"), raw)
+            await self.r.delete(self.k("alive", self.id))
+        except Exception as e:
+            log.warning("global scheduler: could not hand jobs back: %s", e)
+        await self.local.shutdown(timeout)
+        try:
+            await self.r.aclose()
+        except Exception:
+            pass
+
+    # -- the origin side ------------------------------------------------------------------
+    def add(self, request_id, prompt_token_ids, params, callback) -> None:
+        if self.local.dead or self.stopping:
+            raise EngineDeadError("the engine is not running")
+        raw = _enc.encode(Job(request_id, self.id, list(prompt_token_ids), params))
+        self.pending[request_id] = _Pending(callback, raw)
+        asyncio.get_running_loop().create_task(self._push(request_id, raw))
+
+    async def _push(self, rid: str, raw: bytes) -> None:
+        try:
+            await self.r.rpush(self.k("queue"), raw)
+        except Exception as e:
+            p = self.pending.pop(rid, None)
+            if p is not None:
+                p.callback(EngineDeadError(f"the global scheduler cannot reach Redis: {e}"))
+
+    def abort(self, request_ids) -> None:
+        live = [rid for rid in request_ids if self.pending.pop(rid, None) is not None]
+        if live:
+            asyncio.get_running_loop().create_task(self._abort(live))
+
+    async def _abort(self, ids: list[str]) -> None:
+        try:
+            pipe = self.r.pipeline()
+            for rid in ids:
+                pipe.set(self.k("abort", rid), 1, ex=int(self.ttl) + 1)
+            await pipe.execute()
+        except Exception as e:
+            log.warning("global scheduler: abort not recorded: %s", e)
+
+    def finished(self, request_id) -> None:
+        self.pending.pop(request_id, None)
+
+    async def _read(self) -> None:
+        key = self.k("results", self.id)
+        while True:
+            try:
+                item = await self.r.blpop([key], timeout=0.5)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("global scheduler: results: %s", e)
+                await asyncio.sleep(0.5)
+                item = None
+            if item is not None:
+                try:
+                    self._deliver(_res_dec.decode(item[1]))
+                except msgspec.DecodeError as e:
+                    log.warning("global scheduler: dropped an undecodable result: %s", e)
+            now = time.monotonic()
+            for rid, p in list(self.pending.items()):
+                if now - p.last > self.ttl:
+                    del self.pending[rid]
+                    p.callback(EngineDeadError(
+                        f"the global scheduler lost the request: no result within ttl_s={self.ttl:g} s "
+                        "(Redis restarted, or no instance could run it)"))
+
+    def _deliver(self, res: Result) -> None:
+        p = self.pending.get(res.request_id)
+        if p is None or res.attempt < p.attempt:
+            return                                   # aborted, finished, or from a dead attempt
+        p.last = time.monotonic()
+        p.attempt = res.attempt
+        if res.fatal is not None or res.error is not None:
+            del self.pending[res.request_id]
+            p.callback(EngineRejected(res.request_id, res.error) if res.error is not None
+                       else EngineDeadError(res.fatal))
+            return
+        new, lps = [], []
+        for i, tok in enumerate(res.token_ids):
+            pos = res.offset + i
+            if pos < len(p.tokens):
+                if p.tokens[pos] != tok:             # a retried attempt that took another path
+                    del self.pending[res.request_id]
+                    p.callback(EngineDeadError("the instance running the request died, and its retry "
+                                               "generated other tokens (unseeded sampling)"))
+                    return
+                continue
+            p.tokens.append(tok)
+            new.append(tok)
+            if res.logprobs is not None:
+                lps.append(res.logprobs[i])
+        if not new and res.finish_reason is None:
+            return
+        if res.finish_reason is not None:
+            del self.pending[res.request_id]
+        p.callback(SeqDelta(res.request_id, new, res.finish_reason, res.stop_reason,
+                            lps if res.logprobs is not None else None, res.num_cached_tokens, res.queue_time_s))
+
+    # -- the executor side --------------------------------------------------------------
+    async def _pull(self) -> None:
+        queue, mine = self.k("queue"), self.k("processing", self.id)
+        while True:
+            try:
+                await self._check_aborts()
+                if len(self.running) >= self.capacity or self.local.dead:
+                    await asyncio.sleep(0.02)
+                    continue
+                raw = await self.r.blmove(queue, mine, 0.2, "LEFT", "RIGHT")
+                self.m_queue.set(await self.r.llen(queue))
+                if raw is None:
+                    continue
+                try:
+                    job = _job_dec.decode(raw)
+                except msgspec.DecodeError as e:
+                    log.warning("global scheduler: dropped an undecodable job: %s", e)
+                    await self.r.lrem(mine, 1, raw)
+                    continue
+                if await self.r.exists(self.k("abort", job.request_id)):
+                    await self.r.lrem(mine, 1, raw)
+                    continue
+                attempt = int(await self.r.get(self.k("attempts", job.request_id)) or 0)
+                self.running[job.request_id] = (raw, job, attempt, 0)
+                self.m_pulls.inc()
+                self.local.add(job.request_id, job.prompt_token_ids, job.params,
+                               lambda msg, rid=job.request_id: self._on_output(rid, msg))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("global scheduler: pulling: %s", e)
+                await asyncio.sleep(0.5)
+
+    def _on_output(self, rid: str, msg) -> None:
+        entry = self.running.get(rid)
+        if entry is None:
+            return
+        raw, job, attempt, sent = entry
+        if isinstance(msg, SeqDelta):
+            res = Result(rid, attempt, sent, list(msg.token_ids), msg.finish_reason, msg.stop_reason, msg.logprobs,
+                         msg.num_cached_tokens, msg.queue_time_s)
+            self.running[rid] = (raw, job, attempt, sent + len(msg.token_ids))
+            done = msg.finish_reason is not None
+        elif isinstance(msg, EngineRejected):
+            res, done = Result(rid, attempt, sent, [], error=msg.message), True
+        else:                                        # our engine died: the job goes back via the reaper
+            return
+        self.outbox.put_nowait((job.origin, raw, res, done))
+        if done:
+            self.running.pop(rid, None)
+
+    async def _publish(self) -> None:
+        while True:
+            origin, raw, res, done = await self.outbox.get()
+            await self._send(origin, raw, res, done)
+
+    async def _drain_outbox(self) -> None:
+        while not self.outbox.empty():
+            await self._send(*self.outbox.get_nowait())
+
+    async def _send(self, origin: str, raw: bytes, res: Result, done: bool) -> None:
+        deadline = time.monotonic() + self.ttl
+        while time.monotonic() < deadline:
+            try:
+                pipe = self.r.pipeline()
+                key = self.k("results", origin)
+                pipe.rpush(key, _enc.encode(res))
+                pipe.expire(key, int(self.ttl) + 1)
+                if done:
+                    pipe.lrem(self.k("processing", self.id), 1, raw)
+                await pipe.execute()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("global scheduler: publishing: %s", e)
+                await asyncio.sleep(0.5)
+
+    async def _check_aborts(self) -> None:
+        if not self.running:
+            return
+        ids = list(self.running)
+        flags = await self.r.mget([self.k("abort", rid) for rid in ids])
+        gone = [rid for rid, f in zip(ids, flags) if f is not None]
+        for rid in gone:
+            raw = self.running.pop(rid)[0]
+            self.local.abort([rid])
+            await self.r.lrem(self.k("processing", self.id), 1, raw)
+
+    async def _watch(self) -> None:
+        """Heartbeat; and put the jobs of instances whose heartbeat stopped
+        back in the queue (or fail them after max_attempts)."""
+        alive_ttl_ms = int(self.heartbeat * 3000)
+        while True:
+            try:
+                await self.r.set(self.k("alive", self.id), 1, px=alive_ttl_ms)
+                async for key in self.r.scan_iter(match=self.k("processing", "*")):
+                    key = key.decode() if isinstance(key, bytes) else key
+                    other = key[len(self.k("processing", "")):]
+                    if other == self.id or await self.r.exists(self.k("alive", other)):
+                        continue
+                    while (raw := await self.r.lmove(key, self.k("queue"), "RIGHT", "LEFT")) is not None:
+                        await self._requeued(raw)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("global scheduler: watching: %s", e)
+            await asyncio.sleep(self.heartbeat)
+
+    async def _requeued(self, raw: bytes) -> None:
+        job = _job_dec.decode(raw)
+        attempts = await self.r.incr(self.k("attempts", job.request_id))
+        await self.r.expire(self.k("attempts", job.request_id), int(self.ttl) * 4)
+        self.m_requeued.inc()
+        log.warning("global scheduler: %s held by a dead instance: attempt %d", job.request_id, attempts + 1)
+        if attempts >= self.max_attempts:
+            await self.r.lrem(self.k("queue"), 1, raw)
+            await self._send(job.origin, b"", Result(job.request_id, attempts, 0, [], fatal=(
+                f"the request failed on {attempts} instances that died")), False)
+
+
+@hookimpl
+def fdx_register_schedulers(register):
+    register("local", LocalScheduler)
+    register("global", GlobalScheduler)

@@ -1,0 +1,183 @@
+"""``fdx router`` in front of real ``fdx serve`` instances (a prefill and a
+decode instance on loopback, tiny random-weight models), checked against
+one mixed instance through the official openai client; a refusing decode
+instance, and a decode instance killed during a transfer."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from serve_utils import API_KEY, ServerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and then",
+           "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+           "sixteen seventeen eighteen nineteen twenty", "a b c d e f g"]
+MAX_TOKENS = 12
+
+
+class RouterProcess:
+    def __init__(self, tmp, prefill: list[str], decode: list[str]):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"router-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fdx.core.cli", "router", "--port", str(self.port), "--health-interval", "0.5",
+             "--log-level", "info", "--prefill", *prefill, "--decode", *decode],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log_path.read_text()
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(self.log_path.read_text())
+
+    def status(self) -> dict:
+        return httpx.get(self.base_url + "/status", timeout=5).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def model_sections(path, **extra):
+    return {"model": {"model": str(path), "max_model_len": 256}, **extra}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoints, tmp_path_factory):
+    llama = tiny_checkpoints["LlamaForCausalLM"][0]
+    qwen = tiny_checkpoints["Qwen2ForCausalLM"][0]
+    sw = {"transfer_timeout_s": 4.0}
+    ports = {k: free_port() for k in ("d", "bad", "kill")}
+    mk = lambda name, path, **sections: ServerProcess(tmp_path_factory.mktemp(name), {"served_model_name": "tiny"},
+                                                      **model_sections(path, **sections))
+    servers = {
+        "mixed": mk("mixed", llama),
+        "p": mk("p", llama, splitwise={**sw, "role": "prefill"}),
+        "d": mk("d", llama, splitwise={**sw, "role": "decode", "connector_port": ports["d"]}),
+        # another model: its connector refuses the prefill side's KV (fingerprint), so the router
+        # must retry the pairing elsewhere
+        "bad": mk("bad", qwen, splitwise={**sw, "role": "decode", "connector_port": ports["bad"]}),
+        # holds each transfer open 3 s, so a test can kill its decode peer mid-transfer
+        "p_slow": mk("p_slow", llama, splitwise={**sw, "role": "prefill", "debug_transfer_delay_s": 3.0}),
+        "kill": mk("kill", llama, splitwise={**sw, "role": "decode", "connector_port": ports["kill"]}),
+    }
+    routers = []
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        routers.append(RouterProcess(tmp_path_factory.mktemp("router"), [servers["p"].base_url],
+                                     [servers["bad"].base_url, servers["d"].base_url]))
+        routers.append(RouterProcess(tmp_path_factory.mktemp("router2"), [servers["p_slow"].base_url],
+                                     [servers["kill"].base_url, servers["d"].base_url]))
+        for r in routers:
+            r.wait_ready()
+        yield servers, routers
+    finally:
+        for r in routers:
+            r.stop()
+        for s in servers.values():
+            s.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def complete(url: str, prompt: str, stream: bool) -> str:
+    c = client(url)
+    if stream:
+        return "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True) if ch.choices)
+    return c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+
+
+def chat(url: str, prompt: str, stream: bool) -> str:
+    c = client(url)
+    msgs = [{"role": "user", "content": prompt}]
+    if stream:
+        return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=True) if ch.choices)
+    return c.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS,
+                                     temperature=0).choices[0].message.content
+
+
+def test_router_equals_one_mixed_instance_and_retries_a_refusal(cluster):
+    servers, (router, _) = cluster
+    mixed = servers["mixed"].base_url
+    work = [(f, p, s) for f in (complete, chat) for p in PROMPTS for s in (False, True)]
+    ref = {(f.__name__, p, s): f(mixed, p, s) for f, p, s in work}
+    with cf.ThreadPoolExecutor(8) as pool:          # a batch: the instances see them together
+        futs = {(f.__name__, p, s): pool.submit(f, router.base_url, p, s) for f, p, s in work}
+        got = {k: fut.result() for k, fut in futs.items()}
+    assert got == ref
+    assert all(len(v) > 0 for v in got.values())
+    m = servers["d"].metrics()
+    # every request's KV moved, except "Hello" as a completion: one prompt token, whose one
+    # position the decode side computes itself (nothing to move)
+    one_token = [w for w in work if w[0] is complete and w[1] == "Hello"]
+    assert m["fdx:splitwise_transfers_received_total"] == len(work) - len(one_token)
+    # every pairing tried the other-model decode instance first (it is listed first and idle),
+    # was refused by its connector, and was retried on the good one
+    metrics = httpx.get(router.base_url + "/metrics").text
+    retries = [line for line in metrics.splitlines() if line.startswith("fdx_router:retries_total")]
+    assert retries and float(retries[0].split()[-1]) >= 1
+    assert servers["bad"].metrics()["fdx:splitwise_messages_rejected_total"] >= 1
+    for name in ("p", "d", "bad"):                   # no block leaked anywhere
+        deadline = time.monotonic() + 15
+        while True:
+            m = servers[name].metrics()
+            if m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"], name
+
+
+def test_killing_the_decode_instance_mid_transfer(cluster):
+    servers, (_, router) = cluster
+    victim, p_slow = servers["kill"], servers["p_slow"]
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(complete, router.base_url, PROMPTS[2], True)
+        time.sleep(1.5)                              # the transfer is held open for 3 s
+        os.kill(victim.engine_pid(), signal.SIGKILL)
+        victim.proc.kill()
+        with pytest.raises(openai.APIError):
+            fut.result(timeout=60)
+    # the prefill instance gets its blocks back (after its transfer timeout)
+    deadline = time.monotonic() + 20
+    while True:
+        m = p_slow.metrics()
+        if m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"]
+    assert m["fdx:splitwise_transfers_failed_total"] >= 1
+    # the dead instance leaves the rotation, and the next request goes to the live one
+    deadline = time.monotonic() + 10
+    while router.status()["decode"][0]["up"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not router.status()["decode"][0]["up"]
+    assert complete(router.base_url, PROMPTS[1], False) == complete(servers["mixed"].base_url, PROMPTS[1], False)

@@ -1,0 +1,227 @@
+"""The splitwise KV connector: a prefill and a decode engine in this process,
+talking over ZMQ on loopback TCP, against one mixed engine on the same
+weights; and the protocol's refusals (garbage, truncated, wrong version,
+wrong secret, wrong shape, unknown ids, timeouts)."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from serve_utils import free_port
+
+from fdx.core.config import FdxConfig
+from fdx.core.engine import EngineCore
+from fdx.core.request import RequestStatus
+from fdx.core.sampling_params import SamplingParams
+from fdx.plugins.cache.splitwise import PROTOCOL_VERSION, Accept, Blocks, Offer, Refuse, sign
+
+SECRET = "s3cret"
+MAX_TOKENS = 6
+PROMPTS = [list(range(100, 100 + n)) for n in (1, 5, 16, 17, 40)]   # in and across block boundaries
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoints):
+    model = str(tiny_checkpoints["LlamaForCausalLM"][0])
+    port = free_port()
+    common = dict(model=model, max_model_len=128, block_size=16, num_kv_blocks=24)
+    sw = {"connector_secret": SECRET, "transfer_timeout_s": 4.0}
+    mixed = EngineCore(FdxConfig.build(**common), progress=False)
+    pre = EngineCore(FdxConfig.build(**common, splitwise={**sw, "role": "prefill"}), progress=False)
+    dec = EngineCore(FdxConfig.build(**common, splitwise={**sw, "role": "decode", "connector_port": port}),
+                     progress=False)
+    yield mixed, pre, dec, f"tcp://127.0.0.1:{port}"
+    pre.shutdown()
+    dec.shutdown()
+
+
+def greedy(max_tokens=MAX_TOKENS, **extra):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, extra_args=extra or None)
+
+
+def run(*engines, timeout: float = 30.0) -> dict:
+    done, deadline = {}, time.monotonic() + timeout
+    while any(e.has_unfinished() for e in engines):
+        assert time.monotonic() < deadline, "requests hang"
+        for e in engines:
+            if e.has_unfinished():
+                for r in e.step():
+                    if r.is_finished:
+                        done[(id(e), r.request_id)] = r
+        time.sleep(0.001)
+    return done
+
+
+def disaggregated(pre, dec, peer, prompts, tag: str, max_tokens=MAX_TOKENS):
+    for i, p in enumerate(prompts):
+        rid = f"{tag}{i}"
+        dec.add_request(dec.make_request(p, greedy(max_tokens, splitwise={"remote_prefill": True}), request_id=rid))
+        pre.add_request(pre.make_request(p, greedy(1, splitwise={"remote_decode": peer}), request_id=rid))
+    done = run(pre, dec)
+    return {rid: r for (eid, rid), r in done.items() if eid == id(dec)}
+
+
+def test_prefill_and_decode_equal_one_mixed_engine(engines):
+    mixed, pre, dec, peer = engines
+    for i, p in enumerate(PROMPTS):
+        mixed.add_request(mixed.make_request(p, greedy(), request_id=f"m{i}"))
+    ref = {rid: r.output_token_ids for (_, rid), r in run(mixed).items()}
+    before_pre, before_dec = pre.num_computed_tokens, dec.num_computed_tokens
+    got = disaggregated(pre, dec, peer, PROMPTS, "a")
+    for i in range(len(PROMPTS)):
+        assert got[f"a{i}"].output_token_ids == ref[f"m{i}"], i
+        assert got[f"a{i}"].status is RequestStatus.FINISHED_LENGTH
+    # the prompt was computed once, on the prefill side; the decode side computed only the
+    # last prompt position of each request (the one a prompt of 1 token has) and the decodes
+    assert pre.num_computed_tokens - before_pre == sum(map(len, PROMPTS))
+    assert dec.num_computed_tokens - before_dec == len(PROMPTS) * MAX_TOKENS
+    ps, ds = pre.connector.stats(), dec.connector.stats()
+    moved = [len(p) - 1 for p in PROMPTS if len(p) > 1]
+    assert ps["splitwise_transfers_sent"] == ds["splitwise_transfers_received"] == len(moved)
+    assert ds["splitwise_bytes_received"] == ps["splitwise_bytes_sent"] == sum(moved) * 2 * 2 * 2 * 16 * 4
+    assert ds["splitwise_first_token_agree"] == len(moved) and ds["splitwise_first_token_differ"] == 0
+    assert pre.kv_cache.num_free_blocks == pre.kv_cache.num_blocks
+    assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
+
+
+def test_transferred_kv_is_what_the_decode_side_reads(engines):
+    """Corrupt the bytes in flight: the decode side's output changes, so it
+    did read the transferred KV (and did not recompute the prompt)."""
+    mixed, pre, dec, peer = engines
+    prompt = PROMPTS[-1]
+    mixed.add_request(mixed.make_request(prompt, greedy(), request_id="c-ref"))
+    ref = run(mixed)[(id(mixed), "c-ref")].output_token_ids
+    conn = pre.connector
+    real = conn._read
+    conn._read = lambda job: [np.random.default_rng(0).standard_normal(d.shape).astype(d.dtype) * 5
+                              for d in real(job)]
+    try:
+        got = disaggregated(pre, dec, peer, [prompt], "c")["c0"].output_token_ids
+    finally:
+        conn._read = real
+    assert got != ref
+
+
+def _ask(peer: str, frames: list[bytes], timeout_ms: int = 5000):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(peer)
+    s.send_multipart(frames)
+    try:
+        if not s.poll(timeout_ms):
+            return None
+        return msgspec.msgpack.decode(s.recv(), type=Accept | Refuse)
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+def test_bad_messages_are_refused_and_the_connector_keeps_working(engines):
+    mixed, pre, dec, peer = engines
+    enc = msgspec.msgpack.encode
+    fp = dict(dec.connector.fingerprint)
+    before = dec.connector.stats()["splitwise_messages_rejected"]
+    cases = {
+        "garbage": [b"\x00\xffnot msgpack at all"],
+        "not a splitwise message": [enc({"hello": "world"})],
+        "version": [enc(Offer(PROTOCOL_VERSION + 1, "x", 4, 1, fp, sign(SECRET, "offer", "x")))],
+        "secret": [enc(Offer(PROTOCOL_VERSION, "x", 4, 1, fp, sign("wrong", "offer", "x")))],
+        "layout": [enc(Offer(PROTOCOL_VERSION, "x", 4, 1, {**fp, "head_dim": 999}, sign(SECRET, "offer", "x")))],
+        "no reservation": [enc(Blocks(PROTOCOL_VERSION, "x", [0], 0, 4, fp, sign(SECRET, "blocks", "x"))), b"\0" * 8],
+        "tokens": [enc(Offer(PROTOCOL_VERSION, "x", -3, 1, fp, sign(SECRET, "offer", "x")))],
+    }
+    for what, frames in cases.items():
+        reply = _ask(peer, frames)
+        assert isinstance(reply, Refuse), (what, reply)
+    # a well-formed offer for a request this instance never saw: refused after the grace period
+    reply = _ask(peer, [enc(Offer(PROTOCOL_VERSION, "nobody", 4, 1, fp, sign(SECRET, "offer", "nobody")))], timeout_ms=8000)
+    assert isinstance(reply, Refuse) and "unknown request id" in reply.reason
+
+    # a real reservation, then a truncated and a wrong-shape payload: both refused, and the
+    # reservation ends with an error when the transfer times out; the blocks come back
+    prompt = PROMPTS[-1]
+    dec.add_request(dec.make_request(prompt, greedy(splitwise={"remote_prefill": True}), request_id="t0"))
+    dec.step()
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(peer)
+    try:
+        s.send(enc(Offer(PROTOCOL_VERSION, "t0", len(prompt), 1, fp, sign(SECRET, "offer", "t0"))))
+        deadline = time.monotonic() + 10
+        while not s.poll(1):
+            assert time.monotonic() < deadline
+            dec.step()
+        acc = msgspec.msgpack.decode(s.recv(), type=Accept | Refuse)
+        assert isinstance(acc, Accept) and acc.num_tokens == len(prompt) - 1
+        assert dec.kv_cache.num_free_blocks < dec.kv_cache.num_blocks        # reserved
+        frame = np.zeros((2, 2, acc.num_tokens, 16), np.float32).tobytes()
+        head = enc(Blocks(PROTOCOL_VERSION, "t0", acc.block_ids, acc.start, acc.num_tokens, fp,
+                             sign(SECRET, "blocks", "t0")))
+        for frames in ([head, frame, frame[:-4]], [head, frame], [head, frame, frame, frame]):
+            s.send_multipart(frames)
+            while not s.poll(1):
+                dec.step()
+            assert isinstance(msgspec.msgpack.decode(s.recv(), type=Accept | Refuse), Refuse)
+    finally:
+        s.close()
+    done = run(dec)
+    r = done[(id(dec), "t0")]
+    assert r.status is RequestStatus.FINISHED_ABORTED and "did not complete" in r.stop_reason
+    assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
+    assert dec.connector.stats()["splitwise_messages_rejected"] - before == len(cases) + 1 + 3
+
+    # and the connector still works
+    got = disaggregated(pre, dec, peer, PROMPTS[1:3], "after")
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == MAX_TOKENS
+               for r in got.values())
+
+
+@pytest.mark.slow
+def test_a_dead_peer_frees_the_prefill_blocks_and_a_missing_offer_ends_the_request(engines):
+    mixed, pre, dec, peer = engines
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    pre.add_request(pre.make_request(PROMPTS[-1], greedy(1, splitwise={"remote_decode": dead}), request_id="d0"))
+    failed = pre.connector.stats()["splitwise_transfers_failed"]
+    run(pre)                                   # steps until the held blocks come back (after the timeout)
+    assert pre.kv_cache.num_free_blocks == pre.kv_cache.num_blocks
+    assert pre.connector.stats()["splitwise_transfers_failed"] == failed + 1
+
+    dec.add_request(dec.make_request(PROMPTS[2], greedy(splitwise={"remote_prefill": True}), request_id="d1"))
+    r = run(dec)[(id(dec), "d1")]
+    assert r.status is RequestStatus.FINISHED_ABORTED and "no KV offer" in r.stop_reason
+    assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
+
+
+def test_the_deployment_page_configs_are_valid(tmp_path):
+    import pathlib
+    import re
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "deployment.md").read_text()
+    configs = re.findall(r"`(\w+\.yaml)` on host \w:\n\n```yaml\n(.*?)```", page, re.S)
+    assert [name for name, _ in configs] == ["prefill.yaml", "decode.yaml"]
+    roles = []
+    for name, text in configs:
+        (tmp_path / name).write_text(text)
+        roles.append(FdxConfig.build(str(tmp_path / name)).splitwise.role)
+    assert roles == ["prefill", "decode"]
+    for i, text in enumerate(re.findall(r"```yaml\n(.*?)```", page, re.S)):   # the global scheduler's too
+        (tmp_path / f"{i}.yaml").write_text(text)
+        FdxConfig.build(str(tmp_path / f"{i}.yaml"))
+    assert FdxConfig.build(splitwise_role="decode").splitwise.role == "decode"
+
+
+def test_decode_role_needs_a_port_and_bad_settings_name_the_key(tiny_checkpoints):
+    from fdx.core.config import ConfigError
+    model = str(tiny_checkpoints["LlamaForCausalLM"][0])
+    with pytest.raises(ConfigError, match="connector_port"):
+        EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="decode"), progress=False)
+    with pytest.raises(ConfigError, match="plugins.connector.splitwise.*bogus"):
+        EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="prefill",
+                                   plugins={"connector": {"splitwise": {"bogus": 1}}}), progress=False)
+    with pytest.raises(ConfigError, match="splitwise.role"):
+        FdxConfig.build(splitwise_role="both")
