@@ -339,13 +339,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="one OpenAI endpoint in front of prefill and decode instances",
                        description="Route each request to a prefill and a decode instance (splitwise). "
                                    "See docs/deployment.md.")
-    r.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (http://host:port)")
-    r.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (http://host:port)")
+    r.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (http://host:port); required, no default")
+    r.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (http://host:port); required, no default")
     r.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    r.add_argument("--port", type=int, default=8000)
-    r.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
-    r.add_argument("--health-interval", type=float, default=1.0, help="seconds between instance checks")
-    r.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    r.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request (default 600)")
+    r.add_argument("--health-interval", type=float, default=1.0, help="seconds between instance checks (default 1)")
+    r.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
     r.set_defaults(func=cmd_router)
     return r
 
