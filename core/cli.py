@@ -160,7 +160,8 @@ def cmd_plugins(args) -> int:
 def cmd_bench_throughput(args) -> int:
     from fdx.core.bench import throughput as bench
     llm = _make_llm(args, progress=False)
-    result = bench.throughput(llm, args.num_requests, args.input_len, args.output_len, seed=args.bench_seed)
+    result = bench.throughput(llm, args.num_requests, args.input_len, args.output_len, seed=args.bench_seed,
+                              profile=args.profile)
     print(json.dumps(result, indent=2) if args.json else bench.format_throughput(result))
     return 0
 
@@ -201,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: 128)")
     t.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     t.add_argument("--json", action="store_true", help="print every figure as JSON (default: a table)")
+    t.add_argument("--profile", action="store_true",
+                   help="profile each step and break the full-batch decode steps down into GEMMs, attention "
+                        "and the rest, by op and by phase (default: off)")
     _add_engine_args(t)
     t.set_defaults(func=cmd_bench_throughput)
     bench_prefix.add_parser(bsub)

@@ -5,12 +5,18 @@ import time
 
 import numpy as np
 
+from fdx.core.bench.profile import StepProfiler, format_profile
 from fdx.core.sampling_params import SamplingParams
 
 
-def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: int = 0,
+               profile: bool = False) -> dict:
     """N requests of I random prompt tokens and O generated tokens (ignore_eos),
-    all queued at once, driven step by step through the LLM's engine."""
+    all queued at once, driven step by step through the LLM's engine.
+    ``profile``: run each step under cProfile and add a breakdown of the
+    decode-only steps at the full batch (``fdx.core.bench.profile``); the
+    profiler slows Python-heavy parts, so time figures of such a run read
+    a little low."""
     eng = llm.engine
     rng = np.random.default_rng(seed)
     vocab = eng.model.vocab_size
@@ -22,9 +28,13 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         eng.add_request(r)
     steps = []
     computed0, recomputed0 = eng.num_computed_tokens, eng.num_recomputed_tokens
+    profiler = StepProfiler(min(num_requests, eng.config.scheduler.max_num_seqs)) if profile else None
     t0 = time.perf_counter()
     while eng.has_unfinished():
-        eng.step()
+        if profiler is not None:
+            profiler.step(eng)
+        else:
+            eng.step()
         steps.append(eng.last_stats)
     total = time.perf_counter() - t0
     prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
@@ -33,7 +43,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     decode_time = sum(s.step_time_s for s in decode_steps)
     prompt_tokens = num_requests * input_len
     out_tokens = sum(r.num_output_tokens for r in reqs)
-    return {
+    result = {
         "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
         "backend": eng.backend.describe(), "resource_manager": eng.config.scheduler.resource_manager,
         "max_num_seqs": eng.config.scheduler.max_num_seqs,
@@ -52,10 +62,13 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         "recompute_tax": ((eng.num_recomputed_tokens - recomputed0) / (eng.num_computed_tokens - computed0)
                           if eng.num_computed_tokens > computed0 else 0.0),
     }
+    if profiler is not None:
+        result["profile"] = profiler.summary().as_dict()
+    return result
 
 
 def format_throughput(r: dict) -> str:
-    return "\n".join([
+    lines = [
         f"fdx bench throughput: {r['num_requests']} requests x ({r['input_len']} prompt + {r['output_len']} output) tokens",
         f"  backend {r['backend']}, resource manager {r['resource_manager']}, "
         f"max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens {r['max_num_batched_tokens']}",
@@ -65,4 +78,7 @@ def format_throughput(r: dict) -> str:
         f"  output           {r['output_tokens_per_s']:.1f} tok/s overall, {r['overall_tokens_per_s']:.1f} tok/s prompt+output",
         f"  preemptions      {r['preemptions']} (victims: {r['preemption_policy']}), "
         f"recompute tax {100 * r['recompute_tax']:.1f}% of computed tokens",
-    ])
+    ]
+    if "profile" in r:
+        lines.append(format_profile(r["profile"]))
+    return "\n".join(lines)
