@@ -146,7 +146,10 @@ class DefaultModelRunner(ModelRunner):
         self.in_processors.update(rows)
         update = BatchUpdate(added, removed, rows, rows != self.rows)
         self.rows = rows
-        x = raw.copy()
+        # The processors may edit in place; keep the raw logits apart only when
+        # something reads them (logprobs are of the raw logits; the logits tap).
+        keep_raw = self.capture_logits or any(st.params.logprobs is not None for st in samplers)
+        x = raw.copy() if keep_raw else raw
         for processor in ctx.logits_processors:
             processor.update_state(update)
             x = processor.apply(x)
@@ -154,7 +157,7 @@ class DefaultModelRunner(ModelRunner):
             params=[st.params for st in samplers], prompt_token_ids=[st.prompt_token_ids for st in samplers],
             output_token_ids=[st.output_token_ids for st in samplers], eos_token_ids=ctx.eos_token_ids,
             request_ids=rows)
-        result = ctx.sampler.sample(x, batch, raw_logits=raw)
+        result = ctx.sampler.sample(x, batch, raw_logits=raw if keep_raw else None)
         for i, st in enumerate(samplers):
             token = int(result.token_ids[i])
             st.output_token_ids.append(token)

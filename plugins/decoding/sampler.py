@@ -67,7 +67,9 @@ class Sampler(SamplerContract):
         params = batch.params
         token_ids = np.empty(len(batch), dtype=np.int64)
         greedy = np.array([p.greedy for p in params], dtype=bool)
-        if greedy.any():
+        if greedy.all():                  # no copy of the rows: argmax over the whole batch
+            token_ids[:] = x.argmax(axis=1)
+        elif greedy.any():
             token_ids[greedy] = x[greedy].argmax(axis=1)
         rows = np.flatnonzero(~greedy)
         if rows.size:
@@ -97,10 +99,15 @@ class Sampler(SamplerContract):
         return out
 
     def _processed(self, logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
-        """A float32 copy of ``logits`` with the logits processors applied."""
+        """``logits`` as float32 with the logits processors applied: a copy when
+        there are processors (they edit in place), else ``logits`` itself when
+        it is float32 already (nothing below writes to it: the sampled rows are
+        gathered into a new array first)."""
         if logits.ndim != 2 or logits.shape[0] != len(batch):
             raise ValueError(f"logits {logits.shape} do not match a batch of {len(batch)} rows")
-        x = np.array(logits, dtype=np.float32)    # a copy: processors edit in place
+        if not self.logits_processors:
+            return np.asarray(logits, dtype=np.float32)
+        x = np.array(logits, dtype=np.float32)
         for processor in self.logits_processors:
             x = processor(x, batch)
         return x
