@@ -254,3 +254,43 @@ def test_a_wrong_kernel_result_fails_the_probe(tiny, monkeypatch):
     eng = make_llm(tiny, dtype="float32").engine
     assert eng.attention.name == "paddle"
     assert "wrong result at float32" in eng.backend.kernels["block_multihead_attention"]
+
+
+def test_a_kernel_that_fails_on_its_first_real_call_gives_way_to_the_reference(tiny, reference, monkeypatch,
+                                                                               caplog):
+    """The probe ran at head_dim 64; this build (say) has no kernel for the model's 16."""
+    import paddle.incubate.nn.functional as IF
+    from fdx.plugins.backends import gpu
+    monkeypatch.setattr(gpu, "_logged", set())
+    FakeDevice(monkeypatch, "cuda")
+    double = FakeBlockMultiheadAttention(allow_float32=True)
+
+    def no_head_dim_16(*a, **k):
+        if a[1].shape[3] == 16:
+            raise RuntimeError("(Unimplemented) head_dim 16 is not compiled")
+        return double(*a, **k)
+    monkeypatch.setattr(IF, "block_multihead_attention", no_head_dim_16)
+    with caplog.at_level(logging.WARNING, logger="fdx.backends.gpu"):
+        llm = make_llm(tiny, dtype="float32")
+        assert llm.engine.attention.name == "paddle-block"
+        assert token_ids(llm.generate(prompts(), GREEDY)) == reference
+    assert llm.engine.attention.kernel_state.startswith("RuntimeError: (Unimplemented) head_dim 16")
+    assert caplog.text.count("block_multihead_attention failed on its first call") == 1
+
+
+def test_a_scale_other_than_the_kernels_is_folded_into_q(kernel):
+    from fdx.core.interfaces import KVCacheSpec
+    from fdx.plugins.backends.block_attention import PaddleBlockAttention
+    rng = np.random.default_rng(5)
+    spec = KVCacheSpec(1, 2, 16, 8, 4, "float32", "block_major")
+    att = PaddleBlockAttention()
+    meta = att.build_metadata([5], [0], [[2, 6]], spec, 4)
+    q, k, v = (paddle.to_tensor(rng.standard_normal((5, h, 16)).astype(np.float32)) for h in (4, 2, 2))
+    kc, vc = paddle.zeros(spec.shape()), paddle.zeros(spec.shape())
+    att.write_kv(kc, vc, k, v, meta)
+    out = att.forward(q, kc, vc, meta, 0.1).numpy()
+    g = np.repeat
+    s = np.einsum("thd,shd->hts", q.numpy(), g(k.numpy(), 2, axis=1)) * 0.1 + np.triu(np.full((5, 5), -np.inf), 1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hts,shd->thd", p / p.sum(-1, keepdims=True), g(v.numpy(), 2, axis=1))
+    np.testing.assert_allclose(out, want, atol=1e-5)

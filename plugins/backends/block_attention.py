@@ -38,6 +38,7 @@ from Paddle's documentation and unit test (tests/fake_paddle_kernels.py).
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,8 @@ class BlockAttentionMetadata:
     reference_rows: paddle.Tensor | None
     out_perm: paddle.Tensor | None                 # restores batch order after [kernel, reference]
     pending: tuple[Any, Any] | None = None         # this layer's k, v for the kernel (write_kv -> forward)
+    kernel_args: tuple | None = None               # (query_lens, context_lens, tables, spec, heads) of
+    kernel_as_reference: ops_attention.AttentionMetadata | None = None   # its sequences, should it fail
 
 
 def kernel_batch(query_lens: np.ndarray, context_lens: np.ndarray, tables: list[list[int]],
@@ -128,9 +131,17 @@ def call_kernel(qkv, k_cache, v_cache, kb: KernelBatch, block_size: int):
 
 
 class PaddleBlockAttention(AttentionBackend):
+    """The kernel's first call in a process decides: if it raises (a shape
+    the start-up probe did not cover, say), that is logged once and every
+    sequence runs the reference from then on; after one call that worked,
+    errors propagate."""
     name = "paddle-block"
     layout = "block_major"
     status = "Paddle block_multihead_attention (new prompts and decodes), the ops/ reference for the rest"
+
+    def __init__(self, settings=None):
+        super().__init__(settings)
+        self.kernel_state = "untried"            # "works", or why it failed
 
     def build_metadata(self, query_lens, context_lens, block_tables, spec: KVCacheSpec, num_heads: int):
         if spec.layout != self.layout:
@@ -144,11 +155,13 @@ class PaddleBlockAttention(AttentionBackend):
         n = int(starts[-1])
         seq_of_token = np.repeat(np.arange(len(q)), q)
         positions = np.arange(n) - starts[seq_of_token] + c[seq_of_token]
-        on_kernel = (c == 0) | (q == 1)
+        on_kernel = ((c == 0) | (q == 1)) & (self.kernel_state in ("untried", "works"))
         k_ids, r_ids = np.flatnonzero(on_kernel), np.flatnonzero(~on_kernel)
         kernel = reference = kernel_rows = reference_rows = out_perm = None
+        kernel_args = None
         if k_ids.size:
-            kernel = kernel_batch(q[k_ids], c[k_ids], [block_tables[i] for i in k_ids])
+            kernel_args = (q[k_ids].tolist(), c[k_ids].tolist(), [block_tables[i] for i in k_ids], spec, num_heads)
+            kernel = kernel_batch(*kernel_args[:3])
         if r_ids.size:
             reference = ops_attention.build_attention_metadata(
                 q[r_ids].tolist(), c[r_ids].tolist(), [block_tables[i] for i in r_ids], spec.block_size,
@@ -159,13 +172,16 @@ class PaddleBlockAttention(AttentionBackend):
             kernel_rows, reference_rows = paddle.to_tensor(rows_k), paddle.to_tensor(rows_r)
             out_perm = paddle.to_tensor(np.argsort(np.concatenate([rows_k, rows_r])).astype(np.int64))
         return BlockAttentionMetadata(paddle.to_tensor(positions), n, kernel, reference, kernel_rows,
-                                      reference_rows, out_perm)
+                                      reference_rows, out_perm, kernel_args=kernel_args)
 
     def write_kv(self, k_cache, v_cache, k, v, metadata: BlockAttentionMetadata) -> None:
         m = metadata
         if m.kernel is not None:            # the kernel writes its sequences' K/V itself, in forward
             m.pending = (k, v) if m.kernel_rows is None else (paddle.gather(k, m.kernel_rows),
                                                               paddle.gather(v, m.kernel_rows))
+            if m.kernel_as_reference is not None:   # it failed earlier in this step: the reference writes
+                ops_attention.write_kv(k_cache.reshape([-1, k.shape[-1]]), v_cache.reshape([-1, v.shape[-1]]),
+                                       *m.pending, m.kernel_as_reference)
         if m.reference is not None:
             kr = k if m.reference_rows is None else paddle.gather(k, m.reference_rows)
             vr = v if m.reference_rows is None else paddle.gather(v, m.reference_rows)
@@ -182,17 +198,42 @@ class PaddleBlockAttention(AttentionBackend):
             k, v = m.pending
             m.pending = None
             qk = q if m.kernel_rows is None else paddle.gather(q, m.kernel_rows)
-            if not math.isclose(scale, d ** -0.5, rel_tol=1e-6):   # the kernel's scale is 1/sqrt(D)
-                qk = qk * (scale * math.sqrt(d))
             t = m.kernel.num_tokens
-            qkv = paddle.concat([qk.reshape([t, heads * d]), k.reshape([t, -1]), v.reshape([t, -1])], axis=1)
-            outs.append(call_kernel(qkv, k_cache, v_cache, m.kernel, k_cache.shape[2]).reshape([t, heads, d]))
+            if m.kernel_as_reference is None:
+                qs = qk if math.isclose(scale, d ** -0.5, rel_tol=1e-6) else qk * (scale * math.sqrt(d))
+                # (the kernel's scale is 1/sqrt(D): another one is folded into q)
+                qkv = paddle.concat([qs.reshape([t, heads * d]), k.reshape([t, -1]), v.reshape([t, -1])], axis=1)
+                try:
+                    outs.append(call_kernel(qkv, k_cache, v_cache, m.kernel, k_cache.shape[2])
+                                .reshape([t, heads, d]))
+                    self.kernel_state = "works"
+                except Exception as e:
+                    if self.kernel_state == "works":
+                        raise
+                    self._give_up(e, m, k_cache, v_cache, k, v)
+            if m.kernel_as_reference is not None:
+                outs.append(ops_attention.paged_attention(qk, k_cache.reshape([-1, d]), v_cache.reshape([-1, d]),
+                                                          m.kernel_as_reference, scale))
         if m.reference is not None:
             qr = q if m.reference_rows is None else paddle.gather(q, m.reference_rows)
             outs.append(ops_attention.paged_attention(qr, k_cache.reshape([-1, d]), v_cache.reshape([-1, d]),
                                                       m.reference, scale))
         out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
         return out if m.out_perm is None else paddle.gather(out, m.out_perm)
+
+    def _give_up(self, error: Exception, m: BlockAttentionMetadata, k_cache, v_cache, k, v) -> None:
+        """The kernel's first call failed: the reference from now on (this step's
+        kernel sequences too, from this layer on)."""
+        from fdx.plugins.backends.gpu import log_once
+        self.kernel_state = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+        log_once("paddle-block", f"block_multihead_attention failed on its first call ({self.kernel_state}): "
+                 "the ops/ reference attention runs instead", logging.WARNING)
+        q_lens, c_lens, tables, spec, heads = m.kernel_args
+        m.kernel_as_reference = ops_attention.build_attention_metadata(
+            q_lens, c_lens, tables, spec.block_size, spec.num_kv_heads, spec.num_slots, impl="paddle",
+            num_heads=heads, layout=self.layout)
+        ops_attention.write_kv(k_cache.reshape([-1, k.shape[-1]]), v_cache.reshape([-1, v.shape[-1]]), k, v,
+                               m.kernel_as_reference)
 
 
 @hookimpl
