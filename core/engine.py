@@ -34,7 +34,7 @@ class EngineCore:
         dtype = self._resolve_dtype()
         self._resolve_parts(config)
         self.backend.setup(config)
-        if config.backend.cuda_graph and not self.backend.captures_cuda_graphs:
+        if config.backend.cuda_graph and not getattr(self.backend, "captures_cuda_graphs", False):
             raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
                               "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
