@@ -294,3 +294,23 @@ def test_a_scale_other_than_the_kernels_is_folded_into_q(kernel):
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("hts,shd->thd", p / p.sum(-1, keepdims=True), g(v.numpy(), 2, axis=1))
     np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "block_major"])
+def test_kv_rows_address_each_block_where_the_layout_puts_it(layout):
+    from fdx.core.interfaces import KVCacheSpec
+    spec = KVCacheSpec(1, 3, 8, 5, 4, "float32", layout)
+    t = paddle.zeros(spec.shape())
+    marks = {}
+    for block, head, off in [(0, 0, 0), (4, 2, 3), (2, 1, 1), (3, 0, 2)]:
+        value = float(1 + len(marks))
+        if layout == "block_major":
+            t[block, head, off] = paddle.full([8], value)      # the kernel's [blocks, heads, block_size, dim]
+        else:
+            t[head * spec.num_slots + block * 4 + off] = paddle.full([8], value)
+        marks[(block, head, off)] = value
+    view = spec.row_view(t).numpy()
+    for (block, head, off), value in marks.items():
+        assert (view[spec.kv_rows([block * 4 + off])[head, 0]] == value).all()
+    spec.row_view(t)[int(spec.kv_rows([5])[1, 0])] = paddle.full([8], 7.0)   # a write through the view
+    assert float(t.numpy().sum()) == 8 * (1 + 2 + 3 + 4 + 7)
