@@ -171,3 +171,45 @@ class FakeBlockMultiheadAttention:
         self.decoder_tokens += len(dec_token)
         fmha = paddle.to_tensor(out.reshape(tokens, heads * d)).astype(qkv.dtype)
         return fmha, qkv, kc, vc
+
+
+REAL_FUSED_ROPE = IF.fused_rotary_position_embedding
+ROPE_SIGNATURE = inspect.signature(REAL_FUSED_ROPE)
+
+
+class FakeFusedRotary:
+    """Stands in for ``fused_rotary_position_embedding``, from its docstring:
+    q/k/v [batch, seq, heads, head_dim] (time_major False), sin and cos
+    [1, seq, 1, head_dim] (or [seq, head_dim]); ``use_neox_rotary_style=True``
+    rotates every two adjacent numbers, False the front and back halves;
+    out = x * cos + rotated(x) * sin. Returns (out_q, out_k, out_v), None
+    where an input was None. Takes only the sin/cos form fdx uses."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        a = ROPE_SIGNATURE.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        assert a["position_ids"] is None and not a["time_major"], "the double takes sin/cos per token only"
+        sin, cos = a["sin"], a["cos"]
+        assert sin is not None and cos is not None
+        outs = []
+        for x in (a["q"], a["k"], a["v"]):
+            if x is None:
+                outs.append(None)
+                continue
+            assert len(x.shape) == 4 and x.shape[-1] % 2 == 0, f"q/k/v {x.shape}"
+            b, s, h, d = x.shape
+            assert list(sin.shape) in ([1, s, 1, d], [s, d]) and list(cos.shape) == list(sin.shape)
+            assert sin.dtype == cos.dtype == x.dtype, f"sin/cos {sin.dtype} with x {x.dtype}"
+            xs = _host(x)
+            sn, cs = _host(sin).reshape(1, s, 1, d), _host(cos).reshape(1, s, 1, d)
+            if a["use_neox_rotary_style"]:                      # adjacent pairs
+                rot = np.stack([-xs[..., 1::2], xs[..., 0::2]], axis=-1).reshape(xs.shape)
+            else:                                               # halves
+                rot = np.concatenate([-xs[..., d // 2:], xs[..., :d // 2]], axis=-1)
+            outs.append(paddle.to_tensor(xs * cs + rot * sn).astype(x.dtype))
+        self.calls += 1
+        return tuple(outs)

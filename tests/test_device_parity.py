@@ -136,3 +136,21 @@ def test_cuda_graph_decodes_equal_eager_decodes(tiny_checkpoints):
     llm = LLM(str(path), cuda_graph=True, cuda_graph_batch_sizes=[1, 2, 4], **kw)
     graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert llm.engine.runner.replayed > 0 and graphed == eager
+
+
+@cuda_only
+def test_the_real_fused_rotary_matches_the_host_double():
+    import paddle
+    import paddle.incubate.nn.functional as IF
+    from fake_paddle_kernels import REAL_FUSED_ROPE, FakeFusedRotary
+    rng = np.random.default_rng(2)
+    for dtype in ["float32", *_half_dtypes()]:
+        x = paddle.to_tensor(rng.standard_normal((1, 5, 3, 64)).astype(np.float32)).astype(dtype)
+        sin = paddle.to_tensor(rng.uniform(-1, 1, (1, 5, 1, 64)).astype(np.float32)).astype(dtype)
+        cos = paddle.to_tensor(rng.uniform(-1, 1, (1, 5, 1, 64)).astype(np.float32)).astype(dtype)
+        for style in (True, False):
+            real = REAL_FUSED_ROPE(x, None, None, sin=sin, cos=cos, use_neox_rotary_style=style)[0]
+            fake = FakeFusedRotary()(x, None, None, sin=sin, cos=cos, use_neox_rotary_style=style)[0]
+            np.testing.assert_allclose(real.astype("float32").numpy(), fake.astype("float32").numpy(),
+                                       atol=2e-2, err_msg=f"{dtype} use_neox_rotary_style={style}")
+    assert IF.fused_rotary_position_embedding is REAL_FUSED_ROPE

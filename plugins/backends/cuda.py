@@ -4,8 +4,8 @@
 - dtype: bfloat16 on compute capability 8.0 and up, else float16 (float32
   on request); the KV cache in the model's dtype.
 - kernels: Paddle's fused GPU kernels are probed at start-up
-  (``fdx.plugins.backends.gpu``); fused_rms_norm runs where present;
-  attention is ``paddle-block`` (Paddle's block_multihead_attention over a
+  (``fdx.plugins.backends.gpu``); fused_rms_norm and fused rotary run
+  where present (and, for rotary, correct); attention is ``paddle-block`` (Paddle's block_multihead_attention over a
   block-major KV cache) when that kernel runs at the model's dtype, else
   the device-agnostic Paddle reference (``paddle``), never the compiled
   CPU kernel. The choice is logged once.
@@ -15,7 +15,8 @@
 - memory: free = total - what Paddle's allocator reserved; KV sizing
   profiles one forward with the allocator's high-water mark.
 
-Only ever run against a fake device layer (tests/test_backends.py): no
+Only ever run against a fake device layer (tests/test_backends.py,
+tests/test_block_attention.py, tests/test_cuda_graph.py): no
 GPU with paddlepaddle-gpu was reachable from where fdx is built.
 """
 from __future__ import annotations

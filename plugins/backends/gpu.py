@@ -13,9 +13,10 @@ Which kernels are wired in today (see docs/backends.md):
 - ``block_multihead_attention``: the ``paddle-block`` attention backend
   (plugins/backends/block_attention.py), which the cuda backend picks when
   the probe runs at the model's dtype; else ``paddle`` (the reference).
-- ``variable_length_memory_efficient_attention``,
-  ``fused_rotary_position_embedding``: probed and reported only; why they
-  are not wired is in docs/backends.md.
+- ``fused_rotary_position_embedding``: full-width rotary (``fdx.ops.rotary``)
+  when its probe matches the matmul form in both styles.
+- ``variable_length_memory_efficient_attention``: probed and reported
+  only; why it is not wired is in docs/backends.md.
 """
 from __future__ import annotations
 
@@ -37,10 +38,23 @@ def _probe_rms_norm() -> None:
 
 
 def _probe_rotary() -> None:
+    """Both rotary styles through the kernel, against fdx.ops.rotary's matmul form."""
+    import numpy as np
     import paddle
-    import paddle.incubate.nn.functional as IF
-    q = paddle.ones([1, 2, 1, 8], dtype="float32")
-    IF.fused_rotary_position_embedding(q, None, None, use_neox_rotary_style=True)
+    from fdx.ops import rotary
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((3, 2, 8)).astype(np.float32))
+    positions = paddle.to_tensor(np.array([0, 5, 2], dtype=np.int64))
+    for neox in (True, False):
+        rope = rotary.RotaryEmbedding(8, 16, 10000.0, is_neox_style=neox)
+        rotary.use_fused(False)
+        want = rope._apply(x, positions).numpy()
+        rotary.use_fused(True)
+        try:
+            got = rope._apply(x, paddle.to_tensor(positions.numpy())).numpy()
+        finally:
+            rotary.use_fused(False)
+        if not np.allclose(got, want, atol=1e-4):
+            raise RuntimeError(f"wrong result ({'neox' if neox else 'GPT-J'} style)")
 
 
 def _probe_varlen() -> None:
@@ -84,7 +98,8 @@ PROBES: dict[str, Callable[[], None]] = {
     "variable_length_memory_efficient_attention": _probe_varlen,
     "block_multihead_attention": _probe_block_attention,
 }
-WIRED = ("fused_rms_norm", "block_multihead_attention")   # fdx calls these when present; the rest are reported
+WIRED = ("fused_rms_norm", "block_multihead_attention",    # fdx calls these when present; the rest are reported
+         "fused_rotary_position_embedding")
 AT_DTYPE = ("block_multihead_attention",)                 # probed at the model's dtype
 
 
@@ -92,7 +107,7 @@ def probe_kernels(backend: str, names: tuple[str, ...], dtype: str = "float16") 
     """name -> None when the kernel ran on the current device (those in
     AT_DTYPE: at ``dtype``), else why not. Switches fdx.ops to the reference
     where a wired kernel is missing and logs each outcome once per process."""
-    from fdx.ops import norm
+    from fdx.ops import norm, rotary
     found: dict[str, str | None] = {}
     for name in names:
         try:
@@ -101,6 +116,7 @@ def probe_kernels(backend: str, names: tuple[str, ...], dtype: str = "float16") 
         except Exception as e:                   # a missing kernel raises whatever the build raises
             found[name] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     norm.use_fused(found.get("fused_rms_norm", "not probed") is None)
+    rotary.use_fused(found.get("fused_rotary_position_embedding", "not probed") is None)
     for name, why in found.items():
         key = (backend, f"{name}:{why is None}")
         if key in _logged:

@@ -2,7 +2,7 @@
 
 - dtype: float16 (float32 on request), the KV cache in the model's dtype.
 - kernels: the subset Paddle's iluvatar plugin provides is probed at
-  start-up (fused_rms_norm, used where present; the attention kernels
+  start-up (fused_rms_norm and fused rotary, used where present; the attention kernels
   FastDeploy brings for this device are its own compiled ops, which fdx
   does not have): attention is the Paddle reference.
 - sampling: the ``device`` sampler (only ids and requested logprobs come back).
