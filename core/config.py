@@ -6,7 +6,7 @@ engine.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -54,6 +54,10 @@ class SchedulerConfig(_Section):
 class BackendConfig(_Section):
     name: str = "auto"                         # device backend plugin name, or auto
     num_threads: int | None = Field(None, gt=0)   # CPU threads; None: cores available
+    cuda_graph: bool = False                   # capture decode steps in CUDA graphs (cuda backend with the
+                                               # paddle-block attention only; never run on a GPU yet)
+    cuda_graph_batch_sizes: list[Annotated[int, Field(gt=0)]] = [1, 2, 4, 8, 16, 32]   # padded decode
+                                               # batch sizes captured; a larger decode step runs eagerly
 
 
 class ParallelConfig(_Section):

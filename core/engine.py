@@ -34,6 +34,9 @@ class EngineCore:
         dtype = self._resolve_dtype()
         self._resolve_parts(config)
         self.backend.setup(config)
+        if config.backend.cuda_graph and not getattr(self.backend, "captures_cuda_graphs", False):
+            raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
+                              "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
         from fdx.core.checkpoint.loader import load_checkpoint
         ckpt = load_checkpoint(config.model.model, progress=progress)
@@ -53,11 +56,12 @@ class EngineCore:
 
         self.max_model_len = self._resolve_lengths()
         m, cc = self.model, config.cache
+        layout = getattr(self._resolve_parts(config)["attention"], "layout", "head_major")  # the kernel's
         spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, cc.block_size,
-                           self.backend.kv_cache_dtype(dtype))
+                           self.backend.kv_cache_dtype(dtype), layout)
         num_blocks = self._resolve_num_blocks(spec)
         self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
-                                   spec.block_size, spec.dtype)
+                                   spec.block_size, spec.dtype, layout)
         # with tensor parallel the workers hold the KV cache, each its share of the heads
         tp = config.parallel.tensor_parallel_size > 1
         self.kv_caches = [] if tp else self.backend.allocate_kv_cache(self.kv_spec)

@@ -653,13 +653,42 @@ class KVCacheSpec:
     num_blocks: int
     block_size: int
     dtype: str                         # "float32", "float16", "bfloat16"
-    layout: str = "head_major"         # per layer (k, v), each [num_kv_heads * num_slots, head_dim];
-                                       # row of (kv head h, slot s) = h * num_slots + s,
-                                       # slot = block_id * block_size + offset
+    layout: str = "head_major"         # the attention backend's (AttentionBackend.layout), one of:
+    # "head_major": per layer (k, v), each [num_kv_heads * num_slots, head_dim]; the row of
+    #     (kv head h, slot s) is h * num_slots + s, slot = block_id * block_size + offset.
+    # "block_major": per layer (k, v), each [num_blocks, num_kv_heads, block_size, head_dim]
+    #     (Paddle's block_multihead_attention); viewed as rows [-1, head_dim], the row of
+    #     (h, s) is block_id * num_kv_heads * block_size + h * block_size + offset.
+    # Whoever reads or writes blocks outside attention (KV connectors) goes through
+    # ``kv_rows`` and ``row_view``, never the formula.
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    def shape(self) -> list[int]:
+        """The shape of one layer's k (and v) tensor in this layout."""
+        if self.layout == "block_major":
+            return [self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim]
+        if self.layout == "head_major":
+            return [self.num_kv_heads * self.num_slots, self.head_dim]
+        raise ValueError(f"unknown KV cache layout {self.layout!r}; expected head_major or block_major")
+
+    def kv_rows(self, slots: Any) -> Any:
+        """int64 numpy [num_kv_heads, len(slots)]: the rows of these slots, per KV head, in a
+        cache tensor seen through ``row_view``."""
+        import numpy as np
+        slots = np.asarray(slots, dtype=np.int64)
+        heads = np.arange(self.num_kv_heads, dtype=np.int64)[:, None]
+        if self.layout == "block_major":
+            bs = self.block_size
+            return heads * bs + (slots // bs * (self.num_kv_heads * bs) + slots % bs)[None, :]
+        self.shape()                                   # rejects an unknown layout
+        return heads * self.num_slots + slots[None, :]
+
+    def row_view(self, tensor: Any) -> Any:
+        """A cache tensor as rows [-1, head_dim] sharing its memory (writes go through)."""
+        return tensor if len(tensor.shape) == 2 else tensor.reshape([-1, self.head_dim])
 
     @property
     def bytes_per_block(self) -> int:
@@ -674,7 +703,7 @@ class AttentionBackend(abc.ABC):
     the device-agnostic Paddle reference."""
 
     name: str = ""
-    layout: str = "head_major"
+    layout: str = "head_major"  # the KV cache layout it reads and writes (KVCacheSpec.layout)
     status: str = ""           # what it built or loaded at start-up, in words (reported when ready)
 
     def __init__(self, settings: dict | None = None):
@@ -730,6 +759,8 @@ class Backend(abc.ABC):
     sampler: str = "host"              # a name registered by fdx_register_samplers
     model_runner: str = "default"      # a name registered by fdx_register_model_runners
     dtypes: tuple[str, ...] = ("float32",)   # model.dtype values it computes in; the first is "auto"
+    captures_cuda_graphs: bool = False       # set by setup when it honours backend.cuda_graph (else
+                                             # the engine rejects that key)
 
     def __init__(self, settings: dict | None = None):
         self.settings = settings or {}
@@ -765,7 +796,7 @@ class Backend(abc.ABC):
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list:
         """Zeroed per-layer (k, v) tensors in ``spec``'s layout."""
         import paddle
-        shape = [spec.num_kv_heads * spec.num_slots, spec.head_dim]
+        shape = spec.shape()
         return [(paddle.zeros(shape, dtype=spec.dtype), paddle.zeros(shape, dtype=spec.dtype))
                 for _ in range(spec.num_layers)]
 

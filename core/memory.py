@@ -81,7 +81,8 @@ def profile_forward(model, attention, backend, spec: KVCacheSpec, num_tokens: in
     lens = [num_tokens // seqs] * seqs
     lens[-1] += num_tokens - sum(lens)
     per_seq = [-(-n // block_size) for n in lens]
-    spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, sum(per_seq), block_size, spec.dtype)
+    spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, sum(per_seq), block_size, spec.dtype,
+                       spec.layout)
     caches = backend.allocate_kv_cache(spec)
     starts = np.cumsum([0] + per_seq)
     tables = [list(range(int(starts[i]), int(starts[i + 1]))) for i in range(seqs)]

@@ -132,12 +132,18 @@ class _Batch:
     starts: np.ndarray  # int64 [B + 1]: first token row of each sequence, then N
     tables: np.ndarray  # int64 [B, W]: block tables padded with block 0
     block_size: int
-    heads: np.ndarray  # int64 [KVH]: h * num_slots
+    heads: np.ndarray  # int64 [KVH]: h * num_slots (head_major) or h * block_size (block_major)
+    block_stride: int  # rows between blocks: block_size (head_major) or KVH * block_size (block_major)
 
     def slots(self, seqs: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slots of (sequence, position) pairs (broadcast together)."""
         bs = self.block_size
         return self.tables[seqs, positions // bs] * bs + positions % bs
+
+    def rows(self, slots: np.ndarray) -> np.ndarray:
+        """Row of head 0 of each slot; add ``heads`` for the other heads."""
+        bs = self.block_size
+        return slots if self.block_stride == bs else slots // bs * self.block_stride + slots % bs
 
 
 def _padded_tables(block_tables: list[list[int]]) -> np.ndarray:
@@ -189,13 +195,16 @@ def build_attention_metadata(
     impl: str | None = None,
     num_heads: int | None = None,
     cpp_max_query_len: int | None = None,
+    layout: str = "head_major",
 ) -> AttentionMetadata:
     """Index tensors and masks for one step (see the module docstring).
 
     impl: "paddle", "cpp" or None (default_impl()). cpp_max_query_len: with
     impl "cpp", longer sequences take the Paddle path (None: none do).
     num_heads, if given, builds the Paddle path's decode mask now instead of
-    in the first layer.
+    in the first layer. layout: "head_major" (the module docstring) or
+    "block_major" (caches [num_blocks, KVH, block_size, D], seen as rows
+    [-1, D]; Paddle path only).
     """
     if not len(query_lens) == len(context_lens) == len(block_tables):
         raise ValueError(
@@ -213,13 +222,18 @@ def build_attention_metadata(
     _validate(qlens, ctx, block_tables, tables, block_size, num_kv_heads, num_slots)
     starts = np.zeros(len(qlens) + 1, dtype=np.int64)
     np.cumsum(qlens, out=starts[1:])
-    batch = _Batch(qlens, ctx, starts, tables, block_size, np.arange(num_kv_heads, dtype=np.int64) * num_slots)
+    if layout not in ("head_major", "block_major") or (layout == "block_major" and impl == "cpp"):
+        raise ValueError(f"layout {layout!r} with impl {impl!r}: the compiled kernel reads head_major only")
+    heads = np.arange(num_kv_heads, dtype=np.int64)
+    batch = (_Batch(qlens, ctx, starts, tables, block_size, heads * num_slots, block_size)
+             if layout == "head_major" else
+             _Batch(qlens, ctx, starts, tables, block_size, heads * block_size, num_kv_heads * block_size))
     n = int(starts[-1])
 
     seq_of_token = np.repeat(np.arange(len(qlens)), qlens)
     positions = np.arange(n) - starts[seq_of_token] + ctx[seq_of_token]
     slots = batch.slots(seq_of_token, positions)
-    write_index = (slots[:, None] + batch.heads[None, :]).reshape(-1)  # [N, KVH] token-major
+    write_index = (batch.rows(slots)[:, None] + batch.heads[None, :]).reshape(-1)  # [N, KVH] token-major
 
     if impl == "cpp":
         limit = np.iinfo(np.int64).max if cpp_max_query_len is None else cpp_max_query_len
@@ -257,7 +271,7 @@ def _decode_group(ids: np.ndarray, batch: _Batch) -> DecodeGroup:
     pos = np.arange(t_max)[None, :]
     pos = np.where(pos < lens[:, None], pos, 0)  # [S, T]; padding reads position 0, masked
     slots = batch.slots(ids[:, None], pos)
-    kv_index = (batch.heads[None, :, None] + slots[:, None, :]).reshape(-1)  # [S, KVH, T]
+    kv_index = (batch.heads[None, :, None] + batch.rows(slots)[:, None, :]).reshape(-1)  # [S, KVH, T]
     contiguous = bool((np.diff(token_ids) == 1).all())
     return DecodeGroup(
         seq_ids=ids.tolist(),
@@ -275,7 +289,7 @@ def _prefill_seq(i: int, batch: _Batch) -> PrefillSeq:
     q, c = int(batch.query_lens[i]), int(batch.context_lens[i])
     total = q + c
     slots = batch.slots(i, np.arange(total))
-    kv_index = (batch.heads[:, None] + slots[None, :]).reshape(-1)  # [KVH, L]
+    kv_index = (batch.heads[:, None] + batch.rows(slots)[None, :]).reshape(-1)  # [KVH, L]
     allowed = np.arange(total)[None, :] <= (c + np.arange(q))[:, None]  # [q, L]
     return PrefillSeq(
         seq_id=i,

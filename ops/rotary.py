@@ -1,8 +1,24 @@
-"""Rotary position embedding (neox / GPT-J styles, optional partial rotary)."""
+"""Rotary position embedding (neox / GPT-J styles, optional partial rotary).
+
+By default a matmul with a signed permutation (below). ``use_fused(True)``
+(the cuda backend, after its start-up probe checked the kernel against
+this reference) makes full-width rotary call Paddle's
+``fused_rotary_position_embedding`` instead, with the same cos/sin tables.
+Beware Paddle's naming: its ``use_neox_rotary_style=True`` rotates
+adjacent pairs (GPT-J style here), False rotates halves (neox here).
+"""
 import numpy as np
 import paddle
 
-__all__ = ["RotaryEmbedding"]
+__all__ = ["RotaryEmbedding", "use_fused"]
+
+_fused = False
+
+
+def use_fused(enabled: bool) -> None:
+    """Choose Paddle's fused rotary kernel (True) or the matmul form (False)."""
+    global _fused
+    _fused = bool(enabled)
 
 
 def _rotation_matrix(head_dim: int, rotary_dim: int, is_neox_style: bool) -> np.ndarray:
@@ -77,9 +93,20 @@ class RotaryEmbedding:
         n, heads, d = x.shape
         if d != self.head_dim:
             raise ValueError(f"head_dim {d} != RotaryEmbedding head_dim {self.head_dim}")
+        if _fused and self.rotary_dim == d:
+            return self._fused(x, positions)
         cos, sin = self.cos_sin(positions, heads)
         rotated = paddle.matmul(x.reshape([n * heads, d]), self.rotation).reshape([n, heads, d])
         return x * cos + rotated * sin
+
+    def _fused(self, x: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
+        import paddle.incubate.nn.functional as IF
+        n, heads, d = x.shape
+        cos, sin = self.cos_sin(positions, 1)                       # [N, 1, D]
+        out = IF.fused_rotary_position_embedding(
+            x.reshape([1, n, heads, d]), None, None, sin=sin.reshape([1, n, 1, d]).astype(x.dtype),
+            cos=cos.reshape([1, n, 1, d]).astype(x.dtype), use_neox_rotary_style=not self.is_neox_style)[0]
+        return out.reshape([n, heads, d])
 
     def __call__(
         self, positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tensor

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check fdx could not run where it is built (see docs/backends.md):
-# parity tests on the device and a short benchmark, under 8 minutes. Needs
+# parity tests on the device (models, the paddle-block attention kernel, the
+# device sampler, CUDA graphs) and a short benchmark, under 8 minutes. Needs
 # fdx installed with a GPU build of Paddle (the `gpu` extra, or Iluvatar's
 # build) and the test extra:
 #   pip install torch==2.13.0 && pip install -e ".[gpu,test]" --extra-index-url <Paddle's CUDA index>
@@ -32,12 +33,18 @@ echo "device_check: backend $backend: $(python -c 'import paddle; print(paddle._
 nvidia-smi -L 2>/dev/null || true
 
 status=0
-# the fake-device tests still hold on real hardware's Paddle; the parity tests run on the device
-FDX_DEVICE_CHECK=1 timeout 360 python -m pytest -q -x tests/test_device_parity.py tests/test_backends.py \
-    -k "not host_peak" || status=1
+# the parity tests run on the device: tiny checkpoints against transformers, the real
+# block_multihead_attention against the host double every fake-device test uses, paddle-block
+# against the reference attention, CUDA-graph decodes against eager ones; then the device sampler's
+# statistical tests (on the GPU: Paddle's default device there) and the fake-device tests, which
+# must still hold against this build's Paddle (its wrapper signatures, its kernels' presence)
+FDX_DEVICE_CHECK=1 timeout 300 python -m pytest -q tests/test_device_parity.py || status=1
+FDX_DEVICE_CHECK=1 timeout 150 python -m pytest -q tests/test_device_sampler.py tests/test_block_attention.py \
+    tests/test_cuda_graph.py tests/test_backends.py -k "not host_peak" || status=1
 # a short benchmark, in the backend's half precision and in float32
-for dtype in auto float32; do
-    timeout 60 python -m fdx.core.cli bench throughput --backend "$backend" --num-requests 32 \
-        --input-len 128 --output-len 64 --max-model-len 512 --set model.dtype=$dtype || status=1
+for extra in "model.dtype=auto" "model.dtype=float32" "backend.cuda_graph=true"; do
+    [ "$backend" != cuda ] && [ "$extra" = "backend.cuda_graph=true" ] && continue
+    timeout 50 python -m fdx.core.cli bench throughput --backend "$backend" --num-requests 32 \
+        --input-len 128 --output-len 64 --max-model-len 512 --set "$extra" || status=1
 done
 exit $status

@@ -4,20 +4,26 @@
 - dtype: bfloat16 on compute capability 8.0 and up, else float16 (float32
   on request); the KV cache in the model's dtype.
 - kernels: Paddle's fused GPU kernels are probed at start-up
-  (``fdx.plugins.backends.gpu``); fused_rms_norm runs where present,
-  attention is the device-agnostic Paddle reference (``paddle`` attention
-  backend), never the compiled CPU kernel.
+  (``fdx.plugins.backends.gpu``); fused_rms_norm and fused rotary run
+  where present (and, for rotary, correct); attention is ``paddle-block`` (Paddle's block_multihead_attention over a
+  block-major KV cache) when that kernel runs at the model's dtype, else
+  the device-agnostic Paddle reference (``paddle``), never the compiled
+  CPU kernel. The choice is logged once.
+- sampling: the ``device`` sampler (logits stay on the GPU; only the
+  sampled ids and requested logprobs are copied back).
+- ``backend.cuda_graph``: see fdx.plugins.backends.cuda_graph.
 - memory: free = total - what Paddle's allocator reserved; KV sizing
   profiles one forward with the allocator's high-water mark.
 
-Only ever run against a fake device layer (tests/test_backends.py): no
+Only ever run against a fake device layer (tests/test_backends.py,
+tests/test_block_attention.py, tests/test_cuda_graph.py): no
 GPU with paddlepaddle-gpu was reachable from where fdx is built.
 """
 from __future__ import annotations
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import Backend
-from fdx.plugins.backends.gpu import cast_model, probe_kernels
+from fdx.plugins.backends.gpu import cast_model, log_once, model_dtype, probe_kernels
 
 KERNELS = ("fused_rms_norm", "fused_rotary_position_embedding",
            "variable_length_memory_efficient_attention", "block_multihead_attention")
@@ -26,8 +32,8 @@ KERNELS = ("fused_rms_norm", "fused_rotary_position_embedding",
 class CudaBackend(Backend):
     name = "cuda"
     priority = 10
-    attention_backend = "paddle"   # GPU-capable Paddle reference; never the CPU kernel
-    sampler = "host"
+    attention_backend = "paddle"   # until setup: paddle-block when its probe runs, never the CPU kernel
+    sampler = "device"
     model_runner = "default"
     dtypes = ("bfloat16", "float16", "float32")
 
@@ -50,7 +56,14 @@ class CudaBackend(Backend):
     def setup(self, config) -> None:
         import paddle
         paddle.set_device("gpu:0")
-        self.kernels = probe_kernels(self.name, KERNELS)
+        dtype = model_dtype(self, config)
+        self.kernels = probe_kernels(self.name, KERNELS, dtype)
+        why = self.kernels["block_multihead_attention"]
+        self.attention_backend = "paddle-block" if why is None else "paddle"
+        log_once(self.name, f"attention at {dtype}: paddle-block (block_multihead_attention)" if why is None else
+                 f"attention at {dtype}: paddle, the ops/ reference (block_multihead_attention: {why})")
+        from fdx.plugins.backends.cuda_graph import check_config
+        check_config(config, self)
 
     def prepare_model(self, model, dtype: str) -> None:
         cast_model(model, dtype)

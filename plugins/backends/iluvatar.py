@@ -2,9 +2,10 @@
 
 - dtype: float16 (float32 on request), the KV cache in the model's dtype.
 - kernels: the subset Paddle's iluvatar plugin provides is probed at
-  start-up (fused_rms_norm, used where present; the attention kernels
+  start-up (fused_rms_norm and fused rotary, used where present; the attention kernels
   FastDeploy brings for this device are its own compiled ops, which fdx
   does not have): attention is the Paddle reference.
+- sampling: the ``device`` sampler (only ids and requested logprobs come back).
 - memory: the device's own query (total memory from its properties, less
   what Paddle's allocator reserved); a device that reports none is an
   error that names ``cache.num_kv_blocks``, the way around it.
@@ -26,7 +27,7 @@ class IluvatarBackend(Backend):
     name = "iluvatar"
     priority = 5
     attention_backend = "paddle"   # GPU-capable Paddle reference; never the CPU kernel
-    sampler = "host"
+    sampler = "device"             # logits stay on the device
     model_runner = "default"
     dtypes = ("float16", "float32")
 
@@ -42,6 +43,8 @@ class IluvatarBackend(Backend):
         import paddle
         paddle.set_device(f"{DEVICE}:0")
         self.kernels = probe_kernels(self.name, KERNELS)
+        from fdx.plugins.backends.cuda_graph import check_config
+        check_config(config, self)
 
     def prepare_model(self, model, dtype: str) -> None:
         cast_model(model, dtype)

@@ -116,14 +116,14 @@ class DefaultModelRunner(ModelRunner):
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(st)
 
-        meta = ctx.attention.build_metadata(query_lens, context_lens, tables, self.spec,
-                                            getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
-        attn = AttentionContext(ctx.attention, meta)
         extra = [r for st, first, count, _ in prompt_rows for r in range(first, first + count)]
-        rows = paddle.to_tensor(np.asarray(sample_rows + extra, dtype=np.int64))
-        ids = paddle.to_tensor(np.asarray(input_ids, dtype=np.int64))
-        with paddle.no_grad():
-            logits = self.model.forward(ids, attn.positions, ctx.kv_caches, attn, rows)
+        logits = self._logits(input_ids, query_lens, context_lens, tables, sample_rows + extra)
+        if getattr(ctx.sampler, "device_logits", False) and not prompt_rows and not self.capture_logits:
+            if samplers:                # a device sampler: the logits stay where they are (see _sample)
+                self._sample(samplers, logits, removed, out)
+            else:
+                self.taps = {}
+            return
         logits = logits.astype("float32").numpy() if logits.dtype != paddle.float32 else logits.numpy()
         raw, prompt_logits = logits[:len(sample_rows)], logits[len(sample_rows):]
 
@@ -138,21 +138,39 @@ class DefaultModelRunner(ModelRunner):
             return
         self._sample(samplers, raw, removed, out)
 
-    def _sample(self, samplers: list[RequestState], raw: np.ndarray, removed: list[str],
+    def _logits(self, input_ids: list[int], query_lens: list[int], context_lens: list[int],
+                tables: list[list[int]], rows: list[int]):
+        """One forward of the step's tokens: logits [len(rows), vocab] for those token rows."""
+        ctx = self.ctx
+        meta = ctx.attention.build_metadata(query_lens, context_lens, tables, self.spec,
+                                            getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
+        attn = AttentionContext(ctx.attention, meta)
+        with paddle.no_grad():
+            return self.model.forward(paddle.to_tensor(np.asarray(input_ids, dtype=np.int64)), attn.positions,
+                                      ctx.kv_caches, attn, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
+
+    def _sample(self, samplers: list[RequestState], raw, removed: list[str],
                 out: ModelRunnerOutput) -> None:
+        """``raw``: float32 numpy logits of the sampling rows, or (a device
+        sampler) the model's logits tensor, moved to the host only when a
+        logits processor has work this step."""
         ctx = self.ctx
         rows = [st.request_id for st in samplers]
         added = [st.row for st in samplers if st.request_id not in self.in_processors]
         self.in_processors.update(rows)
         update = BatchUpdate(added, removed, rows, rows != self.rows)
         self.rows = rows
+        for processor in ctx.logits_processors:
+            processor.update_state(update)
+        if not isinstance(raw, np.ndarray) and any(getattr(p, "active", True) for p in ctx.logits_processors):
+            raw = raw.astype("float32").numpy() if raw.dtype != paddle.float32 else raw.numpy()
         # The processors may edit in place; keep the raw logits apart only when
         # something reads them (logprobs are of the raw logits; the logits tap).
         keep_raw = self.capture_logits or any(st.params.logprobs is not None for st in samplers)
-        x = raw.copy() if keep_raw else raw
-        for processor in ctx.logits_processors:
-            processor.update_state(update)
-            x = processor.apply(x)
+        x = raw.copy() if keep_raw and isinstance(raw, np.ndarray) else raw
+        if isinstance(raw, np.ndarray):
+            for processor in ctx.logits_processors:
+                x = processor.apply(x)
         batch = SamplingBatch(
             params=[st.params for st in samplers], prompt_token_ids=[st.prompt_token_ids for st in samplers],
             output_token_ids=[st.output_token_ids for st in samplers], eos_token_ids=ctx.eos_token_ids,
@@ -177,5 +195,7 @@ class DefaultModelRunner(ModelRunner):
 @hookimpl
 def fdx_register_model_runners(register):
     from fdx.plugins.backends.tp import TensorParallelRunner
+    from fdx.plugins.backends.cuda_graph import CudaGraphRunner
     register("default", DefaultModelRunner)
     register("tp", TensorParallelRunner)       # the engine's pick when parallel.tensor_parallel_size > 1
+    register("cuda-graph", CudaGraphRunner)    # cuda's pick with backend.cuda_graph

@@ -332,11 +332,11 @@ def build_worker(config, rank: int, world: int, num_blocks: int, threads: int):
         model.lm_head = paddle.zeros([model.lm_head.shape[0], 1], dtype=model.lm_head.dtype)
     dtype = backend.dtypes[0] if config.model.dtype == "auto" else config.model.dtype
     backend.prepare_model(model, dtype)
-    spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, num_blocks,
-                       config.cache.block_size, backend.kv_cache_dtype(dtype))
-    kv_caches = backend.allocate_kv_cache(spec)
     attention = pm.get("attention_backend", backend.attention_backend)(
         settings("attention_backend", backend.attention_backend))
+    spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, num_blocks,
+                       config.cache.block_size, backend.kv_cache_dtype(dtype), attention.layout)
+    kv_caches = backend.allocate_kv_cache(spec)
     sampler = pm.get("sampler", backend.sampler)(config=config, settings=settings("sampler", backend.sampler))
     builtin = pm.builtin_names("logits_processor")
     names = builtin + [n for n in config.decoding.logits_processors if n not in builtin]

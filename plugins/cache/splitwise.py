@@ -324,17 +324,18 @@ class SplitwiseConnector(KVConnector):
                             "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim, "dtype": dtype}
 
     def _rows(self, block_ids: list[int], start: int, n: int) -> np.ndarray:
-        bs, slots = self.spec.block_size, self.spec.num_slots
+        bs = self.spec.block_size
         pos = np.arange(start, start + n)
         slot = np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs
-        return (np.arange(self.spec.num_kv_heads, dtype=np.int64)[:, None] * slots + slot[None, :]).reshape(-1)
+        return self.spec.kv_rows(slot).reshape(-1)       # [num_kv_heads, n], whatever the layout
 
     def _read(self, job: SendJob) -> list[np.ndarray]:
         import paddle
         idx = paddle.to_tensor(self._rows(job.block_ids, 0, job.num_tokens))
         shape = [2, self.spec.num_kv_heads, job.num_tokens, self.spec.head_dim]
-        return [np.ascontiguousarray(paddle.stack([paddle.gather(k, idx), paddle.gather(v, idx)]).numpy()
-                                     .reshape(shape)) for k, v in self.kv_caches]
+        view = self.spec.row_view
+        return [np.ascontiguousarray(paddle.stack([paddle.gather(view(k), idx), paddle.gather(view(v), idx)])
+                                     .numpy().reshape(shape)) for k, v in self.kv_caches]
 
     def _write(self, block_ids: list[int], start: int, n: int, frames: list[bytes]) -> None:
         import paddle
@@ -342,8 +343,8 @@ class SplitwiseConnector(KVConnector):
         rows = self.spec.num_kv_heads * n
         for (k, v), frame in zip(self.kv_caches, frames):
             arr = np.frombuffer(frame, dtype=self.dtype).reshape(2, rows, self.spec.head_dim)
-            k.scatter_(idx, paddle.to_tensor(arr[0]), overwrite=True)
-            v.scatter_(idx, paddle.to_tensor(arr[1]), overwrite=True)
+            self.spec.row_view(k).scatter_(idx, paddle.to_tensor(arr[0]), overwrite=True)
+            self.spec.row_view(v).scatter_(idx, paddle.to_tensor(arr[1]), overwrite=True)
 
     def start_load_kv(self, metadata: SplitwiseStep | None) -> None:
         if metadata is None or self.kv_caches is None:

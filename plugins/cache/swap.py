@@ -378,15 +378,14 @@ class SwapConnector(KVConnector):
 
     def _rows(self, block_id: int):
         import paddle
-        base = block_id * self.block_size
-        idx = [h * self.num_slots + base + o for h in range(self.num_kv_heads) for o in range(self.block_size)]
-        return paddle.to_tensor(np.asarray(idx, dtype=np.int64))
+        base = block_id * self.block_size       # rows [num_kv_heads, block_size], whatever the layout
+        return paddle.to_tensor(self.spec.kv_rows(np.arange(base, base + self.block_size)).reshape(-1))
 
     def read_block(self, block_id: int) -> np.ndarray:
         """The block's KV: [num_layers, 2, num_kv_heads, block_size, head_dim], float32."""
         import paddle
         idx = self._rows(block_id)
-        parts = [paddle.gather(t, idx) for kv in self.kv_caches for t in kv]
+        parts = [paddle.gather(self.spec.row_view(t), idx) for kv in self.kv_caches for t in kv]
         shape = [len(self.kv_caches), 2, self.num_kv_heads, self.block_size, self.head_dim]
         return paddle.stack(parts).astype("float32").numpy().reshape(shape)
 
@@ -397,7 +396,7 @@ class SwapConnector(KVConnector):
         for layer, kv in enumerate(self.kv_caches):
             for j, t in enumerate(kv):
                 src = paddle.to_tensor(np.ascontiguousarray(flat[layer, j])).astype(t.dtype)
-                t.scatter_(idx, src, overwrite=True)
+                self.spec.row_view(t).scatter_(idx, src, overwrite=True)
 
     def start_load_kv(self, metadata: SwapStep | None) -> None:
         if metadata is None or self.tier is None:
