@@ -10,6 +10,13 @@ ops/<key>. The compiler's output goes to ops/<key>/build.log, and one log
 line says what was built and how long it took. Without a C++ compiler, or
 if the build fails, one warning says so and callers use the Paddle path.
 FDX_DISABLE_CPP_OPS=1 turns the compiled kernels off.
+
+The kernels (one extension module, one translation unit, csrc/fdx_ops.cc):
+paged attention over block tables (fdx.ops.attention's "cpp" path),
+SiLU-and-mul (fdx.ops.activation) and the fused q/k/v split + q/k RMS norm
++ rotary + KV-cache write (``rope_write_kv``, which the ``cpu`` attention
+backend offers the model). Each has the Paddle ops as fallback and test
+oracle.
 """
 import contextlib
 import fcntl
@@ -26,13 +33,14 @@ from types import ModuleType
 
 import paddle
 
-__all__ = ["available", "unavailable_reason", "paged_attention", "build_dir", "prepare", "status"]
+__all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rope_write_kv",
+           "build_dir", "prepare", "status"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention.cc"]
-_HEADERS = [_CSRC / "paged_attention_kernel.h"]
+_SOURCES = [_CSRC / "fdx_ops.cc"]
+_HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h"]
 _CFLAGS = [
     "-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # let dot-product reductions reassociate (vector horizontal sums); no -ffinite-math-only
@@ -181,11 +189,12 @@ def _load() -> ModuleType | None:
                 _module, built = _build_or_load()
                 secs = time.perf_counter() - t0
                 if built:
-                    _status = (f"built the compiled attention kernel (ops/csrc/paged_attention.cc) in {secs:.1f} s, "
+                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc: paged attention, SiLU-and-mul, "
+                               f"rotary + KV write) in {secs:.1f} s, "
                                f"cached in {build_dir()} (compiler output: build.log there)")
                     logger.info("%s", _status)
                 else:
-                    _status = f"loaded the compiled attention kernel from {build_dir()} in {secs:.1f} s"
+                    _status = f"loaded the compiled CPU kernels from {build_dir()} in {secs:.1f} s"
                     logger.debug("%s", _status)
             except Exception as e:  # any build or load failure means: use the Paddle path
                 _error = f"{type(e).__name__}: {e}"
@@ -194,8 +203,8 @@ def _load() -> ModuleType | None:
                     where = f"; compiler output in {log_hint}" if log_hint.exists() else ""
                 except OSError:
                     where = ""
-                _status = f"the compiled attention kernel is unavailable ({_error}{where})"
-                logger.warning("%s: using the Paddle attention path, %s", _status, PADDLE_PATH_COST)
+                _status = f"the compiled CPU kernels are unavailable ({_error}{where})"
+                logger.warning("%s: using the Paddle path, %s", _status, PADDLE_PATH_COST)
     return _module
 
 
@@ -203,7 +212,7 @@ def prepare() -> str:
     """Build or load the compiled kernels now (the engine calls this before
     it reports ready); returns what was done, in words."""
     if _disabled():
-        return "compiled kernels off (FDX_DISABLE_CPP_OPS): Paddle attention path"
+        return "compiled kernels off (FDX_DISABLE_CPP_OPS): Paddle path"
     _load()
     return _status or ""
 
@@ -216,6 +225,12 @@ def status() -> str | None:
 def available() -> bool:
     """True if the compiled kernels are enabled and built (builds on first call)."""
     return not _disabled() and _load() is not None
+
+
+def loaded() -> bool:
+    """True if the compiled kernels are enabled and already built or loaded
+    (by prepare() or available()); never starts a build."""
+    return _module is not None and not _disabled()
 
 
 def unavailable_reason() -> str | None:
@@ -235,13 +250,59 @@ def paged_attention(
     block_size: int,
     num_out_tokens: int,
 ) -> paddle.Tensor:
-    """The kernel behind fdx.ops.attention's "cpp" path (see csrc/paged_attention.cc)."""
-    module = _module if _module is not None else _load()
-    if module is None:
-        raise RuntimeError(f"fdx compiled CPU ops unavailable: {_error}")
+    """The kernel behind fdx.ops.attention's "cpp" path (see csrc/paged_attention_kernel.h)."""
+    module = _module_or_raise()
     if not q.is_contiguous():
         q = q.contiguous()
     return module.fdx_paged_attention(
         q, k_cache, v_cache, seq_info, block_tables, float(scale), int(num_kv_heads), int(block_size),
         int(num_out_tokens),
+    )
+
+
+def _module_or_raise() -> ModuleType:
+    module = _module if _module is not None else _load()
+    if module is None:
+        raise RuntimeError(f"fdx compiled CPU ops unavailable: {_error}")
+    return module
+
+
+def silu_and_mul(x: paddle.Tensor) -> paddle.Tensor:
+    """[N, 2I] float32 -> [N, I]: silu(x[:, :I]) * x[:, I:] (csrc/fused_kernels.h)."""
+    module = _module_or_raise()
+    shape = x.shape
+    x2 = x.reshape([-1, shape[-1]]) if len(shape) != 2 else x
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = module.fdx_silu_and_mul(x2)
+    return out if len(shape) == 2 else out.reshape(shape[:-1] + [shape[-1] // 2])
+
+
+def rope_write_kv(
+    qkv: paddle.Tensor,
+    positions: paddle.Tensor,
+    slots: paddle.Tensor,
+    k_cache: paddle.Tensor,
+    v_cache: paddle.Tensor,
+    cos: paddle.Tensor,
+    sin: paddle.Tensor,
+    q_norm: paddle.Tensor | None,
+    k_norm: paddle.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    rotary_dim: int,
+    neox: bool,
+    eps: float,
+) -> paddle.Tensor:
+    """The fused projection qkv [N, (H + 2 KVH) D] -> q [N, H, D]: per-head RMS
+    norm of q and k (when their weights are given), rotary at ``positions``
+    with the [P, D] tables cos and sin (neox: halves; else pairs 2i, 2i+1),
+    and k, v written in place at ``slots`` of the head-major caches
+    (csrc/fused_kernels.h). Every float tensor is float32."""
+    module = _module_or_raise()
+    if not qkv.is_contiguous():
+        qkv = qkv.contiguous()
+    return module.fdx_rope_write_kv(
+        qkv, positions, slots, k_cache, v_cache, cos, sin, q_norm, k_norm, int(num_heads), int(num_kv_heads),
+        int(rotary_dim), bool(neox), float(eps),
     )
