@@ -13,7 +13,8 @@ FDX_DISABLE_CPP_OPS=1 turns the compiled kernels off.
 
 The kernels (one extension module, one translation unit, csrc/fdx_ops.cc):
 paged attention over block tables (fdx.ops.attention's "cpp" path),
-SiLU-and-mul (fdx.ops.activation) and the fused q/k/v split + q/k RMS norm
+SiLU-and-mul (fdx.ops.activation), RMS norm with the residual add
+(fdx.ops.norm) and the fused q/k/v split + q/k RMS norm
 + rotary + KV-cache write (``rope_write_kv``, which the ``cpu`` attention
 backend offers the model). Each has the Paddle ops as fallback and test
 oracle.
@@ -33,7 +34,8 @@ from types import ModuleType
 
 import paddle
 
-__all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rope_write_kv",
+__all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
+           "add_rms_norm", "rope_write_kv",
            "build_dir", "prepare", "status"]
 
 logger = logging.getLogger(__name__)
@@ -69,7 +71,8 @@ _status: str | None = None                   # what prepare() did, in words (the
 # What the fallback costs, measured with python -m fdx.ops.bench_attention (median per
 # layer, 64 sequences decoding over 256 cached tokens, SmolLM2's 9/3 heads, one thread).
 PADDLE_PATH_COST = ("decode attention about 2.5x slower (4.2 ms against 1.7 ms a layer at 64 sequences "
-                    "x 256 tokens; python -m fdx.ops.bench_attention)")
+                    "x 256 tokens; python -m fdx.ops.bench_attention), SiLU-and-mul and rotary + KV write "
+                    "5-9x slower at 64 rows (python -m fdx.ops.bench_kernels)")
 
 
 def _disabled() -> bool:
@@ -189,7 +192,7 @@ def _load() -> ModuleType | None:
                 _module, built = _build_or_load()
                 secs = time.perf_counter() - t0
                 if built:
-                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc: paged attention, SiLU-and-mul, "
+                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc: paged attention, SiLU-and-mul, RMS norm, "
                                f"rotary + KV write) in {secs:.1f} s, "
                                f"cached in {build_dir()} (compiler output: build.log there)")
                     logger.info("%s", _status)
@@ -269,13 +272,30 @@ def _module_or_raise() -> ModuleType:
 
 def silu_and_mul(x: paddle.Tensor) -> paddle.Tensor:
     """[N, 2I] float32 -> [N, I]: silu(x[:, :I]) * x[:, I:] (csrc/fused_kernels.h)."""
-    module = _module_or_raise()
-    shape = x.shape
-    x2 = x.reshape([-1, shape[-1]]) if len(shape) != 2 else x
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    out = module.fdx_silu_and_mul(x2)
-    return out if len(shape) == 2 else out.reshape(shape[:-1] + [shape[-1] // 2])
+    out = _module_or_raise().fdx_silu_and_mul(_rows(x))
+    return out if len(x.shape) == 2 else out.reshape(x.shape[:-1] + [x.shape[-1] // 2])
+
+
+def _rows(x: paddle.Tensor) -> paddle.Tensor:
+    """x as a contiguous [rows, last dim] tensor (a view when it already is one)."""
+    if len(x.shape) != 2:
+        x = x.reshape([-1, x.shape[-1]])
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+    """x * rsqrt(mean(x^2, last dim) + eps) * weight over float32 [..., H] (csrc/fused_kernels.h)."""
+    out = _module_or_raise().fdx_rms_norm(_rows(x), weight, float(eps))
+    return out if len(x.shape) == 2 else out.reshape(x.shape)
+
+
+def add_rms_norm(x: paddle.Tensor, residual: paddle.Tensor, weight: paddle.Tensor, eps: float
+                 ) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass over float32 [..., H]."""
+    out, summed = _module_or_raise().fdx_add_rms_norm(_rows(x), _rows(residual), weight, float(eps))
+    if len(x.shape) != 2:
+        out, summed = out.reshape(x.shape), summed.reshape(x.shape)
+    return out, summed
 
 
 def rope_write_kv(

@@ -1,5 +1,6 @@
 """The compiled CPU kernels (ops/csrc/fused_kernels.h) against the Paddle ops
-they replace: SiLU-and-mul against ``F.swiglu`` (and float64 numpy), and the
+they replace: SiLU-and-mul against ``F.swiglu`` (and float64 numpy), RMS norm
+(with the residual add) against ``fused_rms_norm`` and the composed ops, and the
 fused q/k/v split + q/k RMS norm + rotary + KV-cache write against the
 composed ops (split, rms_norm, RotaryEmbedding, write_kv), which test_ops.py
 checks against numpy. Then a tiny random model generates greedily with the
@@ -17,7 +18,7 @@ from fdx.core.interfaces import AttentionContext
 from fdx.ops import cpp
 from fdx.ops.activation import silu_and_mul
 from fdx.ops.attention import build_attention_metadata, write_kv
-from fdx.ops.norm import rms_norm
+from fdx.ops.norm import add_rms_norm, rms_norm
 from fdx.ops.rotary import RotaryEmbedding
 from fdx.plugins.backends.attention import CpuAttention, PaddleAttention
 from fdx.plugins.models.decoder import Llama3RotaryEmbedding
@@ -65,6 +66,46 @@ def test_silu_and_mul_default_follows_the_kernels(impl, monkeypatch):
     assert calls == [1]                                 # disabled: Paddle's swiglu
     with pytest.raises(ValueError, match="silu_and_mul impl"):
         silu_and_mul(x, impl="cuda")
+
+
+# ---------------------------------------------------------------- RMS norm
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (64, 576), (513, 576), (7, 3, 64), (5, 33)],
+                         ids=["smollm-1", "smollm-64", "parallel-odd", "per-head-3d", "odd-width"])
+def test_rms_norm_matches_paddle(impl, shape):
+    rng = np.random.default_rng(shape[0])
+    x = (3 * rng.standard_normal(shape)).astype(np.float32)
+    r = rng.standard_normal(shape).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(shape[-1])).astype(np.float32)
+    got = rms_norm(t(x), t(w), 1e-5, impl=impl).numpy()
+    np.testing.assert_allclose(got, rms_norm(t(x), t(w), 1e-5, impl="fused").numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, rms_norm(t(x), t(w), 1e-5, impl="reference").numpy(), rtol=1e-5, atol=1e-6)
+    out, summed = add_rms_norm(t(x), t(r), t(w), 1e-5, impl=impl)
+    ref_out, ref_summed = add_rms_norm(t(x), t(r), t(w), 1e-5, impl="fused")
+    assert out.shape == summed.shape == list(shape)
+    np.testing.assert_array_equal(summed.numpy(), ref_summed.numpy())
+    np.testing.assert_allclose(out.numpy(), ref_out.numpy(), rtol=1e-5, atol=1e-6)
+    xr = x.astype(np.float64) + r
+    np.testing.assert_allclose(out.numpy(), xr / np.sqrt((xr * xr).mean(-1, keepdims=True) + 1e-5) * w,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_default_follows_the_kernels(impl, monkeypatch):
+    calls = []
+    real = cpp.add_rms_norm
+    monkeypatch.setattr(cpp, "add_rms_norm", lambda *a: (calls.append(1), real(*a))[1])
+    from fdx.ops import norm
+    x = t(np.random.default_rng(0).standard_normal((norm.CPP_MIN_ROWS, 8)).astype(np.float32))
+    add_rms_norm(x, x, x[0], 1e-6)
+    assert calls == [1]
+    add_rms_norm(x[1:], x[1:], x[0], 1e-6)              # fewer rows: Paddle's fused_rms_norm
+    assert calls == [1]
+    monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")
+    add_rms_norm(x, x, x[0], 1e-6)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="rms_norm impl"):
+        rms_norm(x, x[0], 1e-6, impl="cuda")
 
 
 # ---------------------------------------------------------------- rope + KV write
@@ -201,10 +242,11 @@ def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkey
     from tests.test_models import PagedRunner, build_case, prompt
 
     case = build_case(name, seed=4)
-    fused, silu = [], []
-    real_fused, real_silu = cpp.rope_write_kv, cpp.silu_and_mul
+    fused, silu, norm = [], [], []
+    real_fused, real_silu, real_norm = cpp.rope_write_kv, cpp.silu_and_mul, cpp.add_rms_norm
     monkeypatch.setattr(cpp, "rope_write_kv", lambda *a: (fused.append(1), real_fused(*a))[1])
     monkeypatch.setattr(cpp, "silu_and_mul", lambda x: (silu.append(1), real_silu(x))[1])
+    monkeypatch.setattr(cpp, "add_rms_norm", lambda *a: (norm.append(1), real_norm(*a))[1])
 
     def generate(impl_name):
         runner = PagedRunner(case.fdx_model(), seed=3, impl=impl_name)
@@ -221,11 +263,11 @@ def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkey
         return tokens, all_logits
 
     on_tokens, on_logits = generate("cpp")
-    assert fused and silu                                          # the compiled kernels ran
+    assert fused and silu and norm                                 # the compiled kernels ran
     monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")
-    n_fused, n_silu = len(fused), len(silu)
+    counts = len(fused), len(silu), len(norm)
     off_tokens, off_logits = generate("paddle")
-    assert (len(fused), len(silu)) == (n_fused, n_silu)            # and now they did not
+    assert (len(fused), len(silu), len(norm)) == counts            # and now they did not
     assert on_tokens == off_tokens
     assert all(len(set(v)) > 3 for v in on_tokens.values())       # real trajectories
     for a, b in zip(on_logits, off_logits):

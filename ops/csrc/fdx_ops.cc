@@ -5,6 +5,8 @@
 //   seq_info int32 [S, 4], block_tables int32 [S, W]) -> [num_out_tokens, H, D]
 //   (paged_attention_kernel.h).
 // fdx_silu_and_mul(x [N, 2I]) -> [N, I] (fused_kernels.h).
+// fdx_rms_norm(x [N, H], weight [H]) -> [N, H]; fdx_add_rms_norm(x, residual [N, H],
+//   weight) -> (rms_norm(x + residual), x + residual) (fused_kernels.h).
 // fdx_rope_write_kv(qkv [N, (H + 2 KVH) D], positions, slots int64 [N],
 //   k_cache, v_cache, cos, sin [P, D], q_norm, k_norm [D] or None) -> q [N, H, D];
 //   writes k and v into the caches in place (fused_kernels.h).
@@ -115,6 +117,75 @@ PD_BUILD_OP(fdx_silu_and_mul)
     .SetKernelFn(PD_KERNEL(SiluAndMulForward))
     .SetInferShapeFn(PD_INFER_SHAPE(SiluAndMulInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(SiluAndMulInferDtype));
+
+// --- RMS norm, with the residual add -----------------------------------------------
+
+namespace {
+
+void CheckNormArgs(const paddle::Tensor& x, const paddle::Tensor& weight) {
+  CheckFloat2d(x, "x");
+  CheckFloat2d(weight, "weight");
+  PD_CHECK(x.shape().size() == 2 && weight.numel() == x.shape()[1], "x must be [N, H] and weight [H]");
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> RmsNormForward(const paddle::Tensor& x, const paddle::Tensor& weight, float eps) {
+  CheckNormArgs(x, weight);
+  const int64_t N = x.shape()[0], H = x.shape()[1];
+  auto out = paddle::empty({N, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fdx::RmsNorm(x.data<float>(), nullptr, weight.data<float>(), eps, N, H, out.data<float>(), nullptr);
+  return {out};
+}
+
+std::vector<paddle::Tensor> AddRmsNormForward(const paddle::Tensor& x, const paddle::Tensor& residual,
+                                              const paddle::Tensor& weight, float eps) {
+  CheckNormArgs(x, weight);
+  PD_CHECK(residual.shape() == x.shape(), "residual must have x's shape");
+  CheckFloat2d(residual, "residual");
+  const int64_t N = x.shape()[0], H = x.shape()[1];
+  auto out = paddle::empty({N, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto summed = paddle::empty({N, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fdx::RmsNorm(x.data<float>(), residual.data<float>(), weight.data<float>(), eps, N, H, out.data<float>(),
+               summed.data<float>());
+  return {out, summed};
+}
+
+std::vector<std::vector<int64_t>> RmsNormInferShape(const std::vector<int64_t>& x_shape,
+                                                    const std::vector<int64_t>&, float) {
+  return {x_shape};
+}
+
+std::vector<std::vector<int64_t>> AddRmsNormInferShape(const std::vector<int64_t>& x_shape,
+                                                       const std::vector<int64_t>&,
+                                                       const std::vector<int64_t>&, float) {
+  return {x_shape, x_shape};
+}
+
+std::vector<paddle::DataType> RmsNormInferDtype(const paddle::DataType& x_dtype, const paddle::DataType&) {
+  return {x_dtype};
+}
+
+std::vector<paddle::DataType> AddRmsNormInferDtype(const paddle::DataType& x_dtype, const paddle::DataType&,
+                                                   const paddle::DataType&) {
+  return {x_dtype, x_dtype};
+}
+
+PD_BUILD_OP(fdx_rms_norm)
+    .Inputs({"X", "Weight"})
+    .Outputs({"Out"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(RmsNormForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(RmsNormInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RmsNormInferDtype));
+
+PD_BUILD_OP(fdx_add_rms_norm)
+    .Inputs({"X", "Residual", "Weight"})
+    .Outputs({"Out", "Summed"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(AddRmsNormForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(AddRmsNormInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(AddRmsNormInferDtype));
 
 // --- q/k/v split, q/k RMS norm, rotary, KV-cache write ---------------------------
 

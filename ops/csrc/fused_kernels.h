@@ -1,6 +1,7 @@
 // Fused elementwise kernels of a decoder layer, free of Paddle (bound in fdx_ops.cc).
 //
 // SiluAndMul: [N, 2I] -> [N, I], out = silu(x[:, :I]) * x[:, I:].
+// RmsNorm: [N, H] rows, optionally after adding the residual (which it also returns).
 // RopeWriteKv: the fused q/k/v projection [N, (H + 2 KVH) D] -> q [N, H, D]
 //   (optional per-head RMS norm, rotary), k likewise into the paged k cache,
 //   v copied into the v cache. Cache layout as in paged_attention_kernel.h:
@@ -19,7 +20,10 @@
 
 namespace fdx {
 
-constexpr int64_t kMinParallelElems = 1 << 15;  // floats below which one thread is faster
+// Floats below which one thread is faster: these kernels are memory-bound, and
+// waking the threads (with other processes on the cores, waiting at the barrier
+// for a descheduled one) costs more than a second thread gains on 64 decode rows.
+constexpr int64_t kMinParallelElems = 1 << 18;
 
 // Rows [begin, end) of `rows` for this thread of the current parallel region.
 inline void ThreadRange(int64_t rows, int64_t* begin, int64_t* end) {
@@ -62,6 +66,40 @@ inline void SiluAndMul(const float* x, float* out, int64_t N, int64_t I) {
     int64_t begin, end;
     ThreadRange(N, &begin, &end);
     for (int64_t r = begin; r < end; ++r) SiluAndMulRow(x + r * 2 * I, out + r * I, I);
+  }
+}
+
+// RMS norm of rows [N, H]: out = x * rsqrt(mean(x^2) + eps) * w; with `residual`,
+// x + residual is normalized and also written to `summed`.
+inline void RmsNormRow(const float* x, const float* residual, const float* w, float eps, int64_t H, float* out,
+                       float* summed) {
+  float ss = 0.f;
+  if (residual) {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; ++i) {
+      const float v = x[i] + residual[i];
+      summed[i] = v;
+      ss += v * v;
+    }
+    x = summed;
+  } else {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) out[i] = x[i] * inv * w[i];
+}
+
+inline void RmsNorm(const float* x, const float* residual, const float* w, float eps, int64_t N, int64_t H,
+                    float* out, float* summed) {
+#pragma omp parallel if (N > 1 && N * H >= kMinParallelElems)
+  {
+    int64_t begin, end;
+    ThreadRange(N, &begin, &end);
+    for (int64_t r = begin; r < end; ++r)
+      RmsNormRow(x + r * H, residual ? residual + r * H : nullptr, w, eps, H, out + r * H,
+                 summed ? summed + r * H : nullptr);
   }
 }
 
