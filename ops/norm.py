@@ -2,11 +2,12 @@
 
 On CPU, once the compiled kernels are built or loaded (fdx.ops.cpp.prepare(),
 which the ``cpu`` attention backend runs at start-up), float32 tensors of at
-least CPP_MIN_ROWS rows take the compiled kernel (csrc/fused_kernels.h: the residual add, the norm and
-both outputs in one pass). Else Paddle's ``fused_rms_norm`` (one kernel on
-CPU and on CUDA builds); a device without it (some custom devices) switches
-to the composed reference with ``use_fused(False)``, which its backend does
-at start-up after probing the kernel.
+least CPP_MIN_ROWS rows take the compiled kernel (csrc/fused_kernels.h: the
+residual add, the norm and both outputs in one pass). Else Paddle's
+``fused_rms_norm`` (one kernel on CPU and on CUDA builds); a device without
+it (some custom devices) switches to the composed reference with
+``use_fused(False)``, which its backend does at start-up after probing the
+kernel.
 """
 import paddle
 import paddle.incubate.nn.functional as IF
