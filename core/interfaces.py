@@ -726,12 +726,31 @@ class AttentionBackend(abc.ABC):
     def forward(self, q: Any, k_cache: Any, v_cache: Any, metadata: Any, scale: float) -> Any:
         """Causal attention of q [N, H, D] over context + new tokens -> [N, H, D]."""
 
+    def rope_write_kv(self, qkv: Any, positions: Any, k_cache: Any, v_cache: Any, metadata: Any, *, num_heads: int,
+                      num_kv_heads: int, head_dim: int, rope: Any, q_norm: Any = None, k_norm: Any = None,
+                      eps: float = 1e-6) -> Any | None:
+        """Optional fused step before ``forward``: from one layer's fused
+        projection ``qkv`` [N, (num_heads + 2 * num_kv_heads) * head_dim]
+        (q, then k, then v; bias already added), RMS-normalize each q and k
+        head with ``q_norm`` / ``k_norm`` [head_dim] when given (Qwen3), rotate
+        q and k at ``positions`` (int64 [N]) with ``rope`` (fdx.ops.rotary's
+        RotaryEmbedding: ``cos_cache``, ``sin_cache`` [max_position, head_dim],
+        ``is_neox_style``, ``rotary_dim``), write k and v as ``write_kv`` would,
+        and return q [N, num_heads, head_dim].
+
+        Return None (the default) when the backend has no fused kernel for
+        this call: the model then runs the composed ops (split, rms_norm,
+        rotary, ``write_kv``), which are the reference the fused kernel must
+        match."""
+        return None
+
 
 @dataclass(slots=True)
 class AttentionContext:
     """What a model's forward gets as ``attn_metadata``: the attention
     backend and this step's metadata, so layers call ``write_kv`` and
-    ``attention`` without knowing which kernel runs."""
+    ``attention`` (and try ``rope_write_kv`` first) without knowing which
+    kernel runs."""
     backend: AttentionBackend
     metadata: Any
 
@@ -744,6 +763,11 @@ class AttentionContext:
 
     def attention(self, q, k_cache, v_cache, scale: float):
         return self.backend.forward(q, k_cache, v_cache, self.metadata, scale)
+
+    def rope_write_kv(self, qkv, positions, k_cache, v_cache, **layout):
+        """The backend's fused q/k norm + rotary + KV write, or None (see
+        ``AttentionBackend.rope_write_kv``): the caller then composes it."""
+        return self.backend.rope_write_kv(qkv, positions, k_cache, v_cache, self.metadata, **layout)
 
 
 class Backend(abc.ABC):

@@ -10,6 +10,14 @@ ops/<key>. The compiler's output goes to ops/<key>/build.log, and one log
 line says what was built and how long it took. Without a C++ compiler, or
 if the build fails, one warning says so and callers use the Paddle path.
 FDX_DISABLE_CPP_OPS=1 turns the compiled kernels off.
+
+The kernels (one extension module, one translation unit, csrc/fdx_ops.cc):
+paged attention over block tables (fdx.ops.attention's "cpp" path),
+SiLU-and-mul (fdx.ops.activation), RMS norm with the residual add
+(fdx.ops.norm) and the fused q/k/v split + q/k RMS norm
++ rotary + KV-cache write (``rope_write_kv``, which the ``cpu`` attention
+backend offers the model). Each has the Paddle ops as fallback and test
+oracle.
 """
 import contextlib
 import fcntl
@@ -26,13 +34,15 @@ from types import ModuleType
 
 import paddle
 
-__all__ = ["available", "unavailable_reason", "paged_attention", "build_dir", "prepare", "status"]
+__all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
+           "add_rms_norm", "rope_write_kv",
+           "build_dir", "prepare", "status"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention.cc"]
-_HEADERS = [_CSRC / "paged_attention_kernel.h"]
+_SOURCES = [_CSRC / "fdx_ops.cc"]
+_HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h"]
 _CFLAGS = [
     "-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # let dot-product reductions reassociate (vector horizontal sums); no -ffinite-math-only
@@ -61,7 +71,8 @@ _status: str | None = None                   # what prepare() did, in words (the
 # What the fallback costs, measured with python -m fdx.ops.bench_attention (median per
 # layer, 64 sequences decoding over 256 cached tokens, SmolLM2's 9/3 heads, one thread).
 PADDLE_PATH_COST = ("decode attention about 2.5x slower (4.2 ms against 1.7 ms a layer at 64 sequences "
-                    "x 256 tokens; python -m fdx.ops.bench_attention)")
+                    "x 256 tokens; python -m fdx.ops.bench_attention), SiLU-and-mul and rotary + KV write "
+                    "5-9x slower at 64 rows (python -m fdx.ops.bench_kernels)")
 
 
 def _disabled() -> bool:
@@ -181,11 +192,12 @@ def _load() -> ModuleType | None:
                 _module, built = _build_or_load()
                 secs = time.perf_counter() - t0
                 if built:
-                    _status = (f"built the compiled attention kernel (ops/csrc/paged_attention.cc) in {secs:.1f} s, "
+                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc: paged attention, SiLU-and-mul, RMS norm, "
+                               f"rotary + KV write) in {secs:.1f} s, "
                                f"cached in {build_dir()} (compiler output: build.log there)")
                     logger.info("%s", _status)
                 else:
-                    _status = f"loaded the compiled attention kernel from {build_dir()} in {secs:.1f} s"
+                    _status = f"loaded the compiled CPU kernels from {build_dir()} in {secs:.1f} s"
                     logger.debug("%s", _status)
             except Exception as e:  # any build or load failure means: use the Paddle path
                 _error = f"{type(e).__name__}: {e}"
@@ -194,8 +206,8 @@ def _load() -> ModuleType | None:
                     where = f"; compiler output in {log_hint}" if log_hint.exists() else ""
                 except OSError:
                     where = ""
-                _status = f"the compiled attention kernel is unavailable ({_error}{where})"
-                logger.warning("%s: using the Paddle attention path, %s", _status, PADDLE_PATH_COST)
+                _status = f"the compiled CPU kernels are unavailable ({_error}{where})"
+                logger.warning("%s: using the Paddle path, %s", _status, PADDLE_PATH_COST)
     return _module
 
 
@@ -203,7 +215,7 @@ def prepare() -> str:
     """Build or load the compiled kernels now (the engine calls this before
     it reports ready); returns what was done, in words."""
     if _disabled():
-        return "compiled kernels off (FDX_DISABLE_CPP_OPS): Paddle attention path"
+        return "compiled kernels off (FDX_DISABLE_CPP_OPS): Paddle path"
     _load()
     return _status or ""
 
@@ -216,6 +228,12 @@ def status() -> str | None:
 def available() -> bool:
     """True if the compiled kernels are enabled and built (builds on first call)."""
     return not _disabled() and _load() is not None
+
+
+def loaded() -> bool:
+    """True if the compiled kernels are enabled and already built or loaded
+    (by prepare() or available()); never starts a build."""
+    return _module is not None and not _disabled()
 
 
 def unavailable_reason() -> str | None:
@@ -235,13 +253,76 @@ def paged_attention(
     block_size: int,
     num_out_tokens: int,
 ) -> paddle.Tensor:
-    """The kernel behind fdx.ops.attention's "cpp" path (see csrc/paged_attention.cc)."""
-    module = _module if _module is not None else _load()
-    if module is None:
-        raise RuntimeError(f"fdx compiled CPU ops unavailable: {_error}")
+    """The kernel behind fdx.ops.attention's "cpp" path (see csrc/paged_attention_kernel.h)."""
+    module = _module_or_raise()
     if not q.is_contiguous():
         q = q.contiguous()
     return module.fdx_paged_attention(
         q, k_cache, v_cache, seq_info, block_tables, float(scale), int(num_kv_heads), int(block_size),
         int(num_out_tokens),
+    )
+
+
+def _module_or_raise() -> ModuleType:
+    module = _module if _module is not None else _load()
+    if module is None:
+        raise RuntimeError(f"fdx compiled CPU ops unavailable: {_error}")
+    return module
+
+
+def silu_and_mul(x: paddle.Tensor) -> paddle.Tensor:
+    """[N, 2I] float32 -> [N, I]: silu(x[:, :I]) * x[:, I:] (csrc/fused_kernels.h)."""
+    out = _module_or_raise().fdx_silu_and_mul(_rows(x))
+    return out if len(x.shape) == 2 else out.reshape(x.shape[:-1] + [x.shape[-1] // 2])
+
+
+def _rows(x: paddle.Tensor) -> paddle.Tensor:
+    """x as a contiguous [rows, last dim] tensor (a view when it already is one)."""
+    if len(x.shape) != 2:
+        x = x.reshape([-1, x.shape[-1]])
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+    """x * rsqrt(mean(x^2, last dim) + eps) * weight over float32 [..., H] (csrc/fused_kernels.h)."""
+    out = _module_or_raise().fdx_rms_norm(_rows(x), weight, float(eps))
+    return out if len(x.shape) == 2 else out.reshape(x.shape)
+
+
+def add_rms_norm(x: paddle.Tensor, residual: paddle.Tensor, weight: paddle.Tensor, eps: float
+                 ) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass over float32 [..., H]."""
+    out, summed = _module_or_raise().fdx_add_rms_norm(_rows(x), _rows(residual), weight, float(eps))
+    if len(x.shape) != 2:
+        out, summed = out.reshape(x.shape), summed.reshape(x.shape)
+    return out, summed
+
+
+def rope_write_kv(
+    qkv: paddle.Tensor,
+    positions: paddle.Tensor,
+    slots: paddle.Tensor,
+    k_cache: paddle.Tensor,
+    v_cache: paddle.Tensor,
+    cos: paddle.Tensor,
+    sin: paddle.Tensor,
+    q_norm: paddle.Tensor | None,
+    k_norm: paddle.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    rotary_dim: int,
+    neox: bool,
+    eps: float,
+) -> paddle.Tensor:
+    """The fused projection qkv [N, (H + 2 KVH) D] -> q [N, H, D]: per-head RMS
+    norm of q and k (when their weights are given), rotary at ``positions``
+    with the [P, D] tables cos and sin (neox: halves; else pairs 2i, 2i+1),
+    and k, v written in place at ``slots`` of the head-major caches
+    (csrc/fused_kernels.h). Every float tensor is float32."""
+    module = _module_or_raise()
+    if not qkv.is_contiguous():
+        qkv = qkv.contiguous()
+    return module.fdx_rope_write_kv(
+        qkv, positions, slots, k_cache, v_cache, cos, sin, q_norm, k_norm, int(num_heads), int(num_kv_heads),
+        int(rotary_dim), bool(neox), float(eps),
     )

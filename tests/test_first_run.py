@@ -149,7 +149,7 @@ def test_no_compiler_says_the_paddle_path_is_used_and_what_it_costs(monkeypatch,
         status = cpp.prepare()
         assert cpp.prepare() == status and not cpp.available()
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [f"{status}: using the Paddle attention path, {cpp.PADDLE_PATH_COST}"]
+    assert lines == [f"{status}: using the Paddle path, {cpp.PADDLE_PATH_COST}"]
     assert "no C++ compiler" in status
 
 

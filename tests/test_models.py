@@ -17,9 +17,10 @@ import transformers
 from fdx.ops import cpp
 from fdx.core.interfaces import AttentionContext
 from fdx.ops.attention import build_attention_metadata
-from fdx.plugins.backends.attention import PaddleAttention
+from fdx.plugins.backends.attention import CpuAttention, PaddleAttention
 
-# write_kv/forward of fdx.ops dispatch on the metadata's impl ("paddle" or "cpp")
+# write_kv/forward of fdx.ops dispatch on the metadata's impl ("paddle" or "cpp");
+# impl "cpp" runs the cpu backend, whose fused rope_write_kv kernel the model calls too.
 REFERENCE_ATTENTION = PaddleAttention()
 from fdx.plugins.models import ernie4_5, llama, qwen2, qwen3
 from fdx.plugins.models.decoder import allocate_kv_caches
@@ -100,6 +101,7 @@ class PagedRunner:
         if impl == "cpp" and not cpp.available():
             pytest.skip(f"compiled attention unavailable: {cpp.unavailable_reason()}")
         self.model, self.block_size, self.impl = model, block_size, impl
+        self.attention = CpuAttention() if impl == "cpp" else REFERENCE_ATTENTION
         self.num_slots = num_blocks * block_size
         self.caches = allocate_kv_caches(model.num_layers, model.num_kv_heads, model.head_dim,
                                          num_blocks, block_size)
@@ -125,7 +127,7 @@ class PagedRunner:
         meta = build_attention_metadata(qlens, ctx, tables, self.block_size,
                                         self.model.num_kv_heads, self.num_slots, impl=self.impl)
         indices = [r for w in wanted for r in w]
-        attn = AttentionContext(REFERENCE_ATTENTION, meta)     # ops/ metadata of the impl under test
+        attn = AttentionContext(self.attention, meta)     # ops/ metadata of the impl under test
         logits = self.model.forward(paddle.to_tensor(tokens, dtype="int64"), meta.positions, self.caches,
                                     attn, paddle.to_tensor(indices, dtype="int64").reshape([-1])).numpy()
         assert logits.shape == (len(indices), self.model.vocab_size)

@@ -54,8 +54,8 @@ def built_wheel(tmp_path_factory) -> pathlib.Path:
 def test_wheel_holds_the_package_data(built_wheel):
     names = set(zipfile.ZipFile(built_wheel).namelist())
     for f in ("fdx/core/serving/static/index.html", "fdx/core/serving/static/app.js",
-              "fdx/core/serving/static/style.css", "fdx/ops/csrc/paged_attention.cc",
-              "fdx/ops/csrc/paged_attention_kernel.h", "fdx/core/serving/ui.py"):
+              "fdx/core/serving/static/style.css", "fdx/ops/csrc/fdx_ops.cc",
+              "fdx/ops/csrc/paged_attention_kernel.h", "fdx/ops/csrc/fused_kernels.h", "fdx/core/serving/ui.py"):
         assert f in names, f
     assert not any(n.startswith("fdx/tests/") for n in names)
 
@@ -147,8 +147,8 @@ def test_kernel_is_built_before_ready_and_never_after(wheel_server):
     assert built.stat().st_mtime <= srv.ready_at
     log = srv.log()
     lines = log.splitlines()
-    (build_line,) = [i for i, line in enumerate(lines) if "built the compiled attention kernel" in line]
-    assert lines[build_line].startswith("INFO fdx.ops.cpp: built the compiled attention kernel (ops/csrc/")
+    (build_line,) = [i for i, line in enumerate(lines) if "built the compiled CPU kernels" in line]
+    assert lines[build_line].startswith("INFO fdx.ops.cpp: built the compiled CPU kernels (ops/csrc/")
     (ready_line,) = [i for i, line in enumerate(lines) if line.startswith("fdx serve: SmolLM2-135M-Instruct at ")]
     assert build_line < ready_line
     for noise in ("g++", "ccache", "Compiling user custom op", "OMP_NUM_THREADS", "Traceback"):
@@ -161,9 +161,9 @@ def test_kernel_is_built_before_ready_and_never_after(wheel_server):
                        json={"prompt": "The sea is", "max_tokens": n, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == n
     assert _cache_files(srv.cache) == before                            # nothing built on a request
-    assert "built the compiled attention kernel" not in "\n".join(srv.log().splitlines()[ready_line:])
+    assert "built the compiled CPU kernels" not in "\n".join(srv.log().splitlines()[ready_line:])
     stats = httpx.get(srv.base_url + "/v1/engine/stats", headers=headers, timeout=30).json()
-    assert stats["kernels"].startswith("built the compiled attention kernel")
+    assert stats["kernels"].startswith("built the compiled CPU kernels")
 
 
 def test_wheel_serves_a_chat_completion_and_its_page_without_torch(wheel_server):

@@ -3,17 +3,20 @@
 - ``paddle``: the device-agnostic reference in eager Paddle
   (``fdx.ops.attention`` with impl "paddle"); what the GPU backends use
   until they bring kernels of their own.
-- ``cpu``: the compiled CPU kernel over block tables (ops/csrc/), with the
-  Paddle reference as its fallback when it cannot be built (logged once) or
+- ``cpu``: the compiled CPU kernels (ops/csrc/): attention over block
+  tables, and ``rope_write_kv``, the fused q/k/v split + q/k RMS norm +
+  rotary + KV-cache write the model calls before attention. The Paddle
+  reference is its fallback when they cannot be built (logged once) or
   when ``FDX_DISABLE_CPP_OPS=1``. Never chosen by a GPU backend.
 """
 from __future__ import annotations
 
+import paddle
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import AttentionBackend, KVCacheSpec
 from fdx.ops import attention as ops_attention
-
+from fdx.ops import cpp
 
 
 class PaddleAttention(AttentionBackend):
@@ -37,9 +40,18 @@ class CpuAttention(PaddleAttention):
 
     def __init__(self, settings=None):
         super().__init__(settings)
-        from fdx.ops import cpp
-        self.status = cpp.prepare()          # build or load the kernel now (logged by fdx.ops.cpp)
+        self.status = cpp.prepare()          # build or load the kernels now (logged by fdx.ops.cpp)
         self.impl = "cpp" if cpp.available() else "paddle"
+
+    def rope_write_kv(self, qkv, positions, k_cache, v_cache, metadata, *, num_heads, num_kv_heads, head_dim, rope,
+                      q_norm=None, k_norm=None, eps=1e-6):
+        """The compiled fused kernel (fdx.ops.cpp.rope_write_kv) on float32
+        tensors; None (the model composes the ops) without it."""
+        if self.impl != "cpp" or not cpp.loaded() or qkv.dtype != paddle.float32:
+            return None
+        return cpp.rope_write_kv(qkv, positions, metadata.slot_mapping, k_cache, v_cache,
+                                 rope.cos_cache, rope.sin_cache, q_norm, k_norm, num_heads, num_kv_heads,
+                                 getattr(rope, "rotary_dim", head_dim), rope.is_neox_style, eps)
 
 
 @hookimpl

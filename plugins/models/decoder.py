@@ -236,16 +236,21 @@ class Attention:
                  meta: AttentionContext) -> Tensor:
         n = x.shape[0]
         qkv = linear(x, self.wqkv, self.bqkv)
-        q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
-        q = q.reshape([n, self.num_heads, self.head_dim])
-        k = k.reshape([n, self.num_kv_heads, self.head_dim])
-        v = v.reshape([n, self.num_kv_heads, self.head_dim])
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q, k = self.rope(positions, q, k)
         k_cache, v_cache = kv_cache
-        meta.write_kv(k_cache, v_cache, k, v)
+        # The attention backend's fused kernel when it has one (cpu: compiled), else the composed ops.
+        q = meta.rope_write_kv(qkv, positions, k_cache, v_cache, num_heads=self.num_heads,
+                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope=self.rope,
+                               q_norm=self.q_norm, k_norm=self.k_norm, eps=self.eps)
+        if q is None:
+            q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
+            q = q.reshape([n, self.num_heads, self.head_dim])
+            k = k.reshape([n, self.num_kv_heads, self.head_dim])
+            v = v.reshape([n, self.num_kv_heads, self.head_dim])
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, self.eps)
+                k = rms_norm(k, self.k_norm, self.eps)
+            q, k = self.rope(positions, q, k)
+            meta.write_kv(k_cache, v_cache, k, v)
         out = meta.attention(q, k_cache, v_cache, self.scale)
         return row_parallel(out.reshape([n, self.q_size]), self.wo, self.bo, self.reduce)
 

@@ -1,0 +1,119 @@
+"""Per-call timings of the compiled elementwise kernels against the Paddle
+ops they replace (ops/csrc/fused_kernels.h).
+
+    python -m fdx.ops.bench_kernels
+
+Not a test. For SmolLM2-135M's shapes (9/3 heads x 64, intermediate 1536)
+at 64 decode rows and a 512-token prefill, and a Qwen3-like layer (q/k RMS
+norm, 16/8 heads x 128): SiLU-and-mul against F.swiglu, residual + RMS norm
+against Paddle's fused_rms_norm, and the fused q/k/v
+split + q/k norm + rotary + KV write against the composed ops (split,
+reshape, rms_norm, RotaryEmbedding, write_kv), each timed interleaved with
+its reference (median and min wall microseconds per call, and the ratio of
+medians).
+"""
+import argparse
+import os
+import time
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from fdx.ops import cpp
+from fdx.ops.attention import build_attention_metadata, write_kv
+from fdx.ops.norm import add_rms_norm, rms_norm
+from fdx.ops.rotary import RotaryEmbedding
+
+
+def _interleaved(fns: dict, iters: int) -> dict:
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()                                           # warm-up (memo, allocator)
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(1e6 * (time.perf_counter() - t0))
+    return {name: np.asarray(ts) for name, ts in times.items()}
+
+
+def _report(label: str, times: dict) -> None:
+    (ref, ref_t), (new, new_t) = times.items()
+    print(f"{label:<44} {ref} med {np.median(ref_t):8.1f} us (min {ref_t.min():8.1f}) | "
+          f"{new} med {np.median(new_t):8.1f} us (min {new_t.min():8.1f}) | "
+          f"{np.median(ref_t) / np.median(new_t):5.2f}x")
+
+
+def bench_silu(n: int, inter: int, iters: int) -> None:
+    x = paddle.randn([n, 2 * inter])
+    _report(f"silu_and_mul [{n}, 2x{inter}]",
+            _interleaved({"swiglu": lambda: F.swiglu(x), "cpp": lambda: cpp.silu_and_mul(x)}, iters))
+
+
+
+def bench_add_rms_norm(n: int, hidden: int, iters: int) -> None:
+    x, r, w = paddle.randn([n, hidden]), paddle.randn([n, hidden]), paddle.randn([hidden])
+    _report(f"add_rms_norm [{n}, {hidden}]", _interleaved({
+        "fused_rms_norm": lambda: add_rms_norm(x, r, w, 1e-5, impl="fused"),
+        "cpp": lambda: add_rms_norm(x, r, w, 1e-5, impl="cpp")}, iters))
+
+
+def bench_rope_write(n: int, heads: int, kv_heads: int, d: int, qk_norm: bool, iters: int, ctx: int = 192) -> None:
+    rng = np.random.default_rng(0)
+    qlens = [1] * n if n <= 64 else [n]
+    ctxs = [ctx] * len(qlens) if n <= 64 else [0]
+    bs = 16
+    need = [-(-(q + c) // bs) for q, c in zip(qlens, ctxs)]
+    num_blocks = sum(need) + 4
+    ids = rng.permutation(num_blocks).tolist()
+    tables = [[ids.pop() for _ in range(nb)] for nb in need]
+    meta = build_attention_metadata(qlens, ctxs, tables, bs, kv_heads, num_blocks * bs, impl="paddle")
+    k_cache = paddle.zeros([kv_heads * num_blocks * bs, d])
+    v_cache = paddle.zeros([kv_heads * num_blocks * bs, d])
+    rope = RotaryEmbedding(d, 4096, 1e4)
+    qkv = paddle.randn([n, (heads + 2 * kv_heads) * d])
+    qn = paddle.ones([d]) if qk_norm else None
+    kn = paddle.ones([d]) if qk_norm else None
+    pos = meta.positions
+
+    def composed():
+        q, k, v = paddle.split(qkv, [heads * d, kv_heads * d, kv_heads * d], axis=-1)
+        q, k, v = q.reshape([n, heads, d]), k.reshape([n, kv_heads, d]), v.reshape([n, kv_heads, d])
+        if qk_norm:
+            q, k = rms_norm(q, qn, 1e-6), rms_norm(k, kn, 1e-6)
+        q, k = rope(pos, q, k)
+        write_kv(k_cache, v_cache, k, v, meta)
+        return q
+
+    def fused():
+        return cpp.rope_write_kv(qkv, pos, meta.slot_mapping, k_cache, v_cache, rope.cos_cache, rope.sin_cache,
+                                 qn, kn, heads, kv_heads, d, True, 1e-6)
+
+    label = f"rope+kv write N={n} {heads}/{kv_heads}x{d}{' qk-norm' if qk_norm else ''}"
+    _report(label, _interleaved({"paddle": composed, "cpp": fused}, iters))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="threads, as the cpu backend sets them (default: the cores this process may use)")
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)      # as the cpu backend does, before the first kernel
+    paddle.base.core.set_num_threads(args.threads)
+    paddle.set_grad_enabled(False)
+    if not cpp.available():
+        raise SystemExit(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    print(f"threads={args.threads}")
+    for n in (1, 64, 512):
+        bench_silu(n, 1536, args.iters)
+    for n in (1, 64, 512):
+        bench_add_rms_norm(n, 576, args.iters)
+    for n in (1, 64, 512):
+        bench_rope_write(n, 9, 3, 64, False, args.iters)
+    bench_rope_write(64, 16, 8, 128, True, args.iters)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+// Paddle custom op bindings of fdx's compiled CPU kernels, one translation unit
+// (paddle/extension.h is compiled once: it dominates the build time).
+//
+// fdx_paged_attention(q [N, H, D], k_cache, v_cache [KVH * num_slots, D],
+//   seq_info int32 [S, 4], block_tables int32 [S, W]) -> [num_out_tokens, H, D]
+//   (paged_attention_kernel.h).
+// fdx_silu_and_mul(x [N, 2I]) -> [N, I] (fused_kernels.h).
+// fdx_rms_norm(x [N, H], weight [H]) -> [N, H]; fdx_add_rms_norm(x, residual [N, H],
+//   weight) -> (rms_norm(x + residual), x + residual) (fused_kernels.h).
+// fdx_rope_write_kv(qkv [N, (H + 2 KVH) D], positions, slots int64 [N],
+//   k_cache, v_cache, cos, sin [P, D], q_norm, k_norm [D] or None) -> q [N, H, D];
+//   writes k and v into the caches in place (fused_kernels.h).
+// All inputs are contiguous float32 / int32 / int64 CPU tensors.
+#include <vector>
+
+#include "fused_kernels.h"
+#include "paddle/extension.h"
+#include "paged_attention_kernel.h"
+
+namespace {
+
+void CheckFloat2d(const paddle::Tensor& x, const char* name) {
+  PD_CHECK(x.is_cpu(), name, " must be a CPU tensor");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, name, " must be float32");
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PagedAttentionForward(const paddle::Tensor& q,
+                                                  const paddle::Tensor& k_cache,
+                                                  const paddle::Tensor& v_cache,
+                                                  const paddle::Tensor& seq_info,
+                                                  const paddle::Tensor& block_tables,
+                                                  float scale,
+                                                  int64_t num_kv_heads,
+                                                  int64_t block_size,
+                                                  int64_t num_out_tokens) {
+  CheckFloat2d(q, "q");
+  CheckFloat2d(k_cache, "k_cache");
+  CheckFloat2d(v_cache, "v_cache");
+  PD_CHECK(q.shape().size() == 3, "q must be [N, H, D]");
+  PD_CHECK(k_cache.shape().size() == 2 && k_cache.shape() == v_cache.shape(),
+           "k_cache and v_cache must both be [KVH * num_slots, D]");
+  PD_CHECK(seq_info.dtype() == paddle::DataType::INT32 && block_tables.dtype() == paddle::DataType::INT32,
+           "seq_info and block_tables must be int32");
+  PD_CHECK(seq_info.shape().size() == 2 && seq_info.shape()[1] == 4, "seq_info must be [S, 4]");
+  PD_CHECK(block_tables.shape().size() == 2 && block_tables.shape()[0] == seq_info.shape()[0],
+           "block_tables must be [S, W]");
+  const int64_t H = q.shape()[1], D = q.shape()[2];
+  PD_CHECK(num_kv_heads > 0 && H % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  PD_CHECK(block_size > 0, "block_size must be positive");
+  PD_CHECK(k_cache.shape()[1] == D, "cache head_dim differs from q's");
+  PD_CHECK(k_cache.shape()[0] % num_kv_heads == 0, "cache rows must be a multiple of num_kv_heads");
+
+  auto out = paddle::empty({num_out_tokens, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const fdx::Args a{q.data<float>(),      k_cache.data<float>(),       v_cache.data<float>(),
+                    out.data<float>(),    seq_info.data<int32_t>(),    block_tables.data<int32_t>(),
+                    block_tables.shape()[1],  // table_width
+                    H,                        // num_heads
+                    H / num_kv_heads,         // group
+                    D,                        // head_dim
+                    block_size,
+                    k_cache.shape()[0] / num_kv_heads,  // num_slots
+                    scale};
+  fdx::PagedAttention(a, seq_info.shape()[0], num_kv_heads);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> PagedAttentionInferShape(const std::vector<int64_t>& q_shape,
+                                                           const std::vector<int64_t>&,
+                                                           const std::vector<int64_t>&,
+                                                           const std::vector<int64_t>&,
+                                                           const std::vector<int64_t>&,
+                                                           float,
+                                                           int64_t,
+                                                           int64_t,
+                                                           int64_t num_out_tokens) {
+  return {{num_out_tokens, q_shape[1], q_shape[2]}};
+}
+
+std::vector<paddle::DataType> PagedAttentionInferDtype(const paddle::DataType& q_dtype,
+                                                       const paddle::DataType&,
+                                                       const paddle::DataType&,
+                                                       const paddle::DataType&,
+                                                       const paddle::DataType&) {
+  return {q_dtype};
+}
+
+PD_BUILD_OP(fdx_paged_attention)
+    .Inputs({"Q", "KCache", "VCache", "SeqInfo", "BlockTables"})
+    .Outputs({"Out"})
+    .Attrs({"scale: float", "num_kv_heads: int64_t", "block_size: int64_t", "num_out_tokens: int64_t"})
+    .SetKernelFn(PD_KERNEL(PagedAttentionForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionInferDtype));
+
+// --- SiLU and mul ---------------------------------------------------------------
+
+std::vector<paddle::Tensor> SiluAndMulForward(const paddle::Tensor& x) {
+  CheckFloat2d(x, "x");
+  PD_CHECK(x.shape().size() == 2 && x.shape()[1] % 2 == 0, "x must be [N, 2I]");
+  const int64_t N = x.shape()[0], I = x.shape()[1] / 2;
+  auto out = paddle::empty({N, I}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fdx::SiluAndMul(x.data<float>(), out.data<float>(), N, I);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> SiluAndMulInferShape(const std::vector<int64_t>& x_shape) {
+  return {{x_shape[0], x_shape[1] / 2}};
+}
+
+std::vector<paddle::DataType> SiluAndMulInferDtype(const paddle::DataType& x_dtype) { return {x_dtype}; }
+
+PD_BUILD_OP(fdx_silu_and_mul)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(SiluAndMulForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(SiluAndMulInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(SiluAndMulInferDtype));
+
+// --- RMS norm, with the residual add -----------------------------------------------
+
+namespace {
+
+void CheckNormArgs(const paddle::Tensor& x, const paddle::Tensor& weight) {
+  CheckFloat2d(x, "x");
+  CheckFloat2d(weight, "weight");
+  PD_CHECK(x.shape().size() == 2 && weight.numel() == x.shape()[1], "x must be [N, H] and weight [H]");
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> RmsNormForward(const paddle::Tensor& x, const paddle::Tensor& weight, float eps) {
+  CheckNormArgs(x, weight);
+  const int64_t N = x.shape()[0], H = x.shape()[1];
+  auto out = paddle::empty({N, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fdx::RmsNorm(x.data<float>(), nullptr, weight.data<float>(), eps, N, H, out.data<float>(), nullptr);
+  return {out};
+}
+
+std::vector<paddle::Tensor> AddRmsNormForward(const paddle::Tensor& x, const paddle::Tensor& residual,
+                                              const paddle::Tensor& weight, float eps) {
+  CheckNormArgs(x, weight);
+  PD_CHECK(residual.shape() == x.shape(), "residual must have x's shape");
+  CheckFloat2d(residual, "residual");
+  const int64_t N = x.shape()[0], H = x.shape()[1];
+  auto out = paddle::empty({N, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto summed = paddle::empty({N, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fdx::RmsNorm(x.data<float>(), residual.data<float>(), weight.data<float>(), eps, N, H, out.data<float>(),
+               summed.data<float>());
+  return {out, summed};
+}
+
+std::vector<std::vector<int64_t>> RmsNormInferShape(const std::vector<int64_t>& x_shape,
+                                                    const std::vector<int64_t>&, float) {
+  return {x_shape};
+}
+
+std::vector<std::vector<int64_t>> AddRmsNormInferShape(const std::vector<int64_t>& x_shape,
+                                                       const std::vector<int64_t>&,
+                                                       const std::vector<int64_t>&, float) {
+  return {x_shape, x_shape};
+}
+
+std::vector<paddle::DataType> RmsNormInferDtype(const paddle::DataType& x_dtype, const paddle::DataType&) {
+  return {x_dtype};
+}
+
+std::vector<paddle::DataType> AddRmsNormInferDtype(const paddle::DataType& x_dtype, const paddle::DataType&,
+                                                   const paddle::DataType&) {
+  return {x_dtype, x_dtype};
+}
+
+PD_BUILD_OP(fdx_rms_norm)
+    .Inputs({"X", "Weight"})
+    .Outputs({"Out"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(RmsNormForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(RmsNormInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RmsNormInferDtype));
+
+PD_BUILD_OP(fdx_add_rms_norm)
+    .Inputs({"X", "Residual", "Weight"})
+    .Outputs({"Out", "Summed"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(AddRmsNormForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(AddRmsNormInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(AddRmsNormInferDtype));
+
+// --- q/k/v split, q/k RMS norm, rotary, KV-cache write ---------------------------
+
+namespace {
+
+const float* NormWeight(const paddle::optional<paddle::Tensor>& w, int64_t D, const char* name) {
+  if (!w) return nullptr;
+  CheckFloat2d(*w, name);
+  PD_CHECK(w->numel() == D, name, " must have head_dim elements");
+  return w->data<float>();
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> RopeWriteKvForward(const paddle::Tensor& qkv,
+                                               const paddle::Tensor& positions,
+                                               const paddle::Tensor& slots,
+                                               const paddle::Tensor& k_cache,
+                                               const paddle::Tensor& v_cache,
+                                               const paddle::Tensor& cos,
+                                               const paddle::Tensor& sin,
+                                               const paddle::optional<paddle::Tensor>& q_norm,
+                                               const paddle::optional<paddle::Tensor>& k_norm,
+                                               int64_t num_heads,
+                                               int64_t num_kv_heads,
+                                               int64_t rotary_dim,
+                                               bool neox,
+                                               float eps) {
+  for (auto [t, name] : {std::pair{&qkv, "qkv"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&cos, "cos"},
+                         {&sin, "sin"}})
+    CheckFloat2d(*t, name);
+  PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
+           "positions and slots must be int64");
+  PD_CHECK(num_heads > 0 && num_kv_heads > 0, "num_heads and num_kv_heads must be positive");
+  PD_CHECK(k_cache.shape().size() == 2 && k_cache.shape() == v_cache.shape(),
+           "k_cache and v_cache must both be [KVH * num_slots, D]");
+  const int64_t D = k_cache.shape()[1];
+  PD_CHECK(D <= 1024, "head_dim above 1024 is not supported");
+  PD_CHECK(qkv.shape().size() == 2 && qkv.shape()[1] == (num_heads + 2 * num_kv_heads) * D,
+           "qkv must be [N, (num_heads + 2 * num_kv_heads) * head_dim]");
+  const int64_t N = qkv.shape()[0];
+  PD_CHECK(positions.numel() == N && slots.numel() == N, "positions and slots must have N elements");
+  PD_CHECK(cos.shape().size() == 2 && cos.shape() == sin.shape() && cos.shape()[1] == D,
+           "cos and sin must both be [max_position, head_dim]");
+  PD_CHECK(rotary_dim > 0 && rotary_dim <= D && rotary_dim % 2 == 0, "rotary_dim must be even, in (0, head_dim]");
+  PD_CHECK(k_cache.shape()[0] % num_kv_heads == 0, "cache rows must be a multiple of num_kv_heads");
+  const int64_t num_slots = k_cache.shape()[0] / num_kv_heads, max_pos = cos.shape()[0];
+  const int64_t* pos = positions.data<int64_t>();
+  const int64_t* slot = slots.data<int64_t>();
+  for (int64_t t = 0; t < N; ++t) {  // checked here: no error can leave the parallel region
+    PD_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table [0, ", max_pos, ")");
+    PD_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache [0, ", num_slots, ")");
+  }
+
+  auto q = paddle::empty({N, num_heads, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const fdx::RopeArgs a{qkv.data<float>(),
+                        pos,
+                        slot,
+                        cos.data<float>(),
+                        sin.data<float>(),
+                        NormWeight(q_norm, D, "q_norm"),
+                        NormWeight(k_norm, D, "k_norm"),
+                        q.data<float>(),
+                        const_cast<float*>(k_cache.data<float>()),  // written in place, as scatter_ does
+                        const_cast<float*>(v_cache.data<float>()),
+                        num_heads,
+                        num_kv_heads,
+                        D,
+                        rotary_dim,
+                        num_slots,
+                        neox,
+                        eps};
+  fdx::RopeWriteKv(a, N);
+  return {q};
+}
+
+std::vector<std::vector<int64_t>> RopeWriteKvInferShape(const std::vector<int64_t>& qkv_shape,
+                                                        const std::vector<int64_t>&,
+                                                        const std::vector<int64_t>&,
+                                                        const std::vector<int64_t>& k_cache_shape,
+                                                        const std::vector<int64_t>&,
+                                                        const std::vector<int64_t>&,
+                                                        const std::vector<int64_t>&,
+                                                        const paddle::optional<std::vector<int64_t>>&,
+                                                        const paddle::optional<std::vector<int64_t>>&,
+                                                        int64_t num_heads,
+                                                        int64_t,
+                                                        int64_t,
+                                                        bool,
+                                                        float) {
+  return {{qkv_shape[0], num_heads, k_cache_shape[1]}};
+}
+
+std::vector<paddle::DataType> RopeWriteKvInferDtype(const paddle::DataType& qkv_dtype,
+                                                    const paddle::DataType&,
+                                                    const paddle::DataType&,
+                                                    const paddle::DataType&,
+                                                    const paddle::DataType&,
+                                                    const paddle::DataType&,
+                                                    const paddle::DataType&,
+                                                    const paddle::optional<paddle::DataType>&,
+                                                    const paddle::optional<paddle::DataType>&) {
+  return {qkv_dtype};
+}
+
+PD_BUILD_OP(fdx_rope_write_kv)
+    .Inputs({"QKV", "Positions", "Slots", "KCache", "VCache", "Cos", "Sin", paddle::Optional("QNorm"),
+             paddle::Optional("KNorm")})
+    .Outputs({"Q"})
+    .Attrs({"num_heads: int64_t", "num_kv_heads: int64_t", "rotary_dim: int64_t", "neox: bool", "eps: float"})
+    .SetKernelFn(PD_KERNEL(RopeWriteKvForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(RopeWriteKvInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RopeWriteKvInferDtype));

@@ -1,0 +1,274 @@
+"""The compiled CPU kernels (ops/csrc/fused_kernels.h) against the Paddle ops
+they replace: SiLU-and-mul against ``F.swiglu`` (and float64 numpy), RMS norm
+(with the residual add) against ``fused_rms_norm`` and the composed ops, and the
+fused q/k/v split + q/k RMS norm + rotary + KV-cache write against the
+composed ops (split, rms_norm, RotaryEmbedding, write_kv), which test_ops.py
+checks against numpy. Then a tiny random model generates greedily with the
+compiled kernels on and with FDX_DISABLE_CPP_OPS=1: the same tokens.
+
+Every test takes the ``impl`` fixture (param "cpp"), so conftest marks it
+slow: it builds the kernels on a fresh machine.
+"""
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+from fdx.core.interfaces import AttentionContext
+from fdx.ops import cpp
+from fdx.ops.activation import silu_and_mul
+from fdx.ops.attention import build_attention_metadata, write_kv
+from fdx.ops.norm import add_rms_norm, rms_norm
+from fdx.ops.rotary import RotaryEmbedding
+from fdx.plugins.backends.attention import CpuAttention, PaddleAttention
+from fdx.plugins.models.decoder import Llama3RotaryEmbedding
+
+
+@pytest.fixture(params=["cpp"])
+def impl(request, monkeypatch):
+    monkeypatch.delenv("FDX_DISABLE_CPP_OPS", raising=False)
+    if not cpp.available():
+        pytest.skip(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    return request.param
+
+
+def t(a: np.ndarray) -> paddle.Tensor:
+    return paddle.to_tensor(np.ascontiguousarray(a))
+
+
+# ---------------------------------------------------------------- SiLU and mul
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (64, 2 * 1536), (7, 2 * 24), (3, 2 * 17), (2, 5, 2 * 40)],
+                         ids=["smollm-decode1", "smollm-64", "odd-rows", "odd-width", "3d"])
+def test_silu_and_mul_matches_swiglu(impl, shape):
+    rng = np.random.default_rng(sum(shape))
+    x = (4 * rng.standard_normal(shape)).astype(np.float32)
+    x.reshape(-1)[:6] = [-100.0, 100.0, -88.5, 89.0, 0.0, -0.0]     # exp under/overflow, zero
+    got = silu_and_mul(t(x), impl=impl).numpy()
+    ref = F.swiglu(t(x)).numpy()
+    assert got.shape == ref.shape == shape[:-1] + (shape[-1] // 2,)
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-6)
+    i = shape[-1] // 2
+    a, b = x[..., :i].astype(np.float64), x[..., i:]
+    np.testing.assert_allclose(got, a / (1 + np.exp(-a)) * b, rtol=2e-6, atol=1e-6)
+
+
+def test_silu_and_mul_default_follows_the_kernels(impl, monkeypatch):
+    calls = []
+    real = cpp.silu_and_mul
+    monkeypatch.setattr(cpp, "silu_and_mul", lambda x: (calls.append(1), real(x))[1])
+    x = t(np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32))
+    silu_and_mul(x)
+    assert calls == [1]                                 # loaded: the compiled kernel
+    monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")
+    np.testing.assert_allclose(silu_and_mul(x).numpy(), F.swiglu(x).numpy(), rtol=1e-6)
+    assert calls == [1]                                 # disabled: Paddle's swiglu
+    with pytest.raises(ValueError, match="silu_and_mul impl"):
+        silu_and_mul(x, impl="cuda")
+
+
+# ---------------------------------------------------------------- RMS norm
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (64, 576), (513, 576), (7, 3, 64), (5, 33)],
+                         ids=["smollm-1", "smollm-64", "parallel-odd", "per-head-3d", "odd-width"])
+def test_rms_norm_matches_paddle(impl, shape):
+    rng = np.random.default_rng(shape[0])
+    x = (3 * rng.standard_normal(shape)).astype(np.float32)
+    r = rng.standard_normal(shape).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(shape[-1])).astype(np.float32)
+    got = rms_norm(t(x), t(w), 1e-5, impl=impl).numpy()
+    np.testing.assert_allclose(got, rms_norm(t(x), t(w), 1e-5, impl="fused").numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, rms_norm(t(x), t(w), 1e-5, impl="reference").numpy(), rtol=1e-5, atol=1e-6)
+    out, summed = add_rms_norm(t(x), t(r), t(w), 1e-5, impl=impl)
+    ref_out, ref_summed = add_rms_norm(t(x), t(r), t(w), 1e-5, impl="fused")
+    assert out.shape == summed.shape == list(shape)
+    np.testing.assert_array_equal(summed.numpy(), ref_summed.numpy())
+    np.testing.assert_allclose(out.numpy(), ref_out.numpy(), rtol=1e-5, atol=1e-6)
+    xr = x.astype(np.float64) + r
+    np.testing.assert_allclose(out.numpy(), xr / np.sqrt((xr * xr).mean(-1, keepdims=True) + 1e-5) * w,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_default_follows_the_kernels(impl, monkeypatch):
+    calls = []
+    real = cpp.add_rms_norm
+    monkeypatch.setattr(cpp, "add_rms_norm", lambda *a: (calls.append(1), real(*a))[1])
+    from fdx.ops import norm
+    x = t(np.random.default_rng(0).standard_normal((norm.CPP_MIN_ROWS, 8)).astype(np.float32))
+    add_rms_norm(x, x, x[0], 1e-6)
+    assert calls == [1]
+    add_rms_norm(x[1:], x[1:], x[0], 1e-6)              # fewer rows: Paddle's fused_rms_norm
+    assert calls == [1]
+    monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")
+    add_rms_norm(x, x, x[0], 1e-6)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="rms_norm impl"):
+        rms_norm(x, x[0], 1e-6, impl="cuda")
+
+
+# ---------------------------------------------------------------- rope + KV write
+
+
+def make_rope(kind: str, d: int, max_pos: int = 4096):
+    if kind == "llama3":
+        scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+        return Llama3RotaryEmbedding(d, max_pos, 5e5, True, scaling)
+    if kind == "partial":
+        return RotaryEmbedding(d, max_pos, 1e4, is_neox_style=True, rotary_dim=d // 2)
+    return RotaryEmbedding(d, max_pos, 1e4, is_neox_style=(kind == "neox"))
+
+
+class Pool:
+    """A step of sequences over a random paged cache (shuffled block ids)."""
+
+    def __init__(self, rng, n_tokens, kv_heads, d, block_size=16):
+        # split N tokens over sequences: one prefill chunk with context, the rest decodes
+        qlens = [n_tokens] if n_tokens <= 2 else [n_tokens - (n_tokens // 2)] + [1] * (n_tokens // 2)
+        ctx = rng.integers(0, 300, len(qlens)).tolist()
+        need = [-(-(q + c) // block_size) for q, c in zip(qlens, ctx)]
+        num_blocks = sum(need) + 4
+        ids = rng.permutation(num_blocks).tolist()
+        tables = [[ids.pop() for _ in range(nb)] for nb in need]
+        self.num_slots = num_blocks * block_size
+        self.meta = build_attention_metadata(qlens, ctx, tables, block_size, kv_heads, self.num_slots,
+                                             impl="paddle")
+        self.init = rng.standard_normal((kv_heads * self.num_slots, d)).astype(np.float32)
+
+    def caches(self):
+        return t(self.init.copy()), t(self.init.copy())
+
+
+def composed(qkv, positions, k_cache, v_cache, meta, h, kvh, d, rope, q_norm, k_norm, eps):
+    """The model's Paddle path (plugins/models/decoder.py), the oracle."""
+    n = qkv.shape[0]
+    q, k, v = paddle.split(qkv, [h * d, kvh * d, kvh * d], axis=-1)
+    q, k, v = q.reshape([n, h, d]), k.reshape([n, kvh, d]), v.reshape([n, kvh, d])
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = rope(positions, q, k)
+    write_kv(k_cache, v_cache, k, v, meta)
+    return q
+
+
+CASES = {  # id -> (heads, kv_heads, head_dim, rope kind, qk_norm)
+    "smollm-9/3x64-neox": (9, 3, 64, "neox", False),
+    "mha-4x32-interleaved": (4, 4, 32, "interleaved", False),
+    "gqa-8/2x128-qknorm": (8, 2, 128, "neox", True),
+    "gqa-6/2x16-interleaved-qknorm": (6, 2, 16, "interleaved", True),
+    "llama3-4/1x64": (4, 1, 64, "llama3", False),
+    "partial-rotary-4/2x32": (4, 2, 32, "partial", False),
+    "odd-d-2/1x24-qknorm": (2, 1, 24, "interleaved", True),
+}
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 301])
+@pytest.mark.parametrize("case", list(CASES))
+def test_rope_write_kv_matches_composed_ops(impl, case, n):
+    h, kvh, d, kind, qk_norm = CASES[case]
+    rng = np.random.default_rng(n * 31 + d)
+    rope = make_rope(kind, d)
+    pool = Pool(rng, n, kvh, d)
+    meta, eps = pool.meta, 1e-6
+    qkv = t((2 * rng.standard_normal((n, (h + 2 * kvh) * d))).astype(np.float32))
+    q_norm = t((1 + 0.3 * rng.standard_normal(d)).astype(np.float32)) if qk_norm else None
+    k_norm = t((1 + 0.3 * rng.standard_normal(d)).astype(np.float32)) if qk_norm else None
+
+    k_ref, v_ref = pool.caches()
+    q_ref = composed(qkv, meta.positions, k_ref, v_ref, meta, h, kvh, d, rope, q_norm, k_norm, eps).numpy()
+
+    k_got, v_got = pool.caches()
+    ptr = k_got.data_ptr()
+    q_got = cpp.rope_write_kv(qkv, meta.positions, meta.slot_mapping, k_got, v_got, rope.cos_cache, rope.sin_cache,
+                              q_norm, k_norm, h, kvh, rope.rotary_dim, rope.is_neox_style, eps)
+    assert q_got.shape == [n, h, d] and q_got.is_contiguous()
+    assert k_got.data_ptr() == ptr                                   # written in place
+    np.testing.assert_allclose(q_got.numpy(), q_ref, rtol=1e-5, atol=1e-5)
+    # every row: the new tokens' K rotated and V copied; all the others untouched
+    np.testing.assert_allclose(k_got.numpy(), k_ref.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(v_got.numpy(), v_ref.numpy())
+    assert (k_got.numpy() != pool.init).any(axis=1).sum() == n * kvh
+
+
+def test_cpu_backend_offers_the_fused_path_and_paddle_does_not(impl, monkeypatch):
+    rng = np.random.default_rng(9)
+    h, kvh, d = 9, 3, 64
+    rope = make_rope("neox", d)
+    pool = Pool(rng, 5, kvh, d)
+    qkv = t(rng.standard_normal((5, (h + 2 * kvh) * d)).astype(np.float32))
+    layout = dict(num_heads=h, num_kv_heads=kvh, head_dim=d, rope=rope, q_norm=None, k_norm=None, eps=1e-6)
+    k_ref, v_ref = pool.caches()
+    q_ref = composed(qkv, pool.meta.positions, k_ref, v_ref, pool.meta, h, kvh, d, rope, None, None, 1e-6)
+    k_got, v_got = pool.caches()
+    ctx = AttentionContext(CpuAttention(), pool.meta)
+    q_got = ctx.rope_write_kv(qkv, pool.meta.positions, k_got, v_got, **layout)
+    np.testing.assert_allclose(q_got.numpy(), q_ref.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k_got.numpy(), k_ref.numpy(), rtol=1e-5, atol=1e-5)
+    assert AttentionContext(PaddleAttention(), pool.meta).rope_write_kv(qkv, pool.meta.positions, k_got, v_got,
+                                                                          **layout) is None
+    monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")
+    assert ctx.rope_write_kv(qkv, pool.meta.positions, k_got, v_got, **layout) is None
+    assert AttentionContext(CpuAttention(), pool.meta).rope_write_kv(qkv, pool.meta.positions, k_got, v_got,
+                                                                       **layout) is None
+
+
+def test_rope_write_kv_rejects_bad_input(impl):
+    rng = np.random.default_rng(2)
+    h, kvh, d = 4, 2, 16
+    rope = make_rope("neox", d, max_pos=32)
+    pool = Pool(rng, 3, kvh, d)
+    k, v = pool.caches()
+    qkv = t(rng.standard_normal((3, (h + 2 * kvh) * d)).astype(np.float32))
+    args = (k, v, rope.cos_cache, rope.sin_cache, None, None, h, kvh, d, True, 1e-6)
+    ok_pos, ok_slots = t(np.array([0, 1, 2])), t(np.array([0, 1, 2]))
+    with pytest.raises(Exception, match="outside the rotary table"):
+        cpp.rope_write_kv(qkv, t(np.array([0, 32, 1])), ok_slots, *args)
+    with pytest.raises(Exception, match="outside the cache"):
+        cpp.rope_write_kv(qkv, ok_pos, t(np.array([0, pool.num_slots, 1])), *args)
+    with pytest.raises(Exception, match="qkv must be"):
+        cpp.rope_write_kv(qkv[:, :-1], ok_pos, ok_slots, *args)
+    assert np.array_equal(k.numpy(), pool.init)                       # nothing written on an error
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("name", ["llama-untied-bias-llama3", "qwen3-untied-bias-hd32", "ernie-untied-bias-hd32"])
+def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkeypatch):
+    """A batch of sequences (prefill, then decodes at different lengths)
+    through a tiny random model: cpu backend with the compiled kernels, then
+    FDX_DISABLE_CPP_OPS=1 (all Paddle); same greedy tokens, close logits."""
+    from tests.test_models import PagedRunner, build_case, prompt
+
+    case = build_case(name, seed=4)
+    fused, silu, norm = [], [], []
+    real_fused, real_silu, real_norm = cpp.rope_write_kv, cpp.silu_and_mul, cpp.add_rms_norm
+    monkeypatch.setattr(cpp, "rope_write_kv", lambda *a: (fused.append(1), real_fused(*a))[1])
+    monkeypatch.setattr(cpp, "silu_and_mul", lambda x: (silu.append(1), real_silu(x))[1])
+    monkeypatch.setattr(cpp, "add_rms_norm", lambda *a: (norm.append(1), real_norm(*a))[1])
+
+    def generate(impl_name):
+        runner = PagedRunner(case.fdx_model(), seed=3, impl=impl_name)
+        prompts = {"a": prompt(13, 1), "b": prompt(5, 2), "c": prompt(21, 3)}
+        logits = runner.step(list(prompts.items()), rows="last")
+        tokens = {s: [] for s in prompts}
+        all_logits = [np.concatenate(logits)]
+        for step in range(24):
+            for s, row in zip(prompts, logits):
+                tokens[s].append(int(row[-1].argmax()))
+            batch = [(s, [tokens[s][-1]]) for s in prompts if not (s == "b" and step >= 16)]   # b stops early
+            logits = runner.step(batch, rows="last")
+            all_logits.append(np.concatenate(logits))
+        return tokens, all_logits
+
+    on_tokens, on_logits = generate("cpp")
+    assert fused and silu and norm                                 # the compiled kernels ran
+    monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")
+    counts = len(fused), len(silu), len(norm)
+    off_tokens, off_logits = generate("paddle")
+    assert (len(fused), len(silu), len(norm)) == counts            # and now they did not
+    assert on_tokens == off_tokens
+    assert all(len(set(v)) > 3 for v in on_tokens.values())       # real trajectories
+    for a, b in zip(on_logits, off_logits):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
