@@ -113,7 +113,7 @@ def obtain_sdist(path: str | None, dest: Path) -> Path:
         return cached
     dest.mkdir(parents=True, exist_ok=True)
     _say(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist with pip into {dest}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(dest)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0 or not cached.is_file():
@@ -192,7 +192,9 @@ def build_llama_cpp(sdist: str | None = None, root: Path | None = None, jobs: in
     if missing:
         raise PeerError(f"building llama.cpp needs {' and '.join(missing)} on PATH "
                         f"(for example: apt-get install cmake g++)")
-    src = extract_llama_cpp(obtain_sdist(sdist, (root or cache_root()) / "peers"), d / "src")
+    src = d / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        extract_llama_cpp(obtain_sdist(sdist, (root or cache_root()) / "peers"), src)
     jobs = jobs or num_cores()
     log_path = d / "build.log"
     _say(f"building llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} with -j{jobs} "
@@ -208,7 +210,7 @@ def build_llama_cpp(sdist: str | None = None, root: Path | None = None, jobs: in
     absent = [t for t, p in bins.items() if not p.is_file()]
     if absent:
         raise PeerError(f"the llama.cpp build finished without {', '.join(absent)}; the log is {log_path}")
-    stamp.write_text(f"built in {time.perf_counter() - t0:.0f} s\n")
+    stamp.write_text(f"{' '.join(TARGETS)} built by fdx bench peers\n")
     _say(f"llama.cpp built in {time.perf_counter() - t0:.0f} s")
     return bins
 
@@ -218,7 +220,9 @@ def make_f32(quantize: Path, model: Path, root: Path | None = None) -> Path:
     out_dir = (root or cache_root()) / "peers" / "models"
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = model.name[:-5] if model.name.lower().endswith(".gguf") else model.name
-    out = out_dir / f"{stem}-{model.stat().st_size}.F32.gguf"
+    stem = re.sub(r"\.(I?Q\d\w*|B?F16|F32)$", "", stem, flags=re.IGNORECASE)    # SmolLM2-135M-Instruct.Q4_1
+    out = out_dir / f"{model.stat().st_size}" / f"{stem}.F32.gguf"           # keyed by the source's size
+    out.parent.mkdir(exist_ok=True)
     if out.is_file():
         return out
     _say(f"making the F32 GGUF {out}")
@@ -286,6 +290,7 @@ def machine_info(threads: int, quick: bool = False) -> dict:
         "cpu": cpu_model(), "cores": num_cores(), "threads": threads,
         "sgemm_gflops": sgemm_gflops((256, 512) if quick else (1024, 2048), threads=threads),
         "memory_read_gbps": memory_read_gbps(64 if quick else 512),
+        "mkl_debug_cpu_type": os.environ.get("MKL_DEBUG_CPU_TYPE"),   # fdx sets 7 at import: MKL's AVX2 path
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
@@ -568,7 +573,7 @@ def plot(report: dict, path: str) -> None:
     for i, r in enumerate(rows):
         if r["ratio"]["all_tps"] is not None:
             top = max(r["llama"]["all_tps"], r["fdx"]["all_tps"])
-            ax.annotate(f"{r['ratio']['all_tps']:.2f}x", (i, top), ha="center", va="bottom", fontsize=9)
+            ax.annotate(f"fdx/llama {r['ratio']['all_tps']:.2f}x", (i, top), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), [str(b) for b in bs])
     ax.set_xlabel("sequences in the batch (B)")
     ax.set_ylabel("all tokens / wall time (tok/s)")
