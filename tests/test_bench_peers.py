@@ -99,6 +99,21 @@ def test_rows_ratios_and_table_against_a_recompute():
     assert peers._ratio(1.0, 0.0) is None and peers._ratio(None, 2.0) is None
 
 
+def test_repeats_keep_the_best_run_of_each_side():
+    rng = np.random.default_rng(5)
+    llama_runs, fdx_runs = [_figures(rng) for _ in range(3)], [_figures(rng) for _ in range(3)]
+    row = peers.batch_row(32, peers.best_run(llama_runs), peers.best_run(fdx_runs))
+    best_l = llama_runs[int(np.argmax([r["all_tps"] for r in llama_runs]))]
+    best_f = fdx_runs[int(np.argmax([r["all_tps"] for r in fdx_runs]))]
+    assert row["llama"]["prompt_tps"] == best_l["prompt_tps"] and row["fdx"]["decode_tps"] == best_f["decode_tps"]
+    assert row["ratio"]["all_tps"] == pytest.approx(best_f["all_tps"] / best_l["all_tps"])
+    assert row["fdx"]["all_tps_runs"] == [r["all_tps"] for r in fdx_runs]
+    machine = {"cpu": "c", "cores": 2, "threads": 2, "sgemm_gflops": 1.0, "memory_read_gbps": 1.0}
+    table = peers.format_table({"input_len": 1, "output_len": 1, "model": "m", "machine": machine,
+                                "batches": [row]})
+    assert f"B=32: best of 3 runs each; all tok/s of every run: llama.cpp {llama_runs[0]['all_tps']:.1f}, " in table
+
+
 def test_plot_draws_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     rng = np.random.default_rng(0)

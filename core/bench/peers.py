@@ -341,12 +341,12 @@ def _tail(text: str, n: int = 1) -> str:
 
 
 def run_llama_batched(binary: Path, model: Path, batch: int, input_len: int, output_len: int, threads: int,
-                      log_dir: Path) -> dict:
+                      log_dir: Path, tag: str = "") -> dict:
     ctx = batch * (input_len + output_len)
     cmd = [str(binary), "-m", str(model), "-npp", str(input_len), "-ntg", str(output_len), "-npl", str(batch),
            "-t", str(threads), "-tb", str(threads), "-c", str(ctx)]
     r = subprocess.run(cmd, capture_output=True, text=True)
-    (log_dir / f"llama-batched-bench-B{batch}.log").write_text(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
+    (log_dir / f"llama-batched-bench-{tag or f'B{batch}'}.log").write_text(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
     if r.returncode != 0:
         raise PeerError(f"llama-batched-bench (B={batch}) failed with exit code {r.returncode}: {_tail(r.stderr)}")
     return llama_figures(parse_batched_bench(r.stdout + "\n" + r.stderr)[-1])
@@ -366,18 +366,18 @@ def _json_out(stdout: str) -> dict:
     start = stdout.find("{")
     if start < 0:
         raise ValueError("no JSON in the output")
-    return json.loads(stdout[start:])
+    return json.JSONDecoder().raw_decode(stdout[start:])[0]      # whatever follows the object is ignored
 
 
 def run_fdx_throughput(model: Path, batch: int, input_len: int, output_len: int, threads: int,
-                       log_dir: Path, extra: list[str]) -> dict:
+                       log_dir: Path, extra: list[str], tag: str = "") -> dict:
     cmd = _fdx_cmd("bench", "throughput", "--model", str(model), "--num-requests", str(batch),
                    "--input-len", str(input_len), "--output-len", str(output_len), "--json", "--quiet",
                    "--num-threads", str(threads), *extra)
     if batch > 64:                              # fdx's default max_num_seqs
         cmd += ["--max-num-seqs", str(batch)]
     r = subprocess.run(cmd, capture_output=True, text=True)
-    (log_dir / f"fdx-throughput-B{batch}.log").write_text(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
+    (log_dir / f"fdx-throughput-{tag or f'B{batch}'}.log").write_text(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
     if r.returncode != 0:
         raise PeerError(f"fdx bench throughput (B={batch}) failed with exit code {r.returncode}: {_tail(r.stderr)}")
     try:
@@ -395,14 +395,23 @@ def fdx_figures(d: dict) -> dict:
             "all_tps": d["overall_tokens_per_s"], "total_s": d["total_time_s"], "raw": d}
 
 
+def best_run(runs: list[dict]) -> dict:
+    """Of repeated runs of one side, the one with the best all tok/s (the least
+    disturbed on a shared machine), with every run's all tok/s beside it."""
+    best = dict(max(runs, key=lambda r: r["all_tps"]))
+    best["all_tps_runs"] = [r["all_tps"] for r in runs]
+    return best
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
 def batch_row(batch: int, llama: dict, fdx: dict) -> dict:
     """One table row: both sides' prompt, decode and all tok/s and fdx/llama.cpp ratios."""
-    row = {"batch": batch, "llama": {k: llama[k] for k in ("prompt_tps", "decode_tps", "all_tps", "total_s")},
-           "fdx": {k: fdx[k] for k in ("prompt_tps", "decode_tps", "all_tps", "total_s")}}
+    keys = ("prompt_tps", "decode_tps", "all_tps", "total_s", "all_tps_runs")
+    row = {"batch": batch, "llama": {k: llama[k] for k in keys if k in llama},
+           "fdx": {k: fdx[k] for k in keys if k in fdx}}
     row["ratio"] = {k: _ratio(fdx[k], llama[k]) for k in ("prompt_tps", "decode_tps", "all_tps")}
     return row
 
@@ -544,6 +553,11 @@ def format_table(report: dict) -> str:
                      f"| {_f(ll['all_tps'])} | {_f(fx['all_tps'])} | {_r(ra['all_tps'])} |")
     lines.append("(tok/s; ratio = fdx / llama.cpp; prompt = S_PP vs prefill steps, decode = S_TG vs decode-only "
                  "steps, all = (prompt + output) / wall: S vs overall_tokens_per_s)")
+    for row in report["batches"]:
+        ll, fx = row["llama"].get("all_tps_runs", []), row["fdx"].get("all_tps_runs", [])
+        if len(ll) > 1 or len(fx) > 1:
+            lines.append(f"B={row['batch']}: best of {len(ll)} runs each; all tok/s of every run: llama.cpp "
+                         f"{', '.join(f'{x:.1f}' for x in ll)}; fdx {', '.join(f'{x:.1f}' for x in fx)}")
     s = report.get("serve")
     if s:
         ll, fx, ra = s["llama"], s["fdx"], s["ratio"]
@@ -580,7 +594,8 @@ def plot(report: dict, path: str) -> None:
     m = report["machine"]
     ax.set_title(f"fp32, {report['input_len']}+{report['output_len']} tokens; {m['cpu']}, {m['threads']} threads",
                  fontsize=9)
-    ax.legend()
+    ax.set_ylim(0, 1.3 * max(max(r["llama"]["all_tps"], r["fdx"]["all_tps"]) for r in rows))
+    ax.legend(loc="upper center", ncol=2, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -602,6 +617,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default: %(default)s)")
     s.add_argument("--output-len", type=int, default=128, help="generated tokens per sequence (default: %(default)s)")
     s.add_argument("--threads", type=int, default=None, help="threads for both engines (default: the cores)")
+    s.add_argument("--repeats", type=int, default=1,
+                   help="runs of each side per batch size, alternating; the best all tok/s of each side is "
+                        "reported (default: %(default)s)")
     s.add_argument("--skip-serve", action="store_true", help="no serving comparison (default: run it)")
     s.add_argument("--serve-requests", type=int, default=64, help="streaming requests per server (default: %(default)s)")
     s.add_argument("--serve-concurrency", type=int, default=32,
@@ -637,8 +655,8 @@ def _interrupt(signum, frame):
 
 def cmd_bench_peers(args) -> int:
     sizes = _batch_sizes(args.batch_sizes)
-    if args.input_len < 1 or args.output_len < 1 or args.serve_requests < 1 or args.serve_concurrency < 1:
-        raise ValueError("--input-len, --output-len, --serve-requests and --serve-concurrency must be >= 1")
+    if min(args.input_len, args.output_len, args.serve_requests, args.serve_concurrency, args.repeats) < 1:
+        raise ValueError("--input-len, --output-len, --serve-requests, --serve-concurrency and --repeats must be >= 1")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -660,6 +678,8 @@ def cmd_bench_peers(args) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, prev)
+    with contextlib.suppress(OSError):
+        (Path(report["log_dir"]) / "report.json").write_text(json.dumps(report, indent=2))
     if args.plot:
         plot(report, args.plot)
         _say(f"plot saved to {args.plot}")
@@ -679,21 +699,24 @@ def _run(args, sizes: list[int], model: Path) -> dict:
     _say(format_machine(machine))
     extra = [a for kv in args.fdx_set for a in ("--set", kv)]
     report = {"model": str(f32), "source_model": str(model), "input_len": args.input_len,
-              "output_len": args.output_len, "machine": machine, "batches": [], "serve": None,
+              "output_len": args.output_len, "repeats": args.repeats, "machine": machine, "batches": [],
+              "serve": None,
               "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "log_dir": str(log_dir)}
     for i, b in enumerate(sizes):
-        sides = [("llama.cpp", lambda: run_llama_batched(bins["llama-batched-bench"], f32, b, args.input_len,
-                                                         args.output_len, threads, log_dir)),
-                 ("fdx", lambda: run_fdx_throughput(f32, b, args.input_len, args.output_len, threads,
-                                                    log_dir, extra))]
-        if i % 2:
-            sides.reverse()                      # alternate which side runs first
-        got = {}
-        for name, fn in sides:
-            _say(f"B={b}: {name}")
-            got[name] = fn()
-            _say(f"B={b}: {name}: all {got[name]['all_tps']:.1f} tok/s")
-        report["batches"].append(batch_row(b, got["llama.cpp"], got["fdx"]))
+        got: dict[str, list[dict]] = {"llama.cpp": [], "fdx": []}
+        for rep in range(args.repeats):
+            tag = f"B{b}" + (f"-{rep + 1}" if args.repeats > 1 else "")
+            sides = [("llama.cpp", lambda: run_llama_batched(bins["llama-batched-bench"], f32, b, args.input_len,
+                                                             args.output_len, threads, log_dir, tag)),
+                     ("fdx", lambda: run_fdx_throughput(f32, b, args.input_len, args.output_len, threads,
+                                                        log_dir, extra, tag))]
+            if (i + rep) % 2:
+                sides.reverse()                  # alternate which side runs first
+            for name, fn in sides:
+                _say(f"B={b}: {name}" + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else ""))
+                got[name].append(fn())
+                _say(f"B={b}: {name}: all {got[name][-1]['all_tps']:.1f} tok/s")
+        report["batches"].append(batch_row(b, best_run(got["llama.cpp"]), best_run(got["fdx"])))
     if not args.skip_serve:
         report["serve"] = _serve(args, bins, f32, threads, log_dir, extra)
     return report
