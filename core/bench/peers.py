@@ -156,7 +156,9 @@ _MAKE_STEP = re.compile(r"^\[\s*(\d+)%\]")
 def _run_logged(cmd: list[str], log, what: str, progress: bool) -> None:
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its own process group: an interrupted build stops cmake, ninja and the compilers together
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     shown = -10
     try:
         for line in proc.stdout:
@@ -171,7 +173,8 @@ def _run_logged(cmd: list[str], log, what: str, progress: bool) -> None:
         rc = proc.wait()
     finally:
         if proc.poll() is None:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     log.flush()
     if rc != 0:
