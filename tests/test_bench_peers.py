@@ -265,3 +265,12 @@ def test_a_server_that_exits_early_is_a_clear_error(tmp_path):
         with pytest.raises(peers.PeerError, match="not ready after 1 s"):
             srv.wait_ready(1)
     assert time.monotonic() - t0 < 30
+
+
+def test_a_failed_tool_is_named_by_its_error_line_not_its_backtrace():
+    crash = ("common.cpp:2158: get_sub_batch: failed to add token 33266 at index 12 (error -1, n = 16)\n"
+             "30\t../sysdeps/unix/sysv/linux/wait4.c: No such file or directory.\n"
+             "360\t../csu/libc-start.c: No such file or directory.\n")
+    assert peers._tail(crash).startswith("common.cpp:2158: get_sub_batch: failed to add token")
+    assert peers._tail("loading\nall went wrong here\n") == "all went wrong here"
+    assert peers._tail("") == "no output"

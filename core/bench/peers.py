@@ -338,14 +338,16 @@ def parse_batched_bench(text: str) -> list[dict]:
     return rows
 
 
-def _tail(text: str, n: int = 1) -> str:
-    lines = [x for x in (text or "").strip().splitlines() if x.strip()]
-    return " | ".join(lines[-n:]) or "no output"
+def _tail(text: str) -> str:
+    """The last line that says error or failed, else the last line (a crash ends in a backtrace)."""
+    lines = [x.strip() for x in (text or "").splitlines() if x.strip()]
+    said = [x for x in lines if re.search(r"error|failed", x, re.IGNORECASE)]
+    return (said or lines or ["no output"])[-1]
 
 
 def run_llama_batched(binary: Path, model: Path, batch: int, input_len: int, output_len: int, threads: int,
                       log_dir: Path, tag: str = "") -> dict:
-    ctx = batch * (input_len + output_len)
+    ctx = max(batch * (input_len + output_len), 256)      # its warm-up decodes 16 tokens in one batch
     cmd = [str(binary), "-m", str(model), "-npp", str(input_len), "-ntg", str(output_len), "-npl", str(batch),
            "-t", str(threads), "-tb", str(threads), "-c", str(ctx)]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -669,7 +671,11 @@ def cmd_bench_peers(args) -> int:
     model = check_model_path(args.model)
     if model.is_dir():
         raise ValueError(f"--model {args.model}: fdx bench peers needs a .gguf file (llama.cpp reads GGUF only)")
-    # SIGTERM unwinds like Ctrl-C, so the servers started here are stopped
+    # SIGTERM unwinds like Ctrl-C, so the servers started here are stopped. Paddle
+    # installs its own SIGTERM handler when imported (the sgemm probe imports it),
+    # so it is imported first and this handler set after it
+    with contextlib.suppress(ImportError):
+        import paddle  # noqa: F401
     prev = signal.signal(signal.SIGTERM, _interrupt)
     try:
         report = _run(args, sizes, model)
