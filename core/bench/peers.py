@@ -671,11 +671,8 @@ def cmd_bench_peers(args) -> int:
     model = check_model_path(args.model)
     if model.is_dir():
         raise ValueError(f"--model {args.model}: fdx bench peers needs a .gguf file (llama.cpp reads GGUF only)")
-    # SIGTERM unwinds like Ctrl-C, so the servers started here are stopped. Paddle
-    # installs its own SIGTERM handler when imported (the sgemm probe imports it),
-    # so it is imported first and this handler set after it
-    with contextlib.suppress(ImportError):
-        import paddle  # noqa: F401
+    # SIGTERM unwinds like Ctrl-C, so the build and the servers started here are stopped
+    # (set again after the sgemm probe: importing Paddle installs its own handler)
     prev = signal.signal(signal.SIGTERM, _interrupt)
     try:
         report = _run(args, sizes, model)
@@ -705,6 +702,7 @@ def _run(args, sizes: list[int], model: Path) -> dict:
     _say(f"logs of this run: {log_dir}")
     _say("measuring the machine (sgemm, memory read)")
     machine = machine_info(threads)
+    signal.signal(signal.SIGTERM, _interrupt)    # Paddle, imported by the probe, replaced it
     _say(format_machine(machine))
     extra = [a for kv in args.fdx_set for a in ("--set", kv)]
     report = {"model": str(f32), "source_model": str(model), "input_len": args.input_len,
