@@ -1,0 +1,276 @@
+"""`fdx bench peers` without building llama.cpp: its parser against a real
+llama-batched-bench output, its figures and ratios against a brute-force
+recompute, the machine probes, the server stop, the one-line errors, --help."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fdx.core.bench import peers
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_parser_reads_the_real_llama_batched_bench_output():
+    """tests/data/llama_batched_bench_B8.txt is what llama-batched-bench printed
+    (stdout and stderr) here; each row must agree with its own times."""
+    text = (DATA / "llama_batched_bench_B8.txt").read_text()
+    rows = peers.parse_batched_bench(text)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["pp"], r["tg"], r["b"]) == (128, 128, 8)
+    assert r["n_kv"] == r["b"] * (r["pp"] + r["tg"])
+    # rates recomputed from the printed times (3 decimals): prompt, decode, all
+    assert r["s_pp"] == pytest.approx(r["b"] * r["pp"] / r["t_pp"], rel=0.01)
+    assert r["s_tg"] == pytest.approx(r["b"] * r["tg"] / r["t_tg"], rel=0.01)
+    assert r["s"] == pytest.approx(r["n_kv"] / r["t"], rel=0.01)
+    assert r["t"] == pytest.approx(r["t_pp"] + r["t_tg"], abs=0.01)
+    fig = peers.llama_figures(r)
+    assert (fig["prompt_tps"], fig["decode_tps"], fig["all_tps"]) == (r["s_pp"], r["s_tg"], r["s"])
+
+
+def test_parser_reads_several_rows_and_rejects_a_missing_table():
+    text = (DATA / "llama_batched_bench_B8.txt").read_text().splitlines()
+    i = next(k for k, line in enumerate(text) if "S_PP t/s" in line)
+    header, rule, row = text[i], text[i + 1], text[i + 2]
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    cells[2] = "16"                                             # a second row, B=16
+    two = "\n".join(["main: noise", header, rule, row, "| " + " | ".join(cells) + " |", "llama_perf: done"])
+    rows = peers.parse_batched_bench(two)
+    assert [r["b"] for r in rows] == [8, 16]
+    with pytest.raises(peers.PeerError, match="no result table"):
+        peers.parse_batched_bench("error: failed to load model\n")
+
+
+def test_fdx_figures_match_the_throughput_json():
+    """tests/data/fdx_throughput_B8.json is fdx bench throughput --json on the same
+    F32 file; all tok/s is (prompt + output) / wall, as llama-batched-bench's S."""
+    d = json.loads((DATA / "fdx_throughput_B8.json").read_text())
+    fig = peers.fdx_figures(d)
+    assert fig["all_tps"] == pytest.approx((8 * 128 + d["output_tokens"]) / d["total_time_s"])
+    assert d["output_tokens"] == 8 * 128
+    assert fig["prompt_tps"] == d["prompt_tokens_per_s"] and fig["decode_tps"] == d["decode_tokens_per_s"]
+
+
+def _figures(rng) -> dict:
+    return {k: float(rng.uniform(1, 500)) for k in ("prompt_tps", "decode_tps", "all_tps", "total_s")}
+
+
+def test_rows_ratios_and_table_against_a_recompute():
+    rng = np.random.default_rng(3)
+    rows = []
+    for b in (1, 8, 32, 64):
+        ll, fx = _figures(rng), _figures(rng)
+        row = peers.batch_row(b, ll, fx)
+        for k in ("prompt_tps", "decode_tps", "all_tps"):
+            assert row["ratio"][k] == pytest.approx(fx[k] / ll[k])
+        rows.append(row)
+    ll_s = {"output_tps": 101.4, "median_ttft_ms": 6800.0, "median_tpot_ms": 265.0}
+    fx_s = {"output_tps": 87.5, "median_ttft_ms": 8700.0, "median_tpot_ms": 298.0}
+    serve = {"num_requests": 64, "concurrency": 32, **peers.serve_row(ll_s, fx_s)}
+    assert serve["ratio"]["output_tps"] == pytest.approx(87.5 / 101.4)
+    assert serve["ratio"]["median_ttft_ms"] == pytest.approx(8700 / 6800)
+    machine = {"cpu": "Test CPU", "cores": 2, "threads": 2, "sgemm_gflops": 110.0, "memory_read_gbps": 5.0,
+               "load_avg_1m": 1.0}
+    report = {"input_len": 128, "output_len": 128, "model": "m.F32.gguf", "machine": machine,
+              "batches": rows, "serve": serve}
+    table = peers.format_table(report)
+    assert "Test CPU, 2 cores (2 threads used), sgemm 110 GFLOP/s, memory read 5.0 GB/s" in table
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    for row, line in zip(rows, lines[1:]):                      # after the header line
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert int(cells[0]) == row["batch"]
+        for j, k in ((1, "prompt_tps"), (4, "decode_tps"), (7, "all_tps")):
+            ll, fx = float(cells[j]), float(cells[j + 1])
+            assert ll == pytest.approx(row["llama"][k], abs=0.05) and fx == pytest.approx(row["fdx"][k], abs=0.05)
+            assert float(cells[j + 2].rstrip("x")) == pytest.approx(row["fdx"][k] / row["llama"][k], abs=0.005)
+    assert "| fdx / llama | 0.86x | 1.28x | 1.12x |" in table
+    assert peers._ratio(1.0, 0.0) is None and peers._ratio(None, 2.0) is None
+
+
+def test_repeats_keep_the_best_run_of_each_side():
+    rng = np.random.default_rng(5)
+    llama_runs, fdx_runs = [_figures(rng) for _ in range(3)], [_figures(rng) for _ in range(3)]
+    row = peers.batch_row(32, peers.best_run(llama_runs), peers.best_run(fdx_runs))
+    best_l = llama_runs[int(np.argmax([r["all_tps"] for r in llama_runs]))]
+    best_f = fdx_runs[int(np.argmax([r["all_tps"] for r in fdx_runs]))]
+    assert row["llama"]["prompt_tps"] == best_l["prompt_tps"] and row["fdx"]["decode_tps"] == best_f["decode_tps"]
+    assert row["ratio"]["all_tps"] == pytest.approx(best_f["all_tps"] / best_l["all_tps"])
+    assert row["fdx"]["all_tps_runs"] == [r["all_tps"] for r in fdx_runs]
+    machine = {"cpu": "c", "cores": 2, "threads": 2, "sgemm_gflops": 1.0, "memory_read_gbps": 1.0}
+    table = peers.format_table({"input_len": 1, "output_len": 1, "model": "m", "machine": machine,
+                                "batches": [row]})
+    assert f"B=32: best of 3 runs each; all tok/s of every run: llama.cpp {llama_runs[0]['all_tps']:.1f}, " in table
+
+
+def test_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rng = np.random.default_rng(0)
+    rows = [peers.batch_row(b, _figures(rng), _figures(rng)) for b in (1, 8)]
+    report = {"input_len": 128, "output_len": 128, "batches": rows,
+              "machine": {"cpu": "x", "threads": 2}}
+    peers.plot(report, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_machine_probes_give_sane_positive_numbers():
+    m = peers.machine_info(2, quick=True)
+    assert m["cpu"] and m["cores"] >= 1 and m["threads"] == 2
+    assert 0.1 < m["sgemm_gflops"] < 1e5                   # a CPU does 0.1 to 100k GFLOP/s fp32
+    assert 0.05 < m["memory_read_gbps"] < 1e4
+    assert math.isfinite(m["load_avg_1m"]) and m["load_avg_1m"] >= 0
+
+
+def test_help_lists_every_default():
+    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    from fdx.core.cli import build_parser
+    bench = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
+                 if a.dest == "bench_cmd")
+    p = bench.choices["peers"]
+    flags = [a for a in p._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 12
+    for a in flags:
+        assert "default" in a.help, a.option_strings
+        assert a.option_strings[0] in out.stdout
+    assert "(default: 1,8,32,64)" in " ".join(out.stdout.split())
+
+
+def _env(tmp_path, path: str) -> dict:
+    env = dict(os.environ, FDX_CACHE_DIR=str(tmp_path / "cache"), PATH=path)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    return env
+
+
+def test_missing_cmake_is_one_line(tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--skip-serve"],
+                         capture_output=True, text=True, timeout=120, env=_env(tmp_path, str(empty)))
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "fdx bench peers: error: building llama.cpp needs cmake and c++ on PATH (for example: apt-get install cmake g++)"]
+
+
+def _fake_sdist(path: Path, cmakelists: str) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        data = cmakelists.encode()
+        info = tarfile.TarInfo(f"llama_cpp_python-{peers.LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/CMakeLists.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.skipif(not (os.path.exists("/usr/bin/cmake") or __import__("shutil").which("cmake")),
+                    reason="needs cmake")
+def test_a_failed_build_is_one_line_with_the_log(tmp_path):
+    """A real cmake run on a source tree whose CMakeLists.txt fails."""
+    sdist = tmp_path / peers.SDIST_NAME
+    _fake_sdist(sdist, 'cmake_minimum_required(VERSION 3.14)\nproject(x C)\nmessage(FATAL_ERROR "broken on purpose")\n')
+    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--skip-serve",
+                          "--llama-sdist", str(sdist)],
+                         capture_output=True, text=True, timeout=120, env=_env(tmp_path, os.environ["PATH"]))
+    assert out.returncode == 1, out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in out.stderr
+    assert errors[0].startswith("fdx bench peers: error: configuring llama.cpp (cmake) failed (exit code 1); "
+                                "the log is ")
+    log = Path(errors[0].rsplit("the log is ", 1)[1])
+    assert "broken on purpose" in log.read_text()
+    # a sdist without vendor/llama.cpp is named as such
+    other = tmp_path / "other.tar.gz"
+    with tarfile.open(other, "w:gz") as tar:
+        info = tarfile.TarInfo("x/README")
+        tar.addfile(info, io.BytesIO(b""))
+    with pytest.raises(peers.PeerError, match="holds no"):
+        peers.extract_llama_cpp(other, tmp_path / "src2")
+
+
+def test_bad_batch_sizes_name_the_flag():
+    with pytest.raises(ValueError, match="--batch-sizes"):
+        peers._batch_sizes("1,x")
+    with pytest.raises(ValueError, match="--batch-sizes"):
+        peers._batch_sizes("0,8")
+    assert peers._batch_sizes("1, 8,32") == [1, 8, 32]
+
+
+_SERVER = """
+import http.server, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(child.pid, flush=True)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:                                         # a zombie is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_managed_server_stops_its_whole_group_and_frees_the_port(tmp_path):
+    port = peers.free_port()
+    log = tmp_path / "srv.log"
+    srv = peers.ManagedServer("toy", [sys.executable, "-c", _SERVER, str(port)], port, log)
+    with srv:
+        srv.wait_ready(30)
+        leader = srv.proc.pid
+        child = int(log.read_text().strip().splitlines()[-1])
+        assert _alive(child) and peers._port_open(port)
+    assert not _alive(leader) and not _alive(child)
+    assert not peers._port_open(port)
+    with socket.socket() as s:                   # the port is free again (for a server: SO_REUSEADDR
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # past the TIME_WAIT of old connections)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+    # an error inside the block stops it too
+    port = peers.free_port()
+    with pytest.raises(RuntimeError):
+        with peers.ManagedServer("toy", [sys.executable, "-c", _SERVER, str(port)], port, log) as srv:
+            srv.wait_ready(30)
+            leader = srv.proc.pid
+            raise RuntimeError("boom")
+    assert not _alive(leader) and not peers._port_open(port)
+
+
+def test_a_server_that_exits_early_is_a_clear_error(tmp_path):
+    port = peers.free_port()
+    with peers.ManagedServer("toy", [sys.executable, "-c", "import sys; sys.exit(3)"], port,
+                             tmp_path / "x.log") as srv:
+        with pytest.raises(peers.PeerError, match="toy exited with code 3 before it was ready"):
+            srv.wait_ready(30)
+    t0 = time.monotonic()
+    with peers.ManagedServer("toy", [sys.executable, "-c", "import time; time.sleep(60)"], port,
+                             tmp_path / "y.log") as srv:
+        with pytest.raises(peers.PeerError, match="not ready after 1 s"):
+            srv.wait_ready(1)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_failed_tool_is_named_by_its_error_line_not_its_backtrace():
+    crash = ("common.cpp:2158: get_sub_batch: failed to add token 33266 at index 12 (error -1, n = 16)\n"
+             "30\t../sysdeps/unix/sysv/linux/wait4.c: No such file or directory.\n"
+             "360\t../csu/libc-start.c: No such file or directory.\n")
+    assert peers._tail(crash).startswith("common.cpp:2158: get_sub_batch: failed to add token")
+    assert peers._tail("loading\nall went wrong here\n") == "all went wrong here"
+    assert peers._tail("") == "no output"
