@@ -13,6 +13,8 @@
 
 #include <omp.h>
 
+#include "paged_attention_kernel.h"  // ExpNonPositive
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,23 +35,9 @@ inline void ThreadRange(int64_t rows, int64_t* begin, int64_t* end) {
   *end = *begin + per + (t < extra ? 1 : 0);
 }
 
-// exp(x) for any x (vectorizable): clamped to [-87.3, 88.7], relative error < 3e-7.
-inline float ExpClamped(float x) {
-  const float xc = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::floor(xc * 1.44269504f + 0.5f);
-  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+// exp(x) for any x (vectorizable): the attention kernel's polynomial with the
+// input clamped to 88.7 (no overflow); 0 below -87; relative error < 3e-7.
+inline float ExpClamped(float x) { return ExpNonPositive(std::min(x, 88.7f)); }
 
 inline void SiluAndMulRow(const float* x, float* out, int64_t I) {
   const float* up = x + I;

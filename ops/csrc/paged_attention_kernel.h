@@ -76,8 +76,8 @@ inline void Axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the row max), vectorizable;
-// relative error < 3e-7, and 0 below -87.
+// exp(x), vectorizable, for x <= 88.7 (softmax calls it after subtracting the
+// row max, so x <= 0; SiLU through ExpClamped): relative error < 3e-7, 0 below -87.
 inline float ExpNonPositive(float x) {
   const float xc = std::max(x, -87.0f);
   const float n = std::floor(xc * 1.44269504f + 0.5f);

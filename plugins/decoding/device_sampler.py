@@ -30,6 +30,7 @@ import paddle
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import Sampler as SamplerContract
 from fdx.core.interfaces import SamplerOutput, SamplingBatch, TokenLogprobs
+from fdx.plugins.decoding.sampler import draw_uniforms
 
 
 class DeviceSampler(SamplerContract):
@@ -84,21 +85,8 @@ class DeviceSampler(SamplerContract):
         return paddle.scatter(ids, idx, drawn)
 
     def _uniforms(self, rows: np.ndarray, batch: SamplingBatch) -> np.ndarray:
-        """One uniform per sampled row: the host sampler's rule (a row's own
-        generator, a stateless one for a seed without one, else the shared one)."""
-        u = np.empty(len(rows))
-        shared = []
-        for k, i in enumerate(rows):
-            gen, seed = batch.generators[i], batch.params[i].seed
-            if gen is None and seed is not None:
-                gen = np.random.default_rng([seed, len(batch.output_token_ids[i])])
-            if gen is None:
-                shared.append(k)
-            else:
-                u[k] = gen.random()
-        if shared:
-            u[shared] = self.rng.random(len(shared))
-        return u
+        """One uniform per sampled row: the host sampler's rule."""
+        return draw_uniforms(self.rng, rows, batch)
 
 
 def _tensor(logits) -> paddle.Tensor:

@@ -113,22 +113,28 @@ class Sampler(SamplerContract):
         return x
 
     def _uniforms(self, rows: np.ndarray, batch: SamplingBatch) -> np.ndarray:
-        """One uniform in [0, 1) per sampled row, from the row's own generator if
-        it has one. A seeded row without a generator gets a stateless one keyed
-        by (seed, tokens generated so far)."""
-        u = np.empty(len(rows))
-        shared = []
-        for k, i in enumerate(rows):
-            gen, seed = batch.generators[i], batch.params[i].seed
-            if gen is None and seed is not None:
-                gen = np.random.default_rng([seed, len(batch.output_token_ids[i])])
-            if gen is None:
-                shared.append(k)
-            else:
-                u[k] = gen.random()
-        if shared:
-            u[shared] = self.rng.random(len(shared))
-        return u
+        return draw_uniforms(self.rng, rows, batch)
+
+
+def draw_uniforms(rng: np.random.Generator, rows: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """One uniform in [0, 1) per sampled row, from the row's own generator if
+    it has one. A seeded row without a generator gets a stateless one keyed
+    by (seed, tokens generated so far); the other rows share ``rng``. Every
+    sampler that draws by inverse CDF uses this rule, so a seed gives the
+    same tokens whichever sampler runs."""
+    u = np.empty(len(rows))
+    shared = []
+    for k, i in enumerate(rows):
+        gen, seed = batch.generators[i], batch.params[i].seed
+        if gen is None and seed is not None:
+            gen = np.random.default_rng([seed, len(batch.output_token_ids[i])])
+        if gen is None:
+            shared.append(k)
+        else:
+            u[k] = gen.random()
+    if shared:
+        u[shared] = rng.random(len(shared))
+    return u
 
 
 def _filtered_weights(x: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
