@@ -21,7 +21,6 @@ import pytest
 from fdx import LLM
 from fdx.core.config import ConfigError
 from fdx.core.plugins import get_plugin_manager
-from fdx.ops import norm
 from test_contracts import GREEDY, FakeDevice, make_llm, prompts, token_ids
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -37,12 +36,6 @@ def tiny(tiny_checkpoints):
 def reference(tiny):
     llm = make_llm(tiny)
     return token_ids(llm.generate(prompts(), GREEDY))
-
-
-@pytest.fixture(autouse=True)
-def fused_norm_back_on():
-    yield
-    norm.use_fused(True)          # a test's fake device may have switched fdx.ops to the reference
 
 
 # --- dtype ----------------------------------------------------------------------

@@ -16,25 +16,8 @@ import pytest
 from fake_paddle_kernels import FakeBlockMultiheadAttention
 from fdx import SamplingParams
 from fdx.ops import attention as ops_attention
-from fdx.ops import norm
 from fdx.plugins.backends.block_attention import call_kernel, kernel_batch
-from test_contracts import GREEDY, PROMPTS, FakeDevice, make_llm, prompts, token_ids
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_checkpoints):
-    return str(tiny_checkpoints["LlamaForCausalLM"][0])
-
-
-@pytest.fixture(scope="module")
-def reference(tiny):
-    return token_ids(make_llm(tiny).generate(prompts(), GREEDY))
-
-
-@pytest.fixture(autouse=True)
-def fused_norm_back_on():
-    yield
-    norm.use_fused(True)
+from test_contracts import GREEDY, PROMPTS, FakeDevice, make_llm, prompts, token_ids, reference, tiny  # noqa: F401 (fixtures)
 
 
 @pytest.fixture

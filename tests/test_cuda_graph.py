@@ -12,25 +12,8 @@ import pytest
 from fake_paddle_kernels import FakeBlockMultiheadAttention
 from fdx import SamplingParams
 from fdx.core.config import ConfigError
-from fdx.ops import norm
 from fdx.plugins.backends.cuda_graph import CudaGraphRunner, bucket_for, padded_decode_batch
-from test_contracts import GREEDY, FakeDevice, make_llm, prompts, token_ids
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_checkpoints):
-    return str(tiny_checkpoints["LlamaForCausalLM"][0])
-
-
-@pytest.fixture(scope="module")
-def reference(tiny):
-    return token_ids(make_llm(tiny).generate(prompts(), GREEDY))
-
-
-@pytest.fixture(autouse=True)
-def fused_norm_back_on():
-    yield
-    norm.use_fused(True)
+from test_contracts import GREEDY, FakeDevice, make_llm, prompts, token_ids, reference, tiny  # noqa: F401 (fixtures)
 
 
 def graph_capable(monkeypatch, kernel=True):
