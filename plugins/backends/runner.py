@@ -124,7 +124,7 @@ class DefaultModelRunner(ModelRunner):
             else:
                 self.taps = {}
             return
-        logits = logits.astype("float32").numpy() if logits.dtype != paddle.float32 else logits.numpy()
+        logits = _host_float32(logits)
         raw, prompt_logits = logits[:len(sample_rows)], logits[len(sample_rows):]
 
         k = 0
@@ -162,13 +162,16 @@ class DefaultModelRunner(ModelRunner):
         self.rows = rows
         for processor in ctx.logits_processors:
             processor.update_state(update)
-        if not isinstance(raw, np.ndarray) and any(getattr(p, "active", True) for p in ctx.logits_processors):
-            raw = raw.astype("float32").numpy() if raw.dtype != paddle.float32 else raw.numpy()
+        on_host = isinstance(raw, np.ndarray)
+        if not on_host and any(getattr(p, "active", True) for p in ctx.logits_processors):
+            raw, on_host = _host_float32(raw), True
         # The processors may edit in place; keep the raw logits apart only when
         # something reads them (logprobs are of the raw logits; the logits tap).
         keep_raw = self.capture_logits or any(st.params.logprobs is not None for st in samplers)
-        x = raw.copy() if keep_raw and isinstance(raw, np.ndarray) else raw
-        if isinstance(raw, np.ndarray):
+        x = raw
+        if on_host:
+            if keep_raw:
+                x = raw.copy()
             for processor in ctx.logits_processors:
                 x = processor.apply(x)
         batch = SamplingBatch(
@@ -190,6 +193,11 @@ class DefaultModelRunner(ModelRunner):
 
     def last_step_taps(self) -> dict:
         return self.taps
+
+
+def _host_float32(logits: paddle.Tensor) -> np.ndarray:
+    """The logits as a float32 numpy array (cast first when the model's dtype is not float32)."""
+    return (logits if logits.dtype == paddle.float32 else logits.astype("float32")).numpy()
 
 
 @hookimpl
