@@ -66,3 +66,15 @@ def test_profile_report_is_printed(tiny):
     r = run(tiny)
     text = format_throughput(r)
     assert "decode-only steps at 4 sequences" in text and "GEMMs" in text and "outside" in text
+
+
+def test_profile_charges_matmuls_through_paddles_wrapper(tiny, monkeypatch):
+    """On the Paddle path (no compiled kernels) rotary rotates with a small
+    matmul in ops/ and attention multiplies in ops/attention.py, both through
+    paddle.matmul's Python wrapper: the first is outside time, the second
+    attention's, and neither may count as a GEMM."""
+    monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")
+    p = run(tiny)["profile"]
+    assert p["outside_ops_ms_per_step"]["matmul (inside ops/)"] > 0
+    assert p["gemm_share"] + p["attention_share"] + p["outside_share"] == pytest.approx(1.0)
+    assert p["outside_share"] > 0

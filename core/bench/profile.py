@@ -20,6 +20,8 @@ C++ and are timed faithfully. Figures are reported, never asserted.
 from __future__ import annotations
 
 import cProfile
+import functools
+import os
 import pstats
 import re
 from collections import defaultdict
@@ -110,30 +112,24 @@ class StepProfiler:
         attention_funcs += [f for f in table if f[2] == "attention" and f[0].endswith("core/interfaces.py")]
         # the outermost of the two (AttentionContext.attention wraps the backend's forward)
         out.attention_s = max((table[f][3] for f in attention_funcs), default=0.0)
+        under_attention = _reached(table, attention_funcs)
         ops: dict[str, float] = defaultdict(float)
-        for func, (_, _, tottime, _, callers) in table.items():
-            if not _is_builtin(func) or tottime <= 0:
+        for func, row in table.items():
+            if not _is_builtin(func) or row[2] <= 0:
                 continue
             name = _builtin_name(func)
-            if name == "matmul":
-                from_ops = sum(c[2] for caller, c in callers.items() if "/ops/" in caller[0])
-                out.gemm_s += tottime - from_ops
-                if from_ops:
-                    ops["matmul (inside ops/)"] += from_ops
-                continue
-            # compiled kernels: name them by their Python wrapper; skip the attention kernel
-            if name in ("_run_custom_op", "run_custom_op"):
-                for caller, c in callers.items():
-                    if "attention" in caller[2]:
-                        continue
-                    ops[f"compiled {caller[2]}"] += c[2]
-                continue
-            ops[name] += tottime
-        # attention's own builtins were counted in attention_s: take them out of ops
-        for f in attention_funcs:
-            for name, t in _builtins_under(table, f).items():
-                if name in ops:
-                    ops[name] = max(0.0, ops[name] - t)
+            for caller, t in _own_callers(table, func).items():
+                if caller in under_attention:          # counted in attention_s
+                    continue
+                if name == "matmul":
+                    if "/ops/" in caller[0]:
+                        ops["matmul (inside ops/)"] += t
+                    else:
+                        out.gemm_s += t
+                elif name in ("_run_custom_op", "run_custom_op"):
+                    ops[f"compiled {caller[2]}"] += t     # a compiled kernel, by its Python wrapper
+                else:
+                    ops[name] += t
         out.ops = {k: v for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if v > 0}
         for phase, keys in _PHASES.items():
             out.phases[phase] = sum(row[3] for f, row in table.items()
@@ -141,26 +137,42 @@ class StepProfiler:
         return out
 
 
-def _builtins_under(table: dict, root: tuple) -> dict[str, float]:
-    """Builtin time reached from ``root``'s callees, approximately: builtins
-    whose direct caller is ``root`` or a function ``root`` reaches."""
-    reached, frontier = {root}, [root]
+def _reached(table: dict, roots: list[tuple]) -> set[tuple]:
+    """Every function ``roots`` call, directly or not (the roots included)."""
     children: dict[tuple, list[tuple]] = defaultdict(list)
     for func, row in table.items():
         for caller in row[4]:
             children[caller].append(func)
+    reached, frontier = set(roots), list(roots)
     while frontier:
-        node = frontier.pop()
-        for child in children.get(node, ()):
+        for child in children.get(frontier.pop(), ()):
             if child not in reached:
                 reached.add(child)
                 frontier.append(child)
-    found: dict[str, float] = defaultdict(float)
-    for func in reached:
-        if _is_builtin(func):
-            for caller, c in table[func][4].items():
-                if caller in reached:
-                    found[_builtin_name(func)] += c[2]
+    return reached
+
+
+@functools.cache
+def _paddle_dir() -> str:
+    import paddle
+    return os.path.dirname(paddle.__file__) + os.sep
+
+
+def _own_callers(table: dict, func: tuple, depth: int = 8) -> dict[tuple, float]:
+    """``func``'s own time split over its callers outside Paddle's Python
+    package: a call through one of Paddle's wrappers (``paddle.matmul`` is
+    one) is charged to the wrappers' callers, in proportion to the time each
+    spent in the wrapper."""
+    found: dict[tuple, float] = defaultdict(float)
+    stack = [(caller, c[2], depth) for caller, c in table[func][4].items()]
+    while stack:
+        caller, t, left = stack.pop()
+        parents = table[caller][4] if caller in table else {}
+        if caller[0].startswith(_paddle_dir()) and parents and left:
+            total = sum(p[3] for p in parents.values()) or 1.0
+            stack += [(parent, t * p[3] / total, left - 1) for parent, p in parents.items()]
+        else:
+            found[caller] += t
     return found
 
 
