@@ -34,6 +34,8 @@ from types import ModuleType
 
 import paddle
 
+from fdx.core.host import cache_root, cpu_id
+
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv",
            "build_dir", "prepare", "status"]
@@ -79,23 +81,6 @@ def _disabled() -> bool:
     return os.environ.get("FDX_DISABLE_CPP_OPS", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def _cpu_id() -> str:
-    """Model and feature flags: -march=native code must not run on another CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    model = next((line for line in lines if line.startswith("model name")), "")
-    flags = next((line for line in lines if line.startswith("flags")), "")
-    return f"{model} {flags}"
-
-
-def _cache_root() -> Path:
-    if root := os.environ.get("FDX_CACHE_DIR"):
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fdx"
-
-
 def _paddle_build() -> str:
     """Which Paddle: version, source commit, CUDA or not (the library the kernel links)."""
     v = paddle.version
@@ -116,8 +101,8 @@ def build_dir() -> Path:
         h.update(src.read_bytes())
     paddle_dir = str(Path(paddle.__file__).parent)
     h.update(" ".join(_CFLAGS + [f.replace(paddle_dir, "<paddle>") for f in _LDFLAGS]).encode())
-    h.update(f"{_paddle_build()} {platform.machine()} {_cpu_id()}".encode())
-    return _cache_root() / "ops" / h.hexdigest()[:16]
+    h.update(f"{_paddle_build()} {platform.machine()} {cpu_id()}".encode())
+    return cache_root() / "ops" / h.hexdigest()[:16]
 
 
 @contextlib.contextmanager

@@ -27,7 +27,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import signal
@@ -38,6 +37,8 @@ import tarfile
 import time
 import urllib.request
 from pathlib import Path
+
+from fdx.core.host import available_cores, cache_root, cpu_id, cpu_model
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
@@ -58,44 +59,8 @@ def _say(msg: str) -> None:
 
 # --- where things are cached -----------------------------------------------------------
 
-def cache_root() -> Path:
-    """$FDX_CACHE_DIR, else $XDG_CACHE_HOME/fdx, else ~/.cache/fdx (as fdx's compiled kernels)."""
-    if root := os.environ.get("FDX_CACHE_DIR"):
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fdx"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_id() -> str:
-    """Model and feature flags: a -march=native build must not run on another CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() + platform.machine()
-    model = next((line for line in lines if line.startswith("model name")), "")
-    flags = next((line for line in lines if line.startswith("flags")), "")
-    return f"{model} {flags}"
-
-
-def num_cores() -> int:
-    """The cores this process may use (its affinity mask), as fdx's CPU backend counts them."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def peer_dir(root: Path | None = None) -> Path:
-    h = hashlib.sha256(_cpu_id().encode()).hexdigest()[:12]
+    h = hashlib.sha256(cpu_id().encode()).hexdigest()[:12]
     return (root or cache_root()) / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{h}"
 
 
@@ -198,7 +163,7 @@ def build_llama_cpp(sdist: str | None = None, root: Path | None = None, jobs: in
     src = d / "src"
     if not (src / "CMakeLists.txt").is_file():
         extract_llama_cpp(obtain_sdist(sdist, (root or cache_root()) / "peers"), src)
-    jobs = jobs or num_cores()
+    jobs = jobs or available_cores()
     log_path = d / "build.log"
     _say(f"building llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} with -j{jobs} "
          f"(once, minutes; log: {log_path})")
@@ -248,7 +213,7 @@ def sgemm_gflops(sizes=(1024, 2048), repeats: int = 3, threads: int | None = Non
     lazy matmul cannot report a rate."""
     import numpy as np
     import paddle
-    paddle.base.core.set_num_threads(threads or num_cores())
+    paddle.base.core.set_num_threads(threads or available_cores())
     best = 0.0
     rng = np.random.default_rng(0)
     for n in sizes:
@@ -290,7 +255,7 @@ def memory_read_gbps(mib: int = 512, repeats: int = 3) -> float:
 def machine_info(threads: int, quick: bool = False) -> dict:
     """What the report is headed by. quick: smaller probes (for tests)."""
     return {
-        "cpu": cpu_model(), "cores": num_cores(), "threads": threads,
+        "cpu": cpu_model(), "cores": available_cores(), "threads": threads,
         "sgemm_gflops": sgemm_gflops((256, 512) if quick else (1024, 2048), threads=threads),
         "memory_read_gbps": memory_read_gbps(64 if quick else 512),
         "mkl_debug_cpu_type": os.environ.get("MKL_DEBUG_CPU_TYPE"),   # fdx sets 7 at import: MKL's AVX2 path
@@ -694,7 +659,7 @@ def cmd_bench_peers(args) -> int:
 
 
 def _run(args, sizes: list[int], model: Path) -> dict:
-    threads = args.threads or num_cores()
+    threads = args.threads or available_cores()
     bins = build_llama_cpp(args.llama_sdist, jobs=args.jobs)
     f32 = make_f32(bins["llama-quantize"], model)
     log_dir = peer_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")

@@ -5,16 +5,10 @@ import logging
 import os
 
 from fdx.core.hookspecs import hookimpl
+from fdx.core.host import available_cores
 from fdx.core.interfaces import Backend
 
 log = logging.getLogger("fdx.backends.cpu")
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def host_free_memory_bytes() -> int:

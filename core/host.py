@@ -1,0 +1,54 @@
+"""Facts about the host that several parts key on: where fdx caches what it
+builds, which CPU this is, how many cores this process may use.
+
+Plain Python (no Paddle): the compiled kernels (fdx.ops.cpp), the CPU
+backend and ``fdx bench peers`` all read them from here.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+__all__ = ["cache_root", "cpu_id", "cpu_model", "available_cores"]
+
+
+def cache_root() -> Path:
+    """$FDX_CACHE_DIR, else $XDG_CACHE_HOME/fdx, else ~/.cache/fdx."""
+    if root := os.environ.get("FDX_CACHE_DIR"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fdx"
+
+
+def _cpuinfo_lines() -> list[str] | None:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+
+
+def cpu_id() -> str:
+    """Model and feature flags: what a -march=native build is keyed by (it
+    must not run on another CPU)."""
+    lines = _cpuinfo_lines()
+    if lines is None:
+        return platform.processor()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return f"{model} {flags}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name, for reports."""
+    for line in _cpuinfo_lines() or ():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def available_cores() -> int:
+    """The cores this process may use (its affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
