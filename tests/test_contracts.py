@@ -174,11 +174,25 @@ def test_outside_scheduler_queue_order_and_victim_keep_outputs(tiny, reference, 
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference
 
 
-def test_outside_kv_cache_and_fake_device_backend(tiny, reference, pm):
+def test_outside_kv_cache_and_fake_device_backend(tiny, reference, ex, pm):
     llm = make_llm(tiny, plugins=pm, kv_cache="example-blocks", backend="fakedev")
     assert llm.engine.attention.name == "example-naive" and llm.engine.backend.name == "fakedev"
+    calls = len(ex.ROPE_CALLS)
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert len(ex.ROPE_CALLS) > calls                  # the outside fused step ran, every layer
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Ernie4_5ForCausalLM"])
+def test_outside_rope_write_kv_with_qk_norm_and_interleaved_rotary(tiny_checkpoints, arch, ex, pm):
+    """The outside attention's rope_write_kv, written from the contract's
+    words only, on per-head q/k norm (Qwen3) and pair rotation (ERNIE):
+    the same tokens as the built-in cpu backend."""
+    path = str(tiny_checkpoints[arch][0])
+    want = token_ids(make_llm(path).generate(prompts(), GREEDY))
+    calls = len(ex.ROPE_CALLS)
+    assert token_ids(make_llm(path, plugins=pm, backend="fakedev").generate(prompts(), GREEDY)) == want
+    assert len(ex.ROPE_CALLS) > calls
 
 
 def test_outside_connector_loads_what_it_saved(tiny, reference, pm):

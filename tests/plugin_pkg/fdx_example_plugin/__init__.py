@@ -7,7 +7,8 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
 - ``shortest-first`` queue policy, ``tenant-cap`` admission rule,
   ``most-output`` preemption victim policy.
 - ``example-blocks`` KV cache: a plain block pool, written from scratch.
-- ``fakedev`` backend with its own ``example-naive`` attention backend.
+- ``fakedev`` backend with its own ``example-naive`` attention backend
+  (which also takes the optional fused ``rope_write_kv`` step).
 - ``stop-after`` logits processor: a per-request argument
   (``extra_args={"stop_after": n}``) ends a request after n tokens.
 - ``example-memory`` KV connector: a host-memory store of whole prompts.
@@ -26,6 +27,7 @@ from fdx.core.scheduling import SchedulingCore
 STEPS: list[tuple[int, int]] = []        # (step, num_scheduled_tokens)
 CONTEXTS: list[tuple[int, int, int, int]] = []   # (step, prefill tokens, decode tokens, kv blocks used)
 STARTED: list[object] = []
+ROPE_CALLS: list[int] = []               # tokens per call of NaiveAttention.rope_write_kv
 FINISHED: list[str] = []
 
 
@@ -206,6 +208,27 @@ class NaiveAttention(AttentionBackend):
         k_cache.scatter_(rows, k.reshape([n * kvh, d]), overwrite=True)
         v_cache.scatter_(rows, v.reshape([n * kvh, d]), overwrite=True)
 
+    def rope_write_kv(self, qkv, positions, k_cache, v_cache, metadata, *, num_heads, num_kv_heads, head_dim,
+                      rope, q_norm=None, k_norm=None, eps=1e-6):
+        """The optional fused step, done plainly (a real device would fuse
+        it): split q/k/v, per-head RMS norm, rotary from ``rope``'s tables,
+        then ``write_kv``."""
+        import paddle
+        n = qkv.shape[0]
+        q, k, v = paddle.split(qkv, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                               axis=-1)
+        q, k = q.reshape([n, num_heads, head_dim]), k.reshape([n, num_kv_heads, head_dim])
+        v = v.reshape([n, num_kv_heads, head_dim])
+        if q_norm is not None:
+            q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+        cos = paddle.gather(rope.cos_cache, positions).unsqueeze(1)        # [N, 1, D]
+        sin = paddle.gather(rope.sin_cache, positions).unsqueeze(1)
+        rotary_dim = getattr(rope, "rotary_dim", head_dim)
+        q, k = (_rotary(t, cos, sin, rope.is_neox_style, rotary_dim) for t in (q, k))
+        self.write_kv(k_cache, v_cache, k, v, metadata)
+        ROPE_CALLS.append(n)
+        return q
+
     def forward(self, q, k_cache, v_cache, metadata, scale):
         import paddle
         import paddle.nn.functional as F
@@ -225,6 +248,27 @@ class NaiveAttention(AttentionBackend):
             scores = scores + paddle.to_tensor(np.where(causal, 0.0, -1e30).astype("float32"))
             outs.append(paddle.matmul(F.softmax(scores, axis=-1), v).transpose([1, 0, 2]))
         return paddle.concat(outs, axis=0)
+
+
+def _rms_norm(x, weight, eps):
+    import paddle
+    return x * paddle.rsqrt((x * x).mean(axis=-1, keepdim=True) + eps) * weight
+
+
+def _rotary(x, cos, sin, neox, rotary_dim):
+    """x * cos + rotate(x) * sin over the first rotary_dim dims: rotate the
+    halves (neox) or the pairs (2i, 2i+1); the tables are 1 and 0 past it."""
+    import paddle
+    head = x[..., :rotary_dim]
+    if neox:
+        half = rotary_dim // 2
+        rotated = paddle.concat([-head[..., half:], head[..., :half]], axis=-1)
+    else:
+        pairs = head.reshape(head.shape[:-1] + [rotary_dim // 2, 2])
+        rotated = paddle.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(head.shape)
+    if rotary_dim < x.shape[-1]:
+        rotated = paddle.concat([rotated, paddle.zeros_like(x[..., rotary_dim:])], axis=-1)
+    return x * cos + rotated * sin
 
 
 class FakeDevice(Backend):
@@ -333,7 +377,7 @@ class MemoryStore(KVConnector):
         import paddle
         s = self.spec
         slots = block_id * s.block_size + np.arange(s.block_size)
-        return paddle.to_tensor((np.arange(s.num_kv_heads)[:, None] * s.num_slots + slots[None, :]).reshape(-1))
+        return paddle.to_tensor(s.kv_rows(slots).reshape(-1))      # the layout's rows, never the formula
 
     def start_load_kv(self, metadata):
         import paddle
@@ -343,12 +387,13 @@ class MemoryStore(KVConnector):
         for rid, blocks in saves:
             for block_id, key in blocks:
                 rows = self._rows(block_id)
-                self.store[key] = np.stack([paddle.gather(t, rows).numpy() for kv in self.kv_caches for t in kv])
+                self.store[key] = np.stack([paddle.gather(self.spec.row_view(t), rows).numpy()
+                                            for kv in self.kv_caches for t in kv])
             self.done.add(rid)
         for block_id, key in loads:
             rows, data = self._rows(block_id), self.store[key]
             for j, t in enumerate(t for kv in self.kv_caches for t in kv):
-                t.scatter_(rows, paddle.to_tensor(data[j]), overwrite=True)
+                self.spec.row_view(t).scatter_(rows, paddle.to_tensor(data[j]), overwrite=True)
             self.loaded_blocks += 1
 
     def get_finished(self):
