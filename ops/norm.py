@@ -16,7 +16,7 @@ from fdx.ops import cpp
 
 __all__ = ["rms_norm", "add_rms_norm", "use_fused"]
 
-_fused = True
+_fused = False
 
 
 def use_fused(enabled: bool) -> None:

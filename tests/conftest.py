@@ -156,5 +156,5 @@ def _fused_kernel_switches_back():
     (process-wide, as on a real device); put the CPU's back after each test."""
     yield
     from fdx.ops import norm, rotary
-    norm.use_fused(True)
+    norm.use_fused(False)
     rotary.use_fused(False)
