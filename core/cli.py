@@ -1,4 +1,4 @@
-"""The ``fdx`` command line: generate, chat, plugins, bench."""
+"""The ``fdx`` command line: generate, chat, plugins, env, serve, router, bench."""
 from __future__ import annotations
 
 import argparse
@@ -158,6 +158,51 @@ def cmd_plugins(args) -> int:
     return 0
 
 
+# The CPU flags that decide which kernels can run (the rest of /proc/cpuinfo's list is noise here).
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def env_report(backend_name: str = "auto", num_threads: int | None = None) -> str:
+    """What ``fdx env`` prints: versions, the CPU and its flags, MKL and thread
+    settings, and the backend's probed kernel table (set up as the engine does)."""
+    import platform
+    import fdx
+    from fdx.core import host
+    from fdx.core.config import FdxConfig
+    from fdx.core.engine import select_backend
+    from fdx.core.plugins import get_plugin_manager
+    config = FdxConfig.build(backend=backend_name, num_threads=num_threads)
+    backend = select_backend(config, get_plugin_manager())
+    backend.setup(config)                    # probes (or reads the cache) as an engine start does
+    import paddle
+    flags = set(host.cpu_flags())
+    has = [f for f in ISA_FLAGS if f in flags]
+    lacks = [f for f in ISA_FLAGS if f not in flags and f in ("avx2", "fma", "avx512f")]
+    table = backend.kernels
+    lines = [
+        f"fdx {fdx.__version__}, Python {platform.python_version()}, Paddle {paddle.__version__} "
+        f"(commit {getattr(paddle.version, 'commit', '?')[:12]}, cuda={paddle.version.cuda()})",
+        f"cpu: {host.cpu_model()}, {host.available_cores()} cores for this process",
+        f"cpu flags: {' '.join(has) or '(unknown)'}" + (f"; no {', '.join(lacks)}" if lacks else ""),
+        f"MKL_DEBUG_CPU_TYPE={os.environ.get('MKL_DEBUG_CPU_TYPE', '(unset)')}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}, "
+        f"{host.PORTABLE_ENV}={'1' if host.portable_kernels() else '(unset)'}, "
+        f"FDX_DISABLE_CPP_OPS={os.environ.get('FDX_DISABLE_CPP_OPS') or '(unset)'}",
+        f"backend: {backend.describe()}",
+        f"kernel table ({table.source}{f', {table.location}' if table.location else ''}):",
+        *(f"  {name:<44} {'ok' if why is None else why}" for name, why in table.findings.items()),
+        "what runs:",
+        *(f"  {op:<14} {what}" for op, what in backend.kernel_choices().items()),
+    ]
+    return "\n".join(lines)
+
+
+def cmd_env(args) -> int:
+    print(env_report(args.backend, args.num_threads))
+    return 0
+
+
 def cmd_bench_throughput(args) -> int:
     from fdx.core.bench import throughput as bench
     llm = _make_llm(args, progress=False)
@@ -191,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugins", help="list registered plugins by hook")
     p.set_defaults(func=cmd_plugins)
+
+    e = sub.add_parser("env", help="the CPU, its flags, MKL and thread settings, and which kernels run here "
+                                   "(probed once per machine, then cached)")
+    e.add_argument("--backend", default="auto", help="device backend plugin (default: auto, the best available)")
+    e.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: the cores we may use)")
+    e.set_defaults(func=cmd_env)
 
     serve_cli.add_parser(sub)
     router_cli.add_parser(sub)

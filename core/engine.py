@@ -23,6 +23,28 @@ log = logging.getLogger("fdx.engine")
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
+    """The backend ``backend.name`` names (auto: the available one with the
+    highest priority), constructed with its settings; not yet set up."""
+    def settings(name: str) -> dict:
+        return dict(config.plugins.get("backend", {}).get(name, {}) or {})
+
+    name = config.backend.name
+    if name != "auto":
+        try:
+            cls = plugins.get("backend", name)
+        except PluginError as e:
+            raise ConfigError(f"config key 'backend.name': {e}") from None
+        if not cls.is_available():
+            raise ConfigError(f"config key 'backend.name': backend {name!r} is not available here")
+        return cls(settings=settings(name))
+    candidates = sorted(plugins.registries["backend"].items(), key=lambda kv: -kv[1].obj.priority)
+    for reg_name, reg in candidates:
+        if reg.obj.is_available():
+            return reg.obj(settings=settings(reg_name))
+    raise ConfigError("config key 'backend.name': no available backend")
+
+
 class EngineCore:
     def __init__(self, config: FdxConfig, plugins: PluginManager | None = None, progress: bool = True):
         self.config = config = config.model_copy(deep=True)
@@ -165,7 +187,7 @@ class EngineCore:
         runner = c["runner"](RunnerContext(
             config=config, model=self.model, kv_caches=self.kv_caches, kv_spec=self.kv_spec, attention=attention,
             sampler=sampler, logits_processors=processors, eos_token_ids=self.eos_token_ids,
-            connector=connector, settings=settings("model_runner", b.model_runner)))
+            connector=connector, settings=settings("model_runner", b.model_runner), kernels=b.kernels))
         return dict(config=config, kv_cache=kv_cache, connector=connector, resource_manager=resource_manager,
                     logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
                     attention=attention, sampler=sampler, runner=runner)
@@ -191,17 +213,7 @@ class EngineCore:
                     raise ConfigError(f"config key 'plugins.{kind}.{name}' must be a mapping of settings")
 
     def _select_backend(self) -> Backend:
-        name = self.config.backend.name
-        if name != "auto":
-            cls = self._pick("backend", "backend.name", name)
-            if not cls.is_available():
-                raise ConfigError(f"config key 'backend.name': backend {name!r} is not available here")
-            return cls(settings=self._settings("backend", name))
-        candidates = sorted(self.plugins.registries["backend"].items(), key=lambda kv: -kv[1].obj.priority)
-        for reg_name, reg in candidates:
-            if reg.obj.is_available():
-                return reg.obj(settings=self._settings("backend", reg_name))
-        raise ConfigError("config key 'backend.name': no available backend")
+        return select_backend(self.config, self.plugins)
 
     def _resolve_dtype(self) -> str:
         want, have = self.config.model.dtype, self.backend.dtypes

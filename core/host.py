@@ -10,7 +10,9 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["cache_root", "cpu_id", "cpu_model", "available_cores"]
+__all__ = ["cache_root", "cpu_id", "cpu_model", "cpu_flags", "available_cores", "portable_kernels", "PORTABLE_ENV"]
+
+PORTABLE_ENV = "FDX_PORTABLE_KERNELS"
 
 
 def cache_root() -> Path:
@@ -52,3 +54,18 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where unknown."""
+    for line in _cpuinfo_lines() or ():
+        if line.startswith("flags"):
+            return line.split(":", 1)[1].split()
+    return []
+
+
+def portable_kernels() -> bool:
+    """FDX_PORTABLE_KERNELS=1: the portable path. No Paddle fused CPU kernel
+    runs, and fdx's compiled kernels are built for the architecture's
+    baseline instruction set instead of this CPU's (docs/backends.md)."""
+    return os.environ.get(PORTABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")

@@ -17,6 +17,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from fdx.core.kernels import REFERENCE, KernelTable
 from fdx.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -785,6 +786,9 @@ class Backend(abc.ABC):
     dtypes: tuple[str, ...] = ("float32",)   # model.dtype values it computes in; the first is "auto"
     captures_cuda_graphs: bool = False       # set by setup when it honours backend.cuda_graph (else
                                              # the engine rejects that key)
+    kernels: KernelTable = REFERENCE         # set by setup: the kernels beyond plain Paddle math that passed
+                                             # their probe here (fdx.core.kernels); the model runner
+                                             # installs it for each step
 
     def __init__(self, settings: dict | None = None):
         self.settings = settings or {}
@@ -796,7 +800,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def setup(self, config: "FdxConfig") -> None:
-        """Select the device and set threads; called once before the model loads."""
+        """Select the device and set threads, and probe the kernels it may call
+        (set ``self.kernels``); called once before the model loads."""
+
+    def kernel_choices(self) -> dict[str, str]:
+        """What runs for each op, in words, for the start-up log line and
+        ``fdx env`` (default: each probed kernel's finding)."""
+        return {name: "ok" if why is None else why for name, why in self.kernels.findings.items()}
 
     @abc.abstractmethod
     def free_memory_bytes(self) -> int:
@@ -841,6 +851,8 @@ class RunnerContext:
     eos_token_ids: frozenset[int]
     connector: KVConnector | None = None
     settings: dict = field(default_factory=dict)
+    kernels: KernelTable = REFERENCE    # the backend's probed kernel table: a runner steps under
+                                        # ``fdx.core.kernels.using(kernels)``
 
 
 class ModelRunner(abc.ABC):

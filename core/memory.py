@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from fdx.core import kernels
 from fdx.core.interfaces import AttentionContext, KVCacheSpec
 
 log = logging.getLogger("fdx.memory")
@@ -86,12 +87,14 @@ def profile_forward(model, attention, backend, spec: KVCacheSpec, num_tokens: in
     caches = backend.allocate_kv_cache(spec)
     starts = np.cumsum([0] + per_seq)
     tables = [list(range(int(starts[i]), int(starts[i + 1]))) for i in range(seqs)]
-    meta = attention.build_metadata(lens, [0] * seqs, tables, spec, getattr(model, "num_heads", spec.num_kv_heads))
+    with kernels.using(backend.kernels):           # the kernels the engine's steps will use
+        meta = attention.build_metadata(lens, [0] * seqs, tables, spec,
+                                        getattr(model, "num_heads", spec.num_kv_heads))
     ids = paddle.to_tensor(np.ones(num_tokens, dtype=np.int64))
     rows = paddle.to_tensor(np.cumsum(lens).astype(np.int64) - 1)
 
     def run() -> None:
-        with paddle.no_grad():
+        with paddle.no_grad(), kernels.using(backend.kernels):
             logits = model.forward(ids, meta.positions, caches, AttentionContext(attention, meta), rows)
         logits.numpy()                          # wait for the device
     return run

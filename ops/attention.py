@@ -21,7 +21,8 @@ Two implementations, picked per step by `build_attention_metadata(impl=...)`:
   every sequence (or, with cpp_max_query_len, those with at most that many
   new tokens; longer chunks then take the Paddle per-sequence path). Measured
   here it beat the Paddle path at every size, prefill included.
-The default is "cpp" when it builds (see fdx.ops.cpp), else "paddle";
+The default is "cpp" when the backend's probed table (fdx.core.kernels)
+passed ``cpp.paged_attention`` and the kernels are loaded, else "paddle";
 FDX_DISABLE_CPP_OPS=1 forces "paddle".
 """
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fdx.core import kernels
 from fdx.ops import cpp
 
 __all__ = [
@@ -119,8 +121,9 @@ class AttentionMetadata:
 
 
 def default_impl() -> str:
-    """'cpp' if the compiled kernel is usable, else 'paddle'."""
-    return "cpp" if cpp.available() else "paddle"
+    """'cpp' if the probed table passed the compiled kernel and it is
+    loaded, else 'paddle'. Never starts a build."""
+    return "cpp" if kernels.active().usable("cpp.paged_attention") and cpp.loaded() else "paddle"
 
 
 @dataclass

@@ -34,7 +34,8 @@ from types import ModuleType
 
 import paddle
 
-from fdx.core.host import cache_root, cpu_id
+from fdx.core import kernels
+from fdx.core.host import cache_root, cpu_id, portable_kernels
 
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv",
@@ -46,10 +47,18 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h"]
 _CFLAGS = [
-    "-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
+    "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # let dot-product reductions reassociate (vector horizontal sums); no -ffinite-math-only
     "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
 ]
+
+
+def _cflags() -> list[str]:
+    """-march=native (the build is keyed by this CPU's model and flags, so a
+    cache folder copied from another CPU is never loaded), or with
+    FDX_PORTABLE_KERNELS=1 the architecture's baseline instruction set
+    (x86-64: SSE2)."""
+    return (["-mtune=generic"] if portable_kernels() else ["-march=native"]) + _CFLAGS
 
 
 def _openmp_ldflags() -> list[str]:
@@ -81,7 +90,7 @@ def _disabled() -> bool:
     return os.environ.get("FDX_DISABLE_CPP_OPS", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def _paddle_build() -> str:
+def paddle_build() -> str:
     """Which Paddle: version, source commit, CUDA or not (the library the kernel links)."""
     v = paddle.version
     commit = getattr(v, "commit", "")
@@ -100,8 +109,8 @@ def build_dir() -> Path:
     for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
     paddle_dir = str(Path(paddle.__file__).parent)
-    h.update(" ".join(_CFLAGS + [f.replace(paddle_dir, "<paddle>") for f in _LDFLAGS]).encode())
-    h.update(f"{_paddle_build()} {platform.machine()} {cpu_id()}".encode())
+    h.update(" ".join(_cflags() + [f.replace(paddle_dir, "<paddle>") for f in _LDFLAGS]).encode())
+    h.update(f"{paddle_build()} {platform.machine()} {cpu_id()}".encode())
     return cache_root() / "ops" / h.hexdigest()[:16]
 
 
@@ -158,7 +167,7 @@ def _build_or_load() -> tuple[ModuleType, bool]:
             module = load(
                 name=name,
                 sources=[str(s) for s in _SOURCES],
-                extra_cxx_cflags=_CFLAGS,
+                extra_cxx_cflags=_cflags(),
                 extra_ldflags=_LDFLAGS,
                 build_directory=str(path),
                 verbose=False,
@@ -227,6 +236,7 @@ def unavailable_reason() -> str | None:
     return None if _load() is not None else _error
 
 
+@kernels.implements("cpp.paged_attention")
 def paged_attention(
     q: paddle.Tensor,
     k_cache: paddle.Tensor,
@@ -255,6 +265,7 @@ def _module_or_raise() -> ModuleType:
     return module
 
 
+@kernels.implements("cpp.silu_and_mul")
 def silu_and_mul(x: paddle.Tensor) -> paddle.Tensor:
     """[N, 2I] float32 -> [N, I]: silu(x[:, :I]) * x[:, I:] (csrc/fused_kernels.h)."""
     out = _module_or_raise().fdx_silu_and_mul(_rows(x))
@@ -268,12 +279,14 @@ def _rows(x: paddle.Tensor) -> paddle.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+@kernels.implements("cpp.rms_norm")
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     """x * rsqrt(mean(x^2, last dim) + eps) * weight over float32 [..., H] (csrc/fused_kernels.h)."""
     out = _module_or_raise().fdx_rms_norm(_rows(x), weight, float(eps))
     return out if len(x.shape) == 2 else out.reshape(x.shape)
 
 
+@kernels.implements("cpp.add_rms_norm")
 def add_rms_norm(x: paddle.Tensor, residual: paddle.Tensor, weight: paddle.Tensor, eps: float
                  ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass over float32 [..., H]."""
@@ -283,6 +296,7 @@ def add_rms_norm(x: paddle.Tensor, residual: paddle.Tensor, weight: paddle.Tenso
     return out, summed
 
 
+@kernels.implements("cpp.rope_write_kv")
 def rope_write_kv(
     qkv: paddle.Tensor,
     positions: paddle.Tensor,

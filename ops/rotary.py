@@ -1,24 +1,18 @@
 """Rotary position embedding (neox / GPT-J styles, optional partial rotary).
 
-By default a matmul with a signed permutation (below). ``use_fused(True)``
-(the cuda backend, after its start-up probe checked the kernel against
-this reference) makes full-width rotary call Paddle's
-``fused_rotary_position_embedding`` instead, with the same cos/sin tables.
+By default a matmul with a signed permutation (below). Where the backend's
+probed table (``fdx.core.kernels``) says ``fused_rotary_position_embedding``
+matched this reference in both styles, full-width rotary calls that Paddle
+kernel instead, with the same cos/sin tables.
 Beware Paddle's naming: its ``use_neox_rotary_style=True`` rotates
 adjacent pairs (GPT-J style here), False rotates halves (neox here).
 """
 import numpy as np
 import paddle
 
-__all__ = ["RotaryEmbedding", "use_fused"]
+from fdx.core import kernels
 
-_fused = False
-
-
-def use_fused(enabled: bool) -> None:
-    """Choose Paddle's fused rotary kernel (True) or the matmul form (False)."""
-    global _fused
-    _fused = bool(enabled)
+__all__ = ["RotaryEmbedding"]
 
 
 def _rotation_matrix(head_dim: int, rotary_dim: int, is_neox_style: bool) -> np.ndarray:
@@ -89,16 +83,22 @@ class RotaryEmbedding:
             )
         return self._memo[num_heads]
 
-    def _apply(self, x: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
+    def _apply(self, x: paddle.Tensor, positions: paddle.Tensor, impl: str | None = None) -> paddle.Tensor:
+        """impl: "fused" (Paddle's kernel, full width only), "matmul", or None
+        (the probed table decides)."""
         n, heads, d = x.shape
         if d != self.head_dim:
             raise ValueError(f"head_dim {d} != RotaryEmbedding head_dim {self.head_dim}")
-        if _fused and self.rotary_dim == d:
+        if impl is None:
+            usable = kernels.active().usable("fused_rotary_position_embedding")
+            impl = "fused" if usable and self.rotary_dim == d else "matmul"
+        if impl == "fused":
             return self._fused(x, positions)
         cos, sin = self.cos_sin(positions, heads)
         rotated = paddle.matmul(x.reshape([n * heads, d]), self.rotation).reshape([n, heads, d])
         return x * cos + rotated * sin
 
+    @kernels.implements("fused_rotary_position_embedding")
     def _fused(self, x: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
         import paddle.incubate.nn.functional as IF
         n, heads, d = x.shape

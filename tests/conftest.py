@@ -148,13 +148,3 @@ def hf_logits(hf_smollm_model):
         m = logits.max(-1, keepdims=True)
         return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
     return run
-
-
-@pytest.fixture(autouse=True)
-def _fused_kernel_switches_back():
-    """A fake GPU device's start-up probe may switch fdx.ops' kernel choices
-    (process-wide, as on a real device); put the CPU's back after each test."""
-    yield
-    from fdx.ops import norm, rotary
-    norm.use_fused(False)
-    rotary.use_fused(False)

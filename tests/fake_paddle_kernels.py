@@ -213,3 +213,33 @@ class FakeFusedRotary:
             outs.append(paddle.to_tensor(xs * cs + rot * sn).astype(x.dtype))
         self.calls += 1
         return tuple(outs)
+
+
+REAL_FUSED_RMS_NORM = IF.fused_rms_norm
+RMS_NORM_SIGNATURE = inspect.signature(REAL_FUSED_RMS_NORM)
+
+
+class FakeFusedRmsNorm:
+    """Stands in for a device's ``fused_rms_norm`` on a host whose own CPU
+    kernel cannot run (Paddle 3.3.1's dies by SIGILL without AVX-512), from
+    its docstring: normalize over the axes from ``begin_norm_axis``, with
+    ``residual`` added first; returns (out, x + residual) with a residual,
+    else (out, None). Computed in float64 numpy, returned in x's dtype."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        a = RMS_NORM_SIGNATURE.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        assert a["norm_bias"] is None and a["bias"] is None and a["quant_scale"] == -1, "fdx passes none of these"
+        self.calls += 1
+        x = _host(a["x"]).astype(np.float64)
+        if a["residual"] is not None:
+            x = x + _host(a["residual"])
+        axes = tuple(range(a["begin_norm_axis"], x.ndim))
+        out = x / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + a["epsilon"]) * _host(a["norm_weight"])
+        dtype = a["x"].dtype
+        summed = paddle.to_tensor(x.astype(np.float32)).astype(dtype) if a["residual"] is not None else None
+        return paddle.to_tensor(out.astype(np.float32)).astype(dtype), summed

@@ -5,6 +5,7 @@ conformance kit run on them, plugin settings, observers and research taps."""
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import msgspec
@@ -94,18 +95,39 @@ def test_core_imports_no_plugin_and_nothing_device_specific():
 
 # --- backends choose -------------------------------------------------------------------
 
-def test_cpu_backend_uses_the_compiled_kernel_and_rejects_other_dtypes(tiny):
+def test_cpu_backend_uses_the_compiled_kernel_and_rejects_other_dtypes(tiny, reference, monkeypatch):
     from fdx.ops import cpp
     llm = make_llm(tiny)
     assert llm.engine.attention.name == "cpu"
-    assert llm.engine.attention.impl == ("cpp" if cpp.available() else "paddle")
+    passed = llm.engine.backend.kernels.usable("cpp.paged_attention")
+    assert passed == cpp.available()                 # the compiled attention passes its probe wherever it builds
+    calls, real = [], cpp.paged_attention
+    monkeypatch.setattr(cpp, "paged_attention", lambda *a: (calls.append(1), real(*a))[1])
+    assert token_ids(llm.generate(prompts(), GREEDY)) == reference
+    assert bool(calls) == passed
     with pytest.raises(ConfigError, match="model.dtype.*cpu backend computes in float32, not bfloat16"):
         make_llm(tiny, dtype="bfloat16")
 
 
+@functools.cache
+def cpu_kernel_table():
+    """The cpu backend's kernel table for this host (probed in a child
+    process once, then cached)."""
+    from fdx.plugins.backends.cpu import probe_kernels
+    return probe_kernels(1)
+
+
+def host_runs_fused_rms_norm() -> bool:
+    """Whether this CPU runs Paddle's own CPU fused_rms_norm (it dies by
+    SIGILL without AVX-512)."""
+    return cpu_kernel_table().usable("fused_rms_norm")
+
+
 class FakeDevice:
     """A test double for Paddle's device layer: a CUDA build with one GPU, or
-    the iluvatar_gpu custom device, whose kernels run on the host."""
+    the iluvatar_gpu custom device, whose kernels run on the host. Where the
+    host's own fused_rms_norm cannot run, the device's is a host double
+    (tests/fake_paddle_kernels.py), as on a GPU the device kernel runs."""
 
     def __init__(self, monkeypatch, kind: str, capability: tuple[int, int] = (8, 0), total: int = 8 << 30):
         import paddle
@@ -133,6 +155,10 @@ class FakeDevice:
                 monkeypatch.setattr(paddle.device, name, fn, raising=False)
         real = paddle.set_device
         monkeypatch.setattr(paddle, "set_device", lambda d: (self.set_devices.append(d), real("cpu"))[1])
+        if not host_runs_fused_rms_norm():
+            import paddle.incubate.nn.functional as IF
+            from fake_paddle_kernels import FakeFusedRmsNorm
+            monkeypatch.setattr(IF, "fused_rms_norm", FakeFusedRmsNorm())
 
 
 @pytest.mark.parametrize("kind,device", [("cuda", "gpu:0"), ("iluvatar", "iluvatar_gpu:0")])
@@ -174,11 +200,16 @@ def test_outside_scheduler_queue_order_and_victim_keep_outputs(tiny, reference, 
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference
 
 
-def test_outside_kv_cache_and_fake_device_backend(tiny, reference, ex, pm):
+def test_outside_kv_cache_and_fake_device_backend(tiny, reference, ex, pm, monkeypatch):
+    import paddle.nn.functional as F
     llm = make_llm(tiny, plugins=pm, kv_cache="example-blocks", backend="fakedev")
     assert llm.engine.attention.name == "example-naive" and llm.engine.backend.name == "fakedev"
-    calls = len(ex.ROPE_CALLS)
+    assert llm.engine.backend.kernels.findings == {"swiglu": None}        # the outside backend's own probe
+    calls, swiglu = len(ex.ROPE_CALLS), []
+    real = F.swiglu
+    monkeypatch.setattr(F, "swiglu", lambda *a, **k: (swiglu.append(1), real(*a, **k))[1])
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference
+    assert swiglu                                      # its table passed swiglu: the MLPs ran it
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
     assert len(ex.ROPE_CALLS) > calls                  # the outside fused step ran, every layer
 

@@ -14,6 +14,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from fdx.core import kernels
 from fdx.core.interfaces import AttentionContext
 from fdx.ops import cpp
 from fdx.ops.activation import silu_and_mul
@@ -22,13 +23,17 @@ from fdx.ops.norm import add_rms_norm, rms_norm
 from fdx.ops.rotary import RotaryEmbedding
 from fdx.plugins.backends.attention import CpuAttention, PaddleAttention
 from fdx.plugins.models.decoder import Llama3RotaryEmbedding
+from test_contracts import cpu_kernel_table, host_runs_fused_rms_norm
 
 
 @pytest.fixture(params=["cpp"])
 def impl(request, monkeypatch):
+    """The compiled kernels, with the cpu backend's probed table installed
+    (the ops' defaults read it)."""
     monkeypatch.delenv("FDX_DISABLE_CPP_OPS", raising=False)
     if not cpp.available():
         pytest.skip(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    monkeypatch.setattr(kernels, "_active", cpu_kernel_table())
     return request.param
 
 
@@ -78,11 +83,12 @@ def test_rms_norm_matches_paddle(impl, shape):
     x = (3 * rng.standard_normal(shape)).astype(np.float32)
     r = rng.standard_normal(shape).astype(np.float32)
     w = (1 + 0.3 * rng.standard_normal(shape[-1])).astype(np.float32)
+    paddle_impl = "fused" if host_runs_fused_rms_norm() else "reference"    # Paddle's own kernel where it runs
     got = rms_norm(t(x), t(w), 1e-5, impl=impl).numpy()
-    np.testing.assert_allclose(got, rms_norm(t(x), t(w), 1e-5, impl="fused").numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, rms_norm(t(x), t(w), 1e-5, impl=paddle_impl).numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, rms_norm(t(x), t(w), 1e-5, impl="reference").numpy(), rtol=1e-5, atol=1e-6)
     out, summed = add_rms_norm(t(x), t(r), t(w), 1e-5, impl=impl)
-    ref_out, ref_summed = add_rms_norm(t(x), t(r), t(w), 1e-5, impl="fused")
+    ref_out, ref_summed = add_rms_norm(t(x), t(r), t(w), 1e-5, impl=paddle_impl)
     assert out.shape == summed.shape == list(shape)
     np.testing.assert_array_equal(summed.numpy(), ref_summed.numpy())
     np.testing.assert_allclose(out.numpy(), ref_out.numpy(), rtol=1e-5, atol=1e-6)
@@ -99,7 +105,7 @@ def test_rms_norm_default_follows_the_kernels(impl, monkeypatch):
     x = t(np.random.default_rng(0).standard_normal((norm.CPP_MIN_ROWS, 8)).astype(np.float32))
     add_rms_norm(x, x, x[0], 1e-6)
     assert calls == [1]
-    add_rms_norm(x[1:], x[1:], x[0], 1e-6)              # fewer rows: Paddle's fused_rms_norm
+    add_rms_norm(x[1:], x[1:], x[0], 1e-6)              # fewer rows: fused_rms_norm where it runs, else composed
     assert calls == [1]
     monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")
     add_rms_norm(x, x, x[0], 1e-6)

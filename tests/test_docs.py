@@ -41,7 +41,8 @@ def test_the_page_has_every_contract(doc_plugins):
     for kind, name in [("resource_manager", "my-fifo"), ("queue_policy", "longest-first"),
                        ("admission_rule", "my-cap"), ("preemption_policy", "my-oldest"),
                        ("kv_cache", "my-blocks"), ("logits_processor", "my-ban"), ("backend", "my-device"),
-                       ("attention_backend", "my-dense"), ("connector", "my-counter")]:
+                       ("attention_backend", "my-dense"), ("connector", "my-counter"),
+                       ("backend", "my-probing-device")]:
         assert name in pm.names(kind), (kind, name)
         assert pm.registries[kind][name].package == "local"
 
@@ -84,3 +85,19 @@ def test_the_page_plugins_run_a_real_model_together(doc_plugins, tiny_checkpoint
     assert llm.engine.connector.finished == 3
     observer = next(m for m in modules.values() if hasattr(m, "SEEN"))
     assert observer.SEEN and all(used >= 0 for _, _, used, _ in observer.SEEN)
+
+
+def test_the_page_backend_with_a_kernel_table_runs_what_it_passed(doc_plugins, tiny_checkpoints, monkeypatch):
+    import paddle.nn.functional as F
+    path = str(tiny_checkpoints["LlamaForCausalLM"][0])
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 200, 31, 7]}]
+    base = dict(max_model_len=64, num_kv_blocks=40, block_size=4, progress=False)
+    ref = [o.outputs[0].token_ids for o in LLM(path, **base).generate(prompts, sp)]
+    llm = LLM(path, **base, backend="my-probing-device")
+    assert llm.engine.backend.kernels.findings == {"swiglu": None}
+    calls = []
+    real = F.swiglu
+    monkeypatch.setattr(F, "swiglu", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+    assert calls                                              # its table passed swiglu: the MLPs ran it

@@ -5,14 +5,17 @@
   until they bring kernels of their own.
 - ``cpu``: the compiled CPU kernels (ops/csrc/): attention over block
   tables, and ``rope_write_kv``, the fused q/k/v split + q/k RMS norm +
-  rotary + KV-cache write the model calls before attention. The Paddle
-  reference is its fallback when they cannot be built (logged once) or
-  when ``FDX_DISABLE_CPP_OPS=1``. Never chosen by a GPU backend.
+  rotary + KV-cache write the model calls before attention, each where the
+  cpu backend's probed kernel table (fdx.core.kernels) passed it. The
+  Paddle reference is its fallback when they could not be built or did not
+  pass their probe (both logged by the backend), or with
+  ``FDX_DISABLE_CPP_OPS=1``. Never chosen by a GPU backend.
 """
 from __future__ import annotations
 
 import paddle
 
+from fdx.core import kernels
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import AttentionBackend, KVCacheSpec
 from fdx.ops import attention as ops_attention
@@ -38,16 +41,17 @@ class PaddleAttention(AttentionBackend):
 class CpuAttention(PaddleAttention):
     name = "cpu"
 
-    def __init__(self, settings=None):
-        super().__init__(settings)
-        self.status = cpp.prepare()          # build or load the kernels now (logged by fdx.ops.cpp)
-        self.impl = "cpp" if cpp.available() else "paddle"
+    @property
+    def impl(self) -> str:
+        """'cpp' where the installed kernel table passed the compiled attention."""
+        return ops_attention.default_impl()
 
     def rope_write_kv(self, qkv, positions, k_cache, v_cache, metadata, *, num_heads, num_kv_heads, head_dim, rope,
                       q_norm=None, k_norm=None, eps=1e-6):
         """The compiled fused kernel (fdx.ops.cpp.rope_write_kv) on float32
-        tensors; None (the model composes the ops) without it."""
-        if self.impl != "cpp" or not cpp.loaded() or qkv.dtype != paddle.float32:
+        tensors where the kernel table passed it; None (the model composes
+        the ops) without it."""
+        if not kernels.active().usable("cpp.rope_write_kv") or not cpp.loaded() or qkv.dtype != paddle.float32:
             return None
         return cpp.rope_write_kv(qkv, positions, metadata.slot_mapping, k_cache, v_cache,
                                  rope.cos_cache, rope.sin_cache, q_norm, k_norm, num_heads, num_kv_heads,

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import paddle
 
+from fdx.core import kernels
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import AttentionBackend, KVCacheSpec
 from fdx.ops import attention as ops_attention
@@ -115,6 +116,7 @@ def kernel_batch(query_lens: np.ndarray, context_lens: np.ndarray, tables: list[
         max_seq_len=max_seq_len)
 
 
+@kernels.implements("block_multihead_attention")
 def call_kernel(qkv, k_cache, v_cache, kb: KernelBatch, block_size: int):
     """One block_multihead_attention call; returns fmha_out [tokens, H * D]."""
     import paddle.incubate.nn.functional as IF

@@ -1,14 +1,31 @@
-"""The CPU backend: Paddle on the host, fp32, threads set to the cores we have."""
+"""The CPU backend: Paddle on the host, fp32, threads set to the cores we have.
+
+Before the engine reports ready, ``setup`` builds or loads fdx's compiled
+kernels (fdx.ops.cpp) and probes every kernel beyond plain Paddle math
+that the CPU path may call (``KERNELS``) in a child process, each against
+the composed reference (fdx.plugins.backends.probing; cached per host, so
+a later start probes nothing). The table it installs decides what runs;
+one log line says what was chosen and why.
+"""
 from __future__ import annotations
 
 import logging
 import os
 
+from fdx.core import kernels
 from fdx.core.hookspecs import hookimpl
 from fdx.core.host import available_cores
 from fdx.core.interfaces import Backend
 
 log = logging.getLogger("fdx.backends.cpu")
+
+# Paddle's fused kernels with a CPU build, and fdx's compiled ops (fdx.ops.probes has a probe for each).
+PADDLE_KERNELS = ("fused_rms_norm", "swiglu", "fused_rotary_position_embedding")
+COMPILED_KERNELS = ("cpp.rms_norm", "cpp.add_rms_norm", "cpp.silu_and_mul", "cpp.paged_attention",
+                    "cpp.rope_write_kv")
+KERNELS = PADDLE_KERNELS + COMPILED_KERNELS
+
+_logged: set[str] = set()
 
 
 def host_free_memory_bytes() -> int:
@@ -20,6 +37,43 @@ def host_free_memory_bytes() -> int:
     except OSError:
         pass
     return 4 << 30
+
+
+def op_choices(table: kernels.KernelTable) -> dict[str, str]:
+    """op -> what runs for it under ``table``, in words (the ops' own rules,
+    fdx.ops.norm / activation / rotary / attention)."""
+    from fdx.ops.norm import CPP_MIN_ROWS
+
+    def pick(*options: tuple[str, str], fallback: str) -> str:
+        refused = []
+        for name, label in options:
+            if table.usable(name):
+                return label + (f" ({'; '.join(refused)})" if refused else "")
+            refused.append(f"{name}: {table.why_not(name)}")
+        return f"{fallback} ({'; '.join(refused)})"
+
+    small_norm = pick(("fused_rms_norm", "fused_rms_norm"), fallback="reference")
+    norm = (f"compiled from {CPP_MIN_ROWS} rows, else {small_norm}" if table.usable("cpp.add_rms_norm")
+            else pick(("cpp.add_rms_norm", "compiled"), ("fused_rms_norm", "fused_rms_norm"), fallback="reference"))
+    return {
+        "rms_norm": norm,
+        "silu_and_mul": pick(("cpp.silu_and_mul", "compiled"), ("swiglu", "swiglu"), fallback="reference"),
+        "rotary": pick(("fused_rotary_position_embedding", "fused"), fallback="matmul"),
+        "attention": pick(("cpp.paged_attention", "compiled"), fallback="paddle"),
+        "rope_write_kv": pick(("cpp.rope_write_kv", "compiled"), fallback="composed"),
+    }
+
+
+def probe_kernels(threads: int) -> kernels.KernelTable:
+    """Build or load the compiled kernels, then the table of ``KERNELS`` for
+    this host (cached; else probed in a child process)."""
+    from fdx.ops import cpp
+    from fdx.plugins.backends.probing import probe_table
+    cpp.prepare()
+    if cpp.loaded():
+        return probe_table(list(KERNELS), threads, {}, cpp.build_dir().name)
+    why = cpp.unavailable_reason() or "unavailable"
+    return probe_table(list(KERNELS), threads, {name: why for name in COMPILED_KERNELS})
 
 
 class CpuBackend(Backend):
@@ -44,6 +98,20 @@ class CpuBackend(Backend):
         paddle.set_device("cpu")
         paddle.base.core.set_num_threads(threads)
         self.num_threads = threads
+        self.kernels = probe_kernels(threads)
+        line = self.kernel_line()
+        if line not in _logged:                 # once per process (tests and TP ranks build many engines)
+            _logged.add(line)
+            log.info("%s", line)
+
+    def kernel_choices(self) -> dict[str, str]:
+        return op_choices(self.kernels)
+
+    def kernel_line(self) -> str:
+        t = self.kernels
+        how = {"cache": f"from the cache in {t.seconds * 1000:.0f} ms",
+               "probed": f"probed in a child process in {t.seconds:.1f} s"}.get(t.source, t.source)
+        return "kernels: " + ", ".join(f"{op}={what}" for op, what in self.kernel_choices().items()) + f" ({how})"
 
     def free_memory_bytes(self) -> int:
         return host_free_memory_bytes()

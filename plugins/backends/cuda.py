@@ -43,7 +43,6 @@ class CudaBackend(Backend):
         major, _ = paddle.device.cuda.get_device_capability(0)
         if major < 8:                              # no bfloat16 before Ampere
             self.dtypes = ("float16", "float32")
-        self.kernels: dict[str, str | None] = {}
 
     @classmethod
     def is_available(cls) -> bool:

@@ -21,43 +21,19 @@ Which kernels are wired in today (see docs/backends.md):
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
+
+from fdx.core import kernels
+from fdx.core.kernels import KernelTable
 
 log = logging.getLogger("fdx.backends.gpu")
 
 _logged: set[tuple[str, str]] = set()
 
 
-def _probe_rms_norm() -> None:
-    import paddle
-    import paddle.incubate.nn.functional as IF
-    x = paddle.ones([2, 8], dtype="float32")
-    out = IF.fused_rms_norm(x, paddle.ones([8], dtype="float32"), None, 1e-6, 1)[0]
-    if not bool(paddle.allclose(out.astype("float32"), x).item()):
-        raise RuntimeError("wrong result")
-
-
-def _probe_rotary() -> None:
-    """Both rotary styles through the kernel, against fdx.ops.rotary's matmul form."""
-    import numpy as np
-    import paddle
-    from fdx.ops import rotary
-    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((3, 2, 8)).astype(np.float32))
-    positions = paddle.to_tensor(np.array([0, 5, 2], dtype=np.int64))
-    for neox in (True, False):
-        rope = rotary.RotaryEmbedding(8, 16, 10000.0, is_neox_style=neox)
-        rotary.use_fused(False)
-        want = rope._apply(x, positions).numpy()
-        rotary.use_fused(True)
-        try:
-            got = rope._apply(x, paddle.to_tensor(positions.numpy())).numpy()
-        finally:
-            rotary.use_fused(False)
-        if not np.allclose(got, want, atol=1e-4):
-            raise RuntimeError(f"wrong result ({'neox' if neox else 'GPT-J'} style)")
-
-
-def _probe_varlen() -> None:
+@kernels.implements("variable_length_memory_efficient_attention")
+def _probe_varlen(dtype: str = "float16") -> None:
     import paddle
     import paddle.incubate.nn.functional as IF
     q = paddle.ones([1, 1, 2, 8], dtype="float16")
@@ -92,31 +68,29 @@ def _probe_block_attention(dtype: str = "float16") -> None:
         raise RuntimeError(f"wrong result at {dtype} (max error {np.abs(got - want).max():.3g})")
 
 
-PROBES: dict[str, Callable[[], None]] = {
-    "fused_rms_norm": _probe_rms_norm,
-    "fused_rotary_position_embedding": _probe_rotary,
-    "variable_length_memory_efficient_attention": _probe_varlen,
-    "block_multihead_attention": _probe_block_attention,
-}
+def _probes() -> dict[str, Callable[[str], None]]:
+    from fdx.ops import probes
+    return {**probes.PROBES, "variable_length_memory_efficient_attention": _probe_varlen,
+            "block_multihead_attention": _probe_block_attention}
 WIRED = ("fused_rms_norm", "block_multihead_attention",    # fdx calls these when present; the rest are reported
          "fused_rotary_position_embedding")
-AT_DTYPE = ("block_multihead_attention",)                 # probed at the model's dtype
+AT_DTYPE = ("block_multihead_attention",)                 # probed at the model's dtype (the rest at float32)
 
 
-def probe_kernels(backend: str, names: tuple[str, ...], dtype: str = "float16") -> dict[str, str | None]:
-    """name -> None when the kernel ran on the current device (those in
-    AT_DTYPE: at ``dtype``), else why not. Switches fdx.ops to the reference
-    where a wired kernel is missing and logs each outcome once per process."""
-    from fdx.ops import norm, rotary
+def probe_kernels(backend: str, names: tuple[str, ...], dtype: str = "float16") -> KernelTable:
+    """The kernel table for ``names`` on the current device (those in
+    AT_DTYPE probed at ``dtype``): name -> None when the kernel ran and
+    matched the reference, else why not. Installs the table (the ops read
+    it) and logs each outcome once per process. In this process, not a
+    child: a GPU kernel that is missing raises, and a child would need a
+    device context of its own."""
+    from fdx.ops import probes
+    every = _probes()
+    t0 = time.perf_counter()
     found: dict[str, str | None] = {}
     for name in names:
-        try:
-            PROBES[name](dtype) if name in AT_DTYPE else PROBES[name]()
-            found[name] = None
-        except Exception as e:                   # a missing kernel raises whatever the build raises
-            found[name] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-    norm.use_fused(found.get("fused_rms_norm", "not probed") is None)
-    rotary.use_fused(found.get("fused_rotary_position_embedding", "not probed") is None)
+        found.update(probes.run([name], dtype if name in AT_DTYPE else "float32", every))
+    table = KernelTable(found, source="in-process", seconds=time.perf_counter() - t0)
     for name, why in found.items():
         key = (backend, f"{name}:{why is None}")
         if key in _logged:
@@ -127,7 +101,7 @@ def probe_kernels(backend: str, names: tuple[str, ...], dtype: str = "float16") 
                      " (not used yet: the Paddle reference runs)")
         else:
             log.warning("%s: kernel %s unavailable (%s): using the ops/ reference", backend, name, why)
-    return found
+    return table
 
 
 def log_once(backend: str, message: str, level: int = logging.INFO) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from fdx.core import kernels
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AttentionContext, BatchUpdate, ModelRunner, ModelRunnerOutput, RowState,
                                  SamplingBatch, SchedulerOutput)
@@ -80,6 +81,10 @@ class DefaultModelRunner(ModelRunner):
 
     # -- one step ---------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        with kernels.using(self.ctx.kernels):      # this engine's probed kernels, for this step only
+            return self._execute(so)
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         ctx = self.ctx
         removed = self._update_states(so)
         out = ModelRunnerOutput()

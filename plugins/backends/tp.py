@@ -346,7 +346,8 @@ def build_worker(config, rank: int, world: int, num_blocks: int, threads: int):
     runner_cls = _make_worker_runner(DefaultModelRunner)
     runner = runner_cls(RunnerContext(config=config, model=model, kv_caches=kv_caches, kv_spec=spec,
                                       attention=attention, sampler=sampler, logits_processors=processors,
-                                      eos_token_ids=eos, settings=settings("model_runner", "default")))
+                                      eos_token_ids=eos, settings=settings("model_runner", "default"),
+                                      kernels=backend.kernels))
     runner.rank = rank
     return runner, spec
 

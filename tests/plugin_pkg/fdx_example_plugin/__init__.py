@@ -21,6 +21,7 @@ import numpy as np
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AdmissionRule, AttentionBackend, Backend, KVCacheManager, KVConnector,
                                  LogitsProcessor, PreemptionPolicy, QueuePolicy, ResourceManager)
+from fdx.core.kernels import KernelTable
 from fdx.core.scheduling import SchedulingCore
 
 # what the observer saw, for tests to read
@@ -284,9 +285,25 @@ class FakeDevice(Backend):
     def setup(self, config):
         import paddle
         paddle.set_device("cpu")
+        self.kernels = KernelTable({"swiglu": probe_swiglu()}, source="in-process")
 
     def free_memory_bytes(self):
         return 1 << 30
+
+
+def probe_swiglu() -> str | None:
+    """Paddle's swiglu against silu(a) * b on this host: None when it
+    matches, else why not (what a KernelTable finding says)."""
+    import numpy as np
+    import paddle
+    import paddle.nn.functional as F
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((3, 16)).astype("float32"))
+    try:
+        got = F.swiglu(x).numpy()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    want = (F.silu(x[:, :8]) * x[:, 8:]).numpy()
+    return None if np.allclose(got, want, atol=1e-5) else "wrong result"
 
 
 # --- a stateful logits processor driven by a per-request argument -----------------------

@@ -1,0 +1,209 @@
+"""One probe per kernel: a few small calls checked against the composed reference.
+
+``PROBES[name](dtype)`` raises when the kernel is missing or its numbers
+differ from the reference (``WrongResult``), and returns when it matched.
+A kernel built for an instruction set this CPU lacks does not raise: it
+kills the process with SIGILL. So the CPU backend runs these in a child
+process (``python -m fdx.ops.probes NAME...``; fdx.plugins.backends.probing
+reads what it reports), where a death is a finding, not a crash.
+
+The child protocol, one line each on stdout: ``start NAME`` before a
+probe, then ``done NAME`` with a JSON finding (null: passed; else why
+not). A ``start`` with no ``done`` names the kernel that killed it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["PROBES", "WrongResult", "run", "main"]
+
+
+class WrongResult(RuntimeError):
+    """The kernel ran but its numbers differ from the reference."""
+
+
+def _rng():
+    return np.random.default_rng(0)
+
+
+def _close(got, want, what: str, atol: float = 1e-4, rtol: float = 1e-4) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        raise WrongResult(f"wrong result ({what}: shape {list(got.shape)}, expected {list(want.shape)})")
+    if not np.allclose(got, want, atol=atol, rtol=rtol):
+        err = float(np.nanmax(np.abs(got - want))) if got.size else 0.0
+        raise WrongResult(f"wrong result ({what}: max error {err:.3g})")
+
+
+def _tensor(a: np.ndarray, dtype: str = "float32"):
+    import paddle
+    return paddle.to_tensor(a).astype(dtype)
+
+
+def _norm_cases(dtype: str):
+    rng = _rng()
+    for rows, hidden in ((1, 64), (5, 576), (33, 64)):          # one row, a decode batch, past CPP_MIN_ROWS
+        x = rng.standard_normal((rows, hidden)).astype(np.float32) * 3
+        r = rng.standard_normal((rows, hidden)).astype(np.float32)
+        w = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+        yield f"{rows}x{hidden}", _tensor(x, dtype), _tensor(r, dtype), _tensor(w, dtype)
+
+
+def _probe_norm(impl: str, with_residual: bool) -> Callable[[str], None]:
+    def probe(dtype: str = "float32") -> None:
+        from fdx.ops import norm
+        tol = 1e-4 if dtype == "float32" else 3e-2
+        for what, x, r, w in _norm_cases(dtype):
+            if with_residual:
+                got, got_sum = norm.add_rms_norm(x, r, w, 1e-6, impl=impl)
+                want, want_sum = norm.add_rms_norm(x, r, w, 1e-6, impl="reference")
+                _close(got_sum.astype("float32").numpy(), want_sum.astype("float32").numpy(), what + " sum", tol, tol)
+            else:
+                got, want = norm.rms_norm(x, w, 1e-6, impl=impl), norm.rms_norm(x, w, 1e-6, impl="reference")
+            _close(got.astype("float32").numpy(), want.astype("float32").numpy(), what, tol, tol)
+    return probe
+
+
+def _probe_fused_rms_norm(dtype: str = "float32") -> None:
+    _probe_norm("fused", False)(dtype)
+    _probe_norm("fused", True)(dtype)
+
+
+def _probe_silu(impl: str) -> Callable[[str], None]:
+    def probe(dtype: str = "float32") -> None:
+        from fdx.ops import activation
+        rng = _rng()
+        tol = 1e-5 if dtype == "float32" else 3e-2
+        for rows, inter in ((1, 64), (40, 1536)):
+            x = _tensor(rng.standard_normal((rows, 2 * inter)).astype(np.float32) * 4, dtype)
+            got = activation.silu_and_mul(x, impl=impl).astype("float32").numpy()
+            want = activation.silu_and_mul(x, impl="reference").astype("float32").numpy()
+            _close(got, want, f"{rows}x{inter}", tol, tol)
+    return probe
+
+
+def _probe_fused_rotary(dtype: str = "float32") -> None:
+    """Both rotary styles through Paddle's kernel, against the matmul form."""
+    import paddle
+    from fdx.ops import rotary
+    rng = _rng()
+    x = _tensor(rng.standard_normal((3, 2, 8)).astype(np.float32), dtype)
+    positions = paddle.to_tensor(np.array([0, 5, 2], dtype=np.int64))
+    for neox in (True, False):
+        rope = rotary.RotaryEmbedding(8, 16, 10000.0, is_neox_style=neox)
+        want = rope._apply(x, positions, impl="matmul").astype("float32").numpy()
+        got = rope._apply(x, paddle.to_tensor(positions.numpy()), impl="fused").astype("float32").numpy()
+        _close(got, want, "neox style" if neox else "GPT-J style", 1e-4 if dtype == "float32" else 3e-2)
+
+
+# A small mixed step for the attention probes: a prefill over an empty context,
+# a chunk over a cached context, and two decodes; 4 query / 2 KV heads, block 4.
+_HEADS, _KV_HEADS, _HEAD_DIM, _BLOCK, _BLOCKS = 4, 2, 64, 4, 16
+_QUERY_LENS, _CONTEXT_LENS = [5, 3, 1, 1], [0, 6, 9, 2]
+_TABLES = [[0, 1], [2, 3, 4], [5, 6, 7], [8]]
+
+
+def _probe_paged_attention(dtype: str = "float32") -> None:
+    from fdx.ops import attention
+    rng = _rng()
+    slots = _BLOCKS * _BLOCK
+    k_cache = _tensor(rng.standard_normal((_KV_HEADS * slots, _HEAD_DIM)).astype(np.float32))
+    v_cache = _tensor(rng.standard_normal((_KV_HEADS * slots, _HEAD_DIM)).astype(np.float32))
+    q = _tensor(rng.standard_normal((sum(_QUERY_LENS), _HEADS, _HEAD_DIM)).astype(np.float32))
+    outs = {}
+    for impl in ("cpp", "paddle"):
+        meta = attention.build_attention_metadata(_QUERY_LENS, _CONTEXT_LENS, _TABLES, _BLOCK, _KV_HEADS, slots,
+                                                  impl=impl, num_heads=_HEADS)
+        outs[impl] = attention.paged_attention(q, k_cache, v_cache, meta, _HEAD_DIM ** -0.5).numpy()
+    _close(outs["cpp"], outs["paddle"], "mixed prefill and decode", 1e-4, 1e-4)
+
+
+def _probe_rope_write_kv(dtype: str = "float32") -> None:
+    """The fused q/k/v split + q/k norm + rotary + KV write against the composed ops."""
+    import paddle
+    from fdx.ops import attention, cpp, norm, rotary
+    rng = _rng()
+    slots = _BLOCKS * _BLOCK
+    n, d = sum(_QUERY_LENS), _HEAD_DIM
+    q_size, kv_size = _HEADS * d, _KV_HEADS * d
+    meta = attention.build_attention_metadata(_QUERY_LENS, _CONTEXT_LENS, _TABLES, _BLOCK, _KV_HEADS, slots,
+                                              impl="paddle")
+    qkv = _tensor(rng.standard_normal((n, q_size + 2 * kv_size)).astype(np.float32))
+    q_w = _tensor((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    k_w = _tensor((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    for neox in (True, False):
+        for qk_norm in (False, True):
+            rope = rotary.RotaryEmbedding(d, 64, 10000.0, is_neox_style=neox)
+            caches = [paddle.zeros([_KV_HEADS * slots, d]) for _ in range(4)]
+            got_q = cpp.rope_write_kv(qkv, meta.positions, meta.slot_mapping, caches[0], caches[1], rope.cos_cache,
+                                      rope.sin_cache, q_w if qk_norm else None, k_w if qk_norm else None, _HEADS,
+                                      _KV_HEADS, d, neox, 1e-6)
+            q, k, v = paddle.split(qkv, [q_size, kv_size, kv_size], axis=-1)
+            q, k, v = q.reshape([n, _HEADS, d]), k.reshape([n, _KV_HEADS, d]), v.reshape([n, _KV_HEADS, d])
+            if qk_norm:
+                q, k = norm.rms_norm(q, q_w, 1e-6, impl="reference"), norm.rms_norm(k, k_w, 1e-6, impl="reference")
+            q, k = rope._apply(q, meta.positions, impl="matmul"), rope._apply(k, meta.positions, impl="matmul")
+            attention.write_kv(caches[2], caches[3], k, v, meta)
+            what = f"{'neox' if neox else 'GPT-J'} style{', q/k norm' if qk_norm else ''}"
+            _close(got_q.numpy(), q.numpy(), what + ": q")
+            _close(caches[0].numpy(), caches[2].numpy(), what + ": k cache")
+            _close(caches[1].numpy(), caches[3].numpy(), what + ": v cache")
+
+
+PROBES: dict[str, Callable[[str], None]] = {
+    "fused_rms_norm": _probe_fused_rms_norm,
+    "swiglu": _probe_silu("paddle"),
+    "fused_rotary_position_embedding": _probe_fused_rotary,
+    "cpp.rms_norm": _probe_norm("cpp", False),
+    "cpp.add_rms_norm": _probe_norm("cpp", True),
+    "cpp.silu_and_mul": _probe_silu("cpp"),
+    "cpp.paged_attention": _probe_paged_attention,
+    "cpp.rope_write_kv": _probe_rope_write_kv,
+}
+
+
+def run(names, dtype: str = "float32", probes: dict[str, Callable[[str], None]] | None = None
+        ) -> dict[str, str | None]:
+    """Run the probes (default: PROBES) in this process: name -> None
+    (passed) or why not. Only for kernels that cannot kill the process (GPU
+    builds); on a CPU the backend runs them in a child (``main``)."""
+    probes = PROBES if probes is None else probes
+    found: dict[str, str | None] = {}
+    for name in names:
+        try:
+            probes[name](dtype)
+            found[name] = None
+        except WrongResult as e:
+            found[name] = str(e)
+        except Exception as e:                       # a missing kernel raises whatever the build raises
+            text = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            found[name] = "not in this Paddle build" if "is not registered" in text else text
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fdx.ops.probes [--threads N] NAME...``: the child side (see the module docstring)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    threads = 1
+    if args[:1] == ["--threads"]:
+        threads, args = int(args[1]), args[2:]
+    import paddle
+    paddle.set_device("cpu")
+    paddle.base.core.set_num_threads(threads)
+    if any(name.startswith("cpp.") for name in args):
+        from fdx.ops import cpp
+        cpp.prepare()                                # loads what the parent built (never builds here)
+    out = sys.stdout
+    for name in args:
+        print(f"start {name}", file=out, flush=True)
+        finding = run([name])[name]
+        print(f"done {name} {json.dumps(finding)}", file=out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

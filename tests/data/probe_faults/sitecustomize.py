@@ -1,0 +1,36 @@
+"""Fault injection for the kernel-probe tests, loaded by the probe child
+through PYTHONPATH: FDX_TEST_FAULTS="kernel=sigill,kernel=wrong" replaces
+each named kernel's callable before any probe runs. ``sigill`` kills the
+process with a real SIGILL when the kernel is called (what a kernel built
+for a missing instruction set does); ``wrong`` returns the real result
+times 1.01. FDX_TEST_PROBE_LOG, if set, gets one line per child started.
+"""
+import os
+
+_faults = [f.split("=", 1) for f in os.environ.get("FDX_TEST_FAULTS", "").split(",") if "=" in f]
+if os.environ.get("FDX_TEST_PROBE_LOG"):
+    with open(os.environ["FDX_TEST_PROBE_LOG"], "a") as _log:
+        _log.write(f"child {os.getpid()}\n")
+if _faults:
+    import importlib
+    import signal
+
+    _TARGETS = {"fused_rms_norm": ("paddle.incubate.nn.functional", "fused_rms_norm"),
+                "swiglu": ("paddle.nn.functional", "swiglu")}
+
+    def _patch(kernel: str, kind: str) -> None:
+        module_name, attr = _TARGETS.get(kernel) or ("fdx.ops.cpp", kernel.removeprefix("cpp."))
+        module = importlib.import_module(module_name)
+        real = getattr(module, attr)
+
+        def faulty(*args, **kwargs):
+            if kind == "sigill":
+                os.kill(os.getpid(), signal.SIGILL)
+            out = real(*args, **kwargs)
+            if isinstance(out, tuple):
+                return (out[0] * 1.01,) + tuple(out[1:])
+            return out * 1.01
+        setattr(module, attr, faulty)
+
+    for _kernel, _kind in _faults:
+        _patch(_kernel, _kind)
