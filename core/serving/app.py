@@ -27,7 +27,7 @@ from fdx.core.checkpoint.loader import check_model_path, load_tokenizer
 from fdx.core.config import FdxConfig
 from fdx.core.generation import defaults_for
 from fdx.core.guided import GuidedDecoding, constraint_of
-from fdx.core.plugins import get_plugin_manager
+from fdx.core.plugins import get_serving_plugin_manager
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
 from fdx.core.serving.messages import EngineRejected, SeqDelta
@@ -172,10 +172,13 @@ class Server:
         self.names = model_names(config)
         self.model_name = self.names[0]
         self.metrics = ServerMetrics(self.model_name)
+        # the plugins this process looks up (no Paddle here: docs/serving.md), loaded
+        # now, before uvicorn installs its signal handlers
+        self.plugins = get_serving_plugin_manager()
         self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
         if config.scheduler.request_scheduler != "local":     # requests go through a shared queue
             from fdx.core.serving.request_scheduler import wrap_engine
-            self.engine = wrap_engine(config, self.engine, self.metrics)
+            self.engine = wrap_engine(config, self.engine, self.metrics, self.plugins)
         self.tokenizer = None
         self.render: Renderer | None = None
         self.guided: GuidedDecoding | None = None      # the API process's compile cache (validation)
@@ -285,7 +288,7 @@ class Server:
         try:
             if self.guided is None:
                 self.guided = await asyncio.to_thread(
-                    GuidedDecoding.from_config, self.config, get_plugin_manager(), self.tokenizer,
+                    GuidedDecoding.from_config, self.config, self.plugins, self.tokenizer,
                     self.vocab_size, self.tokenizer.eos_token_ids, False)
             await asyncio.to_thread(self.guided.validate, sp)
         except ValueError as e:     # ConfigError too
