@@ -108,6 +108,17 @@ class ServerProcess:
         self._log.close()
 
 
+def ready_server(tmp: pathlib.Path, server: dict | None = None, **sections) -> ServerProcess:
+    """A ``ServerProcess`` that answers /health (stopped again if it never does)."""
+    srv = ServerProcess(tmp, server, **sections)
+    try:
+        srv.wait_ready()
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -25,7 +25,7 @@ import time
 import httpx
 import pytest
 import zmq
-from serve_utils import API_KEY, ServerProcess, pid_alive, wait_for
+from serve_utils import API_KEY, ServerProcess, pid_alive, ready_server, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -54,15 +54,8 @@ def tiny_model(tmp_path_factory, smollm_hf_tokenizer_dir):
 
 
 def start_server(tmp: pathlib.Path, model: str, **server) -> ServerProcess:
-    srv = ServerProcess(tmp, model={"model": model, "max_model_len": MAX_MODEL_LEN},
-                        cache={"block_size": 16, "num_kv_blocks": 6000}, scheduler={"max_num_seqs": 64},
-                        server=server)
-    try:
-        srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
+    return ready_server(tmp, server, model={"model": model, "max_model_len": MAX_MODEL_LEN},
+                        cache={"block_size": 16, "num_kv_blocks": 6000}, scheduler={"max_num_seqs": 64})
 
 
 def idle(srv) -> bool:

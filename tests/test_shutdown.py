@@ -20,7 +20,7 @@ import sys
 import httpx
 import openai
 import pytest
-from serve_utils import API_KEY, ServerProcess, free_port, pid_alive, wait_for
+from serve_utils import API_KEY, ServerProcess, free_port, pid_alive, ready_server, wait_for
 
 GRAMMAR = 'root ::= "(" [0-9]+ ")"'
 
@@ -111,14 +111,8 @@ def maps_of(pid: int) -> str:
 
 def start(tmp: pathlib.Path, model: pathlib.Path, backend: str, **sections) -> ServerProcess:
     tmp.mkdir(exist_ok=True)
-    srv = ServerProcess(tmp, model={"model": str(model), "max_model_len": 256}, decoding={"guided_backend": backend},
+    return ready_server(tmp, model={"model": str(model), "max_model_len": 256}, decoding={"guided_backend": backend},
                         **sections)
-    try:
-        srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
 
 
 def guided_requests(srv: ServerProcess, api_key: str | None, served_guided: bool = True) -> None:
