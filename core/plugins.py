@@ -47,6 +47,16 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.models.ernie4_5",
 )
 
+# The built-ins the API process of ``fdx serve`` loads: what it looks up is a
+# request-level scheduler and a guided backend. None of these modules imports
+# Paddle, so that process never does (Paddle's signal handlers would replace
+# uvicorn's; docs/serving.md). The rest import Paddle at module level.
+SERVING_PLUGINS: tuple[str, ...] = (
+    "fdx.plugins.schedulers.global_redis",
+    "fdx.plugins.decoding.xgrammar_backend",
+    "fdx.plugins.decoding.llguidance_backend",
+)
+
 # registration hook -> registry kind
 KINDS: dict[str, str] = {
     "fdx_register_resource_managers": "resource_manager",
@@ -221,6 +231,7 @@ class PluginManager:
 
 
 _default: PluginManager | None = None
+_serving: PluginManager | None = None
 
 
 def get_plugin_manager() -> PluginManager:
@@ -228,3 +239,13 @@ def get_plugin_manager() -> PluginManager:
     if _default is None:
         _default = PluginManager()
     return _default
+
+
+def get_serving_plugin_manager() -> PluginManager:
+    """The API process's plugins: ``SERVING_PLUGINS`` and the entry points
+    (a third-party guided backend or request scheduler must not import
+    Paddle at module level either)."""
+    global _serving
+    if _serving is None:
+        _serving = PluginManager(builtins=SERVING_PLUGINS)
+    return _serving

@@ -60,6 +60,7 @@ def example_plugin_installed():
             del sys.modules[name]                # an old copy imported earlier in this session
         import fdx.core.plugins
         fdx.core.plugins._default = None         # built before the install: rebuild with it
+        fdx.core.plugins._serving = None
     yield
 
 

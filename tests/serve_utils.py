@@ -61,6 +61,30 @@ class ServerProcess:
                 return int(pid)
         raise RuntimeError("no engine process found")
 
+    def engine_args(self, pid: int | None = None) -> list[str]:
+        """The command line of the engine process (or of process ``pid``)."""
+        cmd = pathlib.Path(f"/proc/{pid or self.engine_pid()}/cmdline").read_bytes().split(b"\0")
+        return [a.decode() for a in cmd]
+
+    def engine_sockets(self) -> tuple[str, str]:
+        """The engine's ipc:// addresses (inbox, outbox)."""
+        args = self.engine_args()
+        return args[args.index("--inbox") + 1], args[args.index("--outbox") + 1]
+
+    def socket_dir(self) -> pathlib.Path:
+        """The private folder (/tmp/fdx-*) that holds the engine's sockets."""
+        return pathlib.Path(self.engine_sockets()[0][len("ipc://"):]).parent
+
+    def tp_dirs(self) -> list[pathlib.Path]:
+        """The sockets' folders (/tmp/fdx-tp-*) of the engine's tensor parallel workers."""
+        engine = self.engine_pid()
+        dirs = set()
+        for pid in pathlib.Path(f"/proc/{engine}/task/{engine}/children").read_text().split():
+            args = self.engine_args(int(pid))
+            if "fdx.plugins.backends.tp" in args:
+                dirs.add(pathlib.Path(args[args.index("--dir") + 1]))
+        return sorted(dirs)
+
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics as {name{labels}: value}, plus {name: value} for single-series names."""
         out: dict[str, float] = {}
@@ -84,6 +108,17 @@ class ServerProcess:
         self._log.close()
 
 
+def ready_server(tmp: pathlib.Path, server: dict | None = None, **sections) -> ServerProcess:
+    """A ``ServerProcess`` that answers /health (stopped again if it never does)."""
+    srv = ServerProcess(tmp, server, **sections)
+    try:
+        srv.wait_ready()
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -93,3 +128,13 @@ def pid_alive(pid: int) -> bool:
         return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``cond()`` until it is true; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -25,7 +25,7 @@ import time
 import httpx
 import pytest
 import zmq
-from serve_utils import API_KEY, ServerProcess, pid_alive
+from serve_utils import API_KEY, ServerProcess, pid_alive, ready_server, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -54,24 +54,8 @@ def tiny_model(tmp_path_factory, smollm_hf_tokenizer_dir):
 
 
 def start_server(tmp: pathlib.Path, model: str, **server) -> ServerProcess:
-    srv = ServerProcess(tmp, model={"model": model, "max_model_len": MAX_MODEL_LEN},
-                        cache={"block_size": 16, "num_kv_blocks": 6000}, scheduler={"max_num_seqs": 64},
-                        server=server)
-    try:
-        srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return ready_server(tmp, server, model={"model": model, "max_model_len": MAX_MODEL_LEN},
+                        cache={"block_size": 16, "num_kv_blocks": 6000}, scheduler={"max_num_seqs": 64})
 
 
 def idle(srv) -> bool:
@@ -394,12 +378,6 @@ def test_slow_client_is_cut_off_without_stalling_others(server):
 
 # -- 4. no pickle on any socket; owner-only sockets --------------------------------------------
 
-def _engine_sockets(srv) -> tuple[str, str]:
-    cmd = pathlib.Path(f"/proc/{srv.engine_pid()}/cmdline").read_bytes().split(b"\0")
-    args = [a.decode() for a in cmd]
-    return args[args.index("--inbox") + 1], args[args.index("--outbox") + 1]
-
-
 class _Evil:
     def __reduce__(self):
         return (os.system, ("touch /tmp/fdx-pickle-ran",))
@@ -409,7 +387,7 @@ def test_pickle_sent_to_the_api_socket_is_rejected(server):
     """The API process's engine socket reads msgpack structs only: a
     pickle pushed into it is dropped with a warning (never unpickled), and
     serving goes on. The IPC sockets are owner-only."""
-    inbox, outbox = _engine_sockets(server)
+    inbox, outbox = server.engine_sockets()
     for addr in (inbox, outbox):
         path = pathlib.Path(addr[len("ipc://"):])
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, addr

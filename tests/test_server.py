@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_utils import API_KEY, ServerProcess, pid_alive
+from serve_utils import API_KEY, ServerProcess, pid_alive, wait_for
 
 from fdx.core.output import SequenceState
 from fdx.core.sampling_params import SamplingParams
@@ -77,15 +77,6 @@ def read_until_text(events, indices=(0,)) -> None:
         if not want:
             return
     raise AssertionError("the stream ended early")
-
-
-def wait_for(cond, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def idle(server) -> bool:

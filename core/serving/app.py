@@ -27,7 +27,7 @@ from fdx.core.checkpoint.loader import check_model_path, load_tokenizer
 from fdx.core.config import FdxConfig
 from fdx.core.generation import defaults_for
 from fdx.core.guided import GuidedDecoding, constraint_of
-from fdx.core.plugins import get_plugin_manager
+from fdx.core.plugins import get_serving_plugin_manager
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
 from fdx.core.serving.messages import EngineRejected, SeqDelta
@@ -35,6 +35,7 @@ from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from fdx.core.output import SequenceState
 from fdx.core.serving import ui
 from fdx.core.serving.rendering import Renderer
+from fdx.core.serving.signals import GracefulServer
 from fdx.core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from fdx.core.serving import security
 from fdx.core.sampling_params import SamplingParams
@@ -172,10 +173,13 @@ class Server:
         self.names = model_names(config)
         self.model_name = self.names[0]
         self.metrics = ServerMetrics(self.model_name)
+        # the plugins this process looks up (no Paddle here: docs/serving.md), loaded
+        # now, before uvicorn installs its signal handlers
+        self.plugins = get_serving_plugin_manager()
         self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
         if config.scheduler.request_scheduler != "local":     # requests go through a shared queue
             from fdx.core.serving.request_scheduler import wrap_engine
-            self.engine = wrap_engine(config, self.engine, self.metrics)
+            self.engine = wrap_engine(config, self.engine, self.metrics, self.plugins)
         self.tokenizer = None
         self.render: Renderer | None = None
         self.guided: GuidedDecoding | None = None      # the API process's compile cache (validation)
@@ -285,7 +289,7 @@ class Server:
         try:
             if self.guided is None:
                 self.guided = await asyncio.to_thread(
-                    GuidedDecoding.from_config, self.config, get_plugin_manager(), self.tokenizer,
+                    GuidedDecoding.from_config, self.config, self.plugins, self.tokenizer,
                     self.vocab_size, self.tokenizer.eos_token_ids, False)
             await asyncio.to_thread(self.guided.validate, sp)
         except ValueError as e:     # ConfigError too
@@ -592,18 +596,6 @@ def run_server(config: FdxConfig) -> int:
         return 1
     server = Server(config)
     app = build_app(server)
-
-    class _Uvicorn(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            # end the streams in flight first, so the graceful shutdown is quick;
-            # unlike uvicorn's default, the signal is not re-raised: the exit is 0
-            loop = getattr(self, "_fdx_loop", None)
-            if loop is not None:
-                loop.call_soon_threadsafe(server.begin_shutdown)
-            if self.should_exit and sig == 2:
-                self.force_exit = True
-            self.should_exit = True
-
     uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                log_level=config.server.log_level, access_log=config.server.access_log,
                                timeout_graceful_shutdown=10, lifespan="off")
@@ -617,12 +609,11 @@ def run_server(config: FdxConfig) -> int:
         print(f"fdx: error: cannot listen on {config.server.host}:{config.server.port}: {e.strerror or e}",
               file=sys.stderr)
         return 1
-    uv = _Uvicorn(uv_config)
+    uv = GracefulServer(uv_config, on_signal=server.begin_shutdown)
     server.uvicorn = uv
 
     async def main() -> int:
         # serve from the start, so /health answers 503 "loading" while the engine loads and warms
-        uv._fdx_loop = asyncio.get_running_loop()
         url = f"http://{config.server.host}:{sock.getsockname()[1]}"
         serving = asyncio.ensure_future(uv.serve(sockets=[sock]))
         starting = asyncio.ensure_future(server.startup())

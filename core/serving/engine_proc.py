@@ -13,6 +13,7 @@ on Linux, and a parent-pid check while idle).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -235,6 +236,21 @@ class Heartbeat(threading.Thread):
         self.sock.close(linger=0)
 
 
+def remove_orphaned_sockets(parent_pid: int | None, *addrs: str) -> None:
+    """When the API process that bound these ipc:// sockets is gone (killed
+    outright, it could not clean up), remove the socket files and their
+    folder (only if nothing else is in it)."""
+    if parent_pid is None or os.getppid() == parent_pid:
+        return
+    paths = [a[len("ipc://"):] for a in addrs if a.startswith("ipc://")]
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    for folder in {os.path.dirname(path) for path in paths}:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
@@ -256,6 +272,7 @@ def engine_main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server; it stops us
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
+        remove_orphaned_sockets(args.parent_pid, args.inbox, args.outbox)
         return 1
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("fdx").setLevel(
@@ -298,11 +315,13 @@ def engine_main(argv: list[str] | None = None) -> int:
         outbox.send(_encoder.encode(EngineFailed(message, expected)))
         outbox.close(linger=2000)
         beat.join(5)
+        remove_orphaned_sockets(args.parent_pid, args.inbox, args.outbox)
         return 1
     beat.stop.set()
     beat.join(5)
     outbox.close(linger=1000)
     inbox.close(linger=0)
+    remove_orphaned_sockets(args.parent_pid, args.inbox, args.outbox)
     return 0
 
 

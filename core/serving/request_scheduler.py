@@ -18,12 +18,14 @@ Constructed as ``cls(config, engine_client, metrics, settings)``, with
 from __future__ import annotations
 
 
-def wrap_engine(config, engine, metrics):
+def wrap_engine(config, engine, metrics, plugins):
+    """``engine`` as the configured request scheduler wraps it (``plugins``:
+    the API process's plugin manager)."""
     from fdx.core.config import ConfigError
-    from fdx.core.plugins import PluginError, get_plugin_manager
+    from fdx.core.plugins import PluginError
     name = config.scheduler.request_scheduler
     try:
-        cls = get_plugin_manager().get("scheduler", name)
+        cls = plugins.get("scheduler", name)
     except PluginError as e:
         raise ConfigError(f"config key 'scheduler.request_scheduler': {e}") from None
     if getattr(cls, "local", False):

@@ -360,6 +360,8 @@ def _check_url(flag: str, url: str) -> str:
 
 def cmd_router(args) -> int:
     import uvicorn
+
+    from fdx.core.serving.signals import GracefulServer
     try:
         pre = [Instance(_check_url("--prefill", u), "prefill") for u in args.prefill]
         dec = [Instance(_check_url("--decode", u), "decode") for u in args.decode]
@@ -377,7 +379,7 @@ def cmd_router(args) -> int:
         print(f"fdx router: http://{args.host}:{args.port}/v1 -> prefill {', '.join(args.prefill)}; "
               f"decode {', '.join(args.decode)}", flush=True)
         try:
-            await uvicorn.Server(config).serve()
+            await GracefulServer(config).serve()       # SIGTERM, Ctrl-C: exit 0
         finally:
             watcher.cancel()
             await router.client.aclose()
