@@ -5,16 +5,21 @@
 Each run is a fresh process that builds ``LLM(model)`` (the compiled
 kernels stay cached: only the kernel table's file is removed for a cold
 run) and reports the whole construction and the kernel table's part of
-it. Cold and warm runs alternate, so a load that drifts hits both alike.
+it. The runs use a cache folder of their own ($FDX_CACHE_DIR set to a
+temporary folder; the first, untimed run builds the compiled kernels
+there), so no other fdx process on the machine probes or reads for them. Cold and warm runs alternate, so a load that drifts hits both alike.
 The CPU line is printed beside the figures.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 
 CHILD = r"""
 import json, sys, time
@@ -27,8 +32,9 @@ print(json.dumps({"total_s": total, "table_s": t.seconds, "source": t.source, "l
 """
 
 
-def run(model: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, model], capture_output=True, text=True, check=True)
+def run(model: str, cache: str) -> dict:
+    env = dict(os.environ, FDX_CACHE_DIR=cache)
+    out = subprocess.run([sys.executable, "-c", CHILD, model], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -39,12 +45,14 @@ def main() -> int:
     args = parser.parse_args()
     from pathlib import Path
     from fdx.core.host import cpu_model, available_cores
-    location = run(args.model)["location"]          # warms the compiled kernels and finds the table's file
+    cache = tempfile.mkdtemp(prefix="fdx-bench-startup-")
+    location = run(args.model, cache)["location"]   # builds the compiled kernels and finds the table's file
     results = {"cold": [], "warm": []}
     for _ in range(args.repeats):
         Path(location).unlink(missing_ok=True)
-        results["cold"].append(run(args.model))
-        results["warm"].append(run(args.model))
+        results["cold"].append(run(args.model, cache))
+        results["warm"].append(run(args.model, cache))
+    shutil.rmtree(cache, ignore_errors=True)
     print(f"cpu: {cpu_model()}, {available_cores()} cores")
     for kind, runs in results.items():
         assert all(r["source"] == ("probed" if kind == "cold" else "cache") for r in runs), runs
