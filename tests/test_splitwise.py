@@ -233,5 +233,9 @@ def test_decode_role_needs_a_port_and_bad_settings_name_the_key(tiny_checkpoints
     with pytest.raises(ConfigError, match="plugins.connector.splitwise.*bogus"):
         EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="prefill",
                                    plugins={"connector": {"splitwise": {"bogus": 1}}}), progress=False)
+    with pytest.raises(ConfigError, match="plugins.connector.splitwise.*curve_server_key.*Z85"):
+        EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="prefill",
+                                   plugins={"connector": {"splitwise": {"curve_server_key": "short"}}}),
+                   progress=False)
     with pytest.raises(ConfigError, match="splitwise.role"):
         FdxConfig.build(splitwise_role="both")

@@ -85,6 +85,20 @@ def _nonce() -> str:
     return secrets.token_hex(16)
 
 
+def _curve_key(settings: dict, name: str) -> str | None:
+    """A CURVE key setting: Z85 text of 40 characters, as ``zmq.curve_keypair()`` makes."""
+    key = settings.get(name)
+    if key is None:
+        return None
+    try:
+        ok = isinstance(key, str) and len(key) == 40 and len(zmq.utils.z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a Z85 CURVE key of 40 characters (zmq.curve_keypair())")
+    return key
+
+
 def _splitwise_args(request) -> dict:
     extra = request.sampling_params.extra_args or {}
     sw = extra.get("splitwise")
@@ -191,7 +205,8 @@ class SplitwiseConnector(KVConnector):
         self.threads: list[threading.Thread] = []
         self.zctx = zmq.Context()
         self.sock = None
-        self.curve_server_key = self.settings.get("curve_server_key")
+        self.curve_server_key = _curve_key(self.settings, "curve_server_key")
+        self.curve_secret_key = _curve_key(self.settings, "curve_secret_key")
         if self.role == "decode":
             if not sw.connector_port:
                 raise ValueError("splitwise.connector_port must be set (non-zero) for role decode")
@@ -203,11 +218,13 @@ class SplitwiseConnector(KVConnector):
         sock = self.zctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, int(max_frame))
-        key = self.settings.get("curve_secret_key")
-        if key:
+        if self.curve_secret_key:
             sock.curve_server = True
-            sock.curve_secretkey = key.encode()
-            sock.curve_publickey = zmq.curve_public(key.encode())
+            sock.curve_secretkey = self.curve_secret_key.encode()
+            sock.curve_publickey = zmq.curve_public(self.curve_secret_key.encode())
+        elif self.config.splitwise.connector_host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("splitwise: the connector listens on %s without CURVE: the KV travels in the clear "
+                        "(set plugins.connector.splitwise.curve_secret_key; docs/security.md)", self.address)
         try:
             sock.bind(self.address)
         except zmq.ZMQError as e:
