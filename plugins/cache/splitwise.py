@@ -65,6 +65,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import zmq
+import zmq.utils.z85
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import KVConnector
