@@ -12,11 +12,12 @@ import pytest
 import zmq
 
 from serve_utils import free_port
+from splitwise_utils import greedy as _greedy
+from splitwise_utils import run
 
 from fdx.core.config import FdxConfig
 from fdx.core.engine import EngineCore
 from fdx.core.request import RequestStatus
-from fdx.core.sampling_params import SamplingParams
 from fdx.plugins.cache.splitwise import PROTOCOL_VERSION, Accept, Blocks, Offer, Refuse
 from fdx.plugins.cache.splitwise_wire import seal
 
@@ -41,20 +42,8 @@ def engines(tiny_checkpoints):
 
 
 def greedy(max_tokens=MAX_TOKENS, **extra):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, extra_args=extra or None)
+    return _greedy(max_tokens, **extra)
 
-
-def run(*engines, timeout: float = 30.0) -> dict:
-    done, deadline = {}, time.monotonic() + timeout
-    while any(e.has_unfinished() for e in engines):
-        assert time.monotonic() < deadline, "requests hang"
-        for e in engines:
-            if e.has_unfinished():
-                for r in e.step():
-                    if r.is_finished:
-                        done[(id(e), r.request_id)] = r
-        time.sleep(0.001)
-    return done
 
 
 def disaggregated(pre, dec, peer, prompts, tag: str, max_tokens=MAX_TOKENS):

@@ -17,11 +17,12 @@ import pytest
 import zmq
 
 from serve_utils import free_port
+from splitwise_utils import greedy as _greedy
+from splitwise_utils import run
 
 from fdx.core.config import FdxConfig
 from fdx.core.engine import EngineCore
 from fdx.core.request import RequestStatus
-from fdx.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -70,20 +71,8 @@ def engines(model):
 
 
 def greedy(max_tokens=MAX_TOKENS, **extra):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, extra_args=extra or None)
+    return _greedy(max_tokens, **extra)
 
-
-def run(*engines, timeout: float = 30.0) -> dict:
-    done, deadline = {}, time.monotonic() + timeout
-    while any(e.has_unfinished() for e in engines):
-        assert time.monotonic() < deadline, "requests hang"
-        for e in engines:
-            if e.has_unfinished():
-                for r in e.step():
-                    if r.is_finished:
-                        done[(id(e), r.request_id)] = r
-        time.sleep(0.001)
-    return done
 
 
 def transfer(pre, dec, peer: str, prompt: list[int], rid: str, tid: str | None = None):
