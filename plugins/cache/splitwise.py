@@ -322,7 +322,7 @@ class SplitwiseConnector(KVConnector):
         if res is not None:
             self.pending_loads.pop(key, None)
             self.pending_cancels.append(key)
-            self._refuse(res.identity, key, res.offer_nonce, "the decode request ended", res.last_seq)
+            self._refuse(res.identity, key, res.offer_nonce, "the decode request ended")
         first_p = self.first_tokens.pop(rid, None)
         if first_p is not None and request.output_token_ids:
             agree = request.output_token_ids[0] == first_p
@@ -463,6 +463,8 @@ class SplitwiseConnector(KVConnector):
             if isinstance(reply, Accept):
                 accept = reply
                 ok, why = self._send_blocks(sock, offer, reply, data)
+                if isinstance(why, Refuse):               # the decode side ended it: no Abort needed
+                    why, accept = why.reason, None
             else:
                 why = reply.reason if isinstance(reply, Refuse) else str(reply)
         except Exception as e:                    # never let a transfer take the engine down
@@ -481,7 +483,9 @@ class SplitwiseConnector(KVConnector):
         if not ok:
             log.warning("splitwise: transfer of %s to %s failed: %s", job.request_id, job.peer, why)
 
-    def _send_blocks(self, sock, offer: Offer, accept: Accept, data: list[np.ndarray]) -> tuple[bool, str]:
+    def _send_blocks(self, sock, offer: Offer, accept: Accept,
+                     data: list[np.ndarray]) -> tuple[bool, str | Refuse]:
+        """Send the KV the Accept asks for; (done, why not: a reason, or the decode side's Refuse)."""
         if accept.num_tokens == 0:
             return True, ""
         lo, hi = accept.start, accept.start + accept.num_tokens
@@ -495,7 +499,7 @@ class SplitwiseConnector(KVConnector):
         sock.send_multipart(seal(self.secret, header, frames), copy=False)
         confirm = self._await(sock, offer, 1, accept.nonce)
         if not isinstance(confirm, Confirm):
-            return False, confirm.reason if isinstance(confirm, Refuse) else str(confirm)
+            return False, confirm
         with self.lock:
             c = self.counters
             c["splitwise_blocks_sent"] += -(-hi // self.block_size) - lo // self.block_size
@@ -542,8 +546,8 @@ class SplitwiseConnector(KVConnector):
     def _reply(self, identity: bytes, msg) -> None:
         self.outgoing.put((identity, seal(self.secret, msg)))
 
-    def _refuse(self, identity: bytes, rid: str, offer_nonce: str, why: str, seq: int = 0) -> None:
-        self._reply(identity, Refuse(PROTOCOL_VERSION, rid, why, seq, offer_nonce))
+    def _refuse(self, identity: bytes, rid: str, offer_nonce: str, why: str) -> None:
+        self._reply(identity, Refuse(PROTOCOL_VERSION, rid, why, 0, offer_nonce))
 
     def _reject(self, identity: bytes | None, rid: str, why: str) -> None:
         """Refuse a message that failed a check; the request it names is left as it was."""
