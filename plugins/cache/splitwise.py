@@ -10,14 +10,15 @@ instance computes the prompt and the first token; when the request finishes
 its blocks are held (``request_finished`` returns True) and moved:
 
     prefill (DEALER)                               decode (ROUTER, bound)
-    Offer(request_id, num_tokens, first_token) --> match the waiting request,
-                                                   allocate its blocks
-                   <-- Accept(block_ids, start, num_tokens) | Refuse(reason)
-    Blocks(block_ids, start, num_tokens)       --> checked, written into the
+    Offer(request_id, offer_nonce, sent_at,    --> match the waiting request,
+          num_tokens, first_token)                 allocate its blocks
+        <-- Accept(offer_nonce, nonce, block_ids, start, num_tokens) | Refuse(reason)
+    Blocks(nonce, block_ids, start, num_tokens) -> checked, written into the
       + one frame per layer                        reserved blocks (engine thread)
                    <-- Confirm | Refuse
     free the blocks (get_finished()[0])            the request joins the batch
                                                    (get_finished()[1])
+    (a transfer failing after the Accept: Abort(nonce, reason) --> the request ends)
 
 The decode side loads the prompt's KV except its last token and computes
 that one position itself, sampling the first token (as vLLM's NIXL
