@@ -12,12 +12,14 @@ import pytest
 import zmq
 
 from serve_utils import free_port
+from splitwise_utils import greedy as _greedy
+from splitwise_utils import run
 
 from fdx.core.config import FdxConfig
 from fdx.core.engine import EngineCore
 from fdx.core.request import RequestStatus
-from fdx.core.sampling_params import SamplingParams
-from fdx.plugins.cache.splitwise import PROTOCOL_VERSION, Accept, Blocks, Offer, Refuse, sign
+from fdx.plugins.cache.splitwise import PROTOCOL_VERSION, Accept, Blocks, Offer, Refuse
+from fdx.plugins.cache.splitwise_wire import seal
 
 SECRET = "s3cret"
 MAX_TOKENS = 6
@@ -40,20 +42,8 @@ def engines(tiny_checkpoints):
 
 
 def greedy(max_tokens=MAX_TOKENS, **extra):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, extra_args=extra or None)
+    return _greedy(max_tokens, **extra)
 
-
-def run(*engines, timeout: float = 30.0) -> dict:
-    done, deadline = {}, time.monotonic() + timeout
-    while any(e.has_unfinished() for e in engines):
-        assert time.monotonic() < deadline, "requests hang"
-        for e in engines:
-            if e.has_unfinished():
-                for r in e.step():
-                    if r.is_finished:
-                        done[(id(e), r.request_id)] = r
-        time.sleep(0.001)
-    return done
 
 
 def disaggregated(pre, dec, peer, prompts, tag: str, max_tokens=MAX_TOKENS):
@@ -106,6 +96,11 @@ def test_transferred_kv_is_what_the_decode_side_reads(engines):
     assert got != ref
 
 
+def _decode_reply(frames: list[bytes]):
+    """A reply's header: the second frame of a sealed one, the only frame of an unsigned Refuse."""
+    return msgspec.msgpack.decode(frames[-1] if len(frames) <= 2 else frames[1], type=Accept | Refuse)
+
+
 def _ask(peer: str, frames: list[bytes], timeout_ms: int = 5000):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
@@ -115,9 +110,13 @@ def _ask(peer: str, frames: list[bytes], timeout_ms: int = 5000):
     try:
         if not s.poll(timeout_ms):
             return None
-        return msgspec.msgpack.decode(s.recv(), type=Accept | Refuse)
+        return _decode_reply(s.recv_multipart())
     finally:
         s.close()
+
+
+def _offer(rid: str, n: int, fp: dict, v: int = PROTOCOL_VERSION) -> Offer:
+    return Offer(v, rid, 0, np.random.bytes(16).hex(), time.time(), n, 1, fp)
 
 
 @pytest.mark.slow
@@ -129,17 +128,18 @@ def test_bad_messages_are_refused_and_the_connector_keeps_working(engines):
     cases = {
         "garbage": [b"\x00\xffnot msgpack at all"],
         "not a splitwise message": [enc({"hello": "world"})],
-        "version": [enc(Offer(PROTOCOL_VERSION + 1, "x", 4, 1, fp, sign(SECRET, "offer", "x")))],
-        "secret": [enc(Offer(PROTOCOL_VERSION, "x", 4, 1, fp, sign("wrong", "offer", "x")))],
-        "layout": [enc(Offer(PROTOCOL_VERSION, "x", 4, 1, {**fp, "head_dim": 999}, sign(SECRET, "offer", "x")))],
-        "no reservation": [enc(Blocks(PROTOCOL_VERSION, "x", [0], 0, 4, fp, sign(SECRET, "blocks", "x"))), b"\0" * 8],
-        "tokens": [enc(Offer(PROTOCOL_VERSION, "x", -3, 1, fp, sign(SECRET, "offer", "x")))],
+        "an older peer": [enc({"type": "offer", "v": 1, "request_id": "x"})],
+        "version": seal(SECRET, _offer("x", 4, fp, v=PROTOCOL_VERSION + 1)),
+        "secret": seal("wrong", _offer("x", 4, fp)),
+        "layout": seal(SECRET, _offer("x", 4, {**fp, "head_dim": 999})),
+        "no reservation": seal(SECRET, Blocks(PROTOCOL_VERSION, "x", 1, "00", [0], 0, 4, 8), [b"\0" * 8]),
+        "tokens": seal(SECRET, _offer("x", -3, fp)),
     }
     for what, frames in cases.items():
         reply = _ask(peer, frames)
         assert isinstance(reply, Refuse), (what, reply)
     # a well-formed offer for a request this instance never saw: refused after the grace period
-    reply = _ask(peer, [enc(Offer(PROTOCOL_VERSION, "nobody", 4, 1, fp, sign(SECRET, "offer", "nobody")))], timeout_ms=8000)
+    reply = _ask(peer, seal(SECRET, _offer("nobody", 4, fp)), timeout_ms=8000)
     assert isinstance(reply, Refuse) and "unknown request id" in reply.reason
 
     # a real reservation, then a truncated and a wrong-shape payload: both refused, and the
@@ -152,22 +152,21 @@ def test_bad_messages_are_refused_and_the_connector_keeps_working(engines):
     s.setsockopt(zmq.LINGER, 0)
     s.connect(peer)
     try:
-        s.send(enc(Offer(PROTOCOL_VERSION, "t0", len(prompt), 1, fp, sign(SECRET, "offer", "t0"))))
+        s.send_multipart(seal(SECRET, _offer("t0", len(prompt), fp)))
         deadline = time.monotonic() + 10
         while not s.poll(1):
             assert time.monotonic() < deadline
             dec.step()
-        acc = msgspec.msgpack.decode(s.recv(), type=Accept | Refuse)
+        acc = _decode_reply(s.recv_multipart())
         assert isinstance(acc, Accept) and acc.num_tokens == len(prompt) - 1
         assert dec.kv_cache.num_free_blocks < dec.kv_cache.num_blocks        # reserved
         frame = np.zeros((2, 2, acc.num_tokens, 16), np.float32).tobytes()
-        head = enc(Blocks(PROTOCOL_VERSION, "t0", acc.block_ids, acc.start, acc.num_tokens, fp,
-                             sign(SECRET, "blocks", "t0")))
-        for frames in ([head, frame, frame[:-4]], [head, frame], [head, frame, frame, frame]):
-            s.send_multipart(frames)
+        head = Blocks(PROTOCOL_VERSION, "t0", 1, acc.nonce, acc.block_ids, acc.start, acc.num_tokens, len(frame))
+        for payload in ([frame, frame[:-4]], [frame], [frame, frame, frame]):
+            s.send_multipart(seal(SECRET, head, payload))
             while not s.poll(1):
                 dec.step()
-            assert isinstance(msgspec.msgpack.decode(s.recv(), type=Accept | Refuse), Refuse)
+            assert isinstance(_decode_reply(s.recv_multipart()), Refuse)
     finally:
         s.close()
     done = run(dec)
@@ -223,5 +222,9 @@ def test_decode_role_needs_a_port_and_bad_settings_name_the_key(tiny_checkpoints
     with pytest.raises(ConfigError, match="plugins.connector.splitwise.*bogus"):
         EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="prefill",
                                    plugins={"connector": {"splitwise": {"bogus": 1}}}), progress=False)
+    with pytest.raises(ConfigError, match="plugins.connector.splitwise.*curve_server_key.*Z85"):
+        EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="prefill",
+                                   plugins={"connector": {"splitwise": {"curve_server_key": "short"}}}),
+                   progress=False)
     with pytest.raises(ConfigError, match="splitwise.role"):
         FdxConfig.build(splitwise_role="both")

@@ -10,14 +10,15 @@ instance computes the prompt and the first token; when the request finishes
 its blocks are held (``request_finished`` returns True) and moved:
 
     prefill (DEALER)                               decode (ROUTER, bound)
-    Offer(request_id, num_tokens, first_token) --> match the waiting request,
-                                                   allocate its blocks
-                   <-- Accept(block_ids, start, num_tokens) | Refuse(reason)
-    Blocks(block_ids, start, num_tokens)       --> checked, written into the
+    Offer(request_id, offer_nonce, sent_at,    --> match the waiting request,
+          num_tokens, first_token)                 allocate its blocks
+        <-- Accept(offer_nonce, nonce, block_ids, start, num_tokens) | Refuse(reason)
+    Blocks(nonce, block_ids, start, num_tokens) -> checked, written into the
       + one frame per layer                        reserved blocks (engine thread)
                    <-- Confirm | Refuse
     free the blocks (get_finished()[0])            the request joins the batch
                                                    (get_finished()[1])
+    (a transfer failing after the Accept: Abort(nonce, reason) --> the request ends)
 
 The decode side loads the prompt's KV except its last token and computes
 that one position itself, sampling the first token (as vLLM's NIXL
@@ -32,25 +33,31 @@ prompt is computed (the engine does not pause a forward to send), and a
 frame per layer keeps each buffer a contiguous slice that the receiver
 checks on its own (its size against the fingerprint) before writing any.
 
-Every header is a tagged msgspec struct in msgpack (never pickle) carrying
-``v`` (``PROTOCOL_VERSION``) and ``auth``: an HMAC-SHA256 of the message
-kind and request id under the shared secret (``connector_secret``), so the
-secret itself never travels (a prefill instance sends to whatever address
-its request names: only the router should reach its API). Anything that
-does not decode, has another version, a wrong ``auth``, an
-unknown request id, block ids or counts other than those reserved, or a
-fingerprint (layers, KV heads, head dim, dtype, model name) other than the
-receiver's is refused and logged; the connector keeps running. A step not
-answered within ``transfer_timeout_s`` (or a dead peer) fails the transfer:
-the prefill side frees its blocks, the decode side ends the request with an
-error and frees its blocks.
+Every message is sealed (plugins/cache/splitwise_wire.py): an HMAC-SHA256
+under the shared secret (``connector_secret``, which never travels) over the
+whole message, header and every KV frame, and bound to its transfer by the
+transfer id, a nonce each side chose (the decode side's is fresh for each
+reservation and used once), per-direction sequence numbers, and on the
+decode side the connection that made the Offer. The decode side refuses a
+message that fails any check (counted in ``splitwise_messages_rejected``,
+logged once per connection) without touching the request it names: only
+the prefill instance that owns a reservation (its MAC, nonce and
+connection) can end it early, with an Abort. An authenticated Offer for
+another model or KV layout (the fingerprint: layers, KV heads, head dim,
+dtype, model name) ends the waiting request with a refusal (the router
+retries elsewhere). Frames past ``max_frame_bytes`` are dropped by libzmq
+before anything is allocated (``zmq.MAXMSGSIZE``). With
+``curve_secret_key`` (decode) and ``curve_server_key`` (prefill) the channel
+is also encrypted (ZMQ CURVE): docs/security.md. A step not answered within
+``transfer_timeout_s`` (or a dead peer) fails the transfer: the prefill side
+frees its blocks, the decode side ends the request with an error and frees
+its blocks.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,66 +66,39 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import zmq
+import zmq.utils.z85
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import KVConnector
 from fdx.core.request import RequestStatus
+from fdx.plugins.cache.splitwise_wire import (MAX_HEADER_BYTES, PROTOCOL_VERSION, Abort, Accept, Blocks,
+                                              Confirm, Offer, Refuse, ToDecode, ToPrefill, WireError,
+                                              read_refusal, seal, unseal, unsigned)
+
+__all__ = ["PROTOCOL_VERSION", "Abort", "Accept", "Blocks", "Confirm", "Offer", "Refuse", "SplitwiseConnector"]
 
 log = logging.getLogger("fdx.cache.splitwise")
 
-PROTOCOL_VERSION = 1
-MAX_HEADER_BYTES = 1 << 16
 POLL_MS = 10
+MAX_LOGGED_PEERS = 1024
 
 
-# -- the wire messages -------------------------------------------------------------------
-
-class Offer(msgspec.Struct, tag="offer"):
-    v: int
-    request_id: str
-    num_tokens: int                          # tokens whose KV the prefill side holds
-    first_token: int                         # the token the prefill side sampled
-    fingerprint: dict[str, str | int]
-    auth: str = ""                           # sign(secret, kind, request_id)
+def _nonce() -> str:
+    return secrets.token_hex(16)
 
 
-class Blocks(msgspec.Struct, tag="blocks"):
-    v: int
-    request_id: str
-    block_ids: list[int]                     # the receiver's, as in its Accept
-    start: int
-    num_tokens: int
-    fingerprint: dict[str, str | int]
-    auth: str = ""                           # sign(secret, kind, request_id)
-
-
-class Accept(msgspec.Struct, tag="accept"):
-    v: int
-    request_id: str
-    block_ids: list[int]                     # the decode request's whole block table
-    start: int                               # first token position to send
-    num_tokens: int                          # how many (0: nothing wanted, done)
-
-
-class Refuse(msgspec.Struct, tag="refuse"):
-    v: int
-    request_id: str
-    reason: str
-
-
-class Confirm(msgspec.Struct, tag="confirm"):
-    v: int
-    request_id: str
-
-
-ToDecode = Offer | Blocks
-ToPrefill = Accept | Refuse | Confirm
-_encoder = msgspec.msgpack.Encoder()
-
-
-def sign(secret: str, kind: str, request_id: str) -> str:
-    """The ``auth`` of an Offer ("offer") or Blocks ("blocks") message."""
-    return hmac.new(secret.encode(), f"fdx-splitwise:{kind}:{request_id}".encode(), hashlib.sha256).hexdigest()
+def _curve_key(settings: dict, name: str) -> str | None:
+    """A CURVE key setting: Z85 text of 40 characters, as ``zmq.curve_keypair()`` makes."""
+    key = settings.get(name)
+    if key is None:
+        return None
+    try:
+        ok = isinstance(key, str) and len(key) == 40 and len(zmq.utils.z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a Z85 CURVE key of 40 characters (zmq.curve_keypair())")
+    return key
 
 
 def _splitwise_args(request) -> dict:
@@ -157,12 +137,27 @@ class SplitwiseStep:
 
 @dataclass(slots=True)
 class _OfferState:
-    identity: bytes
+    identity: bytes                          # the connection that made the Offer: its owner
     offer: Offer
     arrived: float
 
 
-SETTINGS = {"reserve_timeout_s", "unknown_grace_s", "model_name"}
+@dataclass(slots=True)
+class _Reservation:
+    """Decode side: blocks reserved for an accepted Offer, until its Blocks arrive."""
+    identity: bytes                          # only this connection may send Blocks or Abort
+    offer_nonce: str
+    nonce: str                               # ours, fresh; required in Blocks and Abort
+    block_ids: list[int]
+    start: int
+    num_tokens: int
+    since: float
+    engine_id: str
+    last_seq: int                            # the owner's last sequence number
+
+
+SETTINGS = {"reserve_timeout_s", "unknown_grace_s", "model_name", "max_frame_bytes", "offer_max_age_s",
+            "curve_secret_key", "curve_server_key"}
 
 
 class SplitwiseConnector(KVConnector):
@@ -178,6 +173,8 @@ class SplitwiseConnector(KVConnector):
         self.delay = float(sw.debug_transfer_delay_s)
         self.reserve_timeout = float(self.settings.get("reserve_timeout_s", min(2.0, self.timeout)))
         self.unknown_grace = float(self.settings.get("unknown_grace_s", 2.0))
+        self.offer_max_age = float(self.settings.get("offer_max_age_s", 60.0))
+        self.max_frame = self.settings.get("max_frame_bytes")
         model = config.model.model
         self.model_name = str(self.settings.get("model_name") or (Path(model).name if model else "default"))
         self.fingerprint: dict | None = None
@@ -188,9 +185,11 @@ class SplitwiseConnector(KVConnector):
         self.pending_cancels: list[str] = []
         self.expected: dict[str, tuple[float, str]] = {}   # decode: waiting requests -> (since, engine id)
         self.offers: dict[str, _OfferState] = {}      # decode: offers received (socket thread writes)
-        self.accepted: dict[str, tuple[_OfferState, list[int], int, int, float]] = {}
+        self.accepted: dict[str, _Reservation] = {}
         self.failed: dict[str, str] = {}
         self.first_tokens: dict[str, int] = {}        # decode: the prefill side's first token, to compare
+        self.seen_offers: dict[str, float] = {}       # decode: offer nonces of the replay window
+        self.logged_peers: set[bytes] = set()
         # runner side
         self.kv_caches: list | None = None
         self.loading: dict[str, tuple[list[int], int, int]] = {}
@@ -208,19 +207,42 @@ class SplitwiseConnector(KVConnector):
         self.threads: list[threading.Thread] = []
         self.zctx = zmq.Context()
         self.sock = None
+        self.curve_server_key = _curve_key(self.settings, "curve_server_key")
+        self.curve_secret_key = _curve_key(self.settings, "curve_secret_key")
         if self.role == "decode":
             if not sw.connector_port:
                 raise ValueError("splitwise.connector_port must be set (non-zero) for role decode")
-            self.sock = self.zctx.socket(zmq.ROUTER)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            try:
-                self.sock.bind(f"tcp://{sw.connector_host}:{sw.connector_port}")
-            except zmq.ZMQError as e:
-                self.sock.close()
-                raise ValueError(f"cannot listen on {sw.connector_host}:{sw.connector_port}: {e}") from None
-            t = threading.Thread(target=self._serve, name="splitwise-decode", daemon=True)
-            t.start()
-            self.threads.append(t)
+            self.address = f"tcp://{sw.connector_host}:{sw.connector_port}"
+            # it listens once the KV spec gives the frame limit (register_kv_caches)
+
+    def _listen(self, max_frame: int):
+        """The decode side's ROUTER, bound, frames past ``max_frame`` dropped by libzmq."""
+        sock = self.zctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, int(max_frame))
+        if self.curve_secret_key:
+            sock.curve_server = True
+            sock.curve_secretkey = self.curve_secret_key.encode()
+            sock.curve_publickey = zmq.curve_public(self.curve_secret_key.encode())
+        elif self.config.splitwise.connector_host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("splitwise: the connector listens on %s without CURVE: the KV travels in the clear "
+                        "(set plugins.connector.splitwise.curve_secret_key; docs/security.md)", self.address)
+        try:
+            sock.bind(self.address)
+        except zmq.ZMQError as e:
+            sock.close()
+            raise ValueError(f"cannot listen on {self.address}: {e}") from None
+        return sock
+
+    def frame_limit(self) -> int:
+        """The largest frame the decode side takes: one layer's KV for the
+        longest transfer the cache can hold, plus room for a header."""
+        if self.max_frame is not None:
+            return int(self.max_frame)
+        tokens = self.spec.num_slots
+        if self.config.model.max_model_len:
+            tokens = min(tokens, self.config.model.max_model_len)
+        return 2 * self.spec.num_kv_heads * tokens * self.spec.head_dim * self.dtype.itemsize + MAX_HEADER_BYTES
 
     # -- scheduler side: decode ----------------------------------------------------------
     def defer_request(self, request) -> bool:
@@ -237,12 +259,12 @@ class SplitwiseConnector(KVConnector):
         if self._loadable(request, request.num_computed_tokens, st.offer) <= 0:
             with self.lock:                             # nothing worth loading: computed here
                 self.offers.pop(key, None)
-            self._reply(st.identity, Accept(PROTOCOL_VERSION, key, [], 0, 0))
+            self._reply(st.identity, Accept(PROTOCOL_VERSION, key, 0, st.offer.offer_nonce, "", [], 0, 0))
             return False
         if now - st.arrived > self.reserve_timeout:     # offered, but no blocks freed up in time
             with self.lock:
                 self.offers.pop(key, None)
-            self._reply(st.identity, Refuse(PROTOCOL_VERSION, key, "no free KV blocks"))
+            self._refuse(st.identity, key, st.offer.offer_nonce, "no free KV blocks")
             self.failed[rid] = "splitwise: refused: no free KV blocks for the transfer"
             self.counters["splitwise_transfers_failed"] += 1
             return True
@@ -264,22 +286,26 @@ class SplitwiseConnector(KVConnector):
             st = self.offers.pop(key, None)
         if st is None:
             return
-        start = request.num_computed_tokens
-        self.accepted[key] = (st, list(block_ids), start, num_external_tokens, time.monotonic(), rid)
+        start, offer = request.num_computed_tokens, st.offer
+        res = _Reservation(st.identity, offer.offer_nonce, _nonce(), list(block_ids), start, num_external_tokens,
+                           time.monotonic(), rid, offer.seq)
+        with self.lock:
+            self.accepted[key] = res
         self.pending_loads[key] = (list(block_ids), start, num_external_tokens)
-        if st.offer.first_token >= 0:
-            self.first_tokens[rid] = st.offer.first_token
-        self._reply(st.identity, Accept(PROTOCOL_VERSION, key, list(block_ids), start, num_external_tokens))
+        if offer.first_token >= 0:
+            self.first_tokens[rid] = offer.first_token
+        self._reply(st.identity, Accept(PROTOCOL_VERSION, key, 0, res.offer_nonce, res.nonce, list(block_ids),
+                                        start, num_external_tokens))
 
     def load_async(self, request) -> bool:
         return wire_id(request) in self.accepted
 
     def take_failed(self) -> dict[str, str]:
         now = time.monotonic()
-        for st, _, _, _, since, rid in list(self.accepted.values()):
-            if now - since > self.timeout:
-                self.failed[rid] = (f"splitwise: the KV transfer from the prefill instance did not complete "
-                                    f"within {self.timeout:g} s")
+        for res in list(self.accepted.values()):
+            if now - res.since > self.timeout:
+                self.failed[res.engine_id] = (f"splitwise: the KV transfer from the prefill instance did not "
+                                              f"complete within {self.timeout:g} s")
                 self.counters["splitwise_transfers_failed"] += 1
         with self.lock:
             out, self.failed = self.failed, {}
@@ -291,13 +317,13 @@ class SplitwiseConnector(KVConnector):
         with self.lock:
             self.expected.pop(key, None)
             st = self.offers.pop(key, None)
+            res = self.accepted.pop(key, None)
         if st is not None:
-            self._reply(st.identity, Refuse(PROTOCOL_VERSION, key, "the decode request ended"))
-        acc = self.accepted.pop(key, None)
-        if acc is not None:
+            self._refuse(st.identity, key, st.offer.offer_nonce, "the decode request ended")
+        if res is not None:
             self.pending_loads.pop(key, None)
             self.pending_cancels.append(key)
-            self._reply(acc[0].identity, Refuse(PROTOCOL_VERSION, key, "the decode request ended"))
+            self._refuse(res.identity, key, res.offer_nonce, "the decode request ended")
         first_p = self.first_tokens.pop(rid, None)
         if first_p is not None and request.output_token_ids:
             agree = request.output_token_ids[0] == first_p
@@ -322,6 +348,11 @@ class SplitwiseConnector(KVConnector):
         self.dtype = np.dtype({"float32": "float32", "float16": "float16"}.get(dtype, "float32"))
         self.fingerprint = {"model": self.model_name, "num_layers": layout.num_layers,
                             "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim, "dtype": dtype}
+        if self.role == "decode" and self.sock is None:
+            self.sock = self._listen(self.frame_limit())
+            t = threading.Thread(target=self._serve, name="splitwise-decode", daemon=True)
+            t.start()
+            self.threads.append(t)
 
     def _rows(self, block_ids: list[int], start: int, n: int) -> np.ndarray:
         bs = self.spec.block_size
@@ -346,6 +377,9 @@ class SplitwiseConnector(KVConnector):
             self.spec.row_view(k).scatter_(idx, paddle.to_tensor(arr[0]), overwrite=True)
             self.spec.row_view(v).scatter_(idx, paddle.to_tensor(arr[1]), overwrite=True)
 
+    def _frame_bytes(self, num_tokens: int) -> int:
+        return 2 * self.spec.num_kv_heads * num_tokens * self.spec.head_dim * self.dtype.itemsize
+
     def start_load_kv(self, metadata: SplitwiseStep | None) -> None:
         if metadata is None or self.kv_caches is None:
             return
@@ -361,19 +395,20 @@ class SplitwiseConnector(KVConnector):
             arrived, self.arrived = self.arrived, {}
         for key, frames in arrived.items():
             spec = self.loading.pop(key, None)
-            acc = self.accepted.pop(key, None)
-            if spec is None or acc is None:
+            with self.lock:
+                res = self.accepted.pop(key, None)
+            if spec is None or res is None:
                 continue                                  # the request ended meanwhile
             block_ids, start, n = spec
             self._write(block_ids, start, n, frames)
-            self.done_recving.add(acc[5])
+            self.done_recving.add(res.engine_id)
             nbytes = sum(len(f) for f in frames)
             c = self.counters
             c["splitwise_blocks_received"] += -(-(start + n) // self.block_size) - start // self.block_size
             c["splitwise_bytes_received"] += nbytes
             c["splitwise_transfers_received"] += 1
-            self._record_time(time.monotonic() - acc[4])
-            self._reply(acc[0].identity, Confirm(PROTOCOL_VERSION, key))
+            self._record_time(time.monotonic() - res.since)
+            self._reply(res.identity, Confirm(PROTOCOL_VERSION, key, res.last_seq, res.offer_nonce, res.nonce))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self.lock:
@@ -406,46 +441,38 @@ class SplitwiseConnector(KVConnector):
         self.kv_caches = None
 
     # -- prefill side: one transfer, on its own thread -----------------------------------------
-    def _send_transfer(self, job: SendJob, data: list[np.ndarray]) -> None:
-        t0 = time.monotonic()
+    def _dealer(self, peer: str):
         sock = self.zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        ok, why = False, ""
-        decoder = msgspec.msgpack.Decoder(ToPrefill)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)       # replies carry no payload
+        if self.curve_server_key:
+            public, secret = zmq.curve_keypair()
+            sock.curve_serverkey = self.curve_server_key.encode()
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.connect(peer)
+        return sock
+
+    def _send_transfer(self, job: SendJob, data: list[np.ndarray]) -> None:
+        t0 = time.monotonic()
+        sock = self._dealer(job.peer)
+        ok, why, accept = False, "", None
         try:
-            sock.connect(job.peer)
-            sock.send(_encoder.encode(Offer(PROTOCOL_VERSION, job.wire_id, job.num_tokens, job.first_token,
-                                            self.fingerprint or {}, sign(self.secret, "offer", job.wire_id))))
-            reply = self._await(sock, decoder, job.wire_id)
+            offer = Offer(PROTOCOL_VERSION, job.wire_id, 0, _nonce(), time.time(), job.num_tokens,
+                          job.first_token, self.fingerprint or {})
+            sock.send_multipart(seal(self.secret, offer))
+            reply = self._await(sock, offer, 0)
             if isinstance(reply, Accept):
-                if reply.num_tokens == 0:
-                    ok = True
-                elif reply.start < 0 or reply.start + reply.num_tokens > job.num_tokens:
-                    why = f"the decode side asked for tokens {reply.start}..{reply.start + reply.num_tokens}"
-                else:
-                    if self.delay:
-                        self.stop.wait(self.delay)
-                    lo, hi = reply.start, reply.start + reply.num_tokens
-                    frames = [np.ascontiguousarray(d[:, :, lo:hi]) for d in data]
-                    header = Blocks(PROTOCOL_VERSION, job.wire_id, reply.block_ids, reply.start,
-                                    reply.num_tokens, self.fingerprint or {},
-                                    sign(self.secret, "blocks", job.wire_id))
-                    sock.send_multipart([_encoder.encode(header), *frames], copy=False)
-                    confirm = self._await(sock, decoder, job.wire_id)
-                    if isinstance(confirm, Confirm):
-                        ok = True
-                        with self.lock:
-                            c = self.counters
-                            c["splitwise_blocks_sent"] += -(-hi // self.block_size) - lo // self.block_size
-                            c["splitwise_bytes_sent"] += sum(f.nbytes for f in frames)
-                            c["splitwise_transfers_sent"] += 1
-                    else:
-                        why = confirm.reason if isinstance(confirm, Refuse) else str(confirm)
+                accept = reply
+                ok, why = self._send_blocks(sock, offer, reply, data)
+                if isinstance(why, Refuse):               # the decode side ended it: no Abort needed
+                    why, accept = why.reason, None
             else:
                 why = reply.reason if isinstance(reply, Refuse) else str(reply)
         except Exception as e:                    # never let a transfer take the engine down
             why = f"{type(e).__name__}: {e}"
         finally:
+            if not ok and accept is not None and accept.nonce:
+                self._abort(sock, accept, why)
             sock.close(linger=0)
             with self.lock:
                 if ok:
@@ -457,36 +484,86 @@ class SplitwiseConnector(KVConnector):
         if not ok:
             log.warning("splitwise: transfer of %s to %s failed: %s", job.request_id, job.peer, why)
 
-    def _await(self, sock, decoder, rid: str):
+    def _send_blocks(self, sock, offer: Offer, accept: Accept,
+                     data: list[np.ndarray]) -> tuple[bool, str | Refuse]:
+        """Send the KV the Accept asks for; (done, why not: a reason, or the decode side's Refuse)."""
+        if accept.num_tokens == 0:
+            return True, ""
+        lo, hi = accept.start, accept.start + accept.num_tokens
+        if lo < 0 or hi > offer.num_tokens:
+            return False, f"the decode side asked for tokens {lo}..{hi}"
+        if self.delay:
+            self.stop.wait(self.delay)
+        frames = [np.ascontiguousarray(d[:, :, lo:hi]) for d in data]
+        header = Blocks(PROTOCOL_VERSION, offer.request_id, 1, accept.nonce, accept.block_ids, lo,
+                        accept.num_tokens, frames[0].nbytes if frames else 0)
+        sock.send_multipart(seal(self.secret, header, frames), copy=False)
+        confirm = self._await(sock, offer, 1, accept.nonce)
+        if not isinstance(confirm, Confirm):
+            return False, confirm
+        with self.lock:
+            c = self.counters
+            c["splitwise_blocks_sent"] += -(-hi // self.block_size) - lo // self.block_size
+            c["splitwise_bytes_sent"] += sum(f.nbytes for f in frames)
+            c["splitwise_transfers_sent"] += 1
+        return True, ""
+
+    def _abort(self, sock, accept: Accept, why: str) -> None:
+        """Tell the decode side its reservation will not be filled (it ends the request now)."""
+        try:
+            sock.send_multipart(seal(self.secret, Abort(PROTOCOL_VERSION, accept.request_id, 2, accept.nonce,
+                                                        why[:500])), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _await(self, sock, offer: Offer, seq: int, nonce: str = ""):
+        """The decode side's reply to message ``seq`` of this transfer: a
+        sealed Accept, Confirm or Refuse bound to ``offer`` (and ``nonce``),
+        else a string saying why not."""
         deadline = time.monotonic() + self.timeout
+        decoder = msgspec.msgpack.Decoder(ToPrefill)
         while not self.stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return f"no answer from the decode instance within {self.timeout:g} s"
-            if sock.poll(min(100, int(left * 1000) + 1)):
-                raw = sock.recv()
-                try:
-                    msg = decoder.decode(raw)
-                except msgspec.DecodeError as e:
-                    return f"undecodable reply ({e})"
-                if msg.v != PROTOCOL_VERSION or msg.request_id != rid:
-                    return f"a reply of version {msg.v} for {msg.request_id!r}"
-                return msg
+            if not sock.poll(min(100, int(left * 1000) + 1)):
+                continue
+            frames = sock.recv_multipart()
+            if len(frames) == 1:
+                return read_refusal(frames[0])
+            try:
+                msg, _ = unseal(self.secret, frames, decoder)
+            except WireError as e:
+                return f"a reply that does not authenticate: {e}"
+            step_ok = msg.seq == seq or isinstance(msg, Refuse)
+            if msg.request_id != offer.request_id or msg.offer_nonce != offer.offer_nonce or not step_ok:
+                return f"a reply for another transfer or step ({msg.request_id!r}, seq {msg.seq})"
+            if isinstance(msg, Confirm) and msg.nonce != nonce:
+                return "a confirmation for another reservation"
+            return msg
         return "the engine is stopping"
 
     # -- decode side: the socket thread ------------------------------------------------------
     def _reply(self, identity: bytes, msg) -> None:
-        self.outgoing.put((identity, [_encoder.encode(msg)]))
+        self.outgoing.put((identity, seal(self.secret, msg)))
+
+    def _refuse(self, identity: bytes, rid: str, offer_nonce: str, why: str) -> None:
+        self._reply(identity, Refuse(PROTOCOL_VERSION, rid, why, 0, offer_nonce))
 
     def _reject(self, identity: bytes | None, rid: str, why: str) -> None:
+        """Refuse a message that failed a check; the request it names is left as it was."""
         with self.lock:
             self.counters["splitwise_messages_rejected"] += 1
-            waiting = self.expected.get(rid)
-            if waiting is not None and rid not in self.accepted:    # its prefill side cannot serve it
-                self.failed[waiting[1]] = f"splitwise: refused: {why}"
-        log.warning("splitwise: rejected a message%s: %s", f" for {rid!r}" if rid else "", why)
+            first = identity not in self.logged_peers
+            if first:
+                if len(self.logged_peers) >= MAX_LOGGED_PEERS:
+                    self.logged_peers.clear()
+                self.logged_peers.add(identity)
+        (log.warning if first else log.debug)(
+            "splitwise: rejected a message%s: %s%s", f" for {rid!r}" if rid else "", why,
+            " (further rejections from this connection are logged at debug level)" if first else "")
         if identity is not None:
-            self._reply(identity, Refuse(PROTOCOL_VERSION, rid, why))
+            self.outgoing.put((identity, unsigned(Refuse(PROTOCOL_VERSION, rid, why))))
 
     def _serve(self) -> None:
         decoder = msgspec.msgpack.Decoder(ToDecode)
@@ -509,53 +586,84 @@ class SplitwiseConnector(KVConnector):
                 if self.stop.is_set():
                     return
                 continue
+            identity = parts[0] if parts else None
             try:
-                self._handle(parts, decoder)
+                msg, payload = unseal(self.secret, parts[1:], decoder)
+                self._handle(identity, msg, payload)
+            except WireError as e:
+                self._reject(identity, e.request_id, str(e))
             except Exception as e:                 # a bad message must never stop the thread
-                self._reject(parts[0] if parts else None, "", f"{type(e).__name__}: {e}")
+                self._reject(identity, "", f"{type(e).__name__}: {e}")
 
-    def _handle(self, parts: list[bytes], decoder) -> None:
-        if len(parts) < 2:
-            return self._reject(None, "", "no header frame")
-        identity, header, payload = parts[0], parts[1], parts[2:]
-        if len(header) > MAX_HEADER_BYTES:
-            return self._reject(identity, "", f"header of {len(header)} bytes")
-        try:
-            msg = decoder.decode(header)
-        except msgspec.DecodeError as e:
-            return self._reject(identity, "", f"not a splitwise message ({e})")
+    def _handle(self, identity: bytes, msg, payload: list[bytes]) -> None:
+        """An authenticated message: raises WireError if it does not fit the transfer it names."""
+        if isinstance(msg, Offer):
+            return self._take_offer(identity, msg, payload)
+        with self.lock:
+            res = self.accepted.get(msg.request_id)
+        self._check_owner(identity, msg, res)
+        if isinstance(msg, Abort):
+            with self.lock:
+                res.last_seq = msg.seq
+                self.failed[res.engine_id] = f"splitwise: the prefill instance aborted the transfer: {msg.reason}"
+            return
         rid = msg.request_id
-        if msg.v != PROTOCOL_VERSION:
-            return self._reject(identity, rid, f"protocol version {msg.v}, expected {PROTOCOL_VERSION}")
-        kind = "offer" if isinstance(msg, Offer) else "blocks"
-        if not hmac.compare_digest(msg.auth.encode(), sign(self.secret, kind, rid).encode()):
-            return self._reject(identity, rid, "wrong or missing connector secret")
+        if msg.block_ids != res.block_ids or msg.start != res.start or msg.num_tokens != res.num_tokens:
+            raise WireError("block ids or token counts differ from the reservation", rid)
+        want = self._frame_bytes(res.num_tokens)
+        if msg.frame_bytes != want or len(payload) != self.spec.num_layers or any(len(f) != want for f in payload):
+            raise WireError(f"payload must be {self.spec.num_layers} frames of {want} bytes", rid)
+        with self.lock:
+            res.last_seq = msg.seq
+            self.arrived[rid] = payload
+
+    def _check_owner(self, identity: bytes, msg: Blocks | Abort, res: _Reservation | None) -> None:
+        rid = msg.request_id
+        if res is None:
+            raise WireError("no reservation for this request id (or it was used)", rid)
+        if identity != res.identity:
+            raise WireError("not from the connection that made the offer", rid)
+        if msg.nonce != res.nonce:
+            raise WireError("not this reservation's nonce (a replay?)", rid)
+        if msg.seq <= res.last_seq:
+            raise WireError(f"sequence number {msg.seq} after {res.last_seq} (a replay?)", rid)
+
+    def _take_offer(self, identity: bytes, msg: Offer, payload: list[bytes]) -> None:
+        rid, now = msg.request_id, time.time()
+        if payload:
+            raise WireError("an offer carries no payload", rid)
+        if msg.seq != 0:
+            raise WireError(f"an offer with sequence number {msg.seq}", rid)
+        if abs(now - msg.sent_at) > self.offer_max_age:
+            raise WireError(f"an offer sent {now - msg.sent_at:.0f} s ago (offer_max_age_s "
+                            f"{self.offer_max_age:g}; a replay, or the clocks differ)", rid)
+        with self.lock:
+            self.seen_offers = {n: t for n, t in self.seen_offers.items() if now - t <= 2 * self.offer_max_age}
+            if msg.offer_nonce in self.seen_offers:
+                raise WireError("an offer seen before (a replay)", rid)
+            self.seen_offers[msg.offer_nonce] = now
         if self.fingerprint is not None and msg.fingerprint != self.fingerprint:
             diff = sorted(k for k in set(msg.fingerprint) | set(self.fingerprint)
                           if msg.fingerprint.get(k) != self.fingerprint.get(k))
-            return self._reject(identity, rid, f"another model or KV layout (differs in: {', '.join(diff)})")
-        if isinstance(msg, Offer):
-            if payload:
-                return self._reject(identity, rid, "an offer carries no payload")
-            if msg.num_tokens <= 0:
-                return self._reject(identity, rid, f"offer of {msg.num_tokens} tokens")
-            with self.lock:
-                if rid in self.offers or rid in self.accepted:
-                    return self._reject(identity, rid, "a transfer for this request is already under way")
-                self.offers[rid] = _OfferState(identity, msg, time.monotonic())
-            return
-        # Blocks
-        acc = self.accepted.get(rid)
-        if acc is None:
-            return self._reject(identity, rid, "no reservation for this request id")
-        _, block_ids, start, n, _, _ = acc
-        if msg.block_ids != block_ids or msg.start != start or msg.num_tokens != n:
-            return self._reject(identity, rid, "block ids or token counts differ from the reservation")
-        want = 2 * self.spec.num_kv_heads * n * self.spec.head_dim * self.dtype.itemsize
-        if len(payload) != self.spec.num_layers or any(len(f) != want for f in payload):
-            return self._reject(identity, rid, f"payload must be {self.spec.num_layers} frames of {want} bytes")
+            return self._refuse_offer(identity, msg, f"another model or KV layout (differs in: {', '.join(diff)})")
+        if msg.num_tokens <= 0:
+            return self._refuse_offer(identity, msg, f"offer of {msg.num_tokens} tokens")
         with self.lock:
-            self.arrived[rid] = payload
+            busy = rid in self.offers or rid in self.accepted
+            if not busy:
+                self.offers[rid] = _OfferState(identity, msg, time.monotonic())
+        if busy:
+            raise WireError("a transfer for this request is already under way", rid)
+
+    def _refuse_offer(self, identity: bytes, msg: Offer, why: str) -> None:
+        """An authenticated offer the waiting request cannot use: it ends (the router retries elsewhere)."""
+        with self.lock:
+            self.counters["splitwise_messages_rejected"] += 1
+            waiting = self.expected.get(msg.request_id)
+            if waiting is not None and msg.request_id not in self.accepted:
+                self.failed[waiting[1]] = f"splitwise: refused: {why}"
+        log.warning("splitwise: refused the offer for %r: %s", msg.request_id, why)
+        self._refuse(identity, msg.request_id, msg.offer_nonce, why)
 
     def _sweep_unknown(self) -> None:
         """Refuse offers for request ids this instance never saw (after a grace
@@ -568,7 +676,9 @@ class SplitwiseConnector(KVConnector):
             for rid, _ in stale:
                 del self.offers[rid]
         for rid, st in stale:
-            self._reject(st.identity, rid, "unknown request id")
+            self._refuse(st.identity, rid, st.offer.offer_nonce, "unknown request id")
+            with self.lock:
+                self.counters["splitwise_messages_rejected"] += 1
 
 
 TIME_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
