@@ -95,6 +95,16 @@ class ServerConfig(_Section):
                                                             # completions together; past it 400
     health_access: Literal["open", "key", "off"] = "open"   # /health: no key needed, the API key, or 404
     metrics_access: Literal["open", "key", "off"] = "open"  # /metrics likewise
+    # -- what one request may carry (issue 21; checked at the edge, serve and router: core/serving/edge.py)
+    max_stop_strings: int = Field(16, gt=0)          # stop strings per request
+    max_stop_string_chars: int = Field(1024, gt=0)   # characters in each stop string
+    max_bad_words: int = Field(256, ge=0)            # bad_words entries (each is tokenized)
+    max_bad_words_bytes: int = Field(64 * 1024, ge=0)  # UTF-8 bytes of all bad_words together
+    max_logit_bias: int = Field(1024, ge=0)          # logit_bias entries
+    max_allowed_token_ids: int = Field(262144, gt=0)  # allowed_token_ids entries
+    max_guided_bytes: int = Field(64 * 1024, gt=0)   # a guided schema / regex / grammar / tag (as JSON)
+    max_guided_choices: int = Field(1024, gt=0)      # guided_choice entries
+    max_extra_args_bytes: int = Field(64 * 1024, gt=0)  # extra_args (vllm_xargs) as JSON
 
     @model_validator(mode="after")
     def _key_for_closed_endpoints(self):

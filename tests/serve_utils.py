@@ -108,6 +108,46 @@ class ServerProcess:
         self._log.close()
 
 
+class RouterProcess:
+    """A real ``fdx router`` subprocess on a free loopback port."""
+
+    def __init__(self, tmp, prefill: list[str], decode: list[str], *extra: str, preexec_fn=None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"router-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fdx.core.cli", "router", "--port", str(self.port), "--health-interval", "0.5",
+             "--log-level", "info", *extra, "--prefill", *prefill, "--decode", *decode],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=preexec_fn)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log_path.read_text()
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(self.log_path.read_text())
+
+    def status(self) -> dict:
+        return httpx.get(self.base_url + "/status", timeout=5).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
 def ready_server(tmp: pathlib.Path, server: dict | None = None, **sections) -> ServerProcess:
     """A ``ServerProcess`` that answers /health (stopped again if it never does)."""
     srv = ServerProcess(tmp, server, **sections)

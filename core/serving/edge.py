@@ -1,0 +1,204 @@
+"""The edge policy that ``fdx serve`` and ``fdx router`` share (docs/security.md).
+
+Before anything reads a body: the API key (from the headers, constant-time)
+and the body limit (Content-Length, then counted as it arrives). After the
+schema (core/serving/protocol.py) has parsed it: the sizes a request may
+carry (stop strings, bad words, logit_bias, guided constraints,
+extra_args), so no field can make the engine do unbounded work or put a
+number on the wire that msgpack cannot carry. Every refusal is an
+OpenAI-shaped 4xx naming the field. Paddle-free: the API process and the
+router import it.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fdx.core.serving import security
+from fdx.core.serving.protocol import MAX_JSON_DEPTH, APIError, check_untrusted, error_body
+
+INT64 = (-2**63, 2**63)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """The API key (on the paths ``security.needs_key`` names) and the body
+    limit, both decided on the headers before any body byte is read."""
+
+    def __init__(self, app, sc):
+        self.app = app
+        self.key = sc.api_key.encode() if sc.api_key else None
+        self.max_body = sc.max_request_body_bytes
+        self.sc = sc
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.key is not None and security.needs_key(self.sc, scope["path"]):
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                return await send_json(send, 401, error_body(
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    "authentication_error", code="invalid_api_key"))
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return await send_json(send, 413, error_body(
+                f"the request body is {int(length)} bytes; the limit is {self.max_body}",
+                code="request_too_large"))
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise BodyTooLarge()
+            return message
+        return await self.app(scope, limited_receive, send)
+
+
+async def send_json(send, status: int, body: dict) -> None:
+    raw = JSONResponse(body).body                 # the same bytes as every other error body
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def validation_error(errs: list[dict]) -> JSONResponse:
+    """A pydantic validation failure as a 400 naming the first bad field."""
+    if any(er.get("type") == "json_invalid" or tuple(er.get("loc", ())) == ("body",) for er in errs):
+        return JSONResponse(error_body("the request body is not a valid JSON object"), status_code=400)
+    first = errs[0] if errs else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = "; ".join(f"{'.'.join(str(p) for p in er.get('loc', ()) if p != 'body') or 'body'}: {er.get('msg')}"
+                    for er in errs[:5])
+    return JSONResponse(error_body(f"invalid request: {msg}", param=param), status_code=400)
+
+
+def install(app, sc) -> None:
+    """The guard and the error handlers: every refusal in OpenAI's shape."""
+    app.add_middleware(GuardMiddleware, sc=sc)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        return validation_error(e.errors())
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_, e):
+        return JSONResponse(error_body(f"the request body exceeds {sc.max_request_body_bytes} bytes",
+                                       code="request_too_large"), status_code=413)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        if isinstance(e.__cause__, BodyTooLarge):           # FastAPI wraps what reading the body raised
+            return await _too_large(None, e.__cause__)
+        detail = str(e.detail)
+        if detail == "There was an error parsing the body":   # FastAPI's words for bad UTF-8, deep nesting
+            detail = "the request body could not be parsed as JSON (it must be UTF-8 and not absurdly nested)"
+        return JSONResponse(error_body(detail, kind), status_code=e.status_code)
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON, or a 400 (bad UTF-8, bad JSON, absurd nesting)."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON (it must be UTF-8)") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body is not a valid JSON object")
+    check_untrusted(data)
+    return data
+
+
+# -- what one request may carry ----------------------------------------------------
+
+def _json_size(value: Any) -> int:
+    return len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False))
+
+
+def check_wire_values(value: Any, param: str) -> None:
+    """Only what msgpack carries: integers within 64 bits, anywhere inside."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, bool) or v is None or isinstance(v, (str, float)):
+            continue
+        if isinstance(v, int):
+            if not INT64[0] <= v < INT64[1]:
+                raise APIError(400, f"{param} holds the integer {str(v)[:40]}, outside the 64-bit range",
+                               param=param)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def check_limits(req, sc, vocab_size: int | None = None) -> None:
+    """Refuse (400, naming the field) what is past this server's per-request
+    limits (server.max_* in core/config.py, documented in docs/serving.md)."""
+    def refuse(param: str, why: str):
+        raise APIError(400, f"{param}: {why}", param=param, code="limit_exceeded")
+
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stop) > sc.max_stop_strings:
+        refuse("stop", f"at most {sc.max_stop_strings} stop strings, got {len(stop)}")
+    if any(len(s) > sc.max_stop_string_chars for s in stop):
+        refuse("stop", f"each stop string at most {sc.max_stop_string_chars} characters")
+    words = req.bad_words or []
+    if len(words) > sc.max_bad_words:
+        refuse("bad_words", f"at most {sc.max_bad_words} words, got {len(words)}")
+    total = sum(len(w.encode("utf-8")) for w in words)
+    if total > sc.max_bad_words_bytes:
+        refuse("bad_words", f"at most {sc.max_bad_words_bytes} bytes of words in all, got {total}")
+    top = vocab_size if vocab_size else 2**31
+    bias = req.logit_bias or {}
+    if len(bias) > sc.max_logit_bias:
+        refuse("logit_bias", f"at most {sc.max_logit_bias} entries, got {len(bias)}")
+    for k in bias:
+        if not (k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < top):
+            refuse("logit_bias", f"keys must be token ids in [0, {top}), got {k[:40]!r}")
+    allowed = req.allowed_token_ids
+    if allowed is not None:
+        if len(allowed) > sc.max_allowed_token_ids:
+            refuse("allowed_token_ids", f"at most {sc.max_allowed_token_ids} token ids, got {len(allowed)}")
+        if any(t >= top for t in allowed):
+            refuse("allowed_token_ids", f"token ids must be in [0, {top})")
+    if vocab_size and any(t >= vocab_size for t in req.stop_token_ids or []):
+        refuse("stop_token_ids", f"token ids must be in [0, {vocab_size})")
+    for name in ("guided_json", "guided_regex", "guided_grammar", "structural_tag", "response_format"):
+        value = getattr(req, name)
+        if value is not None and _json_size(value) > sc.max_guided_bytes:
+            refuse(name, f"at most {sc.max_guided_bytes} characters")
+    choices = req.guided_choice
+    if choices is not None:
+        if len(choices) > sc.max_guided_choices:
+            refuse("guided_choice", f"at most {sc.max_guided_choices} choices, got {len(choices)}")
+        if sum(map(len, choices)) > sc.max_guided_bytes:
+            refuse("guided_choice", f"at most {sc.max_guided_bytes} characters of choices in all")
+    for name in ("extra_args", "vllm_xargs"):
+        value = getattr(req, name)
+        if value is None:
+            continue
+        check_wire_values(value, name)
+        if _json_size(value) > sc.max_extra_args_bytes:
+            refuse(name, f"at most {sc.max_extra_args_bytes} bytes (as JSON)")
