@@ -57,6 +57,11 @@ class SamplingParams:
                 raise ValueError("invalid sampling parameter logit_bias: keys must be token ids") from None
         self.validate()
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a shallow dict (no deep copy, unlike dataclasses.asdict:
+        copying a long token-id list took 160 ms of the event loop)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
         known = {f.name for f in fields(cls)}

@@ -324,7 +324,7 @@ class Server:
                 child = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + i) % 2**63)
                 idx = p_idx * sp.n + i
                 seqs.append(SequenceState(f"{prefix}-{idx}", idx, p_idx, ids, child, self.tokenizer, arrival))
-                engine_side = dataclasses.asdict(child)
+                engine_side = child.to_dict()
                 engine_side.update(stop=[], detokenize=False)   # text and stop strings: this process
                 params.append(engine_side)
         return RequestGroup(self, seqs, params)

@@ -121,13 +121,38 @@ def parse_json(raw: bytes) -> Any:
     try:
         data = json.loads(raw)
     except RecursionError:
-        raise APIError(400, f"the request nests deeper than {MAX_JSON_DEPTH} levels") from None
+        raise APIError(400, f"the request nests deeper than {MAX_JSON_DEPTH} levels",
+                       param=_deep_field(raw)) from None
     except ValueError:
         raise APIError(400, "the request body is not valid JSON (it must be UTF-8)") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body is not a valid JSON object")
     check_untrusted(data)
     return data
+
+
+def _deep_field(raw: bytes) -> str | None:
+    """The top-level key whose value nests past MAX_JSON_DEPTH (a scan, no parser)."""
+    depth, in_str, esc, start, key = 0, False, False, 0, None
+    for i, ch in enumerate(raw):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == 0x5C:                      # backslash
+                esc = True
+            elif ch == 0x22:                      # the closing quote
+                in_str = False
+                if depth == 1:
+                    key = raw[start:i].decode("utf-8", "replace")
+        elif ch == 0x22:
+            in_str, start = True, i + 1
+        elif ch in b"[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return key
+        elif ch in b"]}":
+            depth -= 1
+    return None
 
 
 # -- what one request may carry ----------------------------------------------------
