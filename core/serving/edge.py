@@ -80,11 +80,11 @@ def validation_error(errs: list[dict]) -> JSONResponse:
     """A pydantic validation failure as a 400 naming the first bad field."""
     if any(er.get("type") == "json_invalid" or tuple(er.get("loc", ())) == ("body",) for er in errs):
         return JSONResponse(error_body("the request body is not a valid JSON object"), status_code=400)
-    first = errs[0] if errs else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = "; ".join(f"{'.'.join(str(p) for p in er.get('loc', ()) if p != 'body') or 'body'}: {er.get('msg')}"
-                    for er in errs[:5])
+    def where(er: dict) -> str:                   # no "body", no union member labels ("list[int]")
+        return ".".join(str(p) for p in er.get("loc", ()) if p != "body" and not (
+            isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool", "dict", "list"))))
+    param = (where(errs[0]) if errs else None) or None
+    msg = "; ".join(f"{where(er) or 'body'}: {er.get('msg')}" for er in errs[:5])
     return JSONResponse(error_body(f"invalid request: {msg}", param=param), status_code=400)
 
 

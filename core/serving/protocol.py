@@ -16,6 +16,7 @@ MAX_PROMPTS = 1024             # prompts in one completion request (checked befo
 # numbers as JSON sent them: no bool taken as 1, no 1.0 or "5" taken as an integer, and every
 # integer within 64 bits (msgpack carries no more; core/serving/edge.py checks vocabulary ranges)
 Int = Annotated[int, Strict(), Field(ge=-2**63, lt=2**63)]
+AnyInt = Annotated[int, Strict()]    # ranged later, where the message can say more (vocabulary, 2**31)
 TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]
 Num = Annotated[float, Strict()]
 
@@ -86,7 +87,7 @@ class _SamplingRequest(_Model):
     min_p: Num | None = None
     n: Int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[AnyInt] | None = None
     seed: Int | None = None
     presence_penalty: Num | None = None
     frequency_penalty: Num | None = None
@@ -187,7 +188,7 @@ class _SamplingRequest(_Model):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[Int] | list[list[Int]]
+    prompt: str | list[str] | list[AnyInt] | list[list[AnyInt]]
     echo: bool = False
     logprobs: Int | None = None
     suffix: str | None = None
