@@ -81,6 +81,8 @@ class ServerConfig(_Section):
     max_concurrency: int | None = Field(None, gt=0)  # HTTP generation requests in flight; past it 429
     max_queue: int | None = Field(None, gt=0)  # sequences sent with no token yet; past it 429
     max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger bodies get 413
+    max_connections: int | None = Field(None, gt=0)  # open client connections; past it 503 at once.
+                                               # None: what the descriptor limit leaves (never more)
     engine_death_grace_s: float = Field(2.0, ge=0)  # answer 503 this long after the engine died, then exit 1
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # uvicorn's
     access_log: bool = False

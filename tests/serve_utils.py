@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, tmp: pathlib.Path, server: dict | None = None, **sections):
+    def __init__(self, tmp: pathlib.Path, server: dict | None = None, preexec_fn=None, **sections):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = {"model": {"max_model_len": 512}, "cache": {"block_size": 16, "num_kv_blocks": 64},
@@ -35,7 +35,8 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fdx.core.cli", "serve", "--config", str(cfg), "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=preexec_fn)
 
     def log(self) -> str:
         return self.log_path.read_text()[-4000:]
@@ -148,9 +149,9 @@ class RouterProcess:
         self._log.close()
 
 
-def ready_server(tmp: pathlib.Path, server: dict | None = None, **sections) -> ServerProcess:
+def ready_server(tmp: pathlib.Path, server: dict | None = None, preexec_fn=None, **sections) -> ServerProcess:
     """A ``ServerProcess`` that answers /health (stopped again if it never does)."""
-    srv = ServerProcess(tmp, server, **sections)
+    srv = ServerProcess(tmp, server, preexec_fn, **sections)
     try:
         srv.wait_ready()
     except BaseException:

@@ -201,3 +201,62 @@ def test_router_keeps_the_same_rules_as_serve(cluster, extra, param):
     status = router.status()
     assert all(i["up"] for i in status["decode"] + status["prefill"]), status
     assert json.dumps(status)                       # the router answers, in rotation
+
+
+# -- connections ----------------------------------------------------------------------------
+
+FD_LIMIT = 256
+
+
+def _low_fd_limit() -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+def test_a_connection_flood_is_refused_clearly_without_a_log_flood(tmp_path, tiny_model):
+    """300 clients that open a connection and trickle a header that never
+    ends, against a server whose descriptor limit is 256: a fresh client
+    still gets an answer (200, or a 503 saying why), the log stays short,
+    and once they go the server serves as before."""
+    import socket
+    srv = ready_server(tmp_path, {}, _low_fd_limit, model={"model": tiny_model, "max_model_len": 512})
+    socks: list[socket.socket] = []
+    try:
+        log0 = len(srv.log_path.read_text().splitlines())
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")          # the head never ends
+            socks.append(s)
+        for i in range(3):                                               # trickle
+            time.sleep(1)
+            for s in socks:
+                try:
+                    s.sendall(b"X-%d: y\r\n" % i)
+                except OSError:
+                    pass                                                 # refused and closed: fine
+        r = httpx.get(srv.base_url + "/health", timeout=15)
+        if r.status_code != 200:
+            assert_openai_error(r, 503)
+            assert r.json()["error"]["code"] == "too_many_connections"
+        time.sleep(2)
+        assert srv.proc.poll() is None
+        lines = srv.log_path.read_text().splitlines()[log0:]
+        assert len(lines) < 20, "\n".join(lines[:40])
+    finally:
+        for s in socks:
+            s.close()
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                ok = httpx.get(srv.base_url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert ok, srv.log()
+        with httpx.Client(base_url=srv.base_url, headers=HEADERS, timeout=60) as http:
+            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()

@@ -527,7 +527,9 @@ def run_server(config: FdxConfig) -> int:
     app = build_app(server)
     uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                log_level=config.server.log_level, access_log=config.server.access_log,
-                               timeout_graceful_shutdown=10, lifespan="off")
+                               timeout_graceful_shutdown=10, lifespan="off",
+                               http=edge.capped_http_protocol(edge.connection_cap(config.server.max_connections)))
+    edge.quiet_accept_errors()
     warning = security.exposure_warning(config.server)
     if warning:
         log.warning("%s", warning)

@@ -11,8 +11,11 @@ router import it.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
+import time
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -227,3 +230,116 @@ def check_limits(req, sc, vocab_size: int | None = None) -> None:
         check_wire_values(value, name)
         if _json_size(value) > sc.max_extra_args_bytes:
             refuse(name, f"at most {sc.max_extra_args_bytes} bytes (as JSON)")
+
+
+# -- connections: a cap below the file-descriptor limit, and no log flood -------------
+
+MAX_LINGERING = 16         # refused connections kept open (up to 1 s) so their client reads the 503
+FD_RESERVE = 64            # descriptors kept for everything but client connections (engine pipes, files)
+_REFUSAL = json.dumps(error_body("too many open connections; retry later", "service_unavailable",
+                                 code="too_many_connections")).encode()
+REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: "
+           + str(len(_REFUSAL)).encode() + b"\r\nconnection: close\r\nretry-after: 1\r\n\r\n" + _REFUSAL)
+
+
+def connection_cap(configured: int | None) -> int:
+    """Open client connections allowed: ``configured``, and never more than
+    the descriptor limit (raised to its hard limit first) leaves after
+    FD_RESERVE, so accept() never runs out of descriptors."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    room = max(1, soft - FD_RESERVE) if soft != resource.RLIM_INFINITY else 1 << 20
+    return min(configured, room) if configured else room
+
+
+def capped_http_protocol(max_connections: int):
+    """uvicorn's h11 protocol, answering a connection past ``max_connections``
+    with a 503 (OpenAI-shaped, ``code: too_many_connections``) and closing it
+    once its request head has arrived, or after a second."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class CappedH11Protocol(H11Protocol):
+        refused = False
+        lingering = 0                             # refused connections waiting for their head
+
+        def connection_made(self, transport) -> None:
+            if len(self.connections) < max_connections:
+                return super().connection_made(transport)
+            self.refused, self.transport = True, transport
+            refusals.warning("refusing connections past server.max_connections=%d (503)", max_connections)
+            transport.write(REFUSAL)
+            if CappedH11Protocol.lingering >= MAX_LINGERING:    # a flood: no descriptor held for it
+                self._closer = None
+                transport.close()
+                return
+            CappedH11Protocol.lingering += 1
+            self._closer = asyncio.get_running_loop().call_later(1.0, transport.close)
+
+        def data_received(self, data: bytes) -> None:
+            if not self.refused:
+                return super().data_received(data)
+            if b"\r\n\r\n" in data:               # the head is read: closing now sends no reset
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            if not self.refused:
+                return super().connection_lost(exc)
+            if self._closer is not None:
+                self._closer.cancel()
+                CappedH11Protocol.lingering -= 1
+
+        def pause_writing(self) -> None:
+            if not self.refused:
+                super().pause_writing()
+
+        def resume_writing(self) -> None:
+            if not self.refused:
+                super().resume_writing()
+
+    return CappedH11Protocol
+
+
+class RateLimitFilter(logging.Filter):
+    """Let through at most one record per ``period`` seconds (per logger it
+    guards); the next one says how many were held back. For messages that
+    would otherwise repeat thousands of times a second (a refused
+    connection, accept() out of descriptors)."""
+
+    def __init__(self, period: float = 10.0, only: tuple[str, ...] = ()):
+        super().__init__()
+        self.period, self.only = period, only
+        self.last, self.dropped = -float("inf"), 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.only and not any(s in str(record.msg) for s in self.only):
+            return True
+        now = time.monotonic()
+        if now - self.last < self.period:
+            self.dropped += 1
+            return False
+        if self.dropped:
+            record.msg = f"{record.msg} ({self.dropped} more like it in the last {self.period:g} s not logged)"
+            self.dropped = 0
+        self.last = now
+        if record.exc_info and "out of system resource" in str(record.msg):
+            record.exc_info, record.exc_text = None, None   # one line, not a traceback each time
+            record.msg = f"{record.msg}: too many open files (raise the descriptor limit or server.max_connections)"
+        return True
+
+
+refusals = logging.getLogger("fdx.connections")
+refusals.addFilter(RateLimitFilter())
+
+
+def quiet_accept_errors() -> None:
+    """asyncio logs a traceback each time accept() finds no descriptor left:
+    at most one line per 10 s instead (idempotent)."""
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, RateLimitFilter) for f in log.filters):
+        log.addFilter(RateLimitFilter(only=("out of system resource",)))

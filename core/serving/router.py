@@ -367,6 +367,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(default $FDX_API_KEY; the instances' key, which the router passes on)")
     r.add_argument("--max-request-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="larger request bodies get 413 before they are read whole (default 4 MiB)")
+    r.add_argument("--max-connections", type=int, default=None,
+                   help="open client connections; past it 503 at once (default: what the descriptor limit leaves)")
     r.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
     r.set_defaults(func=cmd_router)
@@ -392,9 +394,11 @@ def cmd_router(args) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from fdx.core.config import ServerConfig
+    from fdx.core.serving import edge
     try:
         sc = ServerConfig(api_key=args.api_key or os.environ.get("FDX_API_KEY") or None,
-                          max_request_body_bytes=args.max_request_body_bytes)
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          max_connections=args.max_connections)
     except ValueError as e:
         print(f"fdx router: error: {e}", file=sys.stderr)
         return 2
@@ -404,7 +408,9 @@ def cmd_router(args) -> int:
         await asyncio.gather(*(router.refresh(i) for i in pre + dec))
         watcher = asyncio.create_task(router.watch())
         config = uvicorn.Config(build_router_app(router, sc), host=args.host, port=args.port,
-                                log_level=args.log_level, access_log=False, lifespan="off")
+                                log_level=args.log_level, access_log=False, lifespan="off",
+                                http=edge.capped_http_protocol(edge.connection_cap(sc.max_connections)))
+        edge.quiet_accept_errors()
         print(f"fdx router: http://{args.host}:{args.port}/v1 -> prefill {', '.join(args.prefill)}; "
               f"decode {', '.join(args.decode)}", flush=True)
         try:
