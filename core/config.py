@@ -81,6 +81,8 @@ class ServerConfig(_Section):
     max_concurrency: int | None = Field(None, gt=0)  # HTTP generation requests in flight; past it 429
     max_queue: int | None = Field(None, gt=0)  # sequences sent with no token yet; past it 429
     max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger bodies get 413
+    max_connections: int | None = Field(None, gt=0)  # open client connections; past it 503 at once.
+                                               # None: what the descriptor limit leaves (never more)
     engine_death_grace_s: float = Field(2.0, ge=0)  # answer 503 this long after the engine died, then exit 1
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # uvicorn's
     access_log: bool = False
@@ -95,6 +97,16 @@ class ServerConfig(_Section):
                                                             # completions together; past it 400
     health_access: Literal["open", "key", "off"] = "open"   # /health: no key needed, the API key, or 404
     metrics_access: Literal["open", "key", "off"] = "open"  # /metrics likewise
+    # -- what one request may carry (issue 21; checked at the edge, serve and router: core/serving/edge.py)
+    max_stop_strings: int = Field(16, gt=0)          # stop strings per request
+    max_stop_string_chars: int = Field(1024, gt=0)   # characters in each stop string
+    max_bad_words: int = Field(256, ge=0)            # bad_words entries (each is tokenized)
+    max_bad_words_bytes: int = Field(64 * 1024, ge=0)  # UTF-8 bytes of all bad_words together
+    max_logit_bias: int = Field(1024, ge=0)          # logit_bias entries
+    max_allowed_token_ids: int = Field(262144, gt=0)  # allowed_token_ids entries
+    max_guided_bytes: int = Field(64 * 1024, gt=0)   # a guided schema / regex / grammar / tag (as JSON)
+    max_guided_choices: int = Field(1024, gt=0)      # guided_choice entries
+    max_extra_args_bytes: int = Field(64 * 1024, gt=0)  # extra_args (vllm_xargs) as JSON
 
     @model_validator(mode="after")
     def _key_for_closed_endpoints(self):

@@ -33,6 +33,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None     # only these may be sampled
     bad_words: list[str] | None = None      # never generate these words (their last token is banned
                                             # where the tokens before it were just generated)
+    bad_words_token_ids: list[list[int]] | None = None  # bad_words already tokenized (bad_word_sequences):
+                                            # the server does it in its API process, not on the engine thread
     extra_args: dict[str, Any] | None = None       # per-request arguments for logits-processor plugins
     # guided decoding (decoding.guided_backend; at most one constraint per request; see docs/guided.md)
     guided_json: dict | str | None = None   # a JSON schema (a dict, or its JSON text)
@@ -54,6 +56,11 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ValueError("invalid sampling parameter logit_bias: keys must be token ids") from None
         self.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a shallow dict (no deep copy, unlike dataclasses.asdict:
+        copying a long token-id list took 160 ms of the event loop)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
@@ -136,6 +143,12 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list)
                                            or any(not isinstance(w, str) or not w for w in self.bad_words)):
             bad("bad_words", "must be a list of non-empty strings")
+        if self.bad_words_token_ids is not None and (
+                not isinstance(self.bad_words_token_ids, list)
+                or any(not isinstance(seq, list) or not seq or any(
+                    isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31 for t in seq)
+                    for seq in self.bad_words_token_ids)):
+            bad("bad_words_token_ids", "must be a list of non-empty lists of token ids")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", "must be a JSON object (a dict)")
         self._validate_guided(bad)
@@ -172,3 +185,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def bad_word_sequences(encode, words: list[str]) -> list[list[int]]:
+    """The token sequences a bad_words list bans: each word as written and
+    with a leading space (vLLM's semantics); ``encode(text)`` tokenizes
+    without special tokens."""
+    seqs = set()
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(encode(text))
+            if ids:
+                seqs.add(ids)
+    return [list(ids) for ids in sorted(seqs)]

@@ -20,7 +20,7 @@ PLUGIN_PKG = ROOT / "tests" / "plugin_pkg"
 SLOW_FIXTURES = {
     "smollm_llm", "smollm", "smollm_reference", "hf_smollm", "hf_smollm_model", "hf_logits",
     "tiny_checkpoints", "smollm_hf_tokenizer_dir", "example_plugin_installed", "server", "case", "ref",
-    "browser", "built_wheel",
+    "browser", "built_wheel", "tiny_model",
 }
 
 
@@ -107,6 +107,24 @@ def smollm_hf_tokenizer_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm_tok")
     tok.save_pretrained(str(out))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, smollm_hf_tokenizer_dir):
+    """A tiny random Llama (2 layers, hidden 64) with a 4096-token context,
+    so that a stream can stay open for a while."""
+    import shutil
+
+    import torch
+    import transformers
+    cfg = tiny_hf_config("LlamaForCausalLM")
+    cfg.max_position_embeddings = 4096
+    torch.manual_seed(13)
+    d = tmp_path_factory.mktemp("tiny_llama_4k")
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(d), safe_serialization=True)
+    for f in smollm_hf_tokenizer_dir.iterdir():
+        shutil.copy(f, d / f.name)
+    return str(d)
 
 
 @pytest.fixture(scope="session")

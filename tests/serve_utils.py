@@ -21,8 +21,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ServerProcess:
-    def __init__(self, tmp: pathlib.Path, server: dict | None = None, **sections):
+    def __init__(self, tmp: pathlib.Path, server: dict | None = None, preexec_fn=None, **sections):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = {"model": {"max_model_len": 512}, "cache": {"block_size": 16, "num_kv_blocks": 64},
@@ -35,7 +46,8 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fdx.core.cli", "serve", "--config", str(cfg), "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=preexec_fn)
 
     def log(self) -> str:
         return self.log_path.read_text()[-4000:]
@@ -98,19 +110,47 @@ class ServerProcess:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 30)
         self._log.close()
 
 
-def ready_server(tmp: pathlib.Path, server: dict | None = None, **sections) -> ServerProcess:
+class RouterProcess:
+    """A real ``fdx router`` subprocess on a free loopback port."""
+
+    def __init__(self, tmp, prefill: list[str], decode: list[str], *extra: str, preexec_fn=None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"router-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fdx.core.cli", "router", "--port", str(self.port), "--health-interval", "0.5",
+             "--log-level", "info", *extra, "--prefill", *prefill, "--decode", *decode],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=preexec_fn)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log_path.read_text()
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(self.log_path.read_text())
+
+    def status(self) -> dict:
+        return httpx.get(self.base_url + "/status", timeout=5).json()
+
+    def stop(self) -> None:
+        terminate(self.proc, 15)
+        self._log.close()
+
+
+def ready_server(tmp: pathlib.Path, server: dict | None = None, preexec_fn=None, **sections) -> ServerProcess:
     """A ``ServerProcess`` that answers /health (stopped again if it never does)."""
-    srv = ServerProcess(tmp, server, **sections)
+    srv = ServerProcess(tmp, server, preexec_fn, **sections)
     try:
         srv.wait_ready()
     except BaseException:

@@ -82,3 +82,95 @@ def test_token_budget_as_vllm_and_the_cap():
 def test_loopback_addresses():
     assert all(map(is_loopback, ["127.0.0.1", "127.8.8.8", "::1", "[::1]", "localhost"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.1", "example.com"]))
+
+
+# -- issue 21: numbers the wire cannot carry, and the per-request limits (core/serving/edge.py)
+
+def _edge_refusal(body: dict, vocab: int | None = 49152) -> APIError:
+    """The APIError the edge answers ``body`` with (schema, then limits)."""
+    from pydantic import ValidationError
+
+    from fdx.core.config import ServerConfig
+    from fdx.core.serving.edge import check_limits, validation_error
+    try:
+        req = CompletionRequest.model_validate(body)
+    except ValidationError as e:
+        resp = validation_error(e.errors(include_url=False))
+        err = json.loads(resp.body)["error"]
+        return APIError(resp.status_code, err["message"], param=err["param"])
+    with pytest.raises(APIError) as e:
+        check_limits(req, ServerConfig(), vocab)
+    return e.value
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logit_bias": {str(10 ** 30): 1}}, "logit_bias"), ({"logit_bias": {"49152": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {"1e3": 1}}, "logit_bias"),
+    ({"allowed_token_ids": [10 ** 30]}, "allowed_token_ids.0"), ({"allowed_token_ids": [49152]}, "allowed_token_ids"),
+    ({"stop_token_ids": [49152]}, "stop_token_ids"),
+    ({"extra_args": {"x": 10 ** 30}}, "extra_args"), ({"extra_args": {"x": [{"y": -10 ** 30}]}}, "extra_args"),
+    ({"vllm_xargs": {"x": 2 ** 63}}, "vllm_xargs"),
+    ({"max_tokens": True}, "max_tokens"), ({"n": True}, "n"), ({"seed": 1.0}, "seed"),
+    ({"max_tokens": 10 ** 30}, "max_tokens"), ({"temperature": True}, "temperature"),
+    ({"prompt": [True, 1]}, "prompt"),
+])
+def test_edge_refuses_numbers_the_wire_cannot_carry(extra, param):
+    e = _edge_refusal({"prompt": "x", **extra})
+    assert e.status == 400 and e.param and e.param.startswith(param.split(".")[0]), (e.param, e.message)
+    assert len(e.message) < 400
+
+
+def test_every_int_the_edge_passes_is_msgpack_encodable():
+    import msgspec
+    from fdx.core.config import ServerConfig
+    from fdx.core.serving.edge import check_limits
+    req = CompletionRequest(prompt="x", max_tokens=2 ** 63 - 1, seed=0, extra_args={"a": [-2 ** 63, 2 ** 63 - 1]},
+                            logit_bias={"49151": 5}, allowed_token_ids=[0, 49151])
+    check_limits(req, ServerConfig(), 49152)
+    msgspec.msgpack.encode(req.model_dump())
+
+
+@pytest.mark.parametrize("field, at_limit, past_limit", [
+    ("bad_words", ["w%d" % i for i in range(256)], ["w%d" % i for i in range(257)]),
+    ("bad_words", ["x" * 1024] * 64, ["x" * 1024] * 64 + ["y"]),                  # 64 KiB in all
+    ("stop", ["s%d" % i for i in range(16)], ["s%d" % i for i in range(17)]),
+    ("stop", ["s" * 1024], ["s" * 1025]),
+    ("logit_bias", {str(i): 1 for i in range(1024)}, {str(i): 1 for i in range(1025)}),
+    ("guided_choice", ["c%d" % i for i in range(1024)], ["c%d" % i for i in range(1025)]),
+    ("guided_regex", "a" * 65536, "a" * 65537),
+    ("guided_json", {"type": "string", "description": "d" * 65000}, {"type": "string", "description": "d" * 65536}),
+    ("extra_args", {"k": "v" * 65000}, {"k": "v" * 65536}),
+])
+def test_edge_limits_refuse_one_past_and_pass_at_the_limit(field, at_limit, past_limit):
+    from fdx.core.config import ServerConfig
+    from fdx.core.serving.edge import check_limits
+    check_limits(CompletionRequest(prompt="x", **{field: at_limit}), ServerConfig(), 49152)
+    e = _edge_refusal({"prompt": "x", field: past_limit})
+    assert e.status == 400 and e.param == field and e.code == "limit_exceeded"
+
+
+def test_edge_limits_are_server_settings():
+    from fdx.core.config import FdxConfig
+    from fdx.core.serving.edge import check_limits
+    sc = FdxConfig.build(**{"server.max_bad_words": 2}).server
+    check_limits(CompletionRequest(prompt="x", bad_words=["a", "b"]), sc)
+    with pytest.raises(APIError, match="at most 2 words"):
+        check_limits(CompletionRequest(prompt="x", bad_words=["a", "b", "c"]), sc)
+
+
+def test_router_body_parser_refuses_absurd_nesting_and_non_objects():
+    from fdx.core.serving.edge import parse_json
+    for raw in (b'{"extra_args": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001, b"[1]", b'"x"', b"\xff{",
+                b'{"prompt": "x", "extra_args": ' + b'[' * 40 + b']' * 40 + b'}'):
+        with pytest.raises(APIError) as e:
+            parse_json(raw)
+        assert e.value.status == 400
+    assert parse_json(b'{"prompt": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}')["prompt"].startswith("[[")
+
+
+def test_bad_words_tokenized_once_in_the_api_process_match_the_engines():
+    from fdx.core.sampling_params import bad_word_sequences
+    sp = SamplingParams(bad_words_token_ids=bad_word_sequences(lambda t: [ord(c) for c in t], ["ab", " c"]))
+    assert sp.bad_words_token_ids == [[32, 97, 98], [32, 99], [97, 98]]
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[2 ** 40]])

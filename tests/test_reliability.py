@@ -34,25 +34,6 @@ MAX_MODEL_LEN = 4096
 VOCAB = 49152
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, smollm_hf_tokenizer_dir):
-    """A tiny random Llama (2 layers, hidden 64) with a 4096-token context,
-    so that a stream can stay open for a while."""
-    import shutil
-
-    import torch
-    import transformers
-    from conftest import tiny_hf_config
-    cfg = tiny_hf_config("LlamaForCausalLM")
-    cfg.max_position_embeddings = 4096
-    torch.manual_seed(13)
-    d = tmp_path_factory.mktemp("tiny_llama_4k")
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(d), safe_serialization=True)
-    for f in smollm_hf_tokenizer_dir.iterdir():
-        shutil.copy(f, d / f.name)
-    return str(d)
-
-
 def start_server(tmp: pathlib.Path, model: str, **server) -> ServerProcess:
     return ready_server(tmp, server, model={"model": model, "max_model_len": MAX_MODEL_LEN},
                         cache={"block_size": 16, "num_kv_blocks": 6000}, scheduler={"max_num_seqs": 64})

@@ -7,15 +7,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from serve_utils import API_KEY, ServerProcess, free_port
+from serve_utils import API_KEY, RouterProcess, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -23,43 +21,6 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and then",
            "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
            "sixteen seventeen eighteen nineteen twenty", "a b c d e f g"]
 MAX_TOKENS = 12
-
-
-class RouterProcess:
-    def __init__(self, tmp, prefill: list[str], decode: list[str]):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"router-{self.port}.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fdx.core.cli", "router", "--port", str(self.port), "--health-interval", "0.5",
-             "--log-level", "info", "--prefill", *prefill, "--decode", *decode],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log_path.read_text()
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(self.log_path.read_text())
-
-    def status(self) -> dict:
-        return httpx.get(self.base_url + "/status", timeout=5).json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 def model_sections(path, **extra):

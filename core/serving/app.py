@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import secrets
@@ -19,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,8 +35,8 @@ from fdx.core.serving import ui
 from fdx.core.serving.rendering import Renderer
 from fdx.core.serving.signals import GracefulServer
 from fdx.core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from fdx.core.serving import security
-from fdx.core.sampling_params import SamplingParams
+from fdx.core.serving import edge, security
+from fdx.core.sampling_params import SamplingParams, bad_word_sequences
 
 log = logging.getLogger("fdx.server")
 
@@ -279,6 +277,15 @@ class Server:
             param = msg.split("invalid sampling parameter ", 1)[-1].split("=", 1)[0] if "=" in msg else None
             raise APIError(400, msg, param=param) from None
 
+    async def tokenize_bad_words(self, sp: SamplingParams) -> SamplingParams:
+        """Tokenize bad_words here, off the event loop, so the engine thread
+        only reads token ids (a long list held every stream; docs/reliability.md)."""
+        if not sp.bad_words:
+            return sp
+        encode = lambda t: self.tokenizer.encode(t, add_special_tokens=False)
+        seqs = await asyncio.to_thread(bad_word_sequences, encode, sp.bad_words)
+        return dataclasses.replace(sp, bad_words=None, bad_words_token_ids=seqs)
+
     async def check_guided(self, req, sp: SamplingParams) -> None:
         """Compile the request's constraint here (cached, off the event
         loop) so a bad one is a 400 with the compiler's message before any
@@ -317,7 +324,7 @@ class Server:
                 child = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + i) % 2**63)
                 idx = p_idx * sp.n + i
                 seqs.append(SequenceState(f"{prefix}-{idx}", idx, p_idx, ids, child, self.tokenizer, arrival))
-                engine_side = dataclasses.asdict(child)
+                engine_side = child.to_dict()
                 engine_side.update(stop=[], detokenize=False)   # text and stop strings: this process
                 params.append(engine_side)
         return RequestGroup(self, seqs, params)
@@ -328,6 +335,7 @@ class Server:
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
+        edge.check_limits(req, self.sc, self.vocab_size)
         prompts = self.render.completion_prompts(req.prompt)
         kwargs = self.with_defaults(req, req.sampling_kwargs(req.max_tokens if req.max_tokens is not None else 16),
                                     chat=False)
@@ -336,6 +344,7 @@ class Server:
         for _, ids in prompts:
             self.check_prompt(ids)
         await self.check_guided(req, sp)
+        sp = await self.tokenize_bad_words(sp)
         rid = f"cmpl-{secrets.token_hex(12)}"
         return await self._serve(req, http_request, prompts, sp, rid, chat=False)
 
@@ -344,6 +353,7 @@ class Server:
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
+        edge.check_limits(req, self.sc, self.vocab_size)
         text, ids = self.render.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=True)
@@ -352,6 +362,7 @@ class Server:
         sp = self.sampling_params(kwargs)
         self.check_prompt(ids, param="messages")
         await self.check_guided(req, sp)
+        sp = await self.tokenize_bad_words(sp)
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         return await self._serve(req, http_request, [(text, ids)], sp, rid, chat=True)
 
@@ -436,92 +447,10 @@ class Server:
 
 # -- the ASGI app ----------------------------------------------------------------------
 
-class _BodyTooLarge(Exception):
-    pass
-
-
-class GuardMiddleware:
-    """API key check on /v1 (constant-time compare) and the request body limit."""
-
-    def __init__(self, app, api_key: str | None, max_body: int, sc=None):
-        self.app = app
-        self.key = api_key.encode() if api_key else None
-        self.max_body = max_body
-        self.sc = sc
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if self.key is not None and (security.needs_key(self.sc, scope["path"]) if self.sc is not None
-                                     else scope["path"].startswith("/v1")):
-            auth = headers.get(b"authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
-                return await _send_json(send, 401, error_body(
-                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    "authentication_error", code="invalid_api_key"))
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return await _send_json(send, 413, error_body(
-                f"the request body is {int(length)} bytes; the limit is {self.max_body}",
-                code="request_too_large"))
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    raise _BodyTooLarge()
-            return message
-        return await self.app(scope, limited_receive, send)
-
-
-async def _send_json(send, status: int, body: dict) -> None:
-    raw = JSONResponse(body).body                 # the same bytes as every other error body
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
-    await send({"type": "http.response.body", "body": raw})
-
-
 def build_app(server: Server) -> FastAPI:
     """The routes; ``run_server`` starts and stops the engine around serving."""
     app = FastAPI(title="fdx", version=fdx_version())
-    app.add_middleware(GuardMiddleware, api_key=server.sc.api_key, max_body=server.sc.max_request_body_bytes,
-                       sc=server.sc)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
-        errs = e.errors()
-        if any(er.get("type") == "json_invalid" or tuple(er.get("loc", ())) == ("body",) for er in errs):
-            return JSONResponse(error_body("the request body is not a valid JSON object"), status_code=400)
-        first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        msg = "; ".join(f"{'.'.join(str(p) for p in er.get('loc', ()) if p != 'body') or 'body'}: {er.get('msg')}"
-                        for er in errs[:5])
-        return JSONResponse(error_body(f"invalid request: {msg}", param=param), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        if isinstance(e.__cause__, _BodyTooLarge):          # FastAPI wraps what reading the body raised
-            return await _too_large(None, e.__cause__)
-        detail = str(e.detail)
-        if detail == "There was an error parsing the body":   # FastAPI's words for bad UTF-8, deep nesting
-            detail = "the request body could not be parsed as JSON (it must be UTF-8 and not absurdly nested)"
-        return JSONResponse(error_body(detail, kind), status_code=e.status_code)
-
-    @app.exception_handler(_BodyTooLarge)
-    async def _too_large(_, e):
-        return JSONResponse(error_body(f"the request body exceeds {server.sc.max_request_body_bytes} bytes",
-                                       code="request_too_large"), status_code=413)
+    edge.install(app, server.sc)              # API key, body limit, OpenAI-shaped errors
 
     @app.get("/health")
     async def health():
@@ -598,7 +527,9 @@ def run_server(config: FdxConfig) -> int:
     app = build_app(server)
     uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                log_level=config.server.log_level, access_log=config.server.access_log,
-                               timeout_graceful_shutdown=10, lifespan="off")
+                               timeout_graceful_shutdown=10, lifespan="off",
+                               http=edge.capped_http_protocol(edge.connection_cap(config.server.max_connections)))
+    edge.quiet_accept_errors()
     warning = security.exposure_warning(config.server)
     if warning:
         log.warning("%s", warning)

@@ -8,6 +8,7 @@ SERVER_FLAGS = {  # flag dest -> config key
     "host": "server.host", "port": "server.port", "api_key": "server.api_key",
     "served_model_name": "server.served_model_name", "max_concurrency": "server.max_concurrency",
     "max_queue": "server.max_queue", "max_request_body_bytes": "server.max_request_body_bytes",
+    "max_connections": "server.max_connections",
     "uvicorn_log_level": "server.log_level",
 }
 
@@ -25,6 +26,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--max-concurrency", type=int, default=None, help="HTTP generation requests in flight; past it 429 (default: no limit)")
     s.add_argument("--max-queue", type=int, default=None, help="sequences waiting for a first token; past it 429 (default: no limit)")
     s.add_argument("--max-request-body-bytes", type=int, default=None, help="larger request bodies get 413 (default: 4194304)")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="open client connections; past it 503 at once (default: what the descriptor limit leaves)")
     s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's own log level (default: info; warning with --quiet)")
     s.set_defaults(func=cmd_serve)

@@ -6,12 +6,19 @@ that says so rather than silently ignored.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 MAX_JSON_DEPTH = 32            # deeper nesting anywhere in a request body: 400
 MAX_PROMPTS = 1024             # prompts in one completion request (checked before tokenizing)
+
+# numbers as JSON sent them: no bool taken as 1, no 1.0 or "5" taken as an integer, and every
+# integer within 64 bits (msgpack carries no more; core/serving/edge.py checks vocabulary ranges)
+Int = Annotated[int, Strict(), Field(ge=-2**63, lt=2**63)]
+AnyInt = Annotated[int, Strict()]    # ranged later, where the message can say more (vocabulary, 2**31)
+TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]
+Num = Annotated[float, Strict()]
 
 
 class APIError(Exception):
@@ -73,27 +80,27 @@ class StreamOptions(_Model):
 
 class _SamplingRequest(_Model):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
+    max_tokens: Int | None = None
+    temperature: Num | None = None
+    top_p: Num | None = None
+    top_k: Int | None = None
+    min_p: Num | None = None
+    n: Int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    stop_token_ids: list[AnyInt] | None = None
+    seed: Int | None = None
+    presence_penalty: Num | None = None
+    frequency_penalty: Num | None = None
+    repetition_penalty: Num | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
-    logit_bias: dict[str, float] | None = None          # OpenAI's: token id (as a string) -> bias
-    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, Num] | None = None          # OpenAI's: token id (as a string) -> bias
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     # per-request arguments for logits-processor plugins (SamplingParams.extra_args);
     # vllm_xargs is vLLM's name for the same thing
@@ -181,11 +188,11 @@ class _SamplingRequest(_Model):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[AnyInt] | list[list[AnyInt]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -223,9 +230,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import secrets
 import sys
 from dataclasses import dataclass
@@ -119,8 +120,6 @@ class Router:
     # -- one request --------------------------------------------------------------------
     async def generate(self, path: str, body: dict, headers: dict):
         from fastapi.responses import JSONResponse
-        if not isinstance(body, dict):
-            return JSONResponse(error_body("the request body is not a valid JSON object"), status_code=400)
         tried_d: set = set()
         while True:
             d = self.pick(self.decode, tried_d)
@@ -281,29 +280,47 @@ class Router:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def build_router_app(router: Router):
+def build_router_app(router: Router, sc=None):
+    """The router's endpoints behind the same edge as ``fdx serve``
+    (core/serving/edge.py): the key and the body limit before the body is
+    read, then the same schema and per-request limits, so nothing malformed
+    or oversized reaches an instance. ``sc``: a ServerConfig (its api_key,
+    max_request_body_bytes and max_* limits; defaults if None)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
     from prometheus_client import generate_latest
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from fdx.core.config import ServerConfig
+    from fdx.core.serving import edge
+    from fdx.core.serving.protocol import ChatCompletionRequest, CompletionRequest
+    sc = sc if sc is not None else ServerConfig()
     app = FastAPI(title="fdx router")
+    edge.install(app, sc)
 
     def fwd_headers(request: Request) -> dict:
         auth = request.headers.get("authorization")
         return {"authorization": auth} if auth else {}
 
-    async def body_of(request: Request):
+    async def checked_body(request: Request, schema) -> dict:
+        body = edge.parse_json(await request.body())
         try:
-            return await request.json()
-        except ValueError:
-            return None
+            req = schema.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False, include_context=False)) from None
+        edge.check_limits(req, sc)
+        return body
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await router.generate("/v1/completions", await body_of(request), fwd_headers(request))
+        body = await checked_body(request, CompletionRequest)
+        return await router.generate("/v1/completions", body, fwd_headers(request))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await router.generate("/v1/chat/completions", await body_of(request), fwd_headers(request))
+        body = await checked_body(request, ChatCompletionRequest)
+        return await router.generate("/v1/chat/completions", body, fwd_headers(request))
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -345,6 +362,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request (default 600)")
     r.add_argument("--health-interval", type=float, default=1.0, help="seconds between instance checks (default 1)")
+    r.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1, checked before the body is read "
+                        "(default $FDX_API_KEY; the instances' key, which the router passes on)")
+    r.add_argument("--max-request-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="larger request bodies get 413 before they are read whole (default 4 MiB)")
+    r.add_argument("--max-connections", type=int, default=None,
+                   help="open client connections; past it 503 at once (default: what the descriptor limit leaves)")
     r.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
     r.set_defaults(func=cmd_router)
@@ -369,13 +393,24 @@ def cmd_router(args) -> int:
         print(f"fdx router: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from fdx.core.config import ServerConfig
+    from fdx.core.serving import edge
+    try:
+        sc = ServerConfig(api_key=args.api_key or os.environ.get("FDX_API_KEY") or None,
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          max_connections=args.max_connections)
+    except ValueError as e:
+        print(f"fdx router: error: {e}", file=sys.stderr)
+        return 2
 
     async def main() -> None:
         router = Router(pre, dec, timeout_s=args.timeout, health_interval_s=args.health_interval)
         await asyncio.gather(*(router.refresh(i) for i in pre + dec))
         watcher = asyncio.create_task(router.watch())
-        config = uvicorn.Config(build_router_app(router), host=args.host, port=args.port,
-                                log_level=args.log_level, access_log=False, lifespan="off")
+        config = uvicorn.Config(build_router_app(router, sc), host=args.host, port=args.port,
+                                log_level=args.log_level, access_log=False, lifespan="off",
+                                http=edge.capped_http_protocol(edge.connection_cap(sc.max_connections)))
+        edge.quiet_accept_errors()
         print(f"fdx router: http://{args.host}:{args.port}/v1 -> prefill {', '.join(args.prefill)}; "
               f"decode {', '.join(args.decode)}", flush=True)
         try:

@@ -21,7 +21,7 @@ import numpy as np
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import BatchUpdate, LogitsProcessor, RowState, SamplingBatch
-from fdx.core.sampling_params import SamplingParams
+from fdx.core.sampling_params import SamplingParams, bad_word_sequences
 
 
 def _flat_ids(rows: Sequence[int], seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -222,16 +222,14 @@ class BadWords(RowsProcessor):
         self._seqs: dict[str, list[tuple[int, ...]]] = {}
 
     def wants(self, p) -> bool:
-        return bool(p.bad_words)
+        return bool(p.bad_words or p.bad_words_token_ids)
 
     def on_added(self, state):
-        seqs = set()
-        for word in state.params.bad_words:
-            for text in (word, " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids:
-                    seqs.add(ids)
-        self._seqs[state.request_id] = sorted(seqs)
+        p = state.params
+        seqs = p.bad_words_token_ids            # the server tokenized them in its API process
+        if seqs is None:
+            seqs = bad_word_sequences(lambda t: self.tokenizer.encode(t, add_special_tokens=False), p.bad_words)
+        self._seqs[state.request_id] = [tuple(s) for s in seqs]
 
     def on_removed(self, request_id):
         self._seqs.pop(request_id, None)

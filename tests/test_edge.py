@@ -1,0 +1,263 @@
+"""The edge both ``fdx serve`` and ``fdx router`` keep (issue 21,
+core/serving/edge.py, docs/security.md): numbers the wire cannot carry and
+oversized fields are 400s naming the field, a bad_words list at the limit
+does not hold other streams, and the router checks the key before it reads
+a body and refuses what an instance would. Real subprocesses, real clients."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import threading
+import time
+
+import httpx
+import pytest
+from serve_utils import API_KEY, RouterProcess, ready_server
+
+pytestmark = pytest.mark.slow
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+# the attacks of issue 21 (each was a plain-text 500, or accepted), and the field each 400 names
+WIRE_ATTACKS = [
+    ({"logit_bias": {str(10 ** 30): 1}}, "logit_bias"),
+    ({"allowed_token_ids": [10 ** 30]}, "allowed_token_ids"),
+    ({"extra_args": {"x": 10 ** 30}}, "extra_args"),
+    ({"extra_args": {"x": -10 ** 30}}, "extra_args"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"bad_words": ["w%d" % i for i in range(257)]}, "bad_words"),        # one past the limit (256)
+    ({"stop": ["s%d" % i for i in range(17)]}, "stop"),
+    ({"guided_choice": ["c%d" % i for i in range(1025)]}, "guided_choice"),
+]
+MALFORMED_EXTRA_ARGS = [b'"a string"', b"[1, 2]", b"5", b'{"a": ' * 100_000 + b"1" + b"}" * 100_000]
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    assert r.headers["content-type"].startswith("application/json"), r.text[:300]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert (err["param"] or "").split(".")[0] == param, err
+    return err
+
+
+def _rss(pid: int) -> int:
+    return int(pathlib.Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory, tiny_model):
+    srv = ready_server(tmp_path_factory.mktemp("edge"), {}, model={"model": tiny_model, "max_model_len": 4096},
+                       cache={"block_size": 16, "num_kv_blocks": 1024})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("extra, param", WIRE_ATTACKS)
+def test_serve_answers_each_attack_with_a_400_naming_the_field(serve, extra, param):
+    with httpx.Client(base_url=serve.base_url, headers=HEADERS, timeout=60) as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **extra})
+        assert_openai_error(r, 400, param)
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def _stream_gaps(base_url: str, stop: threading.Event, stamps: list[float]) -> None:
+    """Read one long stream, stamping each chunk's arrival, until ``stop``."""
+    with httpx.Client(base_url=base_url, headers=HEADERS, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json={"prompt": [100, 200, 300], "max_tokens": 4000,
+                                                           "ignore_eos": True, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.monotonic())
+                if stop.is_set():
+                    return
+
+
+def _max_gap(stamps: list[float], t0: float, t1: float) -> float:
+    inside = [t for t in stamps if t0 <= t <= t1]
+    return max((b - a for a, b in zip(inside, inside[1:])), default=float("inf"))
+
+
+def test_bad_words_at_the_limit_do_not_stall_other_streams(serve):
+    """256 words of 256 random letters (64 KiB, the limit): tokenized in the
+    API process, not on the engine thread; another stream's longest gap
+    while such requests run stays within a generous multiple of its gap
+    while plain requests run. One word more is a 400."""
+    rng = random.Random(21)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(255)) + "q" for _ in range(256)]
+    assert sum(len(w.encode()) for w in words) == 64 * 1024
+    stop, stamps = threading.Event(), []
+    reader = threading.Thread(target=_stream_gaps, args=(serve.base_url, stop, stamps), daemon=True)
+    reader.start()
+    try:
+        with httpx.Client(base_url=serve.base_url, headers=HEADERS, timeout=120) as http:
+            deadline = time.monotonic() + 30
+            while len(stamps) < 20 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(stamps) >= 20, "the long stream did not start"
+
+            def window(extra: dict) -> tuple[float, float]:
+                t0 = time.monotonic()
+                for _ in range(3):
+                    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **extra})
+                    assert r.status_code == 200, r.text[:300]
+                time.sleep(0.3)
+                return _max_gap(stamps, t0, time.monotonic()), time.monotonic() - t0
+            baseline, base_s = window({})
+            attacked, attack_s = window({"bad_words": words})
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "bad_words": words + ["x"]})
+            assert_openai_error(r, 400, "bad_words")
+    finally:
+        stop.set()
+        reader.join(60)
+    print(f"\nlongest inter-token gap of another stream: {baseline * 1000:.0f} ms with 3 plain requests "
+          f"({base_s:.2f} s), {attacked * 1000:.0f} ms with 3 bad_words requests at the limit ({attack_s:.2f} s)")
+    assert attacked < 10 * baseline + 0.5, (baseline, attacked)
+
+
+# -- fdx router ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model):
+    sw = {"transfer_timeout_s": 4.0}
+    from serve_utils import free_port
+    model = {"model": tiny_model, "max_model_len": 512}
+    p = ready_server(tmp_path_factory.mktemp("p"), {}, model=model, splitwise={**sw, "role": "prefill"})
+    servers = [p]
+    try:
+        servers.append(ready_server(tmp_path_factory.mktemp("d"), {}, model=model, splitwise={
+            **sw, "role": "decode", "connector_port": free_port()}))
+        router = RouterProcess(tmp_path_factory.mktemp("router"), [servers[0].base_url], [servers[1].base_url],
+                               "--api-key", API_KEY)
+        try:
+            router.wait_ready()
+            yield router, servers
+        finally:
+            router.stop()
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _body(size: int, chunk: int = 1 << 20):
+    yield b'{"prompt": "'
+    sent = 12
+    while sent < size:
+        n = min(chunk, size - sent)
+        yield b"a" * n
+        sent += n
+
+
+def test_router_refuses_a_keyless_large_body_before_reading_it(cluster):
+    router, _ = cluster
+    rss0 = _rss(router.proc.pid)
+    t0 = time.monotonic()
+    with httpx.Client(timeout=60) as http:
+        r = http.post(router.base_url + "/v1/completions", content=_body(64 << 20),
+                      headers={"content-type": "application/json"})
+    took = time.monotonic() - t0
+    assert_openai_error(r, 401)
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert took < 5.0, took
+    assert _rss(router.proc.pid) - rss0 < 16 << 20
+    assert all(i["up"] for i in router.status()["decode"] + router.status()["prefill"])
+
+
+def test_router_refuses_an_oversized_body_with_a_413(cluster):
+    router, _ = cluster
+    with httpx.Client(timeout=60, headers=HEADERS) as http:
+        url = router.base_url + "/v1/completions"
+        big = b"".join(_body(5 << 20)) + b'"}'
+        err = assert_openai_error(http.post(url, content=big), 413)          # Content-Length says so
+        assert err["code"] == "request_too_large"
+        err = assert_openai_error(http.post(url, content=_body(5 << 20)), 413)   # chunked: cut off
+        assert err["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("extra_args", MALFORMED_EXTRA_ARGS, ids=["string", "list", "number", "deep"])
+def test_router_refuses_malformed_extra_args_naming_it(cluster, extra_args):
+    router, _ = cluster
+    with httpx.Client(timeout=60, headers=HEADERS) as http:
+        r = http.post(router.base_url + "/v1/completions",
+                      content=b'{"prompt": "hi", "max_tokens": 2, "extra_args": ' + extra_args + b"}")
+        assert_openai_error(r, 400, "extra_args")
+    assert r.elapsed.total_seconds() < 5
+
+
+@pytest.mark.parametrize("extra, param", WIRE_ATTACKS)
+def test_router_keeps_the_same_rules_as_serve(cluster, extra, param):
+    router, _ = cluster
+    with httpx.Client(timeout=60, headers=HEADERS) as http:
+        url = router.base_url + "/v1/completions"
+        assert_openai_error(http.post(url, json={"prompt": "hi", "max_tokens": 2, **extra}), 400, param)
+        assert_openai_error(http.post(url, content=b"{not json"), 400)
+        ok = http.post(url, json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    status = router.status()
+    assert all(i["up"] for i in status["decode"] + status["prefill"]), status
+    assert json.dumps(status)                       # the router answers, in rotation
+
+
+# -- connections ----------------------------------------------------------------------------
+
+FD_LIMIT = 256
+
+
+def _low_fd_limit() -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+def test_a_connection_flood_is_refused_clearly_without_a_log_flood(tmp_path, tiny_model):
+    """300 clients that open a connection and trickle a header that never
+    ends, against a server whose descriptor limit is 256: a fresh client
+    still gets an answer (200, or a 503 saying why), the log stays short,
+    and once they go the server serves as before."""
+    import socket
+    srv = ready_server(tmp_path, {}, _low_fd_limit, model={"model": tiny_model, "max_model_len": 512})
+    socks: list[socket.socket] = []
+    try:
+        log0 = len(srv.log_path.read_text().splitlines())
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")          # the head never ends
+            socks.append(s)
+        for i in range(3):                                               # trickle
+            time.sleep(1)
+            for s in socks:
+                try:
+                    s.sendall(b"X-%d: y\r\n" % i)
+                except OSError:
+                    pass                                                 # refused and closed: fine
+        r = httpx.get(srv.base_url + "/health", timeout=15)
+        if r.status_code != 200:
+            assert_openai_error(r, 503)
+            assert r.json()["error"]["code"] == "too_many_connections"
+        time.sleep(2)
+        assert srv.proc.poll() is None
+        lines = srv.log_path.read_text().splitlines()[log0:]
+        print(f"\nfresh /health during the flood: {r.status_code}; {len(lines)} log lines")
+        assert len(lines) < 20, "\n".join(lines[:40])
+    finally:
+        for s in socks:
+            s.close()
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                ok = httpx.get(srv.base_url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert ok, srv.log()
+        with httpx.Client(base_url=srv.base_url, headers=HEADERS, timeout=60) as http:
+            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()
