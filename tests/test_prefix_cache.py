@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from array import array
 
 import numpy as np
@@ -17,7 +18,7 @@ from fdx.core.sampling_params import SamplingParams
 from fdx.plugins.cache import blocks as blocks_mod
 from fdx.plugins.cache.prefix import PrefixKVCache
 from fdx.plugins.cache.blocks import ROOT_KEY, BlockMeta, block_key
-from fdx.plugins.cache.swap import FORMAT_VERSION, MAGIC, FileTier, SwapConnector
+from fdx.plugins.cache.swap import FORMAT_VERSION, MAGIC, PREFIX_BYTES, FileTier, SwapConnector
 
 BS = 4
 LAYERS, KVH, HD = 2, 2, 3
@@ -292,7 +293,7 @@ def _write_corrupt_files(folder, good: FileTier) -> dict[str, str]:
     files = sorted(folder.glob("*.kvb"))
     raw = files[0].read_bytes()
     header_len = int.from_bytes(raw[12:16], "little")
-    payload_at = 16 + header_len
+    payload_at = PREFIX_BYTES + header_len
     bad = {}
     # flipped payload byte: header fine, checksum wrong
     flipped = bytearray(raw)
@@ -475,3 +476,75 @@ def block_key_chain_of(tokens: list[int], bs: int) -> list[bytes]:
         parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
         keys.append(parent)
     return keys
+
+
+# -- a writer of the tier folder must not steer the engine (docs/security.md) -------
+
+def test_a_symlink_planted_at_the_temp_name_is_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    folder = tmp_path / "tier"
+    kv, conn = make_cache(num_blocks=4), make_connector(4, swap_dir=str(folder))
+    tokens = list(range(1, 11))
+    for key in block_key_chain(tokens):
+        (folder / f"{key.hex()}.kvb.tmp{os.getpid()}").symlink_to(victim)
+    fill_and_evict(kv, conn, tokens)
+    assert victim.read_bytes() == b"precious"
+    for key in block_key_chain(tokens):                   # the blocks were still saved, as files
+        f = folder / (key.hex() + ".kvb")
+        assert f.is_file() and not f.is_symlink() and (f.stat().st_mode & 0o777) == 0o600
+
+
+def test_a_block_file_from_another_tier_folder_is_a_miss(tmp_path, caplog):
+    """A's KV under B's key, in a file with a valid checksum (written by an
+    fdx tier on the attacker's own folder): the victim's tier does not load it."""
+    a, b = list(range(1, 6)), list(range(50, 55))
+    kv, conn = make_cache(num_blocks=4), make_connector(4, swap_dir=str(tmp_path / "victim"))
+    fill_and_evict(kv, conn, a)
+    a0, b0 = block_key_chain(a)[0], block_key_chain(b)[0]
+    a_data = conn.tier.get(BlockMeta(a0, ROOT_KEY, tuple(a[:BS])))
+    attacker = FileTier(tmp_path / "attacker", 4, conn.tier.fingerprint)
+    attacker.put(BlockMeta(b0, ROOT_KEY, tuple(b[:BS])), a_data)
+    forged = (tmp_path / "attacker" / (b0.hex() + ".kvb")).read_bytes()
+    (tmp_path / "victim" / (b0.hex() + ".kvb")).write_bytes(forged)
+
+    with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
+        restarted = make_connector(4, swap_dir=str(tmp_path / "victim"))
+        assert admit(make_cache(num_blocks=4), make_req("b", b), restarted) == 0
+        assert admit(make_cache(num_blocks=4), make_req("b2", b), restarted) == 0
+        assert admit(make_cache(num_blocks=4), make_req("a", a), restarted) == BS   # a's own block still hits
+    assert caplog.text.count(b0.hex()) == 1 and "HMAC" in caplog.text             # said once
+    assert restarted.stats()["swap_ignored_files"] == 1
+
+
+def test_a_fifo_in_the_tier_folder_does_not_block_the_start(tmp_path, caplog):
+    import threading
+    fifo = tmp_path / ("ab" * 16 + ".kvb")
+    os.mkfifo(fifo)
+    made = []
+    with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
+        t = threading.Thread(target=lambda: made.append(make_connector(4, swap_dir=str(tmp_path))), daemon=True)
+        t.start()
+        t.join(timeout=30)
+    if t.is_alive():                    # blocked opening the FIFO: give it a writer so it ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(timeout=10)
+        pytest.fail("the tier blocked on a FIFO at start")
+    assert len(made[0].tier) == 0 and "not a regular file" in caplog.text
+
+
+def test_a_folder_others_can_write_to_is_a_config_error(tmp_path):
+    from fdx.core.config import ConfigError
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"cache\.swap_dir.*writable by group or others"):
+        make_connector(4, swap_dir=str(folder))
+    assert not list(folder.iterdir())                     # nothing written there
+
+
+def test_a_new_folder_and_the_tier_key_are_owner_only(tmp_path):
+    folder = tmp_path / "new" / "tier"
+    make_connector(4, swap_dir=str(folder))
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert (folder / "tier.key").stat().st_mode & 0o777 == 0o600

@@ -14,21 +14,36 @@ File format (little-endian)::
     magic        8 bytes   b"FDXKVBLK"
     version      uint32    FORMAT_VERSION
     header_len   uint32
+    mac          32 bytes  HMAC-SHA256 under the tier key over a domain tag,
+                           the 16 bytes above, the header and the payload
     header       JSON, utf-8: fingerprint (model and layout), key, parent,
-                 tokens, extra, dtype, shape, payload_bytes, payload_blake2b
+                 tokens, extra, dtype, shape, payload_bytes
     payload      the array's bytes
 
 A file is loaded only when its magic, version, fingerprint, key (recomputed
-from parent, tokens and extra), size and payload checksum all agree;
-anything else is ignored with a warning and never read as KV.
+from parent, tokens and extra), size and MAC all agree; anything else is
+ignored with a warning and never read as KV.
+
+Whoever can write to the folder must not steer the engine (docs/security.md):
+the folder is one fdx created 0700, or one owned by this user that no one
+else can write to (else a ConfigError); files are opened without following
+symlinks and without blocking (a FIFO is skipped), and only regular files are
+read; temporary files are created exclusively (``O_EXCL | O_NOFOLLOW``,
+0600) under a random name. The tier key (32 random bytes, the file
+``KEY_FILE`` in the folder, 0600, made at first use) authenticates each
+file, so a file forged with a recomputed checksum, or copied from another
+tier folder, is a miss.
 """
 from __future__ import annotations
 
 import abc
 import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
+import stat
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import KVConnector
 from fdx.plugins.cache.blocks import BlockMeta, block_key, block_metas
@@ -43,8 +59,14 @@ from fdx.plugins.cache.blocks import BlockMeta, block_key, block_metas
 log = logging.getLogger("fdx.cache.swap")
 
 MAGIC = b"FDXKVBLK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUFFIX = ".kvb"
+KEY_FILE = "tier.key"
+KEY_BYTES = 32
+MAC_DOMAIN = b"fdx kv tier block v2\0"
+MAC_BYTES = 32
+PREFIX_BYTES = 16 + MAC_BYTES
+
 class HostTier(abc.ABC):
     def __init__(self, max_blocks: int):
         self.max_blocks = max_blocks
@@ -100,18 +122,29 @@ class FileTier(HostTier):
         super().__init__(max_blocks)
         self.folder = Path(folder)
         self.write_error: str | None = None      # set once a write failed: the tier stops writing
-        try:
-            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)   # owner-only: KV is prompt content
-        except OSError as e:
-            self.write_error = e.strerror or type(e).__name__
-            log.warning("prefix cache: cannot create %s (%s): going on without the file tier",
-                        self.folder, self.write_error)
         self.fingerprint = fingerprint
         self.shape = [fingerprint["num_layers"], 2, fingerprint["num_kv_heads"],
                       fingerprint["block_size"], fingerprint["head_dim"]]
         self.payload_bytes = int(np.prod(self.shape)) * 4
         self.index: OrderedDict[bytes, BlockMeta] = OrderedDict()
         self.num_ignored = 0
+        self.key: bytes | None = None
+        try:
+            self.folder.mkdir(mode=0o700, parents=True)   # owner-only: KV is prompt content
+        except FileExistsError:
+            check_folder(self.folder)
+        except OSError as e:
+            self.write_error = e.strerror or type(e).__name__
+            log.warning("prefix cache: cannot create %s (%s): going on without the file tier",
+                        self.folder, self.write_error)
+            return
+        try:
+            self.key = tier_key(self.folder)
+        except OSError as e:
+            self.write_error = e.strerror or type(e).__name__
+            log.warning("prefix cache: cannot read or make the tier key in %s (%s): going on without "
+                        "the file tier", self.folder, self.write_error)
+            return
         self._scan()
 
     def __contains__(self, key: bytes) -> bool:
@@ -123,18 +156,25 @@ class FileTier(HostTier):
     def path(self, key: bytes) -> Path:
         return self.folder / (key.hex() + SUFFIX)
 
+    def _mac(self, prefix: bytes, header: bytes, payload: bytes) -> bytes:
+        return hmac.new(self.key, MAC_DOMAIN + prefix + header + payload, hashlib.sha256).digest()
+
     # -- reading ------------------------------------------------------------
     def _scan(self) -> None:
         files = []
         for p in self.folder.glob("*" + SUFFIX):
             try:
-                files.append((p.stat().st_mtime_ns, p))
+                st = p.lstat()
             except OSError:
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                self._ignore(p, "not a regular file")
+                continue
+            files.append((st.st_mtime_ns, p))
         for _, p in sorted(files):
             try:
-                with open(p, "rb") as f:
-                    meta, _ = self._read_header(f, p)
+                with open_regular(p) as f:
+                    meta, _, _ = self._read_header(f, p)
             except _Reject as e:
                 self._ignore(p, str(e))
                 continue
@@ -145,7 +185,9 @@ class FileTier(HostTier):
         while len(self.index) > self.max_blocks:
             self._drop_oldest()
 
-    def _read_header(self, f, path: Path) -> tuple[BlockMeta, dict]:
+    def _read_header(self, f, path: Path) -> tuple[BlockMeta, bytes, bytes]:
+        """The file's meta, its first 16 bytes and header (for the MAC);
+        the file is left at its MAC."""
         head = f.read(16)
         if len(head) < 16 or head[:8] != MAGIC:
             raise _Reject("not an fdx KV block file (bad magic)")
@@ -154,8 +196,10 @@ class FileTier(HostTier):
             raise _Reject(f"format version {version}, expected {FORMAT_VERSION}")
         if header_len > 1 << 24:
             raise _Reject("header too large")
+        f.seek(PREFIX_BYTES)
+        raw = f.read(header_len)
         try:
-            header = json.loads(f.read(header_len).decode())
+            header = json.loads(raw.decode())
             fp = header["fingerprint"]
             if not isinstance(fp, dict):
                 raise TypeError("fingerprint")
@@ -163,7 +207,7 @@ class FileTier(HostTier):
                              tuple(int(t) for t in header["tokens"]),
                              tuple(str(e) for e in header.get("extra", ())))
             shape, dtype = list(header["shape"]), header["dtype"]
-            int(header["payload_bytes"]), bytes.fromhex(header["payload_blake2b"])
+            int(header["payload_bytes"])
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise _Reject(f"corrupt header ({type(e).__name__})") from None
         if fp != self.fingerprint:
@@ -175,22 +219,30 @@ class FileTier(HostTier):
             raise _Reject("key does not match its tokens")
         if path.name != meta.key.hex() + SUFFIX:
             raise _Reject("file name does not match its key")
-        return meta, header
+        f.seek(16)
+        return meta, head, raw
 
     def get(self, meta: BlockMeta) -> np.ndarray | None:
         if self.index.get(meta.key) != meta:
             return None
         p = self.path(meta.key)
         try:
-            with open(p, "rb") as f:
-                stored, header = self._read_header(f, p)
+            with open_regular(p) as f:
+                stored, head, header = self._read_header(f, p)
+                mac = f.read(MAC_BYTES)
+                f.seek(PREFIX_BYTES + len(header))
                 payload = f.read(self.payload_bytes + 1)
+                try:
+                    os.utime(f.fileno())           # recency survives a restart
+                except OSError:
+                    pass
             if stored != meta:
                 raise _Reject("header changed since the folder was scanned")
             if len(payload) != self.payload_bytes:
                 raise _Reject(f"payload is {len(payload)} bytes, expected {self.payload_bytes}")
-            if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["payload_blake2b"]:
-                raise _Reject("payload checksum mismatch")
+            if not hmac.compare_digest(mac, self._mac(head, header, payload)):
+                raise _Reject("checksum (HMAC) mismatch: corrupted, forged, or written under "
+                              "another tier key")
         except _Reject as e:
             self._ignore(p, str(e))
             self.index.pop(meta.key, None)
@@ -200,10 +252,6 @@ class FileTier(HostTier):
             self.index.pop(meta.key, None)
             return None
         self.index.move_to_end(meta.key)
-        try:
-            os.utime(p)           # recency survives a restart
-        except OSError:
-            pass
         return np.frombuffer(payload, dtype=np.float32).reshape(self.shape)
 
     # -- writing ------------------------------------------------------------
@@ -219,14 +267,15 @@ class FileTier(HostTier):
             "fingerprint": self.fingerprint, "key": meta.key.hex(), "parent": meta.parent.hex(),
             "tokens": list(meta.tokens), "extra": list(meta.extra), "dtype": "float32",
             "shape": self.shape, "payload_bytes": len(payload),
-            "payload_blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest(),
         }).encode()
+        head = MAGIC + struct.pack("<II", FORMAT_VERSION, len(header))
         p = self.path(meta.key)
-        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+        tmp = p.with_name(f"{p.name}.tmp{os.getpid()}-{secrets.token_hex(8)}")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)    # owner-only
+            # a new file, never an existing one or a symlink's target; owner-only
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with open(fd, "wb") as f:
-                f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header + payload)
+                f.write(head + self._mac(head, header, payload) + header + payload)
             os.replace(tmp, p)
         except OSError as e:
             try:
@@ -248,6 +297,62 @@ class FileTier(HostTier):
     def _ignore(self, path: Path, why: str) -> None:
         self.num_ignored += 1
         log.warning("prefix cache: ignoring %s: %s", path, why)
+
+
+def check_folder(folder: Path) -> None:
+    """An existing tier folder must be a directory of this user that no one
+    else can write to: whoever can plant files there could steer the engine."""
+    st = folder.stat()
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != os.getuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if problem:
+        raise ConfigError(f"cache.swap_dir: {folder} {problem}; use a folder only this user can "
+                          f"write to (fdx creates a missing one with mode 0700)")
+
+
+def open_regular(path: Path):
+    """``path`` opened for reading if it is a regular file: a symlink is not
+    followed and a FIFO or device does not block (``OSError`` / ``_Reject``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _Reject("not a regular file")
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def tier_key(folder: Path) -> bytes:
+    """The folder's tier key: read from ``KEY_FILE``, or made (random, 0600)
+    if there is none. A key file that is not this user's private regular
+    file is a ConfigError."""
+    path = folder / KEY_FILE
+    key = secrets.token_bytes(KEY_BYTES)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with open(fd, "wb") as f:
+            f.write(key)
+        return key
+    try:
+        with open_regular(path) as f:
+            st = os.fstat(f.fileno())
+            key = f.read(KEY_BYTES + 1)
+    except (_Reject, OSError) as e:
+        raise ConfigError(f"cache.swap_dir: the tier key {path} is not a readable regular file ({e})") from None
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or len(key) != KEY_BYTES:
+        raise ConfigError(f"cache.swap_dir: the tier key {path} must be this user's {KEY_BYTES}-byte "
+                          f"file with mode 0600 (remove it to have fdx make a new one)")
+    return key
 
 
 class _Reject(Exception):
@@ -419,7 +524,8 @@ class SwapConnector(KVConnector):
         return done, set()
 
     def stats(self) -> dict[str, float]:
-        return {**self.counters, "swap_blocks": len(self.tier) if self.tier is not None else 0}
+        return {**self.counters, "swap_blocks": len(self.tier) if self.tier is not None else 0,
+                "swap_ignored_files": getattr(self.tier, "num_ignored", 0)}
 
     def close(self) -> None:
         if self.kv_caches is None:
