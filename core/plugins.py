@@ -6,6 +6,7 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -89,6 +90,21 @@ class Registration:
     package: str       # the distribution that shipped it ("fdx" for built-ins)
 
 
+@dataclass(slots=True)
+class EntryPoint:
+    """One entry point of the ``fdx`` group, loaded or not."""
+    name: str
+    value: str         # "module:attr"
+    package: str       # its distribution
+    status: str = "loaded"     # loaded | disabled | broken
+    matched: str = ""  # the FDX_DISABLED_PLUGINS name that disabled it
+
+
+def normalize(name: str) -> str:
+    """A distribution name as PEP 503 compares them."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 class PluginManager:
     def __init__(self, builtins: Iterable[str] = BUILTIN_PLUGINS,
                  load_entry_points: bool = True, disabled: Iterable[str] | None = None):
@@ -97,26 +113,57 @@ class PluginManager:
         if disabled is None:
             disabled = [s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()]
         self.disabled = set(disabled)
+        self.matched: set[str] = set()            # disabled names that matched a plugin
         self.skipped: list[str] = []              # plugins not loaded because disabled
+        self.entry_points: list[EntryPoint] = []  # every entry point of the group, loaded or not
         self.errors: dict[str, str] = {}          # plugin name -> why it is not loaded
         self.packages: dict[str, str] = {}        # plugin name -> distribution
         self.registries: dict[str, dict[str, Registration]] = {k: {} for k in KINDS.values()}
+        builtins = tuple(builtins)
         for modname in builtins:
             self._load(modname, lambda m=modname: importlib.import_module(m), "fdx")
         if load_entry_points:
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-                dist = ep.dist.name if ep.dist else "?"
-                self._load(ep.name, ep.load, dist, module=ep.value.split(":")[0])
+                self._load_entry_point(ep)
+        if load_entry_points and set(BUILTIN_PLUGINS) <= set(builtins):   # all there is to match
+            for name in sorted(self.disabled - self.matched):
+                log.warning("%s names %r, which matches no plugin, entry point or distribution",
+                            DISABLE_ENV, name)
         self.pm.check_pending()
         self._collect()
 
     # -- loading -----------------------------------------------------------
+    def _disabled_by(self, name: str, module: str, package: str | None = None) -> str | None:
+        """The FDX_DISABLED_PLUGINS name that disables this plugin, if any:
+        its entry-point or module name, the module's last part, a package
+        the module is in (importing the module would run its ``__init__``),
+        or its distribution's name (PEP 503-normalized)."""
+        parts = module.split(".")
+        names = {name, parts[-1]} | {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+        for d in sorted(self.disabled):
+            if d in names or (package is not None and normalize(d) == normalize(package)):
+                self.matched.add(d)
+                return d
+        return None
+
+    def _load_entry_point(self, ep) -> None:
+        package = ep.dist.name if ep.dist else "?"
+        entry = EntryPoint(ep.name, ep.value, package)
+        self.entry_points.append(entry)
+        entry.matched = self._disabled_by(ep.name, ep.value.split(":")[0].strip(), package) or ""
+        if entry.matched:
+            entry.status = "disabled"
+            log.info("plugin %s (%s) disabled by %s=%s", ep.name, package, DISABLE_ENV, entry.matched)
+            self.skipped.append(ep.name)
+            return
+        self._load(ep.name, ep.load, package, module=ep.value.split(":")[0].strip())
+        if ep.name in self.errors:
+            entry.status = "broken"
+
     def _load(self, name: str, loader, package: str, module: str | None = None) -> None:
         """``name``: the module (built-ins) or entry-point name; ``module``:
-        the entry point's module. FDX_DISABLED_PLUGINS matches either, or
-        the module's last part."""
-        module = module or name
-        if self.disabled & {name, module, module.rsplit(".", 1)[-1]}:
+        the entry point's module."""
+        if self._disabled_by(name, module or name):
             log.info("plugin %s disabled by %s", name, DISABLE_ENV)
             self.skipped.append(name)
             return
@@ -220,9 +267,18 @@ class PluginManager:
         lines.append("observers:")
         for hook_name, plugins in observers.items():
             lines.append(f"    {hook_name}: {', '.join(plugins) or '(none)'}")
+        lines.append(f"entry points ({ENTRY_POINT_GROUP!r} group):")
+        if not self.entry_points:
+            lines.append("    (none)")
+        for ep in self.entry_points:
+            why = f" (by {DISABLE_ENV} name {ep.matched!r})" if ep.matched else ""
+            lines.append(f"    {ep.name:<28} {ep.value} [{ep.package}] {ep.status}{why}")
         if self.skipped:
             lines.append(f"disabled by {DISABLE_ENV}:")
             lines.extend(f"    {name}" for name in self.skipped)
+        unmatched = sorted(self.disabled - self.matched)
+        if unmatched:
+            lines.append(f"names in {DISABLE_ENV} that match nothing: {', '.join(unmatched)}")
         if self.errors:
             lines.append("broken plugins:")
             for name, why in self.errors.items():

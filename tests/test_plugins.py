@@ -98,3 +98,43 @@ def test_every_hook_is_documented():
     assert len(hooks) == 19
     missing = [h for h in hooks if f"`{h}" not in doc]
     assert not missing, missing
+
+
+def _two_entry_point_dist(site) -> None:
+    """A throwaway distribution ``Evil-Dist`` (written by hand as a
+    dist-info) with two entry points into one package, whose ``__init__``
+    writes the file named by $EVIL_MARKER when imported."""
+    pkg = site / "evil_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import os, pathlib\npathlib.Path(os.environ['EVIL_MARKER']).write_text('imported')\n")
+    (pkg / "one.py").write_text("")
+    (pkg / "two.py").write_text("")
+    info = site / "Evil_Dist-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: Evil-Dist\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[fdx]\nevil = evil_pkg.one\nevil-sibling = evil_pkg.two\n")
+
+
+def _fdx_plugins(site, marker, disabled: str):
+    import os
+    import subprocess
+    env = {**os.environ, "EVIL_MARKER": str(marker), "FDX_DISABLED_PLUGINS": disabled,
+           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "fdx.core.cli", "plugins"], capture_output=True,
+                          text=True, env=env, check=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_distribution_disabled_by_name_imports_nothing(tmp_path):
+    site, marker = tmp_path / "site", tmp_path / "imported"
+    _two_entry_point_dist(site)
+
+    out = _fdx_plugins(site, marker, "evil_dist, no-such-plugin")        # PEP 503: evil_dist == Evil-Dist
+    assert not marker.exists(), "the disabled distribution's package was imported"
+    lines = [line.split() for line in out.stdout.splitlines()]
+    assert ["evil", "evil_pkg.one", "[Evil-Dist]", "disabled", "(by", "FDX_DISABLED_PLUGINS", "name", "'evil_dist')"] in lines
+    assert ["evil-sibling", "evil_pkg.two", "[Evil-Dist]", "disabled", "(by", "FDX_DISABLED_PLUGINS", "name", "'evil_dist')"] in lines
+    assert "'no-such-plugin', which matches no plugin" in out.stderr
+
+    _fdx_plugins(site, marker, "")                   # enabled, the same package is imported
+    assert marker.read_text() == "imported"
