@@ -1,24 +1,30 @@
 """The global (Redis) request scheduler: two mixed ``fdx serve`` instances
 share one queue in a real ``redis-server`` (Debian's package, installed
 here when missing); a burst larger than one instance's max_num_seqs, an
-instance killed mid-burst, Redis restarted mid-burst."""
+instance killed mid-burst, Redis restarted mid-burst; and an attacker who
+can write to Redis (docs/security.md#the-global-schedulers-redis)."""
 from __future__ import annotations
 
+import codecs
 import concurrent.futures as cf
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
 
+import msgspec
 import openai
 import pytest
+import redis
 
 from serve_utils import API_KEY, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
+SECRET = "test-shared-secret"
 
 
 def _redis_binary() -> str:
@@ -32,20 +38,23 @@ def _redis_binary() -> str:
 
 
 class RedisServer:
-    def __init__(self, binary: str, tmp, port: int):
-        self.binary, self.tmp, self.port = binary, tmp, port
+    def __init__(self, binary: str, tmp, port: int, password: str | None = None):
+        self.binary, self.tmp, self.port, self.password = binary, tmp, port, password
         self.url = f"redis://127.0.0.1:{port}/0"
         self.proc = None
 
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, password=self.password)
+
     def start(self) -> None:
+        auth = ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.tmp)],
+                                      "--appendonly", "no", "--dir", str(self.tmp), *auth],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
         deadline = time.monotonic() + 20
         while True:
             try:
-                redis.Redis(port=self.port).ping()
+                self.client().ping()
                 return
             except redis.ConnectionError:
                 assert time.monotonic() < deadline, "redis-server did not start"
@@ -57,6 +66,12 @@ class RedisServer:
             self.proc.wait(10)
 
 
+@pytest.fixture(autouse=True)
+def shared_secret(monkeypatch):
+    """The instances' shared secret, from the environment (the servers inherit it)."""
+    monkeypatch.setenv("FDX_SCHEDULER_SECRET", SECRET)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     srv = RedisServer(_redis_binary(), tmp_path_factory.mktemp("redis"), free_port())
@@ -65,12 +80,15 @@ def redis_server(tmp_path_factory):
     srv.stop()
 
 
-def start_pair(tmp_path_factory, model, redis_url: str, n: int = 2) -> list[ServerProcess]:
-    plugins = {"scheduler": {"global": {"url": redis_url, "ttl_s": 20, "heartbeat_s": 0.5}}}
-    servers = [ServerProcess(tmp_path_factory.mktemp(f"g{i}"), {"served_model_name": "tiny"},
-                             model={"model": str(model), "max_model_len": 256},
-                             scheduler={"request_scheduler": "global", "max_num_seqs": 2}, plugins=plugins)
-               for i in range(n)]
+def global_server(tmp_path_factory, model, redis_url: str, max_num_seqs: int = 2, **settings) -> ServerProcess:
+    plugins = {"scheduler": {"global": {"url": redis_url, "ttl_s": 20, "heartbeat_s": 0.5, **settings}}}
+    return ServerProcess(tmp_path_factory.mktemp("g"), {"served_model_name": "tiny"},
+                         model={"model": str(model), "max_model_len": 256},
+                         scheduler={"request_scheduler": "global", "max_num_seqs": max_num_seqs}, plugins=plugins)
+
+
+def start_pair(tmp_path_factory, model, redis_url: str, n: int = 2, max_num_seqs: int = 2) -> list[ServerProcess]:
+    servers = [global_server(tmp_path_factory, model, redis_url, max_num_seqs) for _ in range(n)]
     try:
         for s in servers:
             s.wait_ready()
@@ -162,3 +180,138 @@ def test_a_redis_restart_mid_burst_ends_every_request(tiny_checkpoints, tmp_path
         assert ask(a.base_url, 3) == reference[3]
     finally:
         a.stop()
+
+
+# -- an attacker who can read and write the Redis ---------------------------------------------
+def fields(raw: bytes) -> dict:
+    """A job's or result's fields as Redis holds them (sealed: [mac, body])."""
+    obj = msgspec.msgpack.decode(raw)
+    return msgspec.msgpack.decode(obj[1]) if isinstance(obj, list) else obj
+
+
+def relabel(raw: bytes, request_id: str) -> bytes:
+    """``raw`` with its request id changed (the MAC, if any, kept)."""
+    obj = msgspec.msgpack.decode(raw)
+    if isinstance(obj, list):
+        return msgspec.msgpack.encode([obj[0], relabel(obj[1], request_id)])
+    return msgspec.msgpack.encode({**obj, "request_id": request_id})
+
+
+def occupy(url: str) -> cf.Future:
+    """A long request that holds a max_num_seqs=1 instance, so the next one waits in the queue."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return cf.ThreadPoolExecutor(1).submit(c.completions.create, model="tiny", prompt="Occupy " * 8,
+                                           max_tokens=200, temperature=0)
+
+
+def queued_job(r: redis.Redis, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        jobs = r.lrange("fdx:queue", 0, -1)
+        if jobs:
+            return fields(jobs[0])
+        time.sleep(0.005)
+    raise AssertionError("no job showed up in the queue")
+
+
+def rejected(srv: ServerProcess) -> float:
+    return srv.metrics().get("fdx:global_messages_rejected_total", 0.0)
+
+
+def test_a_result_forged_in_redis_is_dropped_and_the_real_answer_arrives(tiny_checkpoints, tmp_path_factory,
+                                                                         redis_server, reference):
+    """The attacker reads the victim's queued job (request id, origin) and
+    pushes a finished result for it, unsealed and with a made-up MAC."""
+    (a,) = start_pair(tmp_path_factory, tiny_checkpoints["LlamaForCausalLM"][0], redis_server.url, 1, 1)
+    r = redis_server.client()
+    try:
+        busy = occupy(a.base_url)
+        with cf.ThreadPoolExecutor(1) as pool:
+            victim = pool.submit(ask, a.base_url, 5)
+            job = queued_job(r)
+            forged = {"type": "result", "request_id": job["request_id"], "origin": job["origin"],
+                      "executor": job["origin"], "seq": 0, "attempt": 0, "offset": 0,
+                      "token_ids": [300, 301, 302, 303], "finish_reason": "stop"}
+            key = f"fdx:results:{job['origin']}"
+            r.rpush(key, msgspec.msgpack.encode(forged))
+            r.rpush(key, msgspec.msgpack.encode([b"\0" * 32, msgspec.msgpack.encode(forged)]))
+            assert victim.result() == reference[5]
+        busy.result()
+        assert rejected(a) == 2
+        assert a.log().count("dropped a result not sealed") == 1          # logged once
+    finally:
+        a.stop()
+
+
+class Monitor:
+    """Records the arguments of every RPUSH Redis executes (MONITOR)."""
+
+    def __init__(self, r: redis.Redis):
+        self.conn = r.connection_pool.get_connection("MONITOR")
+        self.conn.send_command("MONITOR")
+        assert self.conn.read_response() in (b"OK", "OK")
+        self.pushes: list[list[bytes]] = []
+        self.stop = False
+        self.thread = cf.ThreadPoolExecutor(1).submit(self._run)
+
+    def _run(self) -> None:
+        while not self.stop:
+            if self.conn.can_read(timeout=0.1):
+                line = self.conn.read_response()
+                line = line.encode() if isinstance(line, str) else line
+                args = [codecs.escape_decode(a)[0] for a in re.findall(rb'"((?:[^"\\]|\\.)*)"', line)]
+                if args and args[0].upper() == b"RPUSH":
+                    self.pushes.append(args[1:])
+
+    def close(self) -> list[list[bytes]]:
+        self.stop = True
+        self.thread.result()
+        self.conn.disconnect()
+        return self.pushes
+
+
+def test_a_genuine_result_replayed_for_another_request_is_dropped(tiny_checkpoints, tmp_path_factory,
+                                                                   redis_server, reference):
+    """The attacker records the genuine results of one request (MONITOR) and
+    replays them, as they are and relabelled, while another one waits."""
+    assert reference[1] != reference[2]
+    (a,) = start_pair(tmp_path_factory, tiny_checkpoints["LlamaForCausalLM"][0], redis_server.url, 1, 1)
+    r = redis_server.client()
+    try:
+        monitor = Monitor(r)
+        assert ask(a.base_url, 1) == reference[1]
+        recorded = [(key, value) for key, value in monitor.close() if key.startswith(b"fdx:results:")]
+        assert recorded
+        busy = occupy(a.base_url)
+        with cf.ThreadPoolExecutor(1) as pool:
+            victim = pool.submit(ask, a.base_url, 2)
+            job = queued_job(r)
+            for key, value in recorded:
+                r.rpush(key, value)                                  # for a finished request: ignored
+                r.rpush(key, relabel(value, job["request_id"]))      # for the victim: the MAC does not fit
+            assert victim.result() == reference[2]
+        busy.result()
+        assert rejected(a) == len(recorded)
+    finally:
+        a.stop()
+
+
+def test_a_redis_password_is_used_and_its_absence_named(tiny_checkpoints, tmp_path_factory, monkeypatch,
+                                                        reference):
+    model = tiny_checkpoints["LlamaForCausalLM"][0]
+    srv = RedisServer(_redis_binary(), tmp_path_factory.mktemp("redis-auth"), free_port(), password="s3cret-pw")
+    srv.start()
+    try:
+        bare = global_server(tmp_path_factory, model, srv.url)
+        with pytest.raises(RuntimeError, match=r"refused the login.*plugins\.scheduler\.global\.password"):
+            bare.wait_ready()
+        assert "s3cret-pw" not in bare.log()
+        monkeypatch.setenv("FDX_REDIS_PASSWORD", "s3cret-pw")
+        good = global_server(tmp_path_factory, model, srv.url)
+        try:
+            good.wait_ready()
+            assert ask(good.base_url, 0) == reference[0]
+        finally:
+            good.stop()
+    finally:
+        srv.stop()

@@ -10,6 +10,17 @@ runs them, and pushes the token deltas to ``<prefix>:results:<origin>``,
 which the receiving server reads and streams. Messages are msgpack
 (msgspec), never pickle.
 
+Redis is not trusted with the answers (docs/security.md#the-global-schedulers-redis):
+every job and result is sealed with an HMAC-SHA256 under ``secret`` (the
+same on every instance; or ``$FDX_SCHEDULER_SECRET``). A result names its
+request, the origin it is for, the instance that ran it and its sequence
+number in that run; the origin takes a request's results from one instance
+per attempt, in sequence, so a forged or replayed one is dropped (counted in
+``fdx:global_messages_rejected``, logged once). Prompts are not encrypted:
+whoever reads Redis reads the token ids. Login and TLS (``password``,
+``username``, ``ssl``, ``ssl_*``, or ``redis://user:pass@host``,
+``rediss://``) go to redis-py as they are.
+
 Faults:
 - an instance that dies stops refreshing ``<prefix>:alive:<instance>``
   (``heartbeat_s`` x 3); any other instance then moves its jobs back to the
@@ -26,8 +37,11 @@ Faults:
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import os
+import re
 import secrets
 import socket
 import time
@@ -41,6 +55,12 @@ from fdx.core.serving.messages import EngineRejected, SeqDelta
 log = logging.getLogger("fdx.scheduler.global")
 
 
+class Sealed(msgspec.Struct, array_like=True):
+    """What Redis holds: a message and its HMAC under the shared secret."""
+    mac: bytes
+    body: bytes
+
+
 class Job(msgspec.Struct, tag="job"):
     request_id: str
     origin: str                          # the instance whose client waits for it
@@ -50,6 +70,9 @@ class Job(msgspec.Struct, tag="job"):
 
 class Result(msgspec.Struct, tag="result"):
     request_id: str
+    origin: str                          # the instance it is for
+    executor: str                        # the instance that ran it
+    seq: int                             # 0, 1, 2, ... in this attempt
     attempt: int                         # a retried job's deltas restart at offset 0
     offset: int                          # index of token_ids[0] in the output
     token_ids: list[int]
@@ -63,10 +86,64 @@ class Result(msgspec.Struct, tag="result"):
 
 
 _enc = msgspec.msgpack.Encoder()
+_sealed_dec = msgspec.msgpack.Decoder(Sealed)
 _job_dec = msgspec.msgpack.Decoder(Job)
 _res_dec = msgspec.msgpack.Decoder(Result)
+JOB, RESULT = b"fdx-global-job\0", b"fdx-global-result\0"     # HMAC domain tags
 
-SETTINGS = {"url", "prefix", "ttl_s", "heartbeat_s", "max_attempts", "instance_id"}
+SETTINGS = {"url", "prefix", "ttl_s", "heartbeat_s", "max_attempts", "instance_id", "secret",
+            "username", "password", "ssl", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"}
+SECRET_HELP = "set plugins.scheduler.global.secret (or $FDX_SCHEDULER_SECRET), the same on every instance"
+PASSWORD_HELP = ("set plugins.scheduler.global.password (or $FDX_REDIS_PASSWORD; username / $FDX_REDIS_USERNAME "
+                 "for an ACL user), or put it in the url: redis://user:password@host:6379/0")
+
+
+def _mac(key: bytes, kind: bytes, body: bytes) -> bytes:
+    return hmac.new(key, kind + body, hashlib.sha256).digest()
+
+
+def seal(key: bytes, kind: bytes, msg) -> bytes:
+    body = _enc.encode(msg)
+    return _enc.encode(Sealed(_mac(key, kind, body), body))
+
+
+def unseal(key: bytes, kind: bytes, raw: bytes, decoder):
+    """The message sealed in ``raw`` under ``key``, or None when it is not one
+    (not sealed, a wrong MAC, another kind, undecodable)."""
+    try:
+        sealed = _sealed_dec.decode(raw)
+        if not hmac.compare_digest(sealed.mac, _mac(key, kind, sealed.body)):
+            return None
+        return decoder.decode(sealed.body)
+    except msgspec.DecodeError:
+        return None
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for messages."""
+    return re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", url)
+
+
+def redis_options(url: str, settings: dict) -> tuple[str, dict]:
+    """The url and keyword arguments for ``redis.asyncio.from_url``: login
+    and TLS settings (a password in the url wins over the setting)."""
+    opts = {}
+    username = settings.get("username") or os.environ.get("FDX_REDIS_USERNAME")
+    password = settings.get("password") or os.environ.get("FDX_REDIS_PASSWORD")
+    if username:
+        opts["username"] = str(username)
+    if password:
+        opts["password"] = str(password)
+    if settings.get("ssl") and url.startswith("redis://"):
+        url = "rediss://" + url[len("redis://"):]
+    if url.startswith("rediss://"):
+        opts["ssl_cert_reqs"] = "required"
+        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            if settings.get(name):
+                opts[name] = str(settings[name])
+    elif any(settings.get(n) for n in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")):
+        raise ValueError("ssl_ca_certs / ssl_certfile / ssl_keyfile need ssl: true or a rediss:// url")
+    return url, opts
 
 
 class LocalScheduler:
@@ -75,13 +152,35 @@ class LocalScheduler:
 
 
 class _Pending:
-    __slots__ = ("callback", "tokens", "attempt", "last", "raw")
+    __slots__ = ("callback", "tokens", "attempt", "executor", "seq", "last", "raw")
 
     def __init__(self, callback, raw: bytes):
         self.callback, self.raw = callback, raw
         self.tokens: list[int] = []
         self.attempt = 0
+        self.executor: str | None = None     # the instance whose results this attempt takes
+        self.seq = -1                        # the last result taken from it
         self.last = time.monotonic()
+
+    def takes(self, res: Result) -> bool:
+        """Whether ``res`` continues this request: the first result of a
+        newer attempt, or the next one from the instance running this one."""
+        if res.attempt > self.attempt or self.executor is None:
+            ok = res.seq == 0
+        else:
+            ok = res.executor == self.executor and res.seq == self.seq + 1
+        if ok:
+            self.attempt, self.executor, self.seq = res.attempt, res.executor, res.seq
+        return ok
+
+
+class _Running:
+    __slots__ = ("raw", "job", "attempt", "sent", "seq")
+
+    def __init__(self, raw: bytes, job: Job, attempt: int):
+        self.raw, self.job, self.attempt = raw, job, attempt
+        self.sent = 0                        # tokens published
+        self.seq = 0                         # results published
 
 
 class GlobalScheduler:
@@ -95,7 +194,9 @@ class GlobalScheduler:
             raise ValueError("the global scheduler needs the redis client: pip install 'fdx[scaleout]'") from None
         self.local = engine
         self.config = config
-        self.url = str(settings.get("url", "redis://127.0.0.1:6379/0"))
+        self.url, self.redis_options = redis_options(str(settings.get("url", "redis://127.0.0.1:6379/0")), settings)
+        secret = settings.get("secret") or os.environ.get("FDX_SCHEDULER_SECRET")
+        self.key = str(secret).encode() if secret else None    # checked at start (SECRET_HELP)
         self.prefix = str(settings.get("prefix", "fdx"))
         self.ttl = float(settings.get("ttl_s", 60.0))
         self.heartbeat = float(settings.get("heartbeat_s", 1.0))
@@ -105,10 +206,11 @@ class GlobalScheduler:
         self.id = str(settings.get("instance_id") or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
         self.capacity = config.scheduler.max_num_seqs
         self.pending: dict[str, _Pending] = {}         # origin side: requests this server received
-        self.running: dict[str, tuple[bytes, Job, int, int]] = {}   # executor: id -> (raw, job, attempt, sent)
+        self.running: dict[str, _Running] = {}         # executor: jobs in this instance's engine
         self.outbox: asyncio.Queue = asyncio.Queue()   # executor: results to publish, in order
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
+        self.rejected_logged = False
         self._metrics(metrics)
 
     def _metrics(self, metrics) -> None:
@@ -120,6 +222,17 @@ class GlobalScheduler:
                                registry=r).labels(**metrics.labels)
         self.m_requeued = Counter("fdx:global_requeued", "Jobs of dead instances put back in the queue.", lab,
                                   registry=r).labels(**metrics.labels)
+        self.m_rejected = Counter("fdx:global_messages_rejected", "Jobs and results read from Redis that were "
+                                  "not sealed with the secret, or were replayed.", lab,
+                                  registry=r).labels(**metrics.labels)
+
+    def _reject(self, what: str) -> None:
+        """Count a forged or replayed message; log the first one."""
+        self.m_rejected.inc()
+        level = logging.DEBUG if self.rejected_logged else logging.WARNING
+        self.rejected_logged = True
+        log.log(level, "global scheduler: dropped %s (fdx:global_messages_rejected counts them; "
+                "is someone else writing to this Redis?)", what)
 
     def k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -133,16 +246,22 @@ class GlobalScheduler:
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
         from redis.exceptions import ConnectionError, TimeoutError
+        from redis.exceptions import AuthenticationError, ResponseError
+        if self.key is None:
+            raise EngineDeadError(f"the global scheduler needs a shared secret: {SECRET_HELP}")
         ready = await self.local.start()
         # a dropped connection (Redis restarted) is retried on a fresh one, a few times
         self.r = aioredis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2,
                                    retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
-                                   retry_on_error=[ConnectionError, TimeoutError])
+                                   retry_on_error=[ConnectionError, TimeoutError], **self.redis_options)
         try:
             await self.r.ping()
         except Exception as e:
             await self.local.shutdown()
-            raise EngineDeadError(f"the global scheduler cannot reach Redis at {self.url}: {e}") from None
+            where = f"the global scheduler: Redis at {redact(self.url)}"
+            if isinstance(e, AuthenticationError) or (isinstance(e, ResponseError) and "NOAUTH" in str(e)):
+                raise EngineDeadError(f"{where} refused the login ({e}): {PASSWORD_HELP}") from None
+            raise EngineDeadError(f"{where} cannot be reached: {e}") from None
         self.tasks = [asyncio.create_task(f()) for f in (self._pull, self._read, self._publish, self._watch)]
         return ready
 
@@ -154,7 +273,7 @@ class GlobalScheduler:
         try:
             await self._drain_outbox()
             for rid in list(self.running):
-                raw = self.running.pop(rid)[0]
+                raw = self.running.pop(rid).raw
                 await self.r.lrem(self.k("processing", self.id), 1, raw)
                 await self.r.lpush(self.k("queue"), raw)
             await self.r.delete(self.k("alive", self.id))
@@ -170,7 +289,7 @@ class GlobalScheduler:
     def add(self, request_id, prompt_token_ids, params, callback) -> None:
         if self.local.dead or self.stopping:
             raise EngineDeadError("the engine is not running")
-        raw = _enc.encode(Job(request_id, self.id, list(prompt_token_ids), params))
+        raw = seal(self.key, JOB, Job(request_id, self.id, list(prompt_token_ids), params))
         self.pending[request_id] = _Pending(callback, raw)
         asyncio.get_running_loop().create_task(self._push(request_id, raw))
 
@@ -211,10 +330,11 @@ class GlobalScheduler:
                 await asyncio.sleep(0.5)
                 item = None
             if item is not None:
-                try:
-                    self._deliver(_res_dec.decode(item[1]))
-                except msgspec.DecodeError as e:
-                    log.warning("global scheduler: dropped an undecodable result: %s", e)
+                res = unseal(self.key, RESULT, item[1], _res_dec)
+                if res is None or res.origin != self.id:
+                    self._reject("a result not sealed with the secret")
+                else:
+                    self._deliver(res)
             now = time.monotonic()
             for rid, p in list(self.pending.items()):
                 if now - p.last > self.ttl:
@@ -227,8 +347,10 @@ class GlobalScheduler:
         p = self.pending.get(res.request_id)
         if p is None or res.attempt < p.attempt:
             return                                   # aborted, finished, or from a dead attempt
+        if not p.takes(res):
+            self._reject(f"a replayed or out-of-order result for {res.request_id}")
+            return
         p.last = time.monotonic()
-        p.attempt = res.attempt
         if res.fatal is not None or res.error is not None:
             del self.pending[res.request_id]
             p.callback(EngineRejected(res.request_id, res.error) if res.error is not None
@@ -268,17 +390,16 @@ class GlobalScheduler:
                 self.m_queue.set(await self.r.llen(queue))
                 if raw is None:
                     continue
-                try:
-                    job = _job_dec.decode(raw)
-                except msgspec.DecodeError as e:
-                    log.warning("global scheduler: dropped an undecodable job: %s", e)
+                job = unseal(self.key, JOB, raw, _job_dec)
+                if job is None:
+                    self._reject("a job not sealed with the secret")
                     await self.r.lrem(mine, 1, raw)
                     continue
                 if await self.r.exists(self.k("abort", job.request_id)):
                     await self.r.lrem(mine, 1, raw)
                     continue
                 attempt = int(await self.r.get(self.k("attempts", job.request_id)) or 0)
-                self.running[job.request_id] = (raw, job, attempt, 0)
+                self.running[job.request_id] = _Running(raw, job, attempt)
                 self.m_pulls.inc()
                 self.local.add(job.request_id, job.prompt_token_ids, job.params,
                                lambda msg, rid=job.request_id: self._on_output(rid, msg))
@@ -289,20 +410,21 @@ class GlobalScheduler:
                 await asyncio.sleep(0.5)
 
     def _on_output(self, rid: str, msg) -> None:
-        entry = self.running.get(rid)
-        if entry is None:
+        run = self.running.get(rid)
+        if run is None:
             return
-        raw, job, attempt, sent = entry
+        head = (rid, run.job.origin, self.id, run.seq, run.attempt, run.sent)
         if isinstance(msg, SeqDelta):
-            res = Result(rid, attempt, sent, list(msg.token_ids), msg.finish_reason, msg.stop_reason, msg.logprobs,
+            res = Result(*head, list(msg.token_ids), msg.finish_reason, msg.stop_reason, msg.logprobs,
                          msg.num_cached_tokens, msg.queue_time_s)
-            self.running[rid] = (raw, job, attempt, sent + len(msg.token_ids))
+            run.sent += len(msg.token_ids)
             done = msg.finish_reason is not None
         elif isinstance(msg, EngineRejected):
-            res, done = Result(rid, attempt, sent, [], error=msg.message), True
+            res, done = Result(*head, [], error=msg.message), True
         else:                                        # our engine died: the job goes back via the reaper
             return
-        self.outbox.put_nowait((job.origin, raw, res, done))
+        run.seq += 1
+        self.outbox.put_nowait((run.job.origin, run.raw, res, done))
         if done:
             self.running.pop(rid, None)
 
@@ -321,7 +443,7 @@ class GlobalScheduler:
             try:
                 pipe = self.r.pipeline()
                 key = self.k("results", origin)
-                pipe.rpush(key, _enc.encode(res))
+                pipe.rpush(key, seal(self.key, RESULT, res))
                 pipe.expire(key, int(self.ttl) + 1)
                 if done:
                     pipe.lrem(self.k("processing", self.id), 1, raw)
@@ -340,7 +462,7 @@ class GlobalScheduler:
         flags = await self.r.mget([self.k("abort", rid) for rid in ids])
         gone = [rid for rid, f in zip(ids, flags) if f is not None]
         for rid in gone:
-            raw = self.running.pop(rid)[0]
+            raw = self.running.pop(rid).raw
             self.local.abort([rid])
             await self.r.lrem(self.k("processing", self.id), 1, raw)
 
@@ -365,14 +487,16 @@ class GlobalScheduler:
             await asyncio.sleep(self.heartbeat)
 
     async def _requeued(self, raw: bytes) -> None:
-        job = _job_dec.decode(raw)
+        job = unseal(self.key, JOB, raw, _job_dec)
+        if job is None:
+            return                                   # not ours: the puller drops it
         attempts = await self.r.incr(self.k("attempts", job.request_id))
         await self.r.expire(self.k("attempts", job.request_id), int(self.ttl) * 4)
         self.m_requeued.inc()
         log.warning("global scheduler: %s held by a dead instance: attempt %d", job.request_id, attempts + 1)
         if attempts >= self.max_attempts:
             await self.r.lrem(self.k("queue"), 1, raw)
-            await self._send(job.origin, b"", Result(job.request_id, attempts, 0, [], fatal=(
+            await self._send(job.origin, b"", Result(job.request_id, job.origin, self.id, 0, attempts, 0, [], fatal=(
                 f"the request failed on {attempts} instances that died")), False)
 
 
