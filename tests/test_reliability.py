@@ -525,6 +525,38 @@ def test_sigterm_during_a_burst_ends_every_stream(server):
     assert "FatalError" not in log and "Traceback" not in log and "died" not in log, log
 
 
+def test_sigterm_with_the_server_starved_is_no_engine_death(tmp_path, tiny_model):
+    """As above, but the server process gets no CPU for longer than the
+    engine waits after its own SIGTERM (as on a loaded machine): the engine
+    stops on its own meanwhile, and the server, which is stopping, takes
+    that for the stop it was about to ask for: every stream still ends
+    with "shutting down", exit 0, no "died" in the log."""
+    from fdx.core.serving.engine_proc import EngineLoop
+    srv = start_server(tmp_path, tiny_model)
+    try:
+        engine = srv.engine_pid()
+        with httpx.Client(base_url=srv.base_url, headers=HEADERS, timeout=60) as http:
+            with contextlib.ExitStack() as stack:
+                streams = open_streams(http, stack, 4)
+                srv.proc.send_signal(signal.SIGTERM)
+                os.kill(engine, signal.SIGTERM)
+                os.kill(srv.proc.pid, signal.SIGSTOP)
+                try:
+                    wait_for(lambda: not pid_alive(engine), timeout=EngineLoop.TERM_GRACE_S + 30,
+                             what="the engine to stop on its own")
+                finally:
+                    os.kill(srv.proc.pid, signal.SIGCONT)
+                for events in streams:
+                    rest = rest_of(events, timeout=30)
+                    errors = [e for e in rest if isinstance(e, dict) and "error" in e]
+                    assert len(errors) == 1 and "shutting down" in errors[0]["error"]["message"], errors
+                    assert rest[-1] == "[DONE]"
+        assert srv.proc.wait(30) == 0, srv.log()
+        assert "died" not in srv.log() and "Traceback" not in srv.log(), srv.log()
+    finally:
+        srv.stop()
+
+
 # -- 2. the engine killed mid-batch ------------------------------------------------------------
 
 def test_engine_killed_mid_batch(tmp_path, tiny_model):

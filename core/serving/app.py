@@ -215,10 +215,12 @@ class Server:
                  ready.model_path, ready.max_model_len, ready.num_blocks, ready.block_size, ready.backend)
 
     def begin_shutdown(self) -> None:
-        """Stop accepting; end the requests in flight (SIGTERM, Ctrl-C)."""
+        """Stop accepting; end the requests in flight and tell the engine to
+        stop (SIGTERM, Ctrl-C)."""
         self.accepting = False
         for group in list(self.groups):
             group.fail(ServerStopping("the server is shutting down"))
+        self.engine.stop()
 
     async def shutdown(self) -> None:
         self.begin_shutdown()

@@ -240,17 +240,29 @@ class EngineClient:
         if self.on_death:
             self.on_death(code)
 
-    async def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the engine process (a shutdown message, then SIGTERM, then SIGKILL)."""
+    def stop(self) -> None:
+        """Tell the engine process to stop, without waiting for it (the
+        server is stopping and has failed its requests in flight): from now
+        on its exit is expected, never a death. Without this message a
+        SIGTERM sent to the whole process group would stop the engine on its
+        own after EngineLoop.TERM_GRACE_S, while the server may still be
+        handing slow clients their last bytes. Idempotent."""
+        if self.stopping:
+            return
         self.stopping = True
-        for t in self._tasks:
-            t.cancel()
-        proc = self.proc
-        if proc is not None and proc.returncode is None:
+        if self.ready is not None and self.proc.returncode is None:
             try:
                 self._push.send(_encoder.encode(EngineShutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine process (a shutdown message, then SIGTERM, then SIGKILL)."""
+        self.stop()
+        for t in self._tasks:
+            t.cancel()
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
             # a loading engine reads no messages: terminate it at once
             actions = (None, proc.terminate, proc.kill) if self.ready else (proc.terminate, proc.kill)
             for action in actions:
