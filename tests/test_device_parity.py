@@ -24,9 +24,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Ernie4_5ForCausalLM"]
 
 
-def hf_greedy(model, ids, n):
+def hf_greedy(model, ids, n, follow=None):
     from test_llm import hf_greedy as run
-    return run(model, ids, n)
+    return run(model, ids, n, follow)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -36,7 +36,8 @@ def test_float32_on_the_device_equals_transformers(arch, tiny_checkpoints):
               progress=False)
     prompts = [np.random.default_rng(i).integers(3, 49152, n).tolist() for i, n in enumerate((5, 23))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 16) for p in prompts]
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [hf_greedy(hf, p, 16, follow=t) for p, t in zip(prompts, got)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
