@@ -32,36 +32,149 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-def _plugin_up_to_date() -> bool:
-    """Whether the installed test plugin is this checkout's (same files)."""
-    import importlib.util
+# -- leave the environment as it was found -------------------------------------------------
+
+def local_build_flags() -> list[str]:
+    """pip's flags to build a package here: with this interpreter's
+    setuptools when it is new enough (no download), else in pip's isolated
+    build environment (setuptools comes from the index; nothing stays)."""
+    try:
+        local = int(importlib.metadata.version("setuptools").split(".")[0]) >= 68   # the pyprojects' requirement
+    except importlib.metadata.PackageNotFoundError:
+        local = False
+    return ["--no-build-isolation"] if local else []
+
+
+def site_folders() -> list[str]:
+    """This interpreter's install folders: a virtualenv's own or the base
+    interpreter's, and the user's when it is on."""
+    import site
+    folders = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    return [f for f in folders if os.path.isdir(f)]
+
+
+def installed_distributions() -> set[tuple[str, str, str]]:
+    """(name, version, folder) of every distribution in site_folders():
+    what `pip list` lists."""
     importlib.invalidate_caches()
-    if not any(ep.name == "example" for ep in importlib.metadata.entry_points(group="fdx")):
-        return False
-    spec = importlib.util.find_spec("fdx_example_plugin")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    installed = pathlib.Path(list(spec.submodule_search_locations)[0])
-    source = PLUGIN_PKG / "fdx_example_plugin"
-    files = sorted(p.relative_to(source) for p in source.rglob("*.py"))
-    return files == sorted(p.relative_to(installed) for p in installed.rglob("*.py")) and all(
-        (source / f).read_bytes() == (installed / f).read_bytes() for f in files)
+    return {(d.metadata["Name"], d.version, str(getattr(d, "_path", "").parent))
+            for d in importlib.metadata.distributions(path=site_folders())}
+
+
+def make_venv(path: pathlib.Path, with_pip: bool = True) -> pathlib.Path:
+    """A virtualenv that imports this interpreter's packages after its own,
+    through a .pth that adds each of site_folders() (--system-site-packages
+    would add the base interpreter's, which from inside a virtualenv are not
+    this one's). Returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(path)],
+                   check=True, timeout=300)
+    py = path / "bin" / "python"
+    own = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    pathlib.Path(own, "outer-site.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in site_folders()))
+    return py
+
+
+_DISTRIBUTIONS = pytest.StashKey[set]()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_DISTRIBUTIONS] = installed_distributions()
+
+
+def _dpkg_packages() -> set[str]:
+    out = subprocess.run(["dpkg-query", "-W", "-f", "${binary:Package} ${db:Status-Abbrev}\n"],
+                         capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.split()[1:2] == ["ii"]}
+
+
+_APT_INSTALLED: set[str] = set()                 # Debian packages this session brought
+
+
+def apt_install(package: str) -> None:
+    """Install a Debian package for this session only (CI runs as root):
+    it and what it brought along are purged when the session ends."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    before = _dpkg_packages()
+    subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True, timeout=900)
+    try:
+        subprocess.run(["apt-get", "install", "-y", "-q", package], check=True, env=env, capture_output=True,
+                       timeout=1800)
+    finally:
+        _APT_INSTALLED.update(_dpkg_packages() - before)
+
+
+def _apt_purge() -> None:
+    if _APT_INSTALLED:
+        subprocess.run(["apt-get", "purge", "-y", "-q", *sorted(_APT_INSTALLED)], check=True, capture_output=True,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
+        _APT_INSTALLED.clear()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite installs nothing into the environment it runs in: the
+    Debian packages it installed are purged, and a Python distribution
+    added, removed or changed during the run fails it."""
+    _apt_purge()
+    before = session.config.stash.get(_DISTRIBUTIONS, None)
+    if before is None:
+        return
+    after = installed_distributions()
+    if after != before:
+        lines = [f"  added {n} {v} in {f}" for n, v, f in sorted(after - before)]
+        lines += [f"  removed {n} {v} from {f}" for n, v, f in sorted(before - after)]
+        session.config.get_terminal_writer().line(
+            "the test run changed the Python environment it ran in:\n" + "\n".join(lines), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_report_header(config):
+    stale = sorted({f for n, _, f in config.stash.get(_DISTRIBUTIONS, set()) if n == "fdx-example-plugin"})
+    if stale:
+        return [f"fdx-example-plugin is installed in {', '.join(stale)} (left by an older test run); the tests "
+                "use a copy of their own, and `pip uninstall fdx-example-plugin` removes that one"]
+    return None
+
+
+def _drop_example_modules() -> None:
+    for name in [m for m in sys.modules if m == "fdx_example_plugin" or m.startswith("fdx_example_plugin.")]:
+        del sys.modules[name]
+    import fdx.core.plugins
+    fdx.core.plugins._default = None             # built without (or with) it: rebuild on next use
+    fdx.core.plugins._serving = None
 
 
 @pytest.fixture(scope="session")
-def example_plugin_installed():
-    """Install the third-party test plugin with pip, as a user would
-    (again when the installed copy is not this checkout's)."""
-    if not _plugin_up_to_date():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--force-reinstall", str(PLUGIN_PKG)], check=True)
-        assert _plugin_up_to_date()
-        for name in [m for m in sys.modules if m == "fdx_example_plugin" or m.startswith("fdx_example_plugin.")]:
-            del sys.modules[name]                # an old copy imported earlier in this session
-        import fdx.core.plugins
-        fdx.core.plugins._default = None         # built before the install: rebuild with it
-        fdx.core.plugins._serving = None
-    yield
+def example_plugin_installed(tmp_path_factory):
+    """The third-party test plugin, installed with pip as a user would, but
+    into a folder of this session only (`pip install --target`): it goes
+    first on sys.path and on PYTHONPATH (for the processes tests start), and
+    its entry points come from the dist-info there. It shadows a copy an
+    older run may have left in the environment, and is gone afterwards."""
+    import shutil
+    tmp = tmp_path_factory.mktemp("example_plugin")
+    src, target = tmp / "src", tmp / "site"
+    shutil.copytree(PLUGIN_PKG, src)             # a build in place would leave build/ and egg-info here
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *local_build_flags(),
+                    "--target", str(target), str(src)], check=True)
+    old_pythonpath = os.environ.get("PYTHONPATH")
+    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(target), *([old_pythonpath] if old_pythonpath else [])])
+    importlib.invalidate_caches()
+    _drop_example_modules()                      # an old copy imported earlier in this session
+    (dist,) = [ep.dist for ep in importlib.metadata.entry_points(group="fdx") if ep.name == "example"]
+    assert pathlib.Path(dist._path).parent == target, dist._path
+    try:
+        yield target
+    finally:
+        sys.path.remove(str(target))
+        if old_pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_pythonpath
+        importlib.invalidate_caches()
+        _drop_example_modules()
 
 
 @pytest.fixture(scope="session")

@@ -29,9 +29,9 @@ SECRET = "test-shared-secret"
 
 def _redis_binary() -> str:
     path = shutil.which("redis-server")
-    if path is None:
-        subprocess.run("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server",
-                       shell=True, check=True, capture_output=True)
+    if path is None:                              # for the session only: purged at its end
+        from conftest import apt_install
+        apt_install("redis-server")
         path = shutil.which("redis-server")
     assert path, "redis-server could not be installed"
     return path

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import threading
 import time
 
@@ -92,14 +91,13 @@ def test_engine_view_per_second_buckets_match_a_recompute():
 
 @pytest.fixture(scope="session")
 def chromium() -> str:
-    """Debian's chromium, installed with apt-get when missing (CI runs as root)."""
+    """Debian's chromium, installed with apt-get for the session when missing
+    (CI runs as root), and purged at its end."""
     if not os.path.exists(CHROMIUM):
         if shutil.which("apt-get") is None or os.geteuid() != 0:
             pytest.skip("chromium is missing and apt-get cannot install it here (not root)")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True, timeout=900)
-        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"],
-                       check=True, env=env, capture_output=True, timeout=1800)
+        from conftest import apt_install
+        apt_install("chromium")
     return CHROMIUM
 
 

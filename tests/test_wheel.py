@@ -1,4 +1,5 @@
-"""A built wheel (not the editable checkout) installed into a virtualenv where
+"""A built wheel (not the editable checkout) installed into a virtualenv
+that sees this interpreter's packages for fdx's dependencies and where
 `import torch` fails, serving from a fresh kernel cache: the package data
 ships (the page's files, ops/csrc/), serving needs no torch, and the
 compiled kernel is built before /health says ready, never after."""
@@ -14,6 +15,7 @@ import zipfile
 import httpx
 import pytest
 import yaml
+from conftest import local_build_flags, make_venv
 from serve_utils import API_KEY, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -38,14 +40,7 @@ def built_wheel(tmp_path_factory) -> pathlib.Path:
     src = out / "src"                       # a copy: building in place would leave build/ in the checkout
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
                                                              ".pytest_cache", "tests"))
-    # build with this interpreter's setuptools when it is new enough (no download), else pip's isolated build
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        local = int(version("setuptools").split(".")[0]) >= 68          # pyproject's build requirement
-    except PackageNotFoundError:
-        local = False
-    isolation = ["--no-build-isolation"] if local else []
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(out),
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *local_build_flags(), "-q", "-w", str(out),
                     str(src)], check=True, capture_output=True, timeout=600)
     (wheel,) = out.glob("fdx-*.whl")
     return wheel
@@ -66,8 +61,7 @@ class WheelServer:
 
     def __init__(self, tmp: pathlib.Path, wheel: pathlib.Path):
         venv = tmp / "venv"
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
-        py = venv / "bin" / "python"
+        py = make_venv(venv)                     # fdx's dependencies: this interpreter's
         site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                               check=True, capture_output=True, text=True).stdout.strip()
         pathlib.Path(site, "sitecustomize.py").write_text(BLOCK_TORCH)

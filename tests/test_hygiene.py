@@ -1,0 +1,55 @@
+"""The suite's own promises (tests/conftest.py): a run leaves the Python
+environment as it found it, and fails when a test changed it; the
+third-party test plugin is the session's own copy, not an install."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def run_pytest(python: str, folder: pathlib.Path, test_file: str) -> subprocess.CompletedProcess:
+    """`python -m pytest -q` on one small file, with this suite's conftest."""
+    (folder / "pytest.ini").write_text("[pytest]\n")           # its own rootdir, no addopts
+    (folder / "test_it.py").write_text(test_file)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([python, "-m", "pytest", "-q", "-p", "conftest", "test_it.py"], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_run_that_installs_something_fails(tmp_path):
+    """In a virtualenv of its own, a test writes a distribution into that
+    virtualenv's site-packages: the run fails and says what was added."""
+    from conftest import make_venv
+    py = make_venv(tmp_path / "venv", with_pip=False)
+    out = run_pytest(str(py), tmp_path, '''
+import pathlib
+import sysconfig
+
+def test_installs():
+    dist = pathlib.Path(sysconfig.get_paths()["purelib"]) / "left_behind-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\\nName: left-behind\\nVersion: 1.0\\n")
+''')
+    text = out.stdout + out.stderr
+    assert "1 passed" in text and out.returncode == 1, (out.returncode, text)
+    assert "the test run changed the Python environment it ran in:" in text
+    assert f"added left-behind 1.0 in {tmp_path / 'venv'}" in text, text
+
+
+def test_the_example_plugin_is_the_sessions_copy(example_plugin_installed):
+    import importlib.metadata
+
+    import fdx_example_plugin
+    from conftest import installed_distributions
+    assert pathlib.Path(fdx_example_plugin.__file__).is_relative_to(example_plugin_installed)
+    (ep,) = [ep for ep in importlib.metadata.entry_points(group="fdx") if ep.name == "example"]
+    assert pathlib.Path(ep.dist._path).parent == example_plugin_installed
+    assert str(example_plugin_installed) not in {folder for _, _, folder in installed_distributions()}
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(example_plugin_installed)   # for subprocesses
