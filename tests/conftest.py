@@ -32,6 +32,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# -- a crash names its test ---------------------------------------------------------------
+
+@pytest.hookimpl(trylast=True)                  # after pytest's faulthandler plugin enabled it
+def pytest_configure(config):
+    """Paddle replaces the fatal-signal handlers on import (pytest's
+    faulthandler among them), so a test that dies by SIGILL or SIGSEGV in a
+    kernel left no word of which test it was. Import Paddle now and enable
+    faulthandler again over its handlers, writing to stderr as it was before
+    pytest captured it: the Python traceback then names the test."""
+    import faulthandler
+    import warnings
+    if not faulthandler.is_enabled():            # -p no:faulthandler
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="No ccache found")
+            import paddle  # noqa: F401
+    except ImportError:
+        return
+    faulthandler.disable()
+    faulthandler.enable(file=os.dup(2), all_threads=True)
+
+
 # -- leave the environment as it was found -------------------------------------------------
 
 def local_build_flags() -> list[str]:

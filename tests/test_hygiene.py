@@ -1,4 +1,5 @@
-"""The suite's own promises (tests/conftest.py): a run leaves the Python
+"""The suite's own promises (tests/conftest.py): a test that dies by a
+signal in a kernel is named in the output; a run leaves the Python
 environment as it found it, and fails when a test changed it; the
 third-party test plugin is the session's own copy, not an install."""
 from __future__ import annotations
@@ -20,6 +21,26 @@ def run_pytest(python: str, folder: pathlib.Path, test_file: str) -> subprocess.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
     return subprocess.run([python, "-m", "pytest", "-q", "-p", "conftest", "test_it.py"], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_test_that_dies_by_sigill_after_paddle_is_named(tmp_path):
+    out = run_pytest(sys.executable, tmp_path, '''
+import os
+import signal
+
+def test_first():
+    pass
+
+def test_kernel_that_dies():
+    import paddle
+    assert float((paddle.ones([4, 4]) @ paddle.ones([4, 4])).sum()) == 64    # Paddle has run
+    os.kill(os.getpid(), signal.SIGILL)
+''')
+    text = out.stdout + out.stderr
+    assert out.returncode == -4, (out.returncode, text)
+    assert "Fatal Python error: Illegal instruction" in text, text
+    assert f"{tmp_path / 'test_it.py'}\", line 11 in test_kernel_that_dies" in text, text
 
 
 @pytest.mark.slow
