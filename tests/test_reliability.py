@@ -503,22 +503,35 @@ def test_bench_soak_reports_what_held(server):
 
 # -- 2. SIGTERM during a burst (last on the module server: it stops it) --------------------------
 
+def sigterm_with_streams(srv, http: httpx.Client, stack: contextlib.ExitStack, count: int) -> tuple[int, list]:
+    """Open ``count`` streams, then SIGTERM the server and its engine at once
+    (as systemd stops a service's whole process group); returns the
+    engine's pid and the streams."""
+    engine = srv.engine_pid()
+    streams = open_streams(http, stack, count)
+    srv.proc.send_signal(signal.SIGTERM)
+    os.kill(engine, signal.SIGTERM)
+    return engine, streams
+
+
+def end_shutting_down(streams) -> None:
+    """Each stream ends, within 30 s, with one "shutting down" error event and [DONE]."""
+    for events in streams:
+        rest = rest_of(events, timeout=30)
+        errors = [e for e in rest if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and "shutting down" in errors[0]["error"]["message"], errors
+        assert rest[-1] == "[DONE]"
+
+
 def test_sigterm_during_a_burst_ends_every_stream(server):
     """SIGTERM while 12 streams are open, to the server and its engine at
     once (as systemd stops a service's whole process group): each stream
     gets a final error event and [DONE], the server exits 0, the engine
     process is gone, and nobody reports a crash."""
-    engine = server.engine_pid()
     with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60) as http:
         with contextlib.ExitStack() as stack:
-            streams = open_streams(http, stack, 12)
-            server.proc.send_signal(signal.SIGTERM)
-            os.kill(engine, signal.SIGTERM)
-            for events in streams:
-                rest = rest_of(events, timeout=30)
-                assert rest[-1] == "[DONE]"
-                errors = [e for e in rest if isinstance(e, dict) and "error" in e]
-                assert len(errors) == 1 and "shutting down" in errors[0]["error"]["message"]
+            engine, streams = sigterm_with_streams(server, http, stack, 12)
+            end_shutting_down(streams)
     assert server.proc.wait(30) == 0
     wait_for(lambda: not pid_alive(engine), timeout=10, what="the engine process to exit")
     log = server.log()
@@ -534,23 +547,16 @@ def test_sigterm_with_the_server_starved_is_no_engine_death(tmp_path, tiny_model
     from fdx.core.serving.engine_proc import EngineLoop
     srv = start_server(tmp_path, tiny_model)
     try:
-        engine = srv.engine_pid()
         with httpx.Client(base_url=srv.base_url, headers=HEADERS, timeout=60) as http:
             with contextlib.ExitStack() as stack:
-                streams = open_streams(http, stack, 4)
-                srv.proc.send_signal(signal.SIGTERM)
-                os.kill(engine, signal.SIGTERM)
+                engine, streams = sigterm_with_streams(srv, http, stack, 4)
                 os.kill(srv.proc.pid, signal.SIGSTOP)
                 try:
                     wait_for(lambda: not pid_alive(engine), timeout=EngineLoop.TERM_GRACE_S + 30,
                              what="the engine to stop on its own")
                 finally:
                     os.kill(srv.proc.pid, signal.SIGCONT)
-                for events in streams:
-                    rest = rest_of(events, timeout=30)
-                    errors = [e for e in rest if isinstance(e, dict) and "error" in e]
-                    assert len(errors) == 1 and "shutting down" in errors[0]["error"]["message"], errors
-                    assert rest[-1] == "[DONE]"
+                end_shutting_down(streams)
         assert srv.proc.wait(30) == 0, srv.log()
         assert "died" not in srv.log() and "Traceback" not in srv.log(), srv.log()
     finally:
