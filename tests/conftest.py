@@ -80,7 +80,7 @@ def installed_distributions() -> set[tuple[str, str, str]]:
     """(name, version, folder) of every distribution in site_folders():
     what `pip list` lists."""
     importlib.invalidate_caches()
-    return {(d.metadata["Name"], d.version, str(getattr(d, "_path", "").parent))
+    return {(d.metadata["Name"], d.version, str(d.locate_file("")))
             for d in importlib.metadata.distributions(path=site_folders())}
 
 
@@ -187,7 +187,7 @@ def example_plugin_installed(tmp_path_factory):
     importlib.invalidate_caches()
     _drop_example_modules()                      # an old copy imported earlier in this session
     (dist,) = [ep.dist for ep in importlib.metadata.entry_points(group="fdx") if ep.name == "example"]
-    assert pathlib.Path(dist._path).parent == target, dist._path
+    assert dist.locate_file("") == target, dist.locate_file("")
     try:
         yield target
     finally:

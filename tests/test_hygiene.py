@@ -71,6 +71,6 @@ def test_the_example_plugin_is_the_sessions_copy(example_plugin_installed):
     from conftest import installed_distributions
     assert pathlib.Path(fdx_example_plugin.__file__).is_relative_to(example_plugin_installed)
     (ep,) = [ep for ep in importlib.metadata.entry_points(group="fdx") if ep.name == "example"]
-    assert pathlib.Path(ep.dist._path).parent == example_plugin_installed
+    assert ep.dist.locate_file("") == example_plugin_installed
     assert str(example_plugin_installed) not in {folder for _, _, folder in installed_distributions()}
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(example_plugin_installed)   # for subprocesses
