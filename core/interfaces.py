@@ -808,6 +808,10 @@ class Backend(abc.ABC):
         ``fdx env`` (default: each probed kernel's finding)."""
         return {name: "ok" if why is None else why for name, why in self.kernels.findings.items()}
 
+    def kernel_summary(self) -> str:
+        """One line on the kernels for /v1/engine/stats (default: the choices)."""
+        return ", ".join(f"{op}={what}" for op, what in self.kernel_choices().items())
+
     @abc.abstractmethod
     def free_memory_bytes(self) -> int:
         """Memory the KV cache may draw from, before applying memory_fraction."""

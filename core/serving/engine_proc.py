@@ -293,7 +293,7 @@ def engine_main(argv: list[str] | None = None) -> int:
         from fdx.core.config import FdxConfig
         from fdx.core.engine import EngineCore
         engine = EngineCore(FdxConfig.model_validate(json.loads(config_json)), progress=False)
-        kernels = engine.attention.status         # built or loaded by the attention backend at start-up
+        kernels = engine.backend.kernel_summary()  # the compiled build and the probed kernel table
         warm_up(engine)
         outbox.send(_encoder.encode(EngineReady(
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),

@@ -107,6 +107,11 @@ class CpuBackend(Backend):
     def kernel_choices(self) -> dict[str, str]:
         return op_choices(self.kernels)
 
+    def kernel_summary(self) -> str:
+        """What the compiled-kernel build did, then the kernel line."""
+        from fdx.ops import cpp
+        return "; ".join(filter(None, [cpp.status(), self.kernel_line()]))
+
     def kernel_line(self) -> str:
         t = self.kernels
         how = {"cache": f"from the cache in {t.seconds * 1000:.0f} ms",

@@ -58,7 +58,7 @@ def check_config(config, backend) -> None:
                           "(paddle.device.cuda.graphs.is_cuda_graph_supported() is false)")
     if backend.attention_backend != "paddle-block":
         raise ConfigError(f"{KEY}: needs the paddle-block attention, which needs block_multihead_attention at "
-                          f"the model's dtype ({backend.kernels.get('block_multihead_attention')}); "
+                          f"the model's dtype ({backend.kernels.why_not('block_multihead_attention')}); "
                           "the reference attention cannot be captured")
     if config.parallel.tensor_parallel_size > 1:
         raise ConfigError(f"{KEY}: not with parallel.tensor_parallel_size > 1")
