@@ -57,8 +57,9 @@ def exit_message(who: str, returncode: int, when: str) -> str:
         name = f"signal {-returncode}"
     if -returncode == signal.SIGILL:
         return (f"{who} was killed by SIGILL (status {returncode}) {when}: an illegal instruction, from a kernel "
-                "built for an instruction set this CPU lacks (such as AVX-512); `fdx env` shows the CPU and "
-                "its kernels, and docs/backends.md says what to turn off")
+                "built for an instruction set this CPU lacks (such as AVX-512); Paddle's C++ traceback above "
+                "names the kernel, `fdx env` shows the CPU and its kernels, and docs/backends.md says what to "
+                "turn off")
     return f"{who} was killed by {name} (status {returncode}) {when} (see its messages above)"
 
 
