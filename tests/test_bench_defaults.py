@@ -48,19 +48,18 @@ def test_repetition_figures_match_a_brute_force_count(text):
     assert bd.loops(text) == (most >= 3)
 
 
-def test_greedy_is_one_point_per_repetition_penalty():
-    points = bd.grid((0, 0.2), (0.9, 1.0), (1.0, 1.1))
-    assert points == [{"temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0},
-                      {"temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.1},
-                      {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.0},
-                      {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1},
-                      {"temperature": 0.2, "top_p": 1.0, "repetition_penalty": 1.0},
-                      {"temperature": 0.2, "top_p": 1.0, "repetition_penalty": 1.1}]
+def test_greedy_is_one_point_per_set_of_penalties():
+    points = bd.grid((0, 0.2), (0.9, 1.0), (1.0, 1.1), (0.0,), (0.0, 0.5))
+    pen = [{"repetition_penalty": r, "presence_penalty": 0.0, "frequency_penalty": f}
+           for r in (1.0, 1.1) for f in (0.0, 0.5)]
+    assert points == ([{"temperature": 0.0, "top_p": 1.0, **p} for p in pen]
+                      + [{"temperature": 0.2, "top_p": top_p, **p} for top_p in (0.9, 1.0) for p in pen])
 
 
 def test_a_points_figures_count_its_answers():
     questions = (("Capital of France?", ("Paris",)), ("2+2?", ("4",)))
-    point = {"temperature": 0.5, "top_p": 0.9, "repetition_penalty": 1.0}
+    point = {"temperature": 0.5, "top_p": 0.9, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+             "frequency_penalty": 0.2}
     answers = [(0, "Paris.", "stop"), (0, "Lyon, Lyon, Lyon, Lyon, Lyon", "length"),
                (1, "Bonjour! It is 4.", "stop"), (1, "It is 4.", "stop")]
     r = bd.score(point, answers, questions)
@@ -70,8 +69,15 @@ def test_a_points_figures_count_its_answers():
     assert r["correct_by_question"] == {"Capital of France?": 0.5, "2+2?": 1.0}
     table = bd.format_result({"questions": 2, "seeds": 2, "max_tokens": 8, "model": "m.gguf", "cpu": "a CPU",
                               "backend": "cpu", "time_s": 1.0, "points": [r]})
-    assert "m.gguf" in table and "a CPU" in table
-    assert table.splitlines()[-1].split() == ["0.5", "0.9", "1", "75%", "50%", "0.167", "25%", "75%"]
+    assert "m.gguf" in table and "a CPU" in table and "open" not in table
+    assert table.splitlines()[-1].split() == ["0.5", "0.9", "1", "0", "0.2", "75%", "50%", "0.167", "25%", "75%"]
+    opened = bd.score_open([("a b c d e f " * 3, "length"), ("a b c d e f " * 2, "stop")])
+    assert opened == {"answers": 2, "loops": 0.5, "stop": 0.5, "mean_words": 15.0}
+    table = bd.format_result({"questions": 2, "seeds": 2, "max_tokens": 8, "model": "m.gguf", "cpu": "a CPU",
+                              "backend": "cpu", "time_s": 1.0, "open_prompts": 5, "open_max_tokens": 64,
+                              "points": [{**r, "open": opened}]})
+    assert "5 open prompts, max_tokens 64" in table
+    assert table.splitlines()[-1].split()[-2:] == ["50%", "50%"]
 
 
 def test_bad_grid_values_are_an_error_naming_them():
@@ -84,9 +90,10 @@ def test_measure_asks_each_point_with_its_own_settings(smollm_llm):
     reference is llm.chat with each setting, scored by hand."""
     from fdx import SamplingParams
     questions = bd.QUESTIONS[:2]
-    points = bd.grid((0, 0.7), (0.9,), (1.0,))
-    got = bd.measure(smollm_llm, points, seeds=2, max_tokens=8, questions=questions, base_seed=5)
-    assert [g["answers"] for g in got] == [2, 4]
+    points = bd.grid((0, 0.7), (0.9,), (1.0,), (0.0,), (0.5,))
+    got = bd.measure(smollm_llm, points, seeds=2, max_tokens=8, questions=questions, base_seed=5,
+                     open_prompts=("Write a haiku about the sea",), open_max_tokens=12)
+    assert [g["answers"] for g in got] == [2, 4] and [g["open"]["answers"] for g in got] == [1, 2]
     for point, g in zip(points, got):
         seeds = [None] if point["temperature"] == 0 else [5, 6]
         texts = [(q, smollm_llm.chat([{"role": "user", "content": question}],
@@ -95,7 +102,11 @@ def test_measure_asks_each_point_with_its_own_settings(smollm_llm):
         right = sum(bd.is_correct(o.text, questions[q][1]) for q, o in texts)
         assert g["correct"] == right / len(texts)
         assert g["stop"] == sum(o.finish_reason == "stop" for _, o in texts) / len(texts)
-        assert [text for _, _, text, _ in g["samples"]] == [o.text for _, o in texts]
+        assert [text for q, _, text, _ in g["samples"] if q >= 0] == [o.text for _, o in texts]
+        haiku = [smollm_llm.chat([{"role": "user", "content": "Write a haiku about the sea"}],
+                                 SamplingParams(**point, max_tokens=12, seed=s))[0].outputs[0] for s in seeds]
+        assert [text for q, _, text, _ in g["samples"] if q < 0] == [o.text for o in haiku]
+        assert g["open"]["stop"] == sum(o.finish_reason == "stop" for o in haiku) / len(haiku)
 
 
 @pytest.mark.slow
