@@ -72,12 +72,13 @@ def test_a_points_figures_count_its_answers():
     assert "m.gguf" in table and "a CPU" in table and "open" not in table
     assert table.splitlines()[-1].split() == ["0.5", "0.9", "1", "0", "0.2", "75%", "50%", "0.167", "25%", "75%"]
     opened = bd.score_open([("a b c d e f " * 3, "length"), ("a b c d e f " * 2, "stop")])
-    assert opened == {"answers": 2, "loops": 0.5, "stop": 0.5, "mean_words": 15.0}
+    assert opened == {"answers": 2, "repeat": pytest.approx((10 / 16 + 4 / 10) / 2), "loops": 0.5, "stop": 0.5,
+                      "mean_words": 15.0}
     table = bd.format_result({"questions": 2, "seeds": 2, "max_tokens": 8, "model": "m.gguf", "cpu": "a CPU",
                               "backend": "cpu", "time_s": 1.0, "open_prompts": 5, "open_max_tokens": 64,
                               "points": [{**r, "open": opened}]})
     assert "5 open prompts, max_tokens 64" in table
-    assert table.splitlines()[-1].split()[-2:] == ["50%", "50%"]
+    assert table.splitlines()[-1].split()[-3:] == [f"{opened['repeat']:.3f}", "50%", "50%"]
 
 
 def test_bad_grid_values_are_an_error_naming_them():

@@ -18,8 +18,8 @@ request queued at once. For each point it reports:
   one in the same answer (0: no repetition), and loops: the share of
   answers in which some word 3-gram occurs three times or more;
 - stop: the share of answers that ended by themselves within max_tokens;
-- for the open prompts, loops (a word 6-gram three times or more: a loop,
-  not a phrase a story repeats) and stop.
+- for the open prompts, repeat (as above), loops (a word 6-gram three
+  times or more: a loop, not a phrase a story repeats) and stop.
 """
 from __future__ import annotations
 
@@ -128,7 +128,8 @@ def score(point: dict, answers: list[tuple[int, str, str]], questions=QUESTIONS)
 def score_open(answers: list[tuple[str, str]]) -> dict:
     """The open prompts' figures from their answers: (text, finish_reason) each."""
     n = len(answers)
-    return {"answers": n, "loops": sum(loops(text, 6) for text, _ in answers) / n if n else 0.0,
+    return {"answers": n, "repeat": sum(repeated_ngram_share(text) for text, _ in answers) / n if n else 0.0,
+            "loops": sum(loops(text, 6) for text, _ in answers) / n if n else 0.0,
             "stop": sum(finish == "stop" for _, finish in answers) / n if n else 0.0,
             "mean_words": sum(len(re.findall(r"\w+", text)) for text, _ in answers) / n if n else 0.0}
 
@@ -174,7 +175,7 @@ def format_result(r: dict) -> str:
              + (f"; {r['open_prompts']} open prompts, max_tokens {opened}" if opened else ""),
              f"  cpu {r['cpu']}; backend {r['backend']}; {r['time_s']:.0f} s",
              "  temperature  top_p  rep.pen  pres.pen  freq.pen  correct  first  repeat  loops  stop"
-             + ("  open: loops  stop" if opened else "")]
+             + ("  open: repeat  loops  stop" if opened else "")]
     for p in r["points"]:
         t = "greedy" if p["temperature"] == 0 else f"{p['temperature']:g}"
         top_p = "-" if p["temperature"] == 0 else f"{p['top_p']:g}"
@@ -182,7 +183,8 @@ def format_result(r: dict) -> str:
                 f"{p['frequency_penalty']:>8g}  {100 * p['correct']:>6.0f}%  {100 * p['first']:>4.0f}%  "
                 f"{p['repeat']:>6.3f}  {100 * p['loops']:>4.0f}%  {100 * p['stop']:>3.0f}%")
         if opened:
-            line += f"  {100 * p['open']['loops']:>10.0f}%  {100 * p['open']['stop']:>4.0f}%"
+            line += (f"  {p['open']['repeat']:>12.3f}  {100 * p['open']['loops']:>4.0f}%  "
+                     f"{100 * p['open']['stop']:>4.0f}%")
         lines.append(line)
     return "\n".join(lines)
 
