@@ -14,6 +14,7 @@ from fdx.core.serving import router as router_cli
 from fdx.core.bench import prefix as bench_prefix
 from fdx.core.bench import soak as bench_soak
 from fdx.core.bench import peers as bench_peers
+from fdx.core.bench import defaults as bench_defaults
 from fdx.core.config import FLAT_KEYS, ConfigError
 
 
@@ -264,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_parser(bsub)
     bench_soak.add_parser(bsub)
     bench_peers.add_parser(bsub)
+    bench_defaults.add_parser(bsub)
     return parser
 
 

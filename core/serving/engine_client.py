@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -42,6 +43,24 @@ class EngineHungError(EngineDeadError):
 class EngineStartError(EngineDeadError):
     """The engine could not load the model or config; the message says why,
     worded as ``fdx generate`` words it."""
+
+
+def exit_message(who: str, returncode: int, when: str) -> str:
+    """How a child's end reads to a user: ``who`` "exited with status N"
+    ``when``, or, for a negative status (killed by a signal), the signal by
+    name; SIGILL with what it means and where to look."""
+    if returncode >= 0:
+        return f"{who} exited with status {returncode} {when} (see its messages above)"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if -returncode == signal.SIGILL:
+        return (f"{who} was killed by SIGILL (status {returncode}) {when}: an illegal instruction, from a kernel "
+                "built for an instruction set this CPU lacks (such as AVX-512); Paddle's C++ traceback above "
+                "names the kernel, `fdx env` shows the CPU and its kernels, and docs/backends.md says what to "
+                "turn off")
+    return f"{who} was killed by {name} (status {returncode}) {when} (see its messages above)"
 
 
 class EngineClient:
@@ -114,8 +133,8 @@ class EngineClient:
                 if not first.done():
                     first.cancel()
                     if exited.done():
-                        raise EngineDeadError(f"the engine process exited with status {self.proc.returncode} "
-                                              "while loading (see its messages above)")
+                        raise EngineDeadError(exit_message("the engine process", self.proc.returncode,
+                                                           "while loading"))
                     silent = time.monotonic() - self.last_heard
                     if silent > self.heartbeat_timeout_s:
                         self.proc.kill()
