@@ -113,7 +113,8 @@ def test_measure_asks_each_point_with_its_own_settings(smollm_llm):
 @pytest.mark.slow
 def test_fdx_bench_defaults_runs_a_tiny_grid(capsys):
     from fdx.core.cli import main
-    assert main(["bench", "defaults", "--temperatures", "0", "--num-questions", "2", "--max-tokens", "8",
+    assert main(["bench", "defaults", "--temperatures", "0", "--top-ps", "1", "--repetition-penalties", "1",
+                 "--presence-penalties", "0", "--num-questions", "2", "--max-tokens", "8",
                  "--max-model-len", "256", "--num-kv-blocks", "32", "--json", "--quiet"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and r["questions"] == 2 and r["cpu"]
