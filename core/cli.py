@@ -63,10 +63,13 @@ GENERATE_FALLBACK = {"temperature": 0.0, "max_tokens": 128}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, chat: bool) -> None:
-    from fdx.core.generation import CHAT_DEFAULTS
+    from fdx.core.generation import CHAT_DEFAULTS, EMBEDDED_CHAT_DEFAULTS
     d = {**(CHAT_DEFAULTS if chat else GENERATE_FALLBACK)}
 
     def default(name: str, plain: str) -> str:
+        if chat and name in EMBEDDED_CHAT_DEFAULTS:
+            return (f"(default: the model's generation_config, else {EMBEDDED_CHAT_DEFAULTS[name]} for the "
+                    f"embedded SmolLM2 and {d.get(name, plain)} for other models)")
         return f"(default: the model's generation_config, else {d.get(name, plain)})"
 
     p.add_argument("--max-tokens", type=int, default=None, help=f"tokens to generate at most {default('max_tokens', '')}")
@@ -77,6 +80,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, chat: bool) -> None:
                    help=f"drop tokens below min_p x the top probability {default('min_p', 0.0)}")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help=f"above 1 discourages repeating prompt or output tokens {default('repetition_penalty', 1.0)}")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help=f"subtracted from the logit of every token already generated {default('presence_penalty', 0.0)}")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help=f"subtracted once for each time a token was generated {default('frequency_penalty', 0.0)}")
     p.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed",
                    help="this request's seed (default: none: the engine's --seed stream)")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable (default: none)")
@@ -107,7 +114,8 @@ def _make_llm(args, progress=None):
     return LLM(args.model, config=args.config, progress=progress, **_overrides(args))
 
 
-_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
 
 
 def _sampling(args, llm, chat: bool):
@@ -115,7 +123,8 @@ def _sampling(args, llm, chat: bool):
     then fdx's chat defaults (chat) or GENERATE_FALLBACK (generate)."""
     from fdx.core.generation import defaults_for
     from fdx.core.sampling_params import SamplingParams
-    kw = {**(GENERATE_FALLBACK if not chat else {}), **defaults_for(llm.engine.generation_config, chat)}
+    kw = {**(GENERATE_FALLBACK if not chat else {}),
+          **defaults_for(llm.engine.generation_config, chat, llm.engine.chat_defaults)}
     kw.update({k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None})
     return SamplingParams(**kw, seed=args.sampling_seed, stop=args.stop)
 

@@ -5,9 +5,11 @@ A model may ship sampling defaults: Hugging Face's generation_config.json
 keys vLLM reads) or a GGUF file's ``general.sampling.*`` metadata. They
 apply wherever a request leaves the field unset, as in vLLM. Where the
 model ships none, chat requests (``LLM.chat``, ``fdx chat``,
-``/v1/chat/completions``) get ``CHAT_DEFAULTS``: with the SamplingParams
-defaults (temperature 1, 16 tokens) a small model's answer is cut off or
-loops. Completions keep the SamplingParams / OpenAI defaults.
+``/v1/chat/completions``) get fdx's chat defaults (``chat_defaults_for``):
+``CHAT_DEFAULTS``, and for the embedded default model
+``EMBEDDED_CHAT_DEFAULTS`` over them, measured for it. With the
+SamplingParams defaults (temperature 1, 16 tokens) a small model's answer
+is cut off or loops. Completions keep the SamplingParams / OpenAI defaults.
 """
 from __future__ import annotations
 
@@ -20,6 +22,18 @@ from typing import Any
 # and without looping (18 of 18 seeded runs ended with "stop", no line three
 # times; temperature 0.7 and top_p 0.9 alone looped in 1 of 18).
 CHAT_DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1, "max_tokens": 1024}
+
+# fdx's chat defaults for the embedded default model (SmolLM2-135M-Instruct,
+# Q4_1), measured with `fdx bench defaults` (docs/benchmarks.md): greedy,
+# with penalties on generated tokens only. repetition_penalty also penalizes
+# the prompt's words, and with it the model no longer answers "The capital
+# of France is Paris." but starts in French (first sentences right: 44-56%
+# against 67-72% without); sampling makes that first answer a coin toss
+# (its first token: "The" 15%, "L" 14%, "La" 10%). Greedy alone loops in
+# long answers; presence 1 and frequency 0.5 stop that (18 questions: 78%
+# right, 72% in the first sentence; open prompts: no loops).
+EMBEDDED_CHAT_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "repetition_penalty": 1.0, "presence_penalty": 1.0,
+                                          "frequency_penalty": 0.5}
 
 # generation_config.json key -> SamplingParams field
 _HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -58,7 +72,15 @@ def from_gguf_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
     return _clean(fields, _GGUF_KEYS)
 
 
-def defaults_for(model_defaults: Mapping[str, Any], chat: bool) -> dict[str, Any]:
-    """The defaults a request starts from: fdx's chat defaults (for chat),
-    overridden by the model's."""
-    return {**(CHAT_DEFAULTS if chat else {}), **model_defaults}
+def chat_defaults_for(embedded: bool) -> dict[str, Any]:
+    """fdx's chat defaults for a model: CHAT_DEFAULTS, with
+    EMBEDDED_CHAT_DEFAULTS over them for the embedded default model
+    (``fdx.core.checkpoint.loader.is_default_model``)."""
+    return {**CHAT_DEFAULTS, **(EMBEDDED_CHAT_DEFAULTS if embedded else {})}
+
+
+def defaults_for(model_defaults: Mapping[str, Any], chat: bool,
+                 chat_defaults: Mapping[str, Any] = CHAT_DEFAULTS) -> dict[str, Any]:
+    """The defaults a request starts from: fdx's chat defaults for the model
+    (for chat; ``chat_defaults_for``), overridden by the model's own."""
+    return {**(chat_defaults if chat else {}), **model_defaults}

@@ -38,10 +38,12 @@ class LLM:
     def get_default_sampling_params(self, chat: bool = False) -> SamplingParams:
         """What ``generate`` (chat=False) and ``chat`` (chat=True) use when given
         no SamplingParams: the model's generation defaults (generation_config.json,
-        GGUF ``general.sampling.*``), and for chat fdx's CHAT_DEFAULTS under them
-        (core/generation.py). A SamplingParams passed in is used as it is."""
-        from fdx.core.generation import defaults_for
-        return SamplingParams(**defaults_for(getattr(self.engine, "generation_config", {}), chat))
+        GGUF ``general.sampling.*``), and for chat fdx's chat defaults for the
+        model under them (core/generation.py). A SamplingParams passed in is
+        used as it is."""
+        from fdx.core.generation import CHAT_DEFAULTS, defaults_for
+        return SamplingParams(**defaults_for(getattr(self.engine, "generation_config", {}), chat,
+                                             getattr(self.engine, "chat_defaults", CHAT_DEFAULTS)))
 
     def close(self) -> None:
         """Flush the KV cache's tiers and drop pending work."""

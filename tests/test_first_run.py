@@ -242,9 +242,10 @@ README_CHATS = [[{"role": "user", "content": "Write a haiku about the sea"}],
 
 
 def test_llm_chat_defaults_answer_the_readme_examples_completely(smollm_llm):
-    """The README's examples with LLM.chat's defaults (the embedded GGUF ships no
-    sampling keys, so fdx's chat defaults), over several seeds: each answer
-    ends with "stop" and repeats no line three times."""
+    """The README's examples with LLM.chat's defaults (the embedded model's,
+    over fdx's chat defaults), over several seeds (greedy gives one answer;
+    sampled defaults would vary): each answer ends with "stop" and repeats
+    no line three times."""
     import dataclasses
     defaults = smollm_llm.get_default_sampling_params(chat=True)
     convs, params = [], []
@@ -257,6 +258,43 @@ def test_llm_chat_defaults_answer_the_readme_examples_completely(smollm_llm):
         o = out.outputs[0]
         assert o.finish_reason == "stop" and o.text.strip() and not _repeats_a_line(o.text), o.text
     assert smollm_llm.chat(README_CHATS[0])[0].outputs[0].finish_reason == "stop"    # no SamplingParams at all
+
+
+def test_the_embedded_model_has_its_measured_chat_defaults(smollm_llm):
+    """Its GGUF ships no sampling keys: chat gets fdx's chat defaults with the
+    embedded model's over them; completions keep the SamplingParams defaults."""
+    from fdx import SamplingParams
+    from fdx.core.generation import CHAT_DEFAULTS, EMBEDDED_CHAT_DEFAULTS
+    assert smollm_llm.engine.generation_config == {}
+    assert smollm_llm.get_default_sampling_params(chat=True) == SamplingParams(**{**CHAT_DEFAULTS,
+                                                                                  **EMBEDDED_CHAT_DEFAULTS})
+    assert smollm_llm.get_default_sampling_params(chat=False) == SamplingParams()
+
+
+def test_the_first_question_a_newcomer_asks_is_answered(smollm_llm):
+    """With no SamplingParams, "What is the capital of France?" gets an
+    answer whose first sentence names Paris, and that ends by itself."""
+    from fdx.core.bench.defaults import first_sentence, is_correct
+    out = smollm_llm.chat([{"role": "user", "content": "What is the capital of France?"}])[0].outputs[0]
+    assert out.finish_reason == "stop" and is_correct(first_sentence(out.text), ("Paris",)), out.text
+
+
+def test_only_the_embedded_file_is_the_default_model(tmp_path):
+    """The embedded model's chat defaults go to that file (by any path to
+    it), not to another file of the same name; other models keep fdx's."""
+    from pathlib import Path
+
+    from fdx.core.checkpoint.loader import default_model_path, is_default_model
+    from fdx.core.generation import CHAT_DEFAULTS, EMBEDDED_CHAT_DEFAULTS, chat_defaults_for
+    embedded = Path(default_model_path())
+    link = tmp_path / "link.gguf"
+    link.symlink_to(embedded)
+    other = tmp_path / embedded.name
+    other.write_bytes(b"GGUF")
+    assert is_default_model(embedded) and is_default_model(str(link))
+    assert not is_default_model(other) and not is_default_model(tmp_path / "missing")
+    assert chat_defaults_for(False) == CHAT_DEFAULTS
+    assert chat_defaults_for(True) == {**CHAT_DEFAULTS, **EMBEDDED_CHAT_DEFAULTS}
 
 
 @pytest.mark.slow

@@ -134,7 +134,7 @@ def test_completion_greedy_matches_llm(server, client, smollm_llm):
 
 def test_chat_stream_matches_llm(server, smollm_llm):
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is 2+2?"}]
-    # fields the request leaves out (top_p, repetition_penalty) get fdx's chat defaults, as in LLM.chat
+    # fields the request leaves out (the penalties, top_p) get the defaults, as in LLM.chat
     chat_defaults = smollm_llm.get_default_sampling_params(chat=True)
     ref = smollm_llm.chat(messages, dataclasses.replace(chat_defaults, temperature=0, max_tokens=10))[0].outputs[0]
 
@@ -176,20 +176,20 @@ def test_chat_n2_seeded_sampling_matches_llm(server, smollm_llm):
 
 
 def test_chat_defaults_fill_only_the_fields_the_request_leaves_out(server, smollm_llm):
-    """temperature, top_p and repetition_penalty from fdx's chat defaults (the
-    embedded GGUF ships none), then max_tokens too; LLM.chat is the reference."""
+    """The sampling fields from the embedded model's defaults and fdx's chat
+    defaults, then max_tokens too; LLM.chat is the reference."""
     defaults = smollm_llm.get_default_sampling_params(chat=True)
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    ref = smollm_llm.chat(messages, dataclasses.replace(defaults, seed=7, max_tokens=16))[0].outputs[0]
+    ref = smollm_llm.chat(messages, dataclasses.replace(defaults, temperature=0.7, seed=7, max_tokens=16))
     r = httpx.post(server.base_url + "/v1/chat/completions", headers=HEADERS, timeout=300,
-                   json={"messages": messages, "seed": 7, "max_tokens": 16})
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ref.text
+                   json={"messages": messages, "temperature": 0.7, "seed": 7, "max_tokens": 16})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ref[0].outputs[0].text
     messages = [{"role": "user", "content": "Say hi."}]
-    greedy = smollm_llm.chat(messages, dataclasses.replace(defaults, temperature=0.0))[0].outputs[0]
+    alone = smollm_llm.chat(messages)[0].outputs[0]          # no SamplingParams: every default
     r = httpx.post(server.base_url + "/v1/chat/completions", headers=HEADERS, timeout=300,
-                   json={"messages": messages, "temperature": 0})
+                   json={"messages": messages})
     choice = r.json()["choices"][0]
-    assert choice["message"]["content"] == greedy.text and choice["finish_reason"] == greedy.finish_reason == "stop"
+    assert choice["message"]["content"] == alone.text and choice["finish_reason"] == alone.finish_reason == "stop"
 
 
 def test_stop_strings_match_llm(server, client, smollm_llm):

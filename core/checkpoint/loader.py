@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_MODEL_PACKAGE",
     "Checkpoint",
     "default_model_path",
+    "is_default_model",
     "check_model_path",
     "load_checkpoint",
 ]
@@ -125,6 +126,14 @@ def load_checkpoint(path: str | None = None, progress: bool = True) -> Checkpoin
     if p.is_dir():
         return _load_hf_dir(p, progress)
     return _load_gguf(p, progress)
+
+
+def is_default_model(path: str | Path) -> bool:
+    """Whether ``path`` is the embedded default model's file (by any path to it)."""
+    try:
+        return Path(path).resolve() == Path(default_model_path()).resolve()
+    except FileNotFoundError:
+        return False
 
 
 def _require(config: Mapping[str, Any], key: str, where: str) -> Any:

@@ -21,9 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fdx.core.checkpoint.loader import check_model_path, load_tokenizer
+from fdx.core.checkpoint.loader import check_model_path, is_default_model, load_tokenizer
 from fdx.core.config import FdxConfig
-from fdx.core.generation import defaults_for
+from fdx.core.generation import CHAT_DEFAULTS, chat_defaults_for, defaults_for
 from fdx.core.guided import GuidedDecoding, constraint_of
 from fdx.core.plugins import get_serving_plugin_manager
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
@@ -184,6 +184,7 @@ class Server:
         self.max_model_len = 0
         self.vocab_size = 0
         self.generation_config: dict[str, Any] = {}   # the model's sampling defaults
+        self.chat_defaults: dict[str, Any] = dict(CHAT_DEFAULTS)   # fdx's for chat, for this model
         self.accepting = False
         self.loading = True                       # until the engine is loaded and warmed: /health says so
         self.groups: set[RequestGroup] = set()
@@ -206,6 +207,7 @@ class Server:
             raise
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.generation_config = dict(ready.generation_config)
+        self.chat_defaults = chat_defaults_for(is_default_model(ready.model_path))
         self.metrics.engine_up.set(1)
         self.metrics.kv_total.set(ready.num_blocks)
         self.metrics.kv_free.set(ready.num_blocks)
@@ -265,7 +267,7 @@ class Server:
         """The model's generation defaults (and fdx's chat defaults, for chat)
         for every field the request body left out (core/generation.py)."""
         given = req.model_fields_set
-        for name, value in defaults_for(self.generation_config, chat).items():
+        for name, value in defaults_for(self.generation_config, chat, self.chat_defaults).items():
             fields = ("max_tokens", "max_completion_tokens") if name == "max_tokens" else (name,)
             if not given.intersection(fields):
                 kwargs[name] = value
