@@ -1,0 +1,143 @@
+"""Quantized weights kept as their blocks, and the products that read them.
+
+This module is the seam between the weight-format plugins (which decide how
+a linear layer's weights are stored, loaded and sharded) and the kernels
+(which multiply by them). A ``QuantizedTensor`` holds a 2-D weight in numpy
+order, ``[rows, cols]`` = HF's ``[out_features, in_features]``, exactly as
+its format stores it:
+
+- the GGML kinds (``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``,
+  ``q4_k``, ``q5_k``, ``q6_k``, ...) as GGUF's raw bytes, one row of
+  ``cols`` elements per output, blocks along ``cols``: ``data`` is uint8
+  ``[rows, row_bytes]``;
+- ``wint8``: int8 ``[rows, cols]`` with one float32 scale per row
+  (FastDeploy's weight-only int8, per channel);
+- ``wint4``: two 4-bit values a byte, ``[rows, cols // 2]`` uint8 (low
+  nibble first, stored as value + 8), float32 scales ``[rows, cols //
+  group_size]`` (per group).
+
+Row operations (llama.cpp's Q/K un-permutation, column-parallel shards) are
+row gathers on the raw bytes and never dequantize. A split along ``cols``
+(row-parallel shards) is only possible on whole blocks.
+
+``matmul`` and ``embedding`` choose their kernel from the active kernel
+table (``fdx.core.kernels``); the reference path, which the probes compare
+the kernels with, dequantizes with the ``gguf`` package (or numpy for the
+wint kinds) and multiplies in Paddle fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+from paddle import Tensor
+
+from fdx.core import kernels
+
+WINT_KINDS = ("wint8", "wint4")
+
+
+def ggml_type(kind: str):
+    """The gguf package's enum member for a lower-case GGML kind name."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType[kind.upper()]
+    except KeyError:
+        raise ValueError(f"unknown quantized kind {kind!r}") from None
+
+
+def block_shape(kind: str) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a GGML kind."""
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[ggml_type(kind)]
+
+
+@dataclass(eq=False)
+class QuantizedTensor:
+    kind: str
+    shape: tuple[int, int]
+    data: np.ndarray
+    scales: np.ndarray | None = None
+    group_size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + (0 if self.scales is None else self.scales.nbytes))
+
+    def dequantize(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """float32 ``[len(rows) or rows, cols]``: the reference values."""
+        data = self.data if rows is None else self.data[rows]
+        scales = None if self.scales is None else (self.scales if rows is None else self.scales[rows])
+        if self.kind == "wint8":
+            return data.astype(np.float32) * scales[:, None]
+        if self.kind == "wint4":
+            low = (data & 0x0F).astype(np.int8) - 8
+            high = (data >> 4).astype(np.int8) - 8
+            q = np.stack([low, high], axis=-1).reshape(data.shape[0], -1).astype(np.float32)
+            return (q.reshape(q.shape[0], -1, self.group_size) * scales[:, :, None]).reshape(q.shape)
+        from gguf.quants import dequantize
+
+        return np.ascontiguousarray(dequantize(data, ggml_type(self.kind)), dtype=np.float32)
+
+    def take_rows(self, index: np.ndarray) -> "QuantizedTensor":
+        """The rows ``index`` (a permutation or a shard), still quantized."""
+        index = np.asarray(index)
+        return QuantizedTensor(self.kind, (int(index.size), self.shape[1]),
+                               np.ascontiguousarray(self.data[index]),
+                               None if self.scales is None else np.ascontiguousarray(self.scales[index]),
+                               self.group_size)
+
+
+# --- quantizing on load (wint8 / wint4 of an fp32 checkpoint) ------------------------------
+
+def quantize_wint8(w: np.ndarray) -> QuantizedTensor:
+    """Symmetric per-row int8: scale = max|row| / 127."""
+    w = np.asarray(w, dtype=np.float32)
+    scale = np.abs(w).max(axis=1) / 127.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    return QuantizedTensor("wint8", w.shape, q, scale.astype(np.float32))
+
+
+def quantize_wint4(w: np.ndarray, group_size: int = 128) -> QuantizedTensor:
+    """Symmetric per-group int4 in [-7, 7] (stored + 8), two a byte."""
+    w = np.asarray(w, dtype=np.float32)
+    rows, cols = w.shape
+    if cols % group_size or group_size % 2:
+        raise ValueError(f"wint4: {cols} columns are not a whole number of groups of {group_size}")
+    g = w.reshape(rows, cols // group_size, group_size)
+    scale = np.abs(g).max(axis=2) / 7.0
+    scale[scale == 0] = 1.0
+    q = (np.clip(np.rint(g / scale[:, :, None]), -7, 7).astype(np.int8) + 8).astype(np.uint8)
+    q = q.reshape(rows, cols // 2, 2)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8)
+    return QuantizedTensor("wint4", (rows, cols), packed, scale.astype(np.float32), group_size)
+
+
+# --- products ----------------------------------------------------------------------------
+
+def reference_matmul(x: Tensor, w: QuantizedTensor) -> Tensor:
+    """``x [M, cols] @ w.T -> [M, rows]`` on dequantized fp32 values."""
+    return paddle.matmul(x, paddle.to_tensor(w.dequantize()), transpose_y=True)
+
+
+def matmul(x: Tensor, w: QuantizedTensor) -> Tensor:
+    """``x [M, cols] @ w.T -> [M, rows]``, by the active table's kernel for
+    ``w.kind`` when it was probed good, else the reference."""
+    impl = KERNELS.get(w.kind)
+    if impl is not None and kernels.active().usable(impl[0]):
+        return impl[1](x, w)
+    return reference_matmul(x, w)
+
+
+def embedding(ids: np.ndarray, w: QuantizedTensor) -> Tensor:
+    """Rows ``ids`` of a quantized table, as fp32 ``[len(ids), cols]``."""
+    return paddle.to_tensor(w.dequantize(np.asarray(ids).reshape(-1)))
+
+
+# kind -> (kernel-table name, function(x, w) -> Tensor). The compiled kernels
+# register here; each name also needs a probe in fdx.ops.probes.
+KERNELS: dict[str, tuple[str, object]] = {}
