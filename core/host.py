@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 from pathlib import Path
 
 __all__ = ["cache_root", "cpu_id", "cpu_model", "cpu_flags", "available_cores", "portable_kernels", "PORTABLE_ENV"]
@@ -69,3 +70,12 @@ def portable_kernels() -> bool:
     runs, and fdx's compiled kernels are built for the architecture's
     baseline instruction set instead of this CPU's (docs/backends.md)."""
     return os.environ.get(PORTABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def signal_name(status: int) -> str:
+    """The name of the signal behind a negative child exit status
+    (``-4`` -> ``SIGILL``); ``signal N`` for one Python does not name."""
+    try:
+        return signal.Signals(-status).name
+    except ValueError:
+        return f"signal {-status}"

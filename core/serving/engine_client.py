@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from fdx.core.host import signal_name
 from fdx.core.serving.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeartbeat, EngineOutputs,
                                        EngineReady, EngineRejected, EngineShutdown, EngineStats, FromEngine)
 from fdx.core.serving.messages import encoder as _encoder
@@ -51,10 +52,7 @@ def exit_message(who: str, returncode: int, when: str) -> str:
     name; SIGILL with what it means and where to look."""
     if returncode >= 0:
         return f"{who} exited with status {returncode} {when} (see its messages above)"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
+    name = signal_name(returncode)
     if -returncode == signal.SIGILL:
         return (f"{who} was killed by SIGILL (status {returncode}) {when}: an illegal instruction, from a kernel "
                 "built for an instruction set this CPU lacks (such as AVX-512); Paddle's C++ traceback above "

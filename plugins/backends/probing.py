@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import fdx
-from fdx.core.host import PORTABLE_ENV, cache_root, cpu_id, portable_kernels
+from fdx.core.host import PORTABLE_ENV, cache_root, cpu_id, portable_kernels, signal_name
 from fdx.core.kernels import KernelTable
 
 log = logging.getLogger("fdx.backends.probing")
@@ -68,10 +68,7 @@ def _read(path: Path, material: dict[str, str]) -> dict[str, str | None] | None:
 
 def _finding(status: int) -> str:
     if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
+        name = signal_name(status)
         return f"{name} on this CPU" if -status == signal.SIGILL else f"killed by {name}"
     return f"the probe process exited with status {status}"
 
