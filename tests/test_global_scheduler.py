@@ -357,7 +357,7 @@ class TLSRedisServer(RedisServer):
         self.url = f"rediss://127.0.0.1:{port}/0"
 
     def client(self, ca: str | None = "default") -> redis.Redis:
-        return redis.Redis(port=self.port, ssl=True, ssl_cert_reqs="required", socket_timeout=5,
+        return redis.Redis(host="127.0.0.1", port=self.port, ssl=True, ssl_cert_reqs="required", socket_timeout=5,
                            ssl_ca_certs=self.certs["ca.crt"] if ca == "default" else ca)
 
     def start(self) -> None:
@@ -396,7 +396,7 @@ def test_the_global_scheduler_over_tls_and_a_client_without_the_ca_refused(tiny_
     try:
         with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
             srv.client(ca=None).ping()            # the system's CAs do not know the test's CA
-        plain = redis.Redis(port=srv.port, socket_timeout=5)
+        plain = redis.Redis(host="127.0.0.1", port=srv.port, socket_timeout=5)
         with pytest.raises(redis.ConnectionError):
             plain.ping()                          # and no plain-text talk on the TLS port
         ca = srv.certs["ca.crt"]
