@@ -154,8 +154,9 @@ class TimedStreamingResponse(StreamingResponse):
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         self._watcher = None
+        cut = asyncio.timeout(None)
         try:
-            async with asyncio.timeout(None) as cut:
+            async with cut:
                 if self.clock is not None:
                     self._watch(cut, min(1.0, self.send_timeout / 4))
                 async for chunk in self.body_iterator:
@@ -171,6 +172,8 @@ class TimedStreamingResponse(StreamingResponse):
                 cut.reschedule(None)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
+            if not cut.expired():
+                raise
             log.warning("a client took no stream data for %g s (stream_send_timeout_s): "
                         "its request is aborted", self.send_timeout)
             if self.clock is not None:
