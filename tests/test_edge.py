@@ -30,6 +30,7 @@ WIRE_ATTACKS = [
     ({"bad_words": ["w%d" % i for i in range(257)]}, "bad_words"),        # one past the limit (256)
     ({"stop": ["s%d" % i for i in range(17)]}, "stop"),
     ({"guided_choice": ["c%d" % i for i in range(1025)]}, "guided_choice"),
+    ({"allowed_token_ids": [0] * 49153}, "allowed_token_ids"),              # more than the vocabulary
 ]
 MALFORMED_EXTRA_ARGS = [b'"a string"', b"[1, 2]", b"5", b'{"a": ' * 100_000 + b"1" + b"}" * 100_000]
 
@@ -95,7 +96,7 @@ def _at_the_limits() -> dict[str, tuple[dict, int]]:
         "1024 logit_bias entries": ({"logit_bias": {str(rng.randrange(49152)): rng.uniform(-5, 5)
                                                     for _ in range(1024)}}, 8),
         "16 stop strings of 1024 characters, 32 tokens": ({"stop": stops}, 32),
-        "262,144 allowed_token_ids": ({"allowed_token_ids": [rng.randrange(49152) for _ in range(262144)]}, 8),
+        "49,152 allowed_token_ids (the vocabulary's size)": ({"allowed_token_ids": list(range(49152))}, 8),
         "64 KiB of extra_args": ({"extra_args": {"k%d" % i: "v" * 500 for i in range(128)}}, 8),
     }
 

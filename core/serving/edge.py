@@ -208,8 +208,9 @@ def check_limits(req, sc, vocab_size: int | None = None) -> None:
             refuse("logit_bias", f"keys must be token ids in [0, {top}), got {k[:40]!r}")
     allowed = req.allowed_token_ids
     if allowed is not None:
-        if len(allowed) > sc.max_allowed_token_ids:
-            refuse("allowed_token_ids", f"at most {sc.max_allowed_token_ids} token ids, got {len(allowed)}")
+        most = min(sc.max_allowed_token_ids, vocab_size or sc.max_allowed_token_ids)   # more repeat ids
+        if len(allowed) > most:
+            refuse("allowed_token_ids", f"at most {most} token ids, got {len(allowed)}")
         if any(t >= top for t in allowed):
             refuse("allowed_token_ids", f"token ids must be in [0, {top})")
     if vocab_size and any(t >= vocab_size for t in req.stop_token_ids or []):
