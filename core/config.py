@@ -92,7 +92,13 @@ class ServerConfig(_Section):
     # -- reliability and security (issue 13)
     engine_heartbeat_interval_s: float = Field(1.0, gt=0)   # the engine process says it is alive this often
     engine_heartbeat_timeout_s: float = Field(30.0, gt=0)   # silent this long: hung; killed, 503, exit 1
+    engine_step_timeout_s: float = Field(60.0, gt=0)   # one step running longer: /health 503 until it ends
     stream_send_timeout_s: float = Field(60.0, gt=0)  # a client that takes no stream data this long is cut off
+                                               # (counted from when its TCP stopped taking data)
+    socket_send_buffer_bytes: int | None = Field(256 * 1024, gt=0)  # each client socket's kernel send
+                                               # buffer (SO_SNDBUF); None: the kernel's (grows to MBs)
+    header_timeout_s: float | None = Field(10.0, gt=0)  # a request head not complete this long after
+                                               # the connection (or its first byte): 408, closed
     max_tokens_per_request: int | None = Field(None, gt=0)  # tokens one request may ask to generate, all
                                                             # completions together; past it 400
     health_access: Literal["open", "key", "off"] = "open"   # /health: no key needed, the API key, or 404

@@ -315,3 +315,105 @@ def test_a_redis_password_is_used_and_its_absence_named(tiny_checkpoints, tmp_pa
             good.stop()
     finally:
         srv.stop()
+
+
+# -- TLS (rediss://) -----------------------------------------------------------------------
+
+def _openssl() -> str:
+    path = shutil.which("openssl")
+    if path is None:                              # for the session only: purged at its end
+        from conftest import apt_install
+        apt_install("openssl")
+        path = shutil.which("openssl")
+    assert path, "openssl could not be installed"
+    return path
+
+
+def make_ca_and_server_cert(folder) -> dict[str, str]:
+    """A throw-away CA, and a certificate it signs for 127.0.0.1 (openssl CLI)."""
+    openssl = _openssl()
+    f = {n: str(folder / n) for n in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt", "san.ext")}
+
+    def run(*args):
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f["ca.key"], "-out", f["ca.crt"],
+        "-days", "2", "-subj", "/CN=fdx test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f["server.key"], "-out", f["server.csr"],
+        "-subj", "/CN=127.0.0.1")
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", f["server.csr"], "-CA", f["ca.crt"], "-CAkey", f["ca.key"], "-CAcreateserial",
+        "-out", f["server.crt"], "-days", "2", "-extfile", f["san.ext"])
+    os.chmod(f["server.key"], 0o600)
+    return f
+
+
+class TLSRedisServer(RedisServer):
+    """redis-server speaking TLS only (``--port 0 --tls-port``), its
+    certificate signed by a CA of the test's own."""
+
+    def __init__(self, binary: str, tmp, port: int, certs: dict[str, str]):
+        super().__init__(binary, tmp, port)
+        self.certs = certs
+        self.url = f"rediss://127.0.0.1:{port}/0"
+
+    def client(self, ca: str | None = "default") -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, ssl=True, ssl_cert_reqs="required", socket_timeout=5,
+                           ssl_ca_certs=self.certs["ca.crt"] if ca == "default" else ca)
+
+    def start(self) -> None:
+        c = self.certs
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
+             "--tls-cert-file", c["server.crt"], "--tls-key-file", c["server.key"], "--tls-ca-cert-file",
+             c["ca.crt"], "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(self.tmp)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            if self.proc.poll() is not None:
+                out = self.proc.stdout.read().decode(errors="replace")
+                if "tls" in out.lower() and ("not supported" in out.lower() or "bad directive" in out.lower()):
+                    pytest.skip(f"this redis-server has no TLS support: {out[-300:]}")
+                raise AssertionError(f"redis-server with TLS did not start:\n{out[-2000:]}")
+            try:
+                self.client().ping()
+                return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server with TLS did not answer"
+                time.sleep(0.1)
+
+
+def test_the_global_scheduler_over_tls_and_a_client_without_the_ca_refused(tiny_checkpoints, tmp_path_factory,
+                                                                           reference):
+    """Two instances share a burst through a redis-server that speaks only
+    TLS, trusting its certificate through ``ssl_ca_certs`` (the test's own
+    CA), and answer as a lone instance does. A Redis client without that CA
+    is refused the connection (certificate verify failed), and an fdx
+    instance without it does not start, saying why."""
+    model = tiny_checkpoints["LlamaForCausalLM"][0]
+    tmp = tmp_path_factory.mktemp("redis-tls")
+    srv = TLSRedisServer(_redis_binary(), tmp, free_port(), make_ca_and_server_cert(tmp))
+    srv.start()
+    try:
+        with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
+            srv.client(ca=None).ping()            # the system's CAs do not know the test's CA
+        plain = redis.Redis(host="127.0.0.1", port=srv.port, socket_timeout=5)
+        with pytest.raises(redis.ConnectionError):
+            plain.ping()                          # and no plain-text talk on the TLS port
+        ca = srv.certs["ca.crt"]
+        servers = [global_server(tmp_path_factory, model, srv.url, ssl_ca_certs=ca) for _ in range(2)]
+        try:
+            for s in servers:
+                s.wait_ready()
+            with cf.ThreadPoolExecutor(8) as pool:
+                got = dict(zip(range(8), pool.map(lambda i: ask(servers[i % 2].base_url, i), range(8))))
+            assert got == {i: reference[i] for i in range(8)}
+            assert sum(pulls(s) for s in servers) >= 8
+            assert all(pulls(s) > 0 for s in servers), [pulls(s) for s in servers]
+        finally:
+            for s in servers:
+                s.stop()
+        bare = global_server(tmp_path_factory, model, srv.url)
+        with pytest.raises(RuntimeError, match=r"cannot be reached.*certificate verify failed"):
+            bare.wait_ready()
+    finally:
+        srv.stop()

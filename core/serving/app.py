@@ -463,6 +463,11 @@ def build_app(server: Server) -> FastAPI:
         if server.engine.dead:
             why = "the engine process stopped responding" if server.engine.hung else "the engine process died"
             return JSONResponse(error_body(why, "service_unavailable"), status_code=503)
+        if server.engine.long_step_s is not None:
+            return JSONResponse(error_body(
+                f"an engine step has run for {server.engine.long_step_s:.0f} s (engine_step_timeout_s="
+                f"{server.sc.engine_step_timeout_s:g}): every stream waits on it", "service_unavailable",
+                code="engine_step_timeout"), status_code=503)
         if not server.accepting:
             return JSONResponse(error_body("loading" if server.loading else "not ready", "service_unavailable",
                                            code="loading" if server.loading else None), status_code=503)
@@ -482,7 +487,7 @@ def build_app(server: Server) -> FastAPI:
     async def metrics():
         if server.sc.metrics_access == "off":
             raise StarletteHTTPException(404, "Not Found")
-        server.metrics.observe_memory(server.engine.last_beat)
+        server.metrics.observe_engine_process(server.engine)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -532,7 +537,9 @@ def run_server(config: FdxConfig) -> int:
     uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                log_level=config.server.log_level, access_log=config.server.access_log,
                                timeout_graceful_shutdown=10, lifespan="off",
-                               http=edge.capped_http_protocol(edge.connection_cap(config.server.max_connections)))
+                               http=edge.capped_http_protocol(edge.connection_cap(config.server.max_connections),
+                                                               config.server.header_timeout_s,
+                                                               config.server.socket_send_buffer_bytes))
     edge.quiet_accept_errors()
     warning = security.exposure_warning(config.server)
     if warning:

@@ -12,6 +12,7 @@ router import it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -207,8 +208,9 @@ def check_limits(req, sc, vocab_size: int | None = None) -> None:
             refuse("logit_bias", f"keys must be token ids in [0, {top}), got {k[:40]!r}")
     allowed = req.allowed_token_ids
     if allowed is not None:
-        if len(allowed) > sc.max_allowed_token_ids:
-            refuse("allowed_token_ids", f"at most {sc.max_allowed_token_ids} token ids, got {len(allowed)}")
+        most = min(sc.max_allowed_token_ids, vocab_size or sc.max_allowed_token_ids)   # more repeat ids
+        if len(allowed) > most:
+            refuse("allowed_token_ids", f"at most {most} token ids, got {len(allowed)}")
         if any(t >= top for t in allowed):
             refuse("allowed_token_ids", f"token ids must be in [0, {top})")
     if vocab_size and any(t >= vocab_size for t in req.stop_token_ids or []):
@@ -258,19 +260,44 @@ def connection_cap(configured: int | None) -> int:
     return min(configured, room) if configured else room
 
 
-def capped_http_protocol(max_connections: int):
-    """uvicorn's h11 protocol, answering a connection past ``max_connections``
-    with a 503 (OpenAI-shaped, ``code: too_many_connections``) and closing it
-    once its request head has arrived, or after a second."""
+HEAD_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+
+
+def capped_http_protocol(max_connections: int, header_timeout_s: float | None = None,
+                         send_buffer_bytes: int | None = None):
+    """uvicorn's h11 protocol with three bounds uvicorn does not have:
+
+    - past ``max_connections``, a connection is answered with a 503
+      (OpenAI-shaped, ``code: too_many_connections``) and closed once its
+      request head has arrived, or after a second;
+    - a request head (the request line and headers) must be complete within
+      ``header_timeout_s`` of the connection, or of its first byte on a
+      kept-alive connection: a client that trickles headers gets a 408 and
+      is closed (h11 itself waits forever);
+    - the socket's kernel send buffer is ``send_buffer_bytes`` (else Linux
+      grows it to megabytes for a client that stops reading), and each
+      request's scope carries its transport under ``"fdx.transport"``, so a
+      stream can tell when its client stopped taking data
+      (security.TimedStreamingResponse)."""
+    import socket
+
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class CappedH11Protocol(H11Protocol):
         refused = False
         lingering = 0                             # refused connections waiting for their head
+        _head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             if len(self.connections) < max_connections:
-                return super().connection_made(transport)
+                super().connection_made(transport)
+                sock = transport.get_extra_info("socket")
+                if send_buffer_bytes and sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+                self._arm_head_timer()
+                return
             self.refused, self.transport = True, transport
             refusals.warning("refusing connections past server.max_connections=%d (503)", max_connections)
             transport.write(REFUSAL)
@@ -281,14 +308,42 @@ def capped_http_protocol(max_connections: int):
             CappedH11Protocol.lingering += 1
             self._closer = asyncio.get_running_loop().call_later(1.0, transport.close)
 
+        def _arm_head_timer(self) -> None:
+            if header_timeout_s and self._head_timer is None:
+                self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+
+        def _disarm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                refusals.warning("closing connections whose request head was not complete within "
+                                 "%g s (server.header_timeout_s; 408)", header_timeout_s)
+                self.transport.write(HEAD_TIMEOUT)
+                self.transport.close()
+
         def data_received(self, data: bytes) -> None:
             if not self.refused:
-                return super().data_received(data)
+                if self.conn.their_state is h11.IDLE:    # a head begins (or goes on): its clock runs
+                    self._arm_head_timer()
+                super().data_received(data)
+                if self.conn.their_state is not h11.IDLE:
+                    self._disarm_head_timer()
+                return
             if b"\r\n\r\n" in data:               # the head is read: closing now sends no reset
                 self.transport.close()
 
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None:
+                self.cycle.scope["fdx.transport"] = self.transport
+
         def connection_lost(self, exc) -> None:
             if not self.refused:
+                self._disarm_head_timer()
                 return super().connection_lost(exc)
             if self._closer is not None:
                 self._closer.cancel()

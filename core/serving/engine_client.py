@@ -75,7 +75,10 @@ class EngineClient:
     kernel builds included); if nothing at all arrives for
     ``server.engine_heartbeat_timeout_s`` the engine is taken as hung: it is
     killed and handled as a death, so requests fail with a message instead
-    of waiting forever.
+    of waiting forever. A step that runs past ``server.engine_step_timeout_s``
+    (each beat says how long the current one has run) is not a hang, but it
+    holds every stream: ``long_step_s`` says so until the step ends, and the
+    server's /health answers 503 meanwhile.
     """
 
     def __init__(self, config, on_stats: Callable[[EngineStats], None] | None = None,
@@ -97,6 +100,9 @@ class EngineClient:
         self.last_heard = time.monotonic()       # any message from the engine, beats included
         self.last_beat: EngineHeartbeat | None = None
         self.hung = False
+        self.step_timeout_s = sc.engine_step_timeout_s
+        self.long_step_s: float | None = None    # how long the step now running has run, past the timeout
+        self.num_long_steps = 0                  # steps that ran past it, since start
         self.num_rejected = 0                    # messages on our socket that were not engine messages
 
     @property
@@ -201,7 +207,9 @@ class EngineClient:
             self.last_heard = time.monotonic()
             if isinstance(msg, EngineHeartbeat):
                 self.last_beat = msg
+                self._watch_step(msg.step_s)
             elif isinstance(msg, EngineOutputs):
+                self._watch_step(0.0, msg.stats.step_time_s)
                 for delta in msg.outputs:
                     cb = self.callbacks.get(delta.request_id)
                     if cb is not None:
@@ -216,6 +224,18 @@ class EngineClient:
                     cb(msg)
             elif isinstance(msg, EngineFailed):
                 log.error("engine failed: %s", msg.message)
+
+    def _watch_step(self, running_s: float, took_s: float = 0.0) -> None:
+        """Note a step running past engine_step_timeout_s, once, and its end."""
+        if running_s > self.step_timeout_s:
+            if self.long_step_s is None:
+                self.num_long_steps += 1
+                log.warning("an engine step has run for %.1f s (engine_step_timeout_s=%g): every stream waits "
+                            "on it; /health answers 503 until it ends", running_s, self.step_timeout_s)
+            self.long_step_s = running_s
+        elif self.long_step_s is not None:
+            log.warning("the long engine step ended after %.1f s", max(took_s, self.long_step_s))
+            self.long_step_s = None
 
     async def _watchdog(self) -> None:
         """Kill the engine when it has been silent past the timeout."""

@@ -52,6 +52,7 @@ class EngineLoop:
         self.last_free = -1                      # free KV blocks in the last stats sent
         self.running = True
         self.last_round = time.monotonic()       # read by the heartbeat thread
+        self.step_started: float | None = None   # while a step runs (read by the heartbeat thread)
         self.num_rejected = 0                    # inbox messages that were not engine messages
         self.stop_by: float | None = None        # set by SIGTERM: stop at this monotonic time
 
@@ -76,7 +77,11 @@ class EngineLoop:
             if not self.running:
                 break
             if eng.has_unfinished():
-                changed = eng.step()
+                self.step_started = time.monotonic()
+                try:
+                    changed = eng.step()
+                finally:
+                    self.step_started = None
                 if (changed or eng.last_stats.num_scheduled_tokens or touched
                         or eng.kv_cache.num_free_blocks != self.last_free):
                     self._send(changed, eng.last_stats.num_preempted, eng.last_stats)
@@ -208,7 +213,9 @@ class Heartbeat(threading.Thread):
     socket (ZMQ sockets are not shared between threads). It beats while the
     process loads, builds kernels or runs a long step, and stops only when
     the process is frozen (SIGSTOP, a GIL-holding deadlock) or gone; the
-    client treats silence as a hang (engine_client.py)."""
+    client treats silence as a hang (engine_client.py). Each beat says how
+    long the step now running has run, so a step that holds every stream
+    is seen too (engine_step_timeout_s)."""
 
     def __init__(self, ctx: zmq.Context, outbox_addr: str, interval: float):
         super().__init__(name="fdx-heartbeat", daemon=True)
@@ -223,14 +230,17 @@ class Heartbeat(threading.Thread):
         page = os.sysconf("SC_PAGE_SIZE")
         while not self.stop.wait(self.interval):
             loop = self.loop
-            idle = time.monotonic() - loop.last_round if loop is not None else 0.0
+            now = time.monotonic()
+            idle = now - loop.last_round if loop is not None else 0.0
+            started = loop.step_started if loop is not None else None
             try:
                 with open("/proc/self/statm") as f:
                     rss = int(f.read().split()[1]) * page
             except (OSError, ValueError, IndexError):
                 rss = 0
             try:
-                self.sock.send(_encoder.encode(EngineHeartbeat(loop is None, idle, rss)), zmq.NOBLOCK)
+                self.sock.send(_encoder.encode(EngineHeartbeat(loop is None, idle, rss,
+                                                               now - started if started else 0.0)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass                              # the API is not reading: nothing to tell it
         self.sock.close(linger=0)

@@ -78,10 +78,12 @@ class EngineFailed(msgspec.Struct, tag="failed"):
 class EngineHeartbeat(msgspec.Struct, tag="beat"):
     """Sent every ``server.engine_heartbeat_interval_s`` by a thread of the
     engine process, from its start (loading included) to its end: silence
-    means the process is frozen or gone, not that a step is long."""
+    means the process is frozen or gone, not that a step is long (``step_s``
+    says that: the API process compares it with engine_step_timeout_s)."""
     loading: bool                            # still loading (no EngineReady yet)
     loop_idle_s: float                       # seconds since the step loop last went round
     resident_bytes: int                      # the engine process's resident memory
+    step_s: float = 0.0                      # how long the step now running has run (0: none running)
 
 
 ToEngine = EngineAdd | EngineAbort | EngineShutdown

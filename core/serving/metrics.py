@@ -53,6 +53,10 @@ class ServerMetrics:
         self.api_rss = gauge("fdx:api_resident_memory_bytes", "Resident memory of the API server process.")
         self.engine_rss = gauge("fdx:engine_resident_memory_bytes",
                                 "Resident memory of the engine process (from its last heartbeat).")
+        self.long_step = gauge("fdx:engine_long_step_seconds",
+                               "How long the engine step now running has run, once past "
+                               "engine_step_timeout_s (0: no step that long).")
+        self.long_steps = gauge("fdx:engine_long_steps", "Engine steps that ran past engine_step_timeout_s.")
         self._prefix = None                     # created when the KV cache reports prefix counters
         self._splitwise = None                  # created when the splitwise connector reports
         self._prefix_last = (0.0, 0.0)
@@ -92,6 +96,13 @@ class ServerMetrics:
         self._prefix[1].inc(max(0.0, hits - h0))
         self._prefix_last = (queries, hits)
         self._prefix[2].set(hits / queries if queries else 0.0)
+
+    def observe_engine_process(self, engine) -> None:
+        """From the ``EngineClient``: memory (its last heartbeat's, and this
+        process's) and a step running past its timeout."""
+        self.observe_memory(engine.last_beat)
+        self.long_step.set(engine.long_step_s or 0.0)
+        self.long_steps.set(engine.num_long_steps)
 
     def observe_memory(self, beat) -> None:
         """This process's resident memory, and the engine's from its last ``EngineHeartbeat``."""

@@ -409,7 +409,8 @@ def cmd_router(args) -> int:
         watcher = asyncio.create_task(router.watch())
         config = uvicorn.Config(build_router_app(router, sc), host=args.host, port=args.port,
                                 log_level=args.log_level, access_log=False, lifespan="off",
-                                http=edge.capped_http_protocol(edge.connection_cap(sc.max_connections)))
+                                http=edge.capped_http_protocol(edge.connection_cap(sc.max_connections),
+                                                               sc.header_timeout_s, sc.socket_send_buffer_bytes))
         edge.quiet_accept_errors()
         print(f"fdx router: http://{args.host}:{args.port}/v1 -> prefill {', '.join(args.prefill)}; "
               f"decode {', '.join(args.decode)}", flush=True)

@@ -423,6 +423,40 @@ class MemoryStore(KVConnector):
 
 # --- registration --------------------------------------------------------------------------
 
+class SlowStep(LogitsProcessor):
+    """``extra_args={"sleep_s": x}``: each step that samples for such a
+    request sleeps x seconds (the longest asked in the batch), on the engine
+    thread as a slow processor would. fdx's tests use it to make a step
+    longer than a timeout, or a stream slower than its client."""
+
+    def __init__(self, config, tokenizer, vocab_size, settings=None):
+        super().__init__(config, tokenizer, vocab_size, settings)
+        self.sleeps: dict[str, float] = {}
+        self.rows: list[str] = []
+
+    @classmethod
+    def validate_params(cls, params):
+        x = (params.extra_args or {}).get("sleep_s")
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 600):
+            raise ValueError(f"extra_args.sleep_s must be a number of seconds in [0, 600], got {x!r}")
+
+    def update_state(self, update):
+        for rid in update.removed:
+            self.sleeps.pop(rid, None)
+        for row in update.added:
+            x = (row.params.extra_args or {}).get("sleep_s")
+            if x:
+                self.sleeps[row.request_id] = float(x)
+        self.rows = update.rows
+
+    def apply(self, logits):
+        longest = max((self.sleeps.get(rid, 0.0) for rid in self.rows), default=0.0)
+        if longest:
+            import time
+            time.sleep(longest)
+        return logits
+
+
 @hookimpl
 def fdx_register_resource_managers(register):
     register("example-fifo", FifoScheduler)
@@ -461,6 +495,7 @@ def fdx_register_attention_backends(register):
 @hookimpl
 def fdx_register_logits_processors(register):
     register("stop-after", StopAfter)
+    register("slow-step", SlowStep)
 
 
 @hookimpl
