@@ -99,6 +99,8 @@ class EngineCore:
                                           config.decoding.token_processor)(
             self.tokenizer, settings=self._settings("token_processor", config.decoding.token_processor))
         self._install(self.build_parts(config, num_blocks))
+        self.guided_ready: list[str] = []          # this step's guided verdicts (_guided_verdicts)
+        self.guided_rejected: dict[str, tuple[str, int]] = {}
         self.step_count = 0
         self.num_computed_tokens = 0
         self.num_recomputed_tokens = 0
@@ -286,7 +288,7 @@ class EngineCore:
                                  f"vocabulary size {vocab}")
         for cls in self.processor_classes:
             cls.validate_params(params)
-        self.guided.submit(params)      # starts the grammar's compile; refuses what cannot compile
+        self.guided.check(params)       # a kind the backend cannot compile is refused now
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
@@ -297,12 +299,17 @@ class EngineCore:
                        max_model_len=self.max_model_len, cache_salt=cache_salt)
 
     def add_request(self, request: Request) -> Request:
+        """Queue a request from make_request; a constrained one starts its
+        compile here (ValueError for one that failed before; GuidedRefused,
+        a ValueError, when too many compile)."""
+        self.guided.add(request.request_id, request.sampling_params)
         self.token_processor.start(request)
         self.resource_manager.add_request(request)
         self.plugins.notify("fdx_request_added", request=request)
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
+        self.guided.remove(request_id)          # a compile it alone waits for is cancelled
         req = self.resource_manager.abort_request(request_id)
         if req is not None:
             self.plugins.notify("fdx_request_finished", request=req, output=None)
@@ -332,8 +339,11 @@ class EngineCore:
     def step(self) -> list[Request]:
         t0 = time.perf_counter()
         rm = self.resource_manager
+        rejected = self._guided_verdicts()
         sched = rm.schedule()
-        changed = rm.pop_finished()
+        if self.guided.entries:
+            sched.guided = self._guided_step(sched)
+        changed = rejected + rm.pop_finished()
         context = None
         num_recomputed = 0
         if not sched.is_empty or sched.kv_connector_metadata is not None:
@@ -346,6 +356,8 @@ class EngineCore:
         self.num_recomputed_tokens += num_recomputed
         decode = 0 if context is None else sum(r.num_decode_tokens for r in context.requests)
         finished = [r for r in changed if r.is_finished]
+        for req in finished:
+            self.guided.remove(req.request_id)
         stats = StepStats(
             step=self.step_count, num_running=rm.num_running, num_waiting=rm.num_waiting,
             num_scheduled_tokens=sched.total_num_scheduled_tokens,
@@ -360,6 +372,33 @@ class EngineCore:
             if req.status is not RequestStatus.FINISHED_ABORTED:
                 self.plugins.notify("fdx_request_finished", request=req, output=None)
         return changed
+
+    def _guided_verdicts(self) -> list[Request]:
+        """Poll the guided compiles: ``guided_ready`` (request ids that may
+        now run) and ``guided_rejected`` ({request id: (message, HTTP
+        status)}) for this step; the rejected requests, finished."""
+        self.guided_ready, self.guided_rejected = [], {}
+        if not self.guided.entries:
+            return []
+        self.guided_ready, failed = self.guided.poll()
+        out = []
+        for rid, message, status in failed:
+            req = self.resource_manager.abort_request(rid)
+            if req is not None:
+                req.status, req.stop_reason = RequestStatus.FINISHED_REJECTED, message
+                self.guided_rejected[rid] = (message, status)
+                out.append(req)
+        return out
+
+    def _guided_step(self, sched):
+        """The bitmask rows of the constrained requests that sample this step."""
+        by_id = {r.request_id: r for r in self.resource_manager.requests()}
+        rows = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = by_id.get(rid)
+            if rid in self.guided.entries and req is not None and req.num_computed_tokens + n >= req.num_tokens:
+                rows.append((rid, req.output_token_ids))
+        return self.guided.step_bitmask(rows)
 
     def _context(self, sched) -> StepContext:
         """The StepContext of a step that ran, before update(): counts from

@@ -39,7 +39,6 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.decoding.device_sampler",
     "fdx.plugins.decoding.token_processor",
     "fdx.plugins.decoding.logits_processors",
-    "fdx.plugins.decoding.guided",
     "fdx.plugins.decoding.xgrammar_backend",
     "fdx.plugins.decoding.llguidance_backend",
     "fdx.plugins.models.llama",

@@ -221,3 +221,22 @@ def test_serve_tp3_equals_tp1_then_dead_worker_gives_503_and_exit(tmp_path, smol
             assert not pid_alive(pid), f"process {pid} outlived the server"
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_guided_tp2_equals_tp1(tiny_checkpoints):
+    """Guided decoding at TP 2 gives TP 1's outputs: the engine's guided
+    service fills the step's bitmask, which reaches whichever rank samples
+    (it used to find no compile service in the workers and end with eos)."""
+    path, _ = tiny_checkpoints["LlamaForCausalLM"]
+    params = [SamplingParams(guided_choice=["Paris", "London"], temperature=0.0, max_tokens=8),
+              SamplingParams(guided_regex=r"[0-9]{3}-[a-z]{2}", temperature=0.0, max_tokens=16),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]      # an unconstrained row beside
+    ps = [{"prompt_token_ids": p} for p in prompts()]
+    outs = {}
+    for tp in (1, 2):
+        with LLM(str(path), tensor_parallel_size=tp, guided_backend="llguidance", **TINY) as llm:
+            outs[tp] = [o.outputs[0] for o in llm.generate(ps, params)]
+    assert outs[1][0].text in ("Paris", "London")
+    assert [c.token_ids for c in outs[2]] == [c.token_ids for c in outs[1]]
+    assert [c.text for c in outs[2]] == [c.text for c in outs[1]]

@@ -77,7 +77,7 @@ class EngineLoop:
                 break
             if eng.has_unfinished():
                 changed = eng.step()
-                if (changed or eng.last_stats.num_scheduled_tokens or touched
+                if (changed or eng.last_stats.num_scheduled_tokens or touched or eng.guided_ready
                         or eng.kv_cache.num_free_blocks != self.last_free):
                     self._send(changed, eng.last_stats.num_preempted, eng.last_stats)
                 else:                             # only waiting on a KV transfer: do not spin
@@ -118,10 +118,10 @@ class EngineLoop:
             try:
                 params = SamplingParams(**msg.params)
                 req = eng.make_request(msg.prompt_token_ids, params, request_id=msg.request_id)
+                eng.add_request(req)            # a constrained one starts its compile (or is refused)
             except (TypeError, ValueError) as e:
-                self.outbox.send(_encoder.encode(EngineRejected(msg.request_id, str(e))))
+                self.outbox.send(_encoder.encode(EngineRejected(msg.request_id, str(e), getattr(e, "status", 400))))
                 return
-            eng.add_request(req)
             self.num_sent[req.request_id] = 0
         elif isinstance(msg, EngineAbort):
             for rid in msg.request_ids:
@@ -131,10 +131,17 @@ class EngineLoop:
             self.running = False
 
     def _send(self, changed: list, num_preempted: int, step=None) -> None:
-        deltas = []
+        eng = self.engine
+        # a constrained request compiled: an empty first delta, before any of its tokens
+        deltas = [SeqDelta(rid, []) for rid in eng.guided_ready if rid in self.num_sent]
         for req in changed:
             sent = self.num_sent.get(req.request_id)
             if sent is None:                      # aborted by the API: it knows already
+                continue
+            refused = eng.guided_rejected.get(req.request_id)
+            if refused is not None:               # its compile failed or timed out
+                del self.num_sent[req.request_id]
+                self.outbox.send(_encoder.encode(EngineRejected(req.request_id, *refused)))
                 continue
             new = req.output_token_ids[sent:]
             finished = req.is_finished
