@@ -10,6 +10,8 @@ import itertools
 import logging
 import numbers
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.interfaces import (Backend, KVCacheSpec, RequestStepInfo, RunnerContext, SchedulingExtensions,
@@ -45,6 +47,26 @@ def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
     raise ConfigError("config key 'backend.name': no available backend")
 
 
+@dataclass(slots=True, frozen=True)
+class ModelShape:
+    """What the engine reads of a model whose weights live in tensor
+    parallel workers (the engine process loads none)."""
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    cfg: Any                            # the architecture's parsed config (intermediate_size, ...)
+    shardable: bool = True
+
+    @classmethod
+    def of(cls, model_cls, config: dict) -> "ModelShape":
+        c = model_cls.parse_config(config)
+        return cls(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+                   c.max_position_embeddings, c, hasattr(model_cls, "shard"))
+
+
 class EngineCore:
     def __init__(self, config: FdxConfig, plugins: PluginManager | None = None, progress: bool = True):
         self.config = config = config.model_copy(deep=True)
@@ -60,9 +82,12 @@ class EngineCore:
             raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
                               "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
-        from fdx.core.checkpoint.loader import is_default_model, load_checkpoint
+        from fdx.core.checkpoint.loader import is_default_model, load_checkpoint, load_metadata
         from fdx.core.generation import chat_defaults_for
-        ckpt = load_checkpoint(config.model.model, progress=progress)
+        runner_cls = self._resolve_parts(config)["runner"]
+        launch = getattr(runner_cls, "launch", None)    # a runner whose model lives in worker processes
+        ckpt = (load_metadata(config.model.model) if launch is not None
+                else load_checkpoint(config.model.model, progress=progress))
         if ckpt.tokenizer is None:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
                              "fdx needs one to serve text")
@@ -74,9 +99,17 @@ class EngineCore:
         if arch not in plugins.names("model"):
             raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
                              f"supported: {', '.join(plugins.names('model'))}")
-        self.model = self._pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
+        model_cls = self._pick("model", "model.model", arch)
+        self.executor = None
+        if launch is not None and hasattr(model_cls, "parse_config"):
+            self.model = ModelShape.of(model_cls, ckpt.config)     # the workers load the weights
+            self.executor = launch(config, self.model)
+        else:
+            if launch is not None:      # a model class with no parse_config: its shape from a copy
+                ckpt = load_checkpoint(config.model.model, progress=progress)
+            self.model = model_cls(ckpt.config, ckpt.weights)
+            self.backend.prepare_model(self.model, dtype)
         del ckpt
-        self.backend.prepare_model(self.model, dtype)
 
         self.max_model_len = self._resolve_lengths()
         m, cc = self.model, config.cache
@@ -191,7 +224,8 @@ class EngineCore:
         runner = c["runner"](RunnerContext(
             config=config, model=self.model, kv_caches=self.kv_caches, kv_spec=self.kv_spec, attention=attention,
             sampler=sampler, logits_processors=processors, eos_token_ids=self.eos_token_ids,
-            connector=connector, settings=settings("model_runner", b.model_runner), kernels=b.kernels))
+            connector=connector, settings=settings("model_runner", b.model_runner), kernels=b.kernels,
+            executor=self.executor))
         return dict(config=config, kv_cache=kv_cache, connector=connector, resource_manager=resource_manager,
                     logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
                     attention=attention, sampler=sampler, runner=runner)
@@ -247,6 +281,11 @@ class EngineCore:
     def _resolve_num_blocks(self, spec: KVCacheSpec) -> int:
         cc = self.config.cache
         need_per_seq = -(-self.max_model_len // cc.block_size)
+        if cc.num_kv_blocks is None and self.executor is not None:    # the workers profile their shards
+            sc = self.config.scheduler
+            kv_bytes = self.executor.profile(sc.max_num_batched_tokens, sc.max_num_seqs, cc.memory_fraction)
+            # a block's bytes over all ranks: the ranks of one host share its memory (conservative on GPUs)
+            cc.num_kv_blocks = max(1, min(kv_bytes // spec.bytes_per_block, need_per_seq * sc.max_num_seqs))
         if cc.num_kv_blocks is None:       # memory_fraction of what one largest-batch forward leaves
             from fdx.core.memory import kv_budget
             attention = self._resolve_parts(self.config)["attention"](

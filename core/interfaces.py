@@ -868,6 +868,8 @@ class RunnerContext:
     settings: dict = field(default_factory=dict)
     kernels: KernelTable = REFERENCE    # the backend's probed kernel table: a runner steps under
                                         # ``fdx.core.kernels.using(kernels)``
+    executor: Any = None                # what the runner class's ``launch`` returned (its worker
+                                        # processes, started before KV sizing), or None
 
 
 class ModelRunner(abc.ABC):
