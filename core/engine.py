@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from fdx.core.assembly import Assembly
 from fdx.core.config import ConfigError, FdxConfig
-from fdx.core.interfaces import (Backend, KVCacheSpec, RequestStepInfo, RunnerContext, SchedulingExtensions,
-                                 StepContext, StepStats)
+from fdx.core.interfaces import Backend, KVCacheSpec, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
@@ -71,12 +71,11 @@ class EngineCore:
     def __init__(self, config: FdxConfig, plugins: PluginManager | None = None, progress: bool = True):
         self.config = config = config.model_copy(deep=True)
         self.plugins = plugins = plugins or get_plugin_manager()
-        self._check_plugin_settings()
-        # resolve every plugin name before the (slow) model load, so a typo fails at once
-        self._resolve_parts(config)
+        # every plugin name resolved before the (slow) model load, so a typo fails at once
+        self.assembly = assembly = Assembly(config, plugins)
         self.backend = self._select_backend()
         dtype = self._resolve_dtype()
-        self._resolve_parts(config)
+        assembly.set_backend(self.backend)
         self.backend.setup(config)
         if config.backend.cuda_graph and not getattr(self.backend, "captures_cuda_graphs", False):
             raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
@@ -84,8 +83,7 @@ class EngineCore:
 
         from fdx.core.checkpoint.loader import is_default_model, load_checkpoint, load_metadata
         from fdx.core.generation import chat_defaults_for
-        runner_cls = self._resolve_parts(config)["runner"]
-        launch = getattr(runner_cls, "launch", None)    # a runner whose model lives in worker processes
+        launch = getattr(assembly.classes["runner"], "launch", None)    # a runner whose model lives in worker processes
         ckpt = (load_metadata(config.model.model) if launch is not None
                 else load_checkpoint(config.model.model, progress=progress))
         if ckpt.tokenizer is None:
@@ -99,7 +97,7 @@ class EngineCore:
         if arch not in plugins.names("model"):
             raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
                              f"supported: {', '.join(plugins.names('model'))}")
-        model_cls = self._pick("model", "model.model", arch)
+        model_cls = assembly.pick("model", "model.model", arch)
         self.executor = None
         if launch is not None and hasattr(model_cls, "parse_config"):
             self.model = ModelShape.of(model_cls, ckpt.config)     # the workers load the weights
@@ -113,7 +111,7 @@ class EngineCore:
 
         self.max_model_len = self._resolve_lengths()
         m, cc = self.model, config.cache
-        layout = getattr(self._resolve_parts(config)["attention"], "layout", "head_major")  # the kernel's
+        layout = getattr(assembly.classes["attention"], "layout", "head_major")  # the kernel's
         spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, cc.block_size,
                            self.backend.kv_cache_dtype(dtype), layout)
         num_blocks = self._resolve_num_blocks(spec)
@@ -123,14 +121,12 @@ class EngineCore:
         tp = config.parallel.tensor_parallel_size > 1
         self.kv_caches = [] if tp else self.backend.allocate_kv_cache(self.kv_spec)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        # guided decoding: one compile service (thread pool + cache) per engine, for the guided
-        # admission rule and logits processor that build_parts makes
+        # guided decoding: the engine's service (compiles, matchers, the step's bitmask), with
+        # the admission rule build_parts adds
         from fdx.core.guided import GuidedDecoding
         self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
                                                  self.eos_token_ids)
-        self.token_processor = self._pick("token_processor", "decoding.token_processor",
-                                          config.decoding.token_processor)(
-            self.tokenizer, settings=self._settings("token_processor", config.decoding.token_processor))
+        self.token_processor = assembly.token_processor(self.tokenizer)
         self._install(self.build_parts(config, num_blocks))
         self.guided_ready: list[str] = []          # this step's guided verdicts (_guided_verdicts)
         self.guided_rejected: dict[str, tuple[str, int]] = {}
@@ -142,93 +138,15 @@ class EngineCore:
         plugins.notify("fdx_engine_started", engine=self)
 
     # -- set-up ---------------------------------------------------------------
-    def _pick(self, kind: str, key: str, name: str):
-        try:
-            return self.plugins.get(kind, name)
-        except PluginError as e:
-            raise ConfigError(f"config key '{key}': {e}") from None
-
-    def _settings(self, kind: str, name: str | None) -> dict:
-        return dict(self.config.plugins.get(kind, {}).get(name or "", {}) or {})
-
-    def _resolve_parts(self, config: FdxConfig) -> dict:
-        """Every plugin class the config names (ConfigError naming the key
-        when one is unknown). Backend-chosen parts once a backend is set."""
-        sc, dc, cc = config.scheduler, config.decoding, config.cache
-        pick = self._pick
-        connector = cc.kv_connector or ("splitwise" if config.splitwise.role != "mixed" else None) or (
-            "swap" if cc.swap_dir or cc.swap_max_blocks else None)
-        builtin = self.plugins.builtin_names("logits_processor")
-        processors = builtin + [n for n in dc.logits_processors if n not in builtin]
-        parts = {
-            "kv_cache": pick("kv_cache", "cache.kv_cache", cc.kv_cache),
-            "resource_manager": pick("resource_manager", "scheduler.resource_manager", sc.resource_manager),
-            "queue_policy": pick("queue_policy", "scheduler.policy", sc.policy),
-            "admission": [(n, pick("admission_rule", "scheduler.admission", n)) for n in sc.admission],
-            "preemption": pick("preemption_policy", "scheduler.preemption", sc.preemption),
-            "connector": (connector, pick("connector", "cache.kv_connector", connector)) if connector else None,
-            "processors": [(n, pick("logits_processor", "decoding.logits_processors", n)) for n in processors],
-        }
-        pick("token_processor", "decoding.token_processor", dc.token_processor)
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            parts["attention"] = pick("attention_backend", "backend.name", backend.attention_backend)
-            parts["sampler"] = pick("sampler", "backend.name", backend.sampler)
-            if config.parallel.tensor_parallel_size > 1:   # worker processes, each with its shard
-                parts["runner"] = pick("model_runner", "parallel.tensor_parallel_size", "tp")
-            else:
-                parts["runner"] = pick("model_runner", "backend.name", backend.model_runner)
-        return parts
-
     def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
         """The KV cache, connector, scheduler and runner for ``config``, over
         this engine's model and KV tensors (``num_blocks`` of them in use)."""
-        c = self._resolve_parts(config)
-        sc, cc = config.scheduler, config.cache
-
-        def settings(kind: str, name: str | None) -> dict:
-            return dict(config.plugins.get(kind, {}).get(name or "", {}) or {})
-
-        def make(kind: str, name: str, cls, *args, **kwargs):
-            """Construct a plugin; a setting it rejects is a config error naming the key."""
-            try:
-                return cls(*args, **kwargs)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"config key 'plugins.{kind}.{name}': {e}") from None
-
-        kv_cache = make("kv_cache", cc.kv_cache, c["kv_cache"], num_blocks, cc.block_size, config,
-                        settings=settings("kv_cache", cc.kv_cache))
-        connector = None
-        if c["connector"] is not None:
-            name, cls = c["connector"]
-            connector = make("connector", name, cls, config, cc.block_size, settings=settings("connector", name))
-        extensions = SchedulingExtensions(
-            queue_policy=make("queue_policy", sc.policy, c["queue_policy"], kv_cache,
-                              settings("queue_policy", sc.policy)),
-            admission_rules=[make("admission_rule", n, cls, config, settings("admission_rule", n))
-                             for n, cls in c["admission"]] + self.guided.admission_rules(config),
-            preemption_policy=make("preemption_policy", sc.preemption, c["preemption"], config,
-                                   settings("preemption_policy", sc.preemption)),
-            connector=connector)
-        resource_manager = make("resource_manager", sc.resource_manager, c["resource_manager"],
-                                config, kv_cache, self.token_processor, self.max_model_len,
-                                settings=settings("resource_manager", sc.resource_manager), extensions=extensions)
-        processors = [make("logits_processor", n, cls, config, self.tokenizer, self.model.vocab_size,
-                           settings("logits_processor", n)) for n, cls in c["processors"]]
-        b = self.backend
-        attention = make("attention_backend", b.attention_backend, c["attention"],
-                         settings("attention_backend", b.attention_backend))
-        sampler = make("sampler", b.sampler, c["sampler"], config=config, settings=settings("sampler", b.sampler))
-        # the tensors' layout (num_slots) stays that of the whole allocation, even when the pool
-        # the KV cache manages uses fewer of its blocks
-        runner = c["runner"](RunnerContext(
-            config=config, model=self.model, kv_caches=self.kv_caches, kv_spec=self.kv_spec, attention=attention,
-            sampler=sampler, logits_processors=processors, eos_token_ids=self.eos_token_ids,
-            connector=connector, settings=settings("model_runner", b.model_runner), kernels=b.kernels,
-            executor=self.executor))
-        return dict(config=config, kv_cache=kv_cache, connector=connector, resource_manager=resource_manager,
-                    logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
-                    attention=attention, sampler=sampler, runner=runner)
+        a = self.assembly if config is self.config else Assembly(config, self.plugins, self.backend)
+        parts = a.scheduler_side(num_blocks, self.token_processor, self.max_model_len,
+                                 extra_rules=self.guided.admission_rules(config))
+        parts.update(a.runner_side(self.model, self.kv_caches, self.kv_spec, self.tokenizer, self.eos_token_ids,
+                                   connector=parts["connector"], executor=self.executor))
+        return dict(config=config, **parts)
 
     def _install(self, parts: dict) -> dict:
         """Make ``parts`` (from build_parts) the engine's; returns the old ones."""
@@ -236,19 +154,6 @@ class EngineCore:
         for k, v in parts.items():
             setattr(self, k, v)
         return old
-
-    def _check_plugin_settings(self) -> None:
-        kinds = self.plugins.registries
-        for kind, by_name in self.config.plugins.items():
-            if kind not in kinds:
-                raise ConfigError(f"config key 'plugins.{kind}': no such plugin kind; "
-                                  f"kinds: {', '.join(sorted(kinds))}")
-            for name, value in (by_name or {}).items():
-                if name not in kinds[kind]:
-                    raise ConfigError(f"config key 'plugins.{kind}.{name}': no {kind} named {name!r}; "
-                                      f"available: {', '.join(sorted(kinds[kind])) or 'none'}")
-                if not isinstance(value, dict):
-                    raise ConfigError(f"config key 'plugins.{kind}.{name}' must be a mapping of settings")
 
     def _select_backend(self) -> Backend:
         return select_backend(self.config, self.plugins)
@@ -288,8 +193,7 @@ class EngineCore:
             cc.num_kv_blocks = max(1, min(kv_bytes // spec.bytes_per_block, need_per_seq * sc.max_num_seqs))
         if cc.num_kv_blocks is None:       # memory_fraction of what one largest-batch forward leaves
             from fdx.core.memory import kv_budget
-            attention = self._resolve_parts(self.config)["attention"](
-                self._settings("attention_backend", self.backend.attention_backend))
+            attention = self.assembly.attention()
             self.kv_budget = kv_budget(self.backend, self.model, attention, spec,
                                        self.config.scheduler.max_num_batched_tokens,
                                        self.config.scheduler.max_num_seqs, cc.memory_fraction)

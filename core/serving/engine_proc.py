@@ -174,6 +174,8 @@ class EngineLoop:
             stats = dict(kv.stats() or {})
             if eng.connector is not None:
                 stats.update(eng.connector.stats() or {})
+            if eng.guided.enabled:
+                stats.update({f"guided_{k}": v for k, v in eng.guided.counts.items()})
             cache_stats = {k: float(v) for k, v in stats.items()}
         except Exception:                         # a plugin's stats must not stop serving
             cache_stats = {}

@@ -374,15 +374,17 @@ class Worker:
     then on request a profile forward and its KV cache and runner."""
 
     def __init__(self, config, rank: int, world: int, threads: int):
+        from fdx.core.assembly import Assembly
         from fdx.core.checkpoint.loader import load_checkpoint
         from fdx.core.engine import select_backend
         from fdx.core.plugins import get_plugin_manager
 
         self.config, self.rank = config, rank
-        self.pm = pm = get_plugin_manager()
+        pm = get_plugin_manager()
         config.backend.num_threads = threads
         self.backend = backend = select_backend(config, pm)
         backend.setup(config)
+        self.assembly = Assembly(config, pm, backend)       # the engine's, built the same way
 
         import paddle
         import paddle.distributed as dist
@@ -394,7 +396,7 @@ class Worker:
 
         ckpt = load_checkpoint(config.model.model, progress=False)
         arch = (ckpt.config.get("architectures") or ["?"])[0]
-        model = self.model = pm.get("model", arch)(ckpt.config, ckpt.weights)
+        model = self.model = self.assembly.pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
         model.shard(rank, world, all_reduce)
         self.tokenizer = ckpt.tokenizer
         del ckpt
@@ -402,12 +404,8 @@ class Worker:
             model.lm_head = paddle.zeros([model.lm_head.shape[0], 1], dtype=model.lm_head.dtype)
         self.dtype = backend.dtypes[0] if config.model.dtype == "auto" else config.model.dtype
         backend.prepare_model(model, self.dtype)
-        self.attention = pm.get("attention_backend", backend.attention_backend)(
-            self.settings("attention_backend", backend.attention_backend))
+        self.attention = self.assembly.attention()
         self.runner = None
-
-    def settings(self, kind: str, name: str | None) -> dict:
-        return dict(self.config.plugins.get(kind, {}).get(name or "", {}) or {})
 
     def spec(self, num_blocks: int):
         from fdx.core.interfaces import KVCacheSpec
@@ -421,23 +419,16 @@ class Worker:
                          msg.memory_fraction).kv_bytes
 
     def allocate(self, num_blocks: int):
-        from fdx.core.interfaces import RunnerContext
+        """This rank's KV cache and runner (a default runner whose rank 0
+        alone runs the logits processors and samples)."""
         from fdx.plugins.backends.runner import DefaultModelRunner
-        config, pm, backend, model = self.config, self.pm, self.backend, self.model
         spec = self.spec(num_blocks)
-        sampler = pm.get("sampler", backend.sampler)(config=config, settings=self.settings("sampler", backend.sampler))
-        builtin = pm.builtin_names("logits_processor")
-        names = builtin + [n for n in config.decoding.logits_processors if n not in builtin]
-        processors = [pm.get("logits_processor", n)(config, self.tokenizer, model.vocab_size,
-                                                    self.settings("logits_processor", n))
-                      for n in names] if self.rank == 0 else []
-        runner = _make_worker_runner(DefaultModelRunner)(RunnerContext(
-            config=config, model=model, kv_caches=backend.allocate_kv_cache(spec), kv_spec=spec,
-            attention=self.attention, sampler=sampler, logits_processors=processors,
-            eos_token_ids=frozenset(self.tokenizer.eos_token_ids), settings=self.settings("model_runner", "default"),
-            kernels=backend.kernels))
-        runner.rank = self.rank
-        self.runner = runner
+        parts = self.assembly.runner_side(
+            self.model, self.backend.allocate_kv_cache(spec), spec, self.tokenizer, self.tokenizer.eos_token_ids,
+            runner_cls=_make_worker_runner(DefaultModelRunner), attention=self.attention,
+            with_processors=self.rank == 0)
+        self.runner = parts["runner"]
+        self.runner.rank = self.rank
         return spec
 
 
