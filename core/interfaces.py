@@ -835,7 +835,7 @@ class Backend(abc.ABC):
         """Call ``run()`` (one forward at the largest batch) once and return
         the memory it needed at its peak beyond what was in use before, in
         bytes. Default: the process's resident set (host memory)."""
-        from fdx.core.memory import host_peak_bytes
+        from fdx.core.host import host_peak_bytes
         return host_peak_bytes(run)
 
     def kv_cache_dtype(self, model_dtype: str) -> str:

@@ -35,6 +35,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.backends.attention",
     "fdx.plugins.backends.block_attention",
     "fdx.plugins.backends.runner",
+    "fdx.plugins.backends.tp",
+    "fdx.plugins.backends.cuda_graph",
     "fdx.plugins.decoding.sampler",
     "fdx.plugins.decoding.device_sampler",
     "fdx.plugins.decoding.token_processor",

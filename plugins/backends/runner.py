@@ -213,8 +213,4 @@ def _host_float32(logits: paddle.Tensor) -> np.ndarray:
 
 @hookimpl
 def fdx_register_model_runners(register):
-    from fdx.plugins.backends.tp import TensorParallelRunner
-    from fdx.plugins.backends.cuda_graph import CudaGraphRunner
-    register("default", DefaultModelRunner)
-    register("tp", TensorParallelRunner)       # the engine's pick when parallel.tensor_parallel_size > 1
-    register("cuda-graph", CudaGraphRunner)    # cuda's pick with backend.cuda_graph
+    register("default", DefaultModelRunner)    # tp.py and cuda_graph.py register theirs

@@ -54,6 +54,7 @@ import numpy as np
 import zmq
 
 from fdx.core.config import ConfigError
+from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import ModelRunner, ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("fdx.backends.tp")
@@ -501,6 +502,11 @@ def _die_with_parent() -> None:
             libc.prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG: a hung collective cannot outlive us
         except OSError:
             pass
+
+
+@hookimpl
+def fdx_register_model_runners(register):
+    register("tp", TensorParallelRunner)       # the engine's pick when parallel.tensor_parallel_size > 1
 
 
 if __name__ == "__main__":
