@@ -18,9 +18,10 @@ Bounds (docs/security.md): a compile that is not done ``compile_timeout_s``
 after its request arrived rejects the request (408); a compile whose last
 waiting request left (aborted, client gone, timed out) is cancelled if it
 has not started; at most ``max_compiles`` distinct constraints compile (or
-wait to) at once, past that a request is refused (429); a constraint of at
-most ``FAST_LANE_CHARS`` characters compiles on a thread of its own, so
-large compiles never queue a small one.
+wait to) at once among those over ``FAST_LANE_CHARS`` characters, past
+that a request is refused (429); a constraint of at most ``FAST_LANE_CHARS``
+characters compiles on a thread of its own, so large compiles never queue
+(or refuse) a small one.
 
 The backends (``GuidedBackend``, core/interfaces.py) are plugins, chosen by
 ``decoding.guided_backend``.
@@ -218,8 +219,9 @@ class GuidedDecoding:
         ``max_compiles`` are in flight. ``wait``: count one more request
         waiting for it (``release`` uncounts it)."""
         key = self._key(params)
-        if key is None:
-            return None
+        return None if key is None else self._submit_key(key, wait)
+
+    def _submit_key(self, key: tuple, wait: bool = False) -> Future:
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None and fut.cancelled():
@@ -227,17 +229,17 @@ class GuidedDecoding:
             if fut is not None:
                 self._cache.move_to_end(key)
             else:
-                busy = sum(not f.done() for f in self._cache.values())
+                small = len(key[2]) <= FAST_LANE_CHARS
+                busy = 0 if small else sum(not f.done() for k, f in self._cache.items() if len(k[2]) > FAST_LANE_CHARS)
                 if self.max_compiles is not None and busy >= self.max_compiles:
                     self.counts["compiles_refused"] += 1
-                    raise GuidedRefused(f"{busy} guided constraints are compiling (server.max_guided_compiles="
-                                        f"{self.max_compiles}); retry later", 429)
-                pool = self._fast if len(key[2]) <= FAST_LANE_CHARS else self._pool
+                    raise GuidedRefused(f"{busy} large guided constraints are compiling "
+                                        f"(server.max_guided_compiles={self.max_compiles}); retry later", 429)
+                pool = self._fast if small else self._pool
                 fut = pool.submit(self._compile, key)
                 self._cache[key] = fut
                 while len(self._cache) > self.cache_size:
-                    old, _ = self._cache.popitem(last=False)
-                    self._waiters.pop(old, None)
+                    self._cache.popitem(last=False)
             if wait:
                 self._waiters[key] = self._waiters.get(key, 0) + 1
         if fut.done() and fut.exception() is not None:
@@ -337,6 +339,12 @@ class GuidedDecoding:
         for rid, e in list(self.entries.items()):
             if e.ready:
                 continue
+            if e.future.cancelled():        # evicted and cancelled under it: compile again
+                try:
+                    e.future = self._submit_key(e.key)
+                except ValueError as err:
+                    failed.append((rid, str(err), getattr(err, "status", 400)))
+                    continue
             if e.future.done():
                 try:
                     compiled = e.future.result()
