@@ -22,6 +22,15 @@ from fdx.core.interfaces import RunnerContext, SchedulingExtensions
 from fdx.core.plugins import PluginError, PluginManager
 
 
+def connector_name(config: FdxConfig) -> str | None:
+    """The KV connector config asks for: ``cache.kv_connector``, else
+    ``splitwise`` for a prefill or decode role, else ``swap`` when the
+    second tier is configured, else none."""
+    cc = config.cache
+    return cc.kv_connector or ("splitwise" if config.splitwise.role != "mixed" else None) or (
+        "swap" if cc.swap_dir or cc.swap_max_blocks else None)
+
+
 class Assembly:
     def __init__(self, config: FdxConfig, plugins: PluginManager, backend=None):
         self.config, self.plugins = config, plugins
@@ -29,9 +38,7 @@ class Assembly:
         self._settings = {kind: {name: dict(value or {}) for name, value in (by_name or {}).items()}
                           for kind, by_name in config.plugins.items()}
         sc, dc, cc = config.scheduler, config.decoding, config.cache
-        self.connector_name = cc.kv_connector or (
-            "splitwise" if config.splitwise.role != "mixed" else None) or (
-            "swap" if cc.swap_dir or cc.swap_max_blocks else None)
+        self.connector_name = connector_name(config)
         builtin = plugins.builtin_names("logits_processor")
         self.processor_names = builtin + [n for n in dc.logits_processors if n not in builtin]
         pick = self.pick

@@ -57,6 +57,12 @@ def test_heads_that_do_not_divide_are_a_config_error(tiny_checkpoints):
         LLM(str(path), tensor_parallel_size=3, **TINY)
 
 
+def test_a_connector_is_refused_before_any_worker_starts(tiny_checkpoints):
+    path, _ = tiny_checkpoints["LlamaForCausalLM"]
+    with pytest.raises(ConfigError, match=r"cache\.kv_connector.*tensor_parallel_size"):
+        LLM(str(path), tensor_parallel_size=2, swap_max_blocks=8, **TINY)
+
+
 @pytest.fixture(scope="module")
 def biased_checkpoint(tmp_path_factory, tiny_checkpoints):
     """A Llama with q/k/v/o and MLP biases, every weight random (transformers

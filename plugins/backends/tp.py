@@ -150,8 +150,12 @@ class TensorParallelExecutor:
     then asked for a KV budget, told the block count, and fed steps."""
 
     def __init__(self, config, model):
+        from fdx.core.assembly import connector_name
         self.world = world = config.parallel.tensor_parallel_size
         check_divisible(model, world)
+        if connector_name(config) is not None:      # refused before any worker starts
+            raise ConfigError("config key 'cache.kv_connector': KV connectors (and the swap tier) do not "
+                              "run with parallel.tensor_parallel_size > 1 yet")
         self.num_blocks: int | None = None
         self.failed: str | None = None
         self._dir = tempfile.mkdtemp(prefix="fdx-tp-")
@@ -279,9 +283,6 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        if ctx.connector is not None:
-            raise ConfigError("config key 'cache.kv_connector': KV connectors (and the swap tier) do not "
-                              "run with parallel.tensor_parallel_size > 1 yet")
         self.executor = ctx.executor if ctx.executor is not None else self.launch(ctx.config, ctx.model)
         self.executor.allocate(ctx.kv_spec.num_blocks)
         self.procs = self.executor.procs
