@@ -112,6 +112,8 @@ class ServerConfig(_Section):
     max_allowed_token_ids: int = Field(262144, gt=0)  # allowed_token_ids entries
     max_guided_bytes: int = Field(64 * 1024, gt=0)   # a guided schema / regex / grammar / tag (as JSON)
     max_guided_choices: int = Field(1024, gt=0)      # guided_choice entries
+    guided_compile_timeout_s: float = Field(30.0, gt=0)  # a compile not done by then: the request gets 408
+    max_guided_compiles: int = Field(8, gt=0)        # large (> 4 KiB) constraints compiling or queued; past 429
     max_extra_args_bytes: int = Field(64 * 1024, gt=0)  # extra_args (vllm_xargs) as JSON
 
     @model_validator(mode="after")

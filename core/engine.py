@@ -10,10 +10,12 @@ import itertools
 import logging
 import numbers
 import time
+from dataclasses import dataclass
+from typing import Any
 
+from fdx.core.assembly import Assembly
 from fdx.core.config import ConfigError, FdxConfig
-from fdx.core.interfaces import (Backend, KVCacheSpec, RequestStepInfo, RunnerContext, SchedulingExtensions,
-                                 StepContext, StepStats)
+from fdx.core.interfaces import Backend, KVCacheSpec, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
@@ -45,24 +47,45 @@ def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
     raise ConfigError("config key 'backend.name': no available backend")
 
 
+@dataclass(slots=True, frozen=True)
+class ModelShape:
+    """What the engine reads of a model whose weights live in tensor
+    parallel workers (the engine process loads none)."""
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    cfg: Any                            # the architecture's parsed config (intermediate_size, ...)
+    shardable: bool = True
+
+    @classmethod
+    def of(cls, model_cls, config: dict) -> "ModelShape":
+        c = model_cls.parse_config(config)
+        return cls(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+                   c.max_position_embeddings, c, hasattr(model_cls, "shard"))
+
+
 class EngineCore:
     def __init__(self, config: FdxConfig, plugins: PluginManager | None = None, progress: bool = True):
         self.config = config = config.model_copy(deep=True)
         self.plugins = plugins = plugins or get_plugin_manager()
-        self._check_plugin_settings()
-        # resolve every plugin name before the (slow) model load, so a typo fails at once
-        self._resolve_parts(config)
+        # every plugin name resolved before the (slow) model load, so a typo fails at once
+        self.assembly = assembly = Assembly(config, plugins)
         self.backend = self._select_backend()
         dtype = self._resolve_dtype()
-        self._resolve_parts(config)
+        assembly.set_backend(self.backend)
         self.backend.setup(config)
         if config.backend.cuda_graph and not getattr(self.backend, "captures_cuda_graphs", False):
             raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
                               "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
-        from fdx.core.checkpoint.loader import is_default_model, load_checkpoint
+        from fdx.core.checkpoint.loader import is_default_model, load_checkpoint, load_metadata
         from fdx.core.generation import chat_defaults_for
-        ckpt = load_checkpoint(config.model.model, progress=progress)
+        launch = getattr(assembly.classes["runner"], "launch", None)    # a runner whose model lives in worker processes
+        ckpt = (load_metadata(config.model.model) if launch is not None
+                else load_checkpoint(config.model.model, progress=progress))
         if ckpt.tokenizer is None:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
                              "fdx needs one to serve text")
@@ -74,13 +97,21 @@ class EngineCore:
         if arch not in plugins.names("model"):
             raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
                              f"supported: {', '.join(plugins.names('model'))}")
-        self.model = self._pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
+        model_cls = assembly.pick("model", "model.model", arch)
+        self.executor = None
+        if launch is not None and hasattr(model_cls, "parse_config"):
+            self.model = ModelShape.of(model_cls, ckpt.config)     # the workers load the weights
+            self.executor = launch(config, self.model)
+        else:
+            if launch is not None:      # a model class with no parse_config: its shape from a copy
+                ckpt = load_checkpoint(config.model.model, progress=progress)
+            self.model = model_cls(ckpt.config, ckpt.weights)
+            self.backend.prepare_model(self.model, dtype)
         del ckpt
-        self.backend.prepare_model(self.model, dtype)
 
         self.max_model_len = self._resolve_lengths()
         m, cc = self.model, config.cache
-        layout = getattr(self._resolve_parts(config)["attention"], "layout", "head_major")  # the kernel's
+        layout = getattr(assembly.classes["attention"], "layout", "head_major")  # the kernel's
         spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, cc.block_size,
                            self.backend.kv_cache_dtype(dtype), layout)
         num_blocks = self._resolve_num_blocks(spec)
@@ -90,15 +121,15 @@ class EngineCore:
         tp = config.parallel.tensor_parallel_size > 1
         self.kv_caches = [] if tp else self.backend.allocate_kv_cache(self.kv_spec)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        # guided decoding: one compile service (thread pool + cache) per engine, for the guided
-        # admission rule and logits processor that build_parts makes
+        # guided decoding: the engine's service (compiles, matchers, the step's bitmask), with
+        # the admission rule build_parts adds
         from fdx.core.guided import GuidedDecoding
         self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
                                                  self.eos_token_ids)
-        self.token_processor = self._pick("token_processor", "decoding.token_processor",
-                                          config.decoding.token_processor)(
-            self.tokenizer, settings=self._settings("token_processor", config.decoding.token_processor))
+        self.token_processor = assembly.token_processor(self.tokenizer)
         self._install(self.build_parts(config, num_blocks))
+        self.guided_ready: list[str] = []          # this step's guided verdicts (_guided_verdicts)
+        self.guided_rejected: dict[str, tuple[str, int]] = {}
         self.step_count = 0
         self.num_computed_tokens = 0
         self.num_recomputed_tokens = 0
@@ -107,92 +138,15 @@ class EngineCore:
         plugins.notify("fdx_engine_started", engine=self)
 
     # -- set-up ---------------------------------------------------------------
-    def _pick(self, kind: str, key: str, name: str):
-        try:
-            return self.plugins.get(kind, name)
-        except PluginError as e:
-            raise ConfigError(f"config key '{key}': {e}") from None
-
-    def _settings(self, kind: str, name: str | None) -> dict:
-        return dict(self.config.plugins.get(kind, {}).get(name or "", {}) or {})
-
-    def _resolve_parts(self, config: FdxConfig) -> dict:
-        """Every plugin class the config names (ConfigError naming the key
-        when one is unknown). Backend-chosen parts once a backend is set."""
-        sc, dc, cc = config.scheduler, config.decoding, config.cache
-        pick = self._pick
-        connector = cc.kv_connector or ("splitwise" if config.splitwise.role != "mixed" else None) or (
-            "swap" if cc.swap_dir or cc.swap_max_blocks else None)
-        builtin = self.plugins.builtin_names("logits_processor")
-        processors = builtin + [n for n in dc.logits_processors if n not in builtin]
-        parts = {
-            "kv_cache": pick("kv_cache", "cache.kv_cache", cc.kv_cache),
-            "resource_manager": pick("resource_manager", "scheduler.resource_manager", sc.resource_manager),
-            "queue_policy": pick("queue_policy", "scheduler.policy", sc.policy),
-            "admission": [(n, pick("admission_rule", "scheduler.admission", n)) for n in sc.admission],
-            "preemption": pick("preemption_policy", "scheduler.preemption", sc.preemption),
-            "connector": (connector, pick("connector", "cache.kv_connector", connector)) if connector else None,
-            "processors": [(n, pick("logits_processor", "decoding.logits_processors", n)) for n in processors],
-        }
-        pick("token_processor", "decoding.token_processor", dc.token_processor)
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            parts["attention"] = pick("attention_backend", "backend.name", backend.attention_backend)
-            parts["sampler"] = pick("sampler", "backend.name", backend.sampler)
-            if config.parallel.tensor_parallel_size > 1:   # worker processes, each with its shard
-                parts["runner"] = pick("model_runner", "parallel.tensor_parallel_size", "tp")
-            else:
-                parts["runner"] = pick("model_runner", "backend.name", backend.model_runner)
-        return parts
-
     def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
         """The KV cache, connector, scheduler and runner for ``config``, over
         this engine's model and KV tensors (``num_blocks`` of them in use)."""
-        c = self._resolve_parts(config)
-        sc, cc = config.scheduler, config.cache
-
-        def settings(kind: str, name: str | None) -> dict:
-            return dict(config.plugins.get(kind, {}).get(name or "", {}) or {})
-
-        def make(kind: str, name: str, cls, *args, **kwargs):
-            """Construct a plugin; a setting it rejects is a config error naming the key."""
-            try:
-                return cls(*args, **kwargs)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"config key 'plugins.{kind}.{name}': {e}") from None
-
-        kv_cache = make("kv_cache", cc.kv_cache, c["kv_cache"], num_blocks, cc.block_size, config,
-                        settings=settings("kv_cache", cc.kv_cache))
-        connector = None
-        if c["connector"] is not None:
-            name, cls = c["connector"]
-            connector = make("connector", name, cls, config, cc.block_size, settings=settings("connector", name))
-        extensions = SchedulingExtensions(
-            queue_policy=make("queue_policy", sc.policy, c["queue_policy"], kv_cache,
-                              settings("queue_policy", sc.policy)),
-            admission_rules=[make("admission_rule", n, cls, config, settings("admission_rule", n))
-                             for n, cls in c["admission"]] + self.guided.admission_rules(config),
-            preemption_policy=make("preemption_policy", sc.preemption, c["preemption"], config,
-                                   settings("preemption_policy", sc.preemption)),
-            connector=connector)
-        resource_manager = make("resource_manager", sc.resource_manager, c["resource_manager"],
-                                config, kv_cache, self.token_processor, self.max_model_len,
-                                settings=settings("resource_manager", sc.resource_manager), extensions=extensions)
-        processors = [make("logits_processor", n, cls, config, self.tokenizer, self.model.vocab_size,
-                           settings("logits_processor", n)) for n, cls in c["processors"]]
-        b = self.backend
-        attention = make("attention_backend", b.attention_backend, c["attention"],
-                         settings("attention_backend", b.attention_backend))
-        sampler = make("sampler", b.sampler, c["sampler"], config=config, settings=settings("sampler", b.sampler))
-        # the tensors' layout (num_slots) stays that of the whole allocation, even when the pool
-        # the KV cache manages uses fewer of its blocks
-        runner = c["runner"](RunnerContext(
-            config=config, model=self.model, kv_caches=self.kv_caches, kv_spec=self.kv_spec, attention=attention,
-            sampler=sampler, logits_processors=processors, eos_token_ids=self.eos_token_ids,
-            connector=connector, settings=settings("model_runner", b.model_runner), kernels=b.kernels))
-        return dict(config=config, kv_cache=kv_cache, connector=connector, resource_manager=resource_manager,
-                    logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
-                    attention=attention, sampler=sampler, runner=runner)
+        a = self.assembly if config is self.config else Assembly(config, self.plugins, self.backend)
+        parts = a.scheduler_side(num_blocks, self.token_processor, self.max_model_len,
+                                 extra_rules=self.guided.admission_rules(config))
+        parts.update(a.runner_side(self.model, self.kv_caches, self.kv_spec, self.tokenizer, self.eos_token_ids,
+                                   connector=parts["connector"], executor=self.executor))
+        return dict(config=config, **parts)
 
     def _install(self, parts: dict) -> dict:
         """Make ``parts`` (from build_parts) the engine's; returns the old ones."""
@@ -200,19 +154,6 @@ class EngineCore:
         for k, v in parts.items():
             setattr(self, k, v)
         return old
-
-    def _check_plugin_settings(self) -> None:
-        kinds = self.plugins.registries
-        for kind, by_name in self.config.plugins.items():
-            if kind not in kinds:
-                raise ConfigError(f"config key 'plugins.{kind}': no such plugin kind; "
-                                  f"kinds: {', '.join(sorted(kinds))}")
-            for name, value in (by_name or {}).items():
-                if name not in kinds[kind]:
-                    raise ConfigError(f"config key 'plugins.{kind}.{name}': no {kind} named {name!r}; "
-                                      f"available: {', '.join(sorted(kinds[kind])) or 'none'}")
-                if not isinstance(value, dict):
-                    raise ConfigError(f"config key 'plugins.{kind}.{name}' must be a mapping of settings")
 
     def _select_backend(self) -> Backend:
         return select_backend(self.config, self.plugins)
@@ -245,10 +186,14 @@ class EngineCore:
     def _resolve_num_blocks(self, spec: KVCacheSpec) -> int:
         cc = self.config.cache
         need_per_seq = -(-self.max_model_len // cc.block_size)
+        if cc.num_kv_blocks is None and self.executor is not None:    # the workers profile their shards
+            sc = self.config.scheduler
+            kv_bytes = self.executor.profile(sc.max_num_batched_tokens, sc.max_num_seqs, cc.memory_fraction)
+            # a block's bytes over all ranks: the ranks of one host share its memory (conservative on GPUs)
+            cc.num_kv_blocks = max(1, min(kv_bytes // spec.bytes_per_block, need_per_seq * sc.max_num_seqs))
         if cc.num_kv_blocks is None:       # memory_fraction of what one largest-batch forward leaves
             from fdx.core.memory import kv_budget
-            attention = self._resolve_parts(self.config)["attention"](
-                self._settings("attention_backend", self.backend.attention_backend))
+            attention = self.assembly.attention()
             self.kv_budget = kv_budget(self.backend, self.model, attention, spec,
                                        self.config.scheduler.max_num_batched_tokens,
                                        self.config.scheduler.max_num_seqs, cc.memory_fraction)
@@ -286,7 +231,7 @@ class EngineCore:
                                  f"vocabulary size {vocab}")
         for cls in self.processor_classes:
             cls.validate_params(params)
-        self.guided.submit(params)      # starts the grammar's compile; refuses what cannot compile
+        self.guided.check(params)       # a kind the backend cannot compile is refused now
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
@@ -297,12 +242,17 @@ class EngineCore:
                        max_model_len=self.max_model_len, cache_salt=cache_salt)
 
     def add_request(self, request: Request) -> Request:
+        """Queue a request from make_request; a constrained one starts its
+        compile here (ValueError for one that failed before; GuidedRefused,
+        a ValueError, when too many compile)."""
+        self.guided.add(request.request_id, request.sampling_params)
         self.token_processor.start(request)
         self.resource_manager.add_request(request)
         self.plugins.notify("fdx_request_added", request=request)
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
+        self.guided.remove(request_id)          # a compile it alone waits for is cancelled
         req = self.resource_manager.abort_request(request_id)
         if req is not None:
             self.plugins.notify("fdx_request_finished", request=req, output=None)
@@ -332,8 +282,11 @@ class EngineCore:
     def step(self) -> list[Request]:
         t0 = time.perf_counter()
         rm = self.resource_manager
+        rejected = self._guided_verdicts()
         sched = rm.schedule()
-        changed = rm.pop_finished()
+        if self.guided.entries:
+            sched.guided = self._guided_step(sched)
+        changed = rejected + rm.pop_finished()
         context = None
         num_recomputed = 0
         if not sched.is_empty or sched.kv_connector_metadata is not None:
@@ -346,6 +299,8 @@ class EngineCore:
         self.num_recomputed_tokens += num_recomputed
         decode = 0 if context is None else sum(r.num_decode_tokens for r in context.requests)
         finished = [r for r in changed if r.is_finished]
+        for req in finished:
+            self.guided.remove(req.request_id)
         stats = StepStats(
             step=self.step_count, num_running=rm.num_running, num_waiting=rm.num_waiting,
             num_scheduled_tokens=sched.total_num_scheduled_tokens,
@@ -360,6 +315,33 @@ class EngineCore:
             if req.status is not RequestStatus.FINISHED_ABORTED:
                 self.plugins.notify("fdx_request_finished", request=req, output=None)
         return changed
+
+    def _guided_verdicts(self) -> list[Request]:
+        """Poll the guided compiles: ``guided_ready`` (request ids that may
+        now run) and ``guided_rejected`` ({request id: (message, HTTP
+        status)}) for this step; the rejected requests, finished."""
+        self.guided_ready, self.guided_rejected = [], {}
+        if not self.guided.entries:
+            return []
+        self.guided_ready, failed = self.guided.poll()
+        out = []
+        for rid, message, status in failed:
+            req = self.resource_manager.abort_request(rid)
+            if req is not None:
+                req.status, req.stop_reason = RequestStatus.FINISHED_REJECTED, message
+                self.guided_rejected[rid] = (message, status)
+                out.append(req)
+        return out
+
+    def _guided_step(self, sched):
+        """The bitmask rows of the constrained requests that sample this step."""
+        by_id = {r.request_id: r for r in self.resource_manager.requests()}
+        rows = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = by_id.get(rid)
+            if rid in self.guided.entries and req is not None and req.num_computed_tokens + n >= req.num_tokens:
+                rows.append((rid, req.output_token_ids))
+        return self.guided.step_bitmask(rows)
 
     def _context(self, sched) -> StepContext:
         """The StepContext of a step that ran, before update(): counts from

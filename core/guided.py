@@ -1,13 +1,30 @@
-"""Guided decoding's core side: which constraint a request carries, the
-compile service (a thread pool and a cache keyed by (backend, kind, text)),
+"""Guided decoding as an engine service (as vLLM's StructuredOutputManager):
+which constraint a request carries, the compile service (thread pools and a
+cache keyed by (backend, kind, text)), each constrained request's matcher,
 the admission rule that keeps a request waiting until its grammar is
-compiled, and the vectorized bitmask apply.
+compiled, and the per-step token bitmask.
+
+One ``GuidedDecoding`` per engine, in the engine process: the only place a
+grammar compiles (the server's API process compiles nothing; it waits for
+the engine's verdict before a response starts). Each step the engine asks
+it for the step's bitmask (``step_bitmask``): it advances the matchers of
+the scheduled constrained requests by the tokens they sampled since, and
+fills one bitmask row for each that samples this step. The bitmask travels
+in ``SchedulerOutput.guided`` (plain data), so whichever process samples,
+a tensor parallel rank included, masks the logits with ``apply_bitmask``.
+No registry keyed by object ids: the runner needs nothing but the step.
+
+Bounds (docs/security.md): a compile that is not done ``compile_timeout_s``
+after its request arrived rejects the request (408); a compile whose last
+waiting request left (aborted, client gone, timed out) is cancelled if it
+has not started; at most ``max_compiles`` distinct constraints compile (or
+wait to) at once among those over ``FAST_LANE_CHARS`` characters, past
+that a request is refused (429); a constraint of at most ``FAST_LANE_CHARS``
+characters compiles on a thread of its own, so large compiles never queue
+(or refuse) a small one.
 
 The backends (``GuidedBackend``, core/interfaces.py) are plugins, chosen by
-``decoding.guided_backend``; the built-in ``guided`` logits processor
-(plugins/decoding/guided.py) runs the matchers. One ``GuidedDecoding`` is
-built per engine (and one in the server's API process, which compiles to
-validate a request before its response starts).
+``decoding.guided_backend``.
 """
 from __future__ import annotations
 
@@ -15,7 +32,6 @@ import importlib.util
 import json
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -23,11 +39,22 @@ from typing import Any
 import numpy as np
 
 from fdx.core.config import ConfigError
-from fdx.core.interfaces import GUIDED_KINDS, AdmissionRule, GuidedBackend
+from fdx.core.interfaces import GUIDED_KINDS, AdmissionRule, GuidedBackend, GuidedStep
 from fdx.core.sampling_params import SamplingParams
 
 # how to install the backends' packages (named in the errors when one is missing)
 INSTALL_HINT = 'pip install "fdx[guided]"'
+FAST_LANE_CHARS = 4096      # constraints up to this size compile on their own thread
+
+
+class GuidedRefused(ValueError):
+    """A constrained request the service will not take now (``status``: the
+    HTTP status the server answers with: 408 a compile timed out, 429 too
+    many compiles in flight)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 def constraint_of(params: SamplingParams) -> tuple[str, str] | None:
@@ -58,14 +85,25 @@ FIELD_OF_KIND = {"json": "guided_json", "json_object": "guided_json_object", "re
                  "choice": "guided_choice", "grammar": "guided_grammar", "structural_tag": "structural_tag"}
 
 
+class _Entry:
+    """One constrained request in the engine: its compile, then its matcher."""
+    __slots__ = ("key", "future", "deadline", "matcher", "accepted", "done", "ready")
+
+    def __init__(self, key: tuple, future: Future, deadline: float):
+        self.key, self.future, self.deadline = key, future, deadline
+        self.matcher = None             # built when the compile is done
+        self.accepted = 0               # output tokens the matcher has accepted
+        self.done = False               # eos only from now on (terminated, or a token it refused)
+        self.ready = False              # compiled and its matcher built: it may be scheduled
+
+
 class GuidedDecoding:
-    """The compile service for one model and one backend (``None``: guided
+    """The guided service for one model and one backend (``None``: guided
     decoding is off, and a constrained request is refused)."""
 
-    _by_tokenizer: "weakref.WeakValueDictionary[int, GuidedDecoding]" = weakref.WeakValueDictionary()
-
     def __init__(self, name: str | None, backend_cls: type[GuidedBackend] | None, tokenizer: Any,
-                 vocab_size: int, eos_token_ids, settings: dict | None = None):
+                 vocab_size: int, eos_token_ids, settings: dict | None = None,
+                 compile_timeout_s: float | None = None, max_compiles: int | None = None):
         settings = dict(settings or {})
         self.name = name
         self.backend_cls = backend_cls
@@ -83,12 +121,25 @@ class GuidedDecoding:
                               f"known: {', '.join([*getattr(backend_cls, 'setting_keys', ()), 'compile_threads', 'cache_size'])}")
         self.settings = settings
         self.cache_size = cache_size
+        self.compile_timeout_s = compile_timeout_s
+        self.max_compiles = max_compiles
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._waiters: dict[tuple, int] = {}             # key -> requests waiting for its compile
         self._lock = threading.Lock()
         self._backend: GuidedBackend | None = None
         self._backend_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fdx-guided") if backend_cls else None
+        on = backend_cls is not None
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fdx-guided") if on else None
+        self._fast = ThreadPoolExecutor(1, thread_name_prefix="fdx-guided-fast") if on else None
         self.compile_times: dict[tuple, float] = {}     # key -> seconds the compile took (cold)
+        self.counts = {"compiles_started": 0, "compiles_cancelled": 0, "compiles_timed_out": 0,
+                       "compiles_refused": 0}
+        self.entries: dict[str, _Entry] = {}            # request id -> its compile / matcher
+        self.words = (vocab_size + 31) // 32
+        eos = np.asarray(self.eos_token_ids, dtype=np.int64)
+        self._eos_row = np.zeros(self.words, dtype=np.int32)
+        if eos.size:
+            np.bitwise_or.at(self._eos_row, eos // 32, (np.int64(1) << (eos % 32)).astype(np.uint32).view(np.int32))
         if backend_cls is not None:
             missing = [m for m in getattr(backend_cls, "requires", ()) if importlib.util.find_spec(m) is None]
             if missing:
@@ -108,18 +159,12 @@ class GuidedDecoding:
             except PluginError as e:
                 raise ConfigError(f"config key 'decoding.guided_backend': {e}") from None
         settings = (config.plugins.get("guided_backend", {}) or {}).get(name or "", {}) or {}
-        service = cls(name, backend_cls, tokenizer, vocab_size, eos_token_ids, settings)
-        cls._by_tokenizer[id(tokenizer)] = service
+        sc = config.server
+        service = cls(name, backend_cls, tokenizer, vocab_size, eos_token_ids, settings,
+                      compile_timeout_s=sc.guided_compile_timeout_s, max_compiles=sc.max_guided_compiles)
         if warm_up and backend_cls is not None:
             service._pool.submit(service.backend_or_error)      # import and build off the step loop
         return service
-
-    @classmethod
-    def of(cls, tokenizer) -> "GuidedDecoding | None":
-        """The service the engine built for this tokenizer object (the
-        guided logits processor, built with the engine's tokenizer, finds it
-        so; the service holds the tokenizer, so its id stays unique)."""
-        return cls._by_tokenizer.get(id(tokenizer))
 
     def admission_rules(self, config) -> list[AdmissionRule]:
         """The always-on guided admission rule, when a backend is set."""
@@ -144,7 +189,7 @@ class GuidedDecoding:
     def backend(self) -> GuidedBackend:
         return self.backend_or_error()
 
-    # -- requests ---------------------------------------------------------------
+    # -- compiles -----------------------------------------------------------------
     def check(self, params: SamplingParams) -> tuple[str, str] | None:
         """The request's constraint, if the service can compile its kind
         (ValueError naming the field otherwise). Compiles nothing."""
@@ -163,26 +208,60 @@ class GuidedDecoding:
                                 else ""))
         return c
 
-    def submit(self, params: SamplingParams) -> Future | None:
+    def _key(self, params: SamplingParams) -> tuple | None:
+        c = self.check(params)
+        return None if c is None else (self.name, c[0], c[1], params.guided_whitespace_flexible)
+
+    def submit(self, params: SamplingParams, wait: bool = False) -> Future | None:
         """Start (or find) the compile of the request's constraint; None
         when it has none. Raises ValueError for what ``check`` refuses and
-        for a constraint whose compile already failed."""
-        c = self.check(params)
-        if c is None:
-            return None
-        key = (self.name, c[0], c[1], params.guided_whitespace_flexible)
+        for a constraint whose compile already failed, GuidedRefused when
+        ``max_compiles`` are in flight. ``wait``: count one more request
+        waiting for it (``release`` uncounts it)."""
+        key = self._key(params)
+        return None if key is None else self._submit_key(key, wait)
+
+    def _submit_key(self, key: tuple, wait: bool = False) -> Future:
         with self._lock:
             fut = self._cache.get(key)
+            if fut is not None and fut.cancelled():
+                fut = None
             if fut is not None:
                 self._cache.move_to_end(key)
             else:
-                fut = self._pool.submit(self._compile, key)
+                small = len(key[2]) <= FAST_LANE_CHARS
+                busy = 0 if small else sum(not f.done() for k, f in self._cache.items() if len(k[2]) > FAST_LANE_CHARS)
+                if self.max_compiles is not None and busy >= self.max_compiles:
+                    self.counts["compiles_refused"] += 1
+                    raise GuidedRefused(f"{busy} large guided constraints are compiling "
+                                        f"(server.max_guided_compiles={self.max_compiles}); retry later", 429)
+                pool = self._fast if small else self._pool
+                fut = pool.submit(self._compile, key)
                 self._cache[key] = fut
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
+            if wait:
+                self._waiters[key] = self._waiters.get(key, 0) + 1
         if fut.done() and fut.exception() is not None:
+            if wait:
+                self._release_key(key)
             raise fut.exception()
         return fut
+
+    def _release_key(self, key: tuple) -> None:
+        """One request less waits for ``key``'s compile; the last one gone
+        cancels it if it has not started (a started compile runs to its end:
+        neither backend can be interrupted; the size limits bound it)."""
+        with self._lock:
+            n = self._waiters.get(key, 0) - 1
+            if n > 0:
+                self._waiters[key] = n
+                return
+            self._waiters.pop(key, None)
+            fut = self._cache.get(key)
+            if fut is not None and not fut.done() and fut.cancel():
+                del self._cache[key]
+                self.counts["compiles_cancelled"] += 1
 
     def future(self, params: SamplingParams) -> Future | None:
         """The compile of the request's constraint (started if it is not)."""
@@ -195,12 +274,21 @@ class GuidedDecoding:
 
     def validate(self, params: SamplingParams, timeout: float | None = None) -> Any:
         """Compile (or find compiled) the request's constraint, waiting for
-        it; raises ValueError with the compiler's message."""
+        it (at most ``timeout``, default ``compile_timeout_s``); raises
+        ValueError with the compiler's message, GuidedRefused on a timeout."""
         fut = self.submit(params)
-        return None if fut is None else fut.result(timeout)
+        if fut is None:
+            return None
+        timeout = self.compile_timeout_s if timeout is None else timeout
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            self.counts["compiles_timed_out"] += 1
+            raise GuidedRefused(self._timeout_message_of(self._key(params)), 408) from None
 
     def _compile(self, key: tuple) -> Any:
         _, kind, spec, flexible = key
+        self.counts["compiles_started"] += 1
         backend = self.backend_or_error()
         t0 = time.perf_counter()
         try:
@@ -218,16 +306,104 @@ class GuidedDecoding:
             self._cache.clear()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._fast):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the engine's constrained requests ------------------------------------------
+    def add(self, request_id: str, params: SamplingParams, now: float | None = None) -> bool:
+        """Track a request (compile started or found); False if it has no
+        constraint. Raises as ``submit`` does."""
+        key = self._key(params)
+        if key is None:
+            return False
+        fut = self.submit(params, wait=True)
+        now = time.monotonic() if now is None else now
+        timeout = self.compile_timeout_s
+        self.entries[request_id] = _Entry(key, fut, now + timeout if timeout is not None else float("inf"))
+        return True
+
+    def remove(self, request_id: str) -> None:
+        """The request left (finished, aborted, rejected): drop its matcher,
+        and its claim on a compile still running."""
+        e = self.entries.pop(request_id, None)
+        if e is not None and not e.ready:
+            self._release_key(e.key)
+
+    def poll(self, now: float | None = None) -> tuple[list[str], list[tuple[str, str, int]]]:
+        """Before each schedule: (requests whose compile is now done and
+        which may run, [(request id, error, HTTP status)] of those whose
+        compile failed or timed out; the engine rejects those)."""
+        ready, failed = [], []
+        now = time.monotonic() if now is None else now
+        for rid, e in list(self.entries.items()):
+            if e.ready:
+                continue
+            if e.future.cancelled():        # evicted and cancelled under it: compile again
+                try:
+                    e.future = self._submit_key(e.key)
+                except ValueError as err:
+                    failed.append((rid, str(err), getattr(err, "status", 400)))
+                    continue
+            if e.future.done():
+                try:
+                    compiled = e.future.result()
+                    e.matcher = self.backend.matcher(compiled)
+                except ValueError as err:
+                    failed.append((rid, str(err), getattr(err, "status", 400)))
+                    continue
+                e.ready = True
+                self._release_key(e.key)
+                ready.append(rid)
+            elif now >= e.deadline:
+                self.counts["compiles_timed_out"] += 1
+                failed.append((rid, self._timeout_message_of(e.key), 408))
+        for rid, _, _ in failed:
+            self.remove(rid)
+        return ready, failed
+
+    def _timeout_message_of(self, key: tuple) -> str:
+        return (f"invalid sampling parameter {FIELD_OF_KIND[key[1]]}: the guided constraint did not compile in "
+                f"{self.compile_timeout_s:g} s (server.guided_compile_timeout_s)")
+
+    def is_ready(self, request_id: str) -> bool:
+        e = self.entries.get(request_id)
+        return e is None or e.ready
+
+    def step_bitmask(self, rows: list[tuple[str, list[int]]]) -> GuidedStep | None:
+        """The step's bitmask for the constrained ``rows`` that sample this
+        step ((request id, its output token ids so far)): each matcher first
+        accepts the tokens sampled since it last looked; a terminated one
+        allows eos only (the request ends with "stop", or at max_tokens)."""
+        rows = [(rid, out) for rid, out in rows if rid in self.entries and self.entries[rid].ready]
+        if not rows:
+            return None
+        bitmask = np.zeros((len(rows), self.words), dtype=np.int32)
+        for j, (rid, out) in enumerate(rows):
+            e = self.entries[rid]
+            self._advance(e, out)
+            if e.done:
+                bitmask[j] = self._eos_row
+            else:
+                e.matcher.fill_bitmask(bitmask, j)
+        return GuidedStep([rid for rid, _ in rows], bitmask.tobytes())
+
+    @staticmethod
+    def _advance(e: _Entry, out: list[int]) -> None:
+        while e.accepted < len(out):
+            token = out[e.accepted]
+            e.accepted += 1
+            if e.done:
+                continue
+            if not e.matcher.accept_token(int(token)) or e.matcher.is_terminated():
+                e.done = True           # e.g. ignore_eos sampling past the end: eos only from now on
 
 
 class GuidedAdmission(AdmissionRule):
     """Keeps a constrained request waiting (skipped, not blocking the
-    queue) until its grammar's compile is done; always on when a guided
-    backend is configured. A failed compile is admitted: the engine
-    rejected such a request on arrival, so this is only a race, and the
-    guided processor ends it with eos."""
+    queue) until its grammar's compile is done and its matcher built;
+    always on when a guided backend is configured. A failed compile never
+    runs: the engine rejects the request when ``poll`` reports it."""
 
     def __init__(self, config, settings: dict | None = None, guided: GuidedDecoding | None = None):
         super().__init__(config, settings)
@@ -237,8 +413,28 @@ class GuidedAdmission(AdmissionRule):
         params = request.sampling_params
         if self.guided is None or constraint_of(params) is None:
             return True
+        if getattr(request, "request_id", None) in self.guided.entries:   # an engine request: compiled, matched
+            return self.guided.is_ready(request.request_id)
         fut = self.guided.future(params)
         return fut is None or fut.done()
+
+
+def apply_guided(logits: np.ndarray, step: GuidedStep, row_of: dict[str, int], eos_token_ids) -> np.ndarray:
+    """Mask the sampling rows of ``logits`` (``row_of``: request id -> row)
+    with the step's bitmask; a row left with nothing (another processor
+    banned all the grammar allows) gets its eos ids back, so it can end."""
+    pairs = [(j, row_of[rid]) for j, rid in enumerate(step.request_ids) if rid in row_of]
+    if not pairs:
+        return logits
+    words = np.frombuffer(step.bitmask, dtype=np.int32).reshape(len(step.request_ids), -1)
+    idx = [i for _, i in pairs]
+    apply_bitmask(logits, words[[j for j, _ in pairs]], idx)
+    eos = np.asarray(sorted(eos_token_ids), dtype=np.int64)
+    if eos.size:
+        dead = np.isneginf(logits[idx]).all(axis=1)
+        for j in np.flatnonzero(dead):
+            logits[idx[j], eos] = 0.0
+    return logits
 
 
 def apply_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray | list[int]) -> np.ndarray:

@@ -51,6 +51,16 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class GuidedStep:
+    """The step's guided-decoding mask (filled by the engine's guided
+    service, core/guided.py): row i is for ``request_ids[i]``, a request
+    that samples this step; bit t of its int32 words (little-endian bit
+    order) set means token t is allowed."""
+    request_ids: list[str] = field(default_factory=list)
+    bitmask: bytes = b""                 # int32 [len(request_ids), ceil(vocab / 32)]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step's batch, as plain data. Batch order is the order of
     ``num_scheduled_tokens``; every id in it is in ``new_requests`` or
@@ -64,6 +74,7 @@ class SchedulerOutput:
                                                                 # aborted, preempted): drop their state
     preempted_req_ids: list[str] = field(default_factory=list)  # of those, preempted (to be recomputed)
     kv_connector_metadata: Any = None    # the KV connector's plain data for its runner side, if any
+    guided: GuidedStep | None = None     # the constrained rows' token bitmask (set by the engine)
 
     @property
     def is_empty(self) -> bool:
@@ -824,7 +835,7 @@ class Backend(abc.ABC):
         """Call ``run()`` (one forward at the largest batch) once and return
         the memory it needed at its peak beyond what was in use before, in
         bytes. Default: the process's resident set (host memory)."""
-        from fdx.core.memory import host_peak_bytes
+        from fdx.core.host import host_peak_bytes
         return host_peak_bytes(run)
 
     def kv_cache_dtype(self, model_dtype: str) -> str:
@@ -857,6 +868,8 @@ class RunnerContext:
     settings: dict = field(default_factory=dict)
     kernels: KernelTable = REFERENCE    # the backend's probed kernel table: a runner steps under
                                         # ``fdx.core.kernels.using(kernels)``
+    executor: Any = None                # what the runner class's ``launch`` returned (its worker
+                                        # processes, started before KV sizing), or None
 
 
 class ModelRunner(abc.ABC):

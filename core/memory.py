@@ -18,48 +18,11 @@ from typing import Callable
 import numpy as np
 
 from fdx.core import kernels
+from fdx.core.host import host_peak_bytes, rss_bytes  # noqa: F401  (rss_bytes: re-exported)
 from fdx.core.interfaces import AttentionContext, KVCacheSpec
 
 log = logging.getLogger("fdx.memory")
 MiB = 1 << 20
-
-
-def rss_bytes() -> int:
-    """This process's resident set now."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's resident-set high-water mark (Linux 4.0+)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def host_peak_bytes(run: Callable[[], None]) -> int:
-    """Memory ``run()`` needed beyond what the process held before it: the
-    resident-set high-water mark during it (or, where that cannot be reset,
-    the resident set after it) minus the resident set before."""
-    before = rss_bytes()
-    reset = _reset_peak_rss()
-    run()
-    peak = _peak_rss_bytes() if reset else None
-    return max(0, (peak if peak is not None else rss_bytes()) - before)
 
 
 @dataclass(slots=True)

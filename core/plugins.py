@@ -35,11 +35,12 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.backends.attention",
     "fdx.plugins.backends.block_attention",
     "fdx.plugins.backends.runner",
+    "fdx.plugins.backends.tp",
+    "fdx.plugins.backends.cuda_graph",
     "fdx.plugins.decoding.sampler",
     "fdx.plugins.decoding.device_sampler",
     "fdx.plugins.decoding.token_processor",
     "fdx.plugins.decoding.logits_processors",
-    "fdx.plugins.decoding.guided",
     "fdx.plugins.decoding.xgrammar_backend",
     "fdx.plugins.decoding.llguidance_backend",
     "fdx.plugins.models.llama",
@@ -49,13 +50,11 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
 )
 
 # The built-ins the API process of ``fdx serve`` loads: what it looks up is a
-# request-level scheduler and a guided backend. None of these modules imports
+# request-level scheduler (guided backends compile in the engine). None of these imports
 # Paddle, so that process never does (Paddle's signal handlers would replace
 # uvicorn's; docs/serving.md). The rest import Paddle at module level.
 SERVING_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.schedulers.global_redis",
-    "fdx.plugins.decoding.xgrammar_backend",
-    "fdx.plugins.decoding.llguidance_backend",
 )
 
 # registration hook -> registry kind
@@ -299,7 +298,7 @@ def get_plugin_manager() -> PluginManager:
 
 def get_serving_plugin_manager() -> PluginManager:
     """The API process's plugins: ``SERVING_PLUGINS`` and the entry points
-    (a third-party guided backend or request scheduler must not import
+    (a third-party request scheduler must not import
     Paddle at module level either)."""
     global _serving
     if _serving is None:

@@ -119,22 +119,9 @@ def unservable_reason(request: Request, kv_cache: KVCacheManager, max_model_len:
 def default_extensions(config, kv_cache: KVCacheManager) -> SchedulingExtensions:
     """The extensions config names, from the default plugin manager (for a
     scheduler built outside an engine, as tests do)."""
-    from fdx.core.config import ConfigError
-    from fdx.core.plugins import PluginError, get_plugin_manager
-    pm = get_plugin_manager()
-    sc = config.scheduler
-
-    def build(kind: str, key: str, name: str, *args):
-        try:
-            cls = pm.get(kind, name)
-        except PluginError as e:
-            raise ConfigError(f"config key '{key}': {e}") from None
-        return cls(*args, config.plugins.get(kind, {}).get(name))
-
-    return SchedulingExtensions(
-        queue_policy=build("queue_policy", "scheduler.policy", sc.policy, kv_cache),
-        admission_rules=[build("admission_rule", "scheduler.admission", n, config) for n in sc.admission],
-        preemption_policy=build("preemption_policy", "scheduler.preemption", sc.preemption, config))
+    from fdx.core.assembly import Assembly
+    from fdx.core.plugins import get_plugin_manager
+    return Assembly(config, get_plugin_manager()).extensions(kv_cache)
 
 
 class SchedulingCore:

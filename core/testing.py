@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from fdx.core.assembly import Assembly
 from fdx.core.config import FdxConfig
-from fdx.core.interfaces import (BatchUpdate, KVCacheSpec, ModelRunnerOutput, RowState, SchedulerOutput,
-                                 SchedulingExtensions)
+from fdx.core.interfaces import BatchUpdate, KVCacheSpec, ModelRunnerOutput, RowState, SchedulerOutput
 from fdx.core.plugins import get_plugin_manager
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
@@ -187,25 +187,16 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
                           preemption=preemption, admission=list(admission), block_size=w["bs"],
                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                           enable_chunked_prefill=w["chunked"], swap_max_blocks=w["swap"], plugins=plugins or {})
-    settings = lambda kind, name: cfg.plugins.get(kind, {}).get(name)     # noqa: E731
-    kv = pm.get("kv_cache", kv_cache)(w["num_blocks"], w["bs"], cfg, settings=settings("kv_cache", kv_cache))
+    assembly = Assembly(cfg, pm)            # the engine's assembly, scheduler side
+    tp = assembly.token_processor(StubTokenizer())
+    parts = assembly.scheduler_side(w["num_blocks"], tp, w["max_model_len"])
+    kv, connector, rm = parts["kv_cache"], parts["connector"], parts["resource_manager"]
     num_slots = w["num_blocks"] * w["bs"]
     kv_caches = [(paddle.zeros([NUM_KV_HEADS * num_slots, HEAD_DIM]), paddle.zeros([NUM_KV_HEADS * num_slots, HEAD_DIM]))
                  for _ in range(NUM_LAYERS)]
-    connector = None
-    if w["swap"]:
-        connector = pm.get("connector", "swap")(cfg, w["bs"])
+    if connector is not None:
         connector.register_kv_caches(kv_caches, KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, w["num_blocks"],
                                                             w["bs"], "float32"))
-    tp = pm.get("token_processor", "default")(StubTokenizer())
-    ext = SchedulingExtensions(
-        queue_policy=pm.get("queue_policy", policy)(kv, settings("queue_policy", policy)),
-        admission_rules=[pm.get("admission_rule", n)(cfg, settings("admission_rule", n)) for n in admission],
-        preemption_policy=pm.get("preemption_policy", preemption)(cfg, settings("preemption_policy", preemption)),
-        connector=connector)
-    rm = pm.get("resource_manager", resource_manager)(cfg, kv, tp, w["max_model_len"],
-                                                      settings=settings("resource_manager", resource_manager),
-                                                      extensions=ext)
     runner = FakeRunner(kv_caches, w["bs"], num_slots, connector)
 
     reqs: dict[str, Request] = {}

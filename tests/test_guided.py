@@ -4,6 +4,7 @@ errors, preemption, and a third-party backend."""
 from __future__ import annotations
 
 import json
+import time
 import re
 
 import jsonschema
@@ -12,7 +13,7 @@ import pytest
 
 from fdx import LLM
 from fdx.core.config import ConfigError, FdxConfig
-from fdx.core.guided import GuidedAdmission, GuidedDecoding, apply_bitmask, constraint_of
+from fdx.core.guided import FAST_LANE_CHARS, GuidedAdmission, GuidedDecoding, GuidedRefused, apply_bitmask, constraint_of
 from fdx.core.interfaces import GuidedBackend
 from fdx.core.plugins import PluginManager
 from fdx.core.sampling_params import SamplingParams
@@ -161,6 +162,39 @@ def test_cache_is_keyed_by_constraint_and_admission_waits(tokenizer):
     finally:
         g._compile = real
     assert rule.admit(type("R", (), {"sampling_params": SamplingParams()}), None) is True
+
+
+def test_compiles_are_capped_timed_out_and_cancelled_when_nobody_waits(tokenizer):
+    """The engine side of issue 21's bounds, with large compiles held at a gate."""
+    import threading
+    g = service("llguidance", tokenizer)
+    g.compile_timeout_s, g.max_compiles = 1.5, 3
+    g.backend                                 # built before the clock starts
+    gate = threading.Event()
+    real = g._compile
+    g._compile = lambda key: (len(key[2]) > FAST_LANE_CHARS and gate.wait(30), real(key))[1]
+    big = lambda i: SamplingParams(guided_choice=[f"{i}" + "x" * FAST_LANE_CHARS])   # noqa: E731
+    try:
+        for i in range(3):                    # two compile threads: two held, one queued
+            assert g.add(f"r{i}", big(i))
+        with pytest.raises(GuidedRefused) as e:
+            g.add("r3", big(3))
+        assert e.value.status == 429 and "max_guided_compiles" in str(e.value)
+        assert g.add("small", SamplingParams(guided_regex="[ab]{2}"))    # its own lane: neither refused nor queued
+        g.entries["small"].future.result(10)
+        ready, failed = g.poll()
+        assert ready == ["small"] and failed == []
+        g.remove("r2")                         # the queued one's only request left: cancelled before it ran
+        assert g.counts["compiles_cancelled"] == 1
+        time.sleep(1.6)
+        ready, failed = g.poll()
+        assert ready == [] and sorted((rid, status) for rid, _, status in failed) == [("r0", 408), ("r1", 408)]
+        assert all("guided_compile_timeout_s" in msg for _, msg, _ in failed)
+        assert set(g.entries) == {"small"}
+    finally:
+        gate.set()
+        g._compile = real
+        g.close()
 
 
 def test_off_missing_package_and_bad_settings_are_clear_errors(tokenizer):

@@ -57,6 +57,12 @@ def test_heads_that_do_not_divide_are_a_config_error(tiny_checkpoints):
         LLM(str(path), tensor_parallel_size=3, **TINY)
 
 
+def test_a_connector_is_refused_before_any_worker_starts(tiny_checkpoints):
+    path, _ = tiny_checkpoints["LlamaForCausalLM"]
+    with pytest.raises(ConfigError, match=r"cache\.kv_connector.*tensor_parallel_size"):
+        LLM(str(path), tensor_parallel_size=2, swap_max_blocks=8, **TINY)
+
+
 @pytest.fixture(scope="module")
 def biased_checkpoint(tmp_path_factory, tiny_checkpoints):
     """A Llama with q/k/v/o and MLP biases, every weight random (transformers
@@ -221,3 +227,81 @@ def test_serve_tp3_equals_tp1_then_dead_worker_gives_503_and_exit(tmp_path, smol
             assert not pid_alive(pid), f"process {pid} outlived the server"
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_guided_tp2_equals_tp1(tiny_checkpoints):
+    """Guided decoding at TP 2 gives TP 1's outputs: the engine's guided
+    service fills the step's bitmask, which reaches whichever rank samples
+    (it used to find no compile service in the workers and end with eos)."""
+    path, _ = tiny_checkpoints["LlamaForCausalLM"]
+    params = [SamplingParams(guided_choice=["Paris", "London"], temperature=0.0, max_tokens=8),
+              SamplingParams(guided_regex=r"[0-9]{3}-[a-z]{2}", temperature=0.0, max_tokens=16),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]      # an unconstrained row beside
+    ps = [{"prompt_token_ids": p} for p in prompts()]
+    outs = {}
+    for tp in (1, 2):
+        with LLM(str(path), tensor_parallel_size=tp, guided_backend="llguidance", **TINY) as llm:
+            outs[tp] = [o.outputs[0] for o in llm.generate(ps, params)]
+    assert outs[1][0].text in ("Paris", "London")
+    assert [c.token_ids for c in outs[2]] == [c.token_ids for c in outs[1]]
+    assert [c.text for c in outs[2]] == [c.text for c in outs[1]]
+
+
+def tensor_bytes(obj, seen=None) -> int:
+    """Bytes of the Paddle tensors and numpy arrays reachable from ``obj``
+    through attributes, lists, tuples and dicts."""
+    import paddle
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, paddle.Tensor):
+        return int(obj.numel()) * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x, seen) for x in obj.values())
+    fields = getattr(obj, "__dict__", None)
+    return 0 if fields is None else sum(tensor_bytes(x, seen) for x in fields.values())
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory, tiny_checkpoints):
+    """A Llama wide enough (hidden 256, untied head: about 120 MB of float32
+    in the engine) that a whole copy in the engine process shows in its RSS."""
+    from conftest import tiny_hf_config
+    torch.manual_seed(3)
+    cfg = tiny_hf_config("LlamaForCausalLM", tie=False)
+    cfg.hidden_size, cfg.intermediate_size = 256, 512
+    d = tmp_path_factory.mktemp("wide")
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(d), safe_serialization=True)
+    src, _ = tiny_checkpoints["LlamaForCausalLM"]
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.mark.slow
+def test_tp2_engine_process_holds_no_weights(wide_checkpoint):
+    """At TP > 1 the workers hold the model: the engine keeps the tokenizer
+    and the model's shape, no weights (it used to load a whole model of its
+    own before the workers each loaded theirs)."""
+    from fdx.core.memory import rss_bytes
+    before = rss_bytes()
+    with LLM(str(wide_checkpoint), tensor_parallel_size=2, **TINY) as two:
+        tp2_rss = rss_bytes() - before
+        tp2_bytes = tensor_bytes(two.engine.model)
+        ref2 = two.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY)
+    before = rss_bytes()
+    with LLM(str(wide_checkpoint), **TINY) as one:
+        tp1_rss = rss_bytes() - before
+        tp1_bytes = tensor_bytes(one.engine.model)
+        ref1 = one.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY)
+    assert tp1_bytes > 90 * 2**20
+    assert tp2_bytes < 2**20, tp2_bytes
+    assert tp2_rss < tp1_rss / 2, (tp2_rss, tp1_rss)       # the process, not only the model object
+    assert [o.outputs[0].token_ids for o in ref2] == [o.outputs[0].token_ids for o in ref1]

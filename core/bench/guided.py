@@ -66,19 +66,18 @@ def throughput(llm, num_requests: int, max_tokens: int, seed: int, rounds: int =
     llm.generate([PROMPT], SamplingParams(guided_json=schema(0), max_tokens=8))   # warm-up, compiles schema(0)
     g_time = p_time = 0.0
     toks = valid = 0
-    # time the guided processor itself (matchers, mask fill and apply): a figure the machine's
-    # load cannot blur the way it blurs the throughput ratio
-    guided_cls = eng.plugins.get("logits_processor", "guided")
-    proc = next(p for p in eng.logits_processors if isinstance(p, guided_cls))
+    # time the guided service's share of a step (matchers and the mask fill): a figure the
+    # machine's load cannot blur the way it blurs the throughput ratio
+    service = eng.guided
     spent = [0.0]
 
-    def timed_apply(logits, _apply=proc.apply):
+    def timed_fill(rows, _fill=service.step_bitmask):
         t0 = time.perf_counter()
         try:
-            return _apply(logits)
+            return _fill(rows)
         finally:
             spent[0] += time.perf_counter() - t0
-    proc.apply = timed_apply
+    service.step_bitmask = timed_fill
     for k in range(rounds):
         s0 = seed + 1000 * k
         guided = [eng.make_request(ids, SamplingParams(guided_json=schema(0), max_tokens=max_tokens,
@@ -98,7 +97,7 @@ def throughput(llm, num_requests: int, max_tokens: int, seed: int, rounds: int =
                 valid += r.status.value == "stop"
             except ValueError:
                 pass
-    del proc.apply
+    del service.step_bitmask
     step_s = sum(st.step_time_s for st in g_steps)
     return {"num_requests": num_requests, "rounds": rounds, "output_tokens": toks, "valid_json_stopped": valid,
             "guided_tokens_per_s": toks / g_time, "unguided_tokens_per_s": toks / p_time,
@@ -159,7 +158,7 @@ def stall(llm, batch: int, arrivals: int, offset: int, seed: int) -> dict:
 
 
 def run(args) -> dict:
-    from fdx.core.cli import _make_llm
+    from fdx.core.engine_args import _make_llm
     out = {"backends": {}}
     for name in args.backends.split(","):
         args.set = [s for s in args.set if not s.startswith("guided_backend=")] + [f"guided_backend={name}"]
@@ -205,7 +204,7 @@ def cmd(args) -> int:
 
 def add_parser(bench_subparsers) -> None:
     """Add ``fdx bench guided`` to the ``fdx bench`` sub-commands."""
-    from fdx.core.cli import _add_engine_args
+    from fdx.core.engine_args import _add_engine_args
     p = bench_subparsers.add_parser("guided", help="guided decoding: throughput ratio, compile time, steps "
                                                    "while grammars compile")
     p.add_argument("--backends", default="xgrammar,llguidance",

@@ -461,3 +461,28 @@ def load_tokenizer(model: str | None):
                                     "fdx needs one to serve text")
         return Tokenizer.from_hf_dir(path)
     return Tokenizer.from_gguf(str(path))
+
+
+def load_metadata(path: str | None = None) -> Checkpoint:
+    """A checkpoint's config, tokenizer and generation defaults, with no
+    weights (``weights`` is empty): what an engine whose tensor parallel
+    workers hold the model keeps for itself."""
+    p = check_model_path(path)
+    if p.is_dir():
+        with open(p / "config.json", encoding="utf-8") as f:
+            config = json.load(f)
+        names = {name: None for file in _safetensors_files(p) for name in _safetensors_header(file)[0]}
+        config = _normalize_hf_config(config, names, str(p / "config.json"))
+        tokenizer = Tokenizer.from_hf_dir(p) if (p / "tokenizer.json").is_file() else None
+        return Checkpoint(config=config, weights={}, tokenizer=tokenizer, path=str(p), format="hf",
+                          generation_config=generation.from_hf_dir(p))
+    reader = read_gguf(p)
+    fields = _gguf_fields(reader)
+    arch = fields.get("general.architecture")
+    if arch not in _GGUF_ARCHES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {p} (general.architecture); "
+                         f"supported: {', '.join(sorted(_GGUF_ARCHES))}")
+    tokenizer = Tokenizer.from_gguf(reader)
+    config = _gguf_config(fields, arch, _GGUF_ARCHES[arch], {t.name for t in reader.tensors}, tokenizer, str(p))
+    return Checkpoint(config=config, weights={}, tokenizer=tokenizer, path=str(p), format="gguf",
+                      generation_config=generation.from_gguf_fields(fields))

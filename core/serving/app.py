@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fdx.core.checkpoint.loader import check_model_path, is_default_model, load_tokenizer
 from fdx.core.config import FdxConfig
 from fdx.core.generation import CHAT_DEFAULTS, chat_defaults_for, defaults_for
-from fdx.core.guided import GuidedDecoding, constraint_of
+from fdx.core.guided import constraint_of
 from fdx.core.plugins import get_serving_plugin_manager
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
@@ -67,6 +67,18 @@ def model_names(config: FdxConfig) -> list[str]:
 
 class ServerStopping(Exception):
     """The server is shutting down."""
+
+
+def rejection(msg: EngineRejected) -> APIError:
+    """The engine's refusal of a request, in OpenAI's error shape."""
+    text = msg.message
+    param = text.split("invalid sampling parameter ", 1)[1].split(":", 1)[0] \
+        if text.startswith("invalid sampling parameter ") and ":" in text else None
+    if msg.status == 429:
+        return APIError(429, text, type="rate_limit_error", param=param, code="guided_compiles_busy")
+    if msg.status == 408:
+        return APIError(408, text, type="timeout", param=param, code="guided_compile_timeout")
+    return APIError(msg.status, text, param=param)
 
 
 # -- one HTTP generation request: its sequences in the engine -----------------------
@@ -113,7 +125,7 @@ class RequestGroup:
         if isinstance(msg, BaseException):
             raise msg
         if isinstance(msg, EngineRejected):
-            raise APIError(400, msg.message)
+            raise rejection(msg)
         assert isinstance(msg, SeqDelta)
         if seq.finished:
             return seq
@@ -130,6 +142,21 @@ class RequestGroup:
             self.unfinished -= 1
             self.server.metrics.sequence_finished(seq)
         return seq
+
+    async def wait_compiled(self, http_request: Request) -> None:
+        """A constrained request: wait until the engine has compiled its
+        constraint (an empty first delta for each sequence) or refused it
+        (APIError), so that a bad one is a 4xx before any response starts."""
+        unheard = {s.request_id for s in self.seqs}
+        next_check = time.monotonic() + 1.0
+        while unheard:
+            seq = await self.next(timeout=1.0)
+            if seq is not None:
+                unheard.discard(seq.request_id)
+            if time.monotonic() >= next_check:
+                if await http_request.is_disconnected():      # close() aborts: its compile is cancelled
+                    raise ServerStopping("the client disconnected")
+                next_check = time.monotonic() + 1.0
 
     async def wait_all(self, http_request: Request) -> None:
         """Run to the end, aborting if the client goes away."""
@@ -290,25 +317,6 @@ class Server:
         seqs = await asyncio.to_thread(bad_word_sequences, encode, sp.bad_words)
         return dataclasses.replace(sp, bad_words=None, bad_words_token_ids=seqs)
 
-    async def check_guided(self, req, sp: SamplingParams) -> None:
-        """Compile the request's constraint here (cached, off the event
-        loop) so a bad one is a 400 with the compiler's message before any
-        response starts, streaming or not. The engine compiles its own copy."""
-        if constraint_of(sp) is None:
-            return
-        param = "response_format" if req.response_format_kwargs() else None
-        try:
-            if self.guided is None:
-                self.guided = await asyncio.to_thread(
-                    GuidedDecoding.from_config, self.config, self.plugins, self.tokenizer,
-                    self.vocab_size, self.tokenizer.eos_token_ids, False)
-            await asyncio.to_thread(self.guided.validate, sp)
-        except ValueError as e:     # ConfigError too
-            msg = str(e)
-            if param is None and msg.startswith("invalid sampling parameter "):
-                param = msg.split("invalid sampling parameter ", 1)[1].split(":", 1)[0]
-            raise APIError(400, msg, param=param) from None
-
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
         if not ids:
             raise APIError(400, "the prompt is empty: at least one token is needed", param=param)
@@ -347,7 +355,6 @@ class Server:
         sp = self.sampling_params(kwargs)
         for _, ids in prompts:
             self.check_prompt(ids)
-        await self.check_guided(req, sp)
         sp = await self.tokenize_bad_words(sp)
         rid = f"cmpl-{secrets.token_hex(12)}"
         return await self._serve(req, http_request, prompts, sp, rid, chat=False)
@@ -365,7 +372,6 @@ class Server:
             kwargs["logprobs"] = req.top_logprobs or 0
         sp = self.sampling_params(kwargs)
         self.check_prompt(ids, param="messages")
-        await self.check_guided(req, sp)
         sp = await self.tokenize_bad_words(sp)
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         return await self._serve(req, http_request, [(text, ids)], sp, rid, chat=True)
@@ -384,6 +390,17 @@ class Server:
         group = self.make_group(prompts, sp, rid)
         self.admit(len(group.seqs))
         group.start()
+        if constraint_of(sp) is not None:      # the engine compiles it (once); a bad one is a 4xx here
+            try:
+                await group.wait_compiled(http_request)
+            except APIError as e:
+                group.close()
+                if req.response_format_kwargs():
+                    e.param = "response_format"
+                raise
+            except (EngineDeadError, ServerStopping) as e:
+                group.close()
+                raise APIError(503, str(e), type="service_unavailable") from None
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -14,7 +14,7 @@ SERVER_FLAGS = {  # flag dest -> config key
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from fdx.core.cli import _add_engine_args
+    from fdx.core.engine_args import _add_engine_args
     s = sub.add_parser("serve", help="the OpenAI-compatible server (default: SmolLM2 on 127.0.0.1:8000)",
                        description="Serve a model over an OpenAI-compatible HTTP API. See docs/serving.md.")
     _add_engine_args(s)
@@ -35,7 +35,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def server_config(args):
-    from fdx.core.cli import _overrides
+    from fdx.core.engine_args import _overrides
     from fdx.core.config import FdxConfig
     overrides = _overrides(args)
     if args.model is not None:

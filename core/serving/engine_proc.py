@@ -82,7 +82,7 @@ class EngineLoop:
                     changed = eng.step()
                 finally:
                     self.step_started = None
-                if (changed or eng.last_stats.num_scheduled_tokens or touched
+                if (changed or eng.last_stats.num_scheduled_tokens or touched or eng.guided_ready
                         or eng.kv_cache.num_free_blocks != self.last_free):
                     self._send(changed, eng.last_stats.num_preempted, eng.last_stats)
                 else:                             # only waiting on a KV transfer: do not spin
@@ -123,10 +123,10 @@ class EngineLoop:
             try:
                 params = SamplingParams(**msg.params)
                 req = eng.make_request(msg.prompt_token_ids, params, request_id=msg.request_id)
+                eng.add_request(req)            # a constrained one starts its compile (or is refused)
             except (TypeError, ValueError) as e:
-                self.outbox.send(_encoder.encode(EngineRejected(msg.request_id, str(e))))
+                self.outbox.send(_encoder.encode(EngineRejected(msg.request_id, str(e), getattr(e, "status", 400))))
                 return
-            eng.add_request(req)
             self.num_sent[req.request_id] = 0
         elif isinstance(msg, EngineAbort):
             for rid in msg.request_ids:
@@ -136,10 +136,17 @@ class EngineLoop:
             self.running = False
 
     def _send(self, changed: list, num_preempted: int, step=None) -> None:
-        deltas = []
+        eng = self.engine
+        # a constrained request compiled: an empty first delta, before any of its tokens
+        deltas = [SeqDelta(rid, []) for rid in eng.guided_ready if rid in self.num_sent]
         for req in changed:
             sent = self.num_sent.get(req.request_id)
             if sent is None:                      # aborted by the API: it knows already
+                continue
+            refused = eng.guided_rejected.get(req.request_id)
+            if refused is not None:               # its compile failed or timed out
+                del self.num_sent[req.request_id]
+                self.outbox.send(_encoder.encode(EngineRejected(req.request_id, *refused)))
                 continue
             new = req.output_token_ids[sent:]
             finished = req.is_finished
@@ -172,6 +179,8 @@ class EngineLoop:
             stats = dict(kv.stats() or {})
             if eng.connector is not None:
                 stats.update(eng.connector.stats() or {})
+            if eng.guided.enabled:
+                stats.update({f"guided_{k}": v for k, v in eng.guided.counts.items()})
             cache_stats = {k: float(v) for k, v in stats.items()}
         except Exception:                         # a plugin's stats must not stop serving
             cache_stats = {}

@@ -57,6 +57,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
 class EngineRejected(msgspec.Struct, tag="rejected"):
     request_id: str
     message: str
+    status: int = 400          # the HTTP status to answer (408: a guided compile timed out, 429: busy)
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

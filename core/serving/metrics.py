@@ -57,6 +57,8 @@ class ServerMetrics:
                                "How long the engine step now running has run, once past "
                                "engine_step_timeout_s (0: no step that long).")
         self.long_steps = gauge("fdx:engine_long_steps", "Engine steps that ran past engine_step_timeout_s.")
+        self.guided = Gauge("fdx:guided_compiles", "Guided-decoding compiles since the engine started, by "
+                            "event (started, cancelled, timed_out, refused).", lab + ["event"], registry=r)
         self._prefix = None                     # created when the KV cache reports prefix counters
         self._splitwise = None                  # created when the splitwise connector reports
         self._prefix_last = (0.0, 0.0)
@@ -73,6 +75,9 @@ class ServerMetrics:
         if stats.num_computed_tokens:
             self.recompute_tax.set(stats.num_recomputed_tokens / stats.num_computed_tokens)
         cs = stats.cache_stats
+        for key, value in cs.items():
+            if key.startswith("guided_compiles_"):
+                self.guided.labels(**self.labels, event=key[len("guided_compiles_"):]).set(value)
         if "prefix_cache_queries" in cs and "prefix_cache_hits" in cs:
             self._observe_prefix(cs["prefix_cache_queries"], cs["prefix_cache_hits"])
         if "splitwise_transfers_failed" in cs:

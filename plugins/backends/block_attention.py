@@ -226,10 +226,10 @@ class PaddleBlockAttention(AttentionBackend):
     def _give_up(self, error: Exception, m: BlockAttentionMetadata, k_cache, v_cache, k, v) -> None:
         """The kernel's first call failed: the reference from now on (this step's
         kernel sequences too, from this layer on)."""
-        from fdx.plugins.backends.gpu import log_once
         self.kernel_state = f"{type(error).__name__}: {error}".splitlines()[0][:200]
-        log_once("paddle-block", f"block_multihead_attention failed on its first call ({self.kernel_state}): "
-                 "the ops/ reference attention runs instead", logging.WARNING)
+        logging.getLogger("fdx.backends.gpu").warning(
+            "paddle-block: block_multihead_attention failed on its first call (%s): the ops/ reference "
+            "attention runs instead", self.kernel_state)
         q_lens, c_lens, tables, spec, heads = m.kernel_args
         m.kernel_as_reference = ops_attention.build_attention_metadata(
             q_lens, c_lens, tables, spec.block_size, spec.num_kv_heads, spec.num_slots, impl="paddle",

@@ -37,6 +37,7 @@ import numpy as np
 import paddle
 
 from fdx.core.config import ConfigError
+from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import AttentionContext
 from fdx.plugins.backends.block_attention import BlockAttentionMetadata, KernelBatch, PaddleBlockAttention
 from fdx.plugins.backends.runner import DefaultModelRunner
@@ -183,3 +184,8 @@ class CudaGraphRunner(DefaultModelRunner):
 def _copy(dst: paddle.Tensor, value: np.ndarray) -> None:
     """Write ``value`` into ``dst``'s memory (a captured graph reads that address)."""
     paddle.assign(paddle.to_tensor(value, dtype=dst.dtype), output=dst)
+
+
+@hookimpl
+def fdx_register_model_runners(register):
+    register("cuda-graph", CudaGraphRunner)    # cuda's pick with backend.cuda_graph

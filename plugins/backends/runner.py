@@ -19,6 +19,7 @@ import numpy as np
 import paddle
 
 from fdx.core import kernels
+from fdx.core.guided import apply_guided
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AttentionContext, BatchUpdate, ModelRunner, ModelRunnerOutput, RowState,
                                  SamplingBatch, SchedulerOutput)
@@ -54,6 +55,7 @@ class DefaultModelRunner(ModelRunner):
         if self.capture_hidden:
             self.model.capture_hidden_states = True
         self.taps: dict = {}
+        self.guided = None                         # this step's guided bitmask (SchedulerOutput.guided)
         if ctx.connector is not None:
             ctx.connector.register_kv_caches(ctx.kv_caches, ctx.kv_spec)
 
@@ -87,6 +89,7 @@ class DefaultModelRunner(ModelRunner):
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         ctx = self.ctx
         removed = self._update_states(so)
+        self.guided = so.guided
         out = ModelRunnerOutput()
         if ctx.connector is not None:
             ctx.connector.start_load_kv(so.kv_connector_metadata)
@@ -168,7 +171,8 @@ class DefaultModelRunner(ModelRunner):
         for processor in ctx.logits_processors:
             processor.update_state(update)
         on_host = isinstance(raw, np.ndarray)
-        if not on_host and any(getattr(p, "active", True) for p in ctx.logits_processors):
+        busy = self.guided is not None or any(getattr(p, "active", True) for p in ctx.logits_processors)
+        if not on_host and busy:
             raw, on_host = _host_float32(raw), True
         # The processors may edit in place; keep the raw logits apart only when
         # something reads them (logprobs are of the raw logits; the logits tap).
@@ -179,6 +183,8 @@ class DefaultModelRunner(ModelRunner):
                 x = raw.copy()
             for processor in ctx.logits_processors:
                 x = processor.apply(x)
+            if self.guided is not None:            # the grammar's mask, after every other processor
+                x = apply_guided(x, self.guided, {rid: i for i, rid in enumerate(rows)}, ctx.eos_token_ids)
         batch = SamplingBatch(
             params=[st.params for st in samplers], prompt_token_ids=[st.prompt_token_ids for st in samplers],
             output_token_ids=[st.output_token_ids for st in samplers], eos_token_ids=ctx.eos_token_ids,
@@ -207,8 +213,4 @@ def _host_float32(logits: paddle.Tensor) -> np.ndarray:
 
 @hookimpl
 def fdx_register_model_runners(register):
-    from fdx.plugins.backends.tp import TensorParallelRunner
-    from fdx.plugins.backends.cuda_graph import CudaGraphRunner
-    register("default", DefaultModelRunner)
-    register("tp", TensorParallelRunner)       # the engine's pick when parallel.tensor_parallel_size > 1
-    register("cuda-graph", CudaGraphRunner)    # cuda's pick with backend.cuda_graph
+    register("default", DefaultModelRunner)    # tp.py and cuda_graph.py register theirs

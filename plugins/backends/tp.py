@@ -10,10 +10,17 @@
                                                           sampling; broadcasts the ids
 
 The engine picks this runner when ``parallel.tensor_parallel_size`` is
-above 1. Each worker loads the checkpoint itself, keeps its heads and MLP
-columns (``DecoderForCausalLM.shard``), allocates its share of the KV
-cache (``num_kv_heads / N`` heads of every block) and runs the default
-runner's persistent batch over the plain-data steps. Embedding and norms
+above 1, and starts its executor (``TensorParallelRunner.launch``) before
+it sizes the KV cache: the engine process loads no weights (only the
+checkpoint's config and tokenizer). Each worker loads the checkpoint
+itself and keeps its heads and MLP columns (``DecoderForCausalLM.shard``);
+asked, the workers profile one forward together and report the KV memory
+left (``WorkerProfile`` -> ``WorkerBudget``); told the block count
+(``WorkerAllocate``), each allocates its share of the KV cache
+(``num_kv_heads / N`` heads of every block) and runs the default runner's
+persistent batch over the plain-data steps. Guided decoding's bitmask
+rides in the step (``SchedulerOutput.guided``), so rank 0 masks as a
+single-process runner does. Embedding and norms
 are whole on every rank; only rank 0 keeps the lm_head (the others a
 1-wide stand-in), computes logits and samples (logits processors
 included), and ``broadcast`` hands the sampled ids to the others so every
@@ -47,6 +54,7 @@ import numpy as np
 import zmq
 
 from fdx.core.config import ConfigError
+from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import ModelRunner, ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("fdx.backends.tp")
@@ -63,6 +71,25 @@ class WorkerStep(msgspec.Struct, tag="step"):
 
 class WorkerStop(msgspec.Struct, tag="stop"):
     pass
+
+
+class WorkerProfile(msgspec.Struct, tag="profile"):
+    num_tokens: int                    # one forward of this many tokens ...
+    num_seqs: int                      # ... in this many sequences
+    memory_fraction: float
+
+
+class WorkerAllocate(msgspec.Struct, tag="allocate"):
+    num_blocks: int
+
+
+class WorkerLoaded(msgspec.Struct, tag="loaded"):
+    rank: int
+
+
+class WorkerBudget(msgspec.Struct, tag="budget"):
+    rank: int
+    kv_bytes: int                      # memory_fraction of what this rank's profile forward left
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):
@@ -82,8 +109,8 @@ class WorkerFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
-ToWorker = WorkerStep | WorkerStop
-FromWorker = WorkerReady | WorkerResult | WorkerFailed
+ToWorker = WorkerStep | WorkerStop | WorkerProfile | WorkerAllocate
+FromWorker = WorkerLoaded | WorkerBudget | WorkerReady | WorkerResult | WorkerFailed
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -101,12 +128,13 @@ def _free_ports(n: int) -> list[int]:
 
 
 def check_divisible(model, world: int) -> None:
-    """Head counts and the MLP width must split evenly over the ranks."""
+    """Head counts and the MLP width must split evenly over the ranks
+    (``model``: a model, or the engine's ``ModelShape`` of one)."""
     cfg = getattr(model, "cfg", None)
     counts = [("attention heads", model.num_heads), ("KV heads", model.num_kv_heads)]
     if cfg is not None and hasattr(cfg, "intermediate_size"):
         counts.append(("MLP intermediate size", cfg.intermediate_size))
-    if not hasattr(model, "shard"):
+    if not getattr(model, "shardable", hasattr(model, "shard")):
         raise ConfigError(f"config key 'parallel.tensor_parallel_size': the model "
                           f"{type(model).__name__} cannot be sharded (it has no shard method)")
     for what, count in counts:
@@ -117,19 +145,18 @@ def check_divisible(model, world: int) -> None:
 
 # -- the engine side ------------------------------------------------------------------
 
-class TensorParallelRunner(ModelRunner):
-    """Starts ``parallel.tensor_parallel_size`` worker processes, sends each
-    step to all of them and returns rank 0's output."""
+class TensorParallelExecutor:
+    """The worker processes: started with the model loaded and sharded,
+    then asked for a KV budget, told the block count, and fed steps."""
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        config = ctx.config
+    def __init__(self, config, model):
+        from fdx.core.assembly import connector_name
         self.world = world = config.parallel.tensor_parallel_size
-        check_divisible(ctx.model, world)
-        if ctx.connector is not None:
+        check_divisible(model, world)
+        if connector_name(config) is not None:      # refused before any worker starts
             raise ConfigError("config key 'cache.kv_connector': KV connectors (and the swap tier) do not "
                               "run with parallel.tensor_parallel_size > 1 yet")
-        self.taps: dict = {}
+        self.num_blocks: int | None = None
         self.failed: str | None = None
         self._dir = tempfile.mkdtemp(prefix="fdx-tp-")
         self._zmq = zmq.Context()
@@ -139,8 +166,8 @@ class TensorParallelRunner(ModelRunner):
         ports = _free_ports(world)
         endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
         cores = _available_cores()
-        threads = max(1, (config.backend.num_threads or cores) // world)
-        payload = json.dumps({"config": config.model_dump(mode="json"), "num_blocks": ctx.kv_spec.num_blocks})
+        self.threads = threads = max(1, (config.backend.num_threads or cores) // world)
+        payload = json.dumps({"config": config.model_dump(mode="json")})
         self.procs: list[subprocess.Popen] = []
         self._finalizer = weakref.finalize(self, _stop, self.procs, self._steps, self._results, self._zmq,
                                            self._dir)
@@ -160,13 +187,49 @@ class TensorParallelRunner(ModelRunner):
             proc.stdin.write(payload.encode())
             proc.stdin.close()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
-        ready = set()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while len(ready) < world:
-            msg = self._receive(deadline, "starting")
-            if isinstance(msg, WorkerReady):
-                ready.add(msg.rank)
-        log.info("tensor parallel: %d workers ready (%d threads each)", world, threads)
+        self._gather(WorkerLoaded, "loading the model", time.monotonic() + READY_TIMEOUT_S)
+
+    def _gather(self, kind, doing: str, deadline: float | None) -> dict:
+        """One ``kind`` message from every rank: {rank: message}."""
+        got = {}
+        while len(got) < self.world:
+            msg = self._receive(deadline, doing)
+            if isinstance(msg, kind):
+                got[msg.rank] = msg
+        return got
+
+    def profile(self, num_tokens: int, num_seqs: int, memory_fraction: float) -> int:
+        """KV bytes: the least any rank has left after one forward of
+        ``num_tokens`` tokens in ``num_seqs`` sequences, all ranks at once."""
+        self._send(WorkerProfile(num_tokens, num_seqs, memory_fraction))
+        budgets = self._gather(WorkerBudget, "profiling", time.monotonic() + READY_TIMEOUT_S)
+        return min(b.kv_bytes for b in budgets.values())
+
+    def allocate(self, num_blocks: int) -> None:
+        """Each rank allocates its share of ``num_blocks`` KV blocks (once)."""
+        if self.num_blocks == num_blocks:
+            return
+        if self.num_blocks is not None:
+            raise ConfigError(f"config key 'cache.num_kv_blocks': the tensor parallel workers hold "
+                              f"{self.num_blocks} KV blocks; {num_blocks} needs a new engine")
+        self._send(WorkerAllocate(num_blocks))
+        self._gather(WorkerReady, "allocating the KV cache", time.monotonic() + READY_TIMEOUT_S)
+        self.num_blocks = num_blocks
+        log.info("tensor parallel: %d workers ready (%d threads each)", self.world, self.threads)
+
+    def _send(self, msg) -> None:
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
+        data = _encoder.encode(msg)
+        for sock in self._steps:
+            sock.send(data)
+
+    def execute(self, so: SchedulerOutput) -> WorkerResult:
+        self._send(WorkerStep(so))
+        while True:
+            msg = self._receive(None, f"running step {so.step}")
+            if isinstance(msg, WorkerResult):
+                return msg
 
     def _receive(self, deadline: float | None, doing: str):
         while True:
@@ -202,16 +265,31 @@ class TensorParallelRunner(ModelRunner):
         self.close()
         raise RuntimeError(message)
 
+    def close(self) -> None:
+        """Stop the workers (idempotent; also at garbage collection and exit)."""
+        self._finalizer()
+
+
+class TensorParallelRunner(ModelRunner):
+    """Sends each step to every rank of its executor (the engine's, started
+    by ``launch`` before KV sizing; or one of its own) and returns rank 0's
+    output."""
+
+    @classmethod
+    def launch(cls, config, model) -> TensorParallelExecutor:
+        """Start the workers (each loads and shards the model) before the
+        engine sizes the KV cache: it asks the executor's ``profile``."""
+        return TensorParallelExecutor(config, model)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.executor = ctx.executor if ctx.executor is not None else self.launch(ctx.config, ctx.model)
+        self.executor.allocate(ctx.kv_spec.num_blocks)
+        self.procs = self.executor.procs
+        self.taps: dict = {}
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        if self.failed is not None:
-            raise RuntimeError(self.failed)
-        data = _encoder.encode(WorkerStep(so))
-        for sock in self._steps:
-            sock.send(data)
-        while True:
-            msg = self._receive(None, f"running step {so.step}")
-            if isinstance(msg, WorkerResult):
-                break
+        msg = self.executor.execute(so)
         self.taps = {}
         if msg.sampled_request_ids:
             rows = len(msg.sampled_request_ids)
@@ -226,8 +304,7 @@ class TensorParallelRunner(ModelRunner):
         return self.taps
 
     def close(self) -> None:
-        """Stop the workers (idempotent; also at garbage collection and exit)."""
-        self._finalizer()
+        self.executor.close()
 
 
 def _stop(procs, steps, results, ctx, path) -> None:
@@ -294,62 +371,67 @@ def _make_worker_runner(base):
     return WorkerRunner
 
 
-def build_worker(config, rank: int, world: int, num_blocks: int, threads: int):
-    """This rank's model shard, KV cache and runner (in the worker process)."""
-    from fdx.core.checkpoint.loader import load_checkpoint
-    from fdx.core.interfaces import KVCacheSpec, RunnerContext
-    from fdx.core.plugins import get_plugin_manager
-    from fdx.plugins.backends.runner import DefaultModelRunner
+class Worker:
+    """One rank in its process: the model shard (loaded at construction),
+    then on request a profile forward and its KV cache and runner."""
 
-    pm = get_plugin_manager()
+    def __init__(self, config, rank: int, world: int, threads: int):
+        from fdx.core.assembly import Assembly
+        from fdx.core.checkpoint.loader import load_checkpoint
+        from fdx.core.engine import select_backend
+        from fdx.core.plugins import get_plugin_manager
 
-    def settings(kind, name):
-        return dict(config.plugins.get(kind, {}).get(name or "", {}) or {})
+        self.config, self.rank = config, rank
+        pm = get_plugin_manager()
+        config.backend.num_threads = threads
+        self.backend = backend = select_backend(config, pm)
+        backend.setup(config)
+        self.assembly = Assembly(config, pm, backend)       # the engine's, built the same way
 
-    name = config.backend.name
-    if name == "auto":
-        regs = sorted(pm.registries["backend"].items(), key=lambda kv: -kv[1].obj.priority)
-        name = next(n for n, reg in regs if reg.obj.is_available())
-    backend = pm.get("backend", name)(settings=settings("backend", name))
-    config.backend.num_threads = threads
-    backend.setup(config)
+        import paddle
+        import paddle.distributed as dist
+        dist.init_parallel_env()
 
-    import paddle
-    import paddle.distributed as dist
-    dist.init_parallel_env()
+        def all_reduce(t):
+            dist.all_reduce(t)
+            return t
 
-    def all_reduce(t):
-        dist.all_reduce(t)
-        return t
+        ckpt = load_checkpoint(config.model.model, progress=False)
+        arch = (ckpt.config.get("architectures") or ["?"])[0]
+        model = self.model = self.assembly.pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
+        model.shard(rank, world, all_reduce)
+        self.tokenizer = ckpt.tokenizer
+        del ckpt
+        if rank != 0:        # the other ranks never read logits: a 1-wide head instead of the vocabulary
+            model.lm_head = paddle.zeros([model.lm_head.shape[0], 1], dtype=model.lm_head.dtype)
+        self.dtype = backend.dtypes[0] if config.model.dtype == "auto" else config.model.dtype
+        backend.prepare_model(model, self.dtype)
+        self.attention = self.assembly.attention()
+        self.runner = None
 
-    ckpt = load_checkpoint(config.model.model, progress=False)
-    arch = (ckpt.config.get("architectures") or ["?"])[0]
-    model = pm.get("model", arch)(ckpt.config, ckpt.weights)
-    model.shard(rank, world, all_reduce)
-    tokenizer = ckpt.tokenizer
-    del ckpt
-    if rank != 0:        # the other ranks never read logits: a 1-wide head instead of the vocabulary
-        model.lm_head = paddle.zeros([model.lm_head.shape[0], 1], dtype=model.lm_head.dtype)
-    dtype = backend.dtypes[0] if config.model.dtype == "auto" else config.model.dtype
-    backend.prepare_model(model, dtype)
-    attention = pm.get("attention_backend", backend.attention_backend)(
-        settings("attention_backend", backend.attention_backend))
-    spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, num_blocks,
-                       config.cache.block_size, backend.kv_cache_dtype(dtype), attention.layout)
-    kv_caches = backend.allocate_kv_cache(spec)
-    sampler = pm.get("sampler", backend.sampler)(config=config, settings=settings("sampler", backend.sampler))
-    builtin = pm.builtin_names("logits_processor")
-    names = builtin + [n for n in config.decoding.logits_processors if n not in builtin]
-    processors = [pm.get("logits_processor", n)(config, tokenizer, model.vocab_size, settings("logits_processor", n))
-                  for n in names] if rank == 0 else []
-    eos = frozenset(tokenizer.eos_token_ids)
-    runner_cls = _make_worker_runner(DefaultModelRunner)
-    runner = runner_cls(RunnerContext(config=config, model=model, kv_caches=kv_caches, kv_spec=spec,
-                                      attention=attention, sampler=sampler, logits_processors=processors,
-                                      eos_token_ids=eos, settings=settings("model_runner", "default"),
-                                      kernels=backend.kernels))
-    runner.rank = rank
-    return runner, spec
+    def spec(self, num_blocks: int):
+        from fdx.core.interfaces import KVCacheSpec
+        m = self.model
+        return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, num_blocks, self.config.cache.block_size,
+                           self.backend.kv_cache_dtype(self.dtype), self.attention.layout)
+
+    def profile(self, msg: WorkerProfile) -> int:
+        from fdx.core.memory import kv_budget
+        return kv_budget(self.backend, self.model, self.attention, self.spec(0), msg.num_tokens, msg.num_seqs,
+                         msg.memory_fraction).kv_bytes
+
+    def allocate(self, num_blocks: int):
+        """This rank's KV cache and runner (a default runner whose rank 0
+        alone runs the logits processors and samples)."""
+        from fdx.plugins.backends.runner import DefaultModelRunner
+        spec = self.spec(num_blocks)
+        parts = self.assembly.runner_side(
+            self.model, self.backend.allocate_kv_cache(spec), spec, self.tokenizer, self.tokenizer.eos_token_ids,
+            runner_cls=_make_worker_runner(DefaultModelRunner), attention=self.attention,
+            with_processors=self.rank == 0)
+        self.runner = parts["runner"]
+        self.runner.rank = self.rank
+        return spec
 
 
 def worker_main(argv: list[str] | None = None) -> int:
@@ -378,8 +460,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     try:
         from fdx.core.config import FdxConfig
         config = FdxConfig.model_validate(payload["config"])
-        runner, spec = build_worker(config, args.rank, args.world, payload["num_blocks"], args.threads)
-        results.send(_encoder.encode(WorkerReady(args.rank, spec.num_kv_heads)))
+        worker = Worker(config, args.rank, args.world, args.threads)
+        results.send(_encoder.encode(WorkerLoaded(args.rank)))
         while True:
             while not steps.poll(500):
                 if os.getppid() != args.parent_pid:
@@ -387,6 +469,14 @@ def worker_main(argv: list[str] | None = None) -> int:
             msg = decoder.decode(steps.recv())
             if isinstance(msg, WorkerStop):
                 break
+            if isinstance(msg, WorkerProfile):
+                results.send(_encoder.encode(WorkerBudget(args.rank, worker.profile(msg))))
+                continue
+            if isinstance(msg, WorkerAllocate):
+                spec = worker.allocate(msg.num_blocks)
+                results.send(_encoder.encode(WorkerReady(args.rank, spec.num_kv_heads)))
+                continue
+            runner = worker.runner
             out = runner.execute(msg.scheduler_output)
             if args.rank == 0:
                 taps = runner.last_step_taps()
@@ -413,6 +503,11 @@ def _die_with_parent() -> None:
             libc.prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG: a hung collective cannot outlive us
         except OSError:
             pass
+
+
+@hookimpl
+def fdx_register_model_runners(register):
+    register("tp", TensorParallelRunner)       # the engine's pick when parallel.tensor_parallel_size > 1
 
 
 if __name__ == "__main__":

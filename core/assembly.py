@@ -1,0 +1,162 @@
+"""The one assembly of an engine's parts, used by ``EngineCore``, every
+tensor parallel rank (plugins/backends/tp.py) and the conformance kit
+(core/testing.py).
+
+``Assembly(config, plugins, backend)`` resolves every plugin the config
+names once (a ConfigError naming the key when one is unknown; the
+backend-chosen attention backend, sampler and runner once a backend is
+given) and reads each one's settings (``plugins.<kind>.<name>``) once.
+Then:
+
+    scheduler side   kv_cache, connector, resource_manager   (what schedules)
+    runner side      logits processors, attention, sampler, runner (what computes)
+
+each built over what the caller holds (the KV block count, the model, its
+KV tensors), so a rank builds only the runner side and the kit only the
+scheduler side.
+"""
+from __future__ import annotations
+
+from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.interfaces import RunnerContext, SchedulingExtensions
+from fdx.core.plugins import PluginError, PluginManager
+
+
+def connector_name(config: FdxConfig) -> str | None:
+    """The KV connector config asks for: ``cache.kv_connector``, else
+    ``splitwise`` for a prefill or decode role, else ``swap`` when the
+    second tier is configured, else none."""
+    cc = config.cache
+    return cc.kv_connector or ("splitwise" if config.splitwise.role != "mixed" else None) or (
+        "swap" if cc.swap_dir or cc.swap_max_blocks else None)
+
+
+class Assembly:
+    def __init__(self, config: FdxConfig, plugins: PluginManager, backend=None):
+        self.config, self.plugins = config, plugins
+        self.check_settings()
+        self._settings = {kind: {name: dict(value or {}) for name, value in (by_name or {}).items()}
+                          for kind, by_name in config.plugins.items()}
+        sc, dc, cc = config.scheduler, config.decoding, config.cache
+        self.connector_name = connector_name(config)
+        builtin = plugins.builtin_names("logits_processor")
+        self.processor_names = builtin + [n for n in dc.logits_processors if n not in builtin]
+        pick = self.pick
+        self.classes = {
+            "kv_cache": pick("kv_cache", "cache.kv_cache", cc.kv_cache),
+            "resource_manager": pick("resource_manager", "scheduler.resource_manager", sc.resource_manager),
+            "queue_policy": pick("queue_policy", "scheduler.policy", sc.policy),
+            "admission": [(n, pick("admission_rule", "scheduler.admission", n)) for n in sc.admission],
+            "preemption": pick("preemption_policy", "scheduler.preemption", sc.preemption),
+            "connector": (pick("connector", "cache.kv_connector", self.connector_name)
+                          if self.connector_name else None),
+            "processors": [(n, pick("logits_processor", "decoding.logits_processors", n))
+                           for n in self.processor_names],
+            "token_processor": pick("token_processor", "decoding.token_processor", dc.token_processor),
+        }
+        self.backend = None
+        if backend is not None:
+            self.set_backend(backend)
+
+    def set_backend(self, backend) -> None:
+        """Resolve the parts the backend chooses (its attention backend,
+        sampler and model runner; ``tp`` under tensor parallel)."""
+        self.backend = backend
+        pick, c = self.pick, self.classes
+        c["attention"] = pick("attention_backend", "backend.name", backend.attention_backend)
+        c["sampler"] = pick("sampler", "backend.name", backend.sampler)
+        if self.config.parallel.tensor_parallel_size > 1:   # worker processes, each with its shard
+            c["runner"] = pick("model_runner", "parallel.tensor_parallel_size", "tp")
+        else:
+            c["runner"] = pick("model_runner", "backend.name", backend.model_runner)
+
+    # -- lookups --------------------------------------------------------------------
+    def pick(self, kind: str, key: str, name: str):
+        try:
+            return self.plugins.get(kind, name)
+        except PluginError as e:
+            raise ConfigError(f"config key '{key}': {e}") from None
+
+    def settings(self, kind: str, name: str | None) -> dict:
+        return dict(self._settings.get(kind, {}).get(name or "", {}))
+
+    def check_settings(self) -> None:
+        """Every ``plugins.<kind>.<name>`` names a registered plugin, with a mapping."""
+        kinds = self.plugins.registries
+        for kind, by_name in self.config.plugins.items():
+            if kind not in kinds:
+                raise ConfigError(f"config key 'plugins.{kind}': no such plugin kind; "
+                                  f"kinds: {', '.join(sorted(kinds))}")
+            for name, value in (by_name or {}).items():
+                if name not in kinds[kind]:
+                    raise ConfigError(f"config key 'plugins.{kind}.{name}': no {kind} named {name!r}; "
+                                      f"available: {', '.join(sorted(kinds[kind])) or 'none'}")
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config key 'plugins.{kind}.{name}' must be a mapping of settings")
+
+    @staticmethod
+    def make(kind: str, name: str, cls, *args, **kwargs):
+        """Construct a plugin; a setting it rejects is a config error naming the key."""
+        try:
+            return cls(*args, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"config key 'plugins.{kind}.{name}': {e}") from None
+
+    # -- the scheduler side ---------------------------------------------------------------
+    def token_processor(self, tokenizer):
+        name = self.config.decoding.token_processor
+        return self.classes["token_processor"](tokenizer, settings=self.settings("token_processor", name))
+
+    def extensions(self, kv_cache, connector=None, extra_rules=()) -> SchedulingExtensions:
+        config, c, s, make = self.config, self.classes, self.settings, self.make
+        sc = config.scheduler
+        return SchedulingExtensions(
+            queue_policy=make("queue_policy", sc.policy, c["queue_policy"], kv_cache, s("queue_policy", sc.policy)),
+            admission_rules=[make("admission_rule", n, cls, config, s("admission_rule", n))
+                             for n, cls in c["admission"]] + list(extra_rules),
+            preemption_policy=make("preemption_policy", sc.preemption, c["preemption"], config,
+                                   s("preemption_policy", sc.preemption)),
+            connector=connector)
+
+    def scheduler_side(self, num_blocks: int, token_processor, max_model_len: int, extra_rules=()) -> dict:
+        """The KV cache manager (``num_blocks``), the connector and the
+        resource manager with its extensions (``extra_rules``: admission
+        rules the engine adds, e.g. guided decoding's)."""
+        config, c, s, make = self.config, self.classes, self.settings, self.make
+        sc, cc = config.scheduler, config.cache
+        kv_cache = make("kv_cache", cc.kv_cache, c["kv_cache"], num_blocks, cc.block_size, config,
+                        settings=s("kv_cache", cc.kv_cache))
+        connector = None
+        if c["connector"] is not None:
+            name = self.connector_name
+            connector = make("connector", name, c["connector"], config, cc.block_size,
+                             settings=s("connector", name))
+        resource_manager = make("resource_manager", sc.resource_manager, c["resource_manager"],
+                                config, kv_cache, token_processor, max_model_len,
+                                settings=s("resource_manager", sc.resource_manager),
+                                extensions=self.extensions(kv_cache, connector, extra_rules))
+        return dict(kv_cache=kv_cache, connector=connector, resource_manager=resource_manager)
+
+    # -- the runner side ------------------------------------------------------------------
+    def attention(self):
+        name = self.backend.attention_backend
+        return self.make("attention_backend", name, self.classes["attention"], self.settings("attention_backend", name))
+
+    def runner_side(self, model, kv_caches: list, kv_spec, tokenizer, eos_token_ids, connector=None,
+                    executor=None, runner_cls=None, attention=None, with_processors: bool = True) -> dict:
+        """Logits processors, attention backend, sampler and the runner over
+        ``model`` and its KV tensors (``runner_cls``: in place of the one
+        the backend names, as a tensor parallel rank runs its own)."""
+        config, c, s, make, b = self.config, self.classes, self.settings, self.make, self.backend
+        processors = [make("logits_processor", n, cls, config, tokenizer, model.vocab_size, s("logits_processor", n))
+                      for n, cls in c["processors"]] if with_processors else []
+        attention = attention if attention is not None else self.attention()
+        sampler = make("sampler", b.sampler, c["sampler"], config=config, settings=s("sampler", b.sampler))
+        # the tensors' layout (num_slots) stays that of the whole allocation, even when the pool
+        # the KV cache manages uses fewer of its blocks
+        runner = (runner_cls or c["runner"])(RunnerContext(
+            config=config, model=model, kv_caches=kv_caches, kv_spec=kv_spec, attention=attention,
+            sampler=sampler, logits_processors=processors, eos_token_ids=frozenset(eos_token_ids),
+            connector=connector, settings=s("model_runner", b.model_runner), kernels=b.kernels, executor=executor))
+        return dict(logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
+                    attention=attention, sampler=sampler, runner=runner)
