@@ -354,25 +354,26 @@ def quant_kernel_names() -> tuple[str, ...]:
 
 def quant_supported(w) -> bool:
     """Whether the compiled products take ``w`` (a fdx.ops.quant.QuantizedTensor):
-    whole blocks of 32 along cols, wint4 groups a multiple of 32."""
-    if w.kind not in QUANT_KINDS or w.shape[1] % 32:
+    whole blocks along cols (256 for the k-quants, else 32), wint4 groups a
+    multiple of 32. (The GGML kinds cannot be otherwise: gguf stores whole blocks.)"""
+    if w.kind not in QUANT_KINDS or w.shape[1] % (256 if w.kind.endswith("_k") else 32):
         return False
     return w.kind != "wint4" or (w.group_size % 32 == 0 and w.shape[1] % w.group_size == 0)
 
 
-def _quant_product(x: paddle.Tensor, w, variant: str) -> paddle.Tensor:
-    """x [..., cols] @ w.T -> [..., rows] by one build of csrc/quant_kernels.h."""
+def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) -> paddle.Tensor:
+    """x [..., cols] @ w.T -> [..., rows] by one build of csrc/quant_kernels.h,
+    whose ops the declared implementations below hand in."""
     if not quant_supported(w) or x.dtype != paddle.float32:
         from fdx.ops.quant import reference_matmul
         return reference_matmul(x, w)
-    module = _module_or_raise()
     data, scales = w.tensors()
     x2 = _rows(x)
     args = (_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1], w.group_size)
     if x2.shape[0] >= QUANT_BLAS_MIN_ROWS:
-        out = paddle.matmul(x2, module.fdx_quant_dequantize(data, scales, *args), transpose_y=True)
+        out = paddle.matmul(x2, dequantize_op(data, scales, *args), transpose_y=True)
     else:
-        out = module.fdx_quant_matmul(x2, data, scales, *args)
+        out = matmul_op(x2, data, scales, *args)
     return out if len(x.shape) == 2 else out.reshape(x.shape[:-1] + [w.shape[0]])
 
 
@@ -382,19 +383,22 @@ _QUANT_KIND_CODE = {kind: code for code, kind in enumerate(QUANT_KINDS)}
 @kernels.implements(*(quant_kernel_name(k, "portable") for k in QUANT_KINDS))
 def quant_matmul_portable(x: paddle.Tensor, w) -> paddle.Tensor:
     """The plain C++ build (the compiler's flags: -march=native, or the baseline with FDX_PORTABLE_KERNELS)."""
-    return _quant_product(x, w, "portable")
+    m = _module_or_raise()
+    return _quant_product(x, w, "portable", m.fdx_quant_matmul, m.fdx_quant_dequantize)
 
 
 @kernels.implements(*(quant_kernel_name(k, "avx2") for k in QUANT_KINDS))
 def quant_matmul_avx2(x: paddle.Tensor, w) -> paddle.Tensor:
     """The AVX2 + FMA + F16C build."""
-    return _quant_product(x, w, "avx2")
+    m = _module_or_raise()
+    return _quant_product(x, w, "avx2", m.fdx_quant_matmul, m.fdx_quant_dequantize)
 
 
 @kernels.implements(*(quant_kernel_name(k, "avx512") for k in QUANT_KINDS))
 def quant_matmul_avx512(x: paddle.Tensor, w) -> paddle.Tensor:
     """The AVX-512 (F, BW, VL) build: dies by SIGILL on a CPU without it."""
-    return _quant_product(x, w, "avx512")
+    m = _module_or_raise()
+    return _quant_product(x, w, "avx512", m.fdx_quant_matmul, m.fdx_quant_dequantize)
 
 
 QUANT_MATMULS = {"portable": quant_matmul_portable, "avx2": quant_matmul_avx2, "avx512": quant_matmul_avx512}

@@ -42,7 +42,7 @@ constexpr int64_t kBlockBytes[kNumKinds] = {34, 18, 20, 22, 24, 144, 176, 210, 3
 
 struct XBlock {  // one block of 32 activations as int8: x ~ d * q
   float d;
-  int32_t sum;  // sum of q (for the weight's offset m)
+  float dsum;  // d * sum(q), for the weight's offset m
   int8_t q[32];
 };
 
