@@ -10,10 +10,17 @@ reads what it reports), where a death is a finding, not a crash.
 The child protocol, one line each on stdout: ``start NAME`` before a
 probe, then ``done NAME`` with a JSON finding (null: passed; else why
 not). A ``start`` with no ``done`` names the kernel that killed it.
+
+A build for a named instruction set (``cpp.q4_1_matmul.avx512``: there are
+ten such a set, and a CPU without it kills each) is probed in a fork of the
+child (``isolated``), so its SIGILL is the same finding without a new child
+(a Paddle import) per kernel.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from typing import Callable
 
@@ -249,6 +256,35 @@ def run(names, dtype: str = "float32", probes: dict[str, Callable[[str], None]] 
     return found
 
 
+ISOLATED_SUFFIXES = (".avx2", ".avx512")       # builds for an instruction set the compiler flags may lack
+
+
+def isolated(name: str) -> bool:
+    """Whether the child probes ``name`` in a fork of itself (see the module docstring)."""
+    return name.endswith(ISOLATED_SUFFIXES)
+
+
+def run_forked(name: str, dtype: str = "float32") -> str | None:
+    """``run([name])`` in a fork: its finding, or how the fork died (the
+    words plugins/backends/probing.py uses for a dead child)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                     # the fork: probe, report, leave without cleanup
+        os.close(read_end)
+        try:
+            os.write(write_end, json.dumps(run([name], dtype)[name]).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        report = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return "SIGILL on this CPU" if sig == signal.SIGILL else f"killed by {signal.Signals(sig).name}"
+    return json.loads(report) if report else f"the probe process exited with status {os.WEXITSTATUS(status)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m fdx.ops.probes [--threads N] NAME...``: the child side (see the module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -264,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout
     for name in args:
         print(f"start {name}", file=out, flush=True)
-        finding = run([name])[name]
+        finding = run_forked(name) if isolated(name) else run([name])[name]
         print(f"done {name} {json.dumps(finding)}", file=out, flush=True)
     return 0
 

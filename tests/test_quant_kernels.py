@@ -166,3 +166,15 @@ def test_a_probe_refuses_a_wrong_or_dying_build(tmp_path, monkeypatch, fault):
     else:
         assert found["cpp.q4_1_matmul"] == "SIGILL on this CPU"
     assert found["cpp.q4_0_matmul"] is None                # the next build is probed on (in a new child after a death)
+
+
+def test_an_instruction_set_build_dies_in_a_fork_and_the_child_goes_on(tmp_path, monkeypatch):
+    """A SIGILL of an isolated build is its finding, and the same child probes the next kernel."""
+    cpu_kernel_table()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("FDX_TEST_FAULTS", "cpp.q4_1_matmul.avx2=sigill")
+    log = tmp_path / "children.log"
+    monkeypatch.setenv("FDX_TEST_PROBE_LOG", str(log))
+    found = probing._probe(["cpp.q4_1_matmul.avx2", "cpp.q4_0_matmul"], 1, tmp_path / "log")
+    assert found == {"cpp.q4_1_matmul.avx2": "SIGILL on this CPU", "cpp.q4_0_matmul": None}
+    assert log.read_text().count("child") == 1
