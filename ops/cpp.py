@@ -338,8 +338,10 @@ QUANT_VARIANTS = ("avx512", "avx2", "portable")            # best first
 _VARIANT_CODE = {"portable": 0, "avx2": 1, "avx512": 2}     # = C++ Variant
 # From this many activation rows a product dequantizes the weight (compiled, threaded)
 # and multiplies in Paddle's BLAS; below, int8 dot products straight from the blocks
-# (python -m fdx.ops.bench_kernels --quant measures where they cross).
-QUANT_BLAS_MIN_ROWS = 32
+# (measured on the Zen 3 of docs/benchmarks.md, one thread, 1536x576 and 576x1536:
+# at 16 and 32 rows the int8 path took 0.65-0.9x the time of the dequantize + BLAS
+# one, at 64 rows and more 1.5-2x).
+QUANT_BLAS_MIN_ROWS = 64
 
 
 def quant_kernel_name(kind: str, variant: str) -> str:
