@@ -2,6 +2,7 @@
 ops they replace (ops/csrc/fused_kernels.h).
 
     python -m fdx.ops.bench_kernels
+    python -m fdx.ops.bench_kernels --quant [q4_1,q8_0,...]
 
 Not a test. For SmolLM2-135M's shapes (9/3 heads x 64, intermediate 1536)
 at 64 decode rows and a 512-token prefill, and a Qwen3-like layer (q/k RMS
@@ -11,6 +12,14 @@ split + q/k norm + rotary + KV write against the composed ops (split,
 reshape, rms_norm, RotaryEmbedding, write_kv), each timed interleaved with
 its reference (median and min wall microseconds per call, and the ratio of
 medians).
+
+With --quant: the products with quantized weights (fdx.ops.quant.matmul,
+whichever build the CPU backend's probed table picks) at SmolLM2-135M's
+shapes (out x in: 576x576 q/o, 1536x576 gate/up, 576x1536 down, 49152x576
+the LM head; the k-quants only where the columns are whole blocks of 256) for 1,
+8 and 64 activation rows, in microseconds and GB/s of
+weight bytes read, against Paddle's fp32 matmul over the same weight held
+[in, out] (its fast layout), timed interleaved in the same run.
 """
 import argparse
 import os
@@ -94,17 +103,56 @@ def bench_rope_write(n: int, heads: int, kv_heads: int, d: int, qk_norm: bool, i
     _report(label, _interleaved({"paddle": composed, "cpp": fused}, iters))
 
 
+QUANT_SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576))     # (out, in) = (rows, cols)
+
+
+def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, threads: int) -> None:
+    from fdx.core import kernels
+    from fdx.core.host import cpu_flags, cpu_model
+    from fdx.ops import quant
+    from fdx.ops.probes import random_quantized
+    from fdx.plugins.backends.cpu import probe_kernels, quant_choices
+
+    table = probe_kernels(threads)
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni") if f in cpu_flags()]
+    print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}")
+    print(f"quant_matmul: {quant_choices(table)}")
+    print(f"{'kind':<6} {'out x in':>10} {'M':>3} | {'quant us':>9} {'GB/s':>6} | {'fp32 us':>9} {'GB/s':>6} | speedup")
+    rng = np.random.default_rng(0)
+    with kernels.using(table):
+        for kind in kinds:
+            for rows, cols in QUANT_SHAPES:
+                if cols % quant.block_shape(kind)[0] if kind not in quant.WINT_KINDS else cols % 64:
+                    print(f"{kind:<6} {f'{rows}x{cols}':>10}   : no whole blocks (a GGUF file holds another type here)")
+                    continue
+                w = random_quantized(kind, rows, cols, rng).prepare()
+                dense = paddle.to_tensor(np.ascontiguousarray(w.dequantize().T))       # [in, out]
+                n = max(5, iters // 10) if rows * cols > 4 << 20 else iters
+                for m in rows_list:
+                    x = paddle.randn([m, cols])
+                    times = _interleaved({"quant": lambda: quant.matmul(x, w), "fp32": lambda: paddle.matmul(x, dense)},
+                                         n)
+                    tq, tf = np.median(times["quant"]), np.median(times["fp32"])
+                    print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>3} | {tq:9.1f} {w.nbytes / tq / 1e3:6.1f} | "
+                          f"{tf:9.1f} {rows * cols * 4 / tf / 1e3:6.1f} | {tf / tq:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="threads, as the cpu backend sets them (default: the cores this process may use)")
+    parser.add_argument("--quant", nargs="?", const="q8_0,q4_0,q4_1,q5_0,q5_1,q4_k,q5_k,q6_k,wint8,wint4",
+                        help="time the quantized products instead (comma-separated kinds; default all)")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)      # as the cpu backend does, before the first kernel
     paddle.base.core.set_num_threads(args.threads)
     paddle.set_grad_enabled(False)
     if not cpp.available():
         raise SystemExit(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    if args.quant:
+        bench_quant(args.quant.split(","), (1, 8, 64), args.iters, args.threads)
+        return
     print(f"threads={args.threads}")
     for n in (1, 64, 512):
         bench_silu(n, 1536, args.iters)

@@ -16,8 +16,10 @@ paged attention over block tables (fdx.ops.attention's "cpp" path),
 SiLU-and-mul (fdx.ops.activation), RMS norm with the residual add
 (fdx.ops.norm) and the fused q/k/v split + q/k RMS norm
 + rotary + KV-cache write (``rope_write_kv``, which the ``cpu`` attention
-backend offers the model). Each has the Paddle ops as fallback and test
-oracle.
+backend offers the model), and the products with quantized weights
+(``quant_matmul_*``, which fdx.ops.quant dispatches to: one build per
+instruction set, each its own kernel-table name). Each has the Paddle ops
+as fallback and test oracle.
 """
 import contextlib
 import fcntl
@@ -38,14 +40,16 @@ from fdx.core import kernels
 from fdx.core.host import cache_root, cpu_id, portable_kernels
 
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
-           "add_rms_norm", "rope_write_kv",
+           "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
+           "quant_kernel_names", "quant_supported",
            "build_dir", "prepare", "status"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc"]
-_HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h"]
+_HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
+            _CSRC / "quant_kernels.inc"]
 _CFLAGS = [
     "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # let dot-product reductions reassociate (vector horizontal sums); no -ffinite-math-only
@@ -325,3 +329,78 @@ def rope_write_kv(
         qkv, positions, slots, k_cache, v_cache, cos, sin, q_norm, k_norm, int(num_heads), int(num_kv_heads),
         int(rotary_dim), bool(neox), float(eps),
     )
+
+
+# --- products with quantized weights (csrc/quant_kernels.h) -----------------------------------
+
+QUANT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4")  # = C++ Kind
+QUANT_VARIANTS = ("avx512", "avx2", "portable")            # best first
+_VARIANT_CODE = {"portable": 0, "avx2": 1, "avx512": 2}     # = C++ Variant
+# From this many activation rows a product dequantizes the weight (compiled, threaded)
+# and multiplies in Paddle's BLAS; below, int8 dot products straight from the blocks
+# (measured on the Zen 3 of docs/benchmarks.md, one thread, 1536x576 and 576x1536:
+# at 16 and 32 rows the int8 path took 0.65-0.9x the time of the dequantize + BLAS
+# one, at 64 rows and more 1.5-2x).
+QUANT_BLAS_MIN_ROWS = 64
+
+
+def quant_kernel_name(kind: str, variant: str) -> str:
+    """The kernel-table name of ``kind``'s product in one instruction-set build:
+    ``cpp.q4_1_matmul`` (portable), ``cpp.q4_1_matmul.avx2``, ``cpp.q4_1_matmul.avx512``."""
+    return f"cpp.{kind}_matmul" + ("" if variant == "portable" else f".{variant}")
+
+
+def quant_kernel_names() -> tuple[str, ...]:
+    return tuple(quant_kernel_name(k, v) for v in QUANT_VARIANTS for k in QUANT_KINDS)
+
+
+def quant_supported(w) -> bool:
+    """Whether the compiled products take ``w`` (a fdx.ops.quant.QuantizedTensor):
+    whole blocks along cols (256 for the k-quants, else 32), wint4 groups a
+    multiple of 32. (The GGML kinds cannot be otherwise: gguf stores whole blocks.)"""
+    if w.kind not in QUANT_KINDS or w.shape[1] % (256 if w.kind.endswith("_k") else 32):
+        return False
+    return w.kind != "wint4" or (w.group_size % 32 == 0 and w.shape[1] % w.group_size == 0)
+
+
+def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) -> paddle.Tensor:
+    """x [..., cols] @ w.T -> [..., rows] by one build of csrc/quant_kernels.h,
+    whose ops the declared implementations below hand in."""
+    if not quant_supported(w) or x.dtype != paddle.float32:
+        from fdx.ops.quant import reference_matmul
+        return reference_matmul(x, w)
+    data, scales = w.tensors()
+    x2 = _rows(x)
+    args = (_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1], w.group_size)
+    if x2.shape[0] >= QUANT_BLAS_MIN_ROWS:
+        out = paddle.matmul(x2, dequantize_op(data, scales, *args), transpose_y=True)
+    else:
+        out = matmul_op(x2, data, scales, *args)
+    return out if len(x.shape) == 2 else out.reshape(x.shape[:-1] + [w.shape[0]])
+
+
+_QUANT_KIND_CODE = {kind: code for code, kind in enumerate(QUANT_KINDS)}
+
+
+@kernels.implements(*(quant_kernel_name(k, "portable") for k in QUANT_KINDS))
+def quant_matmul_portable(x: paddle.Tensor, w) -> paddle.Tensor:
+    """The plain C++ build (the compiler's flags: -march=native, or the baseline with FDX_PORTABLE_KERNELS)."""
+    m = _module_or_raise()
+    return _quant_product(x, w, "portable", m.fdx_quant_matmul, m.fdx_quant_dequantize)
+
+
+@kernels.implements(*(quant_kernel_name(k, "avx2") for k in QUANT_KINDS))
+def quant_matmul_avx2(x: paddle.Tensor, w) -> paddle.Tensor:
+    """The AVX2 + FMA + F16C build."""
+    m = _module_or_raise()
+    return _quant_product(x, w, "avx2", m.fdx_quant_matmul, m.fdx_quant_dequantize)
+
+
+@kernels.implements(*(quant_kernel_name(k, "avx512") for k in QUANT_KINDS))
+def quant_matmul_avx512(x: paddle.Tensor, w) -> paddle.Tensor:
+    """The AVX-512 (F, BW, VL) build: dies by SIGILL on a CPU without it."""
+    m = _module_or_raise()
+    return _quant_product(x, w, "avx512", m.fdx_quant_matmul, m.fdx_quant_dequantize)
+
+
+QUANT_MATMULS = {"portable": quant_matmul_portable, "avx2": quant_matmul_avx2, "avx512": quant_matmul_avx512}

@@ -10,10 +10,17 @@ reads what it reports), where a death is a finding, not a crash.
 The child protocol, one line each on stdout: ``start NAME`` before a
 probe, then ``done NAME`` with a JSON finding (null: passed; else why
 not). A ``start`` with no ``done`` names the kernel that killed it.
+
+A build for a named instruction set (``cpp.q4_1_matmul.avx512``: there are
+ten such a set, and a CPU without it kills each) is probed in a fork of the
+child (``isolated``), so its SIGILL is the same finding without a new child
+(a Paddle import) per kernel.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from typing import Callable
 
@@ -154,6 +161,69 @@ def _probe_rope_write_kv(dtype: str = "float32") -> None:
             _close(caches[1].numpy(), caches[3].numpy(), what + ": v cache")
 
 
+# --- quantized products (fdx.ops.quant, csrc/quant_kernels.h) ------------------------------
+
+def random_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Valid GGML blocks of ``kind`` as uint8 [rows, row_bytes]: random quants and
+    sub-scales, the fp16 super-block scales set to sane values (gguf-py cannot
+    quantize to the k-quants; any bytes are valid quants)."""
+    from fdx.ops.quant import block_shape
+    elems, nbytes = block_shape(kind)
+    data = rng.integers(0, 256, (rows, cols // elems * nbytes), dtype=np.uint8)
+    blocks = data.reshape(rows, cols // elems, nbytes)
+    offsets = {"q4_1": (0, 2), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}.get(kind, (0,))  # d, m
+    for at in offsets:
+        half = rng.uniform(0.002, 0.02, blocks.shape[:2]).astype(np.float16)
+        blocks[..., at:at + 2] = half.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return data
+
+
+def int8_blocks(x: np.ndarray) -> np.ndarray:
+    """x [M, cols] float32 as the compiled products see it: each block of 32
+    quantized to int8 with scale max|x| / 127 (round half to even), in fp32."""
+    x = np.asarray(x, np.float32)
+    b = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(b).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(b * inv) * (amax / np.float32(127))).astype(np.float32).reshape(x.shape)
+
+
+def random_quantized(kind: str, rows: int, cols: int, rng):
+    """A random weight of ``kind``: wint8/wint4 quantized from normal values, GGML kinds as random blocks."""
+    from fdx.ops import quant
+    if kind in quant.WINT_KINDS:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return quant.quantize_wint8(w) if kind == "wint8" else quant.quantize_wint4(w, 64)
+    return quant.QuantizedTensor(kind, (rows, cols), random_blocks(kind, rows, cols, rng))
+
+
+def _probe_quant(kind: str, variant: str) -> Callable[[str], None]:
+    """One build of ``kind``'s product against gguf's dequantized weights: one
+    row over enough weights to use every thread, a small batch (a tile and a
+    tail), and a prefill-sized one (the dequantize + BLAS path). The int8 path
+    is compared with x quantized as it quantizes it (int8_blocks), so the
+    tolerance is float32 rounding."""
+    def probe(dtype: str = "float32") -> None:
+        from fdx.ops import cpp, quant
+        name = cpp.quant_kernel_name(kind, variant)
+        fn = dict(quant.KERNELS[kind])[name]
+        rng = _rng()
+        for rows, cols, m in ((129, 512, 1), (37, 512, 5), (37, 512, cpp.QUANT_BLAS_MIN_ROWS + 1)):
+            w = random_quantized(kind, rows, cols, rng)
+            x = rng.standard_normal((m, cols)).astype(np.float32)
+            got = fn(_tensor(x), w).numpy()
+            xs = x if m >= cpp.QUANT_BLAS_MIN_ROWS else int8_blocks(x)
+            want = xs.astype(np.float64) @ w.dequantize().astype(np.float64).T
+            scale = float(np.abs(want).max()) or 1.0
+            _close(got / scale, want / scale, f"{m}x{cols} @ {rows}x{cols}", atol=1e-4, rtol=0)
+    return probe
+
+
+def _quant_probes() -> dict[str, Callable[[str], None]]:
+    from fdx.ops.cpp import QUANT_KINDS, QUANT_VARIANTS, quant_kernel_name
+    return {quant_kernel_name(k, v): _probe_quant(k, v) for v in QUANT_VARIANTS for k in QUANT_KINDS}
+
+
 PROBES: dict[str, Callable[[str], None]] = {
     "fused_rms_norm": _probe_fused_rms_norm,
     "swiglu": _probe_silu("paddle"),
@@ -163,6 +233,7 @@ PROBES: dict[str, Callable[[str], None]] = {
     "cpp.silu_and_mul": _probe_silu("cpp"),
     "cpp.paged_attention": _probe_paged_attention,
     "cpp.rope_write_kv": _probe_rope_write_kv,
+    **_quant_probes(),
 }
 
 
@@ -185,6 +256,35 @@ def run(names, dtype: str = "float32", probes: dict[str, Callable[[str], None]] 
     return found
 
 
+ISOLATED_SUFFIXES = (".avx2", ".avx512")       # builds for an instruction set the compiler flags may lack
+
+
+def isolated(name: str) -> bool:
+    """Whether the child probes ``name`` in a fork of itself (see the module docstring)."""
+    return name.endswith(ISOLATED_SUFFIXES)
+
+
+def run_forked(name: str, dtype: str = "float32") -> str | None:
+    """``run([name])`` in a fork: its finding, or how the fork died (the
+    words plugins/backends/probing.py uses for a dead child)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                     # the fork: probe, report, leave without cleanup
+        os.close(read_end)
+        try:
+            os.write(write_end, json.dumps(run([name], dtype)[name]).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        report = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return "SIGILL on this CPU" if sig == signal.SIGILL else f"killed by {signal.Signals(sig).name}"
+    return json.loads(report) if report else f"the probe process exited with status {os.WEXITSTATUS(status)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m fdx.ops.probes [--threads N] NAME...``: the child side (see the module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -200,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout
     for name in args:
         print(f"start {name}", file=out, flush=True)
-        finding = run([name])[name]
+        finding = run_forked(name) if isolated(name) else run([name])[name]
         print(f"done {name} {json.dumps(finding)}", file=out, flush=True)
     return 0
 

@@ -27,7 +27,7 @@ wint kinds) and multiplies in Paddle fp32.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -62,6 +62,7 @@ class QuantizedTensor:
     data: np.ndarray
     scales: np.ndarray | None = None
     group_size: int = 0
+    _tensors: tuple | None = field(default=None, init=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +82,26 @@ class QuantizedTensor:
         from gguf.quants import dequantize
 
         return np.ascontiguousarray(dequantize(data, ggml_type(self.kind)), dtype=np.float32)
+
+    def prepare(self) -> "QuantizedTensor":
+        """Make the Paddle views the compiled kernels read (once, at load:
+        ``data`` and ``scales`` must not be replaced afterwards); returns self."""
+        self.tensors()
+        return self
+
+    def tensors(self) -> tuple[Tensor, Tensor | None]:
+        """(data, scales) as Paddle CPU tensors over this tensor's own memory
+        (DLPack, no copy), made on first use and kept."""
+        if self._tensors is None:
+            from paddle.utils.dlpack import from_dlpack
+
+            self.data = np.ascontiguousarray(self.data)
+            scales = None
+            if self.scales is not None:
+                self.scales = np.ascontiguousarray(self.scales, dtype=np.float32)
+                scales = from_dlpack(self.scales)
+            self._tensors = (from_dlpack(self.data), scales)
+        return self._tensors
 
     def take_rows(self, index: np.ndarray) -> "QuantizedTensor":
         """The rows ``index`` (a permutation or a shard), still quantized."""
@@ -125,11 +146,12 @@ def reference_matmul(x: Tensor, w: QuantizedTensor) -> Tensor:
 
 
 def matmul(x: Tensor, w: QuantizedTensor) -> Tensor:
-    """``x [M, cols] @ w.T -> [M, rows]``, by the active table's kernel for
-    ``w.kind`` when it was probed good, else the reference."""
-    impl = KERNELS.get(w.kind)
-    if impl is not None and kernels.active().usable(impl[0]):
-        return impl[1](x, w)
+    """``x [M, cols] @ w.T -> [M, rows]``, by the best of ``w.kind``'s kernels
+    that the active table probed good, else the reference."""
+    table = kernels.active()
+    for name, fn in KERNELS.get(w.kind, ()):
+        if table.usable(name):
+            return fn(x, w)
     return reference_matmul(x, w)
 
 
@@ -138,6 +160,17 @@ def embedding(ids: np.ndarray, w: QuantizedTensor) -> Tensor:
     return paddle.to_tensor(w.dequantize(np.asarray(ids).reshape(-1)))
 
 
-# kind -> (kernel-table name, function(x, w) -> Tensor). The compiled kernels
-# register here; each name also needs a probe in fdx.ops.probes.
-KERNELS: dict[str, tuple[str, object]] = {}
+# kind -> its kernels, best first: (kernel-table name, function(x, w) -> Tensor).
+# Each name also needs a probe in fdx.ops.probes and a place in the backend's
+# list of kernels it probes (fdx.plugins.backends.cpu).
+KERNELS: dict[str, tuple[tuple[str, object], ...]] = {}
+
+
+def _register_compiled() -> None:
+    from fdx.ops import cpp
+
+    for kind in cpp.QUANT_KINDS:          # one build per instruction set, the widest first
+        KERNELS[kind] = tuple((cpp.quant_kernel_name(kind, v), cpp.QUANT_MATMULS[v]) for v in cpp.QUANT_VARIANTS)
+
+
+_register_compiled()

@@ -10,12 +10,17 @@
 // fdx_rope_write_kv(qkv [N, (H + 2 KVH) D], positions, slots int64 [N],
 //   k_cache, v_cache, cos, sin [P, D], q_norm, k_norm [D] or None) -> q [N, H, D];
 //   writes k and v into the caches in place (fused_kernels.h).
+// fdx_quant_matmul(x [M, cols], data uint8/int8 [rows, row_bytes], scales or None)
+//   -> x @ w.T [M, rows], and fdx_quant_dequantize(data, scales) -> w [rows, cols]
+//   float32, for quantized weights of `kind` by the instruction-set `variant`
+//   (quant_kernels.h).
 // All inputs are contiguous float32 / int32 / int64 CPU tensors.
 #include <vector>
 
 #include "fused_kernels.h"
 #include "paddle/extension.h"
 #include "paged_attention_kernel.h"
+#include "quant_kernels.h"
 
 namespace {
 
@@ -299,3 +304,93 @@ PD_BUILD_OP(fdx_rope_write_kv)
     .SetKernelFn(PD_KERNEL(RopeWriteKvForward))
     .SetInferShapeFn(PD_INFER_SHAPE(RopeWriteKvInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RopeWriteKvInferDtype));
+
+// --- products with quantized weights (quant_kernels.h) -----------------------------
+
+namespace {
+
+fdx::quant::Weights QuantWeights(const paddle::Tensor& data, const paddle::optional<paddle::Tensor>& scales,
+                                 int64_t kind, int64_t rows, int64_t cols, int64_t group) {
+  using namespace fdx::quant;
+  PD_CHECK(kind >= 0 && kind < kNumKinds, "unknown quantized kind ", kind);
+  PD_CHECK(data.is_cpu() && (data.dtype() == paddle::DataType::UINT8 || data.dtype() == paddle::DataType::INT8),
+           "data must be a uint8 or int8 CPU tensor");
+  PD_CHECK(rows > 0 && cols > 0 && cols % kBlockElems[kind] == 0, "cols (", cols,
+           ") must be a positive multiple of the block (", kBlockElems[kind], ")");
+  const int64_t row_bytes = cols / kBlockElems[kind] * kBlockBytes[kind];
+  PD_CHECK(data.shape().size() == 2 && data.shape()[0] == rows && data.shape()[1] == row_bytes, "data must be [",
+           rows, ", ", row_bytes, "]");
+  const float* s = nullptr;
+  if (kind == kWint8 || kind == kWint4) {
+    PD_CHECK(scales, "wint kinds need their scales");
+    CheckFloat2d(*scales, "scales");
+    const int64_t per_row = kind == kWint8 ? 1 : cols / std::max<int64_t>(group, 1);
+    PD_CHECK(kind == kWint8 || (group > 0 && group % 32 == 0 && cols % group == 0),
+             "wint4 group size must be a multiple of 32 dividing cols");
+    PD_CHECK(scales->numel() == rows * per_row, "scales must have ", rows * per_row, " elements");
+    s = scales->data<float>();
+  }
+  return Weights{static_cast<const uint8_t*>(data.data()), s, rows, cols, row_bytes, group, static_cast<int>(kind)};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> QuantMatmulForward(const paddle::Tensor& x, const paddle::Tensor& data,
+                                               const paddle::optional<paddle::Tensor>& scales, int64_t kind,
+                                               int64_t variant, int64_t rows, int64_t cols, int64_t group) {
+  CheckFloat2d(x, "x");
+  PD_CHECK(x.shape().size() == 2 && x.shape()[1] == cols, "x must be [M, ", cols, "]");
+  const auto w = QuantWeights(data, scales, kind, rows, cols, group);
+  const int64_t M = x.shape()[0];
+  auto out = paddle::empty({M, rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fdx::quant::Matmul(static_cast<int>(variant), w, x.data<float>(), M, out.data<float>());
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> QuantMatmulInferShape(const std::vector<int64_t>& x_shape,
+                                                        const std::vector<int64_t>&,
+                                                        const paddle::optional<std::vector<int64_t>>&, int64_t,
+                                                        int64_t, int64_t rows, int64_t, int64_t) {
+  return {{x_shape[0], rows}};
+}
+
+std::vector<paddle::DataType> QuantMatmulInferDtype(const paddle::DataType& x_dtype, const paddle::DataType&,
+                                                    const paddle::optional<paddle::DataType>&) {
+  return {x_dtype};
+}
+
+PD_BUILD_OP(fdx_quant_matmul)
+    .Inputs({"X", "Data", paddle::Optional("Scales")})
+    .Outputs({"Out"})
+    .Attrs({"kind: int64_t", "variant: int64_t", "rows: int64_t", "cols: int64_t", "group: int64_t"})
+    .SetKernelFn(PD_KERNEL(QuantMatmulForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(QuantMatmulInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(QuantMatmulInferDtype));
+
+std::vector<paddle::Tensor> QuantDequantizeForward(const paddle::Tensor& data,
+                                                   const paddle::optional<paddle::Tensor>& scales, int64_t kind,
+                                                   int64_t variant, int64_t rows, int64_t cols, int64_t group) {
+  const auto w = QuantWeights(data, scales, kind, rows, cols, group);
+  auto out = paddle::empty({rows, cols}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fdx::quant::Dequantize(static_cast<int>(variant), w, out.data<float>());
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> QuantDequantizeInferShape(const std::vector<int64_t>&,
+                                                            const paddle::optional<std::vector<int64_t>>&, int64_t,
+                                                            int64_t, int64_t rows, int64_t cols, int64_t) {
+  return {{rows, cols}};
+}
+
+std::vector<paddle::DataType> QuantDequantizeInferDtype(const paddle::DataType&,
+                                                        const paddle::optional<paddle::DataType>&) {
+  return {paddle::DataType::FLOAT32};
+}
+
+PD_BUILD_OP(fdx_quant_dequantize)
+    .Inputs({"Data", paddle::Optional("Scales")})
+    .Outputs({"Out"})
+    .Attrs({"kind: int64_t", "variant: int64_t", "rows: int64_t", "cols: int64_t", "group: int64_t"})
+    .SetKernelFn(PD_KERNEL(QuantDequantizeForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(QuantDequantizeInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(QuantDequantizeInferDtype));

@@ -14,15 +14,19 @@ import os
 
 from fdx.core import kernels
 from fdx.core.hookspecs import hookimpl
-from fdx.core.host import available_cores
+from fdx.core.host import PORTABLE_ENV, available_cores, portable_kernels
 from fdx.core.interfaces import Backend
 
 log = logging.getLogger("fdx.backends.cpu")
 
 # Paddle's fused kernels with a CPU build, and fdx's compiled ops (fdx.ops.probes has a probe for each).
 PADDLE_KERNELS = ("fused_rms_norm", "swiglu", "fused_rotary_position_embedding")
+# The quantized products: one name per kind and instruction-set build, the
+# AVX-512 ones probed last (on a CPU without it each kills its probe child).
+QUANT_KERNELS = tuple(f"cpp.{kind}_matmul{suffix}" for suffix in ("", ".avx2", ".avx512")
+                      for kind in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4"))
 COMPILED_KERNELS = ("cpp.rms_norm", "cpp.add_rms_norm", "cpp.silu_and_mul", "cpp.paged_attention",
-                    "cpp.rope_write_kv")
+                    "cpp.rope_write_kv") + QUANT_KERNELS
 KERNELS = PADDLE_KERNELS + COMPILED_KERNELS
 
 _logged: set[str] = set()
@@ -61,7 +65,25 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
         "rotary": pick(("fused_rotary_position_embedding", "fused"), fallback="matmul"),
         "attention": pick(("cpp.paged_attention", "compiled"), fallback="paddle"),
         "rope_write_kv": pick(("cpp.rope_write_kv", "compiled"), fallback="composed"),
+        "quant_matmul": quant_choices(table),
     }
+
+
+def quant_choices(table: kernels.KernelTable) -> str:
+    """Which build of the quantized products runs, kinds with the same choice
+    together: ``q8_0,q4_0,...=avx2 (avx512: SIGILL on this CPU)``."""
+    by_choice: dict[str, list[str]] = {}
+    for kind in dict.fromkeys(n.removeprefix("cpp.").split("_matmul")[0] for n in QUANT_KERNELS):
+        refused, chosen = [], "reference"
+        for suffix in (".avx512", ".avx2", ""):
+            name = f"cpp.{kind}_matmul{suffix}"
+            if table.usable(name):
+                chosen = suffix.lstrip(".") or "portable"
+                break
+            refused.append(f"{suffix.lstrip('.') or 'portable'}: {table.why_not(name)}")
+        label = chosen + (f" ({'; '.join(refused)})" if refused else "")
+        by_choice.setdefault(label, []).append(kind)
+    return " | ".join(f"{','.join(kinds)}={label}" for label, kinds in by_choice.items())
 
 
 def probe_kernels(threads: int) -> kernels.KernelTable:
@@ -71,7 +93,9 @@ def probe_kernels(threads: int) -> kernels.KernelTable:
     from fdx.plugins.backends.probing import probe_table
     cpp.prepare()
     if cpp.loaded():
-        return probe_table(list(KERNELS), threads, {}, cpp.build_dir().name)
+        # FDX_PORTABLE_KERNELS: only the baseline build of the quantized products
+        off = {n: f"off ({PORTABLE_ENV})" for n in QUANT_KERNELS if "." in n[4:]} if portable_kernels() else {}
+        return probe_table(list(KERNELS), threads, off, cpp.build_dir().name)
     why = cpp.unavailable_reason() or "unavailable"
     return probe_table(list(KERNELS), threads, {name: why for name in COMPILED_KERNELS})
 

@@ -3,7 +3,8 @@ through PYTHONPATH: FDX_TEST_FAULTS="kernel=sigill,kernel=wrong" replaces
 each named kernel's callable before any probe runs. ``sigill`` kills the
 process with a real SIGILL when the kernel is called (what a kernel built
 for a missing instruction set does); ``wrong`` returns the real result
-times 1.01. FDX_TEST_PROBE_LOG, if set, gets one line per child started.
+times 1.01. A quantized product (``cpp.<kind>_matmul[.<isa>]``) is
+replaced in fdx.ops.quant.KERNELS, where its probe finds it. FDX_TEST_PROBE_LOG, if set, gets one line per child started.
 """
 import os
 
@@ -18,11 +19,7 @@ if _faults:
     _TARGETS = {"fused_rms_norm": ("paddle.incubate.nn.functional", "fused_rms_norm"),
                 "swiglu": ("paddle.nn.functional", "swiglu")}
 
-    def _patch(kernel: str, kind: str) -> None:
-        module_name, attr = _TARGETS.get(kernel) or ("fdx.ops.cpp", kernel.removeprefix("cpp."))
-        module = importlib.import_module(module_name)
-        real = getattr(module, attr)
-
+    def _faulty(real, kind: str):
         def faulty(*args, **kwargs):
             if kind == "sigill":
                 os.kill(os.getpid(), signal.SIGILL)
@@ -30,7 +27,18 @@ if _faults:
             if isinstance(out, tuple):
                 return (out[0] * 1.01,) + tuple(out[1:])
             return out * 1.01
-        setattr(module, attr, faulty)
+        return faulty
+
+    def _patch(kernel: str, kind: str) -> None:
+        if "_matmul" in kernel:
+            quant = importlib.import_module("fdx.ops.quant")
+            q = kernel.removeprefix("cpp.").split("_matmul")[0]
+            quant.KERNELS[q] = tuple((name, _faulty(fn, kind) if name == kernel else fn)
+                                     for name, fn in quant.KERNELS[q])
+            return
+        module_name, attr = _TARGETS.get(kernel) or ("fdx.ops.cpp", kernel.removeprefix("cpp."))
+        module = importlib.import_module(module_name)
+        setattr(module, attr, _faulty(getattr(module, attr), kind))
 
     for _kernel, _kind in _faults:
         _patch(_kernel, _kind)

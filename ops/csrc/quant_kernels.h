@@ -1,0 +1,151 @@
+// Products with quantized weights read straight from their blocks (bound in fdx_ops.cc).
+//
+// A weight is [rows, cols] in numpy order (one output per row, blocks along
+// cols), as fdx.ops.quant.QuantizedTensor holds it: GGUF's raw blocks for the
+// GGML kinds, int8 + a float scale per row (wint8), or nibble pairs (value + 8,
+// low first) + a float scale per group (wint4).
+//
+// Matmul(x [M, cols], w) -> [M, rows]: the activation rows are first quantized to
+// int8 in blocks of 32 (XBlock: scale, sum of the quants, 32 quants), which is
+// what every one of these formats' dot products wants: each weight block of 32
+// (a k-quant's sub-block) is decoded in registers to 32 small integers q, with
+// w = d * q + m (m = 0 for the signed kinds), and its product with an XBlock is
+// dx * (d * sum(q * qx) + m * sum(qx)). Output rows are split over the OpenMP
+// threads; each decoded weight block serves up to four activation rows.
+// Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
+//
+// Three builds of the same source (quant_kernels.inc, included once per
+// instruction set under #pragma GCC target, each in a namespace of its own):
+// `portable` (plain C++, the compiler's flags), `avx2` (AVX2 + FMA + F16C) and
+// `avx512` (AVX-512 F/BW/VL: two activation rows a 512-bit register). Which one
+// runs is the caller's choice (the probed kernel table); a variant this CPU
+// lacks dies by SIGILL in the probe child, never here.
+#pragma once
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace fdx::quant {
+
+enum Kind : int { kQ8_0 = 0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K, kWint8, kWint4, kNumKinds };
+enum Variant : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Elements and bytes per block of each kind (wint: per 32 elements).
+constexpr int64_t kBlockElems[kNumKinds] = {32, 32, 32, 32, 32, 256, 256, 256, 32, 32};
+constexpr int64_t kBlockBytes[kNumKinds] = {34, 18, 20, 22, 24, 144, 176, 210, 32, 16};
+
+struct XBlock {  // one block of 32 activations as int8: x ~ d * q
+  float d;
+  float dsum;  // d * sum(q), for the weight's offset m
+  int8_t q[32];
+};
+
+struct Weights {
+  const uint8_t* data;  // [rows, row_bytes]
+  const float* scales;  // wint8: [rows]; wint4: [rows, cols / group]; else unused
+  int64_t rows, cols, row_bytes, group;
+  int kind;
+};
+
+// IEEE half -> float without F16C.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    do {
+      man <<= 1;
+      ++e;
+    } while (!(man & 0x400));
+    bits = sign | ((112 - e) << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t Load16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t Load32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// A k-quant's 6-bit (scale, min) pair j of 8, from its 12 packed bytes.
+inline void ScaleMinK4(int j, const uint8_t* q, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *mn = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Weights decoded per call below this many (rows x cols x M) use one thread.
+constexpr int64_t kQuantMinParallel = 1 << 16;
+
+}  // namespace fdx::quant
+
+#pragma GCC push_options
+#define FDX_Q_NS portable
+#define FDX_Q_SIMD 0
+#include "quant_kernels.inc"
+#undef FDX_Q_NS
+#undef FDX_Q_SIMD
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define FDX_Q_NS avx2
+#define FDX_Q_SIMD 2
+#include "quant_kernels.inc"
+#undef FDX_Q_NS
+#undef FDX_Q_SIMD
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+#define FDX_Q_NS avx512
+#define FDX_Q_SIMD 3
+#include "quant_kernels.inc"
+#undef FDX_Q_NS
+#undef FDX_Q_SIMD
+#pragma GCC pop_options
+
+namespace fdx::quant {
+
+inline void Matmul(int variant, const Weights& w, const float* x, int64_t M, float* out) {
+  switch (variant) {
+    case kAvx512: avx512::Matmul(w, x, M, out); break;
+    case kAvx2: avx2::Matmul(w, x, M, out); break;
+    default: portable::Matmul(w, x, M, out); break;
+  }
+}
+
+inline void Dequantize(int variant, const Weights& w, float* out) {
+  switch (variant) {
+    case kAvx512: avx512::Dequantize(w, out); break;
+    case kAvx2: avx2::Dequantize(w, out); break;
+    default: portable::Dequantize(w, out); break;
+  }
+}
+
+}  // namespace fdx::quant
