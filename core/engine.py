@@ -60,9 +60,10 @@ class EngineCore:
             raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
                               "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
-        from fdx.core.checkpoint.loader import is_default_model, load_checkpoint
+        from fdx.core.checkpoint.loader import is_default_model
+        from fdx.core.checkpoint.model import load_model
         from fdx.core.generation import chat_defaults_for
-        ckpt = load_checkpoint(config.model.model, progress=progress)
+        self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress)   # model.quantization
         if ckpt.tokenizer is None:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
                              "fdx needs one to serve text")
@@ -70,11 +71,6 @@ class EngineCore:
         self.model_path = ckpt.path
         self.generation_config = ckpt.generation_config     # the model's sampling defaults (core/generation.py)
         self.chat_defaults = chat_defaults_for(is_default_model(ckpt.path))   # fdx's, under them, for chat
-        arch = (ckpt.config.get("architectures") or ["?"])[0]
-        if arch not in plugins.names("model"):
-            raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
-                             f"supported: {', '.join(plugins.names('model'))}")
-        self.model = self._pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
         del ckpt
         self.backend.prepare_model(self.model, dtype)
 

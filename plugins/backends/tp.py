@@ -296,7 +296,7 @@ def _make_worker_runner(base):
 
 def build_worker(config, rank: int, world: int, num_blocks: int, threads: int):
     """This rank's model shard, KV cache and runner (in the worker process)."""
-    from fdx.core.checkpoint.loader import load_checkpoint
+    from fdx.core.checkpoint.model import load_model
     from fdx.core.interfaces import KVCacheSpec, RunnerContext
     from fdx.core.plugins import get_plugin_manager
     from fdx.plugins.backends.runner import DefaultModelRunner
@@ -322,14 +322,12 @@ def build_worker(config, rank: int, world: int, num_blocks: int, threads: int):
         dist.all_reduce(t)
         return t
 
-    ckpt = load_checkpoint(config.model.model, progress=False)
-    arch = (ckpt.config.get("architectures") or ["?"])[0]
-    model = pm.get("model", arch)(ckpt.config, ckpt.weights)
+    model, ckpt = load_model(config, pm, backend.kernels, progress=False)   # in model.quantization's format
     model.shard(rank, world, all_reduce)
     tokenizer = ckpt.tokenizer
     del ckpt
     if rank != 0:        # the other ranks never read logits: a 1-wide head instead of the vocabulary
-        model.lm_head = paddle.zeros([model.lm_head.shape[0], 1], dtype=model.lm_head.dtype)
+        model.drop_lm_head()
     dtype = backend.dtypes[0] if config.model.dtype == "auto" else config.model.dtype
     backend.prepare_model(model, dtype)
     attention = pm.get("attention_backend", backend.attention_backend)(
