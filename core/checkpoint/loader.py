@@ -25,6 +25,7 @@ from fdx.core import generation
 from fdx.core.checkpoint.tokenizer import Tokenizer
 
 __all__ = [
+    "GGUFBlocks",
     "DEFAULT_MODEL_FILE",
     "DEFAULT_MODEL_PACKAGE",
     "Checkpoint",
@@ -57,8 +58,8 @@ class Checkpoint:
         num_key_value_heads, head_dim, rms_norm_eps, rope_theta,
         max_position_embeddings, vocab_size, tie_word_embeddings, ...).
     weights: Hugging Face parameter names -> float32 arrays in Hugging Face
-        shapes (or, loaded with ``keep_blocks``, a GGUF block tensor as an
-        ``fdx.ops.quant.QuantizedTensor``). With tied embeddings there is
+        shapes (or, loaded with ``keep_blocks``, a GGUF block tensor as
+        ``GGUFBlocks``). With tied embeddings there is
         no "lm_head.weight".
     tokenizer: None only for a Hugging Face directory without tokenizer.json.
     """
@@ -126,8 +127,8 @@ def load_checkpoint(path: str | None = None, progress: bool = True, keep_blocks:
     """Load a Hugging Face directory or a .gguf file; None loads the default model.
 
     ``keep_blocks``: a GGUF tensor in a block type (Q8_0, Q4_1, Q4_K, ...)
-    comes as an ``fdx.ops.quant.QuantizedTensor`` of the file's raw bytes
-    (rows un-permuted like the float ones) instead of float32."""
+    comes as ``GGUFBlocks``, the file's raw bytes (rows un-permuted like the
+    float ones), instead of float32."""
     p = check_model_path(path)
     if p.is_dir():
         return _load_hf_dir(p, progress)
@@ -374,16 +375,32 @@ def _gguf_rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
-def _gguf_blocks(tensor: Any):
-    """A block-type 2-D tensor as a QuantizedTensor holding a copy of its
-    bytes (so the file's buffer is freed), or None for float tensors."""
+@dataclass(slots=True, eq=False)
+class GGUFBlocks:
+    """A 2-D GGUF tensor in a block type, as the file stores it: ``data`` is
+    uint8 ``[rows, row_bytes]``, each row ``cols`` elements in blocks (numpy
+    order, ``shape = (rows, cols)`` = HF's ``[out, in]``). ``kind`` is the
+    GGML type's lower-case name (``q8_0``, ``q4_1``, ``q4_k``, ...); the
+    ``gguf`` package's ``dequantize(data, GGMLQuantizationType[kind.upper()])``
+    gives its values. (fdx.ops.quant.QuantizedTensor takes these three
+    fields as they are.)"""
+    kind: str
+    shape: tuple[int, int]
+    data: np.ndarray
+
+    def take_rows(self, index: np.ndarray) -> "GGUFBlocks":
+        index = np.asarray(index)
+        return GGUFBlocks(self.kind, (int(index.size), self.shape[1]), np.ascontiguousarray(self.data[index]))
+
+
+def _gguf_blocks(tensor: Any) -> GGUFBlocks | None:
+    """A block-type 2-D tensor with a copy of its bytes (so the file's
+    buffer is freed), or None for float tensors."""
     if tensor.tensor_type.name in _FLOAT_TYPES or len(tensor.shape) != 2:
         return None
-    from fdx.ops.quant import QuantizedTensor
-
     cols, rows = (int(d) for d in tensor.shape)
     data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
-    return QuantizedTensor(tensor.tensor_type.name.lower(), (rows, cols), data)
+    return GGUFBlocks(tensor.tensor_type.name.lower(), (rows, cols), data)
 
 
 def _gguf_tensor(tensor: Any) -> np.ndarray:

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import paddle
 
+from fdx.core.checkpoint.loader import GGUFBlocks
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import LinearWeight, RowStack, WeightFormat
 from fdx.core.kernels import REFERENCE, KernelTable
@@ -187,10 +188,16 @@ def weight_bytes(weights) -> dict[str, int]:
 
 # --- formats ------------------------------------------------------------------------------
 
+def _quantized(tensor: Any) -> QuantizedTensor | None:
+    """A file's block tensor as fdx.ops.quant's type (the same bytes), else None."""
+    if isinstance(tensor, GGUFBlocks):
+        return QuantizedTensor(tensor.kind, tuple(tensor.shape), tensor.data)
+    return tensor if isinstance(tensor, QuantizedTensor) else None
+
+
 def _float(tensor: Any) -> np.ndarray:
-    if isinstance(tensor, QuantizedTensor):
-        return tensor.dequantize()
-    return np.asarray(tensor, dtype=np.float32)
+    q = _quantized(tensor)
+    return q.dequantize() if q is not None else np.asarray(tensor, dtype=np.float32)
 
 
 class _Format(WeightFormat):
@@ -201,8 +208,9 @@ class _Format(WeightFormat):
         w = _float(tensor)
         return DenseTable.from_numpy(w) if role == "embedding" else DenseWeight.from_numpy(w)
 
-    def blocks(self, name: str, q: QuantizedTensor) -> LinearWeight:
+    def blocks(self, name: str, tensor: Any) -> LinearWeight:
         """A file's block tensor kept in its type."""
+        q = _quantized(tensor)
         try:
             quant.ggml_type(q.kind)
         except ValueError:
@@ -265,7 +273,7 @@ class AutoFormat(_Format):
         return impl is not None and self.kernels.usable(impl[0])
 
     def load(self, name: str, tensor: Any, role: str) -> LinearWeight:
-        if not isinstance(tensor, QuantizedTensor):
+        if _quantized(tensor) is None:
             return self.dense(name, tensor, role)
         if not self.has_kernel(tensor.kind):
             fp32 = self.without_kernel == "fp32"
@@ -284,12 +292,12 @@ class GgmlFormat(_Format):
     keeps_blocks = True
 
     def load(self, name: str, tensor: Any, role: str) -> LinearWeight:
-        kind = self.name
-        if isinstance(tensor, QuantizedTensor) and (tensor.kind == kind or role != "linear"):
-            return self.blocks(name, tensor)
+        kind, q = self.name, _quantized(tensor)
+        if q is not None and (q.kind == kind or role != "linear"):
+            return self.blocks(name, q)
         if role != "linear":
             return self.dense(name, tensor, role)
-        held = tensor.kind if isinstance(tensor, QuantizedTensor) else "float32"
+        held = "float32" if q is None else q.kind
         if kind not in QUANTIZABLE:
             raise ValueError(
                 f"config key 'model.quantization': {kind}: weight {name!r} is {held} in the checkpoint and fdx "
