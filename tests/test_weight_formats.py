@@ -282,3 +282,29 @@ def test_default_model_loads_with_auto_near_its_file_size():
     assert set(held) == {"q4_1", "q8_0", "f32"}
     assert 0.95 * size < sum(held.values()) <= size
     assert model.lm_head is model.embed_tokens
+
+
+# --- an outside weight format (tests/plugin_pkg), written from docs/plugins.md ---------------
+
+def per_tensor_int8(model) -> None:
+    """Every 2-D weight of ``model`` replaced by its per-tensor int8
+    round trip (scale = max|W| / 127), in place: the outside format's
+    reference."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                w = p.numpy()
+                scale = np.float32(np.abs(w).max() / 127)
+                p.copy_(torch.from_numpy(np.clip(np.rint(w / scale), -127, 127).astype(np.float32) * scale))
+
+
+def test_outside_per_tensor_int8_format_end_to_end(files, example_plugin_installed):
+    import copy
+
+    from fdx.core.plugins import PluginManager
+    path, model = files["q8_0"]                         # its blocks arrive dequantized (keeps_blocks False)
+    ref = copy.deepcopy(model)
+    per_tensor_int8(ref)
+    llm = LLM(str(path), quantization="example-int8", plugins=PluginManager(), **TINY)
+    assert set(llm.engine.model.weight_bytes()) == {"example-int8", "f32"}
+    check_greedy(llm, ref, prompts(6))
