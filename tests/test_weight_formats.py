@@ -308,3 +308,30 @@ def test_outside_per_tensor_int8_format_end_to_end(files, example_plugin_install
     llm = LLM(str(path), quantization="example-int8", plugins=PluginManager(), **TINY)
     assert set(llm.engine.model.weight_bytes()) == {"example-int8", "f32"}
     check_greedy(llm, ref, prompts(6))
+
+
+# --- memory reports --------------------------------------------------------------------------
+
+def test_bench_throughput_reports_the_weights_held(files):
+    from fdx.core.bench.throughput import format_throughput, throughput
+    llm = LLM(str(files["mixed"][0]), quantization="auto", **TINY)
+    r = throughput(llm, num_requests=2, input_len=4, output_len=2)
+    held = llm.engine.model.weight_bytes()
+    assert r["weight_bytes"] == held and r["quantization"] == "auto" and r["resident_bytes"] > 0
+    # bytes by the types' block sizes (Q4_K 144 per 256, Q6_K 210 per 256, Q8_0 34 / Q4_0 18 / Q4_1 20 per 32)
+    assert held["q4_k"] == (256 + 128 + 256 + 128 + 128 + 256) * 144     # q, k (layer 0); q, k, v, o (layer 1)
+    assert held["q6_k"] == 128 * 210 + 2 * 256 * 2 * 210                 # v (layer 0), down_proj x 2
+    assert held["q8_0"] == (VOCAB + 256) * 256 // 32 * 34                 # the tied embedding, o_proj (layer 0)
+    assert held["q4_0"] == 3 * 512 * 256 // 32 * 18 and held["q4_1"] == 512 * 256 // 32 * 20
+    assert "weights          " in format_throughput(r) and "q4_k" in format_throughput(r)
+
+
+def test_engine_stats_report_the_weights_held():
+    from types import SimpleNamespace
+
+    from fdx.core.serving.messages import EngineReady
+    from fdx.core.serving.ui import EngineView
+    ready = EngineReady(128, 256, 8, 16, "m.gguf", "cpu", weight_bytes={"q4_1": 66, "f32": 1}, resident_bytes=900)
+    server = SimpleNamespace(engine=SimpleNamespace(ready=ready), model_name="m", max_model_len=128)
+    weights = EngineView().snapshot(server)["weights"]
+    assert weights == {"bytes": 67, "by_kind": {"q4_1": 66, "f32": 1}, "engine_resident_bytes_at_ready": 900}

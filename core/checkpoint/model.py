@@ -70,10 +70,17 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
             raise ConfigError(str(e)) from None
         raise
     ckpt.weights = {}
-    held = getattr(model, "weight_bytes", None)
-    if held is not None:
-        log.info("weights (%s): %s", fmt.describe(), format_bytes(held()))
+    held = held_weight_bytes(model)
+    if held:
+        log.info("weights (%s): %s", fmt.describe(), format_bytes(held))
     return model, ckpt
+
+
+def held_weight_bytes(model: Any) -> dict[str, int]:
+    """kind -> bytes of weights ``model`` holds ({} for a model class that
+    does not say: ``weight_bytes()`` is optional in the model contract)."""
+    held = getattr(model, "weight_bytes", None)
+    return dict(held()) if held is not None else {}
 
 
 def format_bytes(by_kind: dict[str, int]) -> str:
