@@ -15,6 +15,7 @@ from fdx.core.bench import prefix as bench_prefix
 from fdx.core.bench import soak as bench_soak
 from fdx.core.bench import peers as bench_peers
 from fdx.core.bench import defaults as bench_defaults
+from fdx.core.bench import perplexity as bench_perplexity
 from fdx.core.config import FLAT_KEYS, ConfigError
 
 
@@ -31,6 +32,8 @@ _ENGINE_STR_FLAGS = {
     "resource_manager": "KV scheduler plugin (default: v1; see fdx plugins)",
     "kv_cache": "KV-cache plugin: paged or prefix (default: paged)",
     "backend": "device backend plugin (default: auto, the best available)",
+    "quantization": "weight format: none, auto, q8_0, q4_0, q4_1, q4_k, q6_k, wint8, wint4, or a plugin's "
+                    "(default: none, float32)",
 }
 
 
@@ -275,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_soak.add_parser(bsub)
     bench_peers.add_parser(bsub)
     bench_defaults.add_parser(bsub)
+    bench_perplexity.add_parser(bsub)
     return parser
 
 
