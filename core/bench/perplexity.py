@@ -23,8 +23,11 @@ import importlib.util
 import json
 import math
 import pathlib
+import re
+import subprocess
 import time
 
+from fdx.core.host import available_cores
 from fdx.core.sampling_params import SamplingParams
 
 DEFAULT_TEXT = ("tvm_ffi", "3rdparty/libbacktrace/Isaac.Newton-Opticks.txt")
@@ -84,6 +87,25 @@ def perplexity(llm, ids: list[int], ctx: int = 512, max_chunks: int | None = Non
             "weight_bytes": held_weight_bytes(eng.model)}
 
 
+_LLAMA_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+
+
+def llama_perplexity(binary: str, model: str, text: str, ctx: int, chunks: int | None,
+                     threads: int | None = None) -> dict:
+    """llama.cpp's ``llama-perplexity`` on the same file, text and chunking."""
+    cmd = [binary, "-m", model, "-f", text, "-c", str(ctx), "-b", str(ctx), "-t", str(threads or available_cores())]
+    if chunks is not None:
+        cmd += ["--chunks", str(chunks)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    m = _LLAMA_PPL.search(r.stdout + r.stderr)
+    if r.returncode != 0 or m is None:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"llama-perplexity failed (exit code {r.returncode}): {' | '.join(tail)}")
+    return {"perplexity": float(m[1]), "stderr_estimate": float(m[2]), "seconds": time.perf_counter() - t0,
+            "command": " ".join(cmd)}
+
+
 def format_perplexity(r: dict) -> str:
     from fdx.core.checkpoint.model import format_bytes
     return "\n".join([
@@ -93,6 +115,8 @@ def format_perplexity(r: dict) -> str:
         f"  perplexity       {r['perplexity']:.4f} (mean NLL {r['nll_mean']:.5f})",
         f"  time             {r['seconds']:.1f} s ({r['tokens_per_s']:.0f} prompt tok/s)",
         f"  weights          {format_bytes(r['weight_bytes'])}" if r["weight_bytes"] else "",
+        (f"  llama-perplexity {r['llama.cpp']['perplexity']:.4f} +/- {r['llama.cpp']['stderr_estimate']:.4f} "
+         f"(fdx / llama.cpp {r['perplexity'] / r['llama.cpp']['perplexity']:.4f})") if "llama.cpp" in r else "",
     ]).rstrip()
 
 
@@ -108,6 +132,12 @@ def cmd(args) -> int:
     bos = tok.bos_token_id if tok.add_bos_token else None
     r = perplexity(llm, ids, args.ctx, args.chunks, bos)
     r["text"] = text_path
+    if args.llama_cpp:                     # the same file, text and chunking through llama.cpp
+        from fdx.core.bench.peers import build_llama_cpp
+        from fdx.core.checkpoint.loader import check_model_path
+        binary = build_llama_cpp(args.llama_sdist)["llama-perplexity"]
+        r["llama.cpp"] = llama_perplexity(str(binary), str(check_model_path(args.model)), text_path, args.ctx,
+                                          r["chunks"], args.num_threads)
     print(json.dumps(r, indent=2) if args.json else format_perplexity(r))
     return 0
 
@@ -120,6 +150,11 @@ def add_parser(bench_subparsers) -> None:
                    help="a UTF-8 text file (default: Newton's Opticks, public domain, shipped by apache-tvm-ffi)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk, the second half scored (default: 512)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama.cpp's llama-perplexity on the same GGUF file, text and chunks (built once "
+                        "as fdx bench peers builds it; default: off)")
+    p.add_argument("--llama-sdist", default=None,
+                   help="with --llama-cpp: the llama-cpp-python sdist to build from (default: cached, else pip download)")
     p.add_argument("--json", action="store_true", help="print every figure as JSON (default: a table)")
     _add_engine_args(p)
     p.set_defaults(func=cmd)
