@@ -99,6 +99,8 @@ def files(tmp_path_factory):
         out[name] = (quantized_gguf(d / f"{name}.gguf", model, lambda n, k=kind: k), model)
     model = tiny_llama(tie=True, seed=20)
     out["mixed"] = (quantized_gguf(d / "mixed.gguf", model, mixed_kind), model)
+    model = tiny_llama(tie=False, seed=30)
+    out["f32"] = (quantized_gguf(d / "f32.gguf", model, lambda n: None), model)
     return out
 
 
@@ -200,8 +202,23 @@ def test_unknown_quantization_is_a_config_error_naming_the_key(files):
 
 def test_a_kind_with_no_quantizer_is_a_config_error_naming_it(files):
     with pytest.raises(ConfigError, match=r"model.quantization': q4_k: weight 'model.layers.0.self_attn.q_proj."
-                                          r"weight' is q4_1 in the checkpoint .* cannot quantize to q4_k"):
-        LLM(str(files["q4_1"][0]), quantization="q4_k", **TINY)
+                                          r"weight' is float32 in the checkpoint .* cannot quantize to q4_k"):
+        LLM(str(files["f32"][0]), quantization="q4_k", **TINY)
+
+
+def test_q8_0_quantizes_a_float_file_on_load(files):
+    """An F32 file under q8_0: gguf's quantizer on load, against transformers
+    on gguf's Q8_0 round trip of the same weights."""
+    import copy
+    path, model = files["f32"]
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if any(f".{part}." in name for part in LINEARS):
+                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), T.Q8_0), T.Q8_0).reshape(p.shape)))
+    llm = LLM(str(path), quantization="q8_0", **TINY)
+    assert set(llm.engine.model.weight_bytes()) == {"q8_0", "f32"}
+    check_greedy(llm, ref, prompts(7, (6, 11)))
 
 
 def test_bad_format_setting_names_its_key(files):
@@ -335,3 +352,10 @@ def test_engine_stats_report_the_weights_held():
     server = SimpleNamespace(engine=SimpleNamespace(ready=ready), model_name="m", max_model_len=128)
     weights = EngineView().snapshot(server)["weights"]
     assert weights == {"bytes": 67, "by_kind": {"q4_1": 66, "f32": 1}, "engine_resident_bytes_at_ready": 900}
+
+
+def test_q4_k_on_a_mixed_file_keeps_the_other_block_types(files):
+    path, model = files["mixed"]
+    m = LLM(str(path), quantization="q4_k", **TINY).engine.model
+    assert m.layers[0].mlp.w_down.kind == "q6_k" and m.layers[1].attn.wqkv.kind == "q4_k"
+    assert m.layers[0].attn.wo.kind == "q8_0"

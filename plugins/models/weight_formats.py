@@ -9,8 +9,10 @@ holds and multiplies its linear layers, embedding and LM head.
 - ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k``, ``q6_k``: the layers' linear
   weights in that GGML type. A tensor the file holds in it is kept; any
   other (float32, or another block type) is quantized on load where the
-  ``gguf`` package has a quantizer (q8_0, q4_0, q4_1); else a config error
-  names the tensor. Embedding and LM head stay as the file holds them.
+  ``gguf`` package has a quantizer (q8_0, q4_0, q4_1). For q4_k and q6_k,
+  which it cannot quantize to, a tensor in another block type is kept in
+  its own (logged: Q4_K_M's Q6_K tensors under q4_k) and a float one is a
+  config error naming it. Embedding and LM head stay as the file holds them.
 - ``wint8`` / ``wint4``: the layers' linear weights quantized on load
   (FastDeploy's weight-only int8 per channel, int4 per group of
   ``group_size`` columns, setting ``plugins.weight_format.wint4.group_size``,
@@ -291,6 +293,10 @@ class GgmlFormat(_Format):
     """One GGML block type for every linear weight of the layers."""
     keeps_blocks = True
 
+    def __init__(self, kernels: KernelTable = REFERENCE, settings: dict | None = None):
+        super().__init__(kernels, settings)
+        self._kept: set[str] = set()
+
     def load(self, name: str, tensor: Any, role: str) -> LinearWeight:
         kind, q = self.name, _quantized(tensor)
         if q is not None and (q.kind == kind or role != "linear"):
@@ -298,6 +304,11 @@ class GgmlFormat(_Format):
         if role != "linear":
             return self.dense(name, tensor, role)
         held = "float32" if q is None else q.kind
+        if kind not in QUANTIZABLE and q is not None:    # no quantizer: another block type stays as it is
+            if q.kind not in self._kept:                 # (Q4_K_M's Q6_K tensors under q4_k)
+                self._kept.add(q.kind)
+                log.info("%s: %s tensors are kept in their own type (fdx cannot quantize to %s)", kind, q.kind, kind)
+            return self.blocks(name, q)
         if kind not in QUANTIZABLE:
             raise ValueError(
                 f"config key 'model.quantization': {kind}: weight {name!r} is {held} in the checkpoint and fdx "
