@@ -30,6 +30,7 @@ def test_builtins_register_every_reference_name():
     assert {"newest", "least-computed"} <= set(pm.names("preemption_policy"))
     assert {"cpu", "paddle"} <= set(pm.names("attention_backend"))
     assert "swap" in pm.names("connector") and "host" in pm.names("sampler") and "default" in pm.names("model_runner")
+    assert set(pm.names("weight_format")) == {"none", "auto", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "wint8", "wint4"}
 
 
 def test_unknown_name_lists_what_exists():
