@@ -377,3 +377,21 @@ def test_default_model_auto_tp3_equals_transformers(hf_smollm_model):
             assert got == hf_greedy(hf_smollm_model, ids, 8, follow=got), text
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_fdx_serve_reports_the_weights_held_in_engine_stats(files, tmp_path):
+    import httpx
+
+    from serve_utils import API_KEY, ServerProcess
+    path, _ = files["mixed"]
+    server = ServerProcess(tmp_path, model={"model": str(path), "quantization": "auto", "max_model_len": 128})
+    try:
+        server.wait_ready()
+        stats = httpx.get(server.base_url + "/v1/engine/stats", headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=30).json()
+    finally:
+        server.stop()
+    weights = LLM(str(path), quantization="auto", **TINY).engine.model.weight_bytes()
+    assert stats["weights"]["by_kind"] == weights and stats["weights"]["bytes"] == sum(weights.values())
+    assert stats["weights"]["engine_resident_bytes_at_ready"] > sum(weights.values())
