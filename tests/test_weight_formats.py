@@ -129,6 +129,26 @@ def test_auto_keeps_each_type_and_matches_the_dequantized_reference(files, name)
     check_greedy(llm, model, prompts(0))                # three prompts batched
 
 
+def test_blocks_kept_by_the_loader_are_the_float_loaders_values(files):
+    """keep_blocks: the file's bytes, Q/K rows un-permuted by a row gather on
+    them; gguf's dequantization of those equals the float32 load."""
+    from fdx.core.checkpoint.loader import GGUFBlocks, load_checkpoint
+    path, _ = files["mixed"]
+    blocks = load_checkpoint(str(path), progress=False, keep_blocks=True).weights
+    floats = load_checkpoint(str(path), progress=False).weights
+    assert blocks.keys() == floats.keys()
+    kinds = set()
+    for name, ref in floats.items():
+        b = blocks[name]
+        if ref.ndim == 1:
+            assert isinstance(b, np.ndarray)
+            continue
+        assert isinstance(b, GGUFBlocks) and b.shape == ref.shape, name
+        kinds.add(b.kind)
+        np.testing.assert_array_equal(dequantize(b.data, T[b.kind.upper()]), ref, err_msg=name)
+    assert kinds == {"q8_0", "q4_k", "q6_k", "q4_0", "q4_1"}
+
+
 def test_tied_quantized_head_reads_the_embedding_table(files):
     m = LLM(str(files["mixed"][0]), quantization="auto", **TINY).engine.model
     assert m.lm_head is m.embed_tokens and m.embed_tokens.kind == "q8_0"
