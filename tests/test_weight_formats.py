@@ -191,8 +191,11 @@ def wint_reference(w: np.ndarray, bits: int, group: int) -> np.ndarray:
     return (np.clip(np.rint(g / scale), -top, top) * scale).reshape(w.shape)
 
 
-@pytest.mark.parametrize("kind", ["wint8", "wint4"])
-def test_wint_on_an_hf_checkpoint(tiny_checkpoints, kind):
+@pytest.mark.parametrize("kind,tp", [("wint8", 1), ("wint4", 1), ("wint4", 2)])
+def test_wint_on_an_hf_checkpoint(tiny_checkpoints, kind, tp):
+    """tp 2: o_proj's 64 columns (one group of 64) and down_proj's 128
+    (one group of 128) split in two would cut a group: those shards are
+    float32 on their ranks, and the tokens stay the reference's."""
     import copy
     path, hf = tiny_checkpoints["LlamaForCausalLM"]
     ref = copy.deepcopy(hf)
@@ -202,15 +205,19 @@ def test_wint_on_an_hf_checkpoint(tiny_checkpoints, kind):
                 w = p.numpy()
                 group = 128 if w.shape[1] % 128 == 0 else 64          # the format halves 128 until it divides
                 p.copy_(torch.from_numpy(wint_reference(w, 8 if kind == "wint8" else 4, group).astype(np.float32)))
-    llm = LLM(str(path), quantization=kind, max_model_len=128, num_kv_blocks=32, block_size=8, progress=False)
-    held = llm.engine.model.weight_bytes()
-    assert set(held) == {kind, "f32"}
-    rng = np.random.default_rng(3)
-    batch = [rng.integers(3, 49152, n).tolist() for n in (6, 13)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)
-    for p, out in zip(batch, outs):
-        got = out.outputs[0].token_ids
-        assert got == hf_greedy(ref, p, GREEDY.max_tokens, follow=got)
+    llm = LLM(str(path), quantization=kind, tensor_parallel_size=tp, max_model_len=128, num_kv_blocks=32,
+              block_size=8, progress=False)
+    try:
+        held = llm.engine.model.weight_bytes()
+        assert set(held) == {kind, "f32"}
+        rng = np.random.default_rng(3)
+        batch = [rng.integers(3, 49152, n).tolist() for n in (6, 13)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)
+        for p, out in zip(batch, outs):
+            got = out.outputs[0].token_ids
+            assert got == hf_greedy(ref, p, GREEDY.max_tokens, follow=got)
+    finally:
+        llm.engine.shutdown()
 
 
 # --- errors ----------------------------------------------------------------------------------
