@@ -15,6 +15,7 @@ from fdx.core.bench import prefix as bench_prefix
 from fdx.core.bench import soak as bench_soak
 from fdx.core.bench import peers as bench_peers
 from fdx.core.bench import defaults as bench_defaults
+from fdx.core.bench import perplexity as bench_perplexity
 from fdx.core.config import FLAT_KEYS, ConfigError
 from fdx.core.engine_args import (_ENGINE_INT_FLAGS, _ENGINE_STR_FLAGS, _add_engine_args,  # noqa: F401
                                   _add_output_args, _make_llm, _overrides, _show_progress)
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_soak.add_parser(bsub)
     bench_peers.add_parser(bsub)
     bench_defaults.add_parser(bsub)
+    bench_perplexity.add_parser(bsub)
     return parser
 
 

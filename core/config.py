@@ -25,6 +25,8 @@ class ModelConfig(_Section):
     max_model_len: int | None = Field(None, gt=0)   # None: the model's, capped at 8192
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"   # auto: the backend's first;
                                                # one the backend does not compute in is a config error
+    quantization: str = "none"                 # weight format plugin: none (fp32), auto (each GGUF tensor in its
+                                               # own type), q8_0, q4_0, q4_1, q4_k, q6_k, wint8, wint4 (docs/configuration.md)
 
 
 class CacheConfig(_Section):

@@ -81,11 +81,15 @@ class EngineCore:
             raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
                               "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
-        from fdx.core.checkpoint.loader import is_default_model, load_checkpoint, load_metadata
+        from fdx.core.checkpoint.loader import is_default_model, load_metadata
+        from fdx.core.checkpoint.model import load_model, weight_format
         from fdx.core.generation import chat_defaults_for
         launch = getattr(assembly.classes["runner"], "launch", None)    # a runner whose model lives in worker processes
-        ckpt = (load_metadata(config.model.model) if launch is not None
-                else load_checkpoint(config.model.model, progress=progress))
+        if launch is not None:
+            weight_format(config, plugins, self.backend.kernels)   # a bad model.quantization fails before any worker
+            ckpt = load_metadata(config.model.model)
+        else:
+            self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress)   # model.quantization
         if ckpt.tokenizer is None:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
                              "fdx needs one to serve text")
@@ -104,8 +108,7 @@ class EngineCore:
             self.executor = launch(config, self.model)
         else:
             if launch is not None:      # a model class with no parse_config: its shape from a copy
-                ckpt = load_checkpoint(config.model.model, progress=progress)
-            self.model = model_cls(ckpt.config, ckpt.weights)
+                self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress)
             self.backend.prepare_model(self.model, dtype)
         del ckpt
 

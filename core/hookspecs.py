@@ -125,6 +125,14 @@ def fdx_register_models(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_weight_formats(register: Register) -> None:
+    """Register weight formats (``WeightFormat`` subclasses): how a model
+    holds and multiplies its linear layers. ``config.model.quantization``
+    picks one (built-ins: ``none``, ``auto``, ``q8_0``, ``q4_0``,
+    ``q4_1``, ``q4_k``, ``q6_k``, ``wint8``, ``wint4``)."""
+
+
+@hookspec
 def fdx_register_logits_processors(register: Register) -> None:
     """Register logits processors (``LogitsProcessor`` subclasses) by
     name. The built-ins always run; ``config.decoding.logits_processors``

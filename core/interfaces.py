@@ -653,6 +653,169 @@ class GuidedBackend(abc.ABC):
 
 
 # =============================================================================
+# Weights: how a model's linear layers are held and multiplied
+# =============================================================================
+
+class LinearWeight(abc.ABC):
+    """One weight matrix as a weight format holds it. Logically it is
+    ``[rows, cols]`` = Hugging Face's ``[out_features, in_features]``
+    (an embedding table is ``[vocab, hidden]``), whatever the storage:
+    fp32, GGUF blocks along ``cols``, int8 with scales, ...
+
+    The model calls only these methods; none of them may change ``self``
+    (shards and casts return new weights)."""
+
+    kind: str = ""                     # what it holds, for memory reports: "f32", "q4_1", "wint8", ...
+    shape: tuple[int, int] = (0, 0)    # (rows, cols)
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held in memory (data and scales)."""
+
+    @abc.abstractmethod
+    def matmul(self, x: Any) -> Any:
+        """``x [M, cols]`` (a Paddle tensor) ``@ W.T`` -> ``[M, rows]``, in
+        x's dtype."""
+
+    def embedding(self, ids: Any) -> Any:
+        """Rows ``ids`` (int64 tensor [N]) of the table, ``[N, cols]``
+        float32 (only asked of weights loaded with role ``embedding``)."""
+        raise NotImplementedError(f"{type(self).__name__} is not an embedding table")
+
+    @abc.abstractmethod
+    def take_rows(self, index: Any) -> "LinearWeight":
+        """Rows ``index`` (int64 numpy, a permutation or a subset): a
+        column-parallel shard, llama.cpp's Q/K un-permutation."""
+
+    @abc.abstractmethod
+    def take_cols(self, start: int, stop: int) -> "LinearWeight":
+        """Columns ``[start, stop)``: a row-parallel shard. Raise
+        ``ValueError`` saying why when the storage cannot split there (a
+        block or group of columns would be cut)."""
+
+    @abc.abstractmethod
+    def dequantize(self) -> Any:
+        """float32 numpy ``[rows, cols]``: the values this weight stands for
+        (references, fallbacks)."""
+
+    def cast(self, dtype: str) -> "LinearWeight":
+        """This weight for a model computing in ``dtype`` (default: itself;
+        ``matmul`` answers in x's dtype either way)."""
+        return self
+
+
+class RowStack(LinearWeight):
+    """Weights of different kinds stacked along rows (a fused q/k/v whose
+    parts a file stores in different types): each part multiplies on its
+    own and the outputs are concatenated. ``WeightFormat.fuse``'s default."""
+
+    def __init__(self, parts: Sequence[LinearWeight]):
+        self.parts = list(parts)
+        cols = {p.shape[1] for p in self.parts}
+        if len(cols) != 1:
+            raise ValueError(f"cannot stack weights of {sorted(cols)} columns")
+        self.shape = (sum(p.shape[0] for p in self.parts), cols.pop())
+        self.kind = "+".join(dict.fromkeys(p.kind for p in self.parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def kinds(self) -> dict[str, int]:
+        """kind -> bytes of the parts."""
+        out: dict[str, int] = {}
+        for p in self.parts:
+            out[p.kind] = out.get(p.kind, 0) + p.nbytes
+        return out
+
+    def matmul(self, x: Any) -> Any:
+        import paddle
+        return paddle.concat([p.matmul(x) for p in self.parts], axis=-1)
+
+    def take_rows(self, index: Any) -> LinearWeight:
+        import numpy as np
+        index, parts, start = np.asarray(index), [], 0
+        if np.any(np.diff(index) <= 0):
+            raise ValueError("RowStack.take_rows takes increasing row indices only")
+        for p in self.parts:
+            mine = index[(index >= start) & (index < start + p.shape[0])] - start
+            if mine.size:
+                parts.append(p.take_rows(mine))
+            start += p.shape[0]
+        return parts[0] if len(parts) == 1 else RowStack(parts)
+
+    def take_cols(self, start: int, stop: int) -> LinearWeight:
+        return RowStack([p.take_cols(start, stop) for p in self.parts])
+
+    def dequantize(self) -> Any:
+        import numpy as np
+        return np.concatenate([p.dequantize() for p in self.parts], axis=0)
+
+    def cast(self, dtype: str) -> LinearWeight:
+        return RowStack([p.cast(dtype) for p in self.parts])
+
+
+class WeightFormat(abc.ABC):
+    """How a model holds its linear layers, embedding and LM head (vLLM's
+    linear method, FastDeploy's quant method). ``model.quantization``
+    names one (``fdx_register_weight_formats``); the engine constructs it
+    with the backend's probed kernel table and its ``plugins`` settings,
+    and the model asks it for every matrix it loads.
+
+    The loader hands each 2-D checkpoint tensor in HF order ``[out, in]``:
+    float32 numpy, or, for a GGUF tensor in a block type when
+    ``keeps_blocks`` is true, ``fdx.core.checkpoint.loader.GGUFBlocks``
+    holding the file's raw blocks (llama.cpp's Q/K row permutation already
+    undone).
+    1-D tensors (norms, biases) never reach the format: they stay float32.
+
+    A value the format cannot hold (a type it has no loader for, a shape
+    it cannot quantize) is a ``ValueError`` whose message starts with
+    ``config key 'model.quantization':`` and names the tensor."""
+
+    name: str = ""
+    keeps_blocks: bool = False      # True: GGUF block tensors arrive as QuantizedTensor, else float32 numpy
+
+    def __init__(self, kernels: KernelTable = REFERENCE, settings: dict | None = None):
+        self.kernels = kernels          # the backend's probed table: which products have a kernel here
+        self.settings = settings or {}
+
+    @abc.abstractmethod
+    def load(self, name: str, tensor: Any, role: str) -> LinearWeight:
+        """The weight ``name`` (its HF name) from the loader's ``tensor``.
+        ``role``: ``"linear"`` (a projection in a layer), ``"embedding"``
+        (the token table: ``embedding`` and, when tied, ``matmul`` are
+        asked of it) or ``"lm_head"`` (an untied output projection)."""
+
+    def fuse(self, parts: Sequence[LinearWeight]) -> LinearWeight:
+        """One weight for ``parts`` stacked along rows (fused q/k/v,
+        gate/up). Default: a ``RowStack``; a format that can concatenate
+        its storage returns one weight."""
+        return parts[0] if len(parts) == 1 else RowStack(parts)
+
+    def tied_head(self, embedding: LinearWeight) -> LinearWeight:
+        """The LM head of a model whose head is its embedding table.
+        Default: the table itself (``matmul`` of ``[vocab, hidden]``)."""
+        return embedding
+
+    def shard_cols(self, name: str, weight: LinearWeight, start: int, stop: int) -> LinearWeight:
+        """Columns ``[start, stop)`` of ``weight`` for a row-parallel
+        shard. Default: ``weight.take_cols``, whose ``ValueError`` ends the
+        load naming ``parallel.tensor_parallel_size`` and the weight."""
+        try:
+            return weight.take_cols(start, stop)
+        except ValueError as e:
+            raise ValueError(f"config key 'parallel.tensor_parallel_size': weight {name!r} "
+                             f"({weight.kind}, {weight.shape[1]} columns) cannot be split at "
+                             f"[{start}, {stop}): {e}") from None
+
+    def describe(self) -> str:
+        """One line for the log: what this format holds."""
+        return self.name
+
+
+# =============================================================================
 # Device: backend, attention backend, model runner
 # =============================================================================
 

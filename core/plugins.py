@@ -47,6 +47,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.models.qwen2",
     "fdx.plugins.models.qwen3",
     "fdx.plugins.models.ernie4_5",
+    "fdx.plugins.models.weight_formats",
 )
 
 # The built-ins the API process of ``fdx serve`` loads: what it looks up is a
@@ -73,6 +74,7 @@ KINDS: dict[str, str] = {
     "fdx_register_model_runners": "model_runner",
     "fdx_register_guided_backends": "guided_backend",
     "fdx_register_models": "model",
+    "fdx_register_weight_formats": "weight_format",
     "fdx_register_logits_processors": "logits_processor",
 }
 

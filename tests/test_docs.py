@@ -42,7 +42,7 @@ def test_the_page_has_every_contract(doc_plugins):
                        ("admission_rule", "my-cap"), ("preemption_policy", "my-oldest"),
                        ("kv_cache", "my-blocks"), ("logits_processor", "my-ban"), ("backend", "my-device"),
                        ("attention_backend", "my-dense"), ("connector", "my-counter"),
-                       ("backend", "my-probing-device")]:
+                       ("backend", "my-probing-device"), ("weight_format", "my-int8")]:
         assert name in pm.names(kind), (kind, name)
         assert pm.registries[kind][name].package == "local"
 
@@ -101,3 +101,29 @@ def test_the_page_backend_with_a_kernel_table_runs_what_it_passed(doc_plugins, t
     monkeypatch.setattr(F, "swiglu", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
     assert calls                                              # its table passed swiglu: the MLPs ran it
+
+
+def test_the_page_weight_format_matches_transformers_on_its_int8_values(doc_plugins, tiny_checkpoints):
+    """Every matrix in per-row int8: fdx's greedy tokens equal transformers'
+    run on the same round trip (tied head included)."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    from test_llm import hf_greedy
+    path, hf = tiny_checkpoints["LlamaForCausalLM"]
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.ndim == 2:
+                w = p.numpy()
+                scale = np.abs(w).max(axis=1, keepdims=True) / 127
+                scale[scale == 0] = 1                               # the padding row of the embedding
+                p.copy_(torch.from_numpy((np.rint(w / scale) * scale).astype(np.float32)))
+    llm = LLM(str(path), quantization="my-int8", max_model_len=64, num_kv_blocks=40, block_size=4, progress=False)
+    assert set(llm.engine.model.weight_bytes()) == {"my-int8", "f32"}
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for ids in ([5, 9, 200, 31, 7], list(range(60, 90))):
+        got = llm.generate([{"prompt_token_ids": ids}], sp)[0].outputs[0].token_ids
+        assert got == hf_greedy(ref, ids, 8, follow=got)

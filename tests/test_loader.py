@@ -209,9 +209,12 @@ def test_bf16_conversion_is_exact():
 # ----- tiny GGUF files written from transformers models -------------------
 
 
-def _write_gguf(path: Path, arch: str, model, permute_qk: bool, tokens: list[str] | None = None) -> None:
+def _write_gguf(path: Path, arch: str, model, permute_qk: bool, tokens: list[str] | None = None,
+                blocks: dict | None = None) -> None:
     """Write `model` as a GGUF the way llama.cpp's converter does, naming
-    tensors with gguf-py's own HF -> GGUF map."""
+    tensors with gguf-py's own HF -> GGUF map. ``blocks``: HF name ->
+    (uint8 [rows, row bytes] in HF row order, GGMLQuantizationType), written
+    in place of that tensor's float values."""
     cfg = model.config
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
                   "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
@@ -236,13 +239,15 @@ def _write_gguf(path: Path, arch: str, model, permute_qk: bool, tokens: list[str
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        array = tensor.detach().float().numpy()
+        array, raw_dtype = (blocks or {}).get(name, (tensor.detach().float().numpy(), None))
         heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
         for proj, n_head in heads.items():
             if permute_qk and f".{proj}." in name:
+                shape = array.shape
                 array = array.reshape(n_head, 2, array.shape[0] // n_head // 2, *array.shape[1:])
-                array = array.swapaxes(1, 2).reshape(tensor.shape)
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(array))
+                array = array.swapaxes(1, 2).reshape(shape)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(array),
+                     raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

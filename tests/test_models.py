@@ -221,10 +221,12 @@ def test_weights_consumed_and_layout():
     model = qwen2.Qwen2ForCausalLM(case.config, weights)
     assert weights == {}  # every tensor converted and released
     attn, mlp = model.layers[0].attn, model.layers[0].mlp
-    assert attn.wqkv.shape == [64, (4 + 2 * 2) * 16] and attn.bqkv.shape == [128]
-    assert attn.wo.shape == [64, 64] and attn.bo is None
-    assert mlp.w_gate_up.shape == [64, 256] and mlp.w_down.shape == [128, 64]
-    assert model.lm_head.shape == [64, 256]
+    # LinearWeight shapes are (out, in); the float32 format keeps [in, out] tensors underneath
+    assert attn.wqkv.shape == ((4 + 2 * 2) * 16, 64) and attn.wqkv.t.shape == [64, 128]
+    assert attn.bqkv.shape == [128]
+    assert attn.wo.shape == (64, 64) and attn.bo is None
+    assert mlp.w_gate_up.shape == (256, 64) and mlp.w_down.t.shape == [128, 64]
+    assert model.lm_head.t.shape == [64, 256]
     assert (model.num_layers, model.num_kv_heads, model.head_dim, model.vocab_size,
             model.max_position_embeddings) == (2, 2, 16, 256, 128)
 

@@ -30,6 +30,7 @@ def test_builtins_register_every_reference_name():
     assert {"newest", "least-computed"} <= set(pm.names("preemption_policy"))
     assert {"cpu", "paddle"} <= set(pm.names("attention_backend"))
     assert "swap" in pm.names("connector") and "host" in pm.names("sampler") and "default" in pm.names("model_runner")
+    assert set(pm.names("weight_format")) == {"none", "auto", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "wint8", "wint4"}
 
 
 def test_unknown_name_lists_what_exists():
@@ -95,7 +96,7 @@ def test_every_hook_is_documented():
     from fdx.core import hookspecs
     doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
     hooks = [n for n in dir(hookspecs) if n.startswith("fdx_")]
-    assert len(hooks) == 19
+    assert len(hooks) == 20
     missing = [h for h in hooks if f"`{h}" not in doc]
     assert not missing, missing
 

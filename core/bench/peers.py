@@ -42,7 +42,7 @@ from fdx.core.host import available_cores, cache_root, cpu_id, cpu_model
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-TARGETS = ("llama-batched-bench", "llama-server", "llama-quantize")
+TARGETS = ("llama-batched-bench", "llama-server", "llama-quantize", "llama-perplexity")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DBUILD_SHARED_LIBS=OFF")
@@ -148,7 +148,7 @@ def _run_logged(cmd: list[str], log, what: str, progress: bool) -> None:
 
 def build_llama_cpp(sdist: str | None = None, root: Path | None = None, jobs: int | None = None,
                     progress: bool = True) -> dict[str, Path]:
-    """Build llama-batched-bench, llama-server and llama-quantize once; their paths."""
+    """Build llama-batched-bench, llama-server, llama-quantize and llama-perplexity once; their paths."""
     d = peer_dir(root)
     bins = {t: d / "build" / "bin" / t for t in TARGETS}
     stamp = d / "build.ok"

@@ -62,6 +62,11 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         "recompute_tax": ((eng.num_recomputed_tokens - recomputed0) / (eng.num_computed_tokens - computed0)
                           if eng.num_computed_tokens > computed0 else 0.0),
     }
+    from fdx.core.checkpoint.model import held_weight_bytes
+    from fdx.core.memory import rss_bytes
+    result["quantization"] = eng.config.model.quantization
+    result["weight_bytes"] = held_weight_bytes(eng.model)      # by kind ("q4_1", "f32", ...)
+    result["resident_bytes"] = rss_bytes()                     # this process, after the run
     if profiler is not None:
         result["profile"] = profiler.summary().as_dict()
     return result
@@ -79,6 +84,10 @@ def format_throughput(r: dict) -> str:
         f"  preemptions      {r['preemptions']} (victims: {r['preemption_policy']}), "
         f"recompute tax {100 * r['recompute_tax']:.1f}% of computed tokens",
     ]
+    if r.get("weight_bytes"):
+        from fdx.core.checkpoint.model import format_bytes
+        lines.append(f"  weights          {format_bytes(r['weight_bytes'])}, model.quantization "
+                     f"{r['quantization']}; process resident {r['resident_bytes'] / 1e6:.1f} MB")
     if "profile" in r:
         lines.append(format_profile(r["profile"]))
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from fdx.core import generation
 from fdx.core.checkpoint.tokenizer import Tokenizer
 
 __all__ = [
+    "GGUFBlocks",
     "DEFAULT_MODEL_FILE",
     "DEFAULT_MODEL_PACKAGE",
     "Checkpoint",
@@ -57,7 +58,9 @@ class Checkpoint:
         num_key_value_heads, head_dim, rms_norm_eps, rope_theta,
         max_position_embeddings, vocab_size, tie_word_embeddings, ...).
     weights: Hugging Face parameter names -> float32 arrays in Hugging Face
-        shapes. With tied embeddings there is no "lm_head.weight".
+        shapes (or, loaded with ``keep_blocks``, a GGUF block tensor as
+        ``GGUFBlocks``). With tied embeddings there is
+        no "lm_head.weight".
     tokenizer: None only for a Hugging Face directory without tokenizer.json.
     """
 
@@ -120,12 +123,16 @@ def check_model_path(path: str | None) -> Path:
     return p
 
 
-def load_checkpoint(path: str | None = None, progress: bool = True) -> Checkpoint:
-    """Load a Hugging Face directory or a .gguf file; None loads the default model."""
+def load_checkpoint(path: str | None = None, progress: bool = True, keep_blocks: bool = False) -> Checkpoint:
+    """Load a Hugging Face directory or a .gguf file; None loads the default model.
+
+    ``keep_blocks``: a GGUF tensor in a block type (Q8_0, Q4_1, Q4_K, ...)
+    comes as ``GGUFBlocks``, the file's raw bytes (rows un-permuted like the
+    float ones), instead of float32."""
     p = check_model_path(path)
     if p.is_dir():
         return _load_hf_dir(p, progress)
-    return _load_gguf(p, progress)
+    return _load_gguf(p, progress, keep_blocks)
 
 
 def is_default_model(path: str | Path) -> bool:
@@ -365,6 +372,37 @@ def _gguf_rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
     return scaling
 
 
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+@dataclass(slots=True, eq=False)
+class GGUFBlocks:
+    """A 2-D GGUF tensor in a block type, as the file stores it: ``data`` is
+    uint8 ``[rows, row_bytes]``, each row ``cols`` elements in blocks (numpy
+    order, ``shape = (rows, cols)`` = HF's ``[out, in]``). ``kind`` is the
+    GGML type's lower-case name (``q8_0``, ``q4_1``, ``q4_k``, ...); the
+    ``gguf`` package's ``dequantize(data, GGMLQuantizationType[kind.upper()])``
+    gives its values. (fdx.ops.quant.QuantizedTensor takes these three
+    fields as they are.)"""
+    kind: str
+    shape: tuple[int, int]
+    data: np.ndarray
+
+    def take_rows(self, index: np.ndarray) -> "GGUFBlocks":
+        index = np.asarray(index)
+        return GGUFBlocks(self.kind, (int(index.size), self.shape[1]), np.ascontiguousarray(self.data[index]))
+
+
+def _gguf_blocks(tensor: Any) -> GGUFBlocks | None:
+    """A block-type 2-D tensor with a copy of its bytes (so the file's
+    buffer is freed), or None for float tensors."""
+    if tensor.tensor_type.name in _FLOAT_TYPES or len(tensor.shape) != 2:
+        return None
+    cols, rows = (int(d) for d in tensor.shape)
+    data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
+    return GGUFBlocks(tensor.tensor_type.name.lower(), (rows, cols), data)
+
+
 def _gguf_tensor(tensor: Any) -> np.ndarray:
     """Dequantized float32 array in numpy order (GGUF lists dims reversed)."""
     from gguf.quants import dequantize
@@ -421,7 +459,7 @@ def read_gguf(path):
     return reader
 
 
-def _load_gguf(path: Path, progress: bool) -> Checkpoint:
+def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpoint:
     import gguf
 
     reader = read_gguf(path)
@@ -442,11 +480,18 @@ def _load_gguf(path: Path, progress: bool) -> Checkpoint:
         if tensor.name in _GGUF_SKIPPED:
             continue
         name = _hf_name(tensor.name)
-        array = _gguf_tensor(tensor)
+        blocks = _gguf_blocks(tensor) if keep_blocks else None
+        array = _gguf_tensor(tensor) if blocks is None else blocks
+        n_head = None
         if spec.permute_qk and ".self_attn.q_proj." in name:
-            array = _unpermute_rows(array, config["num_attention_heads"])
+            n_head = config["num_attention_heads"]
         elif spec.permute_qk and ".self_attn.k_proj." in name:
-            array = _unpermute_rows(array, config["num_key_value_heads"])
+            n_head = config["num_key_value_heads"]
+        if n_head is not None and blocks is not None:      # a row gather on the raw bytes
+            rows = np.arange(blocks.shape[0])
+            array = blocks.take_rows(_unpermute_rows(rows, n_head))
+        elif n_head is not None:
+            array = _unpermute_rows(array, n_head)
         weights[name] = array
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="gguf",
                       generation_config=generation.from_gguf_fields(fields))

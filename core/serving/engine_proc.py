@@ -314,10 +314,12 @@ def engine_main(argv: list[str] | None = None) -> int:
         engine = EngineCore(FdxConfig.model_validate(json.loads(config_json)), progress=False)
         kernels = engine.backend.kernel_summary()  # the compiled build and the probed kernel table
         warm_up(engine)
+        from fdx.core.checkpoint.model import held_weight_bytes
+        from fdx.core.memory import rss_bytes
         outbox.send(_encoder.encode(EngineReady(
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
             int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe(), kernels,
-            dict(engine.generation_config))))
+            dict(engine.generation_config), held_weight_bytes(engine.model), rss_bytes())))
         loop = EngineLoop(engine, inbox, outbox, args.parent_pid)
         signal.signal(signal.SIGTERM, loop.on_sigterm)    # in place of Paddle's fatal-error dump
         beat.loop = loop

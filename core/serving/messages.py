@@ -69,6 +69,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     backend: str
     kernels: str = ""                        # what fdx.ops.cpp.prepare() did: built, loaded, or unavailable
     generation_config: dict[str, int | float] = {}   # the model's sampling defaults (core/generation.py)
+    weight_bytes: dict[str, int] = {}        # weights held, by kind ("q4_1", "f32", ...; model.weight_bytes())
+    resident_bytes: int = 0                  # the engine process's resident set when it became ready
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

@@ -69,6 +69,9 @@ class EngineView:
             "model": server.model_name,
             "max_model_len": server.max_model_len,
             "kernels": ready.kernels if ready else "",
+            "weights": {"bytes": sum(ready.weight_bytes.values()) if ready else 0,   # held, by kind
+                        "by_kind": dict(ready.weight_bytes) if ready else {},
+                        "engine_resident_bytes_at_ready": ready.resident_bytes if ready else 0},
             "time": now,
             "num_running": int(s.num_running) if s else 0,
             "num_waiting": int(s.num_waiting) if s else 0,

@@ -377,7 +377,7 @@ class Worker:
 
     def __init__(self, config, rank: int, world: int, threads: int):
         from fdx.core.assembly import Assembly
-        from fdx.core.checkpoint.loader import load_checkpoint
+        from fdx.core.checkpoint.model import load_model
         from fdx.core.engine import select_backend
         from fdx.core.plugins import get_plugin_manager
 
@@ -388,7 +388,6 @@ class Worker:
         backend.setup(config)
         self.assembly = Assembly(config, pm, backend)       # the engine's, built the same way
 
-        import paddle
         import paddle.distributed as dist
         dist.init_parallel_env()
 
@@ -396,14 +395,13 @@ class Worker:
             dist.all_reduce(t)
             return t
 
-        ckpt = load_checkpoint(config.model.model, progress=False)
-        arch = (ckpt.config.get("architectures") or ["?"])[0]
-        model = self.model = self.assembly.pick("model", "model.model", arch)(ckpt.config, ckpt.weights)
+        model, ckpt = load_model(config, pm, backend.kernels, progress=False)   # in model.quantization's format
+        self.model = model
         model.shard(rank, world, all_reduce)
         self.tokenizer = ckpt.tokenizer
         del ckpt
         if rank != 0:        # the other ranks never read logits: a 1-wide head instead of the vocabulary
-            model.lm_head = paddle.zeros([model.lm_head.shape[0], 1], dtype=model.lm_head.dtype)
+            model.drop_lm_head()
         self.dtype = backend.dtypes[0] if config.model.dtype == "auto" else config.model.dtype
         backend.prepare_model(model, self.dtype)
         self.attention = self.assembly.attention()

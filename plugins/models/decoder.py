@@ -5,10 +5,15 @@ switches: biases, per-head q/k norms, rotary pairing and defaults. Each
 architecture module is a thin subclass of `DecoderForCausalLM` that turns
 its Hugging Face config.json into a `DecoderConfig`.
 
-Layout, chosen once at load (see DESIGN.md, "Facts measured"):
-linear weights as [in, out]; q/k/v fused into one [hidden, (H + 2*KVH) * D]
-weight; gate/up fused into [hidden, 2 * I]; the lm_head kept as a
-pre-transposed [hidden, vocab] copy even when tied to the embedding.
+Every matrix (linear layers, embedding, LM head) is a ``LinearWeight``
+that the weight format (``model.quantization``, core/interfaces.py) made:
+the model calls ``matmul``, ``embedding``, ``take_rows`` / ``take_cols``
+and ``cast`` on it and never sees the storage. q/k/v are fused into one
+``[(H + 2*KVH) * D, hidden]`` weight and gate/up into ``[2 * I, hidden]``
+(``WeightFormat.fuse``). With the float32 format (``none``) the layout is
+the one chosen for speed (DESIGN.md, "Facts measured"): linear weights as
+[in, out] and a pre-transposed lm_head copy even when tied; a quantized
+tied head reads the embedding's own table.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import Any, Callable, ClassVar
 import numpy as np
 import paddle
 
-from fdx.core.interfaces import AttentionContext
+from fdx.core.interfaces import AttentionContext, LinearWeight, WeightFormat
 from fdx.ops.activation import silu_and_mul
 from fdx.ops.norm import add_rms_norm, rms_norm
 from fdx.ops.rotary import RotaryEmbedding
@@ -165,25 +170,32 @@ def build_rotary(cfg: DecoderConfig) -> RotaryEmbedding:
 # --- weights -------------------------------------------------------------------
 
 class _Weights:
-    """Takes HF-named numpy arrays out of the caller's dict (freeing each as
-    it is converted) and checks every shape."""
+    """Takes HF-named tensors out of the caller's dict (freeing each as it
+    is converted), checks every shape, and hands each matrix to the weight
+    format."""
 
-    def __init__(self, arch: str, weights: dict[str, np.ndarray]):
-        self.arch, self.weights = arch, weights
+    def __init__(self, arch: str, weights: dict[str, Any], fmt: WeightFormat):
+        self.arch, self.weights, self.fmt = arch, weights, fmt
 
-    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def _pop(self, name: str, shape: tuple[int, ...]) -> Any:
         if name not in self.weights:
             raise ValueError(f"{self.arch}: missing weight {name!r}")
-        w = np.asarray(self.weights.pop(name), dtype=np.float32)
-        if w.shape != shape:
-            raise ValueError(f"{self.arch}: weight {name!r} has shape {w.shape}, expected {shape}")
+        w = self.weights.pop(name)
+        got = tuple(w.shape) if hasattr(w, "kind") else np.shape(w)   # a QuantizedTensor, or an array
+        if got != shape:
+            raise ValueError(f"{self.arch}: weight {name!r} has shape {got}, expected {shape}")
         return w
 
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return np.asarray(self._pop(name, shape), dtype=np.float32)
+
+    def matrix(self, name: str, shape: tuple[int, int], role: str = "linear") -> LinearWeight:
+        return self.fmt.load(name, self._pop(name, shape), role)
+
     def fused(self, names: list[str], in_dim: int, out_dims: list[int], bias: bool
-              ) -> tuple[Tensor, Tensor | None]:
-        """Fuse HF [out, in] linears along out into one [in, sum(out)] weight."""
-        ws = [self.take(f"{n}.weight", (o, in_dim)) for n, o in zip(names, out_dims)]
-        weight = paddle.to_tensor(np.ascontiguousarray(np.concatenate(ws, axis=0).T))
+              ) -> tuple[LinearWeight, Tensor | None]:
+        """Fuse HF [out, in] linears along out (rows) into one weight."""
+        weight = self.fmt.fuse([self.matrix(f"{n}.weight", (o, in_dim)) for n, o in zip(names, out_dims)])
         if not bias:
             return weight, None
         bs = [self.take(f"{n}.bias", (o,)) for n, o in zip(names, out_dims)]
@@ -195,19 +207,18 @@ class _Weights:
 
 # --- blocks --------------------------------------------------------------------
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x @ weight [in, out] (+ bias). Faster than F.linear in eager Paddle 3.3
-    on CPU: 30 against 39 us for [1, 576] @ [576, 960]."""
-    y = paddle.matmul(x, weight)
+def linear(x: Tensor, weight: LinearWeight, bias: Tensor | None) -> Tensor:
+    """x [M, in] @ weight.T (+ bias), by the weight format's product."""
+    y = weight.matmul(x)
     return y if bias is None else y + bias
 
 
-def row_parallel(x: Tensor, weight: Tensor, bias: Tensor | None,
+def row_parallel(x: Tensor, weight: LinearWeight, bias: Tensor | None,
                  reduce: Callable[[Tensor], Tensor] | None) -> Tensor:
     """``linear`` whose input rows are split over tensor-parallel ranks: each
     rank's partial product is summed (``reduce``) before the bias, which is
     added once."""
-    y = paddle.matmul(x, weight)
+    y = weight.matmul(x)
     if reduce is not None:
         y = reduce(y)
     return y if bias is None else y + bias
@@ -224,7 +235,8 @@ class Attention:
         self.scale = cfg.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
         self.rope = rope
-        p = f"{prefix}.self_attn"
+        p = self.prefix = f"{prefix}.self_attn"
+        self.fmt = w.fmt
         self.wqkv, self.bqkv = w.fused([f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"], cfg.hidden_size,
                                        [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
         self.wo, self.bo = w.fused([f"{p}.o_proj"], self.q_size, [cfg.hidden_size], cfg.o_bias)
@@ -255,16 +267,16 @@ class Attention:
         return row_parallel(out.reshape([n, self.q_size]), self.wo, self.bo, self.reduce)
 
     def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
-        """Keep this rank's query heads and their KV heads: its columns of
-        the fused q/k/v weight and its rows of o_proj."""
+        """Keep this rank's query heads and their KV heads: its rows (output
+        features) of the fused q/k/v weight and its columns of o_proj."""
         h, kvh, d = self.num_heads // world, self.num_kv_heads // world, self.head_dim
         q_cols = np.arange(rank * h * d, (rank + 1) * h * d)
         k_cols = self.q_size + np.arange(rank * kvh * d, (rank + 1) * kvh * d)
         v_cols = k_cols + self.kv_size
         cols = np.concatenate([q_cols, k_cols, v_cols])
-        self.wqkv = _take(self.wqkv, cols, axis=1)
+        self.wqkv = self.wqkv.take_rows(cols)
         self.bqkv = None if self.bqkv is None else _take(self.bqkv, cols, axis=0)
-        self.wo = _take(self.wo, q_cols, axis=0)
+        self.wo = self.fmt.shard_cols(f"{self.prefix}.o_proj.weight", self.wo, int(q_cols[0]), int(q_cols[-1]) + 1)
         self.num_heads, self.num_kv_heads = h, kvh
         self.q_size, self.kv_size = h * d, kvh * d
         self.reduce = reduce
@@ -273,6 +285,7 @@ class Attention:
 class FeedForward:
     def __init__(self, cfg: DecoderConfig, w: _Weights, prefix: str):
         p, i = f"{prefix}.mlp", cfg.intermediate_size
+        self.prefix, self.fmt = p, w.fmt
         self.w_gate_up, self.b_gate_up = w.fused([f"{p}.gate_proj", f"{p}.up_proj"],
                                                  cfg.hidden_size, [i, i], cfg.mlp_bias)
         self.w_down, self.b_down = w.fused([f"{p}.down_proj"], i, [cfg.hidden_size], cfg.mlp_bias)
@@ -284,14 +297,15 @@ class FeedForward:
                             self.w_down, self.b_down, self.reduce)
 
     def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
-        """Keep this rank's intermediate columns of gate and up (the fused
-        weight stays [gate | up]) and the same rows of down_proj."""
+        """Keep this rank's intermediate rows of gate and up (the fused
+        weight stays [gate | up]) and the same columns of down_proj."""
         i, n = self.intermediate_size, self.intermediate_size // world
         mine = np.arange(rank * n, (rank + 1) * n)
         cols = np.concatenate([mine, i + mine])
-        self.w_gate_up = _take(self.w_gate_up, cols, axis=1)
+        self.w_gate_up = self.w_gate_up.take_rows(cols)
         self.b_gate_up = None if self.b_gate_up is None else _take(self.b_gate_up, cols, axis=0)
-        self.w_down = _take(self.w_down, mine, axis=0)
+        self.w_down = self.fmt.shard_cols(f"{self.prefix}.down_proj.weight", self.w_down,
+                                          rank * n, (rank + 1) * n)
         self.intermediate_size = n
         self.reduce = reduce
 
@@ -322,10 +336,12 @@ class DecoderLayer:
 # --- the model -----------------------------------------------------------------
 
 class DecoderForCausalLM:
-    """Construct with the HF config.json dict and HF-named float32 numpy
-    weights. The weights dict is consumed: each entry is popped as it is
-    converted, so the numpy copy is freed once the caller drops its own
-    references; entries the model does not use are left in it."""
+    """Construct with the HF config.json dict and HF-named weights (float32
+    numpy, or ``QuantizedTensor`` for a GGUF block tensor when the format
+    keeps blocks), and the weight format (None: float32, ``none``). The
+    weights dict is consumed: each entry is popped as it is converted, so
+    the numpy copy is freed once the caller drops its own references;
+    entries the model does not use are left in it."""
 
     architecture: ClassVar[str] = "DecoderForCausalLM"
 
@@ -333,7 +349,12 @@ class DecoderForCausalLM:
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
         raise NotImplementedError
 
-    def __init__(self, config: dict[str, Any], weights: dict[str, np.ndarray]):
+    def __init__(self, config: dict[str, Any], weights: dict[str, Any],
+                 weight_format: WeightFormat | None = None):
+        if weight_format is None:
+            from fdx.plugins.models.weight_formats import NoQuantization
+            weight_format = NoQuantization()
+        self.weight_format = weight_format
         cfg = self.cfg = self.parse_config(config)
         self.num_layers = cfg.num_layers
         self.num_heads = cfg.num_heads
@@ -344,16 +365,13 @@ class DecoderForCausalLM:
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
 
-        w = _Weights(self.architecture, weights)
-        embed = w.take("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        w = _Weights(self.architecture, weights, weight_format)
+        self.embed_tokens = w.matrix("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "embedding")
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-            head = embed
+            self.lm_head = weight_format.tied_head(self.embed_tokens)
         else:
-            head = w.take("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
-        self.lm_head = paddle.to_tensor(np.ascontiguousarray(head.T))
-        self.embed_tokens = paddle.to_tensor(embed)
-        del embed, head
+            self.lm_head = w.matrix("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "lm_head")
 
         rope = build_rotary(cfg)
         self.layers = [DecoderLayer(cfg, w, i, rope) for i in range(cfg.num_layers)]
@@ -375,6 +393,24 @@ class DecoderForCausalLM:
             layer.mlp.shard(rank, world, reduce)
         self.num_heads, self.num_kv_heads = cfg.num_heads // world, cfg.num_kv_heads // world
 
+    def drop_lm_head(self) -> None:
+        """A rank that never reads logits (tensor parallel ranks above 0):
+        a 1-wide float32 head in place of the vocabulary."""
+        from fdx.plugins.models.weight_formats import DenseWeight
+        self.lm_head = DenseWeight(paddle.zeros([self.cfg.hidden_size, 1], dtype=getattr(self, "dtype", "float32")))
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights held, by kind ("q4_1", "f32", ...): every
+        matrix, norm and bias once (a tied head that reads the embedding's
+        table is not counted twice), rotary tables left out."""
+        from fdx.plugins.models.weight_formats import weight_bytes
+        held = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
+        for layer in self.layers:
+            a, m = layer.attn, layer.mlp
+            held += [layer.input_norm, layer.post_norm, a.wqkv, a.bqkv, a.wo, a.bo, a.q_norm, a.k_norm,
+                     m.w_gate_up, m.b_gate_up, m.w_down, m.b_down]
+        return weight_bytes(held)
+
     def cast(self, dtype: str) -> None:
         """Hold every weight (and the rotary tables) in ``dtype``; logits come
         out in it too (the runner reads them as float32)."""
@@ -382,8 +418,11 @@ class DecoderForCausalLM:
             for name in names:
                 t = getattr(obj, name)
                 if t is not None:
-                    setattr(obj, name, t.astype(dtype))
-        conv(self, ("embed_tokens", "lm_head", "norm"))
+                    setattr(obj, name, t.cast(dtype) if isinstance(t, LinearWeight) else t.astype(dtype))
+        tied = self.lm_head is self.embed_tokens
+        conv(self, ("embed_tokens", "norm") if tied else ("embed_tokens", "lm_head", "norm"))
+        if tied:
+            self.lm_head = self.embed_tokens
         ropes = set()
         for layer in self.layers:
             conv(layer, ("input_norm", "post_norm"))
@@ -399,7 +438,7 @@ class DecoderForCausalLM:
         """Run the new tokens of a mixed batch; float32 logits [M, vocab]
         for the rows in ``logits_indices`` only. ``meta`` is an
         ``AttentionContext``: the attention backend and the step's metadata."""
-        x = paddle.gather(self.embed_tokens, input_ids)
+        x = self.embed_tokens.embedding(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, kv_cache, meta)
@@ -407,7 +446,7 @@ class DecoderForCausalLM:
         x = paddle.gather(x, logits_indices)
         if self.capture_hidden_states:
             self.last_hidden_states = x
-        return paddle.matmul(x, self.lm_head)
+        return self.lm_head.matmul(x)
 
     __call__ = forward
 

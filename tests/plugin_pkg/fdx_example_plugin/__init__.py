@@ -12,6 +12,8 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
 - ``stop-after`` logits processor: a per-request argument
   (``extra_args={"stop_after": n}``) ends a request after n tokens.
 - ``example-memory`` KV connector: a host-memory store of whole prompts.
+- ``example-int8`` weight format: every matrix (linear layers, embedding,
+  LM head) as int8 with one float32 scale for the whole tensor.
 - an observer of every step, through the ``StepContext``.
 """
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AdmissionRule, AttentionBackend, Backend, KVCacheManager, KVConnector,
-                                 LogitsProcessor, PreemptionPolicy, QueuePolicy, ResourceManager)
+                                 LinearWeight, LogitsProcessor, PreemptionPolicy, QueuePolicy, ResourceManager,
+                                 WeightFormat)
 from fdx.core.kernels import KernelTable
 from fdx.core.scheduling import SchedulingCore
 
@@ -501,6 +504,59 @@ def fdx_register_logits_processors(register):
 @hookimpl
 def fdx_register_connectors(register):
     register("example-memory", MemoryStore)
+
+
+# --- a weight format -------------------------------------------------------------------
+
+class TensorInt8(LinearWeight):
+    """int8 values ``[rows, cols]`` and one scale for the whole tensor;
+    every product dequantizes (a toy: small memory, slow products)."""
+
+    kind = "example-int8"
+
+    def __init__(self, q: np.ndarray, scale: float):
+        self.q, self.scale, self.shape = q, scale, q.shape
+
+    @classmethod
+    def quantize(cls, w: np.ndarray) -> "TensorInt8":
+        scale = float(np.abs(w).max()) / 127 or 1.0
+        return cls(np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale)
+
+    @property
+    def nbytes(self):
+        return self.q.nbytes + 4
+
+    def dequantize(self):
+        return self.q.astype(np.float32) * np.float32(self.scale)
+
+    def matmul(self, x):
+        import paddle
+        y = paddle.matmul(x.astype("float32"), paddle.to_tensor(self.dequantize()), transpose_y=True)
+        return y.astype(x.dtype)
+
+    def embedding(self, ids):
+        import paddle
+        rows = self.q[ids.numpy()]
+        return paddle.to_tensor(rows.astype(np.float32) * np.float32(self.scale))
+
+    def take_rows(self, index):
+        return TensorInt8(np.ascontiguousarray(self.q[np.asarray(index)]), self.scale)
+
+    def take_cols(self, start, stop):
+        return TensorInt8(np.ascontiguousarray(self.q[:, start:stop]), self.scale)
+
+
+class TensorInt8Format(WeightFormat):
+    """``model.quantization: example-int8``: float32 checkpoint tensors (GGUF
+    blocks arrive dequantized: keeps_blocks is False) quantized per tensor."""
+
+    def load(self, name, tensor, role):
+        return TensorInt8.quantize(np.asarray(tensor, dtype=np.float32))
+
+
+@hookimpl
+def fdx_register_weight_formats(register):
+    register("example-int8", TensorInt8Format)
 
 
 @hookimpl

@@ -1,0 +1,90 @@
+"""From config to a loaded model: the weight format ``model.quantization``
+names, the checkpoint read as that format wants it, and the model class of
+its architecture built over both. The engine and the tensor-parallel
+workers build their model here, and nowhere else."""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from fdx.core.checkpoint.loader import Checkpoint, load_checkpoint
+from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.interfaces import WeightFormat
+from fdx.core.kernels import REFERENCE, KernelTable
+from fdx.core.plugins import PluginError, PluginManager
+
+log = logging.getLogger("fdx.checkpoint")
+
+KEY = "model.quantization"
+
+
+def weight_format(config: FdxConfig, plugins: PluginManager, kernels: KernelTable = REFERENCE) -> WeightFormat:
+    """The weight format ``model.quantization`` names, constructed with the
+    backend's kernel table and its ``plugins.weight_format.<name>``
+    settings; a ConfigError naming the key when there is none or it
+    refuses its settings."""
+    name = config.model.quantization
+    try:
+        cls = plugins.get("weight_format", name)
+    except PluginError as e:
+        raise ConfigError(f"config key '{KEY}': {e}") from None
+    settings = dict(config.plugins.get("weight_format", {}).get(name, {}) or {})
+    try:
+        return cls(kernels, settings)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config key 'plugins.weight_format.{name}': {e}") from None
+
+
+def _takes_weight_format(cls: Any) -> bool:
+    try:
+        return "weight_format" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable = REFERENCE,
+               progress: bool = True) -> tuple[Any, Checkpoint]:
+    """(model, checkpoint) for ``config.model``: the checkpoint keeps its
+    config and tokenizer, its weights now live in the model. A format's
+    refusal of a tensor (a ValueError naming a config key) is a ConfigError."""
+    fmt = weight_format(config, plugins, kernels)
+    ckpt = load_checkpoint(config.model.model, progress=progress, keep_blocks=fmt.keeps_blocks)
+    arch = (ckpt.config.get("architectures") or ["?"])[0]
+    if arch not in plugins.names("model"):
+        raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
+                         f"supported: {', '.join(plugins.names('model'))}")
+    cls = plugins.get("model", arch)
+    try:
+        if _takes_weight_format(cls):
+            model = cls(ckpt.config, ckpt.weights, weight_format=fmt)
+        elif config.model.quantization != "none":
+            raise ConfigError(f"config key '{KEY}': the model class {cls.__name__} ({arch}) takes float32 "
+                              "weights only (its constructor has no weight_format argument); use none")
+        else:
+            model = cls(ckpt.config, ckpt.weights)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        if str(e).startswith("config key "):
+            raise ConfigError(str(e)) from None
+        raise
+    ckpt.weights = {}
+    held = held_weight_bytes(model)
+    if held:
+        log.info("weights (%s): %s", fmt.describe(), format_bytes(held))
+    return model, ckpt
+
+
+def held_weight_bytes(model: Any) -> dict[str, int]:
+    """kind -> bytes of weights ``model`` holds ({} for a model class that
+    does not say: ``weight_bytes()`` is optional in the model contract)."""
+    held = getattr(model, "weight_bytes", None)
+    return dict(held()) if held is not None else {}
+
+
+def format_bytes(by_kind: dict[str, int]) -> str:
+    """'98.2 MB (q4_1 66.4, q8_0 30.1, f32 1.7)'."""
+    total = sum(by_kind.values())
+    parts = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+    return f"{total / 1e6:.1f} MB ({parts})"
