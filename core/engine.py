@@ -10,7 +10,7 @@ import itertools
 import logging
 import numbers
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fdx.core.assembly import Assembly
@@ -59,6 +59,10 @@ class ModelShape:
     max_position_embeddings: int
     cfg: Any                            # the architecture's parsed config (intermediate_size, ...)
     shardable: bool = True
+    held: tuple[tuple[str, int], ...] = ()     # (kind, bytes) the workers hold, summed over the ranks
+
+    def weight_bytes(self) -> dict[str, int]:
+        return dict(self.held)
 
     @classmethod
     def of(cls, model_cls, config: dict) -> "ModelShape":
@@ -106,6 +110,8 @@ class EngineCore:
         if launch is not None and hasattr(model_cls, "parse_config"):
             self.model = ModelShape.of(model_cls, ckpt.config)     # the workers load the weights
             self.executor = launch(config, self.model)
+            held = getattr(self.executor, "weight_bytes", None) or {}
+            self.model = replace(self.model, held=tuple(held.items()))
         else:
             if launch is not None:      # a model class with no parse_config: its shape from a copy
                 self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress)

@@ -363,12 +363,12 @@ def quant_supported(w) -> bool:
     return w.kind != "wint4" or (w.group_size % 32 == 0 and w.shape[1] % w.group_size == 0)
 
 
-def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) -> paddle.Tensor:
+def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) -> paddle.Tensor | None:
     """x [..., cols] @ w.T -> [..., rows] by one build of csrc/quant_kernels.h,
-    whose ops the declared implementations below hand in."""
+    whose ops the declared implementations below hand in; None for a weight
+    or input the kernels cannot take (``quant.matmul`` then runs the reference)."""
     if not quant_supported(w) or x.dtype != paddle.float32:
-        from fdx.ops.quant import reference_matmul
-        return reference_matmul(x, w)
+        return None
     data, scales = w.tensors()
     x2 = _rows(x)
     args = (_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1], w.group_size)

@@ -151,7 +151,10 @@ def matmul(x: Tensor, w: QuantizedTensor) -> Tensor:
     table = kernels.active()
     for name, fn in KERNELS.get(w.kind, ()):
         if table.usable(name):
-            return fn(x, w)
+            out = fn(x, w)                  # None: a shape the kernels cannot take (no whole blocks)
+            if out is not None:
+                return out
+            break
     return reference_matmul(x, w)
 
 
@@ -160,7 +163,8 @@ def embedding(ids: np.ndarray, w: QuantizedTensor) -> Tensor:
     return paddle.to_tensor(w.dequantize(np.asarray(ids).reshape(-1)))
 
 
-# kind -> its kernels, best first: (kernel-table name, function(x, w) -> Tensor).
+# kind -> its kernels, best first: (kernel-table name, function(x, w) -> Tensor, or None
+# for a shape it cannot take).
 # Each name also needs a probe in fdx.ops.probes and a place in the backend's
 # list of kernels it probes (fdx.plugins.backends.cpu).
 KERNELS: dict[str, tuple[tuple[str, object], ...]] = {}

@@ -34,7 +34,10 @@ def test_perplexity_of_a_quantized_file_equals_transformers_on_its_values(files,
     chunks = chunk_prompts(ids, 32, 1)
     assert r["chunks"] == 3 == len(chunks) and all(c[0] == 1 for c in chunks)
     assert r["tokens_scored"] == 3 * 15
-    assert r["perplexity"] == pytest.approx(brute_force_ppl(model, chunks, 32), rel=1e-4)
+    # fp32 products: to float rounding. Quantized products quantize the activations to int8 per
+    # 32-element block (as llama.cpp does), which moves this tiny model's perplexity by ~0.05%.
+    rel = 1e-4 if quantization == "none" else 3e-3
+    assert r["perplexity"] == pytest.approx(brute_force_ppl(model, chunks, 32), rel=rel)
 
 
 def test_a_text_shorter_than_one_chunk_is_refused():

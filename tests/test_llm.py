@@ -24,11 +24,14 @@ GREEDY32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 NEAR_TIE = 1e-4
 
 
-def hf_greedy(model, prompt_ids: list[int], n: int, follow: list[int] | None = None) -> list[int]:
+def hf_greedy(model, prompt_ids: list[int], n: int, follow: list[int] | None = None,
+              near_tie: float = NEAR_TIE, rel_tie: float = 0.0) -> list[int]:
     """Plain greedy decoding with transformers, eos not special (as ignore_eos).
 
     ``follow`` is the other side's greedy tokens: where transformers' top two
-    are a near-tie (within NEAR_TIE) and ``follow`` took the other of them,
+    are a near-tie (within ``near_tie``, NEAR_TIE unless told, or within
+    ``rel_tie`` of the step's logit range, for kernels with a known relative
+    error) and ``follow`` took the other of them,
     transformers goes on with that token too, so that a rounding does not end
     the comparison; a token outside the tie is never followed."""
     ids = list(prompt_ids)
@@ -41,7 +44,7 @@ def hf_greedy(model, prompt_ids: list[int], n: int, follow: list[int] | None = N
             logits = out.logits[0, -1]
             tok = int(logits.argmax())
             if follow is not None and i < len(follow) and follow[i] != tok and \
-                    float(logits[tok] - logits[follow[i]]) < NEAR_TIE:
+                    float(logits[tok] - logits[follow[i]]) < max(near_tie, rel_tie * float(logits.max() - logits.min())):
                 tok = follow[i]
             ids.append(tok)
             nxt = torch.tensor([[tok]])

@@ -121,7 +121,7 @@ def format_perplexity(r: dict) -> str:
 
 
 def cmd(args) -> int:
-    from fdx.core.cli import _make_llm
+    from fdx.core.engine_args import _make_llm
     text_path = args.text or default_text_path()
     text = pathlib.Path(text_path).read_text(encoding="utf-8", errors="replace")
     if args.max_model_len is None:
@@ -144,7 +144,7 @@ def cmd(args) -> int:
 
 def add_parser(bench_subparsers) -> None:
     """Add ``fdx bench perplexity`` to the ``fdx bench`` sub-commands."""
-    from fdx.core.cli import _add_engine_args
+    from fdx.core.engine_args import _add_engine_args
     p = bench_subparsers.add_parser("perplexity", help="perplexity of a text, computed as llama-perplexity does")
     p.add_argument("--text", default=None,
                    help="a UTF-8 text file (default: Newton's Opticks, public domain, shipped by apache-tvm-ffi)")

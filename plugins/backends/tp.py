@@ -85,6 +85,7 @@ class WorkerAllocate(msgspec.Struct, tag="allocate"):
 
 class WorkerLoaded(msgspec.Struct, tag="loaded"):
     rank: int
+    weight_bytes: dict[str, int] = {}   # kind -> bytes of this rank's shard (the model's weight_bytes())
 
 
 class WorkerBudget(msgspec.Struct, tag="budget"):
@@ -187,7 +188,11 @@ class TensorParallelExecutor:
             proc.stdin.write(payload.encode())
             proc.stdin.close()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
-        self._gather(WorkerLoaded, "loading the model", time.monotonic() + READY_TIMEOUT_S)
+        loaded = self._gather(WorkerLoaded, "loading the model", time.monotonic() + READY_TIMEOUT_S)
+        self.weight_bytes: dict[str, int] = {}      # kind -> bytes, summed over the ranks
+        for msg in loaded.values():
+            for kind, n in msg.weight_bytes.items():
+                self.weight_bytes[kind] = self.weight_bytes.get(kind, 0) + n
 
     def _gather(self, kind, doing: str, deadline: float | None) -> dict:
         """One ``kind`` message from every rank: {rank: message}."""
@@ -459,7 +464,8 @@ def worker_main(argv: list[str] | None = None) -> int:
         from fdx.core.config import FdxConfig
         config = FdxConfig.model_validate(payload["config"])
         worker = Worker(config, args.rank, args.world, args.threads)
-        results.send(_encoder.encode(WorkerLoaded(args.rank)))
+        from fdx.core.checkpoint.model import held_weight_bytes
+        results.send(_encoder.encode(WorkerLoaded(args.rank, held_weight_bytes(worker.model))))
         while True:
             while not steps.poll(500):
                 if os.getppid() != args.parent_pid:
