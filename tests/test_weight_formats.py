@@ -262,8 +262,12 @@ def test_bad_format_setting_names_its_key(files):
         LLM(str(path), quantization="auto", **{"plugins.weight_format.auto": {"without_kernel": "maybe"}}, **TINY)
 
 
-def test_auto_without_a_kernel_can_hold_fp32(files, caplog):
+def test_auto_without_a_kernel_can_hold_fp32(files, caplog, monkeypatch):
+    """A kind none of whose kernels the backend's table lists (here q4_0's
+    made to go by a name no backend probes)."""
     import logging
+    from fdx.ops import quant
+    monkeypatch.setitem(quant.KERNELS, "q4_0", (("no-backend-probes-this", quant.reference_matmul),))
     path, model = files["q4_0"]
     with caplog.at_level(logging.INFO, logger="fdx.models.weights"):
         llm = LLM(str(path), quantization="auto", **{"plugins.weight_format.auto": {"without_kernel": "fp32"}},

@@ -271,8 +271,7 @@ class AutoFormat(_Format):
         self._logged: set[str] = set()
 
     def has_kernel(self, kind: str) -> bool:
-        impl = quant.KERNELS.get(kind)
-        return impl is not None and self.kernels.usable(impl[0])
+        return any(self.kernels.usable(n) for n, _ in quant.KERNELS.get(kind, ()))
 
     def load(self, name: str, tensor: Any, role: str) -> LinearWeight:
         if _quantized(tensor) is None:
