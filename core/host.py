@@ -88,15 +88,21 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_rss_bytes() -> int | None:
+def proc_kib_field(path: str, key: str) -> int | None:
+    """Bytes of a ``key: N kB`` line of a /proc file (/proc/meminfo,
+    /proc/self/status), None where there is no such file or line."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _peak_rss_bytes() -> int | None:
+    return proc_kib_field("/proc/self/status", "VmHWM")
 
 
 def _reset_peak_rss() -> bool:

@@ -27,14 +27,19 @@ MAX_TOKENS = 24
 SECRET = "test-shared-secret"
 
 
-def _redis_binary() -> str:
-    path = shutil.which("redis-server")
+def system_binary(name: str, package: str) -> str:
+    """``name`` on PATH, apt-installing ``package`` for the session when it is missing."""
+    path = shutil.which(name)
     if path is None:                              # for the session only: purged at its end
         from conftest import apt_install
-        apt_install("redis-server")
-        path = shutil.which("redis-server")
-    assert path, "redis-server could not be installed"
+        apt_install(package)
+        path = shutil.which(name)
+    assert path, f"{name} could not be installed"
     return path
+
+
+def _redis_binary() -> str:
+    return system_binary("redis-server", "redis-server")
 
 
 class RedisServer:
@@ -319,19 +324,9 @@ def test_a_redis_password_is_used_and_its_absence_named(tiny_checkpoints, tmp_pa
 
 # -- TLS (rediss://) -----------------------------------------------------------------------
 
-def _openssl() -> str:
-    path = shutil.which("openssl")
-    if path is None:                              # for the session only: purged at its end
-        from conftest import apt_install
-        apt_install("openssl")
-        path = shutil.which("openssl")
-    assert path, "openssl could not be installed"
-    return path
-
-
 def make_ca_and_server_cert(folder) -> dict[str, str]:
     """A throw-away CA, and a certificate it signs for 127.0.0.1 (openssl CLI)."""
-    openssl = _openssl()
+    openssl = system_binary("openssl", "openssl")
     f = {n: str(folder / n) for n in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt", "san.ext")}
 
     def run(*args):

@@ -14,7 +14,7 @@ import os
 
 from fdx.core import kernels
 from fdx.core.hookspecs import hookimpl
-from fdx.core.host import PORTABLE_ENV, available_cores, portable_kernels
+from fdx.core.host import PORTABLE_ENV, available_cores, portable_kernels, proc_kib_field
 from fdx.core.interfaces import Backend
 
 log = logging.getLogger("fdx.backends.cpu")
@@ -33,14 +33,8 @@ _logged: set[str] = set()
 
 
 def host_free_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+    free = proc_kib_field("/proc/meminfo", "MemAvailable")
+    return 4 << 30 if free is None else free
 
 
 def op_choices(table: kernels.KernelTable) -> dict[str, str]:
