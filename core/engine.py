@@ -79,8 +79,8 @@ class EngineCore:
         self.assembly = assembly = Assembly(config, plugins)
         self.backend = self._select_backend()
         dtype = self._resolve_dtype()
-        assembly.set_backend(self.backend)
         self.backend.setup(config)
+        assembly.set_backend(self.backend)       # after setup: a backend may choose its attention by a probe
         if config.backend.cuda_graph and not getattr(self.backend, "captures_cuda_graphs", False):
             raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
                               "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
