@@ -62,12 +62,28 @@ def hf_greedy_all(model, n):
     return [hf_greedy(model, p, n) for p in PROMPTS]
 
 
+def engine_with_faults(tiny_hf, monkeypatch, faults: str):
+    """An LLM on the tiny model whose probe child had ``faults`` injected:
+    (llm, its kernel table, the transformers model)."""
+    path, hf = tiny_hf
+    monkeypatch.setenv("FDX_TEST_FAULTS", faults)
+    llm = make_llm(path)
+    return llm, llm.engine.backend.kernels, hf
+
+
+def assert_transformers_tokens_without(llm, hf, monkeypatch, kernel: str) -> None:
+    """Greedy tokens equal transformers' and the compiled ``kernel`` never ran."""
+    from fdx.ops import cpp
+    calls = []
+    real = getattr(cpp, kernel)
+    monkeypatch.setattr(cpp, kernel, lambda *a: (calls.append(1), real(*a))[1])
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy_all(hf, GREEDY.max_tokens)
+    assert not calls, f"the refused {kernel} ran"
+
+
 @pytest.mark.slow
 def test_a_probe_killed_by_sigill_leads_to_the_reference_and_transformers_tokens(tiny_hf, probe_env, monkeypatch):
-    path, hf = tiny_hf
-    monkeypatch.setenv("FDX_TEST_FAULTS", "cpp.silu_and_mul=sigill,cpp.add_rms_norm=sigill")
-    llm = make_llm(path)
-    table = llm.engine.backend.kernels
+    llm, table, hf = engine_with_faults(tiny_hf, monkeypatch, "cpp.silu_and_mul=sigill,cpp.add_rms_norm=sigill")
     host = cpu_kernel_table()
     assert table.source == "probed" and probe_env() == 1 + 2 + host_deaths()   # a new child after each death
     assert table["cpp.silu_and_mul"] == table["cpp.add_rms_norm"] == "SIGILL on this CPU"
@@ -77,29 +93,16 @@ def test_a_probe_killed_by_sigill_leads_to_the_reference_and_transformers_tokens
     choices = llm.engine.backend.kernel_choices()
     assert choices["silu_and_mul"].startswith("swiglu (cpp.silu_and_mul: SIGILL on this CPU")
     assert "cpp.add_rms_norm: SIGILL on this CPU" in choices["rms_norm"]
-    calls = []
-    from fdx.ops import cpp
-    real = cpp.silu_and_mul
-    monkeypatch.setattr(cpp, "silu_and_mul", lambda x: (calls.append(1), real(x))[1])
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy_all(hf, GREEDY.max_tokens)
-    assert not calls                                                  # the refused kernel never ran
+    assert_transformers_tokens_without(llm, hf, monkeypatch, "silu_and_mul")
 
 
 @pytest.mark.slow
 def test_a_kernel_whose_numbers_differ_is_refused(tiny_hf, probe_env, monkeypatch):
-    path, hf = tiny_hf
-    monkeypatch.setenv("FDX_TEST_FAULTS", "cpp.paged_attention=wrong,swiglu=wrong")
-    llm = make_llm(path)
-    table = llm.engine.backend.kernels
+    llm, table, hf = engine_with_faults(tiny_hf, monkeypatch, "cpp.paged_attention=wrong,swiglu=wrong")
     assert table["cpp.paged_attention"].startswith("wrong result (mixed prefill and decode: max error")
     assert table["swiglu"].startswith("wrong result (")
     assert probe_env() == 1 + host_deaths()                           # refused, not dead: no child more
-    from fdx.ops import cpp
-    calls = []
-    real = cpp.paged_attention
-    monkeypatch.setattr(cpp, "paged_attention", lambda *a: (calls.append(1), real(*a))[1])
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy_all(hf, GREEDY.max_tokens)
-    assert not calls                                                  # the Paddle attention ran instead
+    assert_transformers_tokens_without(llm, hf, monkeypatch, "paged_attention")   # the Paddle attention ran
 
 
 @pytest.mark.slow
