@@ -11,13 +11,9 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# circles not removed yet, each with why; the test fails on any other one, and on one of
-# these once it is gone (so the list stays true)
-KNOWN = {
-    # the GGUF tokenizer reads a file through loader.read_gguf; moving read_gguf out
-    # waits for the weight-format work in core/checkpoint (issue 18)
-    frozenset({"fdx.core.checkpoint.loader", "fdx.core.checkpoint.tokenizer"}),
-}
+# circles not removed yet, each with why (none left: the GGUF reader moved to
+# core/checkpoint/gguf_file.py); the test fails on any other one, and on one of these once it is gone
+KNOWN: set[frozenset[str]] = set()
 
 
 def import_graph() -> dict[str, set[str]]:

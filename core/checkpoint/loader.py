@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import threading
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field as dataclass_field
@@ -22,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fdx.core import generation
+from fdx.core.checkpoint.gguf_file import read_gguf
 from fdx.core.checkpoint.tokenizer import Tokenizer
 
 __all__ = [
@@ -411,52 +411,6 @@ def _gguf_tensor(tensor: Any) -> np.ndarray:
     shape = tuple(int(d) for d in reversed(tensor.shape))
     # Plain F32 tensors come back as read-only views of the memory map: copy them.
     return np.require(array.reshape(shape), np.float32, ["C", "O", "W"])
-
-
-_memmap_lock = threading.Lock()
-
-
-def read_gguf(path):
-    """Parse a GGUF file from memory rather than a memmap: GGUFReader walks
-    the vocabulary element by element, and numpy.memmap's per-slice
-    overhead made that 3-4x slower (7 s against 2 s for SmolLM2).
-
-    A file that is not GGUF, truncated or corrupt raises a ValueError that
-    names the file and what is wrong."""
-    import gguf
-
-    class _Truncated(Exception):
-        pass
-
-    class CheckedReader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs, fields):
-            end = 0                               # where the last tensor's data ends
-            for field in fields:
-                dims, raw_dtype, offset = field.parts[3], field.parts[4], field.parts[5]
-                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
-                end = max(end, start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block)
-            if end > len(self.data):
-                raise _Truncated(end)
-            super()._build_tensors(start_offs, fields)
-
-    data = np.fromfile(str(path), dtype=np.uint8)
-    if data[:4].tobytes() != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file: it does not start with the GGUF magic bytes "
-                         f"(it starts with {data[:4].tobytes()!r}, {data.size} bytes in all)")
-    with _memmap_lock:
-        saved = np.memmap
-        np.memmap = lambda *a, **k: data  # GGUFReader.__init__ calls np.memmap(path, mode=...)
-        try:
-            reader = CheckedReader(str(path))
-        except _Truncated as e:
-            raise ValueError(f"{path} is truncated: its tensors need {e.args[0]} bytes but the file has "
-                             f"{data.size}") from None
-        except Exception as e:
-            raise ValueError(f"{path} is truncated or corrupt: reading its GGUF metadata and tensor index failed "
-                             f"({data.size} bytes; {type(e).__name__}: {e})") from None
-        finally:
-            np.memmap = saved
-    return reader
 
 
 def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpoint:
