@@ -274,3 +274,62 @@ def test_a_failed_tool_is_named_by_its_error_line_not_its_backtrace():
     assert peers._tail(crash).startswith("common.cpp:2158: get_sub_batch: failed to add token")
     assert peers._tail("loading\nall went wrong here\n") == "all went wrong here"
     assert peers._tail("") == "no output"
+
+
+# -- --quant: the same comparison on each quantized GGUF type ------------------------------------
+
+def test_quant_types_are_checked_and_named_by_the_flag():
+    assert peers.quant_types("q4_1, Q8_0,q4_k_m,Q8_0") == ["Q4_1", "Q8_0", "Q4_K_M"]
+    for bad in ("", "Q3_X", "F32,IQ2"):
+        with pytest.raises(ValueError, match="--quant"):
+            peers.quant_types(bad)
+    assert peers.fdx_quant_args("F32") == ["--quantization", "none"]
+    assert peers.fdx_quant_args("Q4_K_M") == ["--quantization", "auto"]
+
+
+def test_a_file_already_of_the_type_is_used_as_it_is(tmp_path):
+    """The embedded SmolLM2 is a Q4_1 file (general.file_type 3): --quant Q4_1
+    compares on it, with no llama-quantize run (the binary need not exist)."""
+    from fdx.core.checkpoint.loader import default_model_path
+    model = Path(default_model_path())
+    assert peers.gguf_file_type(model) == peers._FILE_TYPES["Q4_1"]
+    assert peers.make_quant(tmp_path / "no-such-llama-quantize", model, "Q4_1", root=tmp_path) == model
+
+
+def test_other_types_are_quantized_from_the_f32_file_once(tmp_path):
+    """A stand-in llama-quantize (llama.cpp is not built in CI) that logs its
+    arguments: Q8_0 is made from the F32 file, which is made from the source,
+    and both are cached."""
+    from fdx.core.checkpoint.loader import default_model_path
+    model = Path(default_model_path())
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "llama-quantize"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nfor a; do prev2=$prev; prev=$out; out=$a; done\n'
+                    f'cp "$prev2" "$prev"\n')
+    fake.chmod(0o755)
+    out = peers.make_quant(fake, model, "Q8_0", root=tmp_path)
+    assert out.name == "SmolLM2-135M-Instruct.Q8_0.gguf" and out.is_file()
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith(f"--allow-requantize {model} ") and lines[0].endswith(" F32")
+    f32 = out.with_name("SmolLM2-135M-Instruct.F32.gguf")
+    assert f32.is_file() and lines[1].startswith(f"{f32} ") and lines[1].endswith(" Q8_0")
+    assert peers.make_quant(fake, model, "Q8_0", root=tmp_path) == out
+    assert len(calls.read_text().splitlines()) == 2                 # cached: no third run
+
+
+def test_the_table_has_a_section_per_type():
+    rng = np.random.default_rng(7)
+    types = [{"type": k, "model": f"m.{k}.gguf", "fdx_args": peers.fdx_quant_args(k),
+              "batches": [peers.batch_row(b, _figures(rng), _figures(rng)) for b in (1, 64)]}
+             for k in ("Q4_1", "Q8_0")]
+    machine = {"cpu": "c", "cores": 2, "threads": 2, "sgemm_gflops": 1.0, "memory_read_gbps": 1.0}
+    table = peers.format_table({"input_len": 8, "output_len": 8, "machine": machine, "types": types,
+                                "batches": types[0]["batches"], "model": "m.Q4_1.gguf"})
+    assert "Q4_1: m.Q4_1.gguf (fdx --quantization auto)" in table
+    assert "Q8_0: m.Q8_0.gguf (fdx --quantization auto)" in table
+    rows = [line for line in table.splitlines() if line.startswith("| 64 |")]
+    assert len(rows) == 2
+    for t, line in zip(types, rows):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[4]) == pytest.approx(t["batches"][1]["llama"]["decode_tps"], abs=0.05)

@@ -204,6 +204,54 @@ def make_f32(quantize: Path, model: Path, root: Path | None = None) -> Path:
     return out
 
 
+QUANT_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K")
+# llama-quantize's name -> what a GGUF file made with it says in general.file_type (llama_ftype)
+_FILE_TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q6_K": 18,
+               "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17}
+
+
+def quant_types(text: str) -> list[str]:
+    """``--quant``'s comma-separated GGUF types, checked and upper-cased."""
+    names = [x.strip().upper() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in QUANT_TYPES]
+    if not names or bad:
+        raise ValueError(f"--quant expects comma-separated GGUF types of {', '.join(QUANT_TYPES)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def gguf_file_type(model: Path) -> int | None:
+    """general.file_type of a GGUF file (llama_ftype), or None when it does not say."""
+    from fdx.core.checkpoint.gguf_file import read_gguf
+    field = read_gguf(model).fields.get("general.file_type")
+    return int(field.contents()) if field is not None else None
+
+
+def make_quant(quantize: Path, model: Path, kind: str, root: Path | None = None) -> Path:
+    """The model as a GGUF of type ``kind``: the file itself when it already is
+    one, else ``llama-quantize`` of its F32 GGUF (made once, cached beside it)."""
+    if kind == "F32":
+        return make_f32(quantize, model, root)
+    if gguf_file_type(model) == _FILE_TYPES[kind]:
+        return model
+    f32 = make_f32(quantize, model, root)
+    out = f32.with_name(f32.name.replace(".F32.gguf", f".{kind}.gguf"))
+    if out.is_file():
+        return out
+    _say(f"making the {kind} GGUF {out}")
+    tmp = out.with_suffix(".partial")
+    r = subprocess.run([str(quantize), str(f32), str(tmp), kind], capture_output=True, text=True)
+    if r.returncode != 0 or not tmp.is_file():
+        raise PeerError(f"llama-quantize could not make a {kind} GGUF of {f32}: {_tail(r.stderr or r.stdout)}")
+    tmp.rename(out)
+    return out
+
+
+def fdx_quant_args(kind: str) -> list[str]:
+    """fdx's weight format for a file of type ``kind``: each tensor kept in its
+    own type (auto), or float32 (none) for the F32 file."""
+    return ["--quantization", "none" if kind == "F32" else "auto"]
+
+
 # --- the machine -----------------------------------------------------------------------
 
 def sgemm_gflops(sizes=(1024, 2048), repeats: int = 3, threads: int | None = None) -> float:
@@ -509,25 +557,13 @@ def _r(x: float | None) -> str:
 
 
 def format_table(report: dict) -> str:
+    types = report.get("types") or [{"type": "F32", "model": report["model"], "batches": report["batches"]}]
     lines = [f"fdx bench peers: fdx beside llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s vendor copy), "
-             f"fp32, {report['input_len']} prompt + {report['output_len']} output tokens per sequence",
-             f"machine: {format_machine(report['machine'])}",
-             f"model: {report['model']}", ""]
-    head = ("| B | llama prompt | fdx prompt | ratio | llama decode | fdx decode | ratio "
-            "| llama all | fdx all | ratio |")
-    lines += [head, "|" + "---|" * 10]
-    for row in report["batches"]:
-        ll, fx, ra = row["llama"], row["fdx"], row["ratio"]
-        lines.append(f"| {row['batch']} | {_f(ll['prompt_tps'])} | {_f(fx['prompt_tps'])} | {_r(ra['prompt_tps'])} "
-                     f"| {_f(ll['decode_tps'])} | {_f(fx['decode_tps'])} | {_r(ra['decode_tps'])} "
-                     f"| {_f(ll['all_tps'])} | {_f(fx['all_tps'])} | {_r(ra['all_tps'])} |")
-    lines.append("(tok/s; ratio = fdx / llama.cpp; prompt = S_PP vs prefill steps, decode = S_TG vs decode-only "
-                 "steps, all = (prompt + output) / wall: S vs overall_tokens_per_s)")
-    for row in report["batches"]:
-        ll, fx = row["llama"].get("all_tps_runs", []), row["fdx"].get("all_tps_runs", [])
-        if len(ll) > 1 or len(fx) > 1:
-            lines.append(f"B={row['batch']}: best of {len(ll)} runs each; all tok/s of every run: llama.cpp "
-                         f"{', '.join(f'{x:.1f}' for x in ll)}; fdx {', '.join(f'{x:.1f}' for x in fx)}")
+             f"{report['input_len']} prompt + {report['output_len']} output tokens per sequence",
+             f"machine: {format_machine(report['machine'])}"]
+    for t in types:
+        lines += ["", f"{t['type']}: {t['model']} (fdx {' '.join(t.get('fdx_args') or fdx_quant_args(t['type']))})"]
+        lines += _batch_table(t["batches"])
     s = report.get("serve")
     if s:
         ll, fx, ra = s["llama"], s["fdx"], s["ratio"]
@@ -541,6 +577,24 @@ def format_table(report: dict) -> str:
                   f"| fdx / llama | {_r(ra['output_tps'])} | {_r(ra['median_ttft_ms'])} | "
                   f"{_r(ra['median_tpot_ms'])} |"]
     return "\n".join(lines)
+
+
+def _batch_table(batches: list[dict]) -> list[str]:
+    lines = ["| B | llama prompt | fdx prompt | ratio | llama decode | fdx decode | ratio "
+             "| llama all | fdx all | ratio |", "|" + "---|" * 10]
+    for row in batches:
+        ll, fx, ra = row["llama"], row["fdx"], row["ratio"]
+        lines.append(f"| {row['batch']} | {_f(ll['prompt_tps'])} | {_f(fx['prompt_tps'])} | {_r(ra['prompt_tps'])} "
+                     f"| {_f(ll['decode_tps'])} | {_f(fx['decode_tps'])} | {_r(ra['decode_tps'])} "
+                     f"| {_f(ll['all_tps'])} | {_f(fx['all_tps'])} | {_r(ra['all_tps'])} |")
+    lines.append("(tok/s; ratio = fdx / llama.cpp; prompt = S_PP vs prefill steps, decode = S_TG vs decode-only "
+                 "steps, all = (prompt + output) / wall: S vs overall_tokens_per_s)")
+    for row in batches:
+        ll, fx = row["llama"].get("all_tps_runs", []), row["fdx"].get("all_tps_runs", [])
+        if len(ll) > 1 or len(fx) > 1:
+            lines.append(f"B={row['batch']}: best of {len(ll)} runs each; all tok/s of every run: llama.cpp "
+                         f"{', '.join(f'{x:.1f}' for x in ll)}; fdx {', '.join(f'{x:.1f}' for x in fx)}")
+    return lines
 
 
 def plot(report: dict, path: str) -> None:
@@ -562,7 +616,8 @@ def plot(report: dict, path: str) -> None:
     ax.set_xlabel("sequences in the batch (B)")
     ax.set_ylabel("all tokens / wall time (tok/s)")
     m = report["machine"]
-    ax.set_title(f"fp32, {report['input_len']}+{report['output_len']} tokens; {m['cpu']}, {m['threads']} threads",
+    kind = (report.get("types") or [{"type": "F32"}])[0]["type"]
+    ax.set_title(f"{kind}, {report['input_len']}+{report['output_len']} tokens; {m['cpu']}, {m['threads']} threads",
                  fontsize=9)
     ax.set_ylim(0, 1.3 * max(max(r["llama"]["all_tps"], r["fdx"]["all_tps"]) for r in rows))
     ax.legend(loc="upper center", ncol=2, fontsize=9)
@@ -586,6 +641,10 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                    help="comma-separated sequences per batch (default: %(default)s)")
     s.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default: %(default)s)")
     s.add_argument("--output-len", type=int, default=128, help="generated tokens per sequence (default: %(default)s)")
+    s.add_argument("--quant", default="F32",
+                   help="comma-separated GGUF types to compare on, each file made with llama-quantize from the "
+                        f"F32 one ({', '.join(QUANT_TYPES)}); fdx runs each with --quantization auto, F32 with "
+                        "none (default: %(default)s)")
     s.add_argument("--threads", type=int, default=None, help="threads for both engines (default: the cores)")
     s.add_argument("--repeats", type=int, default=1,
                    help="runs of each side per batch size, alternating; the best all tok/s of each side is "
@@ -625,6 +684,7 @@ def _interrupt(signum, frame):
 
 def cmd_bench_peers(args) -> int:
     sizes = _batch_sizes(args.batch_sizes)
+    quant_types(args.quant)
     if min(args.input_len, args.output_len, args.serve_requests, args.serve_concurrency, args.repeats) < 1:
         raise ValueError("--input-len, --output-len, --serve-requests, --serve-concurrency and --repeats must be >= 1")
     if args.plot:
@@ -660,8 +720,9 @@ def cmd_bench_peers(args) -> int:
 
 def _run(args, sizes: list[int], model: Path) -> dict:
     threads = args.threads or available_cores()
+    kinds = quant_types(args.quant)
     bins = build_llama_cpp(args.llama_sdist, jobs=args.jobs)
-    f32 = make_f32(bins["llama-quantize"], model)
+    files = {k: make_quant(bins["llama-quantize"], model, k) for k in kinds}
     log_dir = peer_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
     log_dir.mkdir(parents=True, exist_ok=True)
     _say(f"logs of this run: {log_dir}")
@@ -670,27 +731,34 @@ def _run(args, sizes: list[int], model: Path) -> dict:
     signal.signal(signal.SIGTERM, _interrupt)    # Paddle, imported by the probe, replaced it
     _say(format_machine(machine))
     extra = [a for kv in args.fdx_set for a in ("--set", kv)]
-    report = {"model": str(f32), "source_model": str(model), "input_len": args.input_len,
-              "output_len": args.output_len, "repeats": args.repeats, "machine": machine, "batches": [],
+    report = {"model": str(files[kinds[0]]), "source_model": str(model), "input_len": args.input_len,
+              "output_len": args.output_len, "repeats": args.repeats, "machine": machine, "types": [],
               "serve": None,
               "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "log_dir": str(log_dir)}
-    for i, b in enumerate(sizes):
-        got: dict[str, list[dict]] = {"llama.cpp": [], "fdx": []}
-        for rep in range(args.repeats):
-            tag = f"B{b}" + (f"-{rep + 1}" if args.repeats > 1 else "")
-            sides = [("llama.cpp", lambda: run_llama_batched(bins["llama-batched-bench"], f32, b, args.input_len,
-                                                             args.output_len, threads, log_dir, tag)),
-                     ("fdx", lambda: run_fdx_throughput(f32, b, args.input_len, args.output_len, threads,
-                                                        log_dir, extra, tag))]
-            if (i + rep) % 2:
-                sides.reverse()                  # alternate which side runs first
-            for name, fn in sides:
-                _say(f"B={b}: {name}" + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else ""))
-                got[name].append(fn())
-                _say(f"B={b}: {name}: all {got[name][-1]['all_tps']:.1f} tok/s")
-        report["batches"].append(batch_row(b, best_run(got["llama.cpp"]), best_run(got["fdx"])))
+    for kind in kinds:
+        path, fdx_extra = files[kind], [*fdx_quant_args(kind), *extra]
+        batches = []
+        for i, b in enumerate(sizes):
+            got: dict[str, list[dict]] = {"llama.cpp": [], "fdx": []}
+            for rep in range(args.repeats):
+                tag = f"{kind}-B{b}" + (f"-{rep + 1}" if args.repeats > 1 else "")
+                sides = [("llama.cpp", lambda: run_llama_batched(bins["llama-batched-bench"], path, b, args.input_len,
+                                                                 args.output_len, threads, log_dir, tag)),
+                         ("fdx", lambda: run_fdx_throughput(path, b, args.input_len, args.output_len, threads,
+                                                            log_dir, fdx_extra, tag))]
+                if (i + rep) % 2:
+                    sides.reverse()              # alternate which side runs first
+                for name, fn in sides:
+                    _say(f"{kind} B={b}: {name}" + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else ""))
+                    got[name].append(fn())
+                    _say(f"{kind} B={b}: {name}: all {got[name][-1]['all_tps']:.1f} tok/s")
+            batches.append(batch_row(b, best_run(got["llama.cpp"]), best_run(got["fdx"])))
+        report["types"].append({"type": kind, "model": str(path), "fdx_args": fdx_quant_args(kind),
+                                "batches": batches})
+    report["batches"] = report["types"][0]["batches"]
     if not args.skip_serve:
-        report["serve"] = _serve(args, bins, f32, threads, log_dir, extra)
+        report["serve"] = _serve(args, bins, files[kinds[0]], threads, log_dir,
+                                 [*fdx_quant_args(kinds[0]), *extra])
     return report
 
 
