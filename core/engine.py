@@ -15,7 +15,7 @@ from typing import Any
 
 from fdx.core.assembly import Assembly
 from fdx.core.config import ConfigError, FdxConfig
-from fdx.core.interfaces import Backend, KVCacheSpec, RequestStepInfo, StepContext, StepStats
+from fdx.core.interfaces import Backend, KVCacheSpec, Model, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
@@ -58,8 +58,11 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     cfg: Any                            # the architecture's parsed config (intermediate_size, ...)
-    shardable: bool = True
+    can_shard: bool = True              # the class overrides Model.shard
     held: tuple[tuple[str, int], ...] = ()     # (kind, bytes) the workers hold, summed over the ranks
+
+    def shardable(self) -> bool:
+        return self.can_shard
 
     def weight_bytes(self) -> dict[str, int]:
         return dict(self.held)
@@ -68,7 +71,7 @@ class ModelShape:
     def of(cls, model_cls, config: dict) -> "ModelShape":
         c = model_cls.parse_config(config)
         return cls(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
-                   c.max_position_embeddings, c, hasattr(model_cls, "shard"))
+                   c.max_position_embeddings, c, model_cls.shardable())
 
 
 class EngineCore:
@@ -86,7 +89,7 @@ class EngineCore:
                               "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
         from fdx.core.checkpoint.loader import is_default_model, load_metadata
-        from fdx.core.checkpoint.model import load_model, weight_format
+        from fdx.core.checkpoint.model import check_model_class, load_model, weight_format
         from fdx.core.generation import chat_defaults_for
         launch = getattr(assembly.classes["runner"], "launch", None)    # a runner whose model lives in worker processes
         if launch is not None:
@@ -106,8 +109,9 @@ class EngineCore:
             raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
                              f"supported: {', '.join(plugins.names('model'))}")
         model_cls = assembly.pick("model", "model.model", arch)
+        check_model_class(model_cls, arch, config)      # before a tensor-parallel launch
         self.executor = None
-        if launch is not None and hasattr(model_cls, "parse_config"):
+        if launch is not None and model_cls.parse_config.__func__ is not Model.parse_config.__func__:
             self.model = ModelShape.of(model_cls, ckpt.config)     # the workers load the weights
             self.executor = launch(config, self.model)
             held = getattr(self.executor, "weight_bytes", None) or {}

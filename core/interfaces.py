@@ -816,6 +816,100 @@ class WeightFormat(abc.ABC):
 
 
 # =============================================================================
+# Model: a causal language model the runner drives
+# =============================================================================
+
+class Model(abc.ABC):
+    """A causal language model, registered by its Hugging Face architecture
+    name (``fdx_register_models``: ``config.json``'s ``architectures[0]``, or
+    the GGUF architecture fdx maps to one). Subclass it: the engine refuses a
+    registered class that does not.
+
+    Construction: ``cls(config, weights)`` or, when the constructor takes it,
+    ``cls(config, weights, weight_format=fmt)``. ``config`` is the Hugging
+    Face config dict; ``weights`` maps Hugging Face tensor names to float32
+    numpy arrays (or, when ``fmt.keeps_blocks``, to GGUF block tensors the
+    format loads); ``fmt`` is the ``WeightFormat`` that
+    ``model.quantization`` names, whose ``load`` turns a tensor into a
+    ``LinearWeight``. A class without ``weight_format`` takes
+    ``model.quantization: none`` only (any other is a config error). A
+    ValueError from the constructor that starts with ``config key`` is shown
+    as a config error.
+
+    The shape, set by the constructor and read by the engine (KV cache
+    layout, context length, the sampler's width): ``num_layers``,
+    ``num_heads``, ``num_kv_heads``, ``head_dim``, ``vocab_size``,
+    ``max_position_embeddings``.
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str = "float32"            # what cast() last put the weights in
+
+    #: True when forward() sets ``last_hidden_states`` while
+    #: ``capture_hidden_states`` is on (``decoding.capture_hidden_states``
+    #: asks for it; a model that says False is a config error naming the key,
+    #: never a silently empty tap).
+    supports_hidden_states: bool = False
+    capture_hidden_states: bool = False   # set by the runner when the tap is on
+    last_hidden_states: Any = None        # forward's final hidden states [M, hidden], the logits' rows
+
+    @classmethod
+    def parse_config(cls, config: dict) -> Any:
+        """The shape from the Hugging Face config alone, without weights: an
+        object with the six shape attributes above (and ``intermediate_size``
+        when the MLP is split by tensor parallel). With it, a tensor-parallel
+        engine process loads no weights (its workers do); without it (the
+        default raises NotImplementedError) the engine loads one copy to read
+        the shape."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def forward(self, input_ids: Any, positions: Any, kv_caches: list, meta: "AttentionContext",
+                logits_indices: Any) -> Any:
+        """One step of a mixed batch: ``input_ids`` and ``positions`` (int64
+        [N], the step's new tokens of every sequence, in order), one
+        ``(k_cache, v_cache)`` per layer in the engine's ``KVCacheSpec``
+        layout, and ``meta`` (an ``AttentionContext``: call its
+        ``write_kv`` and ``attention`` per layer; try ``rope_write_kv``
+        first). Returns float32 logits [M, vocab_size] for the rows
+        ``logits_indices`` (int64 [M]) only."""
+
+    def shard(self, rank: int, world: int, reduce: Any) -> None:
+        """Tensor parallel: keep rank ``rank`` of ``world``'s share of the
+        heads and MLP columns; ``reduce(t)`` sums a tensor over the ranks.
+        The default refuses (``parallel.tensor_parallel_size`` above 1 is a
+        config error for a class that does not override it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be sharded")
+
+    @classmethod
+    def shardable(cls) -> bool:
+        """Whether the class overrides ``shard``."""
+        return cls.shard is not Model.shard
+
+    def drop_lm_head(self) -> None:
+        """A tensor-parallel rank that never reads logits (ranks above 0) may
+        free its head here. Default: keep it."""
+
+    def cast(self, dtype: str) -> None:
+        """Hold the weights in ``dtype`` (a backend's ``dtypes`` entry other
+        than float32). The default refuses anything but float32."""
+        if dtype != "float32":
+            raise ValueError(f"config key 'model.dtype': {type(self).__name__} computes in float32 only, "
+                             f"not {dtype}")
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights held, by kind ("q4_1", "f32", ...), for the
+        start-up log, ``fdx bench throughput`` and ``/v1/engine/stats``.
+        Default: {} (not reported)."""
+        return {}
+
+
+# =============================================================================
 # Device: backend, attention backend, model runner
 # =============================================================================
 

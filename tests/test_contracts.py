@@ -423,6 +423,83 @@ def test_logits_and_hidden_state_taps(tiny, pm):
     assert [int(t) for t in logits.argmax(axis=1)] == [o.outputs[0].token_ids[0] for o in out][:len(rows)]
 
 
+# --- the model contract, from outside ------------------------------------------------------
+
+def _as_arch(tiny_checkpoints, tmp_path, arch: str) -> str:
+    """The tiny Llama checkpoint with config.json's architecture renamed."""
+    import json
+    import shutil
+    src = tiny_checkpoints["LlamaForCausalLM"][0]
+    dst = tmp_path / arch
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"] = [arch]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_outside_model_matches_transformers_with_its_hidden_state_tap(tiny_checkpoints, tmp_path, ex):
+    """ExampleLlamaForCausalLM (tests/plugin_pkg, the Model contract only):
+    greedy tokens equal transformers' Llama on the same weights, through
+    chunked prefill and preemption, and the hidden-state tap holds
+    transformers' final hidden states."""
+    import torch
+    from fdx.core.hookspecs import hookimpl
+    path = _as_arch(tiny_checkpoints, tmp_path, "ExampleLlamaForCausalLM")
+    hf = tiny_checkpoints["LlamaForCausalLM"][1]
+    seen = []
+
+    class Tap:
+        @hookimpl
+        def fdx_step_finished(self, context):
+            if context.hidden_states is not None:
+                seen.append((list(context.sampled_request_ids), context.hidden_states))
+    tapped = PluginManager()                     # the entry points (the outside model) and the tap
+    tapped.add_plugin(Tap(), name="model-tap")
+    llm = make_llm(path, plugins=tapped, capture_hidden_states=True, num_kv_blocks=16,
+                   max_num_batched_tokens=16, max_num_seqs=3)
+    assert type(llm.engine.model).__name__ == "ExampleLlamaForCausalLM"
+    outs = llm.generate(prompts(), GREEDY)
+    for p, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == want
+    # a prompt's first sampled row: transformers' last hidden state (after the final norm) at its end
+    first_rows = {}
+    for rids, hidden in seen:
+        for r, rid in enumerate(rids):
+            first_rows.setdefault(rid, hidden[r])
+    by_id = {o.request_id: p for o, p in zip(outs, PROMPTS)}
+    assert set(by_id) <= set(first_rows)
+    for rid, p in by_id.items():
+        with torch.no_grad():
+            ref = hf(torch.tensor([p]), output_hidden_states=True).hidden_states[-1][0, -1].numpy()
+        np.testing.assert_allclose(first_rows[rid], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_engine_refuses_what_an_outside_model_cannot_give(tiny_checkpoints, tmp_path, pm):
+    notap = _as_arch(tiny_checkpoints, tmp_path, "ExampleNoTapForCausalLM")
+    with pytest.raises(ConfigError, match=r"decoding\.capture_hidden_states.*ExampleNoTapForCausalLM"):
+        make_llm(notap, plugins=pm, capture_hidden_states=True)
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel_size.*cannot be sharded"):
+        make_llm(notap, plugins=pm, tensor_parallel_size=2)
+    assert token_ids(make_llm(notap, plugins=pm).generate(prompts()[:1], GREEDY))   # runs without the tap
+    with pytest.raises(ConfigError, match=r"model\.dtype.*float32 only"):
+        from fdx.plugins.backends.gpu import cast_model
+        from fdx.core.checkpoint.model import load_model
+        from fdx.core.config import FdxConfig
+        model, _ = load_model(FdxConfig.build(model=notap), pm, progress=False)
+        try:
+            cast_model(model, "float16")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    bad = _as_arch(tiny_checkpoints, tmp_path, "ExampleNotAModel")
+    with pytest.raises(ConfigError, match=r"model\.model.*ExampleNotAModel.*does not subclass "
+                                          r"fdx\.core\.interfaces\.Model"):
+        make_llm(bad, plugins=pm)
+
+
 # --- plugin manager --------------------------------------------------------------------------
 
 def test_disabled_plugins_by_entry_point_or_module_name_are_listed(example_plugin_installed):

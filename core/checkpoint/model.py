@@ -10,7 +10,7 @@ from typing import Any
 
 from fdx.core.checkpoint.loader import Checkpoint, load_checkpoint
 from fdx.core.config import ConfigError, FdxConfig
-from fdx.core.interfaces import WeightFormat
+from fdx.core.interfaces import Model, WeightFormat
 from fdx.core.kernels import REFERENCE, KernelTable
 from fdx.core.plugins import PluginError, PluginManager
 
@@ -55,6 +55,7 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
         raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
                          f"supported: {', '.join(plugins.names('model'))}")
     cls = plugins.get("model", arch)
+    check_model_class(cls, arch, config)
     try:
         if _takes_weight_format(cls):
             model = cls(ckpt.config, ckpt.weights, weight_format=fmt)
@@ -76,11 +77,21 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
     return model, ckpt
 
 
+def check_model_class(cls: Any, arch: str, config: FdxConfig) -> None:
+    """The class registered for ``arch`` implements the Model contract and
+    can give what the config asks of it."""
+    if not (isinstance(cls, type) and issubclass(cls, Model)):
+        raise ConfigError(f"config key 'model.model': the class registered for the architecture {arch!r} "
+                          f"({getattr(cls, '__qualname__', cls)!r}) does not subclass fdx.core.interfaces.Model")
+    if config.decoding.capture_hidden_states and not cls.supports_hidden_states:
+        raise ConfigError(f"config key 'decoding.capture_hidden_states': the model {cls.__name__} ({arch}) "
+                          "does not set last_hidden_states (Model.supports_hidden_states is False)")
+
+
 def held_weight_bytes(model: Any) -> dict[str, int]:
     """kind -> bytes of weights ``model`` holds ({} for a model class that
-    does not say: ``weight_bytes()`` is optional in the model contract)."""
-    held = getattr(model, "weight_bytes", None)
-    return dict(held()) if held is not None else {}
+    does not say: ``Model.weight_bytes`` returns {} by default)."""
+    return dict(model.weight_bytes())
 
 
 def format_bytes(by_kind: dict[str, int]) -> str:

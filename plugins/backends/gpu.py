@@ -119,10 +119,7 @@ def model_dtype(backend, config) -> str:
 
 
 def cast_model(model, dtype: str) -> None:
-    """Cast a loaded model's weights to ``dtype`` (models with a ``cast`` method)."""
-    if dtype == "float32":
-        return
-    cast = getattr(model, "cast", None)
-    if cast is None:
-        raise ValueError(f"the model {type(model).__name__} cannot run in {dtype} (it has no cast method)")
-    cast(dtype)
+    """Cast a loaded model's weights to ``dtype`` (``Model.cast``: the
+    contract's default refuses anything but float32)."""
+    if dtype != "float32":
+        model.cast(dtype)

@@ -199,7 +199,7 @@ class DefaultModelRunner(ModelRunner):
         self.taps = {"sampled_request_ids": rows}
         if self.capture_logits:
             self.taps["logits"] = raw
-        if self.capture_hidden and getattr(self.model, "last_hidden_states", None) is not None:
+        if self.capture_hidden and self.model.last_hidden_states is not None:
             self.taps["hidden_states"] = self.model.last_hidden_states.numpy()[:len(rows)]
 
     def last_step_taps(self) -> dict:

@@ -135,7 +135,7 @@ def check_divisible(model, world: int) -> None:
     counts = [("attention heads", model.num_heads), ("KV heads", model.num_kv_heads)]
     if cfg is not None and hasattr(cfg, "intermediate_size"):
         counts.append(("MLP intermediate size", cfg.intermediate_size))
-    if not getattr(model, "shardable", hasattr(model, "shard")):
+    if not model.shardable():
         raise ConfigError(f"config key 'parallel.tensor_parallel_size': the model "
                           f"{type(model).__name__} cannot be sharded (it has no shard method)")
     for what, count in counts:

@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar
 import numpy as np
 import paddle
 
-from fdx.core.interfaces import AttentionContext, LinearWeight, WeightFormat
+from fdx.core.interfaces import AttentionContext, LinearWeight, Model, WeightFormat
 from fdx.ops.activation import silu_and_mul
 from fdx.ops.norm import add_rms_norm, rms_norm
 from fdx.ops.rotary import RotaryEmbedding
@@ -335,7 +335,7 @@ class DecoderLayer:
 
 # --- the model -----------------------------------------------------------------
 
-class DecoderForCausalLM:
+class DecoderForCausalLM(Model):
     """Construct with the HF config.json dict and HF-named weights (float32
     numpy, or ``QuantizedTensor`` for a GGUF block tensor when the format
     keeps blocks), and the weight format (None: float32, ``none``). The
@@ -344,6 +344,7 @@ class DecoderForCausalLM:
     entries the model does not use are left in it."""
 
     architecture: ClassVar[str] = "DecoderForCausalLM"
+    supports_hidden_states = True
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
