@@ -95,6 +95,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)   # rows that asked for them
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # of prompt tokens
                                     # context_len + 1, ... (the tokens after each one computed this step)
+    pooled: dict[str, Any] = field(default_factory=dict)   # pooling requests (Request.pooling) whose prompt
+                                    # finished this step -> float32 numpy [hidden]: pooled, normalized as
+                                    # model.pooling_type / model.normalize say
     finished_sending: list[str] = field(default_factory=list)   # KV transfers (saves) done: free the blocks
     finished_recving: list[str] = field(default_factory=list)   # KV loads done
     num_recomputed_tokens: int = 0     # filled by the scheduler's helpers (see scheduling.py)

@@ -361,6 +361,8 @@ class DecoderForCausalLM:
         self.num_kv_heads = cfg.num_kv_heads
         self.capture_hidden_states = False        # research tap: keep the final hidden states
         self.last_hidden_states: Tensor | None = None
+        self.capture_pooling_hidden_states = False  # model.task embed: keep every token row's final state
+        self.pooling_hidden_states: Tensor | None = None
         self.head_dim = cfg.head_dim
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
@@ -443,6 +445,8 @@ class DecoderForCausalLM:
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        if self.capture_pooling_hidden_states:
+            self.pooling_hidden_states = x
         x = paddle.gather(x, logits_indices)
         if self.capture_hidden_states:
             self.last_hidden_states = x
