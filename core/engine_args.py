@@ -80,6 +80,9 @@ FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+_SWITCHES = {"--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--enable-lora", "--enable-mm"}
+
+
 class _Foreign(argparse.Action):
     """A vLLM / FastDeploy flag: remembered, then checked by _overrides."""
     def __call__(self, parser, namespace, values, option_string=None):
@@ -135,9 +138,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "installed (decoding.guided_backend; default: none, guided decoding off)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="vLLM/FastDeploy: accepted and ignored: fdx runs no code from a model's folder")
-    for flag in FOREIGN_FLAGS:
-        takes_value = FOREIGN_FLAGS[flag][0] != ("",)
-        p.add_argument(flag, action=_Foreign, nargs=None if takes_value else 0, metavar="VALUE",
+    p.add_argument("--use-cudagraph", dest="cuda_graph", action="store_const", const=True,
+                   help="FastDeploy: = --set cuda_graph=true (cuda backend only)")
+    for flag in FOREIGN_FLAGS:         # listed in docs/migrating.md, not in --help
+        p.add_argument(flag, action=_Foreign, nargs=0 if flag in _SWITCHES else None, metavar="VALUE",
                        help=argparse.SUPPRESS)
     _add_output_args(p)
 
@@ -167,7 +171,7 @@ def _guided_backend(name: str) -> str:
 def _overrides(args) -> dict:
     check_foreign_flags(args)
     out = {}
-    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "enable_chunked_prefill",
+    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "enable_chunked_prefill", "cuda_graph",
             *(key for key, _, _ in _ALIAS_FLAGS.values()))
     for key in keys:
         v = getattr(args, key, None)

@@ -1042,7 +1042,13 @@ class ModelRunner(abc.ABC):
     """Turns a ``SchedulerOutput`` (plain data) into one batched forward and
     sampled tokens. It keeps a persistent batch of its own per-request state
     (token ids, block tables, sampling state), built from ``new_requests``
-    and updated from ``cached_requests``; it never sees a ``Request``."""
+    and updated from ``cached_requests``; it never sees a ``Request``.
+
+    On an embed engine (``config.model.task == "embed"``) every request is a
+    pooling one: in the step its prompt's last token is computed, the runner
+    puts its pooled, optionally normalized final hidden state in
+    ``ModelRunnerOutput.pooled`` (``model.pooling_type``, ``model.normalize``);
+    the token it samples then is never shown."""
 
     def __init__(self, ctx: RunnerContext):
         self.ctx = ctx

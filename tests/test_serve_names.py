@@ -75,6 +75,15 @@ def test_the_vllm_command_line_serves_a_completion(vllm_server):
     assert engine_stats["prefix_cache"] is not None
 
 
+def test_each_metric_row_of_migrating_md_names_a_series_the_server_exports(vllm_server):
+    from test_migrating import metric_rows
+    base, _ = vllm_server
+    text = httpx.get(base + "/metrics").text
+    series = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    missing = [name for _, name in metric_rows() if name not in series and f"{name}_bucket" not in series]
+    assert missing == []
+
+
 def test_tokenize_and_detokenize_round_trip_against_transformers(vllm_server):
     import transformers
     base, path = vllm_server
