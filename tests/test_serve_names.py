@@ -30,6 +30,8 @@ from serve_utils import API_KEY, ServerProcess, free_port, terminate
 pytestmark = pytest.mark.slow
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")        # --chat-template, inline
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +178,25 @@ def test_the_documented_refused_fields_are_refused_and_logit_bias_works(vllm_ser
 def embed_server(tiny_checkpoints, tmp_path_factory):
     path, hf = tiny_checkpoints["Qwen3ForCausalLM"]
     srv = ServerProcess(tmp_path_factory.mktemp("embed"), model={"model": str(path), "task": "embed",
-                                                                 "max_model_len": 256},
+                                                                 "max_model_len": 256,
+                                                                 "chat_template": TEMPLATE},
                         scheduler={"max_num_batched_tokens": 16})       # long inputs come in chunks
     try:
         srv.wait_ready()
         yield srv, path, hf
     finally:
         srv.stop()
+
+
+def test_the_api_process_renders_the_configured_chat_template(embed_server):
+    import jinja2
+    import transformers
+    srv, path, _ = embed_server
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    messages = [{"role": "user", "content": "Hi there"}]
+    got = httpx.post(srv.base_url + "/tokenize", json={"messages": messages}, headers=AUTH).json()
+    want = jinja2.Template(TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    assert got["tokens"] == tok(want, add_special_tokens=False)["input_ids"]
 
 
 def hf_last_normalized(hf, ids: list[int]) -> np.ndarray:
