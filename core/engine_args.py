@@ -38,7 +38,8 @@ _ALIAS_FLAGS = {
     "--kv-cache-ratio": ("kv_cache_ratio", float,
                          "FastDeploy: the v0 scheduler's share of KV blocks prompts may take (cache.kv_cache_ratio; "
                          "default: 0.75)"),
-    "--num-gpu-blocks-override": ("num_kv_blocks", int, "vLLM/FastDeploy: KV-cache blocks (= --num-kv-blocks)"),
+    "--num-gpu-blocks-override": ("num_kv_blocks", int, "vLLM/FastDeploy: = --num-kv-blocks (default: sized by "
+                                                         "cache.memory_fraction)"),
     "--splitwise-role": ("splitwise_role", str,
                          "FastDeploy: mixed, prefill or decode (splitwise.role; default: mixed; docs/deployment.md)"),
     "--chat-template": ("chat_template", str,
@@ -119,13 +120,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="run each prompt in one step (default: chunked prefill on)")
     # vLLM's and FastDeploy's names for the same settings (docs/migrating.md)
     p.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=True,
-                   help="vLLM/FastDeploy: chunked prefill on (it is by default)")
+                   help="vLLM/FastDeploy: chunked prefill on (default: on)")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_const",
-                   const=False, help="vLLM: = --no-chunked-prefill")
+                   const=False, help="vLLM: = --no-chunked-prefill (default: chunked prefill on)")
     p.add_argument("--enable-prefix-caching", dest="kv_cache", action="store_const", const="prefix",
                    help="vLLM/FastDeploy: = --kv-cache prefix (default: paged, no prefix reuse)")
     p.add_argument("--no-enable-prefix-caching", dest="kv_cache", action="store_const", const="paged",
-                   help="vLLM: = --kv-cache paged")
+                   help="vLLM: = --kv-cache paged (default: paged)")
     for flag, (key, kind, text) in _ALIAS_FLAGS.items():
         names = [flag, "-tp"] if flag == "--tensor-parallel-size" else [flag]
         p.add_argument(*names, dest=key, type=kind, default=None, help=text)
@@ -137,9 +138,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM/FastDeploy: xgrammar, llguidance (vLLM's 'guidance'), or auto: the first "
                         "installed (decoding.guided_backend; default: none, guided decoding off)")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="vLLM/FastDeploy: accepted and ignored: fdx runs no code from a model's folder")
+                   help="vLLM/FastDeploy: accepted and ignored: fdx runs no code from a model's folder "
+                        "(default: off, and on changes nothing)")
     p.add_argument("--use-cudagraph", dest="cuda_graph", action="store_const", const=True,
-                   help="FastDeploy: = --set cuda_graph=true (cuda backend only)")
+                   help="FastDeploy: = --set cuda_graph=true (cuda backend only; default: off)")
     for flag in FOREIGN_FLAGS:         # listed in docs/migrating.md, not in --help
         p.add_argument(flag, action=_Foreign, nargs=0 if flag in _SWITCHES else None, metavar="VALUE",
                        help=argparse.SUPPRESS)

@@ -20,6 +20,11 @@ class EmbeddingOutput:
     prompt_token_ids: list[int]
     embedding: list[float]
 
+    @property
+    def outputs(self) -> "EmbeddingOutput":
+        """vLLM's spelling, ``out.outputs.embedding``."""
+        return self
+
 
 class LLM:
     """An engine in this process.

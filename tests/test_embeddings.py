@@ -33,7 +33,7 @@ def test_embeddings_equal_transformers_pooled_hidden_states(tiny_checkpoints, ar
     llm = LLM(str(path), task="embed", pooling_type=pooling, normalize=normalize, max_model_len=64,
               num_kv_blocks=40, block_size=4, progress=False, **kw)
     outs = llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS])
-    assert [o.prompt_token_ids for o in outs] == PROMPTS
+    assert [o.prompt_token_ids for o in outs] == PROMPTS and outs[0].outputs.embedding == outs[0].embedding
     for o, ids in zip(outs, PROMPTS):
         np.testing.assert_allclose(o.embedding, hf_pooled(hf, ids, pooling, normalize), atol=1e-4, rtol=1e-4)
     assert llm.engine.kv_cache.num_free_blocks == 40           # every pooling request freed its blocks
