@@ -214,7 +214,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench_peers.add_parser(bsub)
     bench_defaults.add_parser(bsub)
     bench_perplexity.add_parser(bsub)
+    for sp in _leaf_parsers(parser):          # every command takes --quiet and --log-level (README)
+        have = {o for a in sp._actions for o in a.option_strings}
+        if "--log-level" not in have:
+            _add_output_args(sp)
+        elif "--quiet" not in have:           # fdx router: its --log-level is uvicorn's and its own
+            sp.add_argument("--quiet", "-q", action="store_true",
+                            help="only warnings and errors from fdx (default: off)")
     return parser
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser):
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield parser
+        return
+    for sp in dict.fromkeys(subs[0].choices.values()):
+        yield from _leaf_parsers(sp)
 
 
 def log_level(args) -> str:

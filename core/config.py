@@ -27,6 +27,13 @@ class ModelConfig(_Section):
                                                # one the backend does not compute in is a config error
     quantization: str = "none"                 # weight format plugin: none (fp32), auto (each GGUF tensor in its
                                                # own type), q8_0, q4_0, q4_1, q4_k, q6_k, wint8, wint4 (docs/configuration.md)
+    chat_template: str | None = None           # a Jinja file or the template text; None: the model's own
+    generation_config: str = "auto"            # sampling defaults: auto (the model's), vllm / none (none:
+                                               # fdx's), or a folder holding a generation_config.json
+    task: Literal["generate", "embed"] = "generate"   # embed: a pooling runner (/v1/embeddings, LLM.embed)
+    pooling_type: Literal["last", "mean"] = "last"    # task embed: the last prompt token's hidden state,
+                                               # or the mean over the prompt's
+    normalize: bool = True                     # task embed: L2-normalize each embedding
 
 
 class CacheConfig(_Section):

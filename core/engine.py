@@ -23,6 +23,9 @@ from fdx.core.sampling_params import SamplingParams
 log = logging.getLogger("fdx.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192
+# what a pooling request (model.task embed) runs with: its prompt's prefill and one (unused) token,
+# after which the scheduler finishes it ("length") and frees its blocks like any other request
+POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
 
 def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
@@ -101,8 +104,12 @@ class EngineCore:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
                              "fdx needs one to serve text")
         self.tokenizer = ckpt.tokenizer
+        if config.model.chat_template is not None:          # --chat-template: a file or the text
+            self.tokenizer.set_chat_template(config.model.chat_template)
         self.model_path = ckpt.path
-        self.generation_config = ckpt.generation_config     # the model's sampling defaults (core/generation.py)
+        from fdx.core.generation import resolve as resolve_generation_config
+        # the model's sampling defaults (core/generation.py), as model.generation_config says
+        self.generation_config = resolve_generation_config(config.model.generation_config, ckpt.generation_config)
         self.chat_defaults = chat_defaults_for(is_default_model(ckpt.path))   # fdx's, under them, for chat
         arch = (ckpt.config.get("architectures") or ["?"])[0]
         if arch not in plugins.names("model"):
@@ -111,6 +118,11 @@ class EngineCore:
         model_cls = assembly.pick("model", "model.model", arch)
         check_model_class(model_cls, arch, config)      # before a tensor-parallel launch
         self.executor = None
+        self.task = config.model.task               # generate, or embed: every request is a pooling one
+        if self.task == "embed" and launch is not None:
+            raise ConfigError("config key 'model.task': embed runs the model in this process; it does not run "
+                              f"with the {config.parallel.tensor_parallel_size}-worker tensor parallel runner "
+                              "(set tensor_parallel_size=1)")
         if launch is not None and model_cls.parse_config.__func__ is not Model.parse_config.__func__:
             self.model = ModelShape.of(model_cls, ckpt.config)     # the workers load the weights
             self.executor = launch(config, self.model)
@@ -230,6 +242,8 @@ class EngineCore:
         """Validate and build a request (raises ValueError naming the problem)."""
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
+        if self.task == "embed":        # a pooling request: one prefill, its pooled hidden state, done
+            params = POOLING_PARAMS
         params.validate()
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -252,7 +266,7 @@ class EngineCore:
                              "leave room to generate")
         return Request(request_id or self.new_request_id(), prompt_token_ids, params,
                        prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len, cache_salt=cache_salt)
+                       max_model_len=self.max_model_len, cache_salt=cache_salt, pooling=self.task == "embed")
 
     def add_request(self, request: Request) -> Request:
         """Queue a request from make_request; a constrained one starts its
@@ -304,6 +318,11 @@ class EngineCore:
         num_recomputed = 0
         if not sched.is_empty or sched.kv_connector_metadata is not None:
             out = self.runner.execute(sched)
+            if out.pooled:                 # pooling requests whose prompt is done: their embedding
+                by_id = {r.request_id: r for r in rm.requests()}
+                for rid, vector in out.pooled.items():
+                    if rid in by_id:
+                        by_id[rid].pooled = vector
             context = self._context(sched)
             changed += rm.update(sched, out)
             num_recomputed = out.num_recomputed_tokens

@@ -26,6 +26,84 @@ _ENGINE_STR_FLAGS = {
 }
 
 
+# vLLM's and FastDeploy's engine flags under their own names (docs/migrating.md): flag -> (config key, help)
+_ALIAS_FLAGS = {
+    "--tensor-parallel-size": ("tensor_parallel_size", int,
+                               "vLLM/FastDeploy: worker processes sharing each layer (parallel.tensor_parallel_size; "
+                               "default: 1)"),
+    "--gpu-memory-utilization": ("memory_fraction", float,
+                                 "vLLM/FastDeploy: in fdx, the share of the memory left free after the weights and "
+                                 "one largest-batch forward that the KV cache may take, capped by what "
+                                 "max_num_seqs x max_model_len can use (cache.memory_fraction; default: 0.1)"),
+    "--kv-cache-ratio": ("kv_cache_ratio", float,
+                         "FastDeploy: the v0 scheduler's share of KV blocks prompts may take (cache.kv_cache_ratio; "
+                         "default: 0.75)"),
+    "--num-gpu-blocks-override": ("num_kv_blocks", int, "vLLM/FastDeploy: = --num-kv-blocks (default: sized by "
+                                                         "cache.memory_fraction)"),
+    "--splitwise-role": ("splitwise_role", str,
+                         "FastDeploy: mixed, prefill or decode (splitwise.role; default: mixed; docs/deployment.md)"),
+    "--chat-template": ("chat_template", str,
+                        "vLLM: a Jinja chat template, as a file or the template text (model.chat_template; "
+                        "default: the model's own)"),
+    "--generation-config": ("generation_config", str,
+                            "vLLM: sampling defaults from 'auto' (the model's), 'vllm' (none: fdx's own) or a "
+                            "folder with a generation_config.json (model.generation_config; default: auto)"),
+    "--task": ("task", str, "generate or embed (a pooling runner for /v1/embeddings; model.task; default: generate)"),
+}
+_DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32", "float16": "float16",
+           "half": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_GUIDED = {"xgrammar": "xgrammar", "llguidance": "llguidance", "guidance": "llguidance"}
+
+# vLLM / FastDeploy flags with no fdx setting: flag -> (values that ask for what fdx does anyway, what to use)
+FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "--pipeline-parallel-size": (("1",), "fdx has no pipeline parallelism; use --tensor-parallel-size (one host) "
+                                         "or several servers behind fdx router (docs/deployment.md)"),
+    "--data-parallel-size": (("1",), "fdx has no data-parallel engine; run one server per replica behind "
+                                     "fdx router or a load balancer (docs/deployment.md)"),
+    "--enforce-eager": (("",), "fdx always runs eagerly unless backend.cuda_graph is set"),
+    "--disable-log-requests": (("",), "fdx logs no request contents"),
+    "--disable-log-stats": (("",), "fdx logs no periodic stats; they are at /metrics"),
+    "--kv-cache-dtype": (("auto",), "fdx keeps the KV cache in the model's dtype (model.dtype)"),
+    "--load-format": (("auto",), "fdx reads safetensors folders and GGUF files as they are"),
+    "--swap-space": ((), "fdx's second KV tier is counted in blocks: --set swap_max_blocks=N (docs/configuration.md)"),
+    "--cpu-offload-gb": ((), "fdx keeps the weights on the device it runs on; use --quantization to shrink them"),
+    "--tokenizer": ((), "fdx reads the tokenizer from the model folder or GGUF file"),
+    "--revision": ((), "fdx loads local files only and downloads nothing"),
+    "--download-dir": ((), "fdx loads local files only and downloads nothing"),
+    "--max-num-partial-prefills": ((), "fdx has no partial-prefill limit; --max-num-batched-tokens bounds the "
+                                       "prompt tokens of one step"),
+    "--speculative-config": ((), "fdx has no speculative decoding"),
+    "--enable-lora": ((), "fdx serves no LoRA adapters"),
+    "--engine-worker-queue-port": ((), "fdx's engine talks to its API process over private ipc:// sockets"),
+    "--cache-queue-port": ((), "fdx's engine talks to its API process over private ipc:// sockets"),
+    "--metrics-port": ((), "fdx serves /metrics on --port"),
+    "--enable-mm": ((), "fdx serves text models only"),
+}
+
+
+_SWITCHES = {"--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--enable-lora", "--enable-mm"}
+
+
+class _Foreign(argparse.Action):
+    """A vLLM / FastDeploy flag: remembered, then checked by _overrides."""
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = None if values == [] else values
+        namespace.foreign_flags = [*getattr(namespace, "foreign_flags", []), (option_string, value)]
+
+
+def check_foreign_flags(args) -> None:
+    """A flag fdx has no setting for is an error that says so and what to use,
+    unless its value asks for what fdx does anyway (a no-op, logged)."""
+    import logging
+    for flag, value in getattr(args, "foreign_flags", []):
+        same, instead = FOREIGN_FLAGS[flag]
+        if (value if value is not None else "") in same:
+            logging.getLogger("fdx").info("%s%s: accepted, it changes nothing in fdx (%s)", flag,
+                                          f" {value}" if value else "", instead)
+            continue
+        raise ConfigError(f"{flag}{f' {value}' if value is not None else ''}: not an fdx setting; {instead}")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="a local Hugging Face folder or .gguf file; fdx downloads nothing "
@@ -40,6 +118,33 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{key.replace('_', '-')}", default=None, dest=key, help=text)
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False,
                    default=None, help="run each prompt in one step (default: chunked prefill on)")
+    # vLLM's and FastDeploy's names for the same settings (docs/migrating.md)
+    p.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=True,
+                   help="vLLM/FastDeploy: chunked prefill on (default: on)")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_const",
+                   const=False, help="vLLM: = --no-chunked-prefill (default: chunked prefill on)")
+    p.add_argument("--enable-prefix-caching", dest="kv_cache", action="store_const", const="prefix",
+                   help="vLLM/FastDeploy: = --kv-cache prefix (default: paged, no prefix reuse)")
+    p.add_argument("--no-enable-prefix-caching", dest="kv_cache", action="store_const", const="paged",
+                   help="vLLM: = --kv-cache paged (default: paged)")
+    for flag, (key, kind, text) in _ALIAS_FLAGS.items():
+        names = [flag, "-tp"] if flag == "--tensor-parallel-size" else [flag]
+        p.add_argument(*names, dest=key, type=kind, default=None, help=text)
+    p.add_argument("--dtype", default=None, type=str.lower, choices=sorted(_DTYPES), metavar="DTYPE",
+                   help="vLLM: the dtype weights and activations compute in: auto, float32, float16, bfloat16 "
+                        "(and vLLM's half, float); one the backend cannot compute in is an error saying so "
+                        "(cpu: float32 only; model.dtype; default: auto)")
+    p.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
+                   help="vLLM/FastDeploy: xgrammar, llguidance (vLLM's 'guidance'), or auto: the first "
+                        "installed (decoding.guided_backend; default: none, guided decoding off)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="vLLM/FastDeploy: accepted and ignored: fdx runs no code from a model's folder "
+                        "(default: off, and on changes nothing)")
+    p.add_argument("--use-cudagraph", dest="cuda_graph", action="store_const", const=True,
+                   help="FastDeploy: = --set cuda_graph=true (cuda backend only; default: off)")
+    for flag in FOREIGN_FLAGS:         # listed in docs/migrating.md, not in --help
+        p.add_argument(flag, action=_Foreign, nargs=0 if flag in _SWITCHES else None, metavar="VALUE",
+                       help=argparse.SUPPRESS)
     _add_output_args(p)
 
 
@@ -51,12 +156,33 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 
+def _guided_backend(name: str) -> str:
+    if name == "auto":
+        import importlib.util
+        for module, backend in (("xgrammar", "xgrammar"), ("llguidance", "llguidance")):
+            if importlib.util.find_spec(module) is not None:
+                return backend
+        raise ConfigError("--guided-decoding-backend auto: neither xgrammar nor llguidance is installed "
+                          "(pip install 'fdx[guided]')")
+    if name not in _GUIDED:
+        raise ConfigError(f"--guided-decoding-backend {name}: fdx has xgrammar and llguidance (vLLM's 'guidance'), "
+                          "or a plugin's name with --set guided_backend=NAME")
+    return _GUIDED[name]
+
+
 def _overrides(args) -> dict:
+    check_foreign_flags(args)
     out = {}
-    for key in (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "enable_chunked_prefill"):
+    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "enable_chunked_prefill", "cuda_graph",
+            *(key for key, _, _ in _ALIAS_FLAGS.values()))
+    for key in keys:
         v = getattr(args, key, None)
         if v is not None:
             out[key] = v
+    if getattr(args, "dtype", None) is not None:
+        out["dtype"] = _DTYPES[args.dtype]
+    if getattr(args, "guided_decoding_backend", None) is not None:
+        out["guided_backend"] = _guided_backend(args.guided_decoding_backend)
     for item in args.set:
         if "=" not in item:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")

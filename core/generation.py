@@ -67,6 +67,22 @@ def from_hf_dir(path: str | Path) -> dict[str, Any]:
     return _clean(data if isinstance(data, dict) else {}, _HF_KEYS)
 
 
+def resolve(setting: str, model_defaults: dict[str, Any]) -> dict[str, Any]:
+    """``model.generation_config`` applied (vLLM's ``--generation-config``):
+    ``auto`` keeps the model's own defaults, ``vllm`` or ``none`` drops them
+    (fdx's defaults apply), anything else is a folder whose
+    generation_config.json is read instead."""
+    if setting == "auto":
+        return dict(model_defaults)
+    if setting in ("vllm", "none"):
+        return {}
+    folder = Path(setting)
+    if not (folder / "generation_config.json").is_file():
+        raise ValueError(f"config key 'model.generation_config': {setting!r} is not auto, vllm, none or a "
+                         "folder holding a generation_config.json")
+    return from_hf_dir(folder)
+
+
 def from_gguf_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
     """Sampling defaults from GGUF metadata (``general.sampling.*``; {} if none)."""
     return _clean(fields, _GGUF_KEYS)

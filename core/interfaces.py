@@ -95,6 +95,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)   # rows that asked for them
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # of prompt tokens
                                     # context_len + 1, ... (the tokens after each one computed this step)
+    pooled: dict[str, Any] = field(default_factory=dict)   # pooling requests (Request.pooling) whose prompt
+                                    # finished this step -> float32 numpy [hidden]: pooled, normalized as
+                                    # model.pooling_type / model.normalize say
     finished_sending: list[str] = field(default_factory=list)   # KV transfers (saves) done: free the blocks
     finished_recving: list[str] = field(default_factory=list)   # KV loads done
     num_recomputed_tokens: int = 0     # filled by the scheduler's helpers (see scheduling.py)
@@ -857,6 +860,12 @@ class Model(abc.ABC):
     supports_hidden_states: bool = False
     capture_hidden_states: bool = False   # set by the runner when the tap is on
     last_hidden_states: Any = None        # forward's final hidden states [M, hidden], the logits' rows
+    #: True when forward() sets ``pooling_hidden_states`` (the final norm's
+    #: output for every input token row, [N, hidden]) while
+    #: ``capture_pooling_hidden_states`` is on: ``model.task: embed`` needs it.
+    supports_pooling: bool = False
+    capture_pooling_hidden_states: bool = False
+    pooling_hidden_states: Any = None
 
     @classmethod
     def parse_config(cls, config: dict) -> Any:
@@ -1133,7 +1142,13 @@ class ModelRunner(abc.ABC):
     """Turns a ``SchedulerOutput`` (plain data) into one batched forward and
     sampled tokens. It keeps a persistent batch of its own per-request state
     (token ids, block tables, sampling state), built from ``new_requests``
-    and updated from ``cached_requests``; it never sees a ``Request``."""
+    and updated from ``cached_requests``; it never sees a ``Request``.
+
+    On an embed engine (``config.model.task == "embed"``) every request is a
+    pooling one: in the step its prompt's last token is computed, the runner
+    puts its pooled, optionally normalized final hidden state in
+    ``ModelRunnerOutput.pooled`` (``model.pooling_type``, ``model.normalize``);
+    the token it samples then is never shown."""
 
     def __init__(self, ctx: RunnerContext):
         self.ctx = ctx

@@ -12,6 +12,20 @@ from fdx.core.sampling_params import SamplingParams
 PromptType = str | dict[str, Any]
 
 
+@dataclasses.dataclass(slots=True)
+class EmbeddingOutput:
+    """``LLM.embed``'s answer for one prompt (vLLM's ``EmbeddingRequestOutput``,
+    with the vector at ``.embedding``)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+    @property
+    def outputs(self) -> "EmbeddingOutput":
+        """vLLM's spelling, ``out.outputs.embedding``."""
+        return self
+
+
 class LLM:
     """An engine in this process.
 
@@ -59,6 +73,9 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
+        if self.engine.task == "embed":
+            raise ValueError("this LLM runs model.task=embed: it embeds (LLM.embed), it does not generate; "
+                             "build it with task='generate' to generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -83,6 +100,20 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params(chat=True)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False) -> list[EmbeddingOutput]:
+        """One embedding per prompt (strings or ``{"prompt_token_ids": [...]}``),
+        in order: the model's final hidden states pooled as
+        ``model.pooling_type`` says (last token or mean), L2-normalized with
+        ``model.normalize``. Needs ``task="embed"``."""
+        if self.engine.task != "embed":
+            raise ValueError("LLM.embed needs model.task=embed: build it with LLM(..., task='embed')")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        staged = [self._stage(p, SamplingParams()) for p in prompts]
+        self._run(staged, use_tqdm)
+        return [EmbeddingOutput(group[0].request_id, group[0].prompt_token_ids, group[0].pooled.tolist())
+                for group in staged]
 
     # -- internals ----------------------------------------------------------------
     @staticmethod

@@ -31,6 +31,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0                            # lower runs first under scheduler.policy=priority
     cache_salt: str | None = None                # prefix-cache isolation: only equal salts share blocks
+    pooling: bool = False                        # model.task embed: runs its prompt, returns ``pooled``
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 0                       # set by the engine
     status: RequestStatus = RequestStatus.WAITING
@@ -48,6 +49,7 @@ class Request:
     logprobs: list | None = None
     prompt_logprobs: list | None = None          # [None, {token: TokenLogprob}, ...] with prompt_logprobs=N
     detokenizer: object | None = None            # the token processor's TextOutput
+    pooled: object | None = None                 # a pooling request's embedding: float32 numpy [hidden]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -238,8 +238,9 @@ class SchedulingCore:
     def lookup(self, request: Request) -> tuple[PrefixHit, int]:
         """(the local prefix hit, tokens the connector can load after it): no
         side effects. A request that wants prompt logprobs computes its whole
-        prompt, so it takes no hit."""
-        if request.sampling_params.prompt_logprobs is not None:
+        prompt, so it takes no hit; so does a pooling request (its embedding
+        pools every prompt token's hidden state)."""
+        if request.sampling_params.prompt_logprobs is not None or request.pooling:
             return PrefixHit(), 0
         hit = self.kv_cache.lookup_prefix(request)
         external = 0

@@ -158,7 +158,8 @@ def _flags(parser: argparse.ArgumentParser, name: str = "fdx"):
         if isinstance(action, argparse._SubParsersAction):
             for sub_name, sub in action.choices.items():
                 yield from _flags(sub, f"{name} {sub_name}")
-        elif action.option_strings and not isinstance(action, argparse._HelpAction):
+        elif action.option_strings and not isinstance(action, argparse._HelpAction) \
+                and action.help != argparse.SUPPRESS:   # vLLM/FastDeploy flags fdx refuses: docs/migrating.md
             yield name, action
 
 

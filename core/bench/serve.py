@@ -298,6 +298,8 @@ def cmd_bench_serve(args) -> int:
             raise SystemExit("fdx bench serve: --plot needs matplotlib: pip install 'fdx[plot]' "
                              "(or pip install matplotlib)") from None
     args.api_key = args.api_key or os.environ.get("FDX_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if getattr(args, "quiet", False):         # --quiet: no progress bar either
+        args.progress = False
     import httpx
     try:
         result = asyncio.run(run(args))

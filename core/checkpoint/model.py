@@ -83,6 +83,9 @@ def check_model_class(cls: Any, arch: str, config: FdxConfig) -> None:
     if not (isinstance(cls, type) and issubclass(cls, Model)):
         raise ConfigError(f"config key 'model.model': the class registered for the architecture {arch!r} "
                           f"({getattr(cls, '__qualname__', cls)!r}) does not subclass fdx.core.interfaces.Model")
+    if config.model.task == "embed" and not cls.supports_pooling:
+        raise ConfigError(f"config key 'model.task': embed needs a model that keeps its hidden states; "
+                          f"{cls.__name__} ({arch}) does not (Model.supports_pooling is False)")
     if config.decoding.capture_hidden_states and not cls.supports_hidden_states:
         raise ConfigError(f"config key 'decoding.capture_hidden_states': the model {cls.__name__} ({arch}) "
                           "does not set last_hidden_states (Model.supports_hidden_states is False)")

@@ -295,6 +295,12 @@ class Tokenizer:
         """The default chat template, or None if the model has none."""
         return self._chat_templates.get("default")
 
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` (``model.chat_template``: a file's path, or the
+        template text itself) as the default chat template, in place of the
+        model's own."""
+        self._chat_templates["default"] = chat_template_text(source)
+
     @property
     def chat_templates(self) -> dict[str, str]:
         """All named templates ("default", and e.g. "tool_use")."""
@@ -348,6 +354,21 @@ class Tokenizer:
 
 
 # ----- Hugging Face directory helpers -------------------------------------
+
+
+def chat_template_text(source: str) -> str:
+    """A ``--chat-template`` value as vLLM reads it: a file's contents when it
+    names a file, else the template itself if it holds Jinja (``{{`` or ``{%``)."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"config key 'model.chat_template': cannot read {source}: {e}") from None
+    if "{{" in source or "{%" in source:
+        return source
+    raise ValueError(f"config key 'model.chat_template': {source!r} is neither a file nor a Jinja template "
+                     "(no '{{' or '{%' in it)")
 
 
 def _hf_chat_templates(path: Path, config: Mapping[str, Any]) -> dict[str, str]:

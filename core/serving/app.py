@@ -2,8 +2,9 @@
 
 This process tokenizes, renders chat templates, detokenizes and streams;
 the EngineCore steps in its own process (core/serving/engine_proc.py). Endpoints:
-GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET
-/health, GET /metrics, GET /version. See docs/serving.md.
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST
+/v1/embeddings, POST /tokenize, POST /detokenize, GET /health, GET /metrics,
+GET /version. See docs/serving.md.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from fdx.core.serving import ui
 from fdx.core.serving.rendering import Renderer
 from fdx.core.serving.signals import GracefulServer
 from fdx.core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from fdx.core.serving import edge, security
+from fdx.core.serving import edge, pooling, security, tokenizing
 from fdx.core.sampling_params import SamplingParams, bad_word_sequences
 
 log = logging.getLogger("fdx.server")
@@ -210,6 +211,7 @@ class Server:
         self.guided: GuidedDecoding | None = None      # the API process's compile cache (validation)
         self.max_model_len = 0
         self.vocab_size = 0
+        self.hidden_size = 0                      # an embedding's length (model.task embed)
         self.generation_config: dict[str, Any] = {}   # the model's sampling defaults
         self.chat_defaults: dict[str, Any] = dict(CHAT_DEFAULTS)   # fdx's for chat, for this model
         self.accepting = False
@@ -227,12 +229,15 @@ class Server:
         tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.config.model.model))
         try:
             ready, self.tokenizer = await asyncio.gather(engine_task, tok_task)
+            if self.config.model.chat_template is not None:      # --chat-template, as the engine has it
+                self.tokenizer.set_chat_template(self.config.model.chat_template)
             self.render = Renderer(self.tokenizer, self.model_name, ready.max_model_len)
         except BaseException:
             tok_task.cancel()
             await self.engine.shutdown()
             raise
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.hidden_size = ready.hidden_size
         self.generation_config = dict(ready.generation_config)
         self.chat_defaults = chat_defaults_for(is_default_model(ready.model_path))
         self.metrics.engine_up.set(1)
@@ -342,8 +347,14 @@ class Server:
         return RequestGroup(self, seqs, params)
 
     # -- the generation endpoints -------------------------------------------------
+    def check_generates(self) -> None:
+        if self.config.model.task != "generate":
+            raise APIError(400, f"this server embeds (model.task={self.config.model.task}): it answers "
+                           "/v1/embeddings, not generation requests", param="model", code="wrong_task")
+
     async def completions(self, req: CompletionRequest, http_request: Request):
         self.check_model(req.model)
+        self.check_generates()
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
@@ -361,6 +372,7 @@ class Server:
 
     async def chat_completions(self, req: ChatCompletionRequest, http_request: Request):
         self.check_model(req.model)
+        self.check_generates()
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
@@ -521,6 +533,8 @@ def build_app(server: Server) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, http_request: Request):
         return await server.chat_completions(req, http_request)
 
+    tokenizing.install(app, server)           # /tokenize, /detokenize (vLLM's shapes)
+    pooling.install(app, server)              # /v1/embeddings (model.task embed)
     ui.install(app, server)                   # the page at / and /v1/engine/stats (server.ui)
     return app
 

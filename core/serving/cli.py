@@ -17,6 +17,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     from fdx.core.engine_args import _add_engine_args
     s = sub.add_parser("serve", help="the OpenAI-compatible server (default: SmolLM2 on 127.0.0.1:8000)",
                        description="Serve a model over an OpenAI-compatible HTTP API. See docs/serving.md.")
+    s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="a local Hugging Face folder or .gguf file, as in 'vllm serve MODEL' (= --model; "
+                        "default: the embedded SmolLM2-135M-Instruct)")
     _add_engine_args(s)
     s.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
@@ -36,8 +39,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def server_config(args):
     from fdx.core.engine_args import _overrides
-    from fdx.core.config import FdxConfig
+    from fdx.core.config import ConfigError, FdxConfig
     overrides = _overrides(args)
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise ConfigError(f"two models: {args.model_arg!r} (positional) and --model {args.model!r}; give one")
+        args.model = args.model_arg
     if args.model is not None:
         overrides["model"] = args.model
     if args.api_key is None and os.environ.get("FDX_API_KEY"):

@@ -164,7 +164,8 @@ class EngineLoop:
                 req.request_id, list(new),
                 finish_reason=req.status.value if finished else None,
                 stop_reason=req.stop_reason if finished else None,
-                logprobs=lps, num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time))
+                logprobs=lps, num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time,
+                embedding=req.pooled.tobytes() if finished and req.pooled is not None else None))
             if finished:
                 del self.num_sent[req.request_id]
             else:
@@ -319,7 +320,8 @@ def engine_main(argv: list[str] | None = None) -> int:
         outbox.send(_encoder.encode(EngineReady(
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
             int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe(), kernels,
-            dict(engine.generation_config), held_weight_bytes(engine.model), rss_bytes())))
+            dict(engine.generation_config), held_weight_bytes(engine.model), rss_bytes(),
+            int(getattr(getattr(engine.model, "cfg", None), "hidden_size", 0)))))
         loop = EngineLoop(engine, inbox, outbox, args.parent_pid)
         signal.signal(signal.SIGTERM, loop.on_sigterm)    # in place of Paddle's fatal-error dump
         beat.loop = loop

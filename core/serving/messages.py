@@ -32,6 +32,8 @@ class SeqDelta(msgspec.Struct, array_like=True):
     logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob, rank], ...]
     num_cached_tokens: int = 0
     queue_time_s: float | None = None        # arrival to first scheduled, on the first delta
+    embedding: bytes | None = None           # a pooling request's (model.task embed): float32 [hidden], with
+                                             # its finishing delta
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -71,6 +73,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     generation_config: dict[str, int | float] = {}   # the model's sampling defaults (core/generation.py)
     weight_bytes: dict[str, int] = {}        # weights held, by kind ("q4_1", "f32", ...; model.weight_bytes())
     resident_bytes: int = 0                  # the engine process's resident set when it became ready
+    hidden_size: int = 0                     # the model's hidden size: an embedding's length (model.task embed)
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

@@ -39,8 +39,9 @@ def exposure_warning(sc) -> str | None:
 
 
 def needs_key(sc, path: str) -> bool:
-    """Paths the API key guards: /v1/..., and /health or /metrics when closed by config."""
-    if path.startswith("/v1"):
+    """Paths the API key guards: /v1/..., /tokenize and /detokenize, and /health
+    or /metrics when closed by config."""
+    if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
         return True
     if path == "/health":
         return sc.health_access == "key"

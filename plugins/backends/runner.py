@@ -36,6 +36,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     row: RowState
+    pooled_sum: np.ndarray | None = None       # model.task embed, mean pooling: the prompt rows so far
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +55,11 @@ class DefaultModelRunner(ModelRunner):
         self.capture_hidden = ctx.config.decoding.capture_hidden_states
         if self.capture_hidden:
             self.model.capture_hidden_states = True
+        mc = ctx.config.model
+        self.pooling = mc.task == "embed"         # every request pools its prompt (ModelRunnerOutput.pooled)
+        self.pooling_type, self.normalize = mc.pooling_type, mc.normalize
+        if self.pooling:                           # the engine checked Model.supports_pooling
+            self.model.capture_pooling_hidden_states = True
         self.taps: dict = {}
         self.guided = None                         # this step's guided bitmask (SchedulerOutput.guided)
         if ctx.connector is not None:
@@ -126,6 +132,8 @@ class DefaultModelRunner(ModelRunner):
 
         extra = [r for st, first, count, _ in prompt_rows for r in range(first, first + count)]
         logits = self._logits(input_ids, query_lens, context_lens, tables, sample_rows + extra)
+        if self.pooling:
+            self._pool(so, query_lens, out)
         if getattr(ctx.sampler, "device_logits", False) and not prompt_rows and not self.capture_logits:
             if samplers:                # a device sampler: the logits stay where they are (see _sample)
                 self._sample(samplers, logits, removed, out)
@@ -145,6 +153,30 @@ class DefaultModelRunner(ModelRunner):
             self.taps = {}
             return
         self._sample(samplers, raw, removed, out)
+
+    def _pool(self, so: SchedulerOutput, query_lens: list[int], out: ModelRunnerOutput) -> None:
+        """Pool each request's prompt rows of this step (a prompt may come in
+        chunks: mean pooling sums them as they come); a request whose prompt
+        is done gets its embedding in ``out.pooled``."""
+        hidden = self.model.pooling_hidden_states
+        offset = 0
+        for (rid, n), q in zip(so.num_scheduled_tokens.items(), query_lens):
+            st = self.requests[rid]
+            p = len(st.prompt_token_ids)
+            start = st.num_computed_tokens - n           # already advanced by _forward
+            count = max(0, min(start + n, p) - start)    # this step's prompt rows
+            if count and self.pooling_type == "mean":
+                rows = hidden[offset:offset + count].astype("float32").numpy().sum(axis=0, dtype=np.float64)
+                st.pooled_sum = rows if st.pooled_sum is None else st.pooled_sum + rows
+            if count and start + n >= p:                 # the prompt is done
+                if self.pooling_type == "mean":
+                    vec = st.pooled_sum / p
+                else:
+                    vec = hidden[offset + count - 1].astype("float32").numpy().astype(np.float64)
+                if self.normalize:
+                    vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
+                out.pooled[rid] = vec.astype(np.float32)
+            offset += q
 
     def _logits(self, input_ids: list[int], query_lens: list[int], context_lens: list[int],
                 tables: list[list[int]], rows: list[int]):

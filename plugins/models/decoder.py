@@ -345,6 +345,7 @@ class DecoderForCausalLM(Model):
 
     architecture: ClassVar[str] = "DecoderForCausalLM"
     supports_hidden_states = True
+    supports_pooling = True
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
@@ -362,6 +363,8 @@ class DecoderForCausalLM(Model):
         self.num_kv_heads = cfg.num_kv_heads
         self.capture_hidden_states = False        # research tap: keep the final hidden states
         self.last_hidden_states: Tensor | None = None
+        self.capture_pooling_hidden_states = False  # model.task embed: keep every token row's final state
+        self.pooling_hidden_states: Tensor | None = None
         self.head_dim = cfg.head_dim
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
@@ -444,6 +447,8 @@ class DecoderForCausalLM(Model):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        if self.capture_pooling_hidden_states:
+            self.pooling_hidden_states = x
         x = paddle.gather(x, logits_indices)
         if self.capture_hidden_states:
             self.last_hidden_states = x

@@ -1,0 +1,71 @@
+"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes (behind the
+API key, like /v1): a prompt, or chat messages through the model's template,
+into token ids with their count and ``max_model_len``; token ids back into text."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from pydantic import Field
+
+from fdx.core.serving.protocol import APIError, ChatMessage, TokenId, _Model
+
+
+class TokenizeCompletionRequest(_Model):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Model):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False          # the template holds them already (vLLM's default)
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def _ready(server):
+    if server.render is None:
+        raise APIError(503, "the server is not accepting requests (starting or shutting down)",
+                       type="service_unavailable", code="loading")
+    return server.render
+
+
+def install(app, server) -> None:
+    @app.post("/tokenize")
+    async def tokenize(http_request: Request):
+        from fdx.core.serving.edge import parse_json, validation_error
+        from pydantic import ValidationError
+        data = parse_json(await http_request.body())
+        kind = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+        try:
+            req = kind.model_validate(data)
+        except ValidationError as e:
+            return validation_error(e.errors())
+        server.check_model(req.model)
+        render = _ready(server)
+        if isinstance(req, TokenizeChatRequest):
+            text, ids = render.chat_prompt(req)
+            if req.add_special_tokens:
+                ids = render._encode(text, "messages", add_special_tokens=True)
+        else:
+            ids = render._encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
+        strs = render.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        server.check_model(req.model)
+        render = _ready(server)
+        bad = [t for t in req.tokens if t >= server.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {server.vocab_size}); got {bad[0]}", param="tokens")
+        return {"prompt": render.tokenizer.decode(req.tokens, skip_special_tokens=False)}
