@@ -49,7 +49,23 @@ def _value(s: str, i: int):
 def read_call(s: str, i: int, final: bool, arg_keys=("arguments", "parameters")) -> tuple[Call | None, int | None]:
     """The call object starting at ``s[i]`` (``{``): (call or None, index
     just past the object, or None when it is not complete). None for the
-    call: its head (name, then the arguments key) does not read (yet)."""
+    call: its head (name, then the arguments key) does not read (yet), and
+    it is not a whole object with those keys in another order (Hermes-2-Pro
+    writes ``{"arguments": ..., "name": ...}``): such an object is a call
+    once it is whole, its arguments re-serialized."""
+    call, end = _read_head_first(s, i, final, arg_keys)
+    if call is not None:
+        return call, end
+    whole = _value(s, i)
+    if whole is not None and isinstance(whole[0], dict) and isinstance(whole[0].get("name"), str):
+        args = next((whole[0][k] for k in arg_keys if k in whole[0]), None)
+        if args is not None:
+            text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            return (whole[0]["name"], text, True), whole[1]
+    return None, None
+
+
+def _read_head_first(s: str, i: int, final: bool, arg_keys) -> tuple[Call | None, int | None]:
     j = _skip(s, i + 1)
     key = _value(s, j)
     if key is None or key[0] != "name":
