@@ -308,3 +308,28 @@ def test_required_on_the_default_model(tmp_path):
         check_calls(c.message.tool_calls, ["get_weather"] * len(c.message.tool_calls))
     finally:
         srv.stop()
+
+
+def test_outside_parsers_from_the_plugin_package(tmp_path, qwen3_dir, example_plugin_installed):
+    """tests/plugin_pkg's tool and reasoning parsers (docs/plugins.md's
+    contracts, nothing else), installed with pip and picked by config."""
+    srv = ServerProcess(tmp_path, model={"model": str(qwen3_dir), "max_model_len": 1024}, cache={"num_kv_blocks": 96},
+                        decoding={"guided_backend": "llguidance"},
+                        server={"tool_call_parser": "example-actions", "enable_auto_tool_choice": True,
+                                "reasoning_parser": "example-thoughts"})
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY, max_retries=0)
+        out = '[[thought]]Oslo, one day.[[/thought]]Checking.\nACTION get_weather {"city": "Oslo", "days": 1}'
+        kw = dict(model=None, messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_choice": [out]})
+        m = client.chat.completions.create(**kw).choices[0]
+        assert m.finish_reason == "tool_calls" and m.message.content == "Checking."
+        assert m.message.reasoning_content == "Oslo, one day."
+        check_calls(m.message.tool_calls, ["get_weather"])
+        assert json.loads(m.message.tool_calls[0].function.arguments) == {"city": "Oslo", "days": 1}
+        content, calls, reason, chunks = stream_calls(client.chat.completions.create(stream=True, **kw))
+        reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
+        assert (reasoning, content, reason) == ("Oslo, one day.", "Checking.", "tool_calls")
+        assert [(v[1], v[2]) for v in calls.values()] == [("get_weather", '{"city": "Oslo", "days": 1}')]
+    finally:
+        srv.stop()
