@@ -11,9 +11,11 @@ import pathlib
 import random
 
 import jsonschema
+import numpy as np
 import pytest
 
 from fdx.core.plugins import SERVING_PLUGINS, PluginManager
+from fdx.core.sampling_params import SamplingParams as SP
 from fdx.core.serving.chat_output import ChoiceOutput, ToolPlan, tool_plan
 from fdx.core.serving.protocol import APIError, ChatCompletionRequest
 
@@ -224,3 +226,51 @@ def test_qwen3_template_gets_tools_tool_turns_and_enable_thinking(qwen3_tokenize
     from fdx.plugins.parsers.reasoning_parsers import Qwen3ReasoningParser
     p = Qwen3ReasoningParser(None)
     assert p.begin(text) is (False if thinking is False else None)
+
+
+def test_serve_flags_set_the_parser_keys():
+    from fdx.core.cli import build_parser
+    from fdx.core.serving.cli import server_config
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice",
+                                      "--reasoning-parser", "deepseek_r1"])
+    sc = server_config(args).server
+    assert (sc.tool_call_parser, sc.enable_auto_tool_choice, sc.reasoning_parser) == ("llama3_json", True,
+                                                                                      "deepseek_r1")
+    sc = server_config(build_parser().parse_args(["serve"])).server
+    assert (sc.tool_call_parser, sc.enable_auto_tool_choice, sc.reasoning_parser) == (None, False, None)
+
+
+@pytest.mark.parametrize("keys,named", [({"server.tool_call_parser": "nope"}, "server.tool_call_parser"),
+                                        ({"server.reasoning_parser": "nope"}, "server.reasoning_parser"),
+                                        ({"server.enable_auto_tool_choice": True}, "server.enable_auto_tool_choice")])
+def test_a_bad_parser_setting_is_a_config_error_naming_the_key(keys, named):
+    from fdx.core.config import ConfigError, FdxConfig
+    from fdx.core.serving.app import Server
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")) as e:
+        Server(FdxConfig.build(None, **keys))
+    if "nope" in keys.values():
+        assert "hermes" in str(e.value) or "qwen3" in str(e.value)      # what there is
+
+
+def test_reasoning_budget_forces_the_end_tokens_after_the_budget():
+    """The reasoning_budget processor against a recompute by hand: past
+    ``budget`` tokens with no end sequence, row i may only take end[k]."""
+    from fdx.core.interfaces import BatchUpdate, RowState
+    from fdx.plugins.decoding.logits_processors import ReasoningBudget
+    end = [7, 8, 9]
+    proc = ReasoningBudget(None, None, 20)
+    outs = {"a": [1, 2], "b": [1, 2, 3], "c": [1, 2, 3, 7], "d": [7, 8, 9, 1], "e": [1, 2, 3, 7, 8, 9]}
+    params = SP(max_tokens=None, reasoning_max_tokens=3, reasoning_end_token_ids=end)
+    rows = list(outs)
+    proc.update_state(BatchUpdate([RowState(r, params, [0], outs[r]) for r in rows], [], rows, True))
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((len(rows), 20)).astype(np.float32)
+    got = proc.apply(logits.copy())
+    for i, r in enumerate(rows):
+        out = outs[r]
+        k = len(out) - 3
+        ended = any(out[j:j + 3] == end for j in range(0, min(len(out), 3) - 2))
+        if 0 <= k < 3 and not ended:
+            assert np.isneginf(np.delete(got[i], end[k])).all() and got[i, end[k]] == 0, r
+        else:
+            np.testing.assert_array_equal(got[i], logits[i], err_msg=r)
