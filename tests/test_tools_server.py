@@ -320,16 +320,31 @@ def test_outside_parsers_from_the_plugin_package(tmp_path, qwen3_dir, example_pl
     try:
         srv.wait_ready()
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY, max_retries=0)
-        out = '[[thought]]Oslo, one day.[[/thought]]Checking.\nACTION get_weather {"city": "Oslo", "days": 1}'
-        kw = dict(model=None, messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_choice": [out]})
+        # the parser's model thinks first, so the forced answer starts after its [[/thought]]: a budget
+        # of 0 writes that at once
+        out = 'Checking.\nACTION get_weather {"city": "Oslo", "days": 1}'
+        kw = dict(model=None, messages=ASK, tools=TOOLS, max_tokens=80,
+                  extra_body={"guided_choice": [out], "reasoning_max_tokens": 0})
         m = client.chat.completions.create(**kw).choices[0]
         assert m.finish_reason == "tool_calls" and m.message.content == "Checking."
-        assert m.message.reasoning_content == "Oslo, one day."
+        assert m.message.reasoning_content is None
         check_calls(m.message.tool_calls, ["get_weather"])
         assert json.loads(m.message.tool_calls[0].function.arguments) == {"city": "Oslo", "days": 1}
         content, calls, reason, chunks = stream_calls(client.chat.completions.create(stream=True, **kw))
         reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
-        assert (reasoning, content, reason) == ("Oslo, one day.", "Checking.", "tool_calls")
+        assert (reasoning, content, reason) == ("", "Checking.", "tool_calls")
         assert [(v[1], v[2]) for v in calls.values()] == [("get_weather", '{"city": "Oslo", "days": 1}')]
+
+        # reasoning, then a guaranteed call: 5 free tokens, the forced [[/thought]], then the schema's array
+        r = client.chat.completions.create(model=None, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=200, temperature=1.0, seed=9, logprobs=True,
+                                           extra_body={"reasoning_max_tokens": 5, "min_tokens": 5})
+        c = r.choices[0]
+        tokens = [t.token for t in c.logprobs.content]
+        end = "[[/thought]]"
+        forced = next(n for n in range(1, 10) if "".join(tokens[5:5 + n]) == end)
+        assert c.message.reasoning_content == "".join(tokens[:5]) and c.message.content is None
+        assert "".join(tokens[5 + forced:]).startswith("[") and c.finish_reason == "tool_calls"
+        check_calls(c.message.tool_calls)
     finally:
         srv.stop()

@@ -5,7 +5,8 @@ import only ``fdx.core``), for the API process of ``fdx serve``:
   is a call; other lines are content. It implements ``extract`` only, so
   streaming takes the contract's default (the calls come at the end).
 - ``example-thoughts`` reasoning parser: ``[[thought]] ... [[/thought]]``
-  before the answer.
+  before the answer; the model thinks first, so a guided constraint
+  starts after ``[[/thought]]``.
 """
 from __future__ import annotations
 
@@ -34,14 +35,20 @@ class ActionLines(ToolParser):
 
 
 class Thoughts(ReasoningParser):
+    """The model thinks first (``implicit_reasoning``): up to ``[[/thought]]``
+    is reasoning, with or without the opening tag."""
     start = "[[thought]]"
     end = "[[/thought]]"
+    implicit_reasoning = True
 
     def extract(self, text):
-        if self.prompt_state is not False and text.startswith(self.start) and self.end in text:
-            reasoning, _, answer = text[len(self.start):].partition(self.end)
+        if self.prompt_state is False:
+            return ReasoningResult(None, text or None)
+        body = text[len(self.start):] if text.startswith(self.start) else text
+        if self.end in body:
+            reasoning, _, answer = body.partition(self.end)
             return ReasoningResult(reasoning or None, answer or None)
-        return ReasoningResult(None, text or None)
+        return ReasoningResult(body or None, None)
 
 
 @hookimpl
