@@ -274,3 +274,15 @@ def test_reasoning_budget_forces_the_end_tokens_after_the_budget():
             assert np.isneginf(np.delete(got[i], end[k])).all() and got[i, end[k]] == 0, r
         else:
             np.testing.assert_array_equal(got[i], logits[i], err_msg=r)
+
+
+def test_tools_are_bounded_like_a_guided_schema():
+    from fdx.core.config import ServerConfig
+    from fdx.core.serving import edge
+    sc = ServerConfig(max_guided_bytes=2000)
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": WEATHER["function"]["parameters"]}}
+            for i in range(40)]
+    with pytest.raises(APIError) as e:
+        edge.check_limits(_req(tools=many, tool_choice="required"), sc, 100)
+    assert e.value.status == 400 and e.value.param == "tools" and "2000" in e.value.message
+    edge.check_limits(_req(tools=many[:2], tool_choice="required"), sc, 100)
