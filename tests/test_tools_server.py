@@ -268,6 +268,10 @@ def test_auto_without_a_parser_is_a_clear_400(tmp_path, tiny_checkpoints):
                        json={"messages": ASK, "tools": TOOLS, "max_tokens": 4}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        r = httpx.post(srv.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 4}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "tool_choice" and "decoding.guided_backend" in err["message"]
     finally:
         srv.stop()
 

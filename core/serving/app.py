@@ -461,8 +461,10 @@ class Server:
                 group.close()
                 if req.response_format_kwargs():
                     e.param = "response_format"
-                elif chat and getattr(req, "tools", None) and e.param == "guided_json":
-                    e.param = "tools"
+                elif chat and getattr(req, "tools", None) and e.param == "guided_json" and not req.guided_json:
+                    # the schema fdx built from tools for a required / named call
+                    e.param = "tool_choice" if "guided decoding is off" in e.message else "tools"
+                    e.message = f"tool_choice {req.tool_choice!r} is guaranteed by guided decoding: {e.message}"
                 raise
             except (EngineDeadError, ServerStopping) as e:
                 group.close()

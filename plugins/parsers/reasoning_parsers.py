@@ -110,7 +110,8 @@ class Ernie45ReasoningParser(ThinkParser):
 
 
 BUILTIN_REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser,
-                             "ernie-4.5": Ernie45ReasoningParser}
+                             "ernie-4.5": Ernie45ReasoningParser,
+                             "ernie-x1": Ernie45ReasoningParser}       # FastDeploy's name for it
 
 
 @hookimpl

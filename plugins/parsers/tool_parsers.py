@@ -247,6 +247,7 @@ class Llama3JsonToolParser(SegmentToolParser):
 
 
 BUILTIN_TOOL_PARSERS = {"hermes": HermesToolParser, "ernie-4.5": Ernie45ToolParser,
+                        "ernie-x1": Ernie45ToolParser,      # FastDeploy's name for ERNIE-4.5-21B-A3B-Thinking's
                         "llama3_json": Llama3JsonToolParser}
 
 
