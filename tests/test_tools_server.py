@@ -259,23 +259,6 @@ def test_bad_tool_requests_are_400_naming_the_field(server):
     assert post().status_code == 200                      # still serving
 
 
-def test_auto_without_a_parser_is_a_clear_400(tmp_path, tiny_checkpoints):
-    path, _ = tiny_checkpoints["Qwen2ForCausalLM"]
-    srv = ServerProcess(tmp_path, model={"model": str(path), "max_model_len": 128}, cache={"num_kv_blocks": 32})
-    try:
-        srv.wait_ready()
-        r = httpx.post(srv.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                       json={"messages": ASK, "tools": TOOLS, "max_tokens": 4}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-        assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
-        r = httpx.post(srv.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                       json={"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 4}, timeout=30)
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == "tool_choice" and "decoding.guided_backend" in err["message"]
-    finally:
-        srv.stop()
-
-
 def test_engine_starts_the_constraint_after_the_forced_end_of_thinking(tiny_checkpoints):
     """guided_starts_after with reasoning_max_tokens through LLM: 3 free
     tokens, the forced end tokens, then only a choice, then eos."""
@@ -299,7 +282,7 @@ def test_engine_starts_the_constraint_after_the_forced_end_of_thinking(tiny_chec
 
 def test_required_on_the_default_model(tmp_path):
     """SmolLM2 (the embedded default) with tool_choice="required": the call
-    parses and matches the schema."""
+    parses and matches the schema; with no tool-call parser, "auto" is refused."""
     srv = ServerProcess(tmp_path, model={"max_model_len": 1024}, cache={"num_kv_blocks": 96},
                         decoding={"guided_backend": "llguidance"})
     try:
@@ -310,6 +293,11 @@ def test_required_on_the_default_model(tmp_path):
         c = r.choices[0]
         assert c.finish_reason == "tool_calls", c
         check_calls(c.message.tool_calls, ["get_weather"] * len(c.message.tool_calls))
+        # this server has no tool-call parser: "auto" (the default with tools) is a 400 that says what to set
+        r = httpx.post(srv.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"messages": ASK, "tools": TOOLS, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
     finally:
         srv.stop()
 
