@@ -153,6 +153,7 @@ def test_required_and_named_schemas_admit_exactly_valid_calls():
 
 @pytest.mark.parametrize("kw,param,words", [
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools", "name"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools", "function"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "same name"),

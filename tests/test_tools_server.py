@@ -138,7 +138,10 @@ def test_required_is_guaranteed_by_the_schema(client, stream):
             assert c.finish_reason == "tool_calls" and c.message.content is None
             assert c.message.tool_calls
             check_calls(c.message.tool_calls)
-        single = client.chat.completions.create(parallel_tool_calls=False, **kw)
+        # qwen3 with a prompt that opens no think block: the schema holds from the first token, and a
+        # reasoning budget has nothing to cut (it would fight the grammar)
+        single = client.chat.completions.create(parallel_tool_calls=False, extra_body={"reasoning_max_tokens": 3},
+                                                **kw)
         assert len(single.choices[0].message.tool_calls) == 1
         check_calls(single.choices[0].message.tool_calls)
     else:

@@ -417,10 +417,12 @@ class Server:
             probe = cls(self.tokenizer, settings)
             if probe.begin(prompt) is not False:       # thinking may come first
                 end_ids = self.tokenizer.encode(probe.end, add_special_tokens=False)
-                if probe.reasons_first() and any(kwargs.get(k) not in (None, False)
-                                                 for k in SamplingParams.GUIDED_FIELDS):
+                guided = any(kwargs.get(k) not in (None, False) for k in SamplingParams.GUIDED_FIELDS)
+                if guided and probe.reasons_first():
                     kwargs["guided_starts_after"] = end_ids     # the constraint holds after the thinking
-                if req.reasoning_max_tokens is not None:
+                # a constraint from the first token leaves no thinking to budget (forcing the end
+                # tokens there would fight the grammar)
+                if req.reasoning_max_tokens is not None and (probe.reasons_first() or not guided):
                     kwargs["reasoning_max_tokens"] = req.reasoning_max_tokens
                     kwargs["reasoning_end_token_ids"] = end_ids
         if plan.mode == "none" and reasoning is None:

@@ -63,12 +63,10 @@ def tool_plan(req, sc) -> ToolPlan:
     """Check ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (APIError
     400 naming the field) and say what they ask for."""
     tools, choice = req.tools, req.tool_choice
-    if tools is None:
+    if not tools:                             # none, or an empty list
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return ToolPlan("none")
-    if not isinstance(tools, list):
-        raise APIError(400, "tools must be a list", param="tools")
     names = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None

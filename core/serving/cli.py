@@ -33,11 +33,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's own log level (default: info; warning with --quiet)")
     s.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="tool-call parser for tool_choice 'auto' (built-ins: hermes, llama3_json, ernie-4.5)")
+                   help="tool-call parser for tool_choice 'auto' (built-ins: hermes, llama3_json, ernie-4.5; default: none)")
     s.add_argument("--enable-auto-tool-choice", action="store_const", const=True, default=None,
-                   help="allow tool_choice 'auto' (needs --tool-call-parser)")
+                   help="allow tool_choice 'auto' (needs --tool-call-parser; default: off, 'auto' is a 400)")
     s.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="split reasoning_content out of the output (built-ins: qwen3, deepseek_r1, ernie-4.5)")
+                   help="split reasoning_content out of the output (built-ins: qwen3, deepseek_r1, ernie-4.5; default: none)")
     s.set_defaults(func=cmd_serve)
     return s
 
