@@ -287,3 +287,17 @@ def test_tools_are_bounded_like_a_guided_schema():
         edge.check_limits(_req(tools=many, tool_choice="required"), sc, 100)
     assert e.value.status == 400 and e.value.param == "tools" and "2000" in e.value.message
     edge.check_limits(_req(tools=many[:2], tool_choice="required"), sc, 100)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_keeps_one_call_without_parallel_tool_calls(registry, parallel):
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
+    plan = tool_plan(_req(tools=[WEATHER, TIME], parallel_tool_calls=parallel), _SC)
+    hermes = registry.get("tool_parser", "hermes")
+    msg = ChoiceOutput(plan, None, hermes(None, plan.tools)).message(text)
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "get_time"][:2 if parallel else 1]
+    streamed = ChoiceOutput(plan, None, hermes(None, plan.tools))
+    pieces = [streamed.delta(text[i:i + 7], i + 7 >= len(text)) for i in range(0, len(text), 7)]
+    names = [tc["function"]["name"] for d in pieces for tc in d.get("tool_calls", []) if "name" in tc["function"]]
+    assert names == [c["function"]["name"] for c in msg["tool_calls"]]

@@ -148,7 +148,8 @@ class ChoiceOutput:
                 result = self.tools.extract(text or "")
             except Exception:                 # an outside parser that raised: the text as it is
                 return text, []
-            return result.content, [self._call(i, c.name, c.arguments) for i, c in enumerate(result.tool_calls)]
+            calls = result.tool_calls if self.plan.parallel else result.tool_calls[:1]
+            return result.content, [self._call(i, c.name, c.arguments) for i, c in enumerate(calls)]
         if mode == "required":
             calls = self._calls_of_required(text or "")
             if calls:
@@ -166,6 +167,8 @@ class ChoiceOutput:
                 return text, []
             out = []
             for tc in d.tool_calls:
+                if tc.index > 0 and not self.plan.parallel:
+                    continue                  # parallel_tool_calls false: the first call only
                 piece: dict[str, Any] = {"index": tc.index}
                 fn: dict[str, Any] = {}
                 if tc.name is not None:
