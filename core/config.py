@@ -124,6 +124,11 @@ class ServerConfig(_Section):
     guided_compile_timeout_s: float = Field(30.0, gt=0)  # a compile not done by then: the request gets 408
     max_guided_compiles: int = Field(8, gt=0)        # large (> 4 KiB) constraints compiling or queued; past 429
     max_extra_args_bytes: int = Field(64 * 1024, gt=0)  # extra_args (vllm_xargs) as JSON
+    # -- chat output parsers (issue 20; plugins: fdx_register_tool_parsers / _reasoning_parsers)
+    tool_call_parser: str | None = None        # finds calls in the output of tool_choice "auto" (hermes,
+                                               # llama3_json, ernie-4.5); None: "auto" is refused
+    enable_auto_tool_choice: bool = False      # tool_choice "auto" (the default with tools) is allowed
+    reasoning_parser: str | None = None        # splits out reasoning_content (qwen3, deepseek_r1, ernie-4.5)
 
     @model_validator(mode="after")
     def _key_for_closed_endpoints(self):

@@ -87,10 +87,12 @@ FIELD_OF_KIND = {"json": "guided_json", "json_object": "guided_json_object", "re
 
 class _Entry:
     """One constrained request in the engine: its compile, then its matcher."""
-    __slots__ = ("key", "future", "deadline", "matcher", "accepted", "done", "ready")
+    __slots__ = ("key", "future", "deadline", "matcher", "accepted", "done", "ready", "starts_after", "scanned")
 
-    def __init__(self, key: tuple, future: Future, deadline: float):
+    def __init__(self, key: tuple, future: Future, deadline: float, starts_after: list[int] | None = None):
         self.key, self.future, self.deadline = key, future, deadline
+        self.starts_after = tuple(starts_after) if starts_after else None   # None: enforced from the start
+        self.scanned = 0                # output tokens searched for starts_after
         self.matcher = None             # built when the compile is done
         self.accepted = 0               # output tokens the matcher has accepted
         self.done = False               # eos only from now on (terminated, or a token it refused)
@@ -320,7 +322,8 @@ class GuidedDecoding:
         fut = self.submit(params, wait=True)
         now = time.monotonic() if now is None else now
         timeout = self.compile_timeout_s
-        self.entries[request_id] = _Entry(key, fut, now + timeout if timeout is not None else float("inf"))
+        self.entries[request_id] = _Entry(key, fut, now + timeout if timeout is not None else float("inf"),
+                                          params.guided_starts_after)
         return True
 
     def remove(self, request_id: str) -> None:
@@ -381,12 +384,27 @@ class GuidedDecoding:
         bitmask = np.zeros((len(rows), self.words), dtype=np.int32)
         for j, (rid, out) in enumerate(rows):
             e = self.entries[rid]
+            if e.starts_after is not None and not self._started(e, out):
+                bitmask[j] = -1                # free text until the constraint starts
+                continue
             self._advance(e, out)
             if e.done:
                 bitmask[j] = self._eos_row
             else:
                 e.matcher.fill_bitmask(bitmask, j)
         return GuidedStep([rid for rid, _ in rows], bitmask.tobytes())
+
+    @staticmethod
+    def _started(e: _Entry, out: list[int]) -> bool:
+        """Has the output reached ``starts_after``? Once it has, the matcher
+        takes the tokens after it (``accepted`` starts there)."""
+        seq, n = e.starts_after, len(e.starts_after)
+        for i in range(max(0, e.scanned - n + 1), len(out) - n + 1):
+            if tuple(out[i:i + n]) == seq:
+                e.starts_after, e.accepted = None, i + n
+                return True
+        e.scanned = len(out)
+        return False
 
     @staticmethod
     def _advance(e: _Entry, out: list[int]) -> None:

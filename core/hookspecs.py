@@ -139,6 +139,21 @@ def fdx_register_logits_processors(register: Register) -> None:
     adds others."""
 
 
+@hookspec
+def fdx_register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers (``ToolParser`` subclasses) by name;
+    ``server.tool_call_parser`` picks one (built-ins: ``hermes``,
+    ``llama3_json``, ``ernie-4.5``). They run in the API process of
+    ``fdx serve``: a module that registers one must not import Paddle."""
+
+
+@hookspec
+def fdx_register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers (``ReasoningParser`` subclasses) by name;
+    ``server.reasoning_parser`` picks one (built-ins: ``qwen3``,
+    ``deepseek_r1``, ``ernie-4.5``). API process only, as tool parsers."""
+
+
 # --- observer hooks -------------------------------------------------------
 
 @hookspec

@@ -1160,3 +1160,131 @@ class ModelRunner(abc.ABC):
         """The last step's ``sampled_request_ids``, ``logits`` and
         ``hidden_states`` for the StepContext (empty when not captured)."""
         return {}
+
+
+# =============================================================================
+# Chat output parsers (the API process): tool calls and reasoning in the text
+# =============================================================================
+
+@dataclass(slots=True)
+class ToolCall:
+    """One function call found in the output. ``arguments`` is the JSON
+    text of the arguments as the model wrote it (OpenAI's field is a
+    string, and it may not be valid JSON: the client validates it)."""
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A piece of the call at ``index`` (0, 1, ... in the order the calls
+    appear). ``name`` is set in the call's first piece only; ``arguments``
+    pieces concatenate to the call's whole ``arguments``."""
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class ToolParseResult:
+    content: str | None                 # the text that is not a call (None: nothing but whitespace)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ToolParseDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class ToolParser(abc.ABC):
+    """Finds function calls in a model's chat output (``server.tool_call_parser``
+    picks one by name; registered through ``fdx_register_tool_parsers``).
+
+    The server makes one instance per choice of a request with ``tools``
+    and ``tool_choice="auto"``, so an instance may keep state for streaming.
+    ``tools`` is the request's list of tools (OpenAI's shape). Both methods
+    must never raise on any text: a malformed call is plain content.
+
+    ``extract(text)`` reads a whole output. ``stream(delta, final)`` is fed
+    the output in pieces (``final``: the last piece, maybe empty) and
+    returns what may be sent now; over a whole output its pieces must
+    concatenate to what ``extract`` returns for the same text. The default
+    ``stream`` holds everything back and answers ``extract`` at the end:
+    correct, not incremental."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, settings: dict | None = None):
+        self.tokenizer = tokenizer
+        self.tools = tools or []
+        self.settings = settings or {}
+        self._held = ""
+
+    @abc.abstractmethod
+    def extract(self, text: str) -> ToolParseResult: ...
+
+    def stream(self, delta: str, final: bool) -> ToolParseDelta:
+        self._held += delta
+        if not final:
+            return ToolParseDelta()
+        result = self.extract(self._held)
+        return ToolParseDelta(result.content or "", [ToolCallDelta(i, c.name, c.arguments)
+                                                     for i, c in enumerate(result.tool_calls)])
+
+
+@dataclass(slots=True)
+class ReasoningResult:
+    reasoning: str | None               # the thinking text (None: none)
+    content: str | None                 # the answer (None: none)
+
+
+class ReasoningParser(abc.ABC):
+    """Splits a thinking model's output into reasoning and content
+    (``server.reasoning_parser``; registered through
+    ``fdx_register_reasoning_parsers``). One instance per choice.
+
+    ``start`` / ``end`` are the texts that open and close a think block:
+    the server forces ``end``'s tokens for ``reasoning_max_tokens`` and
+    starts a guided constraint after them. ``begin(prompt)`` is called once
+    with the rendered prompt before any output: True when the prompt has
+    opened a think block the output continues, False when it closed one
+    (``enable_thinking: false``: no reasoning follows), None when the model
+    decides; ``implicit_reasoning`` says what the format makes of that:
+    True, the output is reasoning until ``end`` (DeepSeek-R1), False, only
+    an output that opens with ``start`` reasons (Qwen3). A guided
+    constraint starts after ``end`` when reasoning comes first (``begin``
+    True, or None with ``implicit_reasoning``), else from the first token.
+    ``extract`` and ``stream`` follow ``ToolParser``'s rules (never raise;
+    the pieces of ``stream`` concatenate to ``extract``'s result)."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    implicit_reasoning: bool = False
+
+    def reasons_first(self) -> bool:
+        """After ``begin``: does the output start in reasoning?"""
+        return self.prompt_state is True or (self.prompt_state is None and self.implicit_reasoning)
+
+    def __init__(self, tokenizer: Any, settings: dict | None = None):
+        self.tokenizer = tokenizer
+        self.settings = settings or {}
+        self.prompt_state: bool | None = None
+        self._held = ""
+
+    def begin(self, prompt: str) -> bool | None:
+        tail = prompt.rstrip()
+        if self.end and tail.endswith(self.end):
+            self.prompt_state = False
+        elif self.start and tail.endswith(self.start):
+            self.prompt_state = True
+        else:
+            self.prompt_state = None
+        return self.prompt_state
+
+    @abc.abstractmethod
+    def extract(self, text: str) -> ReasoningResult: ...
+
+    def stream(self, delta: str, final: bool) -> ReasoningResult:
+        self._held += delta
+        if not final:
+            return ReasoningResult(None, None)
+        return self.extract(self._held)

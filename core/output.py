@@ -10,7 +10,8 @@ server's text equals ``LLM.generate``'s. Its rules:
 - the token that completed it is the last one counted.
 
 ``SequenceState`` (one per engine request of the server: one choice of
-one prompt) hands out text deltas. While stop strings are live, the last ``len(longest stop) - 1`` characters
+one prompt) hands out text deltas; a chat choice with tools or a reasoning
+parser carries its parsers beside them (``chat_output``), fed those deltas. While stop strings are live, the last ``len(longest stop) - 1`` characters
 are held back from streaming, since they may turn out to begin a stop string.
 """
 from __future__ import annotations
@@ -85,6 +86,7 @@ class SequenceState:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.queue_time: float | None = None
+        self.chat_output = None                   # the choice's chat parsers (core/serving/chat_output.py)
 
     @property
     def finished(self) -> bool:

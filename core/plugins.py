@@ -48,14 +48,18 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.models.qwen3",
     "fdx.plugins.models.ernie4_5",
     "fdx.plugins.models.weight_formats",
+    "fdx.plugins.parsers.tool_parsers",
+    "fdx.plugins.parsers.reasoning_parsers",
 )
 
 # The built-ins the API process of ``fdx serve`` loads: what it looks up is a
-# request-level scheduler (guided backends compile in the engine). None of these imports
+# request-level scheduler and the chat output parsers (guided backends compile in the engine). None of these imports
 # Paddle, so that process never does (Paddle's signal handlers would replace
 # uvicorn's; docs/serving.md). The rest import Paddle at module level.
 SERVING_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.schedulers.global_redis",
+    "fdx.plugins.parsers.tool_parsers",
+    "fdx.plugins.parsers.reasoning_parsers",
 )
 
 # registration hook -> registry kind
@@ -76,6 +80,8 @@ KINDS: dict[str, str] = {
     "fdx_register_models": "model",
     "fdx_register_weight_formats": "weight_format",
     "fdx_register_logits_processors": "logits_processor",
+    "fdx_register_tool_parsers": "tool_parser",
+    "fdx_register_reasoning_parsers": "reasoning_parser",
 }
 
 

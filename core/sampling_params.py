@@ -44,6 +44,12 @@ class SamplingParams:
     guided_grammar: str | None = None       # a GBNF-style EBNF grammar (its start rule is `root`)
     structural_tag: dict | str | None = None   # tagged segments in free text (xgrammar)
     guided_whitespace_flexible: bool = False   # JSON may hold any whitespace (default: compact)
+    guided_starts_after: list[int] | None = None   # the constraint applies only after the output holds
+                                            # these tokens (the end of a think block); free text before
+    # reasoning budget (a reasoning parser's think block): past this many output tokens with no
+    # reasoning_end_token_ids among them, those tokens are forced (FastDeploy's reasoning_max_tokens)
+    reasoning_max_tokens: int | None = None
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -152,6 +158,15 @@ class SamplingParams:
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", "must be a JSON object (a dict)")
         self._validate_guided(bad)
+        for name in ("guided_starts_after", "reasoning_end_token_ids"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, list) or not value or any(
+                    isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31 for t in value)):
+                bad(name, "must be a non-empty list of token ids")
+        if self.reasoning_max_tokens is not None and (
+                isinstance(self.reasoning_max_tokens, bool) or not isinstance(self.reasoning_max_tokens, int)
+                or not 0 <= self.reasoning_max_tokens < 2**31):
+            bad("reasoning_max_tokens", "must be an integer >= 0")
 
     GUIDED_FIELDS = ("guided_json", "guided_json_object", "guided_regex", "guided_choice", "guided_grammar",
                      "structural_tag")

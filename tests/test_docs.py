@@ -127,3 +127,28 @@ def test_the_page_weight_format_matches_transformers_on_its_int8_values(doc_plug
     for ids in ([5, 9, 200, 31, 7], list(range(60, 90))):
         got = llm.generate([{"prompt_token_ids": ids}], sp)[0].outputs[0].token_ids
         assert got == hf_greedy(ref, ids, 8, follow=got)
+
+
+def test_the_page_chat_parsers_give_openai_messages(doc_plugins):
+    """The page's tool and reasoning parsers, found by name as the server
+    finds them, through the server's per-choice seam (ChoiceOutput), whole
+    and streamed (their default stream)."""
+    from fdx.core.serving.chat_output import ChoiceOutput, ToolPlan
+    pm, _ = doc_plugins
+    assert {"my-actions"} <= set(pm.names("tool_parser")) and "my-notes" in pm.names("reasoning_parser")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+
+    def output():
+        notes = pm.get("reasoning_parser", "my-notes")(None)
+        notes.begin("prompt")
+        return ChoiceOutput(ToolPlan("auto", tools), notes, pm.get("tool_parser", "my-actions")(None, tools))
+    text = '<note>use f</note>Calling.\nCALL f {"x": 1}'
+    one = output()
+    msg = one.message(text)
+    assert (msg["reasoning_content"], msg["content"]) == ("use f", "Calling.")
+    assert msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert one.finish_reason("stop") == "tool_calls"
+    streamed = output()
+    deltas = [streamed.delta(text[:9], False), streamed.delta(text[9:], True)]
+    assert deltas[0] == {} and deltas[1]["reasoning_content"] == "use f" and deltas[1]["content"] == "Calling."
+    assert deltas[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}

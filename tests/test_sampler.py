@@ -270,7 +270,7 @@ def test_processors_registered_through_the_hook():
     found = {}
     pm.hook.fdx_register_logits_processors(register=found.__setitem__)
     assert found == lp_module.BUILTIN_LOGITS_PROCESSORS
-    assert set(found) == {"penalties", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words"}
+    assert set(found) == {"penalties", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "reasoning_budget"}
 
 
 def test_no_processors_means_none_run():

@@ -92,11 +92,12 @@ def test_api_side_never_imports_paddle():
 
 def test_serving_plugins_register_every_builtin_the_api_looks_up():
     """The API process loads only SERVING_PLUGINS: they must hold every
-    built-in request scheduler (guided backends run in the engine only)."""
+    built-in request scheduler and chat output parser (guided backends run
+    in the engine only)."""
     from fdx.core.plugins import SERVING_PLUGINS, PluginManager
     full = PluginManager(load_entry_points=False)
     serving = PluginManager(builtins=SERVING_PLUGINS, load_entry_points=False)
-    for kind in ("scheduler",):
+    for kind in ("scheduler", "tool_parser", "reasoning_parser"):
         assert serving.builtin_names(kind) == full.builtin_names(kind) != []
 
 

@@ -23,10 +23,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fdx.core.checkpoint.loader import check_model_path, is_default_model, load_tokenizer
-from fdx.core.config import FdxConfig
+from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.generation import CHAT_DEFAULTS, chat_defaults_for, defaults_for
 from fdx.core.guided import constraint_of
-from fdx.core.plugins import get_serving_plugin_manager
+from fdx.core.plugins import PluginError, get_serving_plugin_manager
+from fdx.core.serving.chat_output import ChoiceOutput, tool_plan
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
 from fdx.core.serving.messages import EngineRejected, SeqDelta
@@ -202,6 +203,11 @@ class Server:
         # the plugins this process looks up (no Paddle here: docs/serving.md), loaded
         # now, before uvicorn installs its signal handlers
         self.plugins = get_serving_plugin_manager()
+        self.tool_parser = self._parser("tool_parser", "tool_call_parser")
+        self.reasoning_parser = self._parser("reasoning_parser", "reasoning_parser")
+        if self.sc.enable_auto_tool_choice and self.tool_parser is None:
+            raise ConfigError("config key 'server.enable_auto_tool_choice' needs server.tool_call_parser "
+                              "(--tool-call-parser) to name a tool-call parser")
         self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
         if config.scheduler.request_scheduler != "local":     # requests go through a shared queue
             from fdx.core.serving.request_scheduler import wrap_engine
@@ -221,6 +227,17 @@ class Server:
         self.exit_code = 0
         self.uvicorn = None                       # set by run_server
         self.created = int(time.time())
+
+    def _parser(self, kind: str, key: str):
+        """(class, settings) of the chat output parser ``server.<key>`` names, or None."""
+        name = getattr(self.sc, key)
+        if name is None:
+            return None
+        try:
+            cls = self.plugins.get(kind, name)
+        except PluginError as e:
+            raise ConfigError(f"config key 'server.{key}': {e}") from None
+        return cls, dict((self.config.plugins.get(kind, {}) or {}).get(name, {}) or {})
 
     # -- lifecycle ------------------------------------------------------------
     async def startup(self) -> None:
@@ -377,18 +394,64 @@ class Server:
         if bad:
             raise APIError(400, bad[1], param=bad[0])
         edge.check_limits(req, self.sc, self.vocab_size)
+        plan = tool_plan(req, self.sc)
         text, ids = self.render.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=True)
         if req.logprobs:
             kwargs["logprobs"] = req.top_logprobs or 0
+        outputs = self.chat_outputs(req, plan, text, kwargs)
         sp = self.sampling_params(kwargs)
         self.check_prompt(ids, param="messages")
         sp = await self.tokenize_bad_words(sp)
         rid = f"chatcmpl-{secrets.token_hex(12)}"
-        return await self._serve(req, http_request, [(text, ids)], sp, rid, chat=True)
+        return await self._serve(req, http_request, [(text, ids)], sp, rid, chat=True, outputs=outputs)
 
-    async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, rid: str, chat: bool):
+    def chat_outputs(self, req, plan, prompt: str, kwargs: dict[str, Any]):
+        """Set the sampling fields tools and reasoning need (the guided
+        schema of a required / named call, where it starts, the reasoning
+        budget) and return the factory of each choice's ChoiceOutput (None:
+        plain content)."""
+        schema = plan.guided_json()
+        if schema is not None:
+            given = [k for k in SamplingParams.GUIDED_FIELDS if kwargs.get(k) not in (None, False)]
+            if given:
+                raise APIError(400, f"tool_choice {plan.mode!r} is guaranteed by a guided constraint: a request "
+                               f"cannot also carry {', '.join(given)}", param="tool_choice")
+            kwargs["guided_json"] = schema
+        reasoning = self.reasoning_parser
+        if reasoning is None:
+            if req.reasoning_max_tokens is not None:
+                raise APIError(400, "reasoning_max_tokens needs a reasoning parser: start the server with "
+                               "--reasoning-parser (server.reasoning_parser)", param="reasoning_max_tokens")
+        else:
+            cls, settings = reasoning
+            probe = cls(self.tokenizer, settings)
+            if probe.begin(prompt) is not False:       # thinking may come first
+                end_ids = self.tokenizer.encode(probe.end, add_special_tokens=False)
+                guided = any(kwargs.get(k) not in (None, False) for k in SamplingParams.GUIDED_FIELDS)
+                if guided and probe.reasons_first():
+                    kwargs["guided_starts_after"] = end_ids     # the constraint holds after the thinking
+                # a constraint from the first token leaves no thinking to budget (forcing the end
+                # tokens there would fight the grammar)
+                if req.reasoning_max_tokens is not None and (probe.reasons_first() or not guided):
+                    kwargs["reasoning_max_tokens"] = req.reasoning_max_tokens
+                    kwargs["reasoning_end_token_ids"] = end_ids
+        if plan.mode == "none" and reasoning is None:
+            return None
+        tool_cls = self.tool_parser
+
+        def make() -> ChoiceOutput:
+            r = None
+            if reasoning is not None:
+                r = reasoning[0](self.tokenizer, reasoning[1])
+                r.begin(prompt)
+            t = tool_cls[0](self.tokenizer, plan.tools, tool_cls[1]) if plan.mode == "auto" else None
+            return ChoiceOutput(plan, r, t)
+        return make
+
+    async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, rid: str, chat: bool,
+                     outputs=None):
         if sp.n * len(prompts) > MAX_SEQS_PER_REQUEST:
             raise APIError(400, f"n x prompts = {sp.n * len(prompts)} completions in one request; "
                            f"the limit is {MAX_SEQS_PER_REQUEST}", param="n")
@@ -400,6 +463,9 @@ class Server:
         sp = security.check_token_budget(sp, [len(ids) for _, ids in prompts], self.max_model_len,
                                          self.sc.max_tokens_per_request)
         group = self.make_group(prompts, sp, rid)
+        if outputs is not None:
+            for s in group.seqs:
+                s.chat_output = outputs()
         self.admit(len(group.seqs))
         group.start()
         if constraint_of(sp) is not None:      # the engine compiles it (once); a bad one is a 4xx here
@@ -409,6 +475,10 @@ class Server:
                 group.close()
                 if req.response_format_kwargs():
                     e.param = "response_format"
+                elif chat and getattr(req, "tools", None) and e.param == "guided_json" and not req.guided_json:
+                    # the schema fdx built from tools for a required / named call
+                    e.param = "tool_choice" if "guided decoding is off" in e.message else "tools"
+                    e.message = f"tool_choice {req.tool_choice!r} is guaranteed by guided decoding: {e.message}"
                 raise
             except (EngineDeadError, ServerStopping) as e:
                 group.close()
@@ -416,8 +486,9 @@ class Server:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = include_usage and req.stream_options.continuous_usage_stats
             return security.TimedStreamingResponse(
-                self._stream(group, req, prompts, rid, created, chat, include_usage),
+                self._stream(group, req, prompts, rid, created, chat, include_usage, continuous),
                 send_timeout=self.sc.stream_send_timeout_s,
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -429,13 +500,13 @@ class Server:
         return JSONResponse(self.render.final_response(group.seqs, req, prompts, rid, created, chat))
 
     async def _stream(self, group: RequestGroup, req, prompts, rid: str, created: int, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[dict], usage: dict | None = None, with_usage: bool = include_usage) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
-            if with_usage:
-                body["usage"] = usage
+            if with_usage:                    # continuous_usage_stats: the counts so far on every chunk
+                body["usage"] = usage if usage is not None or not continuous else self.render.usage(group.seqs, prompts)
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         text_offsets = {s.index: 0 for s in group.seqs}
@@ -452,11 +523,20 @@ class Server:
                 text = s.take_text()
                 if not text and not s.finished:
                     continue                      # held back (a stop string may be starting)
+                parsed = s.chat_output
+                if chat and parsed is not None:   # reasoning / tool calls: the parsers say what is sent
+                    delta = parsed.delta(text, s.finished)
+                    if not delta and not s.finished:
+                        continue                  # held back by a parser (its logprobs go with the next)
+                    reason = parsed.finish_reason(s.finish_reason)
+                else:
+                    delta = {"content": text} if text or not s.finished else {}
+                    reason = s.finish_reason
                 lps = s.take_logprobs()
                 if chat:
-                    choice = {"index": s.index, "delta": {"content": text} if text or not s.finished else {},
+                    choice = {"index": s.index, "delta": delta,
                               "logprobs": self.render.chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
-                              "finish_reason": s.finish_reason}
+                              "finish_reason": reason}
                 else:
                     choice = {"index": s.index, "text": text,
                               "logprobs": (self.render.completion_logprobs(lps, text_offsets[s.index], s.params.logprobs)

@@ -10,6 +10,8 @@ SERVER_FLAGS = {  # flag dest -> config key
     "max_queue": "server.max_queue", "max_request_body_bytes": "server.max_request_body_bytes",
     "max_connections": "server.max_connections",
     "uvicorn_log_level": "server.log_level",
+    "tool_call_parser": "server.tool_call_parser", "enable_auto_tool_choice": "server.enable_auto_tool_choice",
+    "reasoning_parser": "server.reasoning_parser",
 }
 
 
@@ -33,6 +35,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="open client connections; past it 503 at once (default: what the descriptor limit leaves)")
     s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's own log level (default: info; warning with --quiet)")
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="tool-call parser for tool_choice 'auto' (built-ins: hermes, llama3_json, ernie-4.5; default: none)")
+    s.add_argument("--enable-auto-tool-choice", action="store_const", const=True, default=None,
+                   help="allow tool_choice 'auto' (needs --tool-call-parser; default: off, 'auto' is a 400)")
+    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split reasoning_content out of the output (built-ins: qwen3, deepseek_r1, ernie-4.5; default: none)")
     s.set_defaults(func=cmd_serve)
     return s
 

@@ -215,8 +215,8 @@ def check_limits(req, sc, vocab_size: int | None = None) -> None:
             refuse("allowed_token_ids", f"token ids must be in [0, {top})")
     if vocab_size and any(t >= vocab_size for t in req.stop_token_ids or []):
         refuse("stop_token_ids", f"token ids must be in [0, {vocab_size})")
-    for name in ("guided_json", "guided_regex", "guided_grammar", "structural_tag", "response_format"):
-        value = getattr(req, name)
+    for name in ("guided_json", "guided_regex", "guided_grammar", "structural_tag", "response_format", "tools"):
+        value = getattr(req, name, None)          # tools: chat only (required / named compile them)
         if value is not None and _json_size(value) > sc.max_guided_bytes:
             refuse(name, f"at most {sc.max_guided_bytes} characters")
     choices = req.guided_choice

@@ -235,15 +235,14 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None          # checked in core/serving/chat_output.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_max_tokens: Int | None = None            # FastDeploy's: the think block closes after this many
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return ("tools", "tool calling is not supported yet")
-        if self.tool_choice not in (None, "none"):
-            return ("tool_choice", "tool calling is not supported yet")
+        if self.reasoning_max_tokens is not None and self.reasoning_max_tokens < 0:
+            return ("reasoning_max_tokens", "reasoning_max_tokens must be >= 0")
         if self.top_logprobs is not None and not self.logprobs:
             return ("top_logprobs", "top_logprobs needs logprobs=true")
         return super().unsupported()

@@ -2,6 +2,7 @@
 response bodies (choices, usage, the two logprobs shapes)."""
 from __future__ import annotations
 
+import json
 
 from fdx.core.serving.protocol import APIError
 
@@ -38,6 +39,8 @@ class Renderer:
         for m in req.messages:
             msg = {k: v for k, v in m.model_dump().items() if v is not None}
             msg["content"] = m.text() or ""
+            if isinstance(msg.get("tool_calls"), list):
+                msg["tool_calls"] = [_template_call(c) for c in msg["tool_calls"]]
             messages.append(msg)
         template_kwargs = req.chat_template_kwargs or {}
         reserved = sorted(set(template_kwargs) & {"chat_template", "tools", "documents", "messages",
@@ -47,7 +50,8 @@ class Renderer:
                            param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **template_kwargs)
+                messages, add_generation_prompt=req.add_generation_prompt, tools=getattr(req, "tools", None) or None,
+                **template_kwargs)
         except Exception as e:  # template errors (raise_exception, a missing template)
             raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
         return text, self._encode(text, "messages", add_special_tokens=False)
@@ -82,9 +86,12 @@ class Renderer:
         for s in seqs:
             lps = s.take_logprobs()
             if chat:
-                choices.append({"index": s.index, "message": {"role": "assistant", "content": s.text},
+                parsed = s.chat_output
+                message = parsed.message(s.text) if parsed is not None else {"role": "assistant", "content": s.text}
+                reason = parsed.finish_reason(s.finish_reason) if parsed is not None else s.finish_reason
+                choices.append({"index": s.index, "message": message,
                                 "logprobs": self.chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
-                                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
+                                "finish_reason": reason, "stop_reason": s.stop_reason})
             else:
                 text = (self.prompt_text(prompts, s.prompt_index) if req.echo else "") + s.text
                 choices.append({"index": s.index, "text": text,
@@ -118,6 +125,24 @@ class Renderer:
                 "top_logprobs": [{"token": (t := self._token_str(int(e[0]))), "logprob": e[1],
                                   "bytes": list(t.encode())} for e in entries[:top_n]]})
         return {"content": content}
+
+
+def _template_call(call):
+    """An assistant message's tool call as chat templates read it (as
+    vLLM hands it): OpenAI's ``function.arguments`` JSON text as a dict
+    (templates write it with ``tojson``)."""
+    if not isinstance(call, dict):
+        return call
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        return call
+    fn = dict(fn)
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass                          # left as written: the template shows the text
+    return {**call, "function": fn}
 
 
 def _sampled_logprob(tid: int, entries) -> float | None:

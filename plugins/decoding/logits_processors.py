@@ -248,12 +248,57 @@ class BadWords(RowsProcessor):
         return logits
 
 
+class ReasoningBudget(RowsProcessor):
+    """``reasoning_max_tokens`` (FastDeploy's meaning): a request whose first
+    ``reasoning_max_tokens`` output tokens hold no ``reasoning_end_token_ids``
+    (a reasoning parser's ``</think>``, tokenized) is made to write them
+    next, one forced token a step, which closes its think block."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._ended: dict[str, tuple[int, bool]] = {}     # request id -> (tokens searched, end seen)
+
+    def wants(self, p) -> bool:
+        return p.reasoning_max_tokens is not None and bool(p.reasoning_end_token_ids)
+
+    def on_added(self, state):
+        self._ended[state.request_id] = (0, False)       # resumed too: searched again from its tokens
+
+    def on_removed(self, request_id):
+        self._ended.pop(request_id, None)
+
+    def _ended_within(self, state, budget: int) -> bool:
+        end = tuple(state.params.reasoning_end_token_ids)
+        scanned, seen = self._ended[state.request_id]
+        out = state.output_token_ids
+        limit = min(len(out), budget)
+        for i in range(max(0, scanned - len(end) + 1), limit - len(end) + 1):
+            if tuple(out[i:i + len(end)]) == end:
+                seen = True
+                break
+        self._ended[state.request_id] = (limit, seen)
+        return seen
+
+    def apply(self, logits):
+        if self.active:
+            for row, state in enumerate(self.rows):
+                if state is None:
+                    continue
+                budget, end = state.params.reasoning_max_tokens, state.params.reasoning_end_token_ids
+                k = len(state.output_token_ids) - budget
+                if 0 <= k < len(end) and not self._ended_within(state, budget):
+                    logits[row] = -np.inf
+                    logits[row, end[k]] = 0.0
+        return logits
+
+
 BUILTIN_LOGITS_PROCESSORS: dict[str, type[RowsProcessor]] = {
     "penalties": Penalties,
     "min_tokens": MinTokens,
     "logit_bias": LogitBias,
     "allowed_token_ids": AllowedTokenIds,
     "bad_words": BadWords,
+    "reasoning_budget": ReasoningBudget,        # last: its forced token overrides the others
 }
 
 

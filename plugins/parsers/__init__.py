@@ -1,0 +1,1 @@
+"""Chat output parsers: tool calls and reasoning (they run in the API process; no Paddle)."""
