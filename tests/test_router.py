@@ -138,9 +138,12 @@ def test_router_passes_the_request_id_and_trace_context_on(cluster):
                                 "traceparent": f"00-{trace_id}-{parent_id}-01"},
                        json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4, "stream": stream})
         assert r.status_code == 200 and r.headers["x-request-id"] == rid
-        assert f"request {rid}: POST /v1/completions 200" in router.log_path.read_text()
-        for name in ("p", "d"):
-            assert re.search(rf"request {rid}: POST /v1/completions 200 ", servers[name].log_path.read_text()), name
+        line = re.compile(rf"request {rid}: POST /v1/completions 200 ")
+        for name, path in (("router", router.log_path), ("p", servers["p"].log_path), ("d", servers["d"].log_path)):
+            deadline = time.monotonic() + 10            # each writes its line once its response has ended
+            while not line.search(path.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert line.search(path.read_text()), name
     for name in ("p", "d"):
         deadline = time.monotonic() + 20
         while True:
