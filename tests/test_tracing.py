@@ -110,3 +110,19 @@ def test_bad_otel_settings_are_config_errors_naming_the_key(tiny_model):
         LLM(tiny_model, observers=["otel"], **{"plugins.observer.otel": {"exporter": "carrier-pigeon"}})
     with pytest.raises(ConfigError, match=r"observability\.observers.*no observer named 'nope'"):
         LLM(tiny_model, observers=["nope"])
+
+
+def test_tracing_off_imports_no_opentelemetry(tiny_model):
+    """An engine with no observer selected never imports OpenTelemetry (the
+    otel plugin module is loaded, as every built-in is, but imports it only
+    when built)."""
+    import subprocess
+    import sys
+    code = ("import sys; from fdx import LLM; "
+            f"llm = LLM({tiny_model!r}, max_model_len=64, num_kv_blocks=8, progress=False); "
+            "llm.generate(['hi']); "
+            "assert 'fdx.plugins.observers.otel' in sys.modules; "
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -81,8 +81,8 @@ class GuardMiddleware:
     /v1: the request id (X-Request-Id, checked, else made) and trace
     context, in ``scope["fdx.request_id"]`` / ``scope["fdx.trace"]``; the id
     echoed on every response and named in one ``fdx.requests`` log line
-    when the response ends (with what the endpoint put in
-    ``scope["fdx.log"]``)."""
+    when the response of a POST or of a refusal ends (with what the
+    endpoint put in ``scope["fdx.log"]``)."""
 
     def __init__(self, app, sc):
         self.app = app
@@ -108,8 +108,8 @@ class GuardMiddleware:
             await send(message)
         try:
             await self._guarded(scope, receive, send_with_id, headers, bad)
-        finally:
-            if requests_log.isEnabledFor(logging.INFO):
+        finally:       # a line per generation request and per refusal (not per poll of /v1/engine/stats)
+            if (scope.get("method") != "GET" or (status[0] or 500) >= 400) and requests_log.isEnabledFor(logging.INFO):
                 detail = scope["fdx.log"].get("detail")
                 requests_log.info("request %s: %s %s %s in %.3f s%s", rid, scope.get("method"), scope["path"],
                                   status[0] or "(no response)", time.monotonic() - t0,
