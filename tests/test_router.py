@@ -150,10 +150,13 @@ def test_router_passes_the_request_id_and_trace_context_on(cluster):
             lines = servers[name].spans_path.read_text().splitlines() if servers[name].spans_path.exists() else []
             roots = [s for s in map(json.loads, lines) if s["name"] == "fdx.request"
                      and s["attributes"]["fdx.request_id"].startswith("via-router-")]
-            if len(roots) == 2 or time.monotonic() > deadline:
+            ids = {s["attributes"]["fdx.request_id"] for s in roots}
+            if ids == {"via-router-0", "via-router-1"} or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert len(roots) == 2, name
+        # (the prefill side may have run one twice: a pairing refused by the other-model decode
+        # instance is retried, each try under the same id and trace)
+        assert ids == {"via-router-0", "via-router-1"}, name
         assert {(s["context"]["trace_id"], s["parent_id"]) for s in roots} == {("0x" + trace_id, "0x" + parent_id)}
 
 

@@ -347,9 +347,11 @@ class Server:
     def make_group(self, prompts: list[tuple[str | None, list[int]]], sp: SamplingParams,
                    prefix: str, http_request: Request | None = None) -> RequestGroup:
         """The engine requests of one HTTP request: ids ``<request id>-<choice
-        index>`` (the request id a second time in flight gets ``.<6 hex>``)."""
+        index>``; ``<request id>.<6 hex>-<index>`` for an id already in flight
+        here, and always under a shared request scheduler (its queue holds the
+        ids of every instance, and clients choose theirs)."""
         arrival = time.monotonic()
-        if prefix in self.prefixes:
+        if prefix in self.prefixes or self.config.scheduler.request_scheduler != "local":
             prefix = f"{prefix}.{secrets.token_hex(3)}"
         seqs, params = [], []
         for p_idx, (_text, ids) in enumerate(prompts):
