@@ -110,6 +110,16 @@ def test_bad_otel_settings_are_config_errors_naming_the_key(tiny_model):
         LLM(tiny_model, observers=["otel"], **{"plugins.observer.otel": {"exporter": "carrier-pigeon"}})
     with pytest.raises(ConfigError, match=r"observability\.observers.*no observer named 'nope'"):
         LLM(tiny_model, observers=["nope"])
+    with pytest.raises(ConfigError, match=r"plugins\.observer\.otel.*unknown setting 'endpont'"):
+        LLM(tiny_model, observers=["otel"], **{"plugins.observer.otel": {"exporter": "memory", "endpont": "x"}})
+    try:
+        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+        has_otlp = True
+    except ImportError:
+        has_otlp = False
+    if not has_otlp:                                   # the extra's exporter is not installed here
+        with pytest.raises(ConfigError, match=r"plugins\.observer\.otel.*pip install 'fdx\[otel\]'"):
+            LLM(tiny_model, observers=["otel"])
 
 
 def test_tracing_off_imports_no_opentelemetry(tiny_model):
