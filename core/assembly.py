@@ -53,6 +53,8 @@ class Assembly:
             "processors": [(n, pick("logits_processor", "decoding.logits_processors", n))
                            for n in self.processor_names],
             "token_processor": pick("token_processor", "decoding.token_processor", dc.token_processor),
+            "observers": [(n, pick("observer", "observability.observers", n))
+                          for n in dict.fromkeys(config.observability.observers)],
         }
         self.backend = None
         if backend is not None:
@@ -101,6 +103,16 @@ class Assembly:
             return cls(*args, **kwargs)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"config key 'plugins.{kind}.{name}': {e}") from None
+
+    def observers(self) -> list:
+        """The observers ``observability.observers`` selects, each built with
+        its settings (``plugins.observer.<name>``)."""
+        built = []
+        for name, cls in self.classes["observers"]:
+            obs = self.make("observer", name, cls, self.config, self.settings("observer", name))
+            obs.name = name
+            built.append(obs)
+        return built
 
     # -- the scheduler side ---------------------------------------------------------------
     def token_processor(self, tokenizer):

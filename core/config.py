@@ -150,6 +150,11 @@ class SplitwiseConfig(_Section):
     debug_transfer_delay_s: float = Field(0.0, ge=0)  # test-only: hold each transfer open this long
 
 
+class ObservabilityConfig(_Section):
+    observers: list[str] = []                  # observer plugins each engine builds (fdx_register_observers;
+                                               # built-in: otel, settings plugins.observer.otel)
+
+
 class FdxConfig(_Section):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
@@ -159,6 +164,7 @@ class FdxConfig(_Section):
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
     splitwise: SplitwiseConfig = SplitwiseConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
     seed: int | None = 0
     # plugin settings: {kind: {name: {key: value}}}, handed to that plugin's constructor
     plugins: dict[str, dict[str, dict[str, Any]]] = {}
@@ -193,7 +199,8 @@ class FdxConfig(_Section):
                 for k, (s, f) in FLAT_KEYS.items()}
 
 
-SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "splitwise")
+SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "splitwise",
+            "observability")
 
 # flat key -> (section, field); section "" means top level
 FLAT_KEYS: dict[str, tuple[str, str]] = {"seed": ("", "seed")}

@@ -17,7 +17,7 @@ from fdx.core.assembly import Assembly
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.interfaces import Backend, KVCacheSpec, Model, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
-from fdx.core.request import Request, RequestStatus
+from fdx.core.request import Request, RequestStatus, request_output
 from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.engine")
@@ -83,6 +83,7 @@ class EngineCore:
         self.plugins = plugins = plugins or get_plugin_manager()
         # every plugin name resolved before the (slow) model load, so a typo fails at once
         self.assembly = assembly = Assembly(config, plugins)
+        self.observers = assembly.observers()    # observability.observers (a bad setting fails before the load)
         self.backend = self._select_backend()
         dtype = self._resolve_dtype()
         self.backend.setup(config)
@@ -160,7 +161,7 @@ class EngineCore:
         self.num_recomputed_tokens = 0
         self.last_stats: StepStats | None = None
         self._ids = itertools.count()
-        plugins.notify("fdx_engine_started", engine=self)
+        self.notify("fdx_engine_started", engine=self)
 
     # -- set-up ---------------------------------------------------------------
     def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
@@ -238,7 +239,8 @@ class EngineCore:
 
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None, prompt: str | None = None,
-                     priority: int = 0, cache_salt: str | None = None) -> Request:
+                     priority: int = 0, cache_salt: str | None = None,
+                     trace_headers: dict[str, str] | None = None) -> Request:
         """Validate and build a request (raises ValueError naming the problem)."""
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
@@ -266,7 +268,8 @@ class EngineCore:
                              "leave room to generate")
         return Request(request_id or self.new_request_id(), prompt_token_ids, params,
                        prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len, cache_salt=cache_salt, pooling=self.task == "embed")
+                       max_model_len=self.max_model_len, cache_salt=cache_salt, pooling=self.task == "embed",
+                       trace_headers=trace_headers)
 
     def add_request(self, request: Request) -> Request:
         """Queue a request from make_request; a constrained one starts its
@@ -275,15 +278,24 @@ class EngineCore:
         self.guided.add(request.request_id, request.sampling_params)
         self.token_processor.start(request)
         self.resource_manager.add_request(request)
-        self.plugins.notify("fdx_request_added", request=request)
+        self.notify("fdx_request_added", request=request)
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
         self.guided.remove(request_id)          # a compile it alone waits for is cancelled
         req = self.resource_manager.abort_request(request_id)
         if req is not None:
-            self.plugins.notify("fdx_request_finished", request=req, output=None)
+            self._finished(req)
         return req
+
+    def notify(self, hook_name: str, **kwargs) -> None:
+        """Call an observer hook: the plugins' module-level implementations,
+        then this engine's observers (observability.observers)."""
+        self.plugins.notify(hook_name, self.observers, **kwargs)
+
+    def _finished(self, req: Request) -> None:
+        if self.plugins.has_observers("fdx_request_finished", self.observers):
+            self.notify("fdx_request_finished", request=req, output=request_output(req))
 
     def has_unfinished(self) -> bool:
         return self.resource_manager.has_unfinished()
@@ -296,6 +308,11 @@ class EngineCore:
             self.connector.close()
         self.kv_cache.close()
         self.guided.close()
+        for obs in self.observers:
+            try:
+                obs.close()
+            except Exception as e:                # an observer must not stop the shutdown
+                log.warning("observer %s raised %s in close(): %s", obs.name, type(e).__name__, e)
         close = getattr(self.runner, "close", None)     # a runner with processes of its own (tp)
         if close is not None:
             close()
@@ -341,11 +358,11 @@ class EngineCore:
             step_time_s=time.perf_counter() - t0, num_finished=len(finished),
             num_recomputed_tokens=num_recomputed, recompute_tax=self.recompute_tax)
         self.last_stats = stats
-        self.plugins.notify("fdx_step_finished", scheduler_output=sched, step_stats=stats,
-                            context=context or self._context(sched))
+        self.notify("fdx_step_finished", scheduler_output=sched, step_stats=stats,
+                    context=context or self._context(sched))
         for req in finished:
-            if req.status is not RequestStatus.FINISHED_ABORTED:
-                self.plugins.notify("fdx_request_finished", request=req, output=None)
+            if req.status is not RequestStatus.FINISHED_ABORTED:   # abort_request told them already
+                self._finished(req)
         return changed
 
     def _guided_verdicts(self) -> list[Request]:

@@ -5,8 +5,13 @@ receives a ``register(name, obj)`` callback; config selects an
 implementation by that name, never by call order. A name registered twice
 is an error that names both plugins.
 
-Observer hooks are called by the engine as things happen; they return
-nothing and must not block for long.
+Observer hooks are called by the engine as things happen, on the engine
+thread; they return nothing and must not block for long. An implementation
+takes any subset of a hook's arguments (by name); one that raises is logged
+and the others still run. A module that implements them observes every
+engine in the process; an ``Observer`` class registered by
+``fdx_register_observers`` runs only in the engines whose config selects it
+(``observability.observers``), with its settings.
 """
 from __future__ import annotations
 
@@ -133,6 +138,14 @@ def fdx_register_weight_formats(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_observers(register: Register) -> None:
+    """Register observers (``Observer`` subclasses: classes whose methods
+    are the observer hooks below) by name. ``config.observability.observers``
+    lists the ones each engine builds, with ``plugins.observer.<name>`` as
+    their settings (built-in: ``otel``, OpenTelemetry spans per request)."""
+
+
+@hookspec
 def fdx_register_logits_processors(register: Register) -> None:
     """Register logits processors (``LogitsProcessor`` subclasses) by
     name. The built-ins always run; ``config.decoding.logits_processors``
@@ -158,12 +171,18 @@ def fdx_register_reasoning_parsers(register: Register) -> None:
 
 @hookspec
 def fdx_engine_started(engine: Any) -> None:
-    """The engine has loaded its model and allocated its KV cache."""
+    """The engine (an ``EngineCore``) has loaded its model and allocated its
+    KV cache; called once, at the end of its construction (before the
+    server's warm-up request)."""
 
 
 @hookspec
 def fdx_request_added(request: Any) -> None:
-    """A request was validated and queued in the engine."""
+    """A request (a ``Request``: ``request_id``, ``prompt_token_ids``,
+    ``sampling_params``, ``arrival_time``, and ``trace_headers``, the
+    W3C ``traceparent`` / ``tracestate`` and ``x-request-id`` it came with
+    over HTTP, or None) was validated and queued in the engine, from
+    ``EngineCore.add_request``."""
 
 
 @hookspec
@@ -175,4 +194,9 @@ def fdx_step_finished(scheduler_output: Any, step_stats: Any, context: Any) -> N
 
 @hookspec
 def fdx_request_finished(request: Any, output: Any) -> None:
-    """A request finished (stopped, hit its length, or was aborted)."""
+    """A request finished: stopped, hit its length, was aborted, or was
+    rejected. ``request`` is the engine's ``Request`` in its final state
+    (``status``, ``first_scheduled_time``, ``first_token_time``,
+    ``finished_time``, ``num_preemptions``); ``output`` its
+    ``RequestOutput`` (one ``CompletionOutput``: text, token ids, finish
+    reason; ``metrics``: the request's times on the monotonic clock)."""

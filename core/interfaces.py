@@ -592,6 +592,40 @@ class TokenProcessor(abc.ABC):
         each) computed this step. Default: nothing."""
 
 
+class Observer:
+    """An observer an engine builds because its config selects it
+    (``observability.observers``; registered by ``fdx_register_observers``),
+    one per engine, constructed as ``cls(config, settings)`` with
+    ``settings`` from ``plugins.observer.<name>`` (raise ``ValueError`` on a
+    bad one: the engine reports it as a config error naming that key).
+
+    Its methods are the observer hooks of ``fdx.core.hookspecs``, by the
+    same names, each taking any subset of the hook's arguments by name;
+    define only those you need (a hook it does not define costs nothing):
+
+    - ``fdx_engine_started(engine)``: once, the engine built;
+    - ``fdx_request_added(request)``: a ``Request`` joined the engine
+      (``trace_headers``: the W3C trace context and ``x-request-id`` it came
+      with, or None);
+    - ``fdx_step_finished(scheduler_output, step_stats, context)``: each step;
+    - ``fdx_request_finished(request, output)``: the ``Request`` in its final
+      state and its ``RequestOutput``.
+
+    All run on the engine thread: be quick, hand slow work (exporting) to a
+    thread of your own. ``close()`` is called once when the engine shuts
+    down (flush what is buffered). Module-level hook implementations, by
+    contrast, observe every engine in the process and take no settings."""
+
+    name: str = ""                                # set by the engine: the name it was selected by
+
+    def __init__(self, config: "FdxConfig", settings: dict | None = None):
+        self.config = config
+        self.settings = settings or {}
+
+    def close(self) -> None:
+        """The engine is shutting down."""
+
+
 # -- guided decoding (decoding.guided_backend; the built-in `guided` logits processor drives it) --
 
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")

@@ -84,9 +84,13 @@ class SequenceState:
         self.num_cached_tokens = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.queue_time: float | None = None
         self.chat_output = None                   # the choice's chat parsers (core/serving/chat_output.py)
+        self.queue_time: float | None = None      # the engine's: arrival to first scheduled
+        self.prefill_time: float | None = None    # the engine's: first scheduled to first token
+        self.decode_time: float | None = None     # the engine's: first token to finished
 
     @property
     def finished(self) -> bool:
@@ -99,8 +103,10 @@ class SequenceState:
         if self.finished:
             return False
         now = time.monotonic()
-        if token_ids and self.first_token_time is None:
-            self.first_token_time = now
+        if token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.last_token_time = now
         last = len(token_ids) - 1
         for i, tid in enumerate(token_ids):
             self.token_ids.append(tid)

@@ -50,6 +50,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.models.weight_formats",
     "fdx.plugins.parsers.tool_parsers",
     "fdx.plugins.parsers.reasoning_parsers",
+    "fdx.plugins.observers.otel",
 )
 
 # The built-ins the API process of ``fdx serve`` loads: what it looks up is a
@@ -82,7 +83,10 @@ KINDS: dict[str, str] = {
     "fdx_register_logits_processors": "logits_processor",
     "fdx_register_tool_parsers": "tool_parser",
     "fdx_register_reasoning_parsers": "reasoning_parser",
+    "fdx_register_observers": "observer",
 }
+
+OBSERVER_HOOKS = ("fdx_engine_started", "fdx_request_added", "fdx_step_finished", "fdx_request_finished")
 
 
 class PluginError(RuntimeError):
@@ -247,15 +251,31 @@ class PluginManager:
     def hook(self):
         return self.pm.hook
 
-    def notify(self, hook_name: str, **kwargs: Any) -> None:
+    def notify(self, hook_name: str, observers: Iterable[Any] = (), **kwargs: Any) -> None:
         """Call an observer hook, each implementation on its own: one that
-        raises is logged and the others still run."""
+        raises is logged and the others still run. ``observers``: ``Observer``
+        instances (an engine's, from ``observability.observers``) called
+        after the plugins' module-level implementations."""
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             try:
                 impl.function(**{k: kwargs[k] for k in impl.argnames})
             except Exception as e:
                 log.warning("observer %s of %s raised %s: %s", impl.plugin_name, hook_name,
                             type(e).__name__, e)
+        for obs in observers:
+            method = getattr(obs, hook_name, None)
+            if method is None:
+                continue
+            try:
+                method(**{k: kwargs[k] for k in observer_argnames(method)})
+            except Exception as e:
+                log.warning("observer %s of %s raised %s: %s", getattr(obs, "name", type(obs).__name__),
+                            hook_name, type(e).__name__, e)
+
+    def has_observers(self, hook_name: str, observers: Iterable[Any] = ()) -> bool:
+        """Whether anything implements this observer hook (so its arguments are worth building)."""
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls()) or any(
+            getattr(o, hook_name, None) is not None for o in observers)
 
     def report(self) -> str:
         lines = []
@@ -267,8 +287,7 @@ class PluginManager:
             for reg in regs.values():
                 lines.append(f"    {reg.name:<28} {reg.plugin} [{reg.package}]")
         observers = {}
-        for hook_name in ("fdx_engine_started", "fdx_request_added",
-                          "fdx_step_finished", "fdx_request_finished"):
+        for hook_name in OBSERVER_HOOKS:
             impls = getattr(self.pm.hook, hook_name).get_hookimpls()
             observers[hook_name] = [i.plugin_name for i in impls]
         lines.append("observers:")
@@ -291,6 +310,21 @@ class PluginManager:
             for name, why in self.errors.items():
                 lines.append(f"    {name}: {why}")
         return "\n".join(lines)
+
+
+def observer_argnames(method) -> tuple[str, ...]:
+    """The argument names of a bound observer method (cached on its function)."""
+    func = getattr(method, "__func__", method)
+    names = getattr(func, "_fdx_argnames", None)
+    if names is None:
+        import inspect
+        names = tuple(n for n, p in inspect.signature(method).parameters.items()
+                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        try:
+            func._fdx_argnames = names
+        except AttributeError:
+            pass
+    return names
 
 
 _default: PluginManager | None = None

@@ -32,6 +32,8 @@ class Request:
     priority: int = 0                            # lower runs first under scheduler.policy=priority
     cache_salt: str | None = None                # prefix-cache isolation: only equal salts share blocks
     pooling: bool = False                        # model.task embed: runs its prompt, returns ``pooled``
+    trace_headers: dict[str, str] | None = None  # what it came with over HTTP: W3C traceparent /
+                                                 # tracestate and x-request-id (observers read it)
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 0                       # set by the engine
     status: RequestStatus = RequestStatus.WAITING
@@ -107,3 +109,17 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None   # None for the first token
     metrics: dict | None = None
+
+
+def request_output(req: Request, index: int = 0) -> RequestOutput:
+    """One request's ``RequestOutput`` as it stands (what ``fdx_request_finished``
+    observers get): its one completion, and its times (monotonic clock)."""
+    out = CompletionOutput(index=index, text=req.output_text, token_ids=list(req.output_token_ids),
+                           finish_reason=req.status.value if req.is_finished else None,
+                           stop_reason=req.stop_reason, logprobs=req.logprobs)
+    return RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids, outputs=[out],
+        finished=req.is_finished, num_cached_tokens=req.num_cached_tokens, prompt_logprobs=req.prompt_logprobs,
+        metrics={"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
+                 "first_token_time": req.first_token_time, "finished_time": req.finished_time,
+                 "num_preemptions": req.num_preemptions})

@@ -42,7 +42,7 @@ def test_the_page_has_every_contract(doc_plugins):
                        ("admission_rule", "my-cap"), ("preemption_policy", "my-oldest"),
                        ("kv_cache", "my-blocks"), ("logits_processor", "my-ban"), ("backend", "my-device"),
                        ("attention_backend", "my-dense"), ("connector", "my-counter"),
-                       ("backend", "my-probing-device"), ("weight_format", "my-int8")]:
+                       ("backend", "my-probing-device"), ("weight_format", "my-int8"), ("observer", "my-latency")]:
         assert name in pm.names(kind), (kind, name)
         assert pm.registries[kind][name].package == "local"
 
@@ -85,6 +85,19 @@ def test_the_page_plugins_run_a_real_model_together(doc_plugins, tiny_checkpoint
     assert llm.engine.connector.finished == 3
     observer = next(m for m in modules.values() if hasattr(m, "SEEN"))
     assert observer.SEEN and all(used >= 0 for _, _, used, _ in observer.SEEN)
+
+
+def test_the_page_observer_sees_every_request_it_is_selected_for(doc_plugins, tiny_checkpoints):
+    path = str(tiny_checkpoints["Qwen2ForCausalLM"][0])
+    base = dict(max_model_len=64, num_kv_blocks=40, block_size=4, progress=False)
+    llm = LLM(path, **base, observers=["my-latency"], **{"plugins.observer.my-latency": {"slow_s": 0}})
+    (obs,) = llm.engine.observers
+    outs = llm.generate([{"prompt_token_ids": [5, 9, 200]}, {"prompt_token_ids": [7] * 20}],
+                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6)])
+    assert sorted((rid, n) for rid, _, n in obs.rows) == sorted((o.request_id, len(o.outputs[0].token_ids))
+                                                               for o in outs)
+    assert all(ttft > 0 for _, ttft, _ in obs.rows) and sorted(obs.slow) == sorted(o.request_id for o in outs)
+    assert LLM(path, **base).engine.observers == []            # not selected: not built
 
 
 def test_the_page_backend_with_a_kernel_table_runs_what_it_passed(doc_plugins, tiny_checkpoints, monkeypatch):

@@ -133,10 +133,13 @@ def test_third_party_resource_manager_selected_by_config(example_plugin_installe
               policy="shortest-first", plugins=pm, progress=False)
     assert type(llm.engine.resource_manager).__name__ == "FifoScheduler"
     assert ex.STARTED and ex.STARTED[-1] is llm.engine
-    before = len(ex.STEPS)
+    before, added = len(ex.STEPS), len(ex.ADDED)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = ["A much longer prompt that has quite a few more tokens in it than the other", "Hi"]
     outs = llm.generate(prompts, sp)
+    # the request hooks: each request seen joining, and finishing with the output the caller got
+    assert sorted(ex.ADDED[added:]) == sorted(o.request_id for o in outs)
+    assert [ex.OUTPUTS[o.request_id] for o in outs] == [(o.outputs[0].token_ids, "length") for o in outs]
     steps = ex.STEPS[before:]
     assert [s for s, _ in steps] == list(range(steps[0][0], llm.engine.step_count + 1))  # every step seen
     n_prompt = sum(len(o.prompt_token_ids) for o in outs)

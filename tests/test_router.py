@@ -33,12 +33,15 @@ def cluster(tiny_checkpoints, tmp_path_factory):
     qwen = tiny_checkpoints["Qwen2ForCausalLM"][0]
     sw = {"transfer_timeout_s": 4.0}
     ports = {k: free_port() for k in ("d", "bad", "kill")}
+    spans = tmp_path_factory.mktemp("spans")
+    traced = lambda name: {"observability": {"observers": ["otel"]}, "plugins": {"observer": {"otel": {
+        "exporter": "console", "file": str(spans / f"{name}.jsonl")}}}}
     mk = lambda name, path, **sections: ServerProcess(tmp_path_factory.mktemp(name), {"served_model_name": "tiny"},
                                                       **model_sections(path, **sections))
     servers = {
         "mixed": mk("mixed", llama),
-        "p": mk("p", llama, splitwise={**sw, "role": "prefill"}),
-        "d": mk("d", llama, splitwise={**sw, "role": "decode", "connector_port": ports["d"]}),
+        "p": mk("p", llama, splitwise={**sw, "role": "prefill"}, **traced("p")),
+        "d": mk("d", llama, splitwise={**sw, "role": "decode", "connector_port": ports["d"]}, **traced("d")),
         # another model: its connector refuses the prefill side's KV (fingerprint), so the router
         # must retry the pairing elsewhere
         "bad": mk("bad", qwen, splitwise={**sw, "role": "decode", "connector_port": ports["bad"]}),
@@ -56,6 +59,8 @@ def cluster(tiny_checkpoints, tmp_path_factory):
                                      [servers["kill"].base_url, servers["d"].base_url]))
         for r in routers:
             r.wait_ready()
+        for name in ("p", "d"):
+            servers[name].spans_path = spans / f"{name}.jsonl"
         yield servers, routers
     finally:
         for r in routers:
@@ -115,6 +120,44 @@ def test_router_equals_one_mixed_instance_and_retries_a_refusal(cluster):
                 break
             time.sleep(0.3)
         assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"], name
+
+
+def test_router_passes_the_request_id_and_trace_context_on(cluster):
+    """One X-Request-Id and one traceparent at the router: the router echoes
+    the id and logs it, both instances log it, and both engines' spans (the
+    prefill and the decode side) join the client's trace under its span."""
+    import json
+    import re
+    import secrets
+    servers, (router, _) = cluster
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    for stream in (False, True):
+        rid = f"via-router-{int(stream)}"
+        r = httpx.post(router.base_url + "/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": rid,
+                                "traceparent": f"00-{trace_id}-{parent_id}-01"},
+                       json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4, "stream": stream})
+        assert r.status_code == 200 and r.headers["x-request-id"] == rid
+        line = re.compile(rf"request {rid}: POST /v1/completions 200 ")
+        for name, path in (("router", router.log_path), ("p", servers["p"].log_path), ("d", servers["d"].log_path)):
+            deadline = time.monotonic() + 10            # each writes its line once its response has ended
+            while not line.search(path.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert line.search(path.read_text()), name
+    for name in ("p", "d"):
+        deadline = time.monotonic() + 20
+        while True:
+            lines = servers[name].spans_path.read_text().splitlines() if servers[name].spans_path.exists() else []
+            roots = [s for s in map(json.loads, lines) if s["name"] == "fdx.request"
+                     and s["attributes"]["fdx.request_id"].startswith("via-router-")]
+            ids = {s["attributes"]["fdx.request_id"] for s in roots}
+            if ids == {"via-router-0", "via-router-1"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        # (the prefill side may have run one twice: a pairing refused by the other-model decode
+        # instance is retried, each try under the same id and trace)
+        assert ids == {"via-router-0", "via-router-1"}, name
+        assert {(s["context"]["trace_id"], s["parent_id"]) for s in roots} == {("0x" + trace_id, "0x" + parent_id)}
 
 
 def test_killing_the_decode_instance_mid_transfer(cluster):

@@ -86,10 +86,14 @@ def rejection(msg: EngineRejected) -> APIError:
 # -- one HTTP generation request: its sequences in the engine -----------------------
 
 class RequestGroup:
-    def __init__(self, server: "Server", seqs: list[SequenceState], engine_params: list[dict]):
+    def __init__(self, server: "Server", seqs: list[SequenceState], engine_params: list[dict],
+                 prefix: str = "", trace: dict[str, str] | None = None, log: dict | None = None):
         self.server = server
         self.seqs = seqs
         self.engine_params = engine_params
+        self.prefix = prefix                      # the engine ids' stem: the request id (unique in flight)
+        self.trace = trace                        # X-Request-Id and W3C trace context, for the engine
+        self.log = log if log is not None else {}   # the request's log line (edge.GuardMiddleware)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = len(seqs)
         self.queued = {s.request_id for s in seqs}     # no token yet
@@ -99,13 +103,13 @@ class RequestGroup:
     def start(self) -> None:
         srv = self.server
         srv.groups.add(self)
+        srv.prefixes.add(self.prefix)
         srv.num_queued += len(self.seqs)
         srv.metrics.api_in_flight.set(len(srv.groups))
         try:
             for seq, params in zip(self.seqs, self.engine_params):
                 srv.engine.add(seq.request_id, seq.prompt_token_ids, params,
-                               lambda msg, seq=seq: self.queue.put_nowait((seq, msg)))
-                srv.metrics.sequence_started(len(seq.prompt_token_ids))
+                               lambda msg, seq=seq: self.queue.put_nowait((seq, msg)), trace=self.trace)
         except Exception:
             self.close()
             raise
@@ -133,8 +137,14 @@ class RequestGroup:
             return seq
         if msg.queue_time_s is not None:
             seq.queue_time = msg.queue_time_s
+        if msg.prefill_time_s is not None:
+            seq.prefill_time = msg.prefill_time_s
+        if msg.decode_time_s is not None:
+            seq.decode_time = msg.decode_time_s
         seq.num_cached_tokens = msg.num_cached_tokens
+        before, last = len(seq.token_ids), seq.last_token_time
         hit_stop = seq.add(msg.token_ids, msg.finish_reason, msg.stop_reason, msg.logprobs)
+        self.server.metrics.tokens_arrived(seq, len(seq.token_ids) - before, last)
         if hit_stop:
             self.server.engine.abort([seq.request_id])
         if seq.request_id in self.queued and (seq.token_ids or seq.finished):
@@ -188,7 +198,13 @@ class RequestGroup:
         srv.num_queued -= len(self.queued)
         self.queued.clear()
         srv.groups.discard(self)
+        srv.prefixes.discard(self.prefix)
         srv.metrics.api_in_flight.set(len(srv.groups))
+        reasons = sorted({s.finish_reason or "abort" for s in self.seqs})
+        self.log["detail"] = (f"{len(self.seqs)} sequence{'s' if len(self.seqs) > 1 else ''}, "
+                              f"{sum(len(s.prompt_token_ids) for s in self.seqs)} prompt + "
+                              f"{sum(len(s.token_ids) for s in self.seqs)} generated tokens, "
+                              f"finish {'/'.join(reasons)}")
 
 
 # -- the server state and endpoints ----------------------------------------------------
@@ -223,6 +239,7 @@ class Server:
         self.accepting = False
         self.loading = True                       # until the engine is loaded and warmed: /health says so
         self.groups: set[RequestGroup] = set()
+        self.prefixes: set[str] = set()           # engine id stems in flight (RequestGroup.prefix)
         self.num_queued = 0                       # sequences sent to the engine with no token yet
         self.exit_code = 0
         self.uvicorn = None                       # set by run_server
@@ -350,8 +367,14 @@ class Server:
                            "tokens leave room to generate", param=param, code="context_length_exceeded")
 
     def make_group(self, prompts: list[tuple[str | None, list[int]]], sp: SamplingParams,
-                   prefix: str) -> RequestGroup:
+                   prefix: str, http_request: Request | None = None) -> RequestGroup:
+        """The engine requests of one HTTP request: ids ``<request id>-<choice
+        index>``; ``<request id>.<6 hex>-<index>`` for an id already in flight
+        here, and always under a shared request scheduler (its queue holds the
+        ids of every instance, and clients choose theirs)."""
         arrival = time.monotonic()
+        if prefix in self.prefixes or self.config.scheduler.request_scheduler != "local":
+            prefix = f"{prefix}.{secrets.token_hex(3)}"
         seqs, params = [], []
         for p_idx, (_text, ids) in enumerate(prompts):
             for i in range(sp.n):
@@ -361,7 +384,8 @@ class Server:
                 engine_side = child.to_dict()
                 engine_side.update(stop=[], detokenize=False)   # text and stop strings: this process
                 params.append(engine_side)
-        return RequestGroup(self, seqs, params)
+        scope = http_request.scope if http_request is not None else {}
+        return RequestGroup(self, seqs, params, prefix, scope.get("fdx.trace"), scope.get("fdx.log"))
 
     # -- the generation endpoints -------------------------------------------------
     def check_generates(self) -> None:
@@ -384,8 +408,7 @@ class Server:
         for _, ids in prompts:
             self.check_prompt(ids)
         sp = await self.tokenize_bad_words(sp)
-        rid = f"cmpl-{secrets.token_hex(12)}"
-        return await self._serve(req, http_request, prompts, sp, rid, chat=False)
+        return await self._serve(req, http_request, prompts, sp, "cmpl", chat=False)
 
     async def chat_completions(self, req: ChatCompletionRequest, http_request: Request):
         self.check_model(req.model)
@@ -404,8 +427,7 @@ class Server:
         sp = self.sampling_params(kwargs)
         self.check_prompt(ids, param="messages")
         sp = await self.tokenize_bad_words(sp)
-        rid = f"chatcmpl-{secrets.token_hex(12)}"
-        return await self._serve(req, http_request, [(text, ids)], sp, rid, chat=True, outputs=outputs)
+        return await self._serve(req, http_request, [(text, ids)], sp, "chatcmpl", chat=True, outputs=outputs)
 
     def chat_outputs(self, req, plan, prompt: str, kwargs: dict[str, Any]):
         """Set the sampling fields tools and reasoning need (the guided
@@ -450,8 +472,12 @@ class Server:
             return ChoiceOutput(plan, r, t)
         return make
 
-    async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, rid: str, chat: bool,
+    async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, kind: str, chat: bool,
                      outputs=None):
+        # the request id (X-Request-Id, or the one edge.GuardMiddleware made): the response's id is
+        # <kind>-<id>, as vLLM's; the engine's ids <id>-<choice index>; the log line names it
+        request_id = http_request.scope.get("fdx.request_id") or secrets.token_hex(16)
+        rid = f"{kind}-{request_id}"
         if sp.n * len(prompts) > MAX_SEQS_PER_REQUEST:
             raise APIError(400, f"n x prompts = {sp.n * len(prompts)} completions in one request; "
                            f"the limit is {MAX_SEQS_PER_REQUEST}", param="n")
@@ -462,7 +488,7 @@ class Server:
                 sp = dataclasses.replace(sp, max_tokens=room)
         sp = security.check_token_budget(sp, [len(ids) for _, ids in prompts], self.max_model_len,
                                          self.sc.max_tokens_per_request)
-        group = self.make_group(prompts, sp, rid)
+        group = self.make_group(prompts, sp, request_id, http_request)
         if outputs is not None:
             for s in group.seqs:
                 s.chat_output = outputs()

@@ -16,6 +16,8 @@ import contextlib
 import hmac
 import json
 import logging
+import re
+import secrets
 import time
 from typing import Any
 
@@ -33,9 +35,54 @@ class BodyTooLarge(Exception):
     pass
 
 
+# -- request ids and trace context (docs/serving.md#request-ids-and-tracing) -----------------
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID = 128
+REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=@~-]{1,%d}" % MAX_REQUEST_ID)
+TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+MAX_TRACESTATE = 512                              # W3C: at most 32 members, 512 characters kept
+TRACESTATE = re.compile(rb"[\x20-\x7e]{1,%d}" % MAX_TRACESTATE)
+requests_log = logging.getLogger("fdx.requests")
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(16)
+
+
+def request_context(headers: dict[bytes, bytes]) -> tuple[str, str | None, dict[str, str]]:
+    """(the request id: X-Request-Id, or a new one; why the header is bad,
+    or None; the trace carrier to pass on: ``x-request-id``, and W3C
+    ``traceparent`` / ``tracestate`` when well formed: a malformed one is
+    dropped, as the W3C spec says, starting a new trace)."""
+    raw, bad = headers.get(b"x-request-id"), None
+    if raw is None:
+        rid = new_request_id()
+    elif REQUEST_ID.fullmatch(raw):
+        rid = raw.decode()
+    else:
+        rid = new_request_id()
+        bad = (f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_REQUEST_ID} characters of letters, digits "
+               f"and ._:/+=@~- (got {len(raw)} bytes{': ' + repr(raw[:40].decode('latin-1')) if raw else ''})")
+    carrier = {"x-request-id": rid}
+    tp = headers.get(b"traceparent")
+    if tp is not None and TRACEPARENT.fullmatch(tp) and tp[:2] != b"ff" and tp[3:35] != b"0" * 32 \
+            and tp[36:52] != b"0" * 16:
+        carrier["traceparent"] = tp.decode()
+        ts = headers.get(b"tracestate")
+        if ts is not None and TRACESTATE.fullmatch(ts):
+            carrier["tracestate"] = ts.decode()
+    return rid, bad, carrier
+
+
 class GuardMiddleware:
     """The API key (on the paths ``security.needs_key`` names) and the body
-    limit, both decided on the headers before any body byte is read."""
+    limit, both decided on the headers before any body byte is read. On
+    /v1: the request id (X-Request-Id, checked, else made) and trace
+    context, in ``scope["fdx.request_id"]`` / ``scope["fdx.trace"]``; the id
+    echoed on every response and named in one ``fdx.requests`` log line
+    when the response of a POST or of a refusal ends (with what the
+    endpoint put in ``scope["fdx.log"]``)."""
 
     def __init__(self, app, sc):
         self.app = app
@@ -47,6 +94,28 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
+        if not scope["path"].startswith("/v1"):
+            return await self._guarded(scope, receive, send, headers, None)
+        rid, bad, carrier = request_context(headers)
+        scope["fdx.request_id"], scope["fdx.trace"], scope["fdx.log"] = rid, carrier, {}
+        echo = (b"x-request-id", rid.encode())
+        status, t0 = [None], time.monotonic()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), echo]}
+            await send(message)
+        try:
+            await self._guarded(scope, receive, send_with_id, headers, bad)
+        finally:       # a line per generation request and per refusal (not per poll of /v1/engine/stats)
+            if (scope.get("method") != "GET" or (status[0] or 500) >= 400) and requests_log.isEnabledFor(logging.INFO):
+                detail = scope["fdx.log"].get("detail")
+                requests_log.info("request %s: %s %s %s in %.3f s%s", rid, scope.get("method"), scope["path"],
+                                  status[0] or "(no response)", time.monotonic() - t0,
+                                  f", {detail}" if detail else "")
+
+    async def _guarded(self, scope, receive, send, headers, bad_request_id):
         if self.key is not None and security.needs_key(self.sc, scope["path"]):
             auth = headers.get(b"authorization", b"")
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
@@ -54,6 +123,9 @@ class GuardMiddleware:
                 return await send_json(send, 401, error_body(
                     "invalid or missing API key: send 'Authorization: Bearer <key>'",
                     "authentication_error", code="invalid_api_key"))
+        if bad_request_id is not None:
+            return await send_json(send, 400, error_body(bad_request_id, param=REQUEST_ID_HEADER,
+                                                         code="invalid_request_id"))
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await send_json(send, 413, error_body(

@@ -181,11 +181,14 @@ class EngineClient:
             return None
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
-            callback: Callable[[Any], None]) -> None:
+            callback: Callable[[Any], None], trace: dict[str, str] | None = None) -> None:
+        """``trace``: the request's X-Request-Id and W3C trace context, for the
+        engine's observers (``Request.trace_headers``)."""
         if self.dead or self.stopping:
             raise EngineDeadError("the engine is not running")
         self.callbacks[request_id] = callback
-        self._push.send(_encoder.encode(EngineAdd(request_id, prompt_token_ids, params)), zmq.NOBLOCK)
+        self._push.send(_encoder.encode(EngineAdd(request_id, prompt_token_ids, params, dict(trace or {}))),
+                        zmq.NOBLOCK)
 
     def abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self.callbacks.pop(rid, None) is not None]

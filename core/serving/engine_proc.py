@@ -122,11 +122,14 @@ class EngineLoop:
             from fdx.core.sampling_params import SamplingParams
             try:
                 params = SamplingParams(**msg.params)
-                req = eng.make_request(msg.prompt_token_ids, params, request_id=msg.request_id)
+                req = eng.make_request(msg.prompt_token_ids, params, request_id=msg.request_id,
+                                       trace_headers=dict(msg.trace) or None)
                 eng.add_request(req)            # a constrained one starts its compile (or is refused)
             except (TypeError, ValueError) as e:
+                log.debug("request %s refused: %s", msg.request_id, e)
                 self.outbox.send(_encoder.encode(EngineRejected(msg.request_id, str(e), getattr(e, "status", 400))))
                 return
+            log.debug("request %s added: %d prompt tokens", req.request_id, req.num_prompt_tokens)
             self.num_sent[req.request_id] = 0
         elif isinstance(msg, EngineAbort):
             for rid in msg.request_ids:
@@ -157,15 +160,20 @@ class EngineLoop:
                 lps = [[[float(t.token_id), t.logprob, float(t.rank)]
                         for t in sorted(d.values(), key=lambda t: t.rank)]
                        for d in req.logprobs[sent:sent + len(new)]]
-            queue_time = None
+            queue_time = prefill_time = decode_time = None
             if sent == 0 and req.first_scheduled_time is not None:
                 queue_time = req.first_scheduled_time - req.arrival_time
+                if req.first_token_time is not None:
+                    prefill_time = req.first_token_time - req.first_scheduled_time
+            if finished and req.first_token_time is not None and req.finished_time is not None:
+                decode_time = req.finished_time - req.first_token_time
             deltas.append(SeqDelta(
                 req.request_id, list(new),
                 finish_reason=req.status.value if finished else None,
                 stop_reason=req.stop_reason if finished else None,
                 logprobs=lps, num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time,
-                embedding=req.pooled.tobytes() if finished and req.pooled is not None else None))
+                embedding=req.pooled.tobytes() if finished and req.pooled is not None else None,
+                prefill_time_s=prefill_time, decode_time_s=decode_time))
             if finished:
                 del self.num_sent[req.request_id]
             else:

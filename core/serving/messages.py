@@ -14,6 +14,7 @@ class EngineAdd(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]                   # SamplingParams fields (stop strings stay in the API)
+    trace: dict[str, str] = {}               # x-request-id, W3C traceparent / tracestate (Request.trace_headers)
 
 
 class EngineAbort(msgspec.Struct, tag="abort"):
@@ -34,6 +35,8 @@ class SeqDelta(msgspec.Struct, array_like=True):
     queue_time_s: float | None = None        # arrival to first scheduled, on the first delta
     embedding: bytes | None = None           # a pooling request's (model.task embed): float32 [hidden], with
                                              # its finishing delta
+    prefill_time_s: float | None = None      # first scheduled to first token, on the first delta with tokens
+    decode_time_s: float | None = None       # first token to finished, on the last delta
 
 
 class EngineStats(msgspec.Struct, array_like=True):

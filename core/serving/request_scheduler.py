@@ -6,9 +6,11 @@ the server's ``EngineClient`` in the registered class, which must keep the
 client's interface as the server uses it:
 
 - ``await start() -> EngineReady`` (start the local engine first),
-- ``add(request_id, prompt_token_ids, params, callback)``: the callback gets
-  ``SeqDelta``s (only new tokens, in order), an ``EngineRejected``, or an
-  ``EngineDeadError`` when the request cannot be served,
+- ``add(request_id, prompt_token_ids, params, callback, trace=None)``: the
+  callback gets ``SeqDelta``s (only new tokens, in order), an
+  ``EngineRejected``, or an ``EngineDeadError`` when the request cannot be
+  served; ``trace`` (a dict: ``x-request-id``, W3C ``traceparent`` /
+  ``tracestate``) goes to the engine that runs it, as ``add``'s own,
 - ``abort(request_ids)``, ``finished(request_id)``, ``await shutdown()``,
   and every other attribute (``dead``, ``pid``, ``ready``) of the client.
 

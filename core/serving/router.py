@@ -300,8 +300,14 @@ def build_router_app(router: Router, sc=None):
     edge.install(app, sc)
 
     def fwd_headers(request: Request) -> dict:
+        """What the instances get: the key, the request id (the client's X-Request-Id, else
+        the one the edge made: both instances and the router log the same) and the W3C
+        trace context, so their engines' spans join the client's trace."""
         auth = request.headers.get("authorization")
-        return {"authorization": auth} if auth else {}
+        out = {"authorization": auth} if auth else {}
+        trace = request.scope.get("fdx.trace") or {}
+        out.update({k: v for k, v in trace.items() if k in ("x-request-id", "traceparent", "tracestate")})
+        return out
 
     async def checked_body(request: Request, schema) -> dict:
         body = edge.parse_json(await request.body())

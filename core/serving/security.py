@@ -38,10 +38,14 @@ def exposure_warning(sc) -> str | None:
             "(set --api-key or $FDX_API_KEY, or bind 127.0.0.1)")
 
 
+API_DOCS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+
+
 def needs_key(sc, path: str) -> bool:
-    """Paths the API key guards: /v1/..., /tokenize and /detokenize, and /health
-    or /metrics when closed by config."""
-    if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
+    """Paths the API key guards: /v1/..., /tokenize and /detokenize, the API's
+    schema and its pages (/openapi.json, /docs, /redoc), and /health or
+    /metrics when closed by config."""
+    if path.startswith("/v1") or path in ("/tokenize", "/detokenize") or path in API_DOCS:
         return True
     if path == "/health":
         return sc.health_access == "key"
@@ -139,6 +143,7 @@ class TimedStreamingResponse(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         self.clock = DrainClock.of(scope)
+        self.request_id = scope.get("fdx.request_id")
         await super().__call__(scope, receive, send)
 
     def _watch(self, cut: asyncio.Timeout, period: float) -> None:
@@ -175,8 +180,8 @@ class TimedStreamingResponse(StreamingResponse):
         except TimeoutError:
             if not cut.expired():
                 raise
-            log.warning("a client took no stream data for %g s (stream_send_timeout_s): "
-                        "its request is aborted", self.send_timeout)
+            log.warning("request %s: its client took no stream data for %g s (stream_send_timeout_s): "
+                        "it is aborted", self.request_id, self.send_timeout)
             if self.clock is not None:
                 self.clock.transport.abort()     # drop what is buffered for it now, not after a flush
         finally:

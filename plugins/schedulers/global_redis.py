@@ -66,6 +66,7 @@ class Job(msgspec.Struct, tag="job"):
     origin: str                          # the instance whose client waits for it
     prompt_token_ids: list[int]
     params: dict
+    trace: dict = {}                     # x-request-id, traceparent, tracestate (EngineClient.add)
 
 
 class Result(msgspec.Struct, tag="result"):
@@ -286,10 +287,10 @@ class GlobalScheduler:
             pass
 
     # -- the origin side ------------------------------------------------------------------
-    def add(self, request_id, prompt_token_ids, params, callback) -> None:
+    def add(self, request_id, prompt_token_ids, params, callback, trace=None) -> None:
         if self.local.dead or self.stopping:
             raise EngineDeadError("the engine is not running")
-        raw = seal(self.key, JOB, Job(request_id, self.id, list(prompt_token_ids), params))
+        raw = seal(self.key, JOB, Job(request_id, self.id, list(prompt_token_ids), params, dict(trace or {})))
         self.pending[request_id] = _Pending(callback, raw)
         asyncio.get_running_loop().create_task(self._push(request_id, raw))
 
@@ -402,7 +403,7 @@ class GlobalScheduler:
                 self.running[job.request_id] = _Running(raw, job, attempt)
                 self.m_pulls.inc()
                 self.local.add(job.request_id, job.prompt_token_ids, job.params,
-                               lambda msg, rid=job.request_id: self._on_output(rid, msg))
+                               lambda msg, rid=job.request_id: self._on_output(rid, msg), trace=job.trace)
             except asyncio.CancelledError:
                 raise
             except Exception as e:

@@ -14,7 +14,11 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
 - ``example-memory`` KV connector: a host-memory store of whole prompts.
 - ``example-int8`` weight format: every matrix (linear layers, embedding,
   LM head) as int8 with one float32 scale for the whole tensor.
-- an observer of every step, through the ``StepContext``.
+- an observer of every step, through the ``StepContext``, and of every
+  request added and finished (with its output), as module-level hooks.
+- ``example-recorder`` observer (an ``Observer`` class, selected by
+  ``observability.observers``): writes each request it sees added and
+  finished as a JSON line to the file its ``path`` setting names.
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ import numpy as np
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AdmissionRule, AttentionBackend, Backend, KVCacheManager, KVConnector,
-                                 LinearWeight, LogitsProcessor, PreemptionPolicy, QueuePolicy, ResourceManager,
-                                 WeightFormat)
+                                 LinearWeight, LogitsProcessor, Observer, PreemptionPolicy, QueuePolicy,
+                                 ResourceManager, WeightFormat)
 from fdx.core.kernels import KernelTable
 from fdx.core.scheduling import SchedulingCore
 
@@ -33,6 +37,8 @@ CONTEXTS: list[tuple[int, int, int, int]] = []   # (step, prefill tokens, decode
 STARTED: list[object] = []
 ROPE_CALLS: list[int] = []               # tokens per call of NaiveAttention.rope_write_kv
 FINISHED: list[str] = []
+ADDED: list[str] = []                    # request ids, from fdx_request_added
+OUTPUTS: dict[str, tuple[list[int], str]] = {}   # request id -> (token ids, finish reason) of its output
 
 
 # --- a scheduler ---------------------------------------------------------------
@@ -572,5 +578,46 @@ def fdx_step_finished(step_stats, context):
 
 
 @hookimpl
+def fdx_request_added(request):
+    ADDED.append(request.request_id)
+
+
+@hookimpl
 def fdx_request_finished(request, output):
     FINISHED.append(request.request_id)
+    OUTPUTS[request.request_id] = (list(output.outputs[0].token_ids), output.outputs[0].finish_reason)
+
+
+# --- an observer selected by config, with settings -------------------------------
+
+class Recorder(Observer):
+    """One JSON line per request added and finished, appended to
+    ``settings["path"]`` (flushed at once: another process may read it)."""
+
+    def __init__(self, config, settings=None):
+        super().__init__(config, settings)
+        if "path" not in self.settings:
+            raise ValueError("the path setting is required: the file to write to")
+        self.file = open(self.settings["path"], "a", buffering=1)
+
+    def _write(self, **record):
+        import json
+        self.file.write(json.dumps(record) + "\n")
+
+    def fdx_request_added(self, request):
+        self._write(event="added", request_id=request.request_id, trace_headers=request.trace_headers,
+                    num_prompt_tokens=len(request.prompt_token_ids))
+
+    def fdx_request_finished(self, request, output):
+        c = output.outputs[0]
+        self._write(event="finished", request_id=output.request_id, token_ids=list(c.token_ids),
+                    finish_reason=c.finish_reason, first_token_time=output.metrics["first_token_time"],
+                    finished_time=output.metrics["finished_time"])
+
+    def close(self):
+        self.file.close()
+
+
+@hookimpl
+def fdx_register_observers(register):
+    register("example-recorder", Recorder)

@@ -1,0 +1,1 @@
+"""Observers (``fdx_register_observers``): the built-in ``otel``."""
