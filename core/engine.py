@@ -274,8 +274,14 @@ class EngineCore:
     def add_request(self, request: Request) -> Request:
         """Queue a request from make_request; a constrained one starts its
         compile here (ValueError for one that failed before; GuidedRefused,
-        a ValueError, when too many compile)."""
-        self.guided.add(request.request_id, request.sampling_params)
+        a ValueError, when too many compile). An id already in the engine
+        is refused with a ValueError: two requests under one id would share
+        its runner state (a global scheduler's retry of a job still running
+        here once crashed the engine that way)."""
+        rid = request.request_id
+        if any(r.request_id == rid for r in self.resource_manager.requests()):
+            raise ValueError(f"request id {rid!r} is already in the engine")
+        self.guided.add(rid, request.sampling_params)
         self.token_processor.start(request)
         self.resource_manager.add_request(request)
         self.notify("fdx_request_added", request=request)

@@ -114,6 +114,25 @@ def test_bad_requests_fail_alone_and_engine_goes_on(smollm_llm):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_an_id_already_in_the_engine_is_refused_and_the_first_goes_on(smollm_llm):
+    """A global scheduler's retry of a job still running here once added the
+    same request id twice, and the engine died ('runner and scheduler
+    disagree ...'). The second add is a ValueError; the first request ends
+    with the tokens it would have alone."""
+    eng = smollm_llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = eng.tokenizer.encode("The sky is")
+    alone = smollm_llm.generate([{"prompt_token_ids": ids}], sp)[0].outputs[0].token_ids
+    first = eng.add_request(eng.make_request(ids, sp, request_id="twice"))
+    eng.step()                                            # running, with computed tokens
+    with pytest.raises(ValueError, match="'twice' is already in the engine"):
+        eng.add_request(eng.make_request(ids, sp, request_id="twice"))
+    while eng.has_unfinished():
+        eng.step()
+    assert first.output_token_ids == alone
+    assert eng.kv_cache.num_free_blocks == eng.kv_cache.num_blocks
+
+
 @pytest.mark.slow                                   # loads SmolLM2 to reach the block check
 def test_bad_config_is_named():
     with pytest.raises(ConfigError, match="max_num_sequences"):
