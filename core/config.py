@@ -52,6 +52,13 @@ class SchedulerConfig(_Section):
     request_scheduler: str = "local"           # request-level scheduler plugin: local (this engine) or
                                                # global (a Redis queue shared by instances, docs/deployment.md)
 
+    def token_budget(self, max_model_len: int) -> int:
+        """``max_num_batched_tokens``, its default resolved (the one place
+        the rule is written: a fresh config works wherever a step is built)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max_model_len
+
 
 class BackendConfig(_Section):
     name: str = "auto"                         # device backend plugin name, or auto

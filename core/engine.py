@@ -184,8 +184,7 @@ class EngineCore:
             raise ConfigError(f"config key 'model.max_model_len': {max_len} exceeds the model's "
                               f"max_position_embeddings ({model_max})")
         mc.max_model_len = max_len
-        if sc.max_num_batched_tokens is None:
-            sc.max_num_batched_tokens = 2048 if sc.enable_chunked_prefill else max_len
+        sc.max_num_batched_tokens = sc.token_budget(max_len)
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < max_len:
             raise ConfigError(
                 f"config key 'scheduler.max_num_batched_tokens': {sc.max_num_batched_tokens} is below "
