@@ -183,6 +183,36 @@ class FdxConfig(_Section):
         except ValidationError as e:
             raise ConfigError(_describe(e)) from None
 
+    def overlay(self, other: "FdxConfig") -> "FdxConfig":
+        """This config with the keys ``other`` sets explicitly (a fresh
+        ``FdxConfig.build(policy=...)`` sets only ``scheduler.policy``) put
+        over it; plugin settings merge by kind and name."""
+        data = self.model_dump()
+        for name in other.model_fields_set:
+            value = getattr(other, name)
+            if isinstance(value, _Section):
+                data[name].update({f: getattr(value, f) for f in value.model_fields_set})
+            elif name == "plugins":
+                for kind, by_name in value.items():
+                    data["plugins"].setdefault(kind, {}).update(by_name)
+            else:
+                data[name] = value
+        try:
+            return type(self).model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_describe(e)) from None
+
+    def dotted(self) -> dict[str, Any]:
+        """Every key as ``section.field`` (plugin settings as
+        ``plugins.<kind>.<name>``) with its value."""
+        out: dict[str, Any] = {"seed": self.seed}
+        for s in SECTIONS:
+            section = getattr(self, s)
+            out.update({f"{s}.{f}": getattr(section, f) for f in type(section).model_fields})
+        for kind, by_name in self.plugins.items():
+            out.update({f"plugins.{kind}.{name}": value for name, value in by_name.items()})
+        return out
+
     def flat(self) -> dict[str, Any]:
         return {k: getattr(getattr(self, s), f) if s else getattr(self, f)
                 for k, (s, f) in FLAT_KEYS.items()}

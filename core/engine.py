@@ -143,19 +143,71 @@ class EngineCore:
         self.num_computed_tokens = 0
         self.num_recomputed_tokens = 0
         self.last_stats: StepStats | None = None
+        self.last_schedule = None                  # the last step's SchedulerOutput
         self._ids = itertools.count()
         plugins.notify("fdx_engine_started", engine=self)
 
     # -- set-up ---------------------------------------------------------------
-    def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
-        """The KV cache, connector, scheduler and runner for ``config``, over
-        this engine's model and KV tensors (``num_blocks`` of them in use)."""
+    def build_parts(self, config: FdxConfig, num_blocks: int, runner_side: bool = True) -> dict:
+        """The KV cache, connector, scheduling core and (``runner_side``)
+        runner for ``config``, over this engine's model and KV tensors
+        (``num_blocks`` of them in use)."""
         a = self.assembly if config is self.config else Assembly(config, self.plugins, self.backend)
         parts = a.scheduler_side(num_blocks, self.token_processor, self.max_model_len,
                                  extra_rules=self.guided.admission_rules(config))
-        parts.update(a.runner_side(self.model, self.kv_caches, self.kv_spec, self.tokenizer, self.eos_token_ids,
-                                   connector=parts["connector"], executor=self.executor))
-        return dict(config=config, **parts)
+        if runner_side:
+            parts.update(a.runner_side(self.model, self.kv_caches, self.kv_spec, self.tokenizer,
+                                       self.eos_token_ids, connector=parts["connector"], executor=self.executor))
+        return dict(config=config, assembly=a, **parts)
+
+    # what reconfigure may change: the scheduler side, the KV cache plugin over the same
+    # tensors, and (outside tensor parallel) the logits processors and the sampler's seed
+    RECONFIGURABLE = ("scheduler.", "cache.kv_cache", "cache.num_kv_blocks", "cache.kv_connector",
+                      "cache.swap_dir", "cache.swap_max_blocks", "cache.kv_cache_ratio",
+                      "decoding.logits_processors", "seed", *(f"plugins.{k}." for k in (
+                          "resource_manager", "queue_policy", "admission_rule", "preemption_policy", "kv_cache",
+                          "connector", "logits_processor")))
+    RUNNER_SIDE = ("decoding.logits_processors", "seed", "plugins.logits_processor.")
+
+    def reconfigure(self, config: FdxConfig | None = None, **changes: Any) -> None:
+        """Swap the scheduling parts (and the logits processors) of an idle
+        engine, keeping the model and the KV tensors: ``changes`` are config
+        keys (``policy="priority"``, ``preemption=...``, ``admission=[...]``,
+        ``resource_manager=...``, ``kv_cache="prefix"``, ``max_num_seqs``,
+        ``logits_processors=[...]``, ``num_kv_blocks`` up to what the
+        tensors hold, ``plugins.<kind>.<name>`` settings); ``config``, a
+        config whose explicitly set keys apply (a fresh ``FdxConfig.build``).
+        A key that would need a reload (the model, its dtype or weights, the
+        block size, max_model_len, the backend, tensor parallel, ...) is a
+        ConfigError naming it, and nothing changes."""
+        if self.has_unfinished():
+            raise RuntimeError(f"reconfigure needs an idle engine: {len(self.resource_manager.requests())} "
+                               "requests are unfinished (let them finish or abort them)")
+        new = self.config
+        for top in ([config] if config is not None else []) + ([FdxConfig.build(**changes)] if changes else []):
+            new = new.overlay(top)
+        tp = self.executor is not None
+        old_keys, new_keys = self.config.dotted(), new.dotted()
+        for key in sorted(set(old_keys) | set(new_keys)):
+            if old_keys.get(key) == new_keys.get(key):
+                continue
+            if not key.startswith(self.RECONFIGURABLE) or key == "scheduler.request_scheduler":
+                raise ConfigError(f"config key '{key}': reconfigure keeps the model and its KV tensors; "
+                                  f"changing {key} needs a new engine (a new LLM)")
+            if tp and key.startswith(self.RUNNER_SIDE):
+                raise ConfigError(f"config key '{key}': under tensor parallel the workers hold the runner; "
+                                  "reconfigure changes the scheduler side only")
+        if new.cache.num_kv_blocks > self.kv_spec.num_blocks:
+            raise ConfigError(f"config key 'cache.num_kv_blocks': {new.cache.num_kv_blocks} exceeds the "
+                              f"{self.kv_spec.num_blocks} blocks the KV tensors hold")
+        self._check_batch_budget(new)
+        parts = self.build_parts(new, new.cache.num_kv_blocks, runner_side=not tp)
+        if tp:          # the workers' runner stays: it still drops the ids that left it
+            parts["resource_manager"].left_runner = list(self.resource_manager.left_runner)
+        old = self._install(parts)
+        if old["connector"] is not None:
+            old["connector"].close()
+        old["kv_cache"].close()
 
     def _install(self, parts: dict) -> dict:
         """Make ``parts`` (from build_parts) the engine's; returns the old ones."""
@@ -185,11 +237,16 @@ class EngineCore:
                               f"max_position_embeddings ({model_max})")
         mc.max_model_len = max_len
         sc.max_num_batched_tokens = sc.token_budget(max_len)
-        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < max_len:
-            raise ConfigError(
-                f"config key 'scheduler.max_num_batched_tokens': {sc.max_num_batched_tokens} is below "
-                f"max_model_len ({max_len}) with chunked prefill off; a long prompt could never run")
+        self._check_batch_budget(self.config)
         return max_len
+
+    @staticmethod
+    def _check_batch_budget(config: FdxConfig) -> None:
+        sc, max_len = config.scheduler, config.model.max_model_len
+        if not sc.enable_chunked_prefill and sc.token_budget(max_len) < max_len:
+            raise ConfigError(
+                f"config key 'scheduler.max_num_batched_tokens': {sc.token_budget(max_len)} is below "
+                f"max_model_len ({max_len}) with chunked prefill off; a long prompt could never run")
 
     def _resolve_num_blocks(self, spec: KVCacheSpec) -> int:
         cc = self.config.cache
@@ -260,11 +317,15 @@ class EngineCore:
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request (its blocks freed, the request
+        returned with status FINISHED_ABORTED); None if unknown or done."""
         self.guided.remove(request_id)          # a compile it alone waits for is cancelled
         req = self.resource_manager.abort_request(request_id)
         if req is not None:
             self.plugins.notify("fdx_request_finished", request=req, output=None)
         return req
+
+    abort = abort_request
 
     def has_unfinished(self) -> bool:
         return self.resource_manager.has_unfinished()
@@ -288,6 +349,13 @@ class EngineCore:
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[Request]:
+        """Run one step: schedule, one batched forward, update. Returns the
+        requests whose output changed in it (a new token, finished, or
+        ended without running: rejected on arrival, a failed guided
+        compile); ``req.is_finished`` tells which ended. The step's decision
+        (a ``SchedulerOutput``) is then ``last_schedule``, its figures
+        (``StepStats``) ``last_stats``. An idle engine's step schedules
+        nothing and runs no forward."""
         t0 = time.perf_counter()
         rm = self.resource_manager
         rejected = self._guided_verdicts()
@@ -317,6 +385,7 @@ class EngineCore:
             step_time_s=time.perf_counter() - t0, num_finished=len(finished),
             num_recomputed_tokens=num_recomputed, recompute_tax=self.recompute_tax)
         self.last_stats = stats
+        self.last_schedule = sched
         self.plugins.notify("fdx_step_finished", scheduler_output=sched, step_stats=stats,
                             context=context or self._context(sched))
         for req in finished:
