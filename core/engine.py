@@ -160,15 +160,6 @@ class EngineCore:
                                        self.eos_token_ids, connector=parts["connector"], executor=self.executor))
         return dict(config=config, assembly=a, **parts)
 
-    # what reconfigure may change: the scheduler side, the KV cache plugin over the same
-    # tensors, and (outside tensor parallel) the logits processors and the sampler's seed
-    RECONFIGURABLE = ("scheduler.", "cache.kv_cache", "cache.num_kv_blocks", "cache.kv_connector",
-                      "cache.swap_dir", "cache.swap_max_blocks", "cache.kv_cache_ratio",
-                      "decoding.logits_processors", "seed", *(f"plugins.{k}." for k in (
-                          "resource_manager", "queue_policy", "admission_rule", "preemption_policy", "kv_cache",
-                          "connector", "logits_processor")))
-    RUNNER_SIDE = ("decoding.logits_processors", "seed", "plugins.logits_processor.")
-
     def reconfigure(self, config: FdxConfig | None = None, **changes: Any) -> None:
         """Swap the scheduling parts (and the logits processors) of an idle
         engine, keeping the model and the KV tensors: ``changes`` are config
@@ -179,27 +170,13 @@ class EngineCore:
         config whose explicitly set keys apply (a fresh ``FdxConfig.build``).
         A key that would need a reload (the model, its dtype or weights, the
         block size, max_model_len, the backend, tensor parallel, ...) is a
-        ConfigError naming it, and nothing changes."""
+        ConfigError naming it, and nothing changes (core/reconfigure.py)."""
+        from fdx.core.reconfigure import reconfigured
         if self.has_unfinished():
             raise RuntimeError(f"reconfigure needs an idle engine: {len(self.resource_manager.requests())} "
                                "requests are unfinished (let them finish or abort them)")
-        new = self.config
-        for top in ([config] if config is not None else []) + ([FdxConfig.build(**changes)] if changes else []):
-            new = new.overlay(top)
         tp = self.executor is not None
-        old_keys, new_keys = self.config.dotted(), new.dotted()
-        for key in sorted(set(old_keys) | set(new_keys)):
-            if old_keys.get(key) == new_keys.get(key):
-                continue
-            if not key.startswith(self.RECONFIGURABLE) or key == "scheduler.request_scheduler":
-                raise ConfigError(f"config key '{key}': reconfigure keeps the model and its KV tensors; "
-                                  f"changing {key} needs a new engine (a new LLM)")
-            if tp and key.startswith(self.RUNNER_SIDE):
-                raise ConfigError(f"config key '{key}': under tensor parallel the workers hold the runner; "
-                                  "reconfigure changes the scheduler side only")
-        if new.cache.num_kv_blocks > self.kv_spec.num_blocks:
-            raise ConfigError(f"config key 'cache.num_kv_blocks': {new.cache.num_kv_blocks} exceeds the "
-                              f"{self.kv_spec.num_blocks} blocks the KV tensors hold")
+        new = reconfigured(self.config, config, changes, kv_blocks=self.kv_spec.num_blocks, tensor_parallel=tp)
         self._check_batch_budget(new)
         parts = self.build_parts(new, new.cache.num_kv_blocks, runner_side=not tp)
         if tp:          # the workers' runner stays: it still drops the ids that left it

@@ -150,3 +150,25 @@ def test_build_parts_with_a_fresh_config(llm):
     assert parts["resource_manager"].max_num_batched_tokens == 2048
     unchunked = FdxConfig.build(enable_chunked_prefill=False)
     assert llm.engine.build_parts(unchunked, 20)["resource_manager"].max_num_batched_tokens == 64
+
+
+@pytest.mark.slow
+def test_reconfigure_under_tensor_parallel_swaps_the_scheduler_side_only(tiny_checkpoints):
+    """TP 2: the workers keep their runner (and the KV shards); the scheduler
+    side changes, outputs stay transformers'; runner-side keys are refused."""
+    from test_llm import hf_greedy
+    path, hf = tiny_checkpoints["LlamaForCausalLM"]
+    ids = [[5, 9, 200, 31, 7], list(range(60, 90)), [3, 1, 4]]
+    with LLM(str(path), tensor_parallel_size=2, max_model_len=64, num_kv_blocks=40, block_size=4,
+             max_num_batched_tokens=16, progress=False) as llm:
+        eng = llm.engine
+        runner = eng.runner
+        eng.reconfigure(policy="priority", preemption="least-computed", kv_cache="prefix", max_num_seqs=1)
+        assert eng.runner is runner and eng.config.scheduler.max_num_seqs == 1
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY)
+        for p, o in zip(ids, outs):
+            assert o.outputs[0].token_ids == hf_greedy(hf, p, 6, follow=o.outputs[0].token_ids)
+        for change, key in ((dict(logits_processors=["penalties"]), "decoding.logits_processors"),
+                            (dict(swap_max_blocks=8), "cache.swap_max_blocks")):
+            with pytest.raises(ConfigError, match=re.escape(f"config key '{key}': under tensor parallel")):
+                eng.reconfigure(**change)
