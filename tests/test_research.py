@@ -66,10 +66,20 @@ def test_the_notebook_tokens_equal_transformers(notebook):
     assert ns["first"].output_token_ids == hf_greedy(hf, [1, 2, 3, 4, 5], 4, follow=ns["first"].output_token_ids)
 
 
-@pytest.fixture()
-def llm(tiny_checkpoints):
+def make_llm(tiny_checkpoints):
     return LLM(str(tiny_checkpoints["Qwen2ForCausalLM"][0]), max_model_len=64, num_kv_blocks=40, block_size=4,
                max_num_batched_tokens=16, max_num_seqs=3, progress=False)
+
+
+@pytest.fixture()
+def llm(tiny_checkpoints):
+    return make_llm(tiny_checkpoints)
+
+
+@pytest.fixture(scope="module")
+def shared_llm(tiny_checkpoints):
+    """For the refusals, which change nothing."""
+    return make_llm(tiny_checkpoints)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -123,8 +133,8 @@ def test_reconfigure_swaps_the_logits_processors(llm, example_plugin_installed):
     (dict(tensor_parallel_size=2), "parallel.tensor_parallel_size"), (dict(num_kv_blocks=41), "cache.num_kv_blocks"),
     (dict(policy="nope"), "scheduler.policy"),
 ])
-def test_reconfigure_refuses_what_needs_a_reload_and_changes_nothing(llm, change, key):
-    eng = llm.engine
+def test_reconfigure_refuses_what_needs_a_reload_and_changes_nothing(shared_llm, change, key):
+    eng = shared_llm.engine
     rm, cfg = eng.resource_manager, eng.config
     with pytest.raises(ConfigError, match=re.escape(f"config key '{key}'")):
         eng.reconfigure(**change)
