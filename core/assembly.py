@@ -8,7 +8,8 @@ backend-chosen attention backend, sampler and runner once a backend is
 given) and reads each one's settings (``plugins.<kind>.<name>``) once.
 Then:
 
-    scheduler side   kv_cache, connector, resource_manager   (what schedules)
+    scheduler side   kv_cache, connector, resource_manager   (what schedules: the
+                     scheduling core, running the scheduler policy config names)
     runner side      logits processors, attention, sampler, runner (what computes)
 
 each built over what the caller holds (the KV block count, the model, its
@@ -20,6 +21,7 @@ from __future__ import annotations
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.interfaces import RunnerContext, SchedulingExtensions
 from fdx.core.plugins import PluginError, PluginManager
+from fdx.core.scheduling import SchedulingCore
 
 
 def connector_name(config: FdxConfig) -> str | None:
@@ -132,7 +134,7 @@ class Assembly:
 
     def scheduler_side(self, num_blocks: int, token_processor, max_model_len: int, extra_rules=()) -> dict:
         """The KV cache manager (``num_blocks``), the connector and the
-        resource manager with its extensions (``extra_rules``: admission
+        scheduling core running the scheduler policy, with its extensions (``extra_rules``: admission
         rules the engine adds, e.g. guided decoding's)."""
         config, c, s, make = self.config, self.classes, self.settings, self.make
         sc, cc = config.scheduler, config.cache
@@ -143,10 +145,11 @@ class Assembly:
             name = self.connector_name
             connector = make("connector", name, c["connector"], config, cc.block_size,
                              settings=s("connector", name))
-        resource_manager = make("resource_manager", sc.resource_manager, c["resource_manager"],
-                                config, kv_cache, token_processor, max_model_len,
-                                settings=s("resource_manager", sc.resource_manager),
-                                extensions=self.extensions(kv_cache, connector, extra_rules))
+        policy = make("resource_manager", sc.resource_manager, c["resource_manager"], config,
+                      settings=s("resource_manager", sc.resource_manager))
+        # the engine's scheduling core, running the policy (engine.resource_manager)
+        resource_manager = SchedulingCore(config, kv_cache, max_model_len,
+                                          self.extensions(kv_cache, connector, extra_rules), policy, token_processor)
         return dict(kv_cache=kv_cache, connector=connector, resource_manager=resource_manager)
 
     # -- the runner side ------------------------------------------------------------------

@@ -59,6 +59,13 @@ class SchedulerConfig(_Section):
     request_scheduler: str = "local"           # request-level scheduler plugin: local (this engine) or
                                                # global (a Redis queue shared by instances, docs/deployment.md)
 
+    def token_budget(self, max_model_len: int) -> int:
+        """``max_num_batched_tokens``, its default resolved (the one place
+        the rule is written: a fresh config works wherever a step is built)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max_model_len
+
 
 class BackendConfig(_Section):
     name: str = "auto"                         # device backend plugin name, or auto
@@ -193,6 +200,36 @@ class FdxConfig(_Section):
             return cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(_describe(e)) from None
+
+    def overlay(self, other: "FdxConfig") -> "FdxConfig":
+        """This config with the keys ``other`` sets explicitly (a fresh
+        ``FdxConfig.build(policy=...)`` sets only ``scheduler.policy``) put
+        over it; plugin settings merge by kind and name."""
+        data = self.model_dump()
+        for name in other.model_fields_set:
+            value = getattr(other, name)
+            if isinstance(value, _Section):
+                data[name].update({f: getattr(value, f) for f in value.model_fields_set})
+            elif name == "plugins":
+                for kind, by_name in value.items():
+                    data["plugins"].setdefault(kind, {}).update(by_name)
+            else:
+                data[name] = value
+        try:
+            return type(self).model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_describe(e)) from None
+
+    def dotted(self) -> dict[str, Any]:
+        """Every key as ``section.field`` (plugin settings as
+        ``plugins.<kind>.<name>``) with its value."""
+        out: dict[str, Any] = {"seed": self.seed}
+        for s in SECTIONS:
+            section = getattr(self, s)
+            out.update({f"{s}.{f}": getattr(section, f) for f in type(section).model_fields})
+        for kind, by_name in self.plugins.items():
+            out.update({f"plugins.{kind}.{name}": value for name, value in by_name.items()})
+        return out
 
     def flat(self) -> dict[str, Any]:
         return {k: getattr(getattr(self, s), f) if s else getattr(self, f)

@@ -160,19 +160,48 @@ class EngineCore:
         self.num_computed_tokens = 0
         self.num_recomputed_tokens = 0
         self.last_stats: StepStats | None = None
+        self.last_schedule = None                  # the last step's SchedulerOutput
         self._ids = itertools.count()
         self.notify("fdx_engine_started", engine=self)
 
     # -- set-up ---------------------------------------------------------------
-    def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
-        """The KV cache, connector, scheduler and runner for ``config``, over
-        this engine's model and KV tensors (``num_blocks`` of them in use)."""
+    def build_parts(self, config: FdxConfig, num_blocks: int, runner_side: bool = True) -> dict:
+        """The KV cache, connector, scheduling core and (``runner_side``)
+        runner for ``config``, over this engine's model and KV tensors
+        (``num_blocks`` of them in use)."""
         a = self.assembly if config is self.config else Assembly(config, self.plugins, self.backend)
         parts = a.scheduler_side(num_blocks, self.token_processor, self.max_model_len,
                                  extra_rules=self.guided.admission_rules(config))
-        parts.update(a.runner_side(self.model, self.kv_caches, self.kv_spec, self.tokenizer, self.eos_token_ids,
-                                   connector=parts["connector"], executor=self.executor))
-        return dict(config=config, **parts)
+        if runner_side:
+            parts.update(a.runner_side(self.model, self.kv_caches, self.kv_spec, self.tokenizer,
+                                       self.eos_token_ids, connector=parts["connector"], executor=self.executor))
+        return dict(config=config, assembly=a, **parts)
+
+    def reconfigure(self, config: FdxConfig | None = None, **changes: Any) -> None:
+        """Swap the scheduling parts (and the logits processors) of an idle
+        engine, keeping the model and the KV tensors: ``changes`` are config
+        keys (``policy="priority"``, ``preemption=...``, ``admission=[...]``,
+        ``resource_manager=...``, ``kv_cache="prefix"``, ``max_num_seqs``,
+        ``logits_processors=[...]``, ``num_kv_blocks`` up to what the
+        tensors hold, ``plugins.<kind>.<name>`` settings); ``config``, a
+        config whose explicitly set keys apply (a fresh ``FdxConfig.build``).
+        A key that would need a reload (the model, its dtype or weights, the
+        block size, max_model_len, the backend, tensor parallel, ...) is a
+        ConfigError naming it, and nothing changes (core/reconfigure.py)."""
+        from fdx.core.reconfigure import reconfigured
+        if self.has_unfinished():
+            raise RuntimeError(f"reconfigure needs an idle engine: {len(self.resource_manager.requests())} "
+                               "requests are unfinished (let them finish or abort them)")
+        tp = self.executor is not None
+        new = reconfigured(self.config, config, changes, kv_blocks=self.kv_spec.num_blocks, tensor_parallel=tp)
+        self._check_batch_budget(new)
+        parts = self.build_parts(new, new.cache.num_kv_blocks, runner_side=not tp)
+        if tp:          # the workers' runner stays: it still drops the ids that left it
+            parts["resource_manager"].left_runner = list(self.resource_manager.left_runner)
+        old = self._install(parts)
+        if old["connector"] is not None:
+            old["connector"].close()
+        old["kv_cache"].close()
 
     def _install(self, parts: dict) -> dict:
         """Make ``parts`` (from build_parts) the engine's; returns the old ones."""
@@ -201,13 +230,17 @@ class EngineCore:
             raise ConfigError(f"config key 'model.max_model_len': {max_len} exceeds the model's "
                               f"max_position_embeddings ({model_max})")
         mc.max_model_len = max_len
-        if sc.max_num_batched_tokens is None:
-            sc.max_num_batched_tokens = 2048 if sc.enable_chunked_prefill else max_len
-        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < max_len:
-            raise ConfigError(
-                f"config key 'scheduler.max_num_batched_tokens': {sc.max_num_batched_tokens} is below "
-                f"max_model_len ({max_len}) with chunked prefill off; a long prompt could never run")
+        sc.max_num_batched_tokens = sc.token_budget(max_len)
+        self._check_batch_budget(self.config)
         return max_len
+
+    @staticmethod
+    def _check_batch_budget(config: FdxConfig) -> None:
+        sc, max_len = config.scheduler, config.model.max_model_len
+        if not sc.enable_chunked_prefill and sc.token_budget(max_len) < max_len:
+            raise ConfigError(
+                f"config key 'scheduler.max_num_batched_tokens': {sc.token_budget(max_len)} is below "
+                f"max_model_len ({max_len}) with chunked prefill off; a long prompt could never run")
 
     def _resolve_num_blocks(self, spec: KVCacheSpec) -> int:
         cc = self.config.cache
@@ -288,11 +321,15 @@ class EngineCore:
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request (its blocks freed, the request
+        returned with status FINISHED_ABORTED); None if unknown or done."""
         self.guided.remove(request_id)          # a compile it alone waits for is cancelled
         req = self.resource_manager.abort_request(request_id)
         if req is not None:
             self._finished(req)
         return req
+
+    abort = abort_request
 
     def notify(self, hook_name: str, **kwargs) -> None:
         """Call an observer hook: the plugins' module-level implementations,
@@ -330,6 +367,13 @@ class EngineCore:
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[Request]:
+        """Run one step: schedule, one batched forward, update. Returns the
+        requests whose output changed in it (a new token, finished, or
+        ended without running: rejected on arrival, a failed guided
+        compile); ``req.is_finished`` tells which ended. The step's decision
+        (a ``SchedulerOutput``) is then ``last_schedule``, its figures
+        (``StepStats``) ``last_stats``. An idle engine's step schedules
+        nothing and runs no forward."""
         t0 = time.perf_counter()
         rm = self.resource_manager
         rejected = self._guided_verdicts()
@@ -364,6 +408,7 @@ class EngineCore:
             step_time_s=time.perf_counter() - t0, num_finished=len(finished),
             num_recomputed_tokens=num_recomputed, recompute_tax=self.recompute_tax)
         self.last_stats = stats
+        self.last_schedule = sched
         self.notify("fdx_step_finished", scheduler_output=sched, step_stats=stats,
                     context=context or self._context(sched))
         for req in finished:

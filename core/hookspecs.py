@@ -30,7 +30,7 @@ Register = Callable[[str, Any], None]
 
 @hookspec
 def fdx_register_resource_managers(register: Register) -> None:
-    """Register KV schedulers (``ResourceManager`` subclasses) by name.
+    """Register KV schedulers (``SchedulerPolicy`` subclasses) by name.
 
     Called once at start-up. ``config.scheduler.resource_manager`` picks one
     (built-ins: ``v1``, ``v0``)."""

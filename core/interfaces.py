@@ -340,78 +340,51 @@ class SchedulingExtensions:
     connector: KVConnector | None = None
 
 
-class ResourceManager(abc.ABC):
-    """A KV scheduler: decides, each step, which requests run and how many
-    of their tokens, and holds their KV blocks through ``kv_cache``.
+class SchedulerPolicy(abc.ABC):
+    """A KV scheduler (``scheduler.resource_manager``, registered with
+    ``fdx_register_resource_managers``): each step, which requests run and
+    how many of their tokens. It is a policy only: the engine owns the
+    scheduling core (``fdx.core.scheduling.SchedulingCore``, passed to
+    ``schedule``), which holds the queues and the KV blocks (through
+    ``core.kv_cache``) and keeps the bookkeeping rules whatever the policy
+    does (preempted requests first, no block held while waiting, rejection
+    of what can never fit, freeing, the plain-data step).
 
-    Rules every resource manager keeps (the conformance kit in
-    ``fdx.core.testing`` checks them):
-    - ``schedule()`` never exceeds ``max_num_batched_tokens`` tokens or
-      ``max_num_seqs`` running requests, and never schedules a request whose
-      blocks are not allocated;
-    - a preempted request goes back to the waiting queue ahead of every
-      request that never ran, and is resumed before them;
-    - no request waits forever while the engine steps (a request that can
-      never fit is rejected when it arrives);
-    - a finished, aborted or preempted request holds no blocks (unless the
-      KV connector holds them for a transfer) and its id is in the next
-      ``SchedulerOutput.finished_req_ids``.
-    ``update()`` appends the sampled tokens through the token processor,
-    frees the blocks of finished requests and returns the requests whose
-    output changed this step. The helpers in ``fdx.core.scheduling`` do the
-    bookkeeping; v0 and v1 are built on them, and so can a new scheduler be,
-    without subclassing either.
+    ``schedule(core)`` builds the step through the core's helpers:
+    ``core.schedule_running()`` (running requests, preempting the victim
+    policy's pick when blocks run out), ``core.admit_waiting(grant)`` (the
+    admission loop: queue order, admission rules, ``max_num_seqs``, the
+    budget; ``grant`` sizes each admitted request's tokens) and, for a
+    policy that orders the step itself, ``core.schedule_request(request,
+    n)`` after ``core.kv_cache.allocate_slots(request, n)``. What it may
+    read: ``core.running`` (run order, oldest first), ``core.waiting``
+    (queue order), ``core.budget`` (tokens left this step),
+    ``core.max_num_seqs``, ``core.chunked_prefill``, ``core.preempted_ids``
+    (this step's preemptions).
+
+    Rules every policy keeps (``fdx.core.testing.check_scheduler`` checks
+    them): never more than ``max_num_batched_tokens`` tokens or
+    ``max_num_seqs`` running requests; only requests whose blocks cover
+    their tokens; a whole prompt at once unless chunked prefill is on;
+    no request waits forever; and bounded wait: no waiting request is passed
+    over, i.e. a request starts only if every request ahead of it in the
+    waiting queue (the queue policy's order) started too or was refused by
+    an admission rule that step (``admit_waiting`` keeps this). A policy
+    that passes requests over on purpose (shortest-job-first of its own,
+    a deliberately unfair experiment) says so with ``bounded_wait = False``;
+    the kit then checks only liveness.
     """
 
-    def __init__(self, config: "FdxConfig", kv_cache: KVCacheManager, token_processor: "TokenProcessor",
-                 max_model_len: int, settings: dict | None = None,
-                 extensions: SchedulingExtensions | None = None):
+    bounded_wait: bool = True
+
+    def __init__(self, config: "FdxConfig", settings: dict | None = None):
         self.config = config
-        self.kv_cache = kv_cache
-        self.token_processor = token_processor
-        self.max_model_len = max_model_len
         self.settings = settings or {}
-        self.extensions = extensions      # None: build them from config (fdx.core.scheduling)
 
     @abc.abstractmethod
-    def add_request(self, request: "Request") -> None:
-        """Queue a validated request."""
-
-    @abc.abstractmethod
-    def abort_request(self, request_id: str) -> "Request | None":
-        """Remove a waiting or running request and free its blocks; returns
-        it (status FINISHED_ABORTED) or None if unknown or already done."""
-
-    @abc.abstractmethod
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch."""
-
-    @abc.abstractmethod
-    def update(self, scheduler_output: SchedulerOutput,
-               runner_output: ModelRunnerOutput) -> list["Request"]:
-        """Account for a step that ran; return the requests that produced a
-        token (finished or not)."""
-
-    @abc.abstractmethod
-    def requests(self) -> list["Request"]:
-        """Every unfinished request it holds, running and waiting."""
-
-    def pop_finished(self) -> list["Request"]:
-        """Requests the scheduler finished on its own since the last call
-        (rejected on arrival: no blocks could ever hold them), for the
-        engine to report. Default: none."""
-        return []
-
-    @property
-    @abc.abstractmethod
-    def num_running(self) -> int: ...
-
-    @property
-    @abc.abstractmethod
-    def num_waiting(self) -> int: ...
-
-    def has_unfinished(self) -> bool:
-        return self.num_running + self.num_waiting > 0
+    def schedule(self, core: Any) -> None:
+        """Fill this step through ``core``'s helpers (the core opens the
+        step before and closes it after: ``core.schedule()``)."""
 
 
 class QueuePolicy(abc.ABC):
@@ -469,7 +442,8 @@ class PreemptionPolicy(abc.ABC):
     def choose_victim(self, running: Sequence["Request"], state: SchedulerState) -> "Request":
         """One of ``running`` (never empty, in run order, oldest first): the
         running requests not yet scheduled in this step, the one that needs
-        blocks included."""
+        blocks included. Asked whenever a victim is needed, also when one
+        candidate is left (return it)."""
 
 
 # =============================================================================

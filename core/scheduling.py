@@ -1,8 +1,12 @@
-"""What every KV scheduler needs, to use by composition: the waiting queue,
-admission, preemption, freeing, and building the plain-data step.
+"""The scheduling core the engine owns: the waiting queue, admission,
+preemption, freeing, building the plain-data step, and the two loops every
+scheduler policy shares.
 
-A scheduler (``ResourceManager``) holds a ``SchedulingCore`` and keeps the
-correctness-critical rules through it:
+The engine holds one ``SchedulingCore`` (``engine.resource_manager``) and
+asks it for each step; the scheduler plugin (``scheduler.resource_manager``,
+a ``SchedulerPolicy`` from core/interfaces.py) only decides which requests
+run and how many tokens each gets, through the helpers here. The core keeps
+the correctness-critical rules whatever the policy does:
 
 - preempted requests wait ahead of every request that never ran (last
   preempted first), whatever the queue policy says about the rest;
@@ -15,19 +19,22 @@ correctness-critical rules through it:
   the next step's ``finished_req_ids``;
 - ``update`` counts recompute: tokens computed again after a preemption.
 
-v0 and v1 (plugins/schedulers/) are written on it; the only thing they
-decide is which requests run and how many tokens each gets.
+A step, as ``schedule()`` runs it::
+
+    begin_step()              # a fresh SchedulerOutput, budget = max_num_batched_tokens
+    policy.schedule(core)     # schedule_running(), admit_waiting(grant), schedule_request(...)
+    end_step()                # ids that left the runner, the connector's metadata
 """
 from __future__ import annotations
 
 import bisect
 import itertools
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from fdx.core.interfaces import (CachedRequestData, KVCacheManager, ModelRunnerOutput, NewRequestData,
-                                 PrefixHit, SchedulerOutput, SchedulerState, SchedulingExtensions,
-                                 QueuePolicy)
+                                 PrefixHit, QueuePolicy, SchedulerOutput, SchedulerPolicy, SchedulerState,
+                                 SchedulingExtensions)
 from fdx.core.request import Request, RequestStatus
 
 
@@ -116,29 +123,24 @@ def unservable_reason(request: Request, kv_cache: KVCacheManager, max_model_len:
     return None
 
 
-def default_extensions(config, kv_cache: KVCacheManager) -> SchedulingExtensions:
-    """The extensions config names, from the default plugin manager (for a
-    scheduler built outside an engine, as tests do)."""
-    from fdx.core.assembly import Assembly
-    from fdx.core.plugins import get_plugin_manager
-    return Assembly(config, get_plugin_manager()).extensions(kv_cache)
-
-
 class SchedulingCore:
-    """The bookkeeping: queues, blocks, the runner's view, recompute."""
+    """The bookkeeping (queues, blocks, the runner's view, recompute) and
+    the step's helpers; ``policy`` decides what each step runs."""
 
-    def __init__(self, config, kv_cache: KVCacheManager, max_model_len: int,
-                 extensions: SchedulingExtensions | None = None):
+    def __init__(self, config, kv_cache: KVCacheManager, max_model_len: int, extensions: SchedulingExtensions,
+                 policy: SchedulerPolicy, token_processor=None):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
-        self.ext = extensions or default_extensions(config, kv_cache)
-        self.connector = self.ext.connector
+        self.ext = extensions
+        self.policy = policy
+        self.token_processor = token_processor
+        self.connector = extensions.connector
         sc = config.scheduler
         self.max_num_seqs = sc.max_num_seqs
-        self.max_num_batched_tokens = sc.max_num_batched_tokens
+        self.max_num_batched_tokens = sc.token_budget(max_model_len)
         self.chunked_prefill = sc.enable_chunked_prefill
-        self.waiting = WaitingQueue(self.ext.queue_policy)
+        self.waiting = WaitingQueue(extensions.queue_policy)
         self.running: list[Request] = []
         self.rejected: list[Request] = []
         self.held: dict[str, Request] = {}          # finished, blocks kept for a connector transfer
@@ -146,12 +148,37 @@ class SchedulingCore:
         self.in_runner: dict[str, int] = {}         # request id -> blocks of its table the runner has
         self.left_runner: list[str] = []            # ids for the next finished_req_ids
         self.preempted_ids: list[str] = []
+        self.out: SchedulerOutput | None = None     # the step being built (inside schedule())
+        self.budget = 0                             # tokens left in this step's budget
         self.step = 0
         self.num_computed_total = 0
         self.num_recomputed_total = 0
 
+    # -- what the engine asks ---------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        # finished requests whose blocks a connector still holds keep the engine stepping
+        return bool(self.running or self.waiting or self.held or self.recving)
+
+    def schedule(self) -> SchedulerOutput:
+        """This step's batch: the policy fills it through the helpers."""
+        self.out = self.begin_step()
+        try:
+            self.policy.schedule(self)
+            out = self.out
+        finally:
+            self.out = None
+        return self.end_step(out)
+
     # -- arrivals and aborts ------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add_request(self, request: Request) -> None:
         reason = unservable_reason(request, self.kv_cache, self.max_model_len)
         if reason is not None:
             request.status = RequestStatus.FINISHED_REJECTED
@@ -162,7 +189,7 @@ class SchedulingCore:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort_request(self, request_id: str) -> Request | None:
         for req in self.running:
             if req.request_id == request_id:
                 self.running.remove(req)
@@ -179,7 +206,9 @@ class SchedulingCore:
         self.release(req)
         return req
 
-    def pop_rejected(self) -> list[Request]:
+    def pop_finished(self) -> list[Request]:
+        """Requests ended without running a step (rejected on arrival,
+        external KV that never came), for the engine to report."""
         out, self.rejected = self.rejected, []
         return out
 
@@ -193,7 +222,7 @@ class SchedulingCore:
         if self.connector is None:
             return
         for rid, reason in self.connector.take_failed().items():
-            req = self.abort(rid)
+            req = self.abort_request(rid)
             if req is not None:
                 req.stop_reason = reason
                 self.rejected.append(req)
@@ -205,6 +234,7 @@ class SchedulingCore:
         self.step += 1
         self.fail_external()
         self.waiting.reorder()
+        self.budget = self.max_num_batched_tokens
         return SchedulerOutput(step=self.step)
 
     def end_step(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -273,10 +303,11 @@ class SchedulingCore:
 
     def choose_victim(self, candidates: list[Request] | None = None) -> Request:
         """The preemption policy's pick among ``candidates`` (default: all
-        running requests); newest first without a policy."""
+        running requests); newest first without a policy. The policy is
+        asked even when one candidate is left (it must return that one)."""
         candidates = self.running if candidates is None else candidates
         policy = self.ext.preemption_policy
-        if policy is None or len(candidates) == 1:
+        if policy is None:
             return candidates[-1]
         victim = policy.choose_victim(candidates, self.state())
         if not any(victim is c for c in candidates):
@@ -308,10 +339,11 @@ class SchedulingCore:
                 return
         self.kv_cache.free(request)
 
-    def schedule_request(self, out: SchedulerOutput, request: Request, num_new_tokens: int) -> None:
+    def schedule_request(self, request: Request, num_new_tokens: int) -> None:
         """Add a running request whose blocks cover its new tokens to the step
-        (a request whose KV is still loading in the background is skipped)."""
-        rid = request.request_id
+        and take them from the budget (a request whose KV is still loading in
+        the background is skipped)."""
+        rid, out = request.request_id, self.out
         if rid in self.recving:
             return
         table = self.kv_cache.block_table(rid)
@@ -325,9 +357,75 @@ class SchedulingCore:
         self.in_runner[rid] = len(table)
         out.num_scheduled_tokens[rid] = num_new_tokens
         out.total_num_scheduled_tokens += num_new_tokens
+        self.budget -= num_new_tokens
+
+    # -- the two loops every policy shares -----------------------------------------------
+    def schedule_running(self) -> None:
+        """Running requests, oldest first, each its remaining tokens (a
+        decode: one; a prefill: what is left, cut to the budget) while the
+        budget lasts. When blocks run out, the victim policy picks among the
+        running requests not yet scheduled this step (the one asking
+        included) and that one is preempted; a request that is itself the
+        victim is not scheduled."""
+        i = 0
+        while i < len(self.running) and self.budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, self.budget)
+            while not self.kv_cache.allocate_slots(req, num_new):
+                victim = self.choose_victim(self.running[i:])   # not one already in this step
+                self.preempt(victim)
+                if victim is req:
+                    break
+            else:
+                self.schedule_request(req, num_new)
+                i += 1
+
+    def admit_waiting(self, grant: Callable[[Request, PrefixHit, int], int | None] | None = None, *,
+                      schedule: bool = True) -> list[Request]:
+        """The admission loop, written once. Waiting requests in queue order
+        (preempted ones first), while the budget has tokens, fewer than
+        ``max_num_seqs`` run and this step preempted nothing. A request an
+        admission rule (or the connector) refuses is skipped for this step;
+        the first one that does not fit stops the loop, so nothing behind it
+        starts before it (the kit's bounded-wait property).
+
+        ``grant(request, hit, num_external)`` says how many tokens the
+        request computes now, or None to stop here; the default is all it
+        has left after its prefix hit and external tokens, cut to the budget
+        when chunked prefill is on, and None when it is off and the rest
+        does not fit. ``schedule=False`` only admits (blocks for the granted
+        tokens, the request running): the policy schedules the step itself,
+        as v0 does. Returns the admitted requests."""
+        admitted: list[Request] = []
+        if self.preempted_ids:
+            return admitted
+        skipped = 0
+        while skipped < len(self.waiting) and self.budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[skipped]
+            if not self.may_admit(req):
+                skipped += 1
+                continue
+            hit, external = self.lookup(req)
+            num_new = (grant or self.default_grant)(req, hit, external)
+            if num_new is None or not self.admit(req, hit, external, num_new):
+                break
+            admitted.append(req)
+            if schedule:
+                self.schedule_request(req, num_new)
+        return admitted
+
+    def default_grant(self, request: Request, hit: PrefixHit, num_external: int) -> int | None:
+        num_new = request.num_tokens - hit.num_tokens - num_external
+        if num_new > self.budget and not self.chunked_prefill:
+            return None                     # a whole prompt must fit the step unless chunked
+        return min(num_new, self.budget)
 
     # -- after the forward ------------------------------------------------------------
-    def update(self, out: SchedulerOutput, runner_output: ModelRunnerOutput, token_processor) -> list[Request]:
+    def update(self, out: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Account for a step that ran: append the sampled tokens through the
+        token processor, free what finished; the requests that produced a
+        token (finished or not)."""
+        token_processor = self.token_processor
         for rid in runner_output.finished_sending:
             req = self.held.pop(rid, None)
             if req is not None:

@@ -20,8 +20,8 @@ equal its solo run. The fake runner sees only the plain-data
 ``SchedulerOutput``, round-tripped through msgspec.
 
 ``check_logits_processor`` checks a processor's batch contract: applied to
-a batch, each row equals what the processor does to that row alone, across
-joins, leaves and preemptions. ``check_equivalence`` runs an ``LLM``
+a batch, each row equals what the processor does to that row alone, over
+random join/leave/preemption schedules and parameter orders. ``check_equivalence`` runs an ``LLM``
 against solo runs of the same prompts.
 """
 from __future__ import annotations
@@ -209,6 +209,16 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
     total = sum(len(s["prompt"]) + s["max_tokens"] for s in w["requests"])
     bound = last_event + 10 * total + 20
     ever_ran: set[str] = set()
+    refused: set[str] = set()                     # this step's admission refusals
+    may_admit = rm.may_admit
+
+    def recording_may_admit(request):
+        ok = may_admit(request)
+        if not ok:
+            refused.add(request.request_id)
+        return ok
+    rm.may_admit = recording_may_admit
+    bounded = getattr(rm.policy, "bounded_wait", True)
     step = 0
     while step <= last_event or rm.has_unfinished():
         assert step < bound, f"no progress after {step} steps: {rm.num_running} running, {rm.num_waiting} waiting"
@@ -225,8 +235,13 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
                 assert aborted is None or aborted.status is RequestStatus.FINISHED_ABORTED
         rm.pop_finished()
         waiting_preempted = {r.request_id for r in rm.requests() if r.status is RequestStatus.PREEMPTED}
+        rm.waiting.reorder()                      # the queue order this step's schedule() sees
+        order = list(rm.waiting)
+        refused.clear()
         sched = rm.schedule()
         check_schedule(sched, rm, cfg, waiting_preempted, ever_ran)
+        if bounded:
+            check_bounded_wait(order, rm, refused)
         ever_ran |= set(sched.num_scheduled_tokens)
         if not sched.is_empty or sched.kv_connector_metadata is not None:
             rm.update(sched, runner.execute(sched))
@@ -276,6 +291,28 @@ def check_schedule(sched: SchedulerOutput, rm, cfg: FdxConfig, waiting_preempted
             assert req.num_computed_tokens + n == req.num_tokens, "a chunk without chunking"
 
 
+def check_bounded_wait(order: list[Request], rm, refused: set[str]) -> None:
+    """Bounded wait: no waiting request is passed over. ``order`` is the
+    waiting queue as the step began (preempted first, then the queue
+    policy's order); a request that started in the step (left the queue,
+    not finished) may do so only if every request ahead of it started too,
+    ended, or was refused by an admission rule (or the connector) in that
+    step. Under fcfs a request so waits only for the requests that arrived
+    before it, never for later ones."""
+    waiting = {r.request_id for r in rm.waiting}
+    passed = []                          # ahead of a started one, neither started nor refused
+    for req in order:
+        rid = req.request_id
+        started = rid not in waiting and not req.is_finished
+        if started and passed:
+            raise AssertionError(
+                f"bounded wait: {rid} started while {', '.join(passed)}, ahead of it in the waiting queue "
+                "and not refused by an admission rule, kept waiting (a policy that passes requests over on "
+                "purpose declares bounded_wait = False)")
+        if not started and rid in waiting and rid not in refused:
+            passed.append(rid)
+
+
 def check_blocks(rm, kv) -> None:
     """Blocks held by waiting requests, and the pool's count."""
     held = set()
@@ -292,23 +329,67 @@ def check_scheduler(resource_manager: str, kv_cache: str = "paged", policy: str 
                     max_examples: int = 30, max_requests: int = 12, audit=None, plugin_manager=None) -> None:
     """Property-check a resource manager (and cache, queue policy, victim
     policy, admission rules) over ``max_examples`` random workloads."""
-    from hypothesis import HealthCheck, given, settings
+    import pprint
+
+    from hypothesis import HealthCheck, Phase, given, settings
 
     @settings(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck),
-              database=None)
+              database=None, phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
     @given(w=workloads(max_requests))
     def run(w):
-        run_workload(resource_manager, kv_cache, policy, w, preemption=preemption, admission=admission,
-                     plugins=plugins, audit=audit, plugin_manager=plugin_manager)
+        try:
+            run_workload(resource_manager, kv_cache, policy, w, preemption=preemption, admission=admission,
+                         plugins=plugins, audit=audit, plugin_manager=plugin_manager)
+        except AssertionError as e:
+            # the workload in full, ready to paste: hypothesis alone prints "run(w=,)" for it
+            call = (f"run_workload({resource_manager!r}, {kv_cache!r}, {policy!r}, w, preemption={preemption!r}, "
+                    f"admission={list(admission)!r}, plugins={plugins!r})")
+            raise AssertionError(f"{e}\n\nthe failing workload (fdx.core.testing.{call}):\n"
+                                 f"w = {pprint.pformat(w, width=110, compact=True)}") from e
     run()
+
+
+def join_leave_schedule(rng: np.random.Generator, num_requests: int, num_steps: int) -> list[list[int]]:
+    """A random batch schedule: for each step, the requests in the batch, in
+    row order. Request 0 alone starts it; every other request joins later
+    (at a step of its own), each leaves once and comes back (a preemption)
+    and may also leave for good (finished) near the end; rows are shuffled
+    whenever the batch changes, as a runner may order them."""
+    joins = {0: 0, **{i: int(j) for i, j in zip(range(1, num_requests),
+                                                 rng.choice(np.arange(1, num_steps // 2), num_requests - 1,
+                                                            replace=num_requests - 1 > num_steps // 2 - 1))}}
+    gaps = {}
+    for i, j in joins.items():
+        start = int(rng.integers(j + 1, max(j + 2, num_steps - 3)))
+        gaps[i] = range(start, start + int(rng.integers(1, 4)))
+    finish = {i: (int(rng.integers(num_steps - 3, num_steps)) if rng.random() < 0.3 else num_steps)
+              for i in joins}
+    schedule, last = [], []
+    for step in range(num_steps):
+        members = [i for i in range(num_requests) if joins[i] <= step < finish[i] and step not in gaps[i]]
+        if not members:
+            continue                              # a step with no row samples nothing
+        if sorted(last) == members and rng.random() >= 0.2:
+            rows = list(last)                     # the same rows in the same order: rows_changed False
+        else:
+            rows = [members[k] for k in rng.permutation(len(members))]
+        schedule.append(rows)
+        last = rows
+    return schedule
 
 
 def check_logits_processor(name: str, params: list[SamplingParams], *, vocab_size: int = 64,
                            tokenizer: Any = None, settings: dict | None = None, seed: int = 0,
-                           plugin_manager=None) -> None:
-    """A processor's batch contract: over several steps in which requests
-    join, leave and come back (as after a preemption), each row of the batch
-    result equals the processor applied to that request alone."""
+                           num_schedules: int = 6, num_steps: int = 16, plugin_manager=None) -> None:
+    """A processor's batch contract: over random schedules in which requests
+    join, leave, come back (as after a preemption) and change rows, each row
+    of the batch result equals the processor applied to that request alone
+    (a solo instance told only about that request, at the steps it is in the
+    batch). Each schedule gives the parameters to the requests in another
+    order (the given order, reversed, then random), each parameter set to
+    two requests that join at different steps. A processor that keeps
+    batch-wide state where per-request state is meant (counting the batch's
+    steps instead of each request's tokens) fails."""
     pm = plugin_manager or get_plugin_manager()
     cls = pm.get("logits_processor", name)
     cfg = FdxConfig()
@@ -316,28 +397,45 @@ def check_logits_processor(name: str, params: list[SamplingParams], *, vocab_siz
     rng = np.random.default_rng(seed)
     for p in params:
         cls.validate_params(p)
+    for trial in range(num_schedules):
+        order = (list(range(len(params))) if trial == 0 else list(range(len(params)))[::-1] if trial == 1
+                 else [int(i) for i in rng.permutation(len(params))])
+        assigned = [params[i] for i in order] * 2
+        schedule = join_leave_schedule(rng, len(assigned), num_steps)
+        try:
+            _run_processor_schedule(cls, name, assigned, schedule, rng, cfg, tokenizer, vocab_size, settings)
+        except AssertionError as e:
+            raise AssertionError(
+                f"{e}\nparameter order {order} (request q<i> has params[order[i % {len(params)}]]); "
+                f"batch rows per step (request indices): {schedule}") from None
+
+
+def _run_processor_schedule(cls, name, assigned, schedule, rng, cfg, tokenizer, vocab_size, settings) -> None:
     batch_proc = cls(cfg, tokenizer, vocab_size, settings)
-    solo = {f"q{i}": cls(cfg, tokenizer, vocab_size, settings) for i in range(len(params))}
-    outputs = {f"q{i}": [] for i in range(len(params))}
-    rows_state = {rid: RowState(rid, params[i], [1, 2, 3], outputs[rid]) for i, rid in enumerate(solo)}
-    schedule = [list(solo)[: max(1, len(solo) // 2)], list(solo), list(solo)[1:], list(solo)]
+    rids = [f"q{i}" for i in range(len(assigned))]
+    solo = {rid: cls(cfg, tokenizer, vocab_size, settings) for rid in rids}
+    outputs = {rid: [] for rid in rids}
+    rows_state = {rid: RowState(rid, assigned[i], [int(t) for t in rng.integers(1, vocab_size, int(rng.integers(1, 6)))],
+                                outputs[rid]) for i, rid in enumerate(rids)}
     present: set[str] = set()
-    for step, rows in enumerate(schedule):
+    last_rows: list[str] | None = None
+    for step, indices in enumerate(schedule):
+        rows = [rids[i] for i in indices]
         gone = sorted(present - set(rows))
         added = [rid for rid in rows if rid not in present]
         logits = rng.standard_normal((len(rows), vocab_size)).astype(np.float32)
-        batch_proc.update_state(BatchUpdate([rows_state[r] for r in added], gone, rows, True))
+        batch_proc.update_state(BatchUpdate([rows_state[r] for r in added], gone, rows, rows != last_rows))
         got = batch_proc.apply(logits.copy())
+        for rid in gone:                              # left: the solo processor forgets it too
+            solo[rid].update_state(BatchUpdate([], [rid], [], True))
         for k, rid in enumerate(rows):
             one = solo[rid]
             one.update_state(BatchUpdate([rows_state[rid]] if rid in added else [], [], [rid], rid in added))
             want = one.apply(logits[k:k + 1].copy())
-            np.testing.assert_array_equal(got[k], want[0], err_msg=f"{name}: row {rid} at step {step}")
-        for rid in gone:                              # left: the solo processor forgets it too
-            solo[rid].update_state(BatchUpdate([], [rid], [], True))
+            np.testing.assert_array_equal(got[k], want[0], err_msg=f"{name}: row {k} ({rid}) at step {step}")
         for rid in rows:
             outputs[rid].append(int(rng.integers(vocab_size)))
-        present = set(rows)
+        present, last_rows = set(rows), rows
 
 
 def check_equivalence(llm, prompts: list, sampling_params: SamplingParams | None = None) -> None:

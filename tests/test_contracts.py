@@ -193,11 +193,26 @@ def pm(example_plugin_installed):
 
 
 def test_outside_scheduler_queue_order_and_victim_keep_outputs(tiny, reference, ex, pm):
+    """The outside scheduler policy runs on the engine's scheduling core;
+    its setting (a cap on each new prompt's first chunk) shapes the steps."""
     llm = make_llm(tiny, plugins=pm, resource_manager="example-fifo", policy="shortest-first",
-                   preemption="most-output", num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=3)
+                   preemption="most-output", num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=3,
+                   **{"plugins.resource_manager.example-fifo": {"max_first_chunk": 5}})
     eng = llm.engine
-    assert type(eng.resource_manager).__name__ == "FifoScheduler"
+    assert type(eng.resource_manager.policy).__name__ == "FifoScheduler"
+    firsts = []
+    real = eng.resource_manager.schedule
+
+    def schedule():
+        out = real()
+        firsts.extend(out.num_scheduled_tokens[d.request_id] for d in out.new_requests)
+        return out
+    eng.resource_manager.schedule = schedule
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference
+    assert firsts and max(firsts) <= 5
+    with pytest.raises(ConfigError, match="plugins.resource_manager.example-fifo.*max_first_chunk"):
+        make_llm(tiny, plugins=pm, resource_manager="example-fifo",
+                 **{"plugins.resource_manager.example-fifo": {"max_first_chunk": 0}})
 
 
 def test_outside_kv_cache_and_fake_device_backend(tiny, reference, ex, pm, monkeypatch):

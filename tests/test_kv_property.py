@@ -44,7 +44,7 @@ def audit_pool(rm, kv) -> None:
         assert all(pool.cached[b] == (b in kv.meta) for b in range(n))
         assert all(pool.cached[b] for b in evictable) and not any(pool.cached[b] for b in free)
     running = {r.request_id for r in rm.requests() if r.status is RequestStatus.RUNNING}
-    held = set(getattr(getattr(rm, "core", None), "held", ()))      # kept for a connector transfer
+    held = set(rm.held)                     # kept for a connector transfer
     holding = {rid for rid, table in kv.tables.items() if table}
     assert holding <= running | held, f"not running but holding blocks: {holding - running - held}"
 

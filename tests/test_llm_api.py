@@ -150,7 +150,7 @@ def test_third_party_resource_manager_selected_by_config(example_plugin_installe
     pm = PluginManager()
     llm = LLM(max_model_len=256, num_kv_blocks=64, block_size=16, resource_manager="example-fifo",
               policy="shortest-first", plugins=pm, progress=False)
-    assert type(llm.engine.resource_manager).__name__ == "FifoScheduler"
+    assert type(llm.engine.resource_manager.policy).__name__ == "FifoScheduler"
     assert ex.STARTED and ex.STARTED[-1] is llm.engine
     before, added = len(ex.STEPS), len(ex.ADDED)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

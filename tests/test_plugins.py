@@ -69,6 +69,30 @@ def test_disabled_plugins_env(monkeypatch):
     assert "cpu" in pm.names("backend")
 
 
+def test_disabled_by_the_distribution_name_fdx_plugins_shows(example_plugin_installed):
+    """The name in brackets in ``fdx plugins`` disables that distribution's
+    every entry point, however it is spelled (PEP 503)."""
+    shown = PluginManager().registries["resource_manager"]["example-fifo"].package
+    assert f"[{shown}]" in PluginManager().report()
+    for name in (shown, shown.upper().replace("-", "_")):
+        pm = PluginManager(disabled=[name])
+        assert "example-fifo" not in pm.names("resource_manager")
+        assert "example_choice" not in pm.names("guided_backend")
+        assert {ep.name: (ep.status, ep.matched) for ep in pm.entry_points if ep.package == shown} == {
+            "example": ("disabled", name), "example_guided": ("disabled", name)}
+        assert "match nothing" not in pm.report()
+
+
+def test_a_disabled_name_that_matches_nothing_is_a_warning(caplog, example_plugin_installed):
+    with caplog.at_level("WARNING", logger="fdx.plugins"):
+        pm = PluginManager(disabled=["fdx-exampel-plugin", "cuda"])
+    warned = [r.getMessage() for r in caplog.records if "matches no plugin" in r.getMessage()]
+    assert warned == ["FDX_DISABLED_PLUGINS names 'fdx-exampel-plugin', which matches no plugin, entry point "
+                      "or distribution"]
+    assert "example-fifo" in pm.names("resource_manager") and "cuda" not in pm.names("backend")
+    assert "names in FDX_DISABLED_PLUGINS that match nothing: fdx-exampel-plugin" in pm.report()
+
+
 def test_loading_is_idempotent():
     pm = PluginManager(load_entry_points=False)
     pm._load("fdx.plugins.cache.paged", lambda: __import__("fdx.plugins.cache.paged"), "fdx")

@@ -9,12 +9,10 @@ from fdx.core.interfaces import ModelRunnerOutput
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
 from fdx.core.scheduling import WaitingQueue
-from fdx.plugins.cache.paged import PagedKVCache
-from fdx.plugins.cache.prefix import PrefixKVCache
+from fdx.core.assembly import Assembly
+from fdx.core.plugins import get_plugin_manager
 from fdx.plugins.decoding.token_processor import DefaultTokenProcessor
 from fdx.plugins.schedulers.policies import Fcfs, LongestPrefixMatch, Priority
-from fdx.plugins.schedulers.v0 import V0ResourceManager
-from fdx.plugins.schedulers.v1 import V1ResourceManager
 
 MAX_LEN = 256
 
@@ -25,12 +23,13 @@ class StubTokenizer:
 
 
 def make_rm(kind="v0", cache="paged", num_blocks=64, bs=8, **cfg):
+    """The engine's scheduling core running ``kind``'s policy, built by the engine's assembly."""
     config = FdxConfig.build(resource_manager=kind, kv_cache=cache, block_size=bs, **cfg)
     if config.scheduler.max_num_batched_tokens is None:
         config.scheduler.max_num_batched_tokens = 64
-    kv = (PagedKVCache if cache == "paged" else PrefixKVCache)(num_blocks, bs, config)
-    cls = V0ResourceManager if kind == "v0" else V1ResourceManager
-    return cls(config, kv, DefaultTokenProcessor(StubTokenizer()), MAX_LEN)
+    parts = Assembly(config, get_plugin_manager()).scheduler_side(
+        num_blocks, DefaultTokenProcessor(StubTokenizer()), MAX_LEN)
+    return parts["resource_manager"]
 
 
 def req(rid, n, max_tokens=4, priority=0, first=1):

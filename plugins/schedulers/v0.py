@@ -30,83 +30,77 @@ finishes. A request whose worst case exceeds the whole pool is rejected.
 from __future__ import annotations
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import SchedulerOutput
+from fdx.core.interfaces import SchedulerPolicy
 from fdx.core.request import Request
-from fdx.plugins.schedulers.v1 import V1ResourceManager
 
 
-class V0ResourceManager(V1ResourceManager):
-    """v1's bookkeeping (fdx.core.scheduling) with FastDeploy v0's ``schedule()``."""
-
-    def __init__(self, config, kv_cache, token_processor, max_model_len, settings=None, extensions=None):
-        super().__init__(config, kv_cache, token_processor, max_model_len, settings, extensions)
-        self.block_size = kv_cache.block_size
-        self.max_prompt_blocks = config.cache.kv_cache_ratio * kv_cache.num_blocks
+class V0Policy(SchedulerPolicy):
+    """FastDeploy v0's step, on the engine's scheduling core."""
 
     # -- block accounting ---------------------------------------------------
-    def _blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    @staticmethod
+    def _blocks(core, num_tokens: int) -> int:
+        return -(-num_tokens // core.kv_cache.block_size)
 
-    def _worst_case_blocks(self, req: Request) -> int:
-        return self._blocks(min(req.num_prompt_tokens + req.max_tokens, self.max_model_len))
-
-    def reserve(self, req: Request, have: int | None = None) -> int:
+    def reserve(self, core, req: Request, have: int | None = None) -> int:
         """Blocks the request may still allocate before it finishes."""
         if have is None:
-            have = len(self.kv_cache.block_table(req.request_id))
-        return max(0, self._worst_case_blocks(req) - have)
+            have = len(core.kv_cache.block_table(req.request_id))
+        worst = self._blocks(core, min(req.num_prompt_tokens + req.max_tokens, core.max_model_len))
+        return max(0, worst - have)
 
     # -- one step ---------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        core = self.core
-        out = core.begin_step()
-        self._admit_waiting()
+    def schedule(self, core) -> None:
+        self._admit_waiting(core)
         prefilling = [r for r in core.running if r.num_computed_tokens < r.num_prompt_tokens]
         if prefilling:
-            grants = self._split_budget(prefilling)
+            grants = self._split_budget(core, prefilling)
             batch = [(r, grants[r.request_id]) for r in prefilling if grants[r.request_id] > 0]
         else:
             batch = [(r, 1) for r in core.running[:core.max_num_batched_tokens]]
             # when the budget is below the running count, the rest go first next step
             core.running[:] = core.running[len(batch):] + core.running[:len(batch)]
         for req, n in batch:
-            if not self.kv_cache.allocate_slots(req, n):
+            if not core.kv_cache.allocate_slots(req, n):
                 raise RuntimeError(f"v0: the decode reserve of {req.request_id} did not hold "
-                                   f"({self.kv_cache.num_free_blocks} blocks free)")
-            core.schedule_request(out, req, n)
-        return core.end_step(out)
+                                   f"({core.kv_cache.num_free_blocks} blocks free)")
+            core.schedule_request(req, n)
 
-    def _admit_waiting(self) -> None:
-        core = self.core
-        reserved = sum(self.reserve(r) for r in core.running)
-        prompt_blocks = sum(self._blocks(r.num_prompt_tokens) for r in core.running)
-        pending = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in core.running)
-        skipped = 0
-        while skipped < len(core.waiting) and len(core.running) < core.max_num_seqs:
-            req = core.waiting[skipped]
-            if not core.may_admit(req):
-                skipped += 1
-                continue
-            own_prompt_blocks = self._blocks(req.num_prompt_tokens)
-            if core.running and prompt_blocks + own_prompt_blocks > self.max_prompt_blocks:
-                break
-            hit, external = core.lookup(req)
+    def _admit_waiting(self, core) -> None:
+        """The core's admission loop, with v0's test of each request: the
+        prompt share (``kv_cache_ratio``), the whole prompt within the budget
+        unless chunked, and the decode reserve of everyone running."""
+        kv = core.kv_cache
+        max_prompt_blocks = core.config.cache.kv_cache_ratio * kv.num_blocks
+        acc = dict(reserved=sum(self.reserve(core, r) for r in core.running),
+                   prompt_blocks=sum(self._blocks(core, r.num_prompt_tokens) for r in core.running),
+                   pending=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in core.running))
+
+        def grant(req, hit, external):
+            own_prompt_blocks = self._blocks(core, req.num_prompt_tokens)
+            if core.running and acc["prompt_blocks"] + own_prompt_blocks > max_prompt_blocks:
+                return None
             num_new = req.num_prompt_tokens - hit.num_tokens - external
-            fits_budget = core.chunked_prefill or pending + num_new <= core.max_num_batched_tokens
+            fits_budget = core.chunked_prefill or acc["pending"] + num_new <= core.max_num_batched_tokens
             # the hit's evictable blocks leave the free count when it is committed
-            free_after_hit = self.kv_cache.num_free_blocks - hit.num_evictable
-            if (not fits_budget or reserved + self.reserve(req, len(hit.block_ids)) > free_after_hit
-                    or not core.admit(req, hit, external, num_new)):
-                break
-            reserved += self.reserve(req)
-            prompt_blocks += own_prompt_blocks
-            pending += num_new
-    def _split_budget(self, prefilling: list[Request]) -> dict[str, int]:
-        budget = self.core.max_num_batched_tokens
+            free_after_hit = kv.num_free_blocks - hit.num_evictable
+            if not fits_budget or acc["reserved"] + self.reserve(core, req, len(hit.block_ids)) > free_after_hit:
+                return None
+            # counted before the admission: if it fails the loop stops and the counts are not read again
+            acc["reserved"] += self.reserve(core, req, self._blocks(core, hit.num_tokens + external + num_new))
+            acc["prompt_blocks"] += own_prompt_blocks
+            acc["pending"] += num_new
+            return num_new
+
+        core.admit_waiting(grant, schedule=False)
+
+    def _split_budget(self, core, prefilling: list[Request]) -> dict[str, int]:
+        budget = core.max_num_batched_tokens
         left_of = {r.request_id: r.num_prompt_tokens - r.num_computed_tokens for r in prefilling}
-        if not self.core.chunked_prefill:
+        if not core.chunked_prefill:
             return left_of                       # admission kept the sum within the budget
-        share = budget // len(prefilling) // self.block_size * self.block_size
+        bs = core.kv_cache.block_size
+        share = budget // len(prefilling) // bs * bs
         grants = {rid: min(n, share) for rid, n in left_of.items()}
         leftover = budget - sum(grants.values())
         for r in sorted(prefilling, key=lambda r: left_of[r.request_id]):
@@ -120,4 +114,4 @@ class V0ResourceManager(V1ResourceManager):
 
 @hookimpl
 def fdx_register_resource_managers(register):
-    register("v0", V0ResourceManager)
+    register("v0", V0Policy)

@@ -2,8 +2,8 @@
 against ``fdx.core`` only (never ``fdx.plugins``), installed with pip and
 found through the ``fdx`` entry-point group. fdx knows nothing about it.
 
-- ``example-fifo`` resource manager: a whole scheduler on the shared
-  helpers of ``fdx.core.scheduling``, not a v1 subclass.
+- ``example-fifo`` scheduler policy: the engine's scheduling core's two
+  loops, with a cap of its own on each new prompt's first chunk.
 - ``shortest-first`` queue policy, ``tenant-cap`` admission rule,
   ``most-output`` preemption victim policy.
 - ``example-blocks`` KV cache: a plain block pool, written from scratch.
@@ -27,9 +27,8 @@ import numpy as np
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AdmissionRule, AttentionBackend, Backend, KVCacheManager, KVConnector,
                                  LinearWeight, LogitsProcessor, Observer, PreemptionPolicy, QueuePolicy,
-                                 ResourceManager, WeightFormat)
+                                 SchedulerPolicy, WeightFormat)
 from fdx.core.kernels import KernelTable
-from fdx.core.scheduling import SchedulingCore
 
 # what the observer saw, for tests to read
 STEPS: list[tuple[int, int]] = []        # (step, num_scheduled_tokens)
@@ -43,75 +42,30 @@ OUTPUTS: dict[str, tuple[list[int], str]] = {}   # request id -> (token ids, fin
 
 # --- a scheduler ---------------------------------------------------------------
 
-class FifoScheduler(ResourceManager):
+class FifoScheduler(SchedulerPolicy):
     """Running requests first, each its remaining tokens within the budget
-    (the oldest first); then waiting ones in queue order. When blocks run
-    out, the victim policy picks who gives way."""
+    (the oldest first; the victim policy picks who gives way when blocks run
+    out); then waiting ones in queue order, each new prompt's first chunk at
+    most ``max_first_chunk`` tokens (a setting; chunked prefill only), so a
+    long prompt arriving cannot take a whole step from the decodes."""
 
-    def __init__(self, config, kv_cache, token_processor, max_model_len, settings=None, extensions=None):
-        super().__init__(config, kv_cache, token_processor, max_model_len, settings, extensions)
-        self.core = SchedulingCore(config, kv_cache, max_model_len, extensions)
+    def __init__(self, config, settings=None):
+        super().__init__(config, settings)
+        self.max_first_chunk = self.settings.get("max_first_chunk")
+        if self.max_first_chunk is not None and (not isinstance(self.max_first_chunk, int)
+                                                 or self.max_first_chunk < 1):
+            raise ValueError(f"max_first_chunk must be a positive integer, got {self.max_first_chunk!r}")
 
-    def add_request(self, request):
-        self.core.add(request)
+    def schedule(self, core):
+        core.schedule_running()
 
-    def abort_request(self, request_id):
-        return self.core.abort(request_id)
+        def grant(request, hit, num_external):
+            n = request.num_tokens - hit.num_tokens - num_external
+            if not core.chunked_prefill:
+                return n if n <= core.budget else None
+            return min(n, core.budget, self.max_first_chunk or n)
 
-    def requests(self):
-        return self.core.requests()
-
-    def pop_finished(self):
-        return self.core.pop_rejected()
-
-    def update(self, scheduler_output, runner_output):
-        return self.core.update(scheduler_output, runner_output, self.token_processor)
-
-    @property
-    def num_running(self):
-        return len(self.core.running)
-
-    @property
-    def num_waiting(self):
-        return len(self.core.waiting)
-
-    def has_unfinished(self):
-        return bool(self.core.running or self.core.waiting or self.core.held)
-
-    def schedule(self):
-        core = self.core
-        out = core.begin_step()
-        budget = core.max_num_batched_tokens
-        i = 0
-        while i < len(core.running) and budget > 0:
-            req = core.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(req, n):
-                victim = core.choose_victim(core.running[i:])
-                core.preempt(victim)
-                if victim is req:
-                    break
-            else:
-                core.schedule_request(out, req, n)
-                budget -= n
-                i += 1
-        k = 0
-        while not core.preempted_ids and k < len(core.waiting) and budget > 0 \
-                and len(core.running) < core.max_num_seqs:
-            req = core.waiting[k]
-            if not core.may_admit(req):
-                k += 1
-                continue
-            hit, external = core.lookup(req)
-            n = req.num_tokens - hit.num_tokens - external
-            if n > budget and not core.chunked_prefill:
-                break
-            n = min(n, budget)
-            if not core.admit(req, hit, external, n):
-                break
-            core.schedule_request(out, req, n)
-            budget -= n
-        return core.end_step(out)
+        core.admit_waiting(grant)
 
 
 # --- scheduling extensions ------------------------------------------------------
