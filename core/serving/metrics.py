@@ -152,6 +152,11 @@ class ServerMetrics:
             for _ in range(num_new):
                 self.itl.observe(gap)
 
+    def pooling_started(self, num_prompt_tokens: int) -> None:
+        """An embedding input sent to the engine: its prompt tokens count
+        at once (it generates nothing, and has no first token to wait for)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+
     def sequence_finished(self, seq) -> None:
         """A ``SequenceState`` that finished (stop, length or abort)."""
         self.request_success.labels(finished_reason=seq.finish_reason or "abort", **self.labels).inc()

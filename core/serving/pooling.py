@@ -48,7 +48,7 @@ class EmbedGroup:
         try:
             for i, (rid, ids) in enumerate(zip(self.ids, self.prompts)):
                 srv.engine.add(rid, ids, POOLING_REQUEST, lambda msg, i=i: self.queue.put_nowait((i, msg)))
-                srv.metrics.sequence_started(len(ids))
+                srv.metrics.pooling_started(len(ids))
         except Exception:
             self.close()
             raise
