@@ -168,6 +168,24 @@ def _drop_example_modules() -> None:
     fdx.core.plugins._serving = None
 
 
+@pytest.fixture(autouse=True)
+def _cli_environment_restored():
+    """``fdx.core.cli.main`` exports FDX_LOG_LEVEL (for the engine process)
+    and drops OMP_NUM_THREADS: a test that calls it in process (``--quiet``
+    exports WARNING) must not change the level of every server a later test
+    starts (request log lines went missing that way)."""
+    import logging
+    saved = {k: os.environ.get(k) for k in ("FDX_LOG_LEVEL", "OMP_NUM_THREADS")}
+    level = logging.getLogger("fdx").level
+    yield
+    logging.getLogger("fdx").setLevel(level)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def example_plugin_installed(tmp_path_factory):
     """The third-party test plugin, installed with pip as a user would, but
