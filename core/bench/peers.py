@@ -193,13 +193,18 @@ def make_f32(quantize: Path, model: Path, root: Path | None = None) -> Path:
     out.parent.mkdir(exist_ok=True)
     if out.is_file():
         return out
-    _say(f"making the F32 GGUF {out}")
+    return _quantize(quantize, model, out, "F32", "--allow-requantize")
+
+
+def _quantize(quantize: Path, src: Path, out: Path, kind: str, *flags: str) -> Path:
+    """``llama-quantize [flags] src out kind`` into a .partial file renamed
+    to ``out`` once whole; a failure is a PeerError with its error line."""
+    _say(f"making the {kind} GGUF {out}")
     tmp = out.with_suffix(".partial")
-    r = subprocess.run([str(quantize), "--allow-requantize", str(model), str(tmp), "F32"],
-                       capture_output=True, text=True)
+    r = subprocess.run([str(quantize), *flags, str(src), str(tmp), kind], capture_output=True, text=True)
     if r.returncode != 0 or not tmp.is_file():
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise PeerError(f"llama-quantize could not make an F32 GGUF of {model}: {tail[0]}")
+        raise PeerError(f"llama-quantize could not make a{'n' if kind == 'F32' else ''} {kind} GGUF of {src}: "
+                        f"{_tail(r.stderr or r.stdout)}")
     tmp.rename(out)
     return out
 
@@ -237,13 +242,7 @@ def make_quant(quantize: Path, model: Path, kind: str, root: Path | None = None)
     out = f32.with_name(f32.name.replace(".F32.gguf", f".{kind}.gguf"))
     if out.is_file():
         return out
-    _say(f"making the {kind} GGUF {out}")
-    tmp = out.with_suffix(".partial")
-    r = subprocess.run([str(quantize), str(f32), str(tmp), kind], capture_output=True, text=True)
-    if r.returncode != 0 or not tmp.is_file():
-        raise PeerError(f"llama-quantize could not make a {kind} GGUF of {f32}: {_tail(r.stderr or r.stdout)}")
-    tmp.rename(out)
-    return out
+    return _quantize(quantize, f32, out, kind)
 
 
 def fdx_quant_args(kind: str) -> list[str]:
