@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from serve_utils import API_KEY, ServerProcess
+from serve_utils import API_KEY, ready_server
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +27,9 @@ SCHEMA = {"type": "object", "properties": {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_checkpoints):
     path, _ = tiny_checkpoints["Qwen2ForCausalLM"]
-    srv = ServerProcess(tmp_path_factory.mktemp("serve_guided"), model={"model": str(path), "max_model_len": 384},
+    srv = ready_server(tmp_path_factory.mktemp("serve_guided"), model={"model": str(path), "max_model_len": 384},
                         cache={"num_kv_blocks": 200}, decoding={"guided_backend": "llguidance"})
     try:
-        srv.wait_ready()
         yield srv
     finally:
         srv.stop()

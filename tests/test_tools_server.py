@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from serve_utils import API_KEY, ServerProcess
+from serve_utils import API_KEY, ServerProcess, ready_server
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +53,11 @@ def qwen3_dir(tmp_path_factory, tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, qwen3_dir):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve_tools"), model={"model": str(qwen3_dir), "max_model_len": 1024},
+    srv = ready_server(tmp_path_factory.mktemp("serve_tools"), model={"model": str(qwen3_dir), "max_model_len": 1024},
                         cache={"num_kv_blocks": 256}, decoding={"guided_backend": "llguidance"},
                         server={"tool_call_parser": "hermes", "enable_auto_tool_choice": True,
                                 "reasoning_parser": "qwen3"})
     try:
-        srv.wait_ready()
         yield srv
     finally:
         srv.stop()
