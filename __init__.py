@@ -1,5 +1,6 @@
 """fdx: a plugin-based, modular LLM inference framework."""
 import os as _os
+import sys as _sys
 import warnings as _warnings
 
 
@@ -27,6 +28,32 @@ def _mkl_cpu_type() -> str | None:
 # OMP_NUM_THREADS > 1, and resets it to 1 when unset).
 if "MKL_DEBUG_CPU_TYPE" not in _os.environ and (_cpu_type := _mkl_cpu_type()):
     _os.environ["MKL_DEBUG_CPU_TYPE"] = _cpu_type
+
+
+class _NoTvmFfiWhilePaddleImports:
+    """A meta-path finder that refuses `tvm_ffi` while Paddle is importing.
+
+    Paddle 3.3's `import paddle` tries `import tvm_ffi` (to pick a DLPack
+    exchange API; it falls back to the same capsule when that import fails,
+    so nothing changes for Paddle), and tvm_ffi, installed with xgrammar,
+    imports torch first thing. Every fdx process would then carry torch:
+    about 190 MB resident and seconds of start-up (DESIGN.md: serving must
+    not need torch). After Paddle is in, tvm_ffi imports as usual (xgrammar
+    imports it, and torch, itself)."""
+
+    fdx_guard = True
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "tvm_ffi":
+            paddle = _sys.modules.get("paddle")
+            if paddle is not None and getattr(getattr(paddle, "__spec__", None), "_initializing", False):
+                raise ImportError("fdx does not import tvm_ffi (and torch with it) while Paddle imports")
+        return None
+
+
+if not any(getattr(f, "fdx_guard", False) for f in _sys.meta_path):   # once, also under pytest's second name
+    _sys.meta_path.insert(0, _NoTvmFfiWhilePaddleImports)
 
 # `import paddle` warns that ccache is missing (it matters only to those
 # compiling Paddle extensions repeatedly); keep it off users' terminals.

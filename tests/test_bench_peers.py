@@ -114,6 +114,7 @@ def test_repeats_keep_the_best_run_of_each_side():
     assert f"B=32: best of 3 runs each; all tok/s of every run: llama.cpp {llama_runs[0]['all_tps']:.1f}, " in table
 
 
+@pytest.mark.slow
 def test_plot_draws_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     rng = np.random.default_rng(0)
@@ -132,6 +133,7 @@ def test_machine_probes_give_sane_positive_numbers():
     assert math.isfinite(m["load_avg_1m"]) and m["load_avg_1m"] >= 0
 
 
+@pytest.mark.slow
 def test_help_lists_every_default():
     out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--help"],
                          capture_output=True, text=True, timeout=60)
@@ -154,6 +156,7 @@ def _env(tmp_path, path: str) -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_missing_cmake_is_one_line(tmp_path):
     empty = tmp_path / "bin"
     empty.mkdir()
@@ -174,6 +177,7 @@ def _fake_sdist(path: Path, cmakelists: str) -> None:
 
 @pytest.mark.skipif(not (os.path.exists("/usr/bin/cmake") or __import__("shutil").which("cmake")),
                     reason="needs cmake")
+@pytest.mark.slow
 def test_a_failed_build_is_one_line_with_the_log(tmp_path):
     """A real cmake run on a source tree whose CMakeLists.txt fails."""
     sdist = tmp_path / peers.SDIST_NAME
@@ -228,6 +232,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_managed_server_stops_its_whole_group_and_frees_the_port(tmp_path):
     port = peers.free_port()
     log = tmp_path / "srv.log"
@@ -253,6 +258,7 @@ def test_managed_server_stops_its_whole_group_and_frees_the_port(tmp_path):
     assert not _alive(leader) and not peers._port_open(port)
 
 
+@pytest.mark.slow
 def test_a_server_that_exits_early_is_a_clear_error(tmp_path):
     port = peers.free_port()
     with peers.ManagedServer("toy", [sys.executable, "-c", "import sys; sys.exit(3)"], port,
@@ -287,6 +293,7 @@ def test_quant_types_are_checked_and_named_by_the_flag():
     assert peers.fdx_quant_args("Q4_K_M") == ["--quantization", "auto"]
 
 
+@pytest.mark.slow
 def test_a_file_already_of_the_type_is_used_as_it_is(tmp_path):
     """The embedded SmolLM2 is a Q4_1 file (general.file_type 3): --quant Q4_1
     compares on it, with no llama-quantize run (the binary need not exist)."""
@@ -296,6 +303,7 @@ def test_a_file_already_of_the_type_is_used_as_it_is(tmp_path):
     assert peers.make_quant(tmp_path / "no-such-llama-quantize", model, "Q4_1", root=tmp_path) == model
 
 
+@pytest.mark.slow
 def test_other_types_are_quantized_from_the_f32_file_once(tmp_path):
     """A stand-in llama-quantize (llama.cpp is not built in CI) that logs its
     arguments: Q8_0 is made from the F32 file, which is made from the source,

@@ -20,11 +20,12 @@ from fdx.plugins.cache.prefix import PrefixKVCache
 
 POLICIES = ("fcfs", "priority", "lpm")
 # pairwise over (scheduler, cache, policy, victim): every pair of values appears together
-COMBOS = [("v1", "paged", "fcfs", "newest"), ("v1", "prefix", "priority", "least-computed"),
-          ("v1", "prefix", "lpm", "newest"), ("v1", "paged", "lpm", "least-computed"),
-          ("v1", "paged", "priority", "newest"), ("v1", "prefix", "fcfs", "least-computed"),
-          ("v0", "prefix", "fcfs", "newest"), ("v0", "paged", "priority", "newest"),
-          ("v0", "prefix", "lpm", "newest")]
+_QUICK = [("v1", "paged", "fcfs", "newest"), ("v1", "prefix", "priority", "least-computed"),
+          ("v0", "prefix", "fcfs", "newest")]
+_FULL = [("v1", "prefix", "lpm", "newest"), ("v1", "paged", "lpm", "least-computed"),
+         ("v1", "paged", "priority", "newest"), ("v1", "prefix", "fcfs", "least-computed"),
+         ("v0", "paged", "priority", "newest"), ("v0", "prefix", "lpm", "newest")]
+COMBOS = _QUICK + [pytest.param(*c, marks=pytest.mark.slow) for c in _FULL]   # the quick subset keeps three
 
 
 def audit_pool(rm, kv) -> None:

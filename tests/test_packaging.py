@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 import tomllib
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOP = {"core", "plugins", "ops"}
@@ -57,3 +61,25 @@ def test_tests_folder_has_no_init():
 def test_fdx_is_the_repo_root():
     import fdx
     assert pathlib.Path(fdx.__file__).resolve().parent == ROOT
+
+
+@pytest.mark.slow
+def test_serving_never_loads_torch_even_where_it_is_installed():
+    """Paddle 3.3's import tries tvm_ffi (installed with xgrammar), which
+    imports torch: every fdx process carried torch (about 190 MB resident and
+    seconds of start-up) though serving never uses it. fdx refuses tvm_ffi
+    while Paddle imports (Paddle takes the same DLPack capsule without it);
+    xgrammar still imports both afterwards."""
+    import importlib.util
+    if importlib.util.find_spec("tvm_ffi") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("needs tvm_ffi and torch installed, where the leak happened")
+    code = ("import sys\n"
+            "from fdx.core.engine import EngineCore\n"
+            "import fdx.plugins.backends.cpu, fdx.plugins.models.llama, paddle\n"
+            "assert paddle.to_tensor([2.0]).numpy()[0] == 2.0\n"
+            "print('torch' in sys.modules, 'tvm_ffi' in sys.modules)\n"
+            "import xgrammar\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False", "True"], out.stdout

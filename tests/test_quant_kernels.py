@@ -156,6 +156,7 @@ def test_the_backend_probes_every_build_of_every_kind():
         assert choices.startswith(",".join(cpp.QUANT_KINDS) + "=avx2 (avx512: SIGILL on this CPU)"), choices
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["wrong", "sigill"])
 def test_a_probe_refuses_a_wrong_or_dying_build(tmp_path, monkeypatch, fault):
     """The real probe child, with the fault injector on its path."""
@@ -170,6 +171,7 @@ def test_a_probe_refuses_a_wrong_or_dying_build(tmp_path, monkeypatch, fault):
     assert found["cpp.q4_0_matmul"] is None                # the next build is probed on (in a new child after a death)
 
 
+@pytest.mark.slow
 def test_an_instruction_set_build_dies_in_a_fork_and_the_child_goes_on(tmp_path, monkeypatch):
     """A SIGILL of an isolated build is its finding, and the same child probes the next kernel."""
     cpu_kernel_table()

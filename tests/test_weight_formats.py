@@ -126,7 +126,8 @@ def check_greedy(llm: LLM, model, batch: list[list[int]], rel_tie: float = QUANT
 
 # --- auto: each GGUF tensor in its own type -----------------------------------------------
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "mixed"])
+@pytest.mark.parametrize("name", ["q8_0", pytest.param("q4_0", marks=pytest.mark.slow),
+                                  pytest.param("q4_1", marks=pytest.mark.slow), "mixed"])
 def test_auto_keeps_each_type_and_matches_the_dequantized_reference(files, name):
     path, model = files[name]
     llm = LLM(str(path), quantization="auto", **TINY)
