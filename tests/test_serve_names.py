@@ -225,6 +225,9 @@ def test_openai_embeddings_equal_transformers(embed_server):
     body = httpx.post(srv.base_url + "/v1/embeddings", headers=AUTH,
                       json={"input": [ids, ids[:3]], "encoding_format": "float"}).json()
     assert len(body["data"]) == 2 and body["object"] == "list"
+    tagged = httpx.post(srv.base_url + "/v1/embeddings", headers={**AUTH, "X-Request-Id": "emb-trace-7"},
+                        json={"input": "hi"})
+    assert tagged.json()["id"] == "embd-emb-trace-7" == "embd-" + tagged.headers["x-request-id"]
     np.testing.assert_allclose(body["data"][1]["embedding"], hf_last_normalized(hf, ids[:3]), atol=1e-4)
     stats = httpx.get(srv.base_url + "/v1/engine/stats", headers=AUTH).json()
     assert stats["kv"]["used"] == 0                                 # every pooling request freed its blocks

@@ -123,7 +123,8 @@ def install(app, server) -> None:
         server.admit(0)
         prompts = _prompts(server, req)
         server.admit(len(prompts))
-        group = EmbedGroup(server, prompts, f"embd-{secrets.token_hex(12)}")
+        # the response's id is embd-<X-Request-Id, or the one the edge made>, as the other endpoints'
+        group = EmbedGroup(server, prompts, f"embd-{http_request.scope.get('fdx.request_id') or secrets.token_hex(12)}")
         group.start()
         try:
             vectors = await group.wait(http_request)
