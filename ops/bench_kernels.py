@@ -35,15 +35,18 @@ from fdx.ops.norm import add_rms_norm, rms_norm
 from fdx.ops.rotary import RotaryEmbedding
 
 
+CLOCK = time.perf_counter          # --cpu-time: time.thread_time (1 thread: immune to other jobs' preemption)
+
+
 def _interleaved(fns: dict, iters: int) -> dict:
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()                                           # warm-up (memo, allocator)
     for _ in range(iters):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fn()
-            times[name].append(1e6 * (time.perf_counter() - t0))
+            times[name].append(1e6 * (CLOCK() - t0))
     return {name: np.asarray(ts) for name, ts in times.items()}
 
 
@@ -115,26 +118,37 @@ def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, thread
 
     table = probe_kernels(threads)
     isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni") if f in cpu_flags()]
-    print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}")
-    print(f"quant_matmul: {quant_choices(table)}")
-    print(f"{'kind':<6} {'out x in':>10} {'M':>3} | {'quant us':>9} {'GB/s':>6} | {'fp32 us':>9} {'GB/s':>6} | speedup")
+    print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}, load average {os.getloadavg()[0]:.1f}")
+    print(f"quant_matmul: {quant_choices(table)}; from {cpp.QUANT_BLAS_MIN_ROWS} rows quant.matmul takes "
+          "the dequantize + BLAS path")
+    print(f"{'kind':<6} {'out x in':>10} {'M':>4} | {'int8 us':>9} {'GB/s':>6} | {'deq+BLAS us':>11} | "
+          f"{'fp32 us':>9} {'GB/s':>6} | int8 vs fp32, deq+BLAS vs fp32")
+    module = cpp._module_or_raise()
     rng = np.random.default_rng(0)
     with kernels.using(table):
+        variant = next((v for v in cpp.QUANT_VARIANTS if table.usable(cpp.quant_kernel_name("q8_0", v))), "portable")
         for kind in kinds:
             for rows, cols in QUANT_SHAPES:
                 if cols % quant.block_shape(kind)[0] if kind not in quant.WINT_KINDS else cols % 64:
                     print(f"{kind:<6} {f'{rows}x{cols}':>10}   : no whole blocks (a GGUF file holds another type here)")
                     continue
                 w = random_quantized(kind, rows, cols, rng).prepare()
+                data, scales = w.tensors()
+                args = (cpp.QUANT_KINDS.index(kind), cpp._VARIANT_CODE[variant], rows, cols,
+                        w.group_size)
                 dense = paddle.to_tensor(np.ascontiguousarray(w.dequantize().T))       # [in, out]
-                n = max(5, iters // 10) if rows * cols > 4 << 20 else iters
                 for m in rows_list:
+                    big = rows * cols * max(m, 8) > 4 << 20
+                    n = max(5, iters // (10 if big else 1) // max(1, m // 64))
                     x = paddle.randn([m, cols])
-                    times = _interleaved({"quant": lambda: quant.matmul(x, w), "fp32": lambda: paddle.matmul(x, dense)},
-                                         n)
-                    tq, tf = np.median(times["quant"]), np.median(times["fp32"])
-                    print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>3} | {tq:9.1f} {w.nbytes / tq / 1e3:6.1f} | "
-                          f"{tf:9.1f} {rows * cols * 4 / tf / 1e3:6.1f} | {tf / tq:5.2f}x")
+                    times = _interleaved({
+                        "int8": lambda: module.fdx_quant_matmul(x, data, scales, *args),
+                        "deq": lambda: paddle.matmul(x, module.fdx_quant_dequantize(data, scales, *args),
+                                                     transpose_y=True),
+                        "fp32": lambda: paddle.matmul(x, dense)}, n)
+                    tq, td, tf = (np.median(times[k]) for k in ("int8", "deq", "fp32"))
+                    print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>4} | {tq:9.1f} {w.nbytes / tq / 1e3:6.1f} | "
+                          f"{td:11.1f} | {tf:9.1f} {rows * cols * 4 / tf / 1e3:6.1f} | {tf / tq:5.2f}x {tf / td:5.2f}x")
 
 
 def main() -> None:
@@ -144,14 +158,23 @@ def main() -> None:
                         help="threads, as the cpu backend sets them (default: the cores this process may use)")
     parser.add_argument("--quant", nargs="?", const="q8_0,q4_0,q4_1,q5_0,q5_1,q4_k,q5_k,q6_k,wint8,wint4",
                         help="time the quantized products instead (comma-separated kinds; default all)")
+    parser.add_argument("--rows", default="1,8,64", help="with --quant: activation rows (comma-separated)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by this thread's CPU time, not wall time (with --threads 1 only: the time "
+                             "other jobs on the cores take is then not counted)")
     args = parser.parse_args()
+    if args.cpu_time:
+        if args.threads != 1:
+            parser.error("--cpu-time counts the calling thread only: use it with --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     os.environ["OMP_NUM_THREADS"] = str(args.threads)      # as the cpu backend does, before the first kernel
     paddle.base.core.set_num_threads(args.threads)
     paddle.set_grad_enabled(False)
     if not cpp.available():
         raise SystemExit(f"compiled ops unavailable: {cpp.unavailable_reason()}")
     if args.quant:
-        bench_quant(args.quant.split(","), (1, 8, 64), args.iters, args.threads)
+        bench_quant(args.quant.split(","), tuple(int(m) for m in args.rows.split(",")), args.iters, args.threads)
         return
     print(f"threads={args.threads}")
     for n in (1, 64, 512):

@@ -11,7 +11,10 @@
 // (a k-quant's sub-block) is decoded in registers to 32 small integers q, with
 // w = d * q + m (m = 0 for the signed kinds), and its product with an XBlock is
 // dx * (d * sum(q * qx) + m * sum(qx)). Output rows are split over the OpenMP
-// threads; each decoded weight block serves up to four activation rows.
+// threads. The kinds with blocks of 32 (q8_0, q4_0/1, q5_0/1, wint8/4) in the SIMD
+// builds multiply tiles of two weight rows x up to four activation rows (TileDot,
+// 256-bit, in the AVX-512 build too); the k-quants, and every kind in the portable
+// build, one weight row against up to four activation rows (RowDot).
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
 // Three builds of the same source (quant_kernels.inc, included once per
@@ -29,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace fdx::quant {
