@@ -12,7 +12,10 @@
 The engine picks this runner when ``parallel.tensor_parallel_size`` is
 above 1, and starts its executor (``TensorParallelRunner.launch``) before
 it sizes the KV cache: the engine process loads no weights (only the
-checkpoint's config and tokenizer). Each worker loads the checkpoint
+checkpoint's config and tokenizer) and never imports Paddle: each worker
+sets the backend up (device, threads, kernel probe) and rank 0 reports
+what its setup found (``BackendSetup``), which the engine's backend
+adopts (``adopt_setup``). Each worker loads the checkpoint
 itself and keeps its heads and MLP columns (``DecoderForCausalLM.shard``);
 asked, the workers profile one forward together and report the KV memory
 left (``WorkerProfile`` -> ``WorkerBudget``); told the block count
