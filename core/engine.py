@@ -86,16 +86,20 @@ class EngineCore:
         self.observers = assembly.observers()    # observability.observers (a bad setting fails before the load)
         self.backend = self._select_backend()
         dtype = self._resolve_dtype()
-        self.backend.setup(config)
-        assembly.set_backend(self.backend)       # after setup: a backend may choose its attention by a probe
-        if config.backend.cuda_graph and not getattr(self.backend, "captures_cuda_graphs", False):
-            raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
-                              "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
+        assembly.set_backend(self.backend)
+        # a runner whose model lives in worker processes (tensor parallel): each worker sets the backend
+        # up (device, threads, kernel probe) and this process takes rank 0's findings, so it never
+        # loads Paddle (docs/benchmarks.md)
+        launch = getattr(assembly.classes["runner"], "launch", None)
+        in_workers = launch is not None
+        if not in_workers:
+            self.backend.setup(config)
+            assembly.set_backend(self.backend)   # after setup: a backend may choose its attention by a probe
+        self._check_cuda_graph(in_workers)
 
         from fdx.core.checkpoint.loader import is_default_model, load_metadata
         from fdx.core.checkpoint.model import check_model_class, load_model, weight_format
         from fdx.core.generation import chat_defaults_for
-        launch = getattr(assembly.classes["runner"], "launch", None)    # a runner whose model lives in worker processes
         if launch is not None:
             weight_format(config, plugins, self.backend.kernels)   # a bad model.quantization fails before any worker
             ckpt = load_metadata(config.model.model)
@@ -129,8 +133,14 @@ class EngineCore:
             self.executor = launch(config, self.model)
             held = getattr(self.executor, "weight_bytes", None) or {}
             self.model = replace(self.model, held=tuple(held.items()))
+            adopt = getattr(self.executor, "adopt_setup", None)      # rank 0's kernels, attention, threads
+            if adopt is not None:
+                adopt(self.backend)
+                assembly.set_backend(self.backend)
         else:
-            if launch is not None:      # a model class with no parse_config: its shape from a copy
+            if launch is not None:      # a model class with no parse_config: its shape from a copy, here
+                self.backend.setup(config)
+                assembly.set_backend(self.backend)
                 self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress)
             self.backend.prepare_model(self.model, dtype)
         del ckpt
@@ -212,6 +222,14 @@ class EngineCore:
 
     def _select_backend(self) -> Backend:
         return select_backend(self.config, self.plugins)
+
+    def _check_cuda_graph(self, in_workers: bool) -> None:
+        if self.config.backend.cuda_graph and in_workers:      # the ranks run their own runner
+            raise ConfigError("config key 'backend.cuda_graph': CUDA graphs are not captured under "
+                              "parallel.tensor_parallel_size > 1")
+        if self.config.backend.cuda_graph and not getattr(self.backend, "captures_cuda_graphs", False):
+            raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
+                              "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
     def _resolve_dtype(self) -> str:
         want, have = self.config.model.dtype, self.backend.dtypes

@@ -1086,7 +1086,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def setup(self, config: "FdxConfig") -> None:
         """Select the device and set threads, and probe the kernels it may call
-        (set ``self.kernels``); called once before the model loads."""
+        (set ``self.kernels``); called once before the model loads. Under
+        tensor parallel it runs in each worker only: the engine process
+        never loads Paddle and takes rank 0's kernel table and the plain
+        values setup set on the instance (docs/backends.md)."""
 
     def kernel_choices(self) -> dict[str, str]:
         """What runs for each op, in words, for the start-up log line and

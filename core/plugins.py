@@ -56,7 +56,9 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
 # The built-ins the API process of ``fdx serve`` loads: what it looks up is a
 # request-level scheduler and the chat output parsers (guided backends compile in the engine). None of these imports
 # Paddle, so that process never does (Paddle's signal handlers would replace
-# uvicorn's; docs/serving.md). The rest import Paddle at module level.
+# uvicorn's; docs/serving.md). The other built-ins do not import Paddle at
+# module level either: a tensor parallel engine process loads them all and never
+# loads Paddle (its ranks do; docs/benchmarks.md).
 SERVING_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.schedulers.global_redis",
     "fdx.plugins.parsers.tool_parsers",

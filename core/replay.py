@@ -15,12 +15,21 @@ names), added at the same step numbers, on the same engine (same model and
 KV tensors) after ``engine.reconfigure(**changes)``, from fresh scheduling
 parts as every recording starts; only the scheduling differs. Each step's decision (which requests ran, with how many tokens,
 and which were preempted) is recorded as the scheduler made it.
+
+``replay(engine, trace, exact=True)`` re-makes the recorded decisions
+instead: a ``RecordedPolicy`` in place of the engine's scheduler policy
+hands the scheduling core each step's recorded batch (preempting the
+recorded victims when blocks run out, as v1 does), so the run is the
+recording step for step and greedy tokens equal it. A recording that does
+not fit the engine (another block count or size, a step its blocks cannot
+hold) is refused with an error naming what differs.
 """
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
 
+from fdx.core.interfaces import SchedulerPolicy
 from fdx.core.sampling_params import SamplingParams
 
 
@@ -74,6 +83,7 @@ class Trace:
     arrivals: list[Arrival]
     steps: list[StepDecision]
     requests: dict[str, RequestTrace]  # by name, in arrival order
+    kv: dict[str, int] = field(default_factory=dict)   # the engine's KV blocks: num_blocks, block_size
 
     def summary(self) -> dict:
         """Steps, tokens per step (all computed tokens over all steps of the
@@ -96,15 +106,85 @@ def label_of(engine) -> str:
             f" max_num_seqs={sc.max_num_seqs} budget={engine.resource_manager.max_num_batched_tokens}{admission}")
 
 
-def record(engine, arrivals: list[Arrival], label: str | None = None, max_steps: int = 100_000) -> Trace:
+def kv_shape(engine) -> dict[str, int]:
+    return dict(num_blocks=engine.resource_manager.kv_cache.num_blocks, block_size=engine.config.cache.block_size)
+
+
+class RecordedPolicy(SchedulerPolicy):
+    """Makes the recorded decisions again, one step of ``steps`` per engine
+    step: the recorded victims are preempted when a scheduled request's
+    blocks do not fit (in the recorded order, the rest at the end of the
+    step), then each scheduled request gets its recorded tokens, in batch
+    order (a waiting one admitted with its prefix hit). A decision the
+    engine cannot make raises ``ReplayMismatch``."""
+
+    def __init__(self, steps: list[StepDecision]):
+        super().__init__(None)
+        self.steps = steps
+        self.index = 0
+
+    def schedule(self, core) -> None:
+        if self.index >= len(self.steps):
+            raise ReplayMismatch(f"the recording has {len(self.steps)} steps; the run needs more "
+                                 f"({core.num_running} running, {core.num_waiting} waiting)")
+        d = self.steps[self.index]
+        self.index += 1
+        victims = list(d.preempted)
+        by_id = {r.request_id: r for r in [*core.running, *core.waiting]}
+
+        def running(req) -> bool:
+            return any(r is req for r in core.running)
+
+        def preempt_next() -> bool:
+            while victims:
+                victim = by_id.get(victims.pop(0))
+                if victim is not None and running(victim):
+                    core.preempt(victim)
+                    return True
+            return False
+
+        for name, n in d.scheduled.items():
+            req = by_id.get(name)
+            if req is None:
+                raise ReplayMismatch(f"step {d.step}: the recording schedules {name!r}, which is neither "
+                                     "running nor waiting here")
+            if running(req):
+                while not core.kv_cache.allocate_slots(req, n):
+                    if not preempt_next():
+                        raise ReplayMismatch(f"step {d.step}: {n} tokens of {name!r} do not fit the free "
+                                             f"KV blocks ({core.kv_cache.num_free_blocks})")
+            else:
+                hit, external = core.lookup(req)
+                while not core.admit(req, hit, external, n):
+                    if not preempt_next():
+                        raise ReplayMismatch(f"step {d.step}: admitting {name!r} with {n} tokens does not fit "
+                                             f"the free KV blocks ({core.kv_cache.num_free_blocks})")
+                    hit, external = core.lookup(req)
+            if req.num_computed_tokens + n > req.num_tokens:
+                raise ReplayMismatch(f"step {d.step}: {name!r} has {req.num_tokens - req.num_computed_tokens} "
+                                     f"tokens to compute here, the recording gives it {n}")
+            core.schedule_request(req, n)
+        while preempt_next():
+            pass
+
+
+class ReplayMismatch(RuntimeError):
+    """The recorded decisions cannot be made on this engine."""
+
+
+def record(engine, arrivals: list[Arrival], label: str | None = None, max_steps: int = 100_000,
+           policy: SchedulerPolicy | None = None) -> Trace:
     """Run ``arrivals`` on an idle engine, each added just before its step,
     until every request has ended; the trace of what the scheduler decided.
     The run starts from fresh scheduling parts (``engine.reconfigure()``):
     an empty KV cache manager (no prefix hit left from an earlier run) and
-    a fresh sampler, so two recordings start alike."""
+    a fresh sampler, so two recordings start alike. ``policy``: in place of
+    the engine's scheduler policy for this run (``RecordedPolicy``)."""
     if engine.has_unfinished():
         raise RuntimeError("record needs an idle engine")
     engine.reconfigure()
+    if policy is not None:
+        engine.resource_manager.policy = policy       # these fresh parts only: the next reconfigure drops it
     names = [a.name or f"a{i}" for i, a in enumerate(arrivals)]
     if len(set(names)) != len(names):
         raise ValueError("arrival names must be unique")
@@ -144,13 +224,29 @@ def record(engine, arrivals: list[Arrival], label: str | None = None, max_steps:
     except BaseException:
         for name in live:
             engine.abort(name)
+        if policy is not None:
+            engine.reconfigure()
         raise
-    return Trace(label or label_of(engine), list(arrivals), steps, requests)
+    trace = Trace(label or label_of(engine), list(arrivals), steps, requests, kv_shape(engine))
+    if policy is not None:
+        engine.reconfigure()                          # the engine's own policy again
+    return trace
 
 
-def replay(engine, trace: Trace, label: str | None = None, **changes) -> Trace:
+def replay(engine, trace: Trace, label: str | None = None, exact: bool = False, **changes) -> Trace:
     """``engine.reconfigure(**changes)``, then the trace's arrivals again:
-    the trace of the other configuration (the engine keeps it)."""
+    the trace of the other configuration (the engine keeps it). ``exact``:
+    the recorded decisions instead of the scheduler's (``RecordedPolicy``;
+    no ``changes``), on an engine with the recording's KV blocks."""
+    if exact:
+        if changes:
+            raise ValueError("replay(exact=True) makes the recorded decisions: it takes no config changes")
+        here = kv_shape(engine)
+        for key, value in trace.kv.items():
+            if here.get(key) != value:
+                raise ReplayMismatch(f"the recording ran with {key}={value}, this engine has {here.get(key)}: "
+                                     "its decisions would not fit")
+        return record(engine, trace.arrivals, label or f"replay of {trace.label}", policy=RecordedPolicy(trace.steps))
     if changes:
         engine.reconfigure(**changes)
     return record(engine, trace.arrivals, label)
@@ -165,7 +261,10 @@ def compare(a: Trace, b: Trace) -> dict:
                              if x.scheduled != y.scheduled or x.preempted != y.preempted), None)
     if first_divergence is None and len(a.steps) != len(b.steps):
         first_divergence = min(len(a.steps), len(b.steps))
+    at = (None if first_divergence is None else
+          tuple(t.steps[first_divergence] if first_divergence < len(t.steps) else None for t in (a, b)))
     return dict(
+        divergence=at,            # (a's StepDecision, b's) at first_divergence (None: past a run's end)
         summary={a.label: a.summary(), b.label: b.summary()},
         latency_steps={n: (r.latency_steps, b.requests[n].latency_steps) for n, r in a.requests.items()},
         ttft_steps={n: (r.ttft_steps, b.requests[n].ttft_steps) for n, r in a.requests.items()},

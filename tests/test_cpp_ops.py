@@ -22,7 +22,7 @@ from fdx.ops.attention import build_attention_metadata, write_kv
 from fdx.ops.norm import add_rms_norm, rms_norm
 from fdx.ops.rotary import RotaryEmbedding
 from fdx.plugins.backends.attention import CpuAttention, PaddleAttention
-from fdx.plugins.models.decoder import Llama3RotaryEmbedding
+from fdx.plugins.models.layers import Llama3RotaryEmbedding
 from test_contracts import cpu_kernel_table, host_runs_fused_rms_norm
 
 
@@ -147,7 +147,7 @@ class Pool:
 
 
 def composed(qkv, positions, k_cache, v_cache, meta, h, kvh, d, rope, q_norm, k_norm, eps):
-    """The model's Paddle path (plugins/models/decoder.py), the oracle."""
+    """The model's Paddle path (plugins/models/layers.py), the oracle."""
     n = qkv.shape[0]
     q, k, v = paddle.split(qkv, [h * d, kvh * d, kvh * d], axis=-1)
     q, k, v = q.reshape([n, h, d]), k.reshape([n, kvh, d]), v.reshape([n, kvh, d])

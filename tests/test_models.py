@@ -23,7 +23,7 @@ from fdx.plugins.backends.attention import CpuAttention, PaddleAttention
 # impl "cpp" runs the cpu backend, whose fused rope_write_kv kernel the model calls too.
 REFERENCE_ATTENTION = PaddleAttention()
 from fdx.plugins.models import ernie4_5, llama, qwen2, qwen3
-from fdx.plugins.models.decoder import allocate_kv_caches
+from fdx.plugins.models.layers import allocate_kv_caches
 
 MODULES = {"LlamaForCausalLM": llama, "Qwen2ForCausalLM": qwen2,
            "Qwen3ForCausalLM": qwen3, "Ernie4_5ForCausalLM": ernie4_5}

@@ -182,3 +182,59 @@ def test_reconfigure_under_tensor_parallel_swaps_the_scheduler_side_only(tiny_ch
                             (dict(swap_max_blocks=8), "cache.swap_max_blocks")):
             with pytest.raises(ConfigError, match=re.escape(f"config key '{key}': under tensor parallel")):
                 eng.reconfigure(**change)
+
+
+def test_exact_replay_remakes_the_recorded_decisions(llm, tiny_checkpoints):
+    """A v1 run with chunked prefill and preemption, replayed exactly
+    (``replay(exact=True)``: the recorded decisions through the normal
+    engine) is the same run step for step, with the same greedy tokens,
+    which equal transformers'; another configuration's first differing
+    step is reported; a recording that does not fit the engine is refused."""
+    from test_llm import hf_greedy
+
+    from fdx.core.replay import Arrival, ReplayMismatch, compare, record, replay
+    eng, hf = llm.engine, tiny_checkpoints["Qwen2ForCausalLM"][1]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    arrivals = [Arrival(0, list(range(10 + 7 * i, 46 + 7 * i)), greedy, name=f"r{i}") for i in range(3)]
+    arrivals.append(Arrival(4, [7, 8, 9, 10], greedy, name="late"))
+    rec = record(eng, arrivals)
+    decisions = [(s.scheduled, s.preempted) for s in rec.steps]
+    assert sum(len(p) for _, p in decisions) > 0                          # blocks ran out: preemption
+    assert any(1 < n < 36 for sched, _ in decisions for n in sched.values())   # a prefill chunk
+
+    again = replay(eng, rec, exact=True)
+    assert [(s.scheduled, s.preempted) for s in again.steps] == decisions
+    result = compare(rec, again)
+    assert result["first_divergence"] is None and result["divergence"] is None and result["same_outputs"]
+    for a in arrivals:
+        got = again.requests[a.name].output_token_ids
+        assert got == rec.requests[a.name].output_token_ids
+        assert got == hf_greedy(hf, a.prompt_token_ids, 20, follow=got), a.name
+
+    assert compare(rec, replay(eng, rec))["first_divergence"] is None     # v1 re-makes its own decisions
+    other = replay(eng, rec, max_num_seqs=1)
+    result = compare(rec, other)
+    first = result["first_divergence"]
+    assert first == next(i for i, (a, b) in enumerate(zip(rec.steps, other.steps))
+                         if (a.scheduled, a.preempted) != (b.scheduled, b.preempted))
+    mine, theirs = result["divergence"]
+    assert mine is rec.steps[first] and theirs is other.steps[first] and mine.scheduled != theirs.scheduled
+    eng.reconfigure(max_num_seqs=3)
+    forced = replay(eng, other, exact=True)        # the one-at-a-time schedule, fed to a max_num_seqs=3 engine
+    assert [(s.scheduled, s.preempted) for s in forced.steps] == [(s.scheduled, s.preempted) for s in other.steps]
+    assert compare(rec, forced)["first_divergence"] == first
+    assert all(forced.requests[n].output_token_ids == r.output_token_ids for n, r in rec.requests.items())
+
+    eng.reconfigure(num_kv_blocks=30)
+    with pytest.raises(ReplayMismatch, match="num_blocks=40, this engine has 30"):
+        replay(eng, rec, exact=True)
+    eng.reconfigure(num_kv_blocks=40)
+    tampered = record(eng, arrivals)
+    step = next(s for s in tampered.steps if s.scheduled)
+    name = next(iter(step.scheduled))
+    step.scheduled[name] += 1000
+    with pytest.raises(ReplayMismatch, match=f"step {step.step}: .*{name!r}"):
+        replay(eng, tampered, exact=True)
+    assert not eng.has_unfinished()                                       # the failed replay left nothing
+    with pytest.raises(ValueError, match="no config changes"):
+        replay(eng, rec, exact=True, policy="fcfs")

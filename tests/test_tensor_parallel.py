@@ -305,3 +305,69 @@ def test_tp2_engine_process_holds_no_weights(wide_checkpoint):
     assert tp2_bytes < 2**20, tp2_bytes
     assert tp2_rss < tp1_rss / 2, (tp2_rss, tp1_rss)       # the process, not only the model object
     assert [o.outputs[0].token_ids for o in ref2] == [o.outputs[0].token_ids for o in ref1]
+
+
+# The engine process of a TP run, in a fresh interpreter: an import hook keeps the stack of the
+# first `import paddle`, so a failure names the module that brought Paddle in.
+NO_PADDLE_SCRIPT = r"""
+import builtins, json, sys, traceback
+first = []
+real_import = builtins.__import__
+def watch(name, *args, **kwargs):
+    if not first and name.split(".")[0] == "paddle" and "paddle" not in sys.modules:
+        first.append("".join(traceback.format_stack(limit=12)[:-1]))
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = watch
+from fdx import LLM, SamplingParams
+prompts = json.loads(sys.argv[2])
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+with LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=128, num_kv_blocks=48, block_size=8,
+         progress=False) as llm:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    kernels = llm.engine.backend.kernels.source
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "paddle": "paddle" in sys.modules,
+                  "first_import": first[0] if first else None, "kernels": kernels}))
+"""
+
+
+@pytest.mark.slow
+def test_tp2_engine_process_never_imports_paddle(tiny_checkpoints):
+    """At TP > 1 the engine process (scheduling, output processing, the
+    plugin manager, the backend's choice) runs without Paddle: the ranks
+    set the backend up, load, probe and sample. Greedy outputs equal TP 1's."""
+    import json
+    import subprocess
+    import sys
+    path, _ = tiny_checkpoints["LlamaForCausalLM"]
+    ps = prompts()
+    with LLM(str(path), **TINY) as one:
+        tp1 = [o.outputs[0].token_ids for o in one.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    run = subprocess.run([sys.executable, "-c", NO_PADDLE_SCRIPT, str(path), json.dumps(ps)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not got["paddle"], f"the TP engine process imported Paddle:\n{got['first_import']}"
+    assert got["kernels"] != "none"            # rank 0's probed table, adopted
+    assert got["tokens"] == tp1
+
+
+def test_weight_formats_wint_kinds_are_the_ops_ones():
+    """plugins/models/weight_formats.py names the wint kinds itself (importing
+    fdx.ops.quant would load Paddle in a TP engine process)."""
+    from fdx.ops import quant
+    from fdx.plugins.models import weight_formats
+    assert weight_formats.WINT_KINDS == quant.WINT_KINDS
+
+
+def test_no_builtin_plugin_imports_paddle_at_module_level():
+    """The plugin manager of a TP engine process loads every built-in (and
+    the backend's availability checks run): none of that may import Paddle."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom fdx.core.plugins import PluginManager\nfrom fdx.core.config import FdxConfig\n"
+            "from fdx.core.engine import select_backend\npm = PluginManager(load_entry_points=False)\n"
+            "assert not pm.errors, pm.errors\nb = select_backend(FdxConfig.build(), pm)\n"
+            "print(b.name, sorted(m for m in sys.modules if m.split('.')[0] == 'paddle')[:5])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["cpu", "[]"], run.stdout

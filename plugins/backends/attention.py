@@ -13,13 +13,20 @@
 """
 from __future__ import annotations
 
-import paddle
+import functools
 
 from fdx.core import kernels
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import AttentionBackend, KVCacheSpec
-from fdx.ops import attention as ops_attention
-from fdx.ops import cpp
+
+
+@functools.cache
+def _ops():
+    """fdx.ops.attention, imported on first use: it imports Paddle, which a
+    tensor parallel engine process (it reads only these classes' names and
+    ``layout``) never loads."""
+    from fdx.ops import attention
+    return attention
 
 
 class PaddleAttention(AttentionBackend):
@@ -27,15 +34,15 @@ class PaddleAttention(AttentionBackend):
     impl = "paddle"
 
     def build_metadata(self, query_lens, context_lens, block_tables, spec: KVCacheSpec, num_heads: int):
-        return ops_attention.build_attention_metadata(
+        return _ops().build_attention_metadata(
             query_lens, context_lens, block_tables, spec.block_size, spec.num_kv_heads, spec.num_slots,
             impl=self.impl, num_heads=num_heads)
 
     def write_kv(self, k_cache, v_cache, k, v, metadata) -> None:
-        ops_attention.write_kv(k_cache, v_cache, k, v, metadata)
+        _ops().write_kv(k_cache, v_cache, k, v, metadata)
 
     def forward(self, q, k_cache, v_cache, metadata, scale: float):
-        return ops_attention.paged_attention(q, k_cache, v_cache, metadata, scale)
+        return _ops().paged_attention(q, k_cache, v_cache, metadata, scale)
 
 
 class CpuAttention(PaddleAttention):
@@ -44,13 +51,15 @@ class CpuAttention(PaddleAttention):
     @property
     def impl(self) -> str:
         """'cpp' where the installed kernel table passed the compiled attention."""
-        return ops_attention.default_impl()
+        return _ops().default_impl()
 
     def rope_write_kv(self, qkv, positions, k_cache, v_cache, metadata, *, num_heads, num_kv_heads, head_dim, rope,
                       q_norm=None, k_norm=None, eps=1e-6):
         """The compiled fused kernel (fdx.ops.cpp.rope_write_kv) on float32
         tensors where the kernel table passed it; None (the model composes
         the ops) without it."""
+        import paddle
+        from fdx.ops import cpp
         if not kernels.active().usable("cpp.rope_write_kv") or not cpp.loaded() or qkv.dtype != paddle.float32:
             return None
         return cpp.rope_write_kv(qkv, positions, metadata.slot_mapping, k_cache, v_cache,

@@ -38,18 +38,29 @@ from Paddle's documentation and unit test (tests/fake_paddle_kernels.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import paddle
 
 from fdx.core import kernels
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import AttentionBackend, KVCacheSpec
-from fdx.ops import attention as ops_attention
+
+if TYPE_CHECKING:
+    import paddle
+    from fdx.ops import attention as ops_attention
+
+
+@functools.cache
+def _ops():
+    """fdx.ops.attention, imported on first use: Paddle loads only where
+    attention runs (never in a tensor parallel engine process)."""
+    from fdx.ops import attention
+    return attention
 
 
 @dataclass
@@ -103,6 +114,7 @@ def kernel_batch(query_lens: np.ndarray, context_lens: np.ndarray, tables: list[
         bt[i, :len(t)] = t
     enc = np.where(c == 0, q, 0)
     dec = np.where(c == 0, 0, c)
+    import paddle
 
     def i32(a):
         return paddle.to_tensor(np.ascontiguousarray(a, dtype=np.int32))
@@ -146,6 +158,8 @@ class PaddleBlockAttention(AttentionBackend):
         self.kernel_state = "untried"            # "works", or why it failed
 
     def build_metadata(self, query_lens, context_lens, block_tables, spec: KVCacheSpec, num_heads: int):
+        import paddle
+        ops_attention = _ops()
         if spec.layout != self.layout:
             raise ValueError(f"paddle-block attention needs the block_major KV layout, not {spec.layout!r}")
         q = np.asarray(query_lens, dtype=np.int64)
@@ -177,6 +191,8 @@ class PaddleBlockAttention(AttentionBackend):
                                       reference_rows, out_perm, kernel_args=kernel_args)
 
     def write_kv(self, k_cache, v_cache, k, v, metadata: BlockAttentionMetadata) -> None:
+        import paddle
+        ops_attention = _ops()
         m = metadata
         if m.kernel is not None:            # the kernel writes its sequences' K/V itself, in forward
             m.pending = (k, v) if m.kernel_rows is None else (paddle.gather(k, m.kernel_rows),
@@ -191,6 +207,8 @@ class PaddleBlockAttention(AttentionBackend):
                                    kr, vr, m.reference)
 
     def forward(self, q, k_cache, v_cache, metadata: BlockAttentionMetadata, scale: float):
+        import paddle
+        ops_attention = _ops()
         m = metadata
         n, heads, d = q.shape
         outs = []
@@ -226,6 +244,7 @@ class PaddleBlockAttention(AttentionBackend):
     def _give_up(self, error: Exception, m: BlockAttentionMetadata, k_cache, v_cache, k, v) -> None:
         """The kernel's first call failed: the reference from now on (this step's
         kernel sequences too, from this layer on)."""
+        ops_attention = _ops()
         self.kernel_state = f"{type(error).__name__}: {error}".splitlines()[0][:200]
         logging.getLogger("fdx.backends.gpu").warning(
             "paddle-block: block_multihead_attention failed on its first call (%s): the ops/ reference "

@@ -117,6 +117,8 @@ class CpuBackend(Backend):
         paddle.base.core.set_num_threads(threads)
         self.num_threads = threads
         self.kernels = probe_kernels(threads)
+        from fdx.ops import cpp
+        self.build_status = cpp.status()        # what the compiled-kernel build did
         line = self.kernel_line()
         if line not in _logged:                 # once per process (tests and TP ranks build many engines)
             _logged.add(line)
@@ -126,9 +128,9 @@ class CpuBackend(Backend):
         return op_choices(self.kernels)
 
     def kernel_summary(self) -> str:
-        """What the compiled-kernel build did, then the kernel line."""
-        from fdx.ops import cpp
-        return "; ".join(filter(None, [cpp.status(), self.kernel_line()]))
+        """What the compiled-kernel build did, then the kernel line (under
+        tensor parallel, rank 0's: the engine process builds and probes nothing)."""
+        return "; ".join(filter(None, [getattr(self, "build_status", None), self.kernel_line()]))
 
     def kernel_line(self) -> str:
         t = self.kernels

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import Backend
-from fdx.plugins.backends.gpu import cast_model, log_once, model_dtype, probe_kernels
+from fdx.plugins.backends.gpu import cast_model, log_once, model_dtype, paddle_build_lacks_cuda, probe_kernels
 
 KERNELS = ("fused_rms_norm", "fused_rotary_position_embedding",
            "variable_length_memory_efficient_attention", "block_multihead_attention")
@@ -46,6 +46,8 @@ class CudaBackend(Backend):
 
     @classmethod
     def is_available(cls) -> bool:
+        if paddle_build_lacks_cuda():          # known without loading Paddle
+            return False
         try:
             import paddle
             return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0

@@ -31,10 +31,9 @@ tensor parallel off.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import paddle
 
 from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
@@ -42,12 +41,16 @@ from fdx.core.interfaces import AttentionContext
 from fdx.plugins.backends.block_attention import BlockAttentionMetadata, KernelBatch, PaddleBlockAttention
 from fdx.plugins.backends.runner import DefaultModelRunner
 
+if TYPE_CHECKING:
+    import paddle
+
 KEY = "config key 'backend.cuda_graph'"
 
 
 def check_config(config, backend) -> None:
     """Called by the GPU backends' setup: make ``backend`` capture graphs, or
     raise a ConfigError saying why it cannot."""
+    import paddle
     if not config.backend.cuda_graph:
         return
     if backend.name != "cuda":
@@ -144,6 +147,7 @@ class CudaGraphRunner(DefaultModelRunner):
         return logits[:n].clone()
 
     def _buffers(self, size: int) -> Graph:
+        import paddle
         meta = padded_decode_batch([1], [[0]], size, self.width, self.max_dec_len)
         cpu = paddle.CPUPlace()
         kernel = KernelBatch(
@@ -159,6 +163,7 @@ class CudaGraphRunner(DefaultModelRunner):
         """The model on the static buffers. The rotary tables memoize by the
         positions tensor's identity, which stays the same here: forget them,
         so every run (and the capture) computes them from the buffer."""
+        import paddle
         for layer in getattr(self.model, "layers", ()):
             rope = getattr(getattr(layer, "attn", None), "rope", None)
             if rope is not None and hasattr(rope, "_memo_positions"):
@@ -183,6 +188,7 @@ class CudaGraphRunner(DefaultModelRunner):
 
 def _copy(dst: paddle.Tensor, value: np.ndarray) -> None:
     """Write ``value`` into ``dst``'s memory (a captured graph reads that address)."""
+    import paddle
     paddle.assign(paddle.to_tensor(value, dtype=dst.dtype), output=dst)
 
 

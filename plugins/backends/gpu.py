@@ -20,8 +20,13 @@ Which kernels are wired in today (see docs/backends.md):
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import re
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 from fdx.core import kernels
@@ -30,6 +35,43 @@ from fdx.core.kernels import KernelTable
 log = logging.getLogger("fdx.backends.gpu")
 
 _logged: set[tuple[str, str]] = set()
+
+
+# --- availability without loading Paddle ---------------------------------------------
+# A tensor parallel engine process picks its backend (backend.name auto) but never loads Paddle
+# (docs/benchmarks.md): where Paddle is not loaded yet and its installed build says "no", the
+# GPU backends answer so without importing it. Loaded (TP 1, the device doubles of the tests),
+# Paddle itself is asked.
+
+def _paddle_dir() -> Path | None:
+    spec = importlib.util.find_spec("paddle") if "paddle" not in sys.modules else None
+    locations = getattr(spec, "submodule_search_locations", None) if spec is not None else None
+    return Path(list(locations)[0]) if locations else None
+
+
+def paddle_build_lacks_cuda() -> bool:
+    """True when Paddle is not loaded and its build (``paddle/version``,
+    read as text) was compiled without CUDA."""
+    where = _paddle_dir()
+    if where is None:
+        return False
+    try:
+        text = (where / "version" / "__init__.py").read_text()
+    except OSError:
+        return False
+    m = re.search(r"^cuda_version\s*=\s*'([^']*)'", text, re.M)
+    return m is not None and m.group(1) in ("False", "")
+
+
+def paddle_lacks_custom_devices() -> bool:
+    """True when Paddle is not loaded and has no custom device plugin to
+    load: ``CUSTOM_DEVICE_ROOT`` unset or empty and no ``paddle_custom_device``
+    folder beside it (where Paddle looks, paddle/base/core.py)."""
+    where = _paddle_dir()
+    if where is None or os.environ.get("CUSTOM_DEVICE_ROOT"):
+        return False
+    plugins = where.parent / "paddle_custom_device"
+    return not (plugins.is_dir() and any(plugins.glob("*.so")))
 
 
 @kernels.implements("variable_length_memory_efficient_attention")

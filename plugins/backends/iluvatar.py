@@ -17,7 +17,7 @@ from __future__ import annotations
 from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import Backend
-from fdx.plugins.backends.gpu import cast_model, probe_kernels
+from fdx.plugins.backends.gpu import cast_model, paddle_lacks_custom_devices, probe_kernels
 
 DEVICE = "iluvatar_gpu"
 KERNELS = ("fused_rms_norm", "fused_rotary_position_embedding")
@@ -33,6 +33,8 @@ class IluvatarBackend(Backend):
 
     @classmethod
     def is_available(cls) -> bool:
+        if paddle_lacks_custom_devices():      # known without loading Paddle
+            return False
         try:
             import paddle
             return DEVICE in paddle.device.get_all_custom_device_type()

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import paddle
 
 from fdx.core import kernels
 from fdx.core.guided import apply_guided
@@ -185,6 +184,7 @@ class DefaultModelRunner(ModelRunner):
         meta = ctx.attention.build_metadata(query_lens, context_lens, tables, self.spec,
                                             getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
         attn = AttentionContext(ctx.attention, meta)
+        import paddle                      # here, not at import: a tensor parallel engine process never loads it
         with paddle.no_grad():
             return self.model.forward(paddle.to_tensor(np.asarray(input_ids, dtype=np.int64)), attn.positions,
                                       ctx.kv_caches, attn, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
@@ -238,8 +238,9 @@ class DefaultModelRunner(ModelRunner):
         return self.taps
 
 
-def _host_float32(logits: paddle.Tensor) -> np.ndarray:
+def _host_float32(logits) -> np.ndarray:
     """The logits as a float32 numpy array (cast first when the model's dtype is not float32)."""
+    import paddle
     return (logits if logits.dtype == paddle.float32 else logits.astype("float32")).numpy()
 
 

@@ -12,7 +12,10 @@
 The engine picks this runner when ``parallel.tensor_parallel_size`` is
 above 1, and starts its executor (``TensorParallelRunner.launch``) before
 it sizes the KV cache: the engine process loads no weights (only the
-checkpoint's config and tokenizer). Each worker loads the checkpoint
+checkpoint's config and tokenizer) and never imports Paddle: each worker
+sets the backend up (device, threads, kernel probe) and rank 0 reports
+what its setup found (``BackendSetup``), which the engine's backend
+adopts (``adopt_setup``). Each worker loads the checkpoint
 itself and keeps its heads and MLP columns (``DecoderForCausalLM.shard``);
 asked, the workers profile one forward together and report the KV memory
 left (``WorkerProfile`` -> ``WorkerBudget``); told the block count
@@ -83,9 +86,21 @@ class WorkerAllocate(msgspec.Struct, tag="allocate"):
     num_blocks: int
 
 
+class BackendSetup(msgspec.Struct):
+    """A rank's backend after its ``setup``, for the engine process, which
+    sets none up (it never loads Paddle): the probed kernel table and the
+    plain values setup chose (attention backend, threads, build status)."""
+    findings: dict[str, str | None]
+    source: str
+    seconds: float
+    location: str
+    attrs: dict[str, str | int | float | bool | None] = {}
+
+
 class WorkerLoaded(msgspec.Struct, tag="loaded"):
     rank: int
     weight_bytes: dict[str, int] = {}   # kind -> bytes of this rank's shard (the model's weight_bytes())
+    setup: BackendSetup | None = None   # rank 0's
 
 
 class WorkerBudget(msgspec.Struct, tag="budget"):
@@ -193,6 +208,20 @@ class TensorParallelExecutor:
         for msg in loaded.values():
             for kind, n in msg.weight_bytes.items():
                 self.weight_bytes[kind] = self.weight_bytes.get(kind, 0) + n
+        self.setup = loaded[0].setup
+
+    def adopt_setup(self, backend) -> None:
+        """Give the engine's ``backend`` (never set up in its process) rank
+        0's kernel table and the values its setup chose, so what the engine
+        reports (the kernel line, the attention backend) is what the ranks run."""
+        from fdx.core.kernels import KernelTable
+        if self.setup is None:
+            return
+        s = self.setup
+        for name, value in s.attrs.items():
+            setattr(backend, name, value)
+        backend.kernels = KernelTable(findings=dict(s.findings), source=s.source, seconds=s.seconds,
+                                      location=s.location)
 
     def _gather(self, kind, doing: str, deadline: float | None) -> dict:
         """One ``kind`` message from every rank: {rank: message}."""
@@ -437,6 +466,15 @@ class Worker:
         return spec
 
 
+def backend_setup(backend) -> BackendSetup:
+    """What ``backend.setup`` found and chose here: its kernel table and the
+    plain values among its instance attributes (its settings aside)."""
+    t = backend.kernels
+    attrs = {k: v for k, v in vars(backend).items()
+             if k not in ("settings", "kernels") and (v is None or isinstance(v, (str, int, float, bool)))}
+    return BackendSetup(dict(t.findings), t.source, t.seconds, t.location, attrs)
+
+
 def worker_main(argv: list[str] | None = None) -> int:
     """One rank: ``python -m fdx.plugins.backends.tp --rank R --world N ...``
     (the config arrives over stdin as JSON; PADDLE_* variables name the ranks)."""
@@ -465,7 +503,8 @@ def worker_main(argv: list[str] | None = None) -> int:
         config = FdxConfig.model_validate(payload["config"])
         worker = Worker(config, args.rank, args.world, args.threads)
         from fdx.core.checkpoint.model import held_weight_bytes
-        results.send(_encoder.encode(WorkerLoaded(args.rank, held_weight_bytes(worker.model))))
+        results.send(_encoder.encode(WorkerLoaded(args.rank, held_weight_bytes(worker.model),
+                                                  backend_setup(worker.backend) if args.rank == 0 else None)))
         while True:
             while not steps.poll(500):
                 if os.getppid() != args.parent_pid:

@@ -24,13 +24,17 @@ hands the device sampler numpy then.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import paddle
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import Sampler as SamplerContract
 from fdx.core.interfaces import SamplerOutput, SamplingBatch, TokenLogprobs
 from fdx.plugins.decoding.sampler import draw_uniforms
+
+if TYPE_CHECKING:
+    import paddle
 
 
 class DeviceSampler(SamplerContract):
@@ -43,6 +47,7 @@ class DeviceSampler(SamplerContract):
         self.rng = np.random.default_rng(seed)
 
     def sample(self, logits, batch: SamplingBatch, raw_logits=None) -> SamplerOutput:
+        import paddle
         x = _tensor(logits)
         raw = x if raw_logits is None or raw_logits is logits else _tensor(raw_logits)
         if len(x.shape) != 2 or x.shape[0] != len(batch):
@@ -62,6 +67,7 @@ class DeviceSampler(SamplerContract):
 
     def probs(self, logits, batch: SamplingBatch) -> np.ndarray:
         """The distributions ``sample`` draws from, [B, V] float64 (greedy: one-hot)."""
+        import paddle
         x = _tensor(logits)
         out = np.zeros(x.shape, dtype=np.float64)
         greedy = np.array([p.greedy for p in batch.params], dtype=bool)
@@ -74,6 +80,7 @@ class DeviceSampler(SamplerContract):
         return out
 
     def _draw(self, x, batch: SamplingBatch, greedy: np.ndarray):
+        import paddle
         rows = np.flatnonzero(~greedy)
         idx = paddle.to_tensor(rows)
         q = _filtered(paddle.gather(x, idx), [batch.params[i] for i in rows])
@@ -90,6 +97,7 @@ class DeviceSampler(SamplerContract):
 
 
 def _tensor(logits) -> paddle.Tensor:
+    import paddle
     t = logits if isinstance(logits, paddle.Tensor) else paddle.to_tensor(np.asarray(logits))
     return t if t.dtype == paddle.float32 else t.astype("float32")
 
@@ -97,6 +105,7 @@ def _tensor(logits) -> paddle.Tensor:
 def _filtered(x: paddle.Tensor, params) -> paddle.Tensor:
     """Temperature, top-k, top-p, min-p: unnormalized probabilities [n, V]
     (max 1 per row, 0 where dropped)."""
+    import paddle
     n, vocab = x.shape
     t = paddle.to_tensor(np.array([[p.temperature] for p in params], dtype=np.float32))
     x = x / t
@@ -121,6 +130,7 @@ def _filtered(x: paddle.Tensor, params) -> paddle.Tensor:
 
 def _inverse_cdf(q: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:
     """One index per row, with probability proportional to q, from u in [0, 1)."""
+    import paddle
     cum = paddle.cumsum(q, axis=1)
     target = u[:, None] * cum[:, -1:]
     drawn = (cum <= target).astype("int64").sum(axis=1)              # the first index whose cum exceeds it
@@ -131,6 +141,7 @@ def _inverse_cdf(q: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:
 
 
 def _logprobs(raw: paddle.Tensor, ids: paddle.Tensor, rows: list[int], top_n: list[int]) -> list[TokenLogprobs]:
+    import paddle
     idx = paddle.to_tensor(np.asarray(rows, dtype=np.int64))
     x = paddle.gather(raw, idx)
     lp = paddle.nn.functional.log_softmax(x, axis=1)

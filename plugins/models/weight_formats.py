@@ -26,24 +26,35 @@ on that rank (logged), so tensor parallel runs on every file.
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import paddle
 
 from fdx.core.checkpoint.loader import GGUFBlocks
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import LinearWeight, RowStack, WeightFormat
 from fdx.core.kernels import REFERENCE, KernelTable
-from fdx.ops import quant
-from fdx.ops.quant import QuantizedTensor
+
+if TYPE_CHECKING:
+    from paddle import Tensor
+
+    from fdx.ops.quant import QuantizedTensor
 
 log = logging.getLogger("fdx.models.weights")
 
-Tensor = paddle.Tensor
 GGML_KINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 QUANTIZABLE = ("q8_0", "q4_0", "q4_1")       # kinds the gguf package can quantize to (on load)
+WINT_KINDS = ("wint8", "wint4")              # fdx.ops.quant.WINT_KINDS (not imported here: see _quant)
+
+
+@functools.cache
+def _quant():
+    """fdx.ops.quant, imported on first use: it loads Paddle, which a tensor
+    parallel engine process (it only names and validates the format) never does."""
+    from fdx.ops import quant
+    return quant
 
 
 # --- weights ---------------------------------------------------------------------------
@@ -60,6 +71,7 @@ class DenseWeight(LinearWeight):
 
     @classmethod
     def from_numpy(cls, w: np.ndarray) -> "DenseWeight":
+        import paddle
         return cls(paddle.to_tensor(np.ascontiguousarray(np.asarray(w, dtype=np.float32).T)))
 
     @property
@@ -71,12 +83,15 @@ class DenseWeight(LinearWeight):
         return int(self.t.numel()) * self.t.element_size()
 
     def matmul(self, x: Tensor) -> Tensor:
+        import paddle
         return paddle.matmul(x, self.t)
 
     def take_rows(self, index) -> "DenseWeight":
+        import paddle
         return DenseWeight(paddle.to_tensor(np.ascontiguousarray(np.take(self.t.numpy(), index, axis=1))))
 
     def take_cols(self, start: int, stop: int) -> "DenseWeight":
+        import paddle
         return DenseWeight(paddle.to_tensor(np.ascontiguousarray(self.t.numpy()[start:stop])))
 
     def dequantize(self) -> np.ndarray:
@@ -96,18 +111,23 @@ class DenseTable(DenseWeight):
 
     @classmethod
     def from_numpy(cls, w: np.ndarray) -> "DenseTable":
+        import paddle
         return cls(paddle.to_tensor(np.ascontiguousarray(w, dtype=np.float32)))
 
     def matmul(self, x: Tensor) -> Tensor:
+        import paddle
         return paddle.matmul(x, self.t, transpose_y=True)
 
     def embedding(self, ids: Tensor) -> Tensor:
+        import paddle
         return paddle.gather(self.t, ids)
 
     def take_rows(self, index) -> "DenseTable":
+        import paddle
         return DenseTable(paddle.to_tensor(np.ascontiguousarray(self.t.numpy()[np.asarray(index)])))
 
     def take_cols(self, start: int, stop: int) -> "DenseTable":
+        import paddle
         return DenseTable(paddle.to_tensor(np.ascontiguousarray(self.t.numpy()[:, start:stop])))
 
     def dequantize(self) -> np.ndarray:
@@ -121,20 +141,20 @@ def take_cols(q: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
     """Columns ``[start, stop)`` of a quantized weight, on whole blocks
     (groups for wint4) only: a slice of each row's bytes and scales."""
     if q.kind == "wint8":
-        return QuantizedTensor("wint8", (q.shape[0], stop - start),
-                               np.ascontiguousarray(q.data[:, start:stop]), q.scales, 0)
+        return _quant().QuantizedTensor("wint8", (q.shape[0], stop - start),
+                                        np.ascontiguousarray(q.data[:, start:stop]), q.scales, 0)
     if q.kind == "wint4":
         g = q.group_size
         if start % g or stop % g:
             raise ValueError(f"wint4 groups of {g} columns would be cut")
-        return QuantizedTensor("wint4", (q.shape[0], stop - start),
-                               np.ascontiguousarray(q.data[:, start // 2:stop // 2]),
-                               np.ascontiguousarray(q.scales[:, start // g:stop // g]), g)
-    block, size = quant.block_shape(q.kind)
+        return _quant().QuantizedTensor("wint4", (q.shape[0], stop - start),
+                                        np.ascontiguousarray(q.data[:, start // 2:stop // 2]),
+                                        np.ascontiguousarray(q.scales[:, start // g:stop // g]), g)
+    block, size = _quant().block_shape(q.kind)
     if start % block or stop % block:
         raise ValueError(f"{q.kind} blocks of {block} columns would be cut")
-    return QuantizedTensor(q.kind, (q.shape[0], stop - start),
-                           np.ascontiguousarray(q.data[:, start // block * size:stop // block * size]))
+    return _quant().QuantizedTensor(q.kind, (q.shape[0], stop - start),
+                                    np.ascontiguousarray(q.data[:, start // block * size:stop // block * size]))
 
 
 class BlockWeight(LinearWeight):
@@ -149,12 +169,13 @@ class BlockWeight(LinearWeight):
         return self.q.nbytes
 
     def matmul(self, x: Tensor) -> Tensor:
+        import paddle
         if x.dtype == paddle.float32:
-            return quant.matmul(x, self.q)
-        return quant.matmul(x.astype("float32"), self.q).astype(x.dtype)
+            return _quant().matmul(x, self.q)
+        return _quant().matmul(x.astype("float32"), self.q).astype(x.dtype)
 
     def embedding(self, ids: Tensor) -> Tensor:
-        return quant.embedding(ids.numpy(), self.q)
+        return _quant().embedding(ids.numpy(), self.q)
 
     def take_rows(self, index) -> "BlockWeight":
         return BlockWeight(self.q.take_rows(np.asarray(index)))
@@ -170,8 +191,8 @@ class BlockWeight(LinearWeight):
         """Same-kind weights stacked along rows: their bytes (and scales) concatenated."""
         qs = [p.q for p in parts]
         scales = None if qs[0].scales is None else np.concatenate([q.scales for q in qs])
-        return BlockWeight(QuantizedTensor(qs[0].kind, (sum(q.shape[0] for q in qs), qs[0].shape[1]),
-                                           np.concatenate([q.data for q in qs]), scales, qs[0].group_size))
+        return BlockWeight(_quant().QuantizedTensor(qs[0].kind, (sum(q.shape[0] for q in qs), qs[0].shape[1]),
+                                                    np.concatenate([q.data for q in qs]), scales, qs[0].group_size))
 
 
 def weight_bytes(weights) -> dict[str, int]:
@@ -193,8 +214,8 @@ def weight_bytes(weights) -> dict[str, int]:
 def _quantized(tensor: Any) -> QuantizedTensor | None:
     """A file's block tensor as fdx.ops.quant's type (the same bytes), else None."""
     if isinstance(tensor, GGUFBlocks):
-        return QuantizedTensor(tensor.kind, tuple(tensor.shape), tensor.data)
-    return tensor if isinstance(tensor, QuantizedTensor) else None
+        return _quant().QuantizedTensor(tensor.kind, tuple(tensor.shape), tensor.data)
+    return tensor if isinstance(tensor, _quant().QuantizedTensor) else None
 
 
 def _float(tensor: Any) -> np.ndarray:
@@ -214,13 +235,14 @@ class _Format(WeightFormat):
         """A file's block tensor kept in its type."""
         q = _quantized(tensor)
         try:
-            quant.ggml_type(q.kind)
+            _quant().ggml_type(q.kind)
         except ValueError:
             raise ValueError(f"config key 'model.quantization': weight {name!r} is in {q.kind}, "
                              "which fdx has no loader for") from None
         return BlockWeight(q)
 
     def fuse(self, parts: Sequence[LinearWeight]) -> LinearWeight:
+        import paddle
         if len(parts) == 1:
             return parts[0]
         if all(type(p) is DenseWeight for p in parts):
@@ -231,6 +253,7 @@ class _Format(WeightFormat):
         return RowStack(parts)                # mixed kinds: each part multiplies on its own
 
     def tied_head(self, embedding: LinearWeight) -> LinearWeight:
+        import paddle
         if isinstance(embedding, DenseTable):   # the fast layout: a pre-transposed copy (DESIGN.md)
             return DenseWeight(paddle.to_tensor(np.ascontiguousarray(embedding.t.numpy().T)))
         return embedding
@@ -271,7 +294,7 @@ class AutoFormat(_Format):
         self._logged: set[str] = set()
 
     def has_kernel(self, kind: str) -> bool:
-        return any(self.kernels.usable(n) for n, _ in quant.KERNELS.get(kind, ()))
+        return any(self.kernels.usable(n) for n, _ in _quant().KERNELS.get(kind, ()))
 
     def load(self, name: str, tensor: Any, role: str) -> LinearWeight:
         if _quantized(tensor) is None:
@@ -314,13 +337,13 @@ class GgmlFormat(_Format):
                 f"cannot quantize to {kind} on load (the gguf package has no {kind} quantizer); use a file "
                 f"already in {kind}, auto, or one of {', '.join(QUANTIZABLE)}, wint8, wint4")
         w = _float(tensor)
-        block, _ = quant.block_shape(kind)
+        block, _ = _quant().block_shape(kind)
         if w.shape[1] % block:
             raise ValueError(f"config key 'model.quantization': {kind}: weight {name!r} has {w.shape[1]} "
                              f"columns, not a whole number of {block}-element blocks")
         from gguf.quants import quantize
-        data = quantize(w, quant.ggml_type(kind))
-        return BlockWeight(QuantizedTensor(kind, tuple(w.shape), np.ascontiguousarray(data)))
+        data = quantize(w, _quant().ggml_type(kind))
+        return BlockWeight(_quant().QuantizedTensor(kind, tuple(w.shape), np.ascontiguousarray(data)))
 
 
 class WintFormat(_Format):
@@ -338,14 +361,14 @@ class WintFormat(_Format):
             return self.dense(name, tensor, role)
         w = _float(tensor)
         if self.name == "wint8":
-            return BlockWeight(quant.quantize_wint8(w))
+            return BlockWeight(_quant().quantize_wint8(w))
         g = self.group_size
         while w.shape[1] % g and g > 2:
             g //= 2
         if w.shape[1] % g:
             raise ValueError(f"config key 'model.quantization': wint4: weight {name!r} has {w.shape[1]} "
                              "columns, an odd number")
-        return BlockWeight(quant.quantize_wint4(w, g))
+        return BlockWeight(_quant().quantize_wint4(w, g))
 
 
 def _named(cls: type, name: str) -> type:
@@ -354,7 +377,7 @@ def _named(cls: type, name: str) -> type:
 
 FORMATS: dict[str, type] = {"none": NoQuantization, "auto": AutoFormat,
                             **{k: _named(GgmlFormat, k) for k in GGML_KINDS},
-                            **{k: _named(WintFormat, k) for k in quant.WINT_KINDS}}
+                            **{k: _named(WintFormat, k) for k in WINT_KINDS}}
 
 
 @hookimpl

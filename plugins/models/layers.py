@@ -1,0 +1,232 @@
+"""The decoder's compute blocks (fdx.plugins.models.decoder builds a model
+of them): the rotary tables, the weights' reader, attention, the MLP and
+the pre-norm layer. Imported when a model is built, never by the plugin
+manager: it loads Paddle and fdx.ops."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+import paddle
+
+from fdx.core.interfaces import AttentionContext, LinearWeight, WeightFormat
+from fdx.ops.activation import silu_and_mul
+from fdx.ops.norm import add_rms_norm, rms_norm
+from fdx.ops.rotary import RotaryEmbedding
+from fdx.plugins.models.decoder_config import DecoderConfig
+
+Tensor = paddle.Tensor
+KVCache = tuple[Tensor, Tensor]
+
+
+# --- rotary embedding ----------------------------------------------------------
+
+def llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
+    """Llama 3.1 frequency scaling (transformers' _compute_llama3_parameters)."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled)
+
+
+class Llama3RotaryEmbedding(RotaryEmbedding):
+    """fdx.ops' RotaryEmbedding, whose constructor takes only a base, with
+    its cos/sin tables rebuilt from llama3-rescaled frequencies."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 is_neox_style: bool, scaling: dict[str, Any]):
+        super().__init__(head_dim, max_position, base, is_neox_style)
+        inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        freqs = np.outer(np.arange(max_position, dtype=np.float64), llama3_inv_freq(inv_freq, scaling))
+        freqs = np.concatenate([freqs, freqs], -1) if is_neox_style else np.repeat(freqs, 2, -1)
+        self.cos_cache = paddle.to_tensor(np.cos(freqs).astype(np.float32))
+        self.sin_cache = paddle.to_tensor(np.sin(freqs).astype(np.float32))
+
+
+def build_rotary(cfg: DecoderConfig) -> RotaryEmbedding:
+    neox = not cfg.rope_interleaved
+    if cfg.rope_scaling is not None:
+        return Llama3RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                     neox, cfg.rope_scaling)
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                           is_neox_style=neox)
+
+
+# --- weights -------------------------------------------------------------------
+
+class Weights:
+    """Takes HF-named tensors out of the caller's dict (freeing each as it
+    is converted), checks every shape, and hands each matrix to the weight
+    format."""
+
+    def __init__(self, arch: str, weights: dict[str, Any], fmt: WeightFormat):
+        self.arch, self.weights, self.fmt = arch, weights, fmt
+
+    def _pop(self, name: str, shape: tuple[int, ...]) -> Any:
+        if name not in self.weights:
+            raise ValueError(f"{self.arch}: missing weight {name!r}")
+        w = self.weights.pop(name)
+        got = tuple(w.shape) if hasattr(w, "kind") else np.shape(w)   # a QuantizedTensor, or an array
+        if got != shape:
+            raise ValueError(f"{self.arch}: weight {name!r} has shape {got}, expected {shape}")
+        return w
+
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return np.asarray(self._pop(name, shape), dtype=np.float32)
+
+    def matrix(self, name: str, shape: tuple[int, int], role: str = "linear") -> LinearWeight:
+        return self.fmt.load(name, self._pop(name, shape), role)
+
+    def fused(self, names: list[str], in_dim: int, out_dims: list[int], bias: bool
+              ) -> tuple[LinearWeight, Tensor | None]:
+        """Fuse HF [out, in] linears along out (rows) into one weight."""
+        weight = self.fmt.fuse([self.matrix(f"{n}.weight", (o, in_dim)) for n, o in zip(names, out_dims)])
+        if not bias:
+            return weight, None
+        bs = [self.take(f"{n}.bias", (o,)) for n, o in zip(names, out_dims)]
+        return weight, paddle.to_tensor(np.concatenate(bs))
+
+    def vector(self, name: str, dim: int) -> Tensor:
+        return paddle.to_tensor(self.take(name, (dim,)))
+
+
+# --- blocks --------------------------------------------------------------------
+
+def linear(x: Tensor, weight: LinearWeight, bias: Tensor | None) -> Tensor:
+    """x [M, in] @ weight.T (+ bias), by the weight format's product."""
+    y = weight.matmul(x)
+    return y if bias is None else y + bias
+
+
+def row_parallel(x: Tensor, weight: LinearWeight, bias: Tensor | None,
+                 reduce: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """``linear`` whose input rows are split over tensor-parallel ranks: each
+    rank's partial product is summed (``reduce``) before the bias, which is
+    added once."""
+    y = weight.matmul(x)
+    if reduce is not None:
+        y = reduce(y)
+    return y if bias is None else y + bias
+
+
+def _take(t: Tensor, index: np.ndarray, axis: int) -> Tensor:
+    return paddle.to_tensor(np.ascontiguousarray(np.take(t.numpy(), index, axis=axis)))
+
+
+class Attention:
+    def __init__(self, cfg: DecoderConfig, w: Weights, prefix: str, rope: RotaryEmbedding):
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.eps = cfg.rms_norm_eps
+        self.rope = rope
+        p = self.prefix = f"{prefix}.self_attn"
+        self.fmt = w.fmt
+        self.wqkv, self.bqkv = w.fused([f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"], cfg.hidden_size,
+                                       [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
+        self.wo, self.bo = w.fused([f"{p}.o_proj"], self.q_size, [cfg.hidden_size], cfg.o_bias)
+        self.q_norm = w.vector(f"{p}.q_norm.weight", cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = w.vector(f"{p}.k_norm.weight", cfg.head_dim) if cfg.qk_norm else None
+        self.reduce: Callable[[Tensor], Tensor] | None = None   # tensor parallel: sum over ranks
+
+    def __call__(self, x: Tensor, positions: Tensor, kv_cache: KVCache,
+                 meta: AttentionContext) -> Tensor:
+        n = x.shape[0]
+        qkv = linear(x, self.wqkv, self.bqkv)
+        k_cache, v_cache = kv_cache
+        # The attention backend's fused kernel when it has one (cpu: compiled), else the composed ops.
+        q = meta.rope_write_kv(qkv, positions, k_cache, v_cache, num_heads=self.num_heads,
+                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope=self.rope,
+                               q_norm=self.q_norm, k_norm=self.k_norm, eps=self.eps)
+        if q is None:
+            q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
+            q = q.reshape([n, self.num_heads, self.head_dim])
+            k = k.reshape([n, self.num_kv_heads, self.head_dim])
+            v = v.reshape([n, self.num_kv_heads, self.head_dim])
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, self.eps)
+                k = rms_norm(k, self.k_norm, self.eps)
+            q, k = self.rope(positions, q, k)
+            meta.write_kv(k_cache, v_cache, k, v)
+        out = meta.attention(q, k_cache, v_cache, self.scale)
+        return row_parallel(out.reshape([n, self.q_size]), self.wo, self.bo, self.reduce)
+
+    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
+        """Keep this rank's query heads and their KV heads: its rows (output
+        features) of the fused q/k/v weight and its columns of o_proj."""
+        h, kvh, d = self.num_heads // world, self.num_kv_heads // world, self.head_dim
+        q_cols = np.arange(rank * h * d, (rank + 1) * h * d)
+        k_cols = self.q_size + np.arange(rank * kvh * d, (rank + 1) * kvh * d)
+        v_cols = k_cols + self.kv_size
+        cols = np.concatenate([q_cols, k_cols, v_cols])
+        self.wqkv = self.wqkv.take_rows(cols)
+        self.bqkv = None if self.bqkv is None else _take(self.bqkv, cols, axis=0)
+        self.wo = self.fmt.shard_cols(f"{self.prefix}.o_proj.weight", self.wo, int(q_cols[0]), int(q_cols[-1]) + 1)
+        self.num_heads, self.num_kv_heads = h, kvh
+        self.q_size, self.kv_size = h * d, kvh * d
+        self.reduce = reduce
+
+
+class FeedForward:
+    def __init__(self, cfg: DecoderConfig, w: Weights, prefix: str):
+        p, i = f"{prefix}.mlp", cfg.intermediate_size
+        self.prefix, self.fmt = p, w.fmt
+        self.w_gate_up, self.b_gate_up = w.fused([f"{p}.gate_proj", f"{p}.up_proj"],
+                                                 cfg.hidden_size, [i, i], cfg.mlp_bias)
+        self.w_down, self.b_down = w.fused([f"{p}.down_proj"], i, [cfg.hidden_size], cfg.mlp_bias)
+        self.intermediate_size = i
+        self.reduce: Callable[[Tensor], Tensor] | None = None   # tensor parallel: sum over ranks
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return row_parallel(silu_and_mul(linear(x, self.w_gate_up, self.b_gate_up)),
+                            self.w_down, self.b_down, self.reduce)
+
+    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
+        """Keep this rank's intermediate rows of gate and up (the fused
+        weight stays [gate | up]) and the same columns of down_proj."""
+        i, n = self.intermediate_size, self.intermediate_size // world
+        mine = np.arange(rank * n, (rank + 1) * n)
+        cols = np.concatenate([mine, i + mine])
+        self.w_gate_up = self.w_gate_up.take_rows(cols)
+        self.b_gate_up = None if self.b_gate_up is None else _take(self.b_gate_up, cols, axis=0)
+        self.w_down = self.fmt.shard_cols(f"{self.prefix}.down_proj.weight", self.w_down,
+                                          rank * n, (rank + 1) * n)
+        self.intermediate_size = n
+        self.reduce = reduce
+
+
+class DecoderLayer:
+    """Pre-norm block. The residual stream is carried separately so that
+    each norm fuses the preceding residual add."""
+
+    def __init__(self, cfg: DecoderConfig, w: Weights, index: int, rope: RotaryEmbedding):
+        prefix = f"model.layers.{index}"
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = w.vector(f"{prefix}.input_layernorm.weight", cfg.hidden_size)
+        self.post_norm = w.vector(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size)
+        self.attn = Attention(cfg, w, prefix, rope)
+        self.mlp = FeedForward(cfg, w, prefix)
+
+    def __call__(self, x: Tensor, residual: Tensor | None, positions: Tensor,
+                 kv_cache: KVCache, meta: AttentionContext) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual, x = x, rms_norm(x, self.input_norm, self.eps)
+        else:
+            x, residual = add_rms_norm(x, residual, self.input_norm, self.eps)
+        x = self.attn(x, positions, kv_cache, meta)
+        x, residual = add_rms_norm(x, residual, self.post_norm, self.eps)
+        return self.mlp(x), residual
+
+
+def allocate_kv_caches(num_layers: int, num_kv_heads: int, head_dim: int,
+                       num_blocks: int, block_size: int) -> list[KVCache]:
+    """Zeroed per-layer (k, v) caches of shape [num_kv_heads * num_slots, head_dim]."""
+    shape = [num_kv_heads * num_blocks * block_size, head_dim]
+    return [(paddle.zeros(shape, "float32"), paddle.zeros(shape, "float32"))
+            for _ in range(num_layers)]
