@@ -226,7 +226,7 @@ _LAYER_HIDDEN, _LAYER_INTER, _LAYER_HEAD_DIM = 128, 256, 32      # 4 query / 2 K
 
 def random_layer(kind: str, rng, hidden: int = _LAYER_HIDDEN, inter: int = _LAYER_INTER,
                  heads: int = _HEADS, kv_heads: int = _KV_HEADS, head_dim: int = _LAYER_HEAD_DIM,
-                 table=None):
+                 table=None, max_position: int = 64):
     """A Llama decoder layer (fdx.plugins.models.decoder.DecoderLayer) with random
     ``kind`` blocks for its linears and norm weights near 1, kept as blocks by
     the ``auto`` format under ``table`` (default: the portable build of ``kind``
@@ -237,7 +237,7 @@ def random_layer(kind: str, rng, hidden: int = _LAYER_HIDDEN, inter: int = _LAYE
     from fdx.plugins.models.weight_formats import AutoFormat
     cfg = decoder.DecoderConfig(vocab_size=32, hidden_size=hidden, intermediate_size=inter, num_layers=1,
                                 num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+                                max_position_embeddings=max_position, rms_norm_eps=1e-6, rope_theta=10000.0)
     p = "model.layers.0"
     shapes = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
               "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
