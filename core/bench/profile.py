@@ -13,6 +13,11 @@ and split into three parts:
   rotary, KV write), input building, logits to the host, logits processors,
   sampling, scheduling and output processing.
 
+With the cpu backend's whole-layer kernel (``cpp.decoder_layer``, GGML-block
+weights) a layer's products, attention and elementwise ops are one compiled
+call, reported among the ops as ``compiled fdx_decoder_layer``. The op calls a
+step (Paddle's and the compiled ones) are counted.
+
 The profiler adds its own cost to each Python call, so the outside share
 measured here is an upper bound; GEMMs and attention are single calls into
 C++ and are timed faithfully. Figures are reported, never asserted.
