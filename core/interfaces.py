@@ -1030,6 +1030,22 @@ class AttentionBackend(abc.ABC):
         match."""
         return None
 
+    def decoder_layer(self, x: Any, residual: Any, layer: Any, k_cache: Any, v_cache: Any, metadata: Any
+                      ) -> tuple[Any, Any] | None:
+        """Optional: a whole pre-norm decoder layer in one call. ``layer``
+        (fdx.plugins.models.layers.FusedLayer) holds the layer's norm
+        weights, its four linear weights (q/k/v, o, gate/up, down, as
+        fdx.ops.quant.QuantizedTensor), head counts, ``rope``, ``eps`` and
+        ``scale``; the model offers it only for a layer without biases, q/k
+        norms or a tensor-parallel split. ``residual`` is None for the first
+        layer (the residual is then ``x``). Return (MLP output, residual),
+        having written the step's k and v as ``write_kv`` would.
+
+        Return None (the default) when the backend has no kernel for this
+        layer or step: the model then runs the layer's composed ops, which
+        are the reference the fused kernel must match."""
+        return None
+
 
 @dataclass(slots=True)
 class AttentionContext:
@@ -1054,6 +1070,11 @@ class AttentionContext:
         """The backend's fused q/k norm + rotary + KV write, or None (see
         ``AttentionBackend.rope_write_kv``): the caller then composes it."""
         return self.backend.rope_write_kv(qkv, positions, k_cache, v_cache, self.metadata, **layout)
+
+    def decoder_layer(self, x, residual, layer, kv_cache):
+        """The backend's whole-layer kernel, or None (see
+        ``AttentionBackend.decoder_layer``): the caller then composes the layer."""
+        return self.backend.decoder_layer(x, residual, layer, kv_cache[0], kv_cache[1], self.metadata)
 
 
 class Backend(abc.ABC):

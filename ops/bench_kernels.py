@@ -20,6 +20,13 @@ the LM head; the k-quants only where the columns are whole blocks of 256) for 1,
 8 and 64 activation rows, in microseconds and GB/s of
 weight bytes read, against Paddle's fp32 matmul over the same weight held
 [in, out] (its fast layout), timed interleaved in the same run.
+
+With --layer: one SmolLM2-135M-shaped decoder layer (576 hidden, 9/3
+heads x 64, 1536 intermediate) over random blocks of each kind, for 1, 8
+and 32 sequences decoding over 128 cached tokens: the composed layer (the
+cpu attention backend, its whole-layer kernel off) against the one
+compiled call (fdx.ops.cpp.decoder_layer), under the probed table, timed
+interleaved.
 """
 import argparse
 import os
@@ -151,6 +158,38 @@ def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, thread
                           f"{td:11.1f} | {tf:9.1f} {rows * cols * 4 / tf / 1e3:6.1f} | {tf / tq:5.2f}x {tf / td:5.2f}x")
 
 
+def bench_layer(kinds: list[str], seqs_list: tuple[int, ...], iters: int, threads: int, ctx: int = 128) -> None:
+    from fdx.core import kernels
+    from fdx.core.host import cpu_model
+    from fdx.core.interfaces import AttentionContext
+    from fdx.ops.probes import random_layer
+    from fdx.plugins.backends.attention import CpuAttention
+    from fdx.plugins.backends.cpu import probe_kernels
+
+    table = probe_kernels(threads)
+    print(f"cpu: {cpu_model()}, {threads} threads, load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    composed_backend, fused_backend = CpuAttention(), CpuAttention()
+    composed_backend.fused_layers, fused_backend.fused_layers = False, True
+    rng = np.random.default_rng(0)
+    block, kvh = 16, 3
+    with kernels.using(table):
+        for kind in kinds:
+            layer, cfg = random_layer(kind, rng, hidden=576, inter=1536, heads=9, kv_heads=kvh, head_dim=64,
+                                      table=table, max_position=ctx + 1)
+            for n in seqs_list:
+                per_seq = -(-(ctx + 1) // block)
+                num_slots = n * per_seq * block
+                caches = tuple(paddle.randn([kvh * num_slots, 64]) for _ in range(2))
+                tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
+                meta = build_attention_metadata([1] * n, [ctx] * n, tables, block, kvh, num_slots, impl="cpp")
+                x, res = paddle.randn([n, 576]), paddle.randn([n, 576])
+
+                def run(backend):
+                    return lambda: layer(x, res, meta.positions, caches, AttentionContext(backend, meta))
+                _report(f"decoder layer {kind} {n} seqs x {ctx} ctx",
+                        _interleaved({"composed": run(composed_backend), "fused": run(fused_backend)}, iters))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
@@ -162,6 +201,8 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by this thread's CPU time, not wall time (with --threads 1 only: the time "
                              "other jobs on the cores take is then not counted)")
+    parser.add_argument("--layer", nargs="?", const="q4_1,q8_0",
+                        help="time one whole decoder layer, composed and fused (comma-separated kinds)")
     args = parser.parse_args()
     if args.cpu_time:
         if args.threads != 1:
@@ -173,6 +214,9 @@ def main() -> None:
     paddle.set_grad_enabled(False)
     if not cpp.available():
         raise SystemExit(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    if args.layer:
+        bench_layer(args.layer.split(","), (1, 8, 32), args.iters, args.threads)
+        return
     if args.quant:
         bench_quant(args.quant.split(","), tuple(int(m) for m in args.rows.split(",")), args.iters, args.threads)
         return

@@ -18,8 +18,10 @@ SiLU-and-mul (fdx.ops.activation), RMS norm with the residual add
 + rotary + KV-cache write (``rope_write_kv``, which the ``cpu`` attention
 backend offers the model), and the products with quantized weights
 (``quant_matmul_*``, which fdx.ops.quant dispatches to: one build per
-instruction set, each its own kernel-table name). Each has the Paddle ops
-as fallback and test oracle.
+instruction set, each its own kernel-table name), and a whole decoder
+layer over GGML-block weights in one call (``decoder_layer``, which the
+``cpu`` attention backend offers the model). Each has the Paddle ops as
+fallback and test oracle.
 """
 import contextlib
 import fcntl
@@ -41,7 +43,7 @@ from fdx.core.host import cache_root, cpu_id, portable_kernels
 
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
-           "quant_kernel_names", "quant_supported",
+           "quant_kernel_names", "quant_supported", "decoder_layer", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status"]
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
-            _CSRC / "quant_kernels.inc"]
+            _CSRC / "quant_kernels.inc", _CSRC / "decoder_layer.h"]
 _CFLAGS = [
     "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # let dot-product reductions reassociate (vector horizontal sums); no -ffinite-math-only
@@ -406,3 +408,50 @@ def quant_matmul_avx512(x: paddle.Tensor, w) -> paddle.Tensor:
 
 
 QUANT_MATMULS = {"portable": quant_matmul_portable, "avx2": quant_matmul_avx2, "avx512": quant_matmul_avx512}
+
+
+# --- one decoder layer in one call (csrc/decoder_layer.h) --------------------------------------
+
+DECODER_LAYER_KINDS = QUANT_KINDS[:8]        # the GGML block kinds (no separate scales tensor)
+
+
+@kernels.implements("cpp.decoder_layer")
+def decoder_layer(
+    x: paddle.Tensor,
+    residual: paddle.Tensor | None,
+    input_norm: paddle.Tensor,
+    post_norm: paddle.Tensor,
+    weights: list,
+    variants: list[str],
+    positions: paddle.Tensor,
+    slots: paddle.Tensor,
+    k_cache: paddle.Tensor,
+    v_cache: paddle.Tensor,
+    cos: paddle.Tensor,
+    sin: paddle.Tensor,
+    seq_info: paddle.Tensor,
+    block_tables: paddle.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    rotary_dim: int,
+    block_size: int,
+    neox: bool,
+    eps: float,
+    scale: float,
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(MLP output, residual) of one pre-norm Llama layer without biases: x
+    [N, hidden] (plus ``residual``, or None for the first layer) through
+    norm, q/k/v, rotary + KV write at ``slots``, attention over the block
+    tables (``seq_info`` must list the N rows in order), o_proj, residual
+    add + norm, gate/up, SiLU-and-mul and down (csrc/decoder_layer.h).
+    ``weights``: the four fdx.ops.quant.QuantizedTensor (qkv, o, gate_up,
+    down) of DECODER_LAYER_KINDS, each multiplied by the build ``variants[i]``
+    ("avx2", ...); float tensors float32."""
+    module = _module_or_raise()
+    info: list[int] = []
+    for w, variant in zip(weights, variants, strict=True):
+        info += [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1]]
+    return module.fdx_decoder_layer(
+        _rows(x), residual, input_norm, post_norm, [w.tensors()[0] for w in weights], positions, slots,
+        k_cache, v_cache, cos, sin, seq_info, block_tables, info, int(num_heads), int(num_kv_heads),
+        int(rotary_dim), int(block_size), bool(neox), float(eps), float(scale))

@@ -13,6 +13,11 @@ and split into three parts:
   rotary, KV write), input building, logits to the host, logits processors,
   sampling, scheduling and output processing.
 
+With the cpu backend's whole-layer kernel (``cpp.decoder_layer``, GGML-block
+weights) a layer's products, attention and elementwise ops are one compiled
+call, reported among the ops as ``compiled fdx_decoder_layer``. The op calls a
+step (Paddle's and the compiled ones) are counted.
+
 The profiler adds its own cost to each Python call, so the outside share
 measured here is an upper bound; GEMMs and attention are single calls into
 C++ and are timed faithfully. Figures are reported, never asserted.
@@ -58,6 +63,8 @@ class ProfileSummary:
     step_time_s: float = 0.0            # all kept steps together (wall, under the profiler)
     gemm_s: float = 0.0
     attention_s: float = 0.0
+    calls: int = 0                      # calls of built-in functions (Paddle and compiled ops, numpy, ...)
+    op_calls: int = 0                   # of those, Paddle ops and compiled kernels (paddle's C++ bindings)
     ops: dict[str, float] = field(default_factory=dict)       # outside: Paddle/compiled ops by name
     phases: dict[str, float] = field(default_factory=dict)    # outside: fdx phases (cumulative)
 
@@ -70,6 +77,8 @@ class ProfileSummary:
         return {
             "profiled_steps": self.steps, "batch": self.batch,
             "mean_step_ms": 1000 * self.step_time_s / max(self.steps, 1),
+            "calls_per_step": self.calls / max(self.steps, 1),
+            "op_calls_per_step": self.op_calls / max(self.steps, 1),
             "gemm_share": self.gemm_s / total, "attention_share": self.attention_s / total,
             "outside_share": self.outside_s / total,
             "outside_ops_ms_per_step": {k: 1000 * v / max(self.steps, 1) for k, v in self.ops.items()},
@@ -115,6 +124,10 @@ class StepProfiler:
         under_attention = _reached(table, attention_funcs)
         ops: dict[str, float] = defaultdict(float)
         for func, row in table.items():
+            if _is_builtin(func):
+                out.calls += row[1]
+                if "paddle" in func[2] or "_custom_op" in func[2]:
+                    out.op_calls += row[1]
             if not _is_builtin(func) or row[2] <= 0:
                 continue
             name = _builtin_name(func)
@@ -181,7 +194,8 @@ def format_profile(p: dict) -> str:
         return "  profile          no decode-only step ran at the full batch (more output tokens?)"
     lines = [
         f"  profile          {p['profiled_steps']} decode-only steps at {p['batch']} sequences, "
-        f"mean {p['mean_step_ms']:.1f} ms under cProfile",
+        f"mean {p['mean_step_ms']:.1f} ms under cProfile, {p.get('op_calls_per_step', 0):.0f} Paddle/compiled op "
+        f"calls a step ({p.get('calls_per_step', 0):.0f} built-in calls in all)",
         f"    GEMMs          {100 * p['gemm_share']:5.1f}%",
         f"    attention      {100 * p['attention_share']:5.1f}%",
         f"    outside        {100 * p['outside_share']:5.1f}%   (target: under 10%)",

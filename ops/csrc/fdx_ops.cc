@@ -14,9 +14,13 @@
 //   -> x @ w.T [M, rows], and fdx_quant_dequantize(data, scales) -> w [rows, cols]
 //   float32, for quantized weights of `kind` by the instruction-set `variant`
 //   (quant_kernels.h).
+// fdx_decoder_layer(x, residual or None, norms, the four GGML-block weights, the step's
+//   attention metadata and the layer's caches) -> (mlp out, residual): a whole Llama-family
+//   layer by the kernels above in one call (decoder_layer.h).
 // All inputs are contiguous float32 / int32 / int64 CPU tensors.
 #include <vector>
 
+#include "decoder_layer.h"
 #include "fused_kernels.h"
 #include "paddle/extension.h"
 #include "paged_attention_kernel.h"
@@ -394,3 +398,153 @@ PD_BUILD_OP(fdx_quant_dequantize)
     .SetKernelFn(PD_KERNEL(QuantDequantizeForward))
     .SetInferShapeFn(PD_INFER_SHAPE(QuantDequantizeInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(QuantDequantizeInferDtype));
+
+// --- one decoder layer in one call (decoder_layer.h) -------------------------------------
+
+// fdx_decoder_layer(x [N, hidden], residual [N, hidden] or None, input_norm, post_norm [hidden],
+//   weights [qkv, o, gate_up, down] (GGML block bytes, uint8 [rows, row_bytes]), positions,
+//   slots int64 [N], k_cache, v_cache, cos, sin, seq_info int32 [S, 4], block_tables int32 [S, W])
+//   -> (out, residual) [N, hidden]; writes k and v into the caches in place.
+// weight_info: (kind, variant, rows, cols) of each weight, in that order.
+std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
+                                                const paddle::optional<paddle::Tensor>& residual,
+                                                const paddle::Tensor& input_norm,
+                                                const paddle::Tensor& post_norm,
+                                                const std::vector<paddle::Tensor>& weights,
+                                                const paddle::Tensor& positions,
+                                                const paddle::Tensor& slots,
+                                                const paddle::Tensor& k_cache,
+                                                const paddle::Tensor& v_cache,
+                                                const paddle::Tensor& cos,
+                                                const paddle::Tensor& sin,
+                                                const paddle::Tensor& seq_info,
+                                                const paddle::Tensor& block_tables,
+                                                const std::vector<int64_t>& weight_info,
+                                                int64_t num_heads,
+                                                int64_t num_kv_heads,
+                                                int64_t rotary_dim,
+                                                int64_t block_size,
+                                                bool neox,
+                                                float eps,
+                                                float scale) {
+  using namespace fdx::quant;
+  for (auto [t, name] : {std::pair{&x, "x"}, {&input_norm, "input_norm"}, {&post_norm, "post_norm"},
+                         {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&cos, "cos"}, {&sin, "sin"}})
+    CheckFloat2d(*t, name);
+  PD_CHECK(x.shape().size() == 2, "x must be [N, hidden]");
+  const int64_t N = x.shape()[0], hidden = x.shape()[1];
+  if (residual) {
+    CheckFloat2d(*residual, "residual");
+    PD_CHECK(residual->shape() == x.shape(), "residual must have x's shape");
+  }
+  PD_CHECK(input_norm.numel() == hidden && post_norm.numel() == hidden, "norm weights must be [hidden]");
+  PD_CHECK(weights.size() == 4 && weight_info.size() == 16, "four weights: qkv, o, gate_up, down");
+  PD_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+           "num_heads must be a positive multiple of num_kv_heads");
+  PD_CHECK(k_cache.shape().size() == 2 && k_cache.shape() == v_cache.shape(),
+           "k_cache and v_cache must both be [KVH * num_slots, D]");
+  const int64_t D = k_cache.shape()[1];
+  PD_CHECK(D <= 1024, "head_dim above 1024 is not supported");
+  PD_CHECK(k_cache.shape()[0] % num_kv_heads == 0, "cache rows must be a multiple of num_kv_heads");
+  PD_CHECK(cos.shape().size() == 2 && cos.shape() == sin.shape() && cos.shape()[1] == D,
+           "cos and sin must both be [max_position, head_dim]");
+  PD_CHECK(rotary_dim > 0 && rotary_dim <= D && rotary_dim % 2 == 0, "rotary_dim must be even, in (0, head_dim]");
+  PD_CHECK(block_size > 0, "block_size must be positive");
+  PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
+           "positions and slots must be int64");
+  PD_CHECK(positions.numel() == N && slots.numel() == N, "positions and slots must have N elements");
+  PD_CHECK(seq_info.dtype() == paddle::DataType::INT32 && block_tables.dtype() == paddle::DataType::INT32,
+           "seq_info and block_tables must be int32");
+  PD_CHECK(seq_info.shape().size() == 2 && seq_info.shape()[1] == 4, "seq_info must be [S, 4]");
+  PD_CHECK(block_tables.shape().size() == 2 && block_tables.shape()[0] == seq_info.shape()[0],
+           "block_tables must be [S, W]");
+
+  const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
+  const int64_t intermediate = weight_info[3 * 4 + 3];
+  // (rows, cols) each weight must have: out features x in features
+  const int64_t want[4][2] = {{q_size + 2 * kv_size, hidden}, {hidden, q_size}, {2 * intermediate, hidden},
+                              {hidden, intermediate}};
+  fdx::LayerWeight lw[4];
+  for (int i = 0; i < 4; ++i) {
+    const int64_t kind = weight_info[4 * i], variant = weight_info[4 * i + 1];
+    const int64_t rows = weight_info[4 * i + 2], cols = weight_info[4 * i + 3];
+    PD_CHECK(kind >= 0 && kind < kWint8, "weight ", i, ": only the GGML block kinds, got ", kind);
+    PD_CHECK(variant >= kPortable && variant <= kAvx512, "weight ", i, ": unknown variant ", variant);
+    PD_CHECK(rows == want[i][0] && cols == want[i][1], "weight ", i, " is [", rows, ", ", cols, "], expected [",
+             want[i][0], ", ", want[i][1], "]");
+    lw[i] = {QuantWeights(weights[i], paddle::none, kind, rows, cols, 0), static_cast<int>(variant)};
+  }
+
+  const int64_t num_slots = k_cache.shape()[0] / num_kv_heads, max_pos = cos.shape()[0];
+  const int64_t* pos = positions.data<int64_t>();
+  const int64_t* slot = slots.data<int64_t>();
+  for (int64_t t = 0; t < N; ++t) {  // checked here: no error can leave the parallel regions
+    PD_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table [0, ", max_pos, ")");
+    PD_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache [0, ", num_slots, ")");
+  }
+  const int64_t S = seq_info.shape()[0];
+  const int32_t* info = seq_info.data<int32_t>();
+  int64_t covered = 0;
+  for (int64_t s = 0; s < S; ++s) {  // attention's output rows must be the batch's rows, in order
+    PD_CHECK(info[s * 4] == covered && info[s * 4 + 3] == covered && info[s * 4 + 1] > 0,
+             "seq_info must cover the N rows in order");
+    covered += info[s * 4 + 1];
+  }
+  PD_CHECK(covered == N, "seq_info covers ", covered, " rows, x has ", N);
+
+  auto out = paddle::empty({N, hidden}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto residual_out = paddle::empty({N, hidden}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fdx::LayerArgs a{};
+  a.x = x.data<float>();
+  a.residual = residual ? residual->data<float>() : nullptr;
+  a.input_norm = input_norm.data<float>();
+  a.post_norm = post_norm.data<float>();
+  a.qkv = lw[0];
+  a.o = lw[1];
+  a.gate_up = lw[2];
+  a.down = lw[3];
+  a.rope = fdx::RopeArgs{nullptr, pos, slot, cos.data<float>(), sin.data<float>(), nullptr, nullptr, nullptr,
+                         const_cast<float*>(k_cache.data<float>()),  // written in place, as scatter_ does
+                         const_cast<float*>(v_cache.data<float>()), num_heads, num_kv_heads, D, rotary_dim,
+                         num_slots, neox, eps};
+  a.attn = fdx::Args{nullptr,        k_cache.data<float>(),      v_cache.data<float>(), nullptr,
+                     info,           block_tables.data<int32_t>(), block_tables.shape()[1],
+                     num_heads,      num_heads / num_kv_heads,   D,
+                     block_size,     num_slots,                  scale};
+  a.num_seqs = S;
+  a.hidden = hidden;
+  a.intermediate = intermediate;
+  a.eps = eps;
+  a.out = out.data<float>();
+  a.residual_out = residual_out.data<float>();
+  fdx::DecoderLayer(a, N);
+  return {out, residual_out};
+}
+
+std::vector<std::vector<int64_t>> DecoderLayerInferShape(
+    const std::vector<int64_t>& x_shape, const paddle::optional<std::vector<int64_t>>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<std::vector<int64_t>>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t, int64_t,
+    int64_t, int64_t, bool, float, float) {
+  return {x_shape, x_shape};
+}
+
+std::vector<paddle::DataType> DecoderLayerInferDtype(
+    const paddle::DataType& x_dtype, const paddle::optional<paddle::DataType>&, const paddle::DataType&,
+    const paddle::DataType&, const std::vector<paddle::DataType>&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
+  return {x_dtype, x_dtype};
+}
+
+PD_BUILD_OP(fdx_decoder_layer)
+    .Inputs({"X", paddle::Optional("Residual"), "InputNorm", "PostNorm", paddle::Vec("Weights"), "Positions",
+             "Slots", "KCache", "VCache", "Cos", "Sin", "SeqInfo", "BlockTables"})
+    .Outputs({"Out", "ResidualOut"})
+    .Attrs({"weight_info: std::vector<int64_t>", "num_heads: int64_t", "num_kv_heads: int64_t",
+            "rotary_dim: int64_t", "block_size: int64_t", "neox: bool", "eps: float", "scale: float"})
+    .SetKernelFn(PD_KERNEL(DecoderLayerForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayerInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(DecoderLayerInferDtype));

@@ -5,7 +5,11 @@
   until they bring kernels of their own.
 - ``cpu``: the compiled CPU kernels (ops/csrc/): attention over block
   tables, and ``rope_write_kv``, the fused q/k/v split + q/k RMS norm +
-  rotary + KV-cache write the model calls before attention, each where the
+  rotary + KV-cache write the model calls before attention, and
+  ``decoder_layer``, a whole Llama-family layer over GGML-block weights in
+  one compiled call (steps of fewer than fdx.ops.cpp.QUANT_BLAS_MIN_ROWS
+  tokens whose every sequence the compiled attention takes; off with
+  ``FDX_FUSED_LAYERS=0``), each where the
   cpu backend's probed kernel table (fdx.core.kernels) passed it. The
   Paddle reference is its fallback when they could not be built or did not
   pass their probe (both logged by the backend), or with
@@ -14,6 +18,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from fdx.core import kernels
 from fdx.core.hookspecs import hookimpl
@@ -27,6 +32,8 @@ def _ops():
     ``layout``) never loads."""
     from fdx.ops import attention
     return attention
+
+FUSED_LAYERS_ENV = "FDX_FUSED_LAYERS"     # 0: every layer composed (the A/B switch of docs/benchmarks.md)
 
 
 class PaddleAttention(AttentionBackend):
@@ -65,6 +72,48 @@ class CpuAttention(PaddleAttention):
         return cpp.rope_write_kv(qkv, positions, metadata.slot_mapping, k_cache, v_cache,
                                  rope.cos_cache, rope.sin_cache, q_norm, k_norm, num_heads, num_kv_heads,
                                  getattr(rope, "rotary_dim", head_dim), rope.is_neox_style, eps)
+
+    def __init__(self, settings: dict | None = None):
+        super().__init__(settings)
+        self.fused_layers = os.environ.get(FUSED_LAYERS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        self._variants: tuple[object, dict[str, str | None]] = (None, {})
+
+    def _variant(self, kind: str) -> str | None:
+        """The build of ``kind``'s product the active table passed ("avx2", ...), or None."""
+        from fdx.ops import cpp
+        table = kernels.active()
+        if self._variants[0] is not table:
+            self._variants = (table, {})
+        found = self._variants[1]
+        if kind not in found:
+            found[kind] = next((v for v in cpp.QUANT_VARIANTS if kind in cpp.DECODER_LAYER_KINDS
+                                and table.usable(cpp.quant_kernel_name(kind, v))), None)
+        return found[kind]
+
+    def decoder_layer(self, x, residual, layer, k_cache, v_cache, metadata):
+        """The compiled whole layer (fdx.ops.cpp.decoder_layer) where the
+        kernel table passed it and the step fits: every sequence in the
+        compiled attention's group (rows in batch order), fewer tokens than
+        QUANT_BLAS_MIN_ROWS (from there the composed products dequantize and
+        multiply by BLAS, faster than the kernel's int8 dot products), float32,
+        and a passed build for each weight's kind. Else None."""
+        import paddle
+        from fdx.ops import cpp
+        group = metadata.cpp
+        if (not self.fused_layers or group is None or group.num_tokens != metadata.num_tokens
+                or metadata.num_tokens >= cpp.QUANT_BLAS_MIN_ROWS or metadata.out_perm is not None
+                or x.dtype != paddle.float32 or not kernels.active().usable("cpp.decoder_layer")
+                or not cpp.loaded()):
+            return None
+        variants = [self._variant(w.kind) for w in layer.weights]
+        if None in variants:
+            return None
+        rope = layer.rope
+        return cpp.decoder_layer(x, residual, layer.input_norm, layer.post_norm, layer.weights, variants,
+                                 metadata.positions, metadata.slot_mapping, k_cache, v_cache, rope.cos_cache,
+                                 rope.sin_cache, group.seq_info, group.block_tables, layer.num_heads,
+                                 layer.num_kv_heads, getattr(rope, "rotary_dim", layer.head_dim),
+                                 metadata.block_size, rope.is_neox_style, layer.eps, layer.scale)
 
 
 @hookimpl

@@ -26,7 +26,7 @@ PADDLE_KERNELS = ("fused_rms_norm", "swiglu", "fused_rotary_position_embedding")
 QUANT_KERNELS = tuple(f"cpp.{kind}_matmul{suffix}" for suffix in ("", ".avx2", ".avx512")
                       for kind in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4"))
 COMPILED_KERNELS = ("cpp.rms_norm", "cpp.add_rms_norm", "cpp.silu_and_mul", "cpp.paged_attention",
-                    "cpp.rope_write_kv") + QUANT_KERNELS
+                    "cpp.rope_write_kv", "cpp.decoder_layer") + QUANT_KERNELS
 KERNELS = PADDLE_KERNELS + COMPILED_KERNELS
 
 _logged: set[str] = set()
@@ -59,6 +59,8 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
         "rotary": pick(("fused_rotary_position_embedding", "fused"), fallback="matmul"),
         "attention": pick(("cpp.paged_attention", "compiled"), fallback="paddle"),
         "rope_write_kv": pick(("cpp.rope_write_kv", "compiled"), fallback="composed"),
+        "decoder_layer": pick(("cpp.decoder_layer", "compiled (GGML-block layers, under 64 tokens a step)"),
+                              fallback="composed"),
         "quant_matmul": quant_choices(table),
     }
 

@@ -171,6 +171,7 @@ class DecoderForCausalLM(Model):
         for layer in self.layers:
             layer.attn.shard(rank, world, reduce)
             layer.mlp.shard(rank, world, reduce)
+            layer.weights_changed()
         self.num_heads, self.num_kv_heads = cfg.num_heads // world, cfg.num_kv_heads // world
 
     def drop_lm_head(self) -> None:
@@ -210,6 +211,7 @@ class DecoderForCausalLM(Model):
             conv(layer, ("input_norm", "post_norm"))
             conv(layer.attn, ("wqkv", "bqkv", "wo", "bo", "q_norm", "k_norm"))
             conv(layer.mlp, ("w_gate_up", "b_gate_up", "w_down", "b_down"))
+            layer.weights_changed()
             ropes.add(layer.attn.rope)
         for rope in ropes:
             conv(rope, [n for n in ("cos_cache", "sin_cache") if hasattr(rope, n)])

@@ -5,6 +5,7 @@ manager: it loads Paddle and fdx.ops."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -201,9 +202,50 @@ class FeedForward:
         self.reduce = reduce
 
 
+@dataclass(slots=True, frozen=True)
+class FusedLayer:
+    """What a backend's whole-layer kernel needs of one layer
+    (``AttentionBackend.decoder_layer``): its norms, its four linear weights
+    as quantized blocks, and the attention shape."""
+    input_norm: Tensor
+    post_norm: Tensor
+    weights: tuple[Any, Any, Any, Any]   # fdx.ops.quant.QuantizedTensor: qkv, o, gate_up, down
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RotaryEmbedding
+    eps: float
+    scale: float
+
+
+def fused_layer(layer: "DecoderLayer") -> FusedLayer | None:
+    """The layer as a ``FusedLayer``, or None when it has what the fused
+    kernels leave to the composed path: a bias (Qwen2), q/k norms (Qwen3), a
+    tensor-parallel split, a weight that is not whole GGML blocks (float32,
+    wint8/wint4, mixed kinds), or weights not in float32."""
+    from fdx.ops import cpp
+    from fdx.plugins.models.weight_formats import BlockWeight
+    a, m = layer.attn, layer.mlp
+    linears = (a.wqkv, a.wo, m.w_gate_up, m.w_down)
+    if (any(b is not None for b in (a.bqkv, a.bo, m.b_gate_up, m.b_down)) or a.q_norm is not None
+            or a.reduce is not None or m.reduce is not None
+            or any(t.dtype != paddle.float32 for t in (layer.input_norm, layer.post_norm))
+            or not all(isinstance(w, BlockWeight) and w.kind in cpp.DECODER_LAYER_KINDS and cpp.quant_supported(w.q)
+                       for w in linears)):
+        return None
+    for w in linears:
+        w.q.prepare()
+    return FusedLayer(layer.input_norm, layer.post_norm, tuple(w.q for w in linears), a.num_heads,
+                      a.num_kv_heads, a.head_dim, a.rope, layer.eps, a.scale)
+
+
+_UNSET: Any = object()
+
+
 class DecoderLayer:
     """Pre-norm block. The residual stream is carried separately so that
-    each norm fuses the preceding residual add."""
+    each norm fuses the preceding residual add. The attention backend may
+    run the whole block in one call (``fused``; else the ops below)."""
 
     def __init__(self, cfg: DecoderConfig, w: Weights, index: int, rope: RotaryEmbedding):
         prefix = f"model.layers.{index}"
@@ -212,9 +254,23 @@ class DecoderLayer:
         self.post_norm = w.vector(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size)
         self.attn = Attention(cfg, w, prefix, rope)
         self.mlp = FeedForward(cfg, w, prefix)
+        self._fused: FusedLayer | None = _UNSET
+
+    @property
+    def fused(self) -> FusedLayer | None:
+        """``fused_layer(self)``, worked out on first use (after any shard or cast)."""
+        if self._fused is _UNSET:
+            self._fused = fused_layer(self)
+        return self._fused
+
+    def weights_changed(self) -> None:
+        """Call after replacing weights (shard, cast): ``fused`` is worked out again."""
+        self._fused = _UNSET
 
     def __call__(self, x: Tensor, residual: Tensor | None, positions: Tensor,
                  kv_cache: KVCache, meta: AttentionContext) -> tuple[Tensor, Tensor]:
+        if self.fused is not None and (got := meta.decoder_layer(x, residual, self.fused, kv_cache)) is not None:
+            return got
         if residual is None:
             residual, x = x, rms_norm(x, self.input_norm, self.eps)
         else:

@@ -1,0 +1,197 @@
+"""The compiled whole decoder layer (fdx.ops.cpp.decoder_layer, csrc/decoder_layer.h).
+
+One layer on random Q4_1 and Q8_0 blocks against a numpy layer written here
+(gguf's dequantization of the same bytes, float64; the activations quantized
+to int8 per block of 32 before each product, as the compiled products do:
+fdx.ops.probes.int8_blocks) and against the layer's composed ops; then whole
+models with ``quantization auto``, the fused path on and off
+(FDX_FUSED_LAYERS), against transformers under batching, chunked prefill and
+prefix hits, and the embedded SmolLM2 likewise (slow).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdx import LLM, SamplingParams
+from fdx.core import kernels
+from fdx.ops import cpp, probes
+from fdx.ops.probes import int8_blocks, random_layer, run_layer
+from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
+from test_contracts import cpu_kernel_table
+from test_llm import hf_greedy
+from test_weight_formats import QUANT_TIE, TINY, check_greedy, files, prompts  # noqa: F401 (files: a fixture)
+
+pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"compiled ops unavailable: {cpp.unavailable_reason()}")
+
+KINDS = ("q4_1", "q8_0")
+
+
+def best_variant(kind: str) -> str:
+    table = cpu_kernel_table()
+    if not table.usable("cpp.decoder_layer"):
+        pytest.skip(f"cpp.decoder_layer: {table.why_not('cpp.decoder_layer')}")
+    return next(v for v in cpp.QUANT_VARIANTS if table.usable(cpp.quant_kernel_name(kind, v)))
+
+
+def numpy_layer(layer, cfg, x, residual, caches):
+    """(out, residual, k cache, v cache) of the probes' mixed step, in numpy."""
+    f = layer.fused
+    wqkv, wo, wgu, wd = (w.dequantize().astype(np.float64) for w in f.weights)
+    in_w, post_w = f.input_norm.numpy().astype(np.float64), f.post_norm.numpy().astype(np.float64)
+    h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def norm(v, w):
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
+
+    def prod(v, w):
+        return int8_blocks(v.astype(np.float32)).astype(np.float64) @ w.T
+
+    def rope(v, pos):   # v [heads, D] at position pos, halves rotated (neox)
+        inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
+        ang = np.concatenate([pos * inv, pos * inv])
+        rot = np.concatenate([-v[:, d // 2:], v[:, :d // 2]], axis=1)
+        return v * np.cos(ang) + rot * np.sin(ang)
+
+    k_cache, v_cache = (c.astype(np.float64) for c in caches)
+    num_slots = k_cache.shape[0] // kvh
+    res = x.astype(np.float64) + (0 if residual is None else residual)
+    qkv = prod(norm(res, in_w), wqkv)
+    q_all = np.empty((len(x), h_, d))
+    row, seqs = 0, []
+    for qlen, ctx, table in zip(probes._QUERY_LENS, probes._CONTEXT_LENS, probes._TABLES):
+        slots = [table[p // probes._BLOCK] * probes._BLOCK + p % probes._BLOCK for p in range(ctx + qlen)]
+        for t in range(qlen):
+            pos = ctx + t
+            q, k, v = np.split(qkv[row + t], [h_ * d, (h_ + kvh) * d])
+            q_all[row + t] = rope(q.reshape(h_, d), pos)
+            k, v = rope(k.reshape(kvh, d), pos), v.reshape(kvh, d)
+            for hh in range(kvh):
+                k_cache[hh * num_slots + slots[pos]], v_cache[hh * num_slots + slots[pos]] = k[hh], v[hh]
+        seqs.append((row, qlen, ctx, slots))
+        row += qlen
+    attn = np.empty_like(q_all)
+    for start, qlen, ctx, slots in seqs:
+        for t in range(qlen):
+            for hh in range(h_):
+                kv_rows = [(hh // (h_ // kvh)) * num_slots + s for s in slots[:ctx + t + 1]]
+                scores = k_cache[kv_rows] @ q_all[start + t, hh] * d ** -0.5
+                p = np.exp(scores - scores.max())
+                attn[start + t, hh] = (p / p.sum()) @ v_cache[kv_rows]
+    res = res + prod(attn.reshape(len(x), -1), wo)
+    gu = prod(norm(res, post_w), wgu)
+    g, u = np.split(gu, 2, axis=1)
+    out = prod(g / (1 + np.exp(-g)) * u, wd)
+    return out, res, k_cache, v_cache
+
+
+def random_case(kind: str, seed: int):
+    rng = np.random.default_rng(seed)
+    layer, cfg = random_layer(kind, rng)
+    caches = [rng.standard_normal((cfg.num_kv_heads * probes._BLOCKS * probes._BLOCK, cfg.head_dim)
+                                  ).astype(np.float32) for _ in range(2)]
+    n = sum(probes._QUERY_LENS)
+    x = rng.standard_normal((n, cfg.hidden_size)).astype(np.float32)
+    return layer, cfg, caches, x, rng.standard_normal((n, cfg.hidden_size)).astype(np.float32)
+
+
+def assert_close(got, want, what: str, tol: float) -> None:
+    for g, w, part in zip(got, want, ("out", "residual", "k cache", "v cache")):
+        scale = float(np.abs(w).max())
+        err = float(np.abs(g - w).max()) / scale
+        assert err < tol, f"{what} {part}: max error {err:.3g} of the largest value"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("first", [True, False], ids=["first-layer", "with-residual"])
+def test_fused_layer_matches_numpy(kind, first):
+    """Prefill over an empty context, a chunk over a cached one and two decodes
+    in one step. An activation on an int8 rounding boundary may round the other
+    way in float64 (one step of 1/127 of its block): 2e-3 of the largest
+    output; a wrong head, position or slot is off by the whole value."""
+    layer, cfg, caches, x, residual = random_case(kind, 1)
+    assert layer.fused is not None
+    got = run_layer(layer, x, None if first else residual, caches, "fused", best_variant(kind))
+    want = numpy_layer(layer, cfg, x, None if first else residual, caches)
+    assert_close(got, want, kind, 2e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_layer_matches_the_composed_ops(kind):
+    """The same kernels as the composed path's products (this CPU's build), the
+    rest composed in Paddle under the cpu table: float32 rounding apart."""
+    layer, _, caches, x, residual = random_case(kind, 2)
+    got = run_layer(layer, x, residual, caches, "fused", best_variant(kind))
+    with kernels.using(cpu_kernel_table()):
+        want = run_layer(layer, x, residual, caches, "composed")
+    assert_close(got, want, kind, 1e-4)
+
+
+def test_layers_the_fused_path_leaves_to_the_composed_one():
+    layer, *_ = random_case("q4_1", 3)
+    assert layer.fused is not None
+    layer.attn.reduce = lambda t: t           # a tensor-parallel split
+    layer.weights_changed()
+    assert layer.fused is None
+    dense, _ = random_layer("q4_1", np.random.default_rng(4), table=kernels.REFERENCE)
+    assert dense.fused is not None            # blocks kept even without a kernel: the backend decides per step
+    from fdx.plugins.models.weight_formats import DenseWeight
+    dense.mlp.w_down = DenseWeight.from_numpy(np.zeros((256, 128), np.float32))
+    dense.weights_changed()
+    assert dense.fused is None                # a float32 linear
+
+
+class Spy:
+    def __init__(self, monkeypatch):
+        self.calls, self.real = 0, cpp.decoder_layer
+        monkeypatch.setattr(cpp, "decoder_layer", self)
+
+    def __call__(self, *args, **kw):
+        self.calls += 1
+        return self.real(*args, **kw)
+
+
+@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_greedy_tokens_with_the_fused_path_on_and_off(files, name, fused, monkeypatch):  # noqa: F811
+    """Tiny GGUF Llamas, ``auto``: greedy tokens follow transformers on the
+    dequantized weights (test_weight_formats' margin) with the fused layers on
+    or off, in a batch of three, then chunked (8 tokens a step) with prefix hits."""
+    monkeypatch.setenv(FUSED_LAYERS_ENV, "1" if fused else "0")
+    spy = Spy(monkeypatch)
+    path, model = files[name]
+    llm = LLM(str(path), quantization="auto", **TINY)
+    check_greedy(llm, model, prompts(5))
+    chunked = LLM(str(path), quantization="auto", kv_cache="prefix", max_num_batched_tokens=8, **TINY)
+    shared = prompts(6, (24,))[0]
+    check_greedy(chunked, model, [shared + [7, 8, 9]])
+    check_greedy(chunked, model, [shared + [11], shared + [12, 13]])
+    assert chunked.engine.kv_cache.stats()["prefix_cache_hits"] > 0
+    assert (spy.calls > 0) == fused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_default_model_greedy_tokens_with_the_fused_path_on_and_off(hf_smollm_model, fused, monkeypatch):
+    """SmolLM2 Q4_1, ``auto``, a batch of three, then chunked (8 tokens a step)
+    with a prefix hit: greedy tokens equal transformers on the file's
+    dequantized weights at test_weight_formats' margin, fused layers on or off
+    (the two differ where an activation's int8 rounding flips, which moves the
+    logits as much as the int8 products do: the same margin)."""
+    monkeypatch.setenv(FUSED_LAYERS_ENV, "1" if fused else "0")
+    spy = Spy(monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(quantization="auto", max_model_len=256, num_kv_blocks=64, block_size=16, kv_cache="prefix",
+              progress=False)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
+    batch = [llm.tokenizer.encode(t) for t in texts]
+    chunked = LLM(quantization="auto", max_model_len=256, num_kv_blocks=64, block_size=16, kv_cache="prefix",
+                  max_num_batched_tokens=8, progress=False)
+    shared = batch[2] * 3                     # over two blocks of 16: the second request hits them
+    for engine, prompts_ in ((llm, batch), (chunked, [shared]), (chunked, [shared + batch[0]])):
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts_], params)
+        for p, out in zip(prompts_, outs):
+            got = out.outputs[0].token_ids
+            assert got == hf_greedy(hf_smollm_model, p, 16, follow=got, rel_tie=QUANT_TIE), p
+    assert chunked.engine.kv_cache.stats()["prefix_cache_hits"] > 0
+    assert (spy.calls > 0) == fused
