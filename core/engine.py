@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fdx.core.assembly import Assembly
-from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.config import ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import Backend, KVCacheSpec, Model, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus, request_output
@@ -31,8 +31,9 @@ POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
     """The backend ``backend.name`` names (auto: the available one with the
     highest priority), constructed with its settings; not yet set up."""
-    def settings(name: str) -> dict:
-        return dict(config.plugins.get("backend", {}).get(name, {}) or {})
+    def settings(name: str):
+        return plugin_settings("backend", name, plugins.get("backend", name),
+                               config.plugins.get("backend", {}).get(name))
 
     name = config.backend.name
     if name != "auto":
@@ -88,9 +89,6 @@ class EngineCore:
         dtype = self._resolve_dtype()
         self.backend.setup(config)
         assembly.set_backend(self.backend)       # after setup: a backend may choose its attention by a probe
-        if config.backend.cuda_graph and not getattr(self.backend, "captures_cuda_graphs", False):
-            raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
-                              "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
         from fdx.core.checkpoint.loader import is_default_model, load_metadata
         from fdx.core.checkpoint.model import check_model_class, load_model, weight_format

@@ -3,9 +3,13 @@
 A plugin implements one of these classes (subclassing it, or matching it
 method for method) and registers it by name through a registration hook
 (core/hookspecs.py); config picks it by that name. Every class the engine
-constructs receives ``settings``: the dict from the config section
-``plugins: {<kind>: {<name>: {...}}}`` (empty when absent), which the plugin
-validates itself, raising ``ValueError`` naming the key.
+constructs receives ``settings`` from the config section
+``plugins: {<kind>: {<name>: {...}}}``: when the class declares a
+``Settings`` schema (a pydantic model or a dataclass, as a class attribute),
+an instance of it that the engine validated (errors name
+``plugins.<kind>.<name>.<key>``; defaults when the section is absent);
+otherwise the dict (empty when absent), which the plugin validates itself,
+raising ``ValueError`` naming the key.
 
 The data between the parts is plain: dataclasses of ints, strings, lists
 and ``SamplingParams``, so a step can cross a process boundary (msgspec
@@ -1069,8 +1073,8 @@ class Backend(abc.ABC):
     sampler: str = "host"              # a name registered by fdx_register_samplers
     model_runner: str = "default"      # a name registered by fdx_register_model_runners
     dtypes: tuple[str, ...] = ("float32",)   # model.dtype values it computes in; the first is "auto"
-    captures_cuda_graphs: bool = False       # set by setup when it honours backend.cuda_graph (else
-                                             # the engine rejects that key)
+    captures_cuda_graphs: bool = False       # set when a graph-capturing model runner accepted this
+                                             # backend (its check_backend)
     kernels: KernelTable = REFERENCE         # set by setup: the kernels beyond plain Paddle math that passed
                                              # their probe here (fdx.core.kernels); the model runner
                                              # installs it for each step
@@ -1139,7 +1143,8 @@ class RunnerContext:
     logits_processors: list[LogitsProcessor]
     eos_token_ids: frozenset[int]
     connector: KVConnector | None = None
-    settings: dict = field(default_factory=dict)
+    settings: Any = field(default_factory=dict)   # plugins.model_runner.<name>: the runner class's
+                                        # Settings instance, or the dict when it declares none
     kernels: KernelTable = REFERENCE    # the backend's probed kernel table: a runner steps under
                                         # ``fdx.core.kernels.using(kernels)``
     executor: Any = None                # what the runner class's ``launch`` returned (its worker
@@ -1156,7 +1161,12 @@ class ModelRunner(abc.ABC):
     pooling one: in the step its prompt's last token is computed, the runner
     puts its pooled, optionally normalized final hidden state in
     ``ModelRunnerOutput.pooled`` (``model.pooling_type``, ``model.normalize``);
-    the token it samples then is never shown."""
+    the token it samples then is never shown.
+
+    ``backend.model_runner`` picks a runner over the backend's choice; such a
+    class may define ``check_backend(config, backend)`` (a classmethod,
+    called once when the backend is chosen) raising ``ConfigError`` when it
+    cannot run there."""
 
     def __init__(self, ctx: RunnerContext):
         self.ctx = ctx

@@ -272,9 +272,17 @@ def test_outside_admission_rule_caps_a_tenant_with_settings(tiny, ex, pm):
         pm.pm.unregister(name="tenant-watch")
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert all(t.count("a") <= 1 for t in running_by_step) and any(len(t) == 2 for t in running_by_step)
-    with pytest.raises(ConfigError, match=r"plugins.admission_rule.tenant-cap.*max_running must be a positive"):
-        make_llm(tiny, plugins=pm, admission=["tenant-cap"],
-                 **{"plugins.admission_rule.tenant-cap": {"max_running": 0}})
+    two = make_llm(tiny, plugins=pm, admission=["tenant-cap"],        # the value set reaches the rule
+                   **{"plugins.admission_rule.tenant-cap": {"max_running": 2}})
+    assert [r.max_running for r in two.engine.resource_manager.ext.admission_rules] == [2]
+    # its Settings schema, validated by the engine: errors name the full key (even when not selected)
+    for value, why in ((0, "greater than or equal to 1"), ("two", "valid integer")):
+        with pytest.raises(ConfigError, match=rf"config key 'plugins\.admission_rule\.tenant-cap\.max_running'"
+                                              rf": Input should be (a )?{why}"):
+            make_llm(tiny, plugins=pm, admission=["tenant-cap"],
+                     **{"plugins.admission_rule.tenant-cap": {"max_running": value}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'plugins\.admission_rule\.tenant-cap\.max_runing'"):
+        make_llm(tiny, plugins=pm, **{"plugins.admission_rule.tenant-cap.max_runing": 2})
     with pytest.raises(ConfigError, match=r"plugins.admission_rule.nope.*no admission_rule named 'nope'"):
         make_llm(tiny, plugins=pm, **{"plugins.admission_rule.nope": {"x": 1}})
 

@@ -4,8 +4,9 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
 
 - ``example-fifo`` scheduler policy: the engine's scheduling core's two
   loops, with a cap of its own on each new prompt's first chunk.
-- ``shortest-first`` queue policy, ``tenant-cap`` admission rule,
-  ``most-output`` preemption victim policy.
+- ``shortest-first`` queue policy, ``tenant-cap`` admission rule (its
+  settings declared as a ``Settings`` dataclass), ``most-output``
+  preemption victim policy.
 - ``example-blocks`` KV cache: a plain block pool, written from scratch.
 - ``fakedev`` backend with its own ``example-naive`` attention backend
   (which also takes the optional fused ``rope_write_kv`` step).
@@ -22,7 +23,11 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Annotated
+
 import numpy as np
+from pydantic import Field
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AdmissionRule, AttentionBackend, Backend, KVCacheManager, KVConnector,
@@ -77,14 +82,20 @@ class ShortestFirst(QueuePolicy):
         return (request.num_prompt_tokens,)
 
 
+@dataclass
+class TenantCapSettings:
+    """``plugins.admission_rule.tenant-cap``: the schema the engine validates
+    (an unknown key or a bad value is a config error naming it)."""
+    max_running: Annotated[int, Field(ge=1, strict=True)] = 1   # running requests per tenant
+
+
 class TenantCap(AdmissionRule):
     """At most ``max_running`` running requests per tenant (``extra_args["tenant"]``)."""
+    Settings = TenantCapSettings
 
-    def __init__(self, config, settings=None):
-        super().__init__(config, settings)
-        self.max_running = self.settings.get("max_running", 1)
-        if not isinstance(self.max_running, int) or self.max_running < 1:
-            raise ValueError(f"max_running must be a positive integer, got {self.max_running!r}")
+    def __init__(self, config, settings: TenantCapSettings | None = None):
+        super().__init__(config, settings if settings is not None else TenantCapSettings())
+        self.max_running = self.settings.max_running
 
     @staticmethod
     def tenant(request):
