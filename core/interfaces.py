@@ -13,7 +13,7 @@ raising ``ValueError`` naming the key.
 
 The data between the parts is plain: dataclasses of ints, strings, lists
 and ``SamplingParams``, so a step can cross a process boundary (msgspec
-encodes every one of them; see core/serving/messages.py).
+encodes every one of them; see core/messages.py).
 """
 from __future__ import annotations
 

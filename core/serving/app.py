@@ -30,7 +30,7 @@ from fdx.core.plugins import PluginError, get_serving_plugin_manager
 from fdx.core.serving.chat_output import ChoiceOutput, tool_plan
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
-from fdx.core.serving.messages import EngineRejected, SeqDelta
+from fdx.core.messages import EngineRejected, SeqDelta
 from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from fdx.core.output import SequenceState
 from fdx.core.serving import ui
