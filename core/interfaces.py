@@ -242,9 +242,12 @@ class KVConnector(abc.ABC):
     ``build_connector_meta`` turns what the step needs into plain data, which
     rides in ``SchedulerOutput.kv_connector_metadata``; the runner calls
     ``start_load_kv`` before the forward (loaded blocks must be in place
-    before any layer reads them), ``save_kv_layer`` after each layer if it
-    saves layer by layer, and reports finished transfers with
-    ``get_finished``. A finished request whose ``request_finished`` returned
+    before any layer reads them, unless the connector waits per layer), and
+    the model's forward calls, for each decoder layer ``i`` in order,
+    ``wait_for_layer_load(i)`` before that layer's attention reads its KV and
+    ``save_kv_layer(i, kv_caches[i], attn_metadata)`` after it wrote it (see
+    ``AttentionContext.connector``; not called at all when no connector
+    runs); then the runner reports finished transfers with ``get_finished``. A finished request whose ``request_finished`` returned
     True keeps its blocks until the runner reports its id in
     ``finished_sending``.
     """
@@ -312,10 +315,17 @@ class KVConnector(abc.ABC):
         """Load what ``metadata`` says into the KV blocks (before the forward)."""
 
     def wait_for_layer_load(self, layer: int) -> None:
-        """Block until ``layer``'s KV is loaded. Default: loads are synchronous."""
+        """Called in the forward before decoder layer ``layer`` (0, 1, ...,
+        ``num_layers - 1``, in order) reads its KV: block until what
+        ``start_load_kv`` started for that layer is in place. Default: loads
+        are synchronous, nothing to wait for."""
 
-    def save_kv_layer(self, layer: int, metadata: Any) -> None:
-        """Called after each layer's KV was written. Default: nothing."""
+    def save_kv_layer(self, layer: int, kv_layer: Any, attn_metadata: Any) -> None:
+        """Called in the forward after decoder layer ``layer`` wrote this
+        step's KV into ``kv_layer`` (that layer's ``(k_cache, v_cache)``, as
+        registered with ``register_kv_caches``); ``attn_metadata`` is the
+        step's ``AttentionContext``. A connector that saves layer by layer
+        starts copying here. Default: nothing."""
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(request ids whose saves finished, ids whose loads finished) since
@@ -1043,6 +1053,11 @@ class AttentionContext:
     kernel runs."""
     backend: AttentionBackend
     metadata: Any
+    # The KV connector's per-layer hooks, when one runs (None: none, and a model calls nothing). A
+    # model's forward, for decoder layer i:  if meta.connector is not None:
+    # meta.connector.wait_for_layer_load(i) before the layer's attention, and
+    # meta.connector.save_kv_layer(i, kv_caches[i], meta) after it (KVConnector).
+    connector: "KVConnector | None" = None
 
     @property
     def positions(self) -> Any:

@@ -250,6 +250,43 @@ def test_outside_connector_loads_what_it_saved(tiny, reference, pm):
     assert stats["loaded_blocks"] >= sum((len(p) - 1) // 4 for p in PROMPTS), stats
 
 
+def _layer_groups(calls):
+    """LAYER_CALLS cut at each step's ("start", n): [(n, the calls of that step's forward)]."""
+    groups = []
+    for c in calls:
+        if c[0] == "start":
+            groups.append((c[1], []))
+        else:
+            groups[-1][1].append(c)
+    return groups
+
+
+@pytest.mark.parametrize("which", ["built-in decoder", "outside model"])
+def test_outside_connector_sees_the_per_layer_hooks_in_order(which, tiny, tiny_checkpoints, reference, ex, pm,
+                                                            tmp_path):
+    """wait_for_layer_load(i) and save_kv_layer(i, that layer's KV, meta), once per decoder
+    layer of each forward, in layer order, after the step's start_load_kv, through LLM; the
+    outside model (tests/plugin_pkg, the same weights) calls them as the contract says."""
+    import json
+    path = tiny if which == "built-in decoder" else _as_arch(tiny_checkpoints, tmp_path, "ExampleLlamaForCausalLM")
+    want = reference
+    num_layers = json.loads((pathlib.Path(path) / "config.json").read_text())["num_hidden_layers"]
+    assert num_layers > 1
+    ex.LAYER_CALLS.clear()
+    llm = make_llm(path, plugins=pm, kv_connector="example-layer-recorder")
+    assert ex.LAYER_CALLS == [("register", num_layers)]
+    ex.LAYER_CALLS.clear()
+    got = token_ids(llm.generate(prompts(), GREEDY))
+    assert got == want                                      # hooks that do nothing change nothing
+    groups = _layer_groups(ex.LAYER_CALLS)
+    steps = [n for n, _ in groups]
+    assert steps == list(range(steps[0], steps[0] + len(steps)))     # every step, in order
+    one_forward = [c for i in range(num_layers) for c in (("wait", i), ("save", i, True))]
+    forwards = [calls for _, calls in groups if calls]
+    assert all(calls == one_forward for _, calls in groups if calls), groups[:3]
+    assert len(forwards) >= max(len(t) for t in got)       # a prefill, then a forward per decode step
+
+
 def test_outside_admission_rule_caps_a_tenant_with_settings(tiny, ex, pm):
     llm = make_llm(tiny, plugins=pm, admission=["tenant-cap"],
                    **{"plugins.admission_rule.tenant-cap": {"max_running": 1}})

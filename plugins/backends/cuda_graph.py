@@ -137,7 +137,8 @@ class CudaGraphRunner(DefaultModelRunner):
     def _logits(self, input_ids, query_lens, context_lens, tables, rows):
         n = len(query_lens)
         size = bucket_for(n, self.sizes)
-        if size is None or any(q != 1 for q in query_lens) or not all(context_lens) or rows != list(range(n)):
+        if (size is None or any(q != 1 for q in query_lens) or not all(context_lens) or rows != list(range(n))
+                or self.ctx.connector is not None):     # a graph cannot call the per-layer connector hooks
             return super()._logits(input_ids, query_lens, context_lens, tables, rows)
         g = self.graphs.get(size) or self._buffers(size)
         ids = np.zeros(size, dtype=np.int64)

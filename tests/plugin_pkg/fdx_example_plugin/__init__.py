@@ -12,7 +12,8 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
   (which also takes the optional fused ``rope_write_kv`` step).
 - ``stop-after`` logits processor: a per-request argument
   (``extra_args={"stop_after": n}``) ends a request after n tokens.
-- ``example-memory`` KV connector: a host-memory store of whole prompts.
+- ``example-memory`` KV connector: a host-memory store of whole prompts;
+  ``example-layer-recorder``: records the per-layer runner-side calls.
 - ``example-int8`` weight format: every matrix (linear layers, embedding,
   LM head) as int8 with one float32 scale for the whole tensor.
 - an observer of every step, through the ``StepContext``, and of every
@@ -43,6 +44,7 @@ ROPE_CALLS: list[int] = []               # tokens per call of NaiveAttention.rop
 FINISHED: list[str] = []
 ADDED: list[str] = []                    # request ids, from fdx_request_added
 OUTPUTS: dict[str, tuple[list[int], str]] = {}   # request id -> (token ids, finish reason) of its output
+LAYER_CALLS: list[tuple] = []            # the example-layer-recorder connector's runner-side calls
 
 
 # --- a scheduler ---------------------------------------------------------------
@@ -321,6 +323,41 @@ class StopAfter(LogitsProcessor):
 
 # --- a KV connector ---------------------------------------------------------------------
 
+class LayerRecorder(KVConnector):
+    """Moves nothing; records its runner-side calls in ``LAYER_CALLS``, in
+    order: ("register", number of KV layers), then each step ("start", its
+    step number from ``build_connector_meta``) and, per decoder layer of the
+    forward, ("wait", layer) and ("save", layer, whether ``kv_layer`` is the
+    registered KV of that layer)."""
+
+    def __init__(self, config, block_size, settings=None):
+        super().__init__(config, block_size, settings)
+        self.step, self.kv_caches = 0, None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self):
+        self.step += 1
+        return self.step
+
+    def register_kv_caches(self, kv_caches, layout):
+        self.kv_caches = kv_caches
+        LAYER_CALLS.append(("register", len(kv_caches)))
+
+    def start_load_kv(self, metadata):
+        LAYER_CALLS.append(("start", metadata))
+
+    def wait_for_layer_load(self, layer):
+        LAYER_CALLS.append(("wait", layer))
+
+    def save_kv_layer(self, layer, kv_layer, attn_metadata):
+        LAYER_CALLS.append(("save", layer, kv_layer is self.kv_caches[layer]))
+
+
 class MemoryStore(KVConnector):
     """Keeps the KV of finished requests' full blocks in host memory, keyed
     by the token prefix they hold, and loads it back for a later request
@@ -475,6 +512,7 @@ def fdx_register_logits_processors(register):
 @hookimpl
 def fdx_register_connectors(register):
     register("example-memory", MemoryStore)
+    register("example-layer-recorder", LayerRecorder)
 
 
 # --- a weight format -------------------------------------------------------------------
