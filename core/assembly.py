@@ -186,6 +186,7 @@ class Assembly:
         runner = (runner_cls or c["runner"])(RunnerContext(
             config=config, model=model, kv_caches=kv_caches, kv_spec=kv_spec, attention=attention,
             sampler=sampler, logits_processors=processors, eos_token_ids=frozenset(eos_token_ids),
-            connector=connector, settings=s("model_runner", self.runner_name), kernels=b.kernels, executor=executor))
+            connector=connector, settings=s("model_runner", b.model_runner if runner_cls else self.runner_name),
+            kernels=b.kernels, executor=executor))
         return dict(logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
                     attention=attention, sampler=sampler, runner=runner)

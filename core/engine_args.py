@@ -131,7 +131,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM: = --kv-cache paged (default: paged)")
     for flag, (key, kind, text) in _ALIAS_FLAGS.items():
         names = [flag, "-tp"] if flag == "--tensor-parallel-size" else [flag]
-        p.add_argument(*names, dest=key, type=kind, default=None, help=text)
+        p.add_argument(*names, dest=key, type=kind, default=None, help=text,
+                       metavar=flag[2:].replace("-", "_").upper() if "." in key else None)
     p.add_argument("--dtype", default=None, type=str.lower, choices=sorted(_DTYPES), metavar="DTYPE",
                    help="vLLM: the dtype weights and activations compute in: auto, float32, float16, bfloat16 "
                         "(and vLLM's half, float); one the backend cannot compute in is an error saying so "
