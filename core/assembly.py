@@ -18,29 +18,21 @@ scheduler side.
 """
 from __future__ import annotations
 
-from fdx.core.config import ConfigError, FdxConfig
+import copy
+
+from fdx.core.config import ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import RunnerContext, SchedulingExtensions
 from fdx.core.plugins import PluginError, PluginManager
 from fdx.core.scheduling import SchedulingCore
 
 
-def connector_name(config: FdxConfig) -> str | None:
-    """The KV connector config asks for: ``cache.kv_connector``, else
-    ``splitwise`` for a prefill or decode role, else ``swap`` when the
-    second tier is configured, else none."""
-    cc = config.cache
-    return cc.kv_connector or ("splitwise" if config.splitwise.role != "mixed" else None) or (
-        "swap" if cc.swap_dir or cc.swap_max_blocks else None)
-
-
 class Assembly:
     def __init__(self, config: FdxConfig, plugins: PluginManager, backend=None):
         self.config, self.plugins = config, plugins
+        self._settings: dict[str, dict] = {}
         self.check_settings()
-        self._settings = {kind: {name: dict(value or {}) for name, value in (by_name or {}).items()}
-                          for kind, by_name in config.plugins.items()}
         sc, dc, cc = config.scheduler, config.decoding, config.cache
-        self.connector_name = connector_name(config)
+        self.connector_name = cc.kv_connector
         builtin = plugins.builtin_names("logits_processor")
         self.processor_names = builtin + [n for n in dc.logits_processors if n not in builtin]
         pick = self.pick
@@ -69,9 +61,18 @@ class Assembly:
         pick, c = self.pick, self.classes
         c["attention"] = pick("attention_backend", "backend.name", backend.attention_backend)
         c["sampler"] = pick("sampler", "backend.name", backend.sampler)
-        if self.config.parallel.tensor_parallel_size > 1:   # worker processes, each with its shard
-            c["runner"] = pick("model_runner", "parallel.tensor_parallel_size", "tp")
+        chosen = self.config.backend.model_runner
+        if chosen:                                          # backend.model_runner: config's pick
+            self.runner_name = chosen
+            c["runner"] = pick("model_runner", "backend.model_runner", chosen)
+            check = getattr(c["runner"], "check_backend", None)
+            if check is not None:                           # it may refuse this backend (ConfigError)
+                check(self.config, backend)
+        elif self.config.parallel.tensor_parallel_size > 1:   # worker processes, each with its shard
+            self.runner_name = self.config.parallel.runner
+            c["runner"] = pick("model_runner", "parallel.runner", self.runner_name)
         else:
+            self.runner_name = backend.model_runner
             c["runner"] = pick("model_runner", "backend.name", backend.model_runner)
 
     # -- lookups --------------------------------------------------------------------
@@ -81,11 +82,22 @@ class Assembly:
         except PluginError as e:
             raise ConfigError(f"config key '{key}': {e}") from None
 
-    def settings(self, kind: str, name: str | None) -> dict:
-        return dict(self._settings.get(kind, {}).get(name or "", {}))
+    def settings(self, kind: str, name: str | None):
+        """What the plugin ``kind``/``name`` is constructed with: its
+        ``Settings`` instance when the class declares one (validated once,
+        here), else the ``plugins.<kind>.<name>`` dict; a fresh copy each call."""
+        by_name = self._settings.setdefault(kind, {})
+        if name not in by_name:
+            try:
+                cls = self.plugins.get(kind, name or "")
+            except PluginError:
+                cls = None
+            by_name[name] = plugin_settings(kind, name or "", cls, {})
+        return copy.deepcopy(by_name[name])
 
     def check_settings(self) -> None:
-        """Every ``plugins.<kind>.<name>`` names a registered plugin, with a mapping."""
+        """Every ``plugins.<kind>.<name>`` names a registered plugin, with a
+        mapping its ``Settings`` schema (if any) accepts."""
         kinds = self.plugins.registries
         for kind, by_name in self.config.plugins.items():
             if kind not in kinds:
@@ -97,6 +109,8 @@ class Assembly:
                                       f"available: {', '.join(sorted(kinds[kind])) or 'none'}")
                 if not isinstance(value, dict):
                     raise ConfigError(f"config key 'plugins.{kind}.{name}' must be a mapping of settings")
+                self._settings.setdefault(kind, {})[name] = plugin_settings(
+                    kind, name, kinds[kind][name].obj, value)
 
     @staticmethod
     def make(kind: str, name: str, cls, *args, **kwargs):
@@ -172,6 +186,7 @@ class Assembly:
         runner = (runner_cls or c["runner"])(RunnerContext(
             config=config, model=model, kv_caches=kv_caches, kv_spec=kv_spec, attention=attention,
             sampler=sampler, logits_processors=processors, eos_token_ids=frozenset(eos_token_ids),
-            connector=connector, settings=s("model_runner", b.model_runner), kernels=b.kernels, executor=executor))
+            connector=connector, settings=s("model_runner", b.model_runner if runner_cls else self.runner_name),
+            kernels=b.kernels, executor=executor))
         return dict(logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
                     attention=attention, sampler=sampler, runner=runner)

@@ -6,10 +6,14 @@ engine.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import dataclasses
+import logging
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+log = logging.getLogger("fdx.config")
 
 
 class ConfigError(ValueError):
@@ -41,11 +45,7 @@ class CacheConfig(_Section):
     block_size: int = Field(16, gt=0, le=1024)
     num_kv_blocks: int | None = Field(None, gt=0)   # None: sized by memory_fraction
     memory_fraction: float = Field(0.1, gt=0, le=0.95)  # of free device memory, for KV
-    kv_cache_ratio: float = Field(0.75, gt=0, le=1)  # v0: share of blocks prompts may take
-    swap_dir: str | None = None                # prefix cache tier 2 in files here (outlives restarts)
-    swap_max_blocks: int | None = Field(None, ge=0)  # tier-2 size in blocks; None: 1024 with swap_dir, else 0 (off)
-    kv_connector: str | None = None            # KV connector plugin name; None: "swap" when swap_dir or
-                                               # swap_max_blocks is set, else none
+    kv_connector: str | None = None            # KV connector plugin name; None: none
 
 
 class SchedulerConfig(_Section):
@@ -70,15 +70,13 @@ class SchedulerConfig(_Section):
 class BackendConfig(_Section):
     name: str = "auto"                         # device backend plugin name, or auto
     num_threads: int | None = Field(None, gt=0)   # CPU threads; None: cores available
-    cuda_graph: bool = False                   # capture decode steps in CUDA graphs (cuda backend with the
-                                               # paddle-block attention only; never run on a GPU yet)
-    cuda_graph_batch_sizes: list[Annotated[int, Field(gt=0)]] = [1, 2, 4, 8, 16, 32]   # padded decode
-                                               # batch sizes captured; a larger decode step runs eagerly
+    model_runner: str | None = None            # model runner plugin name; None: the backend's choice
 
 
 class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, le=64)   # worker processes sharing each layer's heads and
-                                               # MLP columns (the "tp" model runner); 1: in-process
+                                               # MLP columns (the runner below); 1: in-process
+    runner: str = "tp"                         # the model runner plugin under tensor_parallel_size > 1
 
 
 class DecodingConfig(_Section):
@@ -145,18 +143,6 @@ class ServerConfig(_Section):
         return self
 
 
-class SplitwiseConfig(_Section):
-    """Prefill/decode disaggregation (plugins/cache/splitwise.py, docs/deployment.md)."""
-    role: Literal["mixed", "prefill", "decode"] = "mixed"   # flat key: splitwise_role; not mixed: the
-                                               # splitwise KV connector runs (cache.kv_connector)
-    connector_host: str = "127.0.0.1"          # where a decode instance's connector listens (loopback
-                                               # unless told otherwise)
-    connector_port: int = Field(0, ge=0, le=65535)   # required (non-zero) for role decode
-    connector_secret: str | None = None        # shared secret every transfer message must carry
-    transfer_timeout_s: float = Field(30.0, gt=0)    # a transfer step not answered in time fails
-    debug_transfer_delay_s: float = Field(0.0, ge=0)  # test-only: hold each transfer open this long
-
-
 class ObservabilityConfig(_Section):
     observers: list[str] = []                  # observer plugins each engine builds (fdx_register_observers;
                                                # built-in: otel, settings plugins.observer.otel)
@@ -170,10 +156,10 @@ class FdxConfig(_Section):
     decoding: DecodingConfig = DecodingConfig()
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
-    splitwise: SplitwiseConfig = SplitwiseConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     seed: int | None = 0
-    # plugin settings: {kind: {name: {key: value}}}, handed to that plugin's constructor
+    # plugin settings: {kind: {name: {key: value}}}, validated by the plugin's Settings schema (when it
+    # declares one) and handed to its constructor (core/assembly.py)
     plugins: dict[str, dict[str, dict[str, Any]]] = {}
 
     @classmethod
@@ -196,6 +182,9 @@ class FdxConfig(_Section):
         for key, value in overrides.items():
             if value is not None or key in ("seed",):
                 _merge(data, key, value)
+        for _, key, name in sorted(data.pop("__implied__", [])):   # an old key's plugin choice
+            section, field = key.split(".")
+            data.setdefault(section, {}).setdefault(field, name)
         try:
             return cls.model_validate(data)
         except ValidationError as e:
@@ -236,8 +225,7 @@ class FdxConfig(_Section):
                 for k, (s, f) in FLAT_KEYS.items()}
 
 
-SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "splitwise",
-            "observability")
+SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "observability")
 
 # flat key -> (section, field); section "" means top level
 FLAT_KEYS: dict[str, tuple[str, str]] = {"seed": ("", "seed")}
@@ -247,8 +235,66 @@ for _s in SECTIONS:
 FLAT_KEYS["backend"] = ("backend", "name")
 FLAT_KEYS["model"] = ("model", "model")
 FLAT_KEYS.pop("name", None)
-FLAT_KEYS.pop("role", None)
-FLAT_KEYS["splitwise_role"] = ("splitwise", "role")
+
+# Deprecated keys (kept for one release, docs/configuration.md "Deprecated keys"): the old key, flat
+# or dotted, -> the new one. Each use logs one warning naming both. Some old keys also chose a plugin;
+# _implied says which selector a value sets, unless the config sets that selector itself.
+DEPRECATED: dict[str, str] = {
+    "splitwise.role": "plugins.connector.splitwise.role",
+    "splitwise.connector_host": "plugins.connector.splitwise.host",
+    "splitwise.connector_port": "plugins.connector.splitwise.port",
+    "splitwise.connector_secret": "plugins.connector.splitwise.secret",
+    "splitwise.transfer_timeout_s": "plugins.connector.splitwise.transfer_timeout_s",
+    "splitwise.debug_transfer_delay_s": "plugins.connector.splitwise.debug_transfer_delay_s",
+    "cache.kv_cache_ratio": "plugins.resource_manager.v0.kv_cache_ratio",
+    "cache.swap_dir": "plugins.connector.swap.dir",
+    "cache.swap_max_blocks": "plugins.connector.swap.max_blocks",
+    "backend.cuda_graph": "backend.model_runner",
+    "backend.cuda_graph_batch_sizes": "plugins.model_runner.cuda-graph.batch_sizes",
+}
+DEPRECATED_FLAT = {"splitwise_role": "splitwise.role", **{
+    k.split(".", 1)[1]: k for k in DEPRECATED if k.split(".", 1)[1] not in FLAT_KEYS and k != "splitwise.role"}}
+DEPRECATED_SECTIONS = ("splitwise",)
+_warned: set[str] = set()
+
+
+def _implied(old: str, value: Any) -> tuple[str, Any] | None | bool:
+    """What an old key's value means now: (selector key, plugin name) it also sets, None when it
+    only moves, False when the value is the old default that selected nothing (dropped)."""
+    if old == "backend.cuda_graph":
+        return ("backend.model_runner", "cuda-graph") if value else False
+    if old == "splitwise.role":
+        return ("cache.kv_connector", "splitwise") if value in ("prefill", "decode") else (
+            False if value == "mixed" else None)
+    if old in ("cache.swap_dir", "cache.swap_max_blocks"):
+        return ("cache.kv_connector", "swap") if value else None
+    return None
+
+
+def plugin_settings(kind: str, name: str, cls: Any, raw: dict | None) -> Any:
+    """The ``plugins.<kind>.<name>`` mapping ``raw`` as the plugin class
+    declares it: validated into ``cls.Settings`` (a pydantic model or a
+    dataclass; an unknown key or a bad value is a ConfigError naming
+    ``plugins.<kind>.<name>.<key>``), or, for a class without one, the dict
+    itself (the plugin checks it)."""
+    raw = dict(raw or {})
+    schema = getattr(cls, "Settings", None)
+    if schema is None:
+        return raw
+    key = f"plugins.{kind}.{name}"
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        known = set(schema.model_fields)
+    elif dataclasses.is_dataclass(schema):
+        known = {f.name for f in dataclasses.fields(schema)}
+    else:
+        raise TypeError(f"{cls.__qualname__}.Settings must be a pydantic model or a dataclass")
+    for k in raw:
+        if k not in known:
+            raise ConfigError(f"unknown config key '{key}.{k}'; {name} has: {', '.join(sorted(known)) or 'none'}")
+    try:
+        return TypeAdapter(schema).validate_python(raw)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, key)) from None
 
 
 def _merge(data: dict[str, Any], key: str, value: Any) -> None:
@@ -272,12 +318,31 @@ def _merge(data: dict[str, Any], key: str, value: Any) -> None:
         else:
             node[path[-1]] = value
         return
-    if key in SECTIONS and isinstance(value, dict):
+    if key in DEPRECATED_FLAT:
+        key = DEPRECATED_FLAT[key]
+    if key in DEPRECATED:
+        new = DEPRECATED[key]
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("config key '%s' is deprecated: use '%s' (docs/configuration.md)", key, new)
+        implied = _implied(key, value)
+        if implied is False:
+            return
+        if implied is not None:
+            data.setdefault("__implied__", []).append((list(DEPRECATED).index(key), *implied))
+            if implied[0] == new:
+                return
+        _merge(data, new, value)
+        return
+    if (key in SECTIONS or key in DEPRECATED_SECTIONS) and isinstance(value, dict):
         for k, v in value.items():
             _merge(data, f"{key}.{k}", v)
         return
     if "." in key:
         section, field = key.split(".", 1)
+        if section in DEPRECATED_SECTIONS:
+            raise ConfigError(f"unknown config key '{key}'; section '{section}' is deprecated and has: "
+                              f"{', '.join(k.split('.', 1)[1] for k in DEPRECATED if k.startswith(section + '.'))}")
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '{section}' in key '{key}' "
                               f"(sections: {', '.join(SECTIONS)})")
@@ -295,9 +360,9 @@ def _merge(data: dict[str, Any], key: str, value: Any) -> None:
     data.setdefault(section, {})[field] = value
 
 
-def _describe(e: ValidationError) -> str:
+def _describe(e: ValidationError, prefix: str = "") -> str:
     parts = []
     for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"])
+        loc = ".".join([prefix] * bool(prefix) + [str(p) for p in err["loc"]])
         parts.append(f"config key '{loc}': {err['msg']} (got {err.get('input')!r})")
     return "; ".join(parts)

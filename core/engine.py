@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fdx.core.assembly import Assembly
-from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.config import ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import Backend, KVCacheSpec, Model, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus, request_output
@@ -31,8 +31,9 @@ POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
     """The backend ``backend.name`` names (auto: the available one with the
     highest priority), constructed with its settings; not yet set up."""
-    def settings(name: str) -> dict:
-        return dict(config.plugins.get("backend", {}).get(name, {}) or {})
+    def settings(name: str):
+        return plugin_settings("backend", name, plugins.get("backend", name),
+                               config.plugins.get("backend", {}).get(name))
 
     name = config.backend.name
     if name != "auto":
@@ -86,16 +87,14 @@ class EngineCore:
         self.observers = assembly.observers()    # observability.observers (a bad setting fails before the load)
         self.backend = self._select_backend()
         dtype = self._resolve_dtype()
-        assembly.set_backend(self.backend)
         # a runner whose model lives in worker processes (tensor parallel): each worker sets the backend
         # up (device, threads, kernel probe) and this process takes rank 0's findings, so it never
         # loads Paddle (docs/benchmarks.md)
-        launch = getattr(assembly.classes["runner"], "launch", None)
-        in_workers = launch is not None
+        in_workers = config.parallel.tensor_parallel_size > 1 and not config.backend.model_runner
         if not in_workers:
             self.backend.setup(config)
-            assembly.set_backend(self.backend)   # after setup: a backend may choose its attention by a probe
-        self._check_cuda_graph(in_workers)
+        assembly.set_backend(self.backend)       # after setup: a backend may choose its attention by a probe
+        launch = getattr(assembly.classes["runner"], "launch", None)
 
         from fdx.core.checkpoint.loader import is_default_model, load_metadata
         from fdx.core.checkpoint.model import check_model_class, load_model, weight_format
@@ -222,14 +221,6 @@ class EngineCore:
 
     def _select_backend(self) -> Backend:
         return select_backend(self.config, self.plugins)
-
-    def _check_cuda_graph(self, in_workers: bool) -> None:
-        if self.config.backend.cuda_graph and in_workers:      # the ranks run their own runner
-            raise ConfigError("config key 'backend.cuda_graph': CUDA graphs are not captured under "
-                              "parallel.tensor_parallel_size > 1")
-        if self.config.backend.cuda_graph and not getattr(self.backend, "captures_cuda_graphs", False):
-            raise ConfigError(f"config key 'backend.cuda_graph': the {self.backend.name} backend cannot capture "
-                              "CUDA graphs (only cuda can, with paddlepaddle-gpu and the paddle-block attention)")
 
     def _resolve_dtype(self) -> str:
         want, have = self.config.model.dtype, self.backend.dtypes

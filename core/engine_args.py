@@ -35,13 +35,14 @@ _ALIAS_FLAGS = {
                                  "vLLM/FastDeploy: in fdx, the share of the memory left free after the weights and "
                                  "one largest-batch forward that the KV cache may take, capped by what "
                                  "max_num_seqs x max_model_len can use (cache.memory_fraction; default: 0.1)"),
-    "--kv-cache-ratio": ("kv_cache_ratio", float,
-                         "FastDeploy: the v0 scheduler's share of KV blocks prompts may take (cache.kv_cache_ratio; "
-                         "default: 0.75)"),
+    "--kv-cache-ratio": ("plugins.resource_manager.v0.kv_cache_ratio", float,
+                         "FastDeploy: the v0 scheduler's share of KV blocks prompts may take "
+                         "(plugins.resource_manager.v0.kv_cache_ratio; default: 0.75)"),
     "--num-gpu-blocks-override": ("num_kv_blocks", int, "vLLM/FastDeploy: = --num-kv-blocks (default: sized by "
                                                          "cache.memory_fraction)"),
     "--splitwise-role": ("splitwise_role", str,
-                         "FastDeploy: mixed, prefill or decode (splitwise.role; default: mixed; docs/deployment.md)"),
+                         "FastDeploy: mixed, prefill or decode (= --set kv_connector=splitwise --set "
+                         "plugins.connector.splitwise.role=ROLE; default: mixed; docs/deployment.md)"),
     "--chat-template": ("chat_template", str,
                         "vLLM: a Jinja chat template, as a file or the template text (model.chat_template; "
                         "default: the model's own)"),
@@ -60,12 +61,13 @@ FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
                                          "or several servers behind fdx router (docs/deployment.md)"),
     "--data-parallel-size": (("1",), "fdx has no data-parallel engine; run one server per replica behind "
                                      "fdx router or a load balancer (docs/deployment.md)"),
-    "--enforce-eager": (("",), "fdx always runs eagerly unless backend.cuda_graph is set"),
+    "--enforce-eager": (("",), "fdx always runs eagerly unless backend.model_runner is cuda-graph"),
     "--disable-log-requests": (("",), "fdx logs no request contents"),
     "--disable-log-stats": (("",), "fdx logs no periodic stats; they are at /metrics"),
     "--kv-cache-dtype": (("auto",), "fdx keeps the KV cache in the model's dtype (model.dtype)"),
     "--load-format": (("auto",), "fdx reads safetensors folders and GGUF files as they are"),
-    "--swap-space": ((), "fdx's second KV tier is counted in blocks: --set swap_max_blocks=N (docs/configuration.md)"),
+    "--swap-space": ((), "fdx's second KV tier is counted in blocks: --set kv_connector=swap "
+                              "--set plugins.connector.swap.max_blocks=N (docs/configuration.md)"),
     "--cpu-offload-gb": ((), "fdx keeps the weights on the device it runs on; use --quantization to shrink them"),
     "--tokenizer": ((), "fdx reads the tokenizer from the model folder or GGUF file"),
     "--revision": ((), "fdx loads local files only and downloads nothing"),
@@ -129,7 +131,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM: = --kv-cache paged (default: paged)")
     for flag, (key, kind, text) in _ALIAS_FLAGS.items():
         names = [flag, "-tp"] if flag == "--tensor-parallel-size" else [flag]
-        p.add_argument(*names, dest=key, type=kind, default=None, help=text)
+        p.add_argument(*names, dest=key, type=kind, default=None, help=text,
+                       metavar=flag[2:].replace("-", "_").upper() if "." in key else None)
     p.add_argument("--dtype", default=None, type=str.lower, choices=sorted(_DTYPES), metavar="DTYPE",
                    help="vLLM: the dtype weights and activations compute in: auto, float32, float16, bfloat16 "
                         "(and vLLM's half, float); one the backend cannot compute in is an error saying so "
@@ -140,8 +143,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="vLLM/FastDeploy: accepted and ignored: fdx runs no code from a model's folder "
                         "(default: off, and on changes nothing)")
-    p.add_argument("--use-cudagraph", dest="cuda_graph", action="store_const", const=True,
-                   help="FastDeploy: = --set cuda_graph=true (cuda backend only; default: off)")
+    p.add_argument("--use-cudagraph", dest="model_runner", action="store_const", const="cuda-graph",
+                   help="FastDeploy: = --set model_runner=cuda-graph (cuda backend only; default: off)")
     for flag in FOREIGN_FLAGS:         # listed in docs/migrating.md, not in --help
         p.add_argument(flag, action=_Foreign, nargs=0 if flag in _SWITCHES else None, metavar="VALUE",
                        help=argparse.SUPPRESS)
@@ -173,7 +176,7 @@ def _guided_backend(name: str) -> str:
 def _overrides(args) -> dict:
     check_foreign_flags(args)
     out = {}
-    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "enable_chunked_prefill", "cuda_graph",
+    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "enable_chunked_prefill", "model_runner",
             *(key for key, _, _ in _ALIAS_FLAGS.values()))
     for key in keys:
         v = getattr(args, key, None)

@@ -80,7 +80,7 @@ def fdx_register_kv_caches(register: Register) -> None:
 def fdx_register_connectors(register: Register) -> None:
     """Register KV connectors (``KVConnector`` subclasses) that move KV
     blocks in and out of the pool: a host/file tier, another instance.
-    ``config.cache.kv_connector`` picks one (built-in: ``swap``)."""
+    ``config.cache.kv_connector`` picks one (built-ins: ``swap``, ``splitwise``)."""
 
 
 @hookspec

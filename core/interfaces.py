@@ -3,13 +3,17 @@
 A plugin implements one of these classes (subclassing it, or matching it
 method for method) and registers it by name through a registration hook
 (core/hookspecs.py); config picks it by that name. Every class the engine
-constructs receives ``settings``: the dict from the config section
-``plugins: {<kind>: {<name>: {...}}}`` (empty when absent), which the plugin
-validates itself, raising ``ValueError`` naming the key.
+constructs receives ``settings`` from the config section
+``plugins: {<kind>: {<name>: {...}}}``: when the class declares a
+``Settings`` schema (a pydantic model or a dataclass, as a class attribute),
+an instance of it that the engine validated (errors name
+``plugins.<kind>.<name>.<key>``; defaults when the section is absent);
+otherwise the dict (empty when absent), which the plugin validates itself,
+raising ``ValueError`` naming the key.
 
 The data between the parts is plain: dataclasses of ints, strings, lists
 and ``SamplingParams``, so a step can cross a process boundary (msgspec
-encodes every one of them; see core/serving/messages.py).
+encodes every one of them; see core/messages.py).
 """
 from __future__ import annotations
 
@@ -238,9 +242,12 @@ class KVConnector(abc.ABC):
     ``build_connector_meta`` turns what the step needs into plain data, which
     rides in ``SchedulerOutput.kv_connector_metadata``; the runner calls
     ``start_load_kv`` before the forward (loaded blocks must be in place
-    before any layer reads them), ``save_kv_layer`` after each layer if it
-    saves layer by layer, and reports finished transfers with
-    ``get_finished``. A finished request whose ``request_finished`` returned
+    before any layer reads them, unless the connector waits per layer), and
+    the model's forward calls, for each decoder layer ``i`` in order,
+    ``wait_for_layer_load(i)`` before that layer's attention reads its KV and
+    ``save_kv_layer(i, kv_caches[i], attn_metadata)`` after it wrote it (see
+    ``AttentionContext.connector``; not called at all when no connector
+    runs); then the runner reports finished transfers with ``get_finished``. A finished request whose ``request_finished`` returned
     True keeps its blocks until the runner reports its id in
     ``finished_sending``.
     """
@@ -308,10 +315,17 @@ class KVConnector(abc.ABC):
         """Load what ``metadata`` says into the KV blocks (before the forward)."""
 
     def wait_for_layer_load(self, layer: int) -> None:
-        """Block until ``layer``'s KV is loaded. Default: loads are synchronous."""
+        """Called in the forward before decoder layer ``layer`` (0, 1, ...,
+        ``num_layers - 1``, in order) reads its KV: block until what
+        ``start_load_kv`` started for that layer is in place. Default: loads
+        are synchronous, nothing to wait for."""
 
-    def save_kv_layer(self, layer: int, metadata: Any) -> None:
-        """Called after each layer's KV was written. Default: nothing."""
+    def save_kv_layer(self, layer: int, kv_layer: Any, attn_metadata: Any) -> None:
+        """Called in the forward after decoder layer ``layer`` wrote this
+        step's KV into ``kv_layer`` (that layer's ``(k_cache, v_cache)``, as
+        registered with ``register_kv_caches``); ``attn_metadata`` is the
+        step's ``AttentionContext``. A connector that saves layer by layer
+        starts copying here. Default: nothing."""
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(request ids whose saves finished, ids whose loads finished) since
@@ -1055,6 +1069,11 @@ class AttentionContext:
     kernel runs."""
     backend: AttentionBackend
     metadata: Any
+    # The KV connector's per-layer hooks, when one runs (None: none, and a model calls nothing). A
+    # model's forward, for decoder layer i:  if meta.connector is not None:
+    # meta.connector.wait_for_layer_load(i) before the layer's attention, and
+    # meta.connector.save_kv_layer(i, kv_caches[i], meta) after it (KVConnector).
+    connector: "KVConnector | None" = None
 
     @property
     def positions(self) -> Any:
@@ -1090,8 +1109,8 @@ class Backend(abc.ABC):
     sampler: str = "host"              # a name registered by fdx_register_samplers
     model_runner: str = "default"      # a name registered by fdx_register_model_runners
     dtypes: tuple[str, ...] = ("float32",)   # model.dtype values it computes in; the first is "auto"
-    captures_cuda_graphs: bool = False       # set by setup when it honours backend.cuda_graph (else
-                                             # the engine rejects that key)
+    captures_cuda_graphs: bool = False       # set when a graph-capturing model runner accepted this
+                                             # backend (its check_backend)
     kernels: KernelTable = REFERENCE         # set by setup: the kernels beyond plain Paddle math that passed
                                              # their probe here (fdx.core.kernels); the model runner
                                              # installs it for each step
@@ -1163,7 +1182,8 @@ class RunnerContext:
     logits_processors: list[LogitsProcessor]
     eos_token_ids: frozenset[int]
     connector: KVConnector | None = None
-    settings: dict = field(default_factory=dict)
+    settings: Any = field(default_factory=dict)   # plugins.model_runner.<name>: the runner class's
+                                        # Settings instance, or the dict when it declares none
     kernels: KernelTable = REFERENCE    # the backend's probed kernel table: a runner steps under
                                         # ``fdx.core.kernels.using(kernels)``
     executor: Any = None                # what the runner class's ``launch`` returned (its worker
@@ -1180,7 +1200,12 @@ class ModelRunner(abc.ABC):
     pooling one: in the step its prompt's last token is computed, the runner
     puts its pooled, optionally normalized final hidden state in
     ``ModelRunnerOutput.pooled`` (``model.pooling_type``, ``model.normalize``);
-    the token it samples then is never shown."""
+    the token it samples then is never shown.
+
+    ``backend.model_runner`` picks a runner over the backend's choice; such a
+    class may define ``check_backend(config, backend)`` (a classmethod,
+    called once when the backend is chosen) raising ``ConfigError`` when it
+    cannot run there."""
 
     def __init__(self, ctx: RunnerContext):
         self.ctx = ctx

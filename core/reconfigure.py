@@ -9,13 +9,12 @@ from fdx.core.config import ConfigError, FdxConfig
 # the scheduler side, the KV cache plugin over the same tensors, the connector, the logits
 # processors and the sampler's seed; plugin settings of those kinds
 RECONFIGURABLE = ("scheduler.", "cache.kv_cache", "cache.num_kv_blocks", "cache.kv_connector",
-                  "cache.swap_dir", "cache.swap_max_blocks", "cache.kv_cache_ratio",
                   "decoding.logits_processors", "seed", *(f"plugins.{k}." for k in (
                       "resource_manager", "queue_policy", "admission_rule", "preemption_policy", "kv_cache",
                       "connector", "logits_processor")))
 # held by the runner, which tensor parallel workers own: not changed under tensor parallel
 RUNNER_SIDE = ("decoding.logits_processors", "seed", "plugins.logits_processor.", "cache.kv_connector",
-               "cache.swap_dir", "cache.swap_max_blocks", "plugins.connector.")
+               "plugins.connector.")
 
 
 def reconfigured(current: FdxConfig, config: FdxConfig | None, changes: dict[str, Any], *,

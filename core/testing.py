@@ -186,7 +186,9 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
     cfg = FdxConfig.build(resource_manager=resource_manager, kv_cache=kv_cache, policy=policy,
                           preemption=preemption, admission=list(admission), block_size=w["bs"],
                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
-                          enable_chunked_prefill=w["chunked"], swap_max_blocks=w["swap"], plugins=plugins or {})
+                          enable_chunked_prefill=w["chunked"], plugins=plugins or {},
+                          **({"kv_connector": "swap", "plugins.connector.swap.max_blocks": w["swap"]}
+                             if w["swap"] else {}))
     assembly = Assembly(cfg, pm)            # the engine's assembly, scheduler side
     tp = assembly.token_processor(StubTokenizer())
     parts = assembly.scheduler_side(w["num_blocks"], tp, w["max_model_len"])

@@ -89,7 +89,7 @@ _status: str | None = None                   # what prepare() did, in words (the
 # layer, 64 sequences decoding over 256 cached tokens, SmolLM2's 9/3 heads, one thread).
 PADDLE_PATH_COST = ("decode attention about 2.5x slower (4.2 ms against 1.7 ms a layer at 64 sequences "
                     "x 256 tokens; python -m fdx.ops.bench_attention), SiLU-and-mul and rotary + KV write "
-                    "5-9x slower at 64 rows (python -m fdx.ops.bench_kernels)")
+                    "5-9x slower at 64 rows (python -m fdx.plugins.backends.bench_kernels)")
 
 
 def _disabled() -> bool:

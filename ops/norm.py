@@ -18,7 +18,7 @@ __all__ = ["rms_norm", "add_rms_norm", "CPP_MIN_ROWS"]
 
 # Rows from which the compiled kernel wins: below, Paddle's custom-op call
 # (about 7 us more than a built-in op's) costs more than the kernel saves
-# (python -m fdx.ops.bench_kernels: 0.7x at 1 row, 1.7x at 64).
+# (python -m fdx.plugins.backends.bench_kernels: 0.7x at 1 row, 1.7x at 64).
 CPP_MIN_ROWS = 32
 
 

@@ -36,3 +36,77 @@ def test_bad_yaml_names_the_key(tmp_path):
     path.write_text("cache: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         FdxConfig.build(str(path))
+
+
+# -- plugin settings moved out of the core (issue 19): the old keys are aliases for one release
+
+OLD_TO_NEW = [   # (old key as given, value, the new place, the plugin it also selects: (key, name))
+    (dict(swap_dir="/tmp/t"), ("connector", "swap", "dir", "/tmp/t"), ("cache", "kv_connector", "swap")),
+    ({"cache.swap_max_blocks": 8}, ("connector", "swap", "max_blocks", 8), ("cache", "kv_connector", "swap")),
+    (dict(swap_max_blocks=0), ("connector", "swap", "max_blocks", 0), ("cache", "kv_connector", None)),
+    (dict(kv_cache_ratio=0.5), ("resource_manager", "v0", "kv_cache_ratio", 0.5), None),
+    (dict(splitwise_role="decode"), ("connector", "splitwise", "role", "decode"),
+     ("cache", "kv_connector", "splitwise")),
+    (dict(splitwise={"connector_port": 9, "role": "prefill"}), ("connector", "splitwise", "port", 9),
+     ("cache", "kv_connector", "splitwise")),
+    (dict(debug_transfer_delay_s=1.5), ("connector", "splitwise", "debug_transfer_delay_s", 1.5), None),
+    (dict(cuda_graph=True), None, ("backend", "model_runner", "cuda-graph")),
+    (dict(cuda_graph=False), None, ("backend", "model_runner", None)),
+    ({"backend.cuda_graph_batch_sizes": [1, 2]}, ("model_runner", "cuda-graph", "batch_sizes", [1, 2]), None),
+]
+
+
+@pytest.mark.parametrize("old,new,selects", OLD_TO_NEW)
+def test_old_plugin_keys_map_to_the_plugin_settings_with_a_warning(old, new, selects, caplog, monkeypatch):
+    from fdx.core import config as config_mod
+    monkeypatch.setattr(config_mod, "_warned", set())
+    with caplog.at_level("WARNING", logger="fdx.config"):
+        cfg = FdxConfig.build(**old)
+    kind, name, key, value = new or (None, None, None, None)
+    if new:
+        assert cfg.plugins[kind][name][key] == value
+    if selects:
+        section, field, plugin = selects
+        assert getattr(getattr(cfg, section), field) == plugin
+    warned = [r.getMessage() for r in caplog.records]       # one line each, naming the old key and the new
+    assert warned and all("\n" not in w and any(f"'{k}' is deprecated: use '{v}'" in w
+                                                for k, v in config_mod.DEPRECATED.items()) for w in warned), warned
+
+
+def test_an_explicit_selector_wins_over_what_an_old_key_implied():
+    cfg = FdxConfig.build(swap_dir="/tmp/t", kv_connector="example-memory")
+    assert cfg.cache.kv_connector == "example-memory" and cfg.plugins["connector"]["swap"] == {"dir": "/tmp/t"}
+    both = FdxConfig.build(swap_max_blocks=4, splitwise_role="prefill")     # as before: splitwise first
+    assert both.cache.kv_connector == "splitwise"
+
+
+def test_the_core_config_has_no_plugin_settings_left():
+    fields = {f"{s}.{f}" for s in ("cache", "backend") for f in type(getattr(FdxConfig(), s)).model_fields}
+    assert not fields & {"cache.swap_dir", "cache.swap_max_blocks", "cache.kv_cache_ratio", "backend.cuda_graph",
+                         "backend.cuda_graph_batch_sizes"}
+    assert "splitwise" not in FdxConfig.model_fields
+    with pytest.raises(ConfigError, match=r"unknown config key 'splitwise\.bogus'"):
+        FdxConfig.build(**{"splitwise.bogus": 1})
+
+
+def test_plugin_settings_schemas_name_the_full_key():
+    """The built-ins' schemas, through the assembly (where the engine validates them, once)."""
+    from fdx.core.assembly import Assembly
+    from fdx.core.plugins import get_plugin_manager
+    pm = get_plugin_manager()
+    cases = [
+        ({"plugins.connector.splitwise": {"role": "decode"}, "kv_connector": "splitwise"},
+         r"config key 'plugins\.connector\.splitwise': Value error, port must be set"),
+        ({"plugins.connector.splitwise": {"role": "decode", "port": 70000}, "kv_connector": "splitwise"},
+         r"config key 'plugins\.connector\.splitwise\.port': Input should be less than or equal to 65535"),
+        ({"plugins.connector.swap.max_blocks": -1}, r"config key 'plugins\.connector\.swap\.max_blocks'"),
+        (dict(kv_cache_ratio=1.5), r"config key 'plugins\.resource_manager\.v0\.kv_cache_ratio': Input should be "
+                                   r"less than or equal to 1"),
+        ({"plugins.resource_manager.v0.ratio": 0.5}, r"unknown config key 'plugins\.resource_manager\.v0\.ratio'"),
+    ]
+    for overrides, needle in cases:
+        with pytest.raises(ConfigError, match=needle):
+            Assembly(FdxConfig.build(**overrides), pm)
+    a = Assembly(FdxConfig.build(resource_manager="v0", kv_cache_ratio=0.4), pm)
+    assert a.settings("resource_manager", "v0").kv_cache_ratio == 0.4
+    assert a.settings("connector", "swap").max_blocks is None       # the schema's defaults, unconfigured

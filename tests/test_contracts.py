@@ -250,6 +250,43 @@ def test_outside_connector_loads_what_it_saved(tiny, reference, pm):
     assert stats["loaded_blocks"] >= sum((len(p) - 1) // 4 for p in PROMPTS), stats
 
 
+def _layer_groups(calls):
+    """LAYER_CALLS cut at each step's ("start", n): [(n, the calls of that step's forward)]."""
+    groups = []
+    for c in calls:
+        if c[0] == "start":
+            groups.append((c[1], []))
+        else:
+            groups[-1][1].append(c)
+    return groups
+
+
+@pytest.mark.parametrize("which", ["built-in decoder", "outside model"])
+def test_outside_connector_sees_the_per_layer_hooks_in_order(which, tiny, tiny_checkpoints, reference, ex, pm,
+                                                            tmp_path):
+    """wait_for_layer_load(i) and save_kv_layer(i, that layer's KV, meta), once per decoder
+    layer of each forward, in layer order, after the step's start_load_kv, through LLM; the
+    outside model (tests/plugin_pkg, the same weights) calls them as the contract says."""
+    import json
+    path = tiny if which == "built-in decoder" else _as_arch(tiny_checkpoints, tmp_path, "ExampleLlamaForCausalLM")
+    want = reference
+    num_layers = json.loads((pathlib.Path(path) / "config.json").read_text())["num_hidden_layers"]
+    assert num_layers > 1
+    ex.LAYER_CALLS.clear()
+    llm = make_llm(path, plugins=pm, kv_connector="example-layer-recorder")
+    assert ex.LAYER_CALLS == [("register", num_layers)]
+    ex.LAYER_CALLS.clear()
+    got = token_ids(llm.generate(prompts(), GREEDY))
+    assert got == want                                      # hooks that do nothing change nothing
+    groups = _layer_groups(ex.LAYER_CALLS)
+    steps = [n for n, _ in groups]
+    assert steps == list(range(steps[0], steps[0] + len(steps)))     # every step, in order
+    one_forward = [c for i in range(num_layers) for c in (("wait", i), ("save", i, True))]
+    forwards = [calls for _, calls in groups if calls]
+    assert all(calls == one_forward for _, calls in groups if calls), groups[:3]
+    assert len(forwards) >= max(len(t) for t in got)       # a prefill, then a forward per decode step
+
+
 def test_outside_admission_rule_caps_a_tenant_with_settings(tiny, ex, pm):
     llm = make_llm(tiny, plugins=pm, admission=["tenant-cap"],
                    **{"plugins.admission_rule.tenant-cap": {"max_running": 1}})
@@ -272,9 +309,17 @@ def test_outside_admission_rule_caps_a_tenant_with_settings(tiny, ex, pm):
         pm.pm.unregister(name="tenant-watch")
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert all(t.count("a") <= 1 for t in running_by_step) and any(len(t) == 2 for t in running_by_step)
-    with pytest.raises(ConfigError, match=r"plugins.admission_rule.tenant-cap.*max_running must be a positive"):
-        make_llm(tiny, plugins=pm, admission=["tenant-cap"],
-                 **{"plugins.admission_rule.tenant-cap": {"max_running": 0}})
+    two = make_llm(tiny, plugins=pm, admission=["tenant-cap"],        # the value set reaches the rule
+                   **{"plugins.admission_rule.tenant-cap": {"max_running": 2}})
+    assert [r.max_running for r in two.engine.resource_manager.ext.admission_rules] == [2]
+    # its Settings schema, validated by the engine: errors name the full key (even when not selected)
+    for value, why in ((0, "greater than or equal to 1"), ("two", "valid integer")):
+        with pytest.raises(ConfigError, match=rf"config key 'plugins\.admission_rule\.tenant-cap\.max_running'"
+                                              rf": Input should be (a )?{why}"):
+            make_llm(tiny, plugins=pm, admission=["tenant-cap"],
+                     **{"plugins.admission_rule.tenant-cap": {"max_running": value}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'plugins\.admission_rule\.tenant-cap\.max_runing'"):
+        make_llm(tiny, plugins=pm, **{"plugins.admission_rule.tenant-cap.max_runing": 2})
     with pytest.raises(ConfigError, match=r"plugins.admission_rule.nope.*no admission_rule named 'nope'"):
         make_llm(tiny, plugins=pm, **{"plugins.admission_rule.nope": {"x": 1}})
 

@@ -1,4 +1,4 @@
-"""``backend.cuda_graph`` on the fake device layer: who may turn it on
+"""``backend.model_runner: cuda-graph`` on the fake device layer: who may turn it on
 (config errors naming the key), bucketing, and the cuda-graph runner's
 padded static-buffer steps. CUDA graph capture and replay themselves need a
 GPU and never ran: here ``_capture`` and ``_replay`` are replaced by eager
@@ -37,25 +37,25 @@ def test_buckets():
 
 
 def test_backends_that_cannot_capture_say_so(tiny, monkeypatch):
-    with pytest.raises(ConfigError, match=r"backend\.cuda_graph.*the cpu backend cannot capture CUDA graphs"):
+    with pytest.raises(ConfigError, match=r"backend\.model_runner.*the cpu backend cannot capture CUDA graphs"):
         make_llm(tiny, cuda_graph=True)
     with monkeypatch.context() as m:
         FakeDevice(m, "iluvatar")
-        with pytest.raises(ConfigError, match=r"backend\.cuda_graph.*the iluvatar backend cannot"):
+        with pytest.raises(ConfigError, match=r"backend\.model_runner.*the iluvatar backend cannot"):
             make_llm(tiny, dtype="float32", cuda_graph=True)
     with monkeypatch.context() as m:
         FakeDevice(m, "cuda")                      # this CPU wheel's graphs module: not supported
-        with pytest.raises(ConfigError, match=r"backend\.cuda_graph.*this Paddle build .* cannot capture"):
+        with pytest.raises(ConfigError, match=r"backend\.model_runner.*this Paddle build .* cannot capture"):
             make_llm(tiny, dtype="float32", cuda_graph=True)
     with monkeypatch.context() as m:
         graph_capable(m, kernel=False)             # no block_multihead_attention: the reference attention
-        with pytest.raises(ConfigError, match=r"backend\.cuda_graph.*needs the paddle-block attention"):
+        with pytest.raises(ConfigError, match=r"backend\.model_runner.*needs the paddle-block attention"):
             make_llm(tiny, dtype="float32", cuda_graph=True)
 
 
 def test_a_bad_batch_size_names_the_key(tiny):
-    with pytest.raises(Exception, match="cuda_graph_batch_sizes"):
-        make_llm(tiny, cuda_graph_batch_sizes=[0, 2])
+    with pytest.raises(ConfigError, match=r"plugins\.model_runner\.cuda-graph\.batch_sizes\.0.*greater than 0"):
+        make_llm(tiny, cuda_graph_batch_sizes=[0, 2])             # the deprecated key, checked at its new place
 
 
 def test_decode_steps_run_padded_static_buffers(tiny, reference, monkeypatch):

@@ -1,8 +1,15 @@
-"""No import circle in the package (issue 19): every import of every module
-of fdx, at module level or inside a function, read from the source, makes a
-graph; a strongly connected part of more than one module is a circle. The
-layers import downward only: entry points (cli, serving, bench) -> engine
-and contracts -> plugins / ops / checkpoint I/O."""
+"""No import circle in the package, and the layers import downward only
+(issue 19; docs/architecture.md "Layers"): every import of every module of
+fdx, at module level or inside a function, read from the source, makes a
+graph; a strongly connected part of more than one module is a circle, and
+an edge against the layer rules below is a violation.
+
+    entry points   fdx.core.cli, fdx.core.engine_args, fdx.core.serving.*, fdx.core.bench.*
+    engine         fdx.core.* (the rest): the contracts, the engine, the LLM API
+    checkpoint     fdx.core.checkpoint.*: model I/O, over the contracts only
+    plugins        fdx.plugins.*: found by the plugin manager, never imported by core
+    ops            fdx.ops.*: kernels, over fdx.core.kernels and fdx.core.host only
+"""
 from __future__ import annotations
 
 import ast
@@ -82,3 +89,88 @@ def test_no_import_circle_in_the_package():
     found = circles(graph)
     assert found - KNOWN == set(), f"import circles: {[sorted(c) for c in found - KNOWN]}"
     assert KNOWN - found == set(), f"gone, take them off KNOWN: {[sorted(c) for c in KNOWN - found]}"
+
+
+# -- the layers ------------------------------------------------------------------------
+
+ENTRY = ("fdx.core.cli", "fdx.core.engine_args", "fdx.core.serving", "fdx.core.bench")
+# what model I/O may use: the contracts and the plain helpers under the engine
+CONTRACTS = {f"fdx.core.{m}" for m in ("config", "interfaces", "hookspecs", "plugins", "kernels", "host",
+                                       "generation", "request", "sampling_params", "messages")} | {"fdx.core"}
+OPS_MAY_USE = {"fdx.core", "fdx.core.kernels", "fdx.core.host"}   # the kernel table and the CPU's identity
+
+
+def layer(module: str) -> str:
+    if module == "fdx":
+        return "root"
+    if module.startswith("fdx.core"):
+        if any(module == e or module.startswith(e + ".") for e in ENTRY):
+            return "entry"
+        return "checkpoint" if module.startswith("fdx.core.checkpoint") else "engine"
+    return module.split(".")[1]          # plugins, ops
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for m, targets in graph.items():
+        a = layer(m)
+        for t in sorted(targets):
+            b = layer(t)
+            why = None
+            if a in ("engine", "checkpoint", "plugins", "ops") and b == "entry":
+                why = "imports an entry point (cli, serving, bench)"
+            elif a in ("engine", "checkpoint", "entry", "root") and b == "plugins":
+                why = "core imports a plugin module (look it up through the plugin manager)"
+            elif a == "checkpoint" and b == "engine" and t not in CONTRACTS:
+                why = "model I/O imports the engine side (it may use only the contracts)"
+            elif a == "ops" and b != "ops" and t not in OPS_MAY_USE:
+                why = f"ops imports beyond {sorted(OPS_MAY_USE)}"
+            if why:
+                bad.append(f"{m} -> {t}: {why}")
+    return bad
+
+
+def test_the_layer_check_sees_each_kind_of_violation():
+    graph = {"fdx.core.engine": {"fdx.core.serving.app", "fdx.core.config"},
+             "fdx.core.assembly": {"fdx.plugins.cache.swap"},
+             "fdx.core.checkpoint.model": {"fdx.core.engine", "fdx.core.interfaces"},
+             "fdx.ops.attention": {"fdx.core.kernels", "fdx.core.config"},
+             "fdx.plugins.schedulers.x": {"fdx.core.bench.serve", "fdx.core.interfaces", "fdx.ops.attention"},
+             "fdx.core.serving.app": {"fdx.core.engine", "fdx.core.checkpoint.loader"}}
+    assert [v.split(":")[0] for v in violations(graph)] == [
+        "fdx.core.engine -> fdx.core.serving.app", "fdx.core.assembly -> fdx.plugins.cache.swap",
+        "fdx.core.checkpoint.model -> fdx.core.engine", "fdx.ops.attention -> fdx.core.config",
+        "fdx.plugins.schedulers.x -> fdx.core.bench.serve"]
+
+
+def test_every_import_goes_down_the_layers():
+    graph = import_graph()
+    assert {layer(m) for m in graph} == {"root", "entry", "engine", "checkpoint", "plugins", "ops"}
+    assert violations(graph) == []
+
+
+def test_core_names_no_plugin_module_and_selects_no_connector_or_runner_by_name():
+    """Core (entry points included) never names a built-in plugin module, except the plugin
+    manager's one tuple of them; the engine side never names a built-in KV connector or model
+    runner (they are picked by config keys: cache.kv_connector, backend.model_runner,
+    parallel.runner), except config.py, where the defaults and the deprecated aliases
+    (DEPRECATED) are written, and the conformance kit's swap-tier world (core/testing.py)."""
+    import ast as _ast
+    from fdx.core.plugins import get_plugin_manager
+    pm = get_plugin_manager()
+    selected = {n for kind in ("connector", "model_runner") for n, r in pm.registries[kind].items()
+                if r.package == "fdx"} - {"default"}        # "default": the Backend contract's own default
+    assert {"swap", "splitwise", "cuda-graph", "tp"} <= selected
+    found = []
+    for f in sorted((ROOT / "core").rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        name = "fdx." + rel[:-3].replace("/", ".")
+        for node in _ast.walk(_ast.parse(f.read_text())):
+            if not (isinstance(node, _ast.Constant) and isinstance(node.value, str)):
+                continue
+            if node.value.startswith("fdx.plugins") and rel != "core/plugins.py":
+                found.append(f"{rel}:{node.lineno} {node.value!r}")
+            if (node.value in selected and layer(name) in ("engine", "checkpoint")
+                    and rel not in ("core/config.py", "core/testing.py")):
+                found.append(f"{rel}:{node.lineno} {node.value!r}")
+    assert found == []

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from fdx.core.cli import build_parser, main
-from fdx.core.config import FLAT_KEYS, ConfigError, FdxConfig
+from fdx.core.config import DEPRECATED, DEPRECATED_FLAT, FLAT_KEYS, ConfigError, FdxConfig
 from fdx.core.sampling_params import SamplingParams
 from fdx.core.serving.cli import server_config
 
@@ -46,6 +46,11 @@ def serve_config(argv: list[str]) -> FdxConfig:
 
 
 def attr(cfg: FdxConfig, key: str):
+    key = DEPRECATED.get(DEPRECATED_FLAT.get(key, key), key)     # an old key: where it went
+    if key.startswith("plugins."):             # plugins.<kind>.<name>.<setting>
+        _, kind, rest = key.split(".", 2)
+        name, _, setting = rest.rpartition(".")
+        return cfg.plugins.get(kind, {}).get(name, {}).get(setting)
     section, _, field = key.rpartition(".")
     if not section:
         section, field = FLAT_KEYS[key]

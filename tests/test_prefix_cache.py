@@ -11,8 +11,10 @@ from array import array
 import numpy as np
 import pytest
 
+from fdx.core.assembly import Assembly
 from fdx.core.config import FdxConfig
 from fdx.core.interfaces import KVCacheSpec
+from fdx.core.plugins import get_plugin_manager
 from fdx.core.request import Request
 from fdx.core.sampling_params import SamplingParams
 from fdx.plugins.cache import blocks as blocks_mod
@@ -76,8 +78,9 @@ def make_cache(num_blocks: int = 8) -> PrefixKVCache:
 
 def make_connector(num_blocks: int, model: str = "fake-model", **cache_cfg) -> SwapConnector:
     import paddle
-    cfg = FdxConfig.build(model=model, kv_cache="prefix", block_size=BS, kv_connector="swap", **cache_cfg)
-    conn = SwapConnector(cfg, BS)
+    cfg = FdxConfig.build(model=model, kv_cache="prefix", block_size=BS, kv_connector="swap",
+                          plugins={"connector": {"swap": cache_cfg}})
+    conn = SwapConnector(cfg, BS, Assembly(cfg, get_plugin_manager()).settings("connector", "swap"))
     rows = KVH * num_blocks * BS
     conn.register_kv_caches([(paddle.zeros([rows, HD]), paddle.zeros([rows, HD])) for _ in range(LAYERS)],
                             KVCacheSpec(LAYERS, KVH, HD, num_blocks, BS, "float32"))
@@ -242,7 +245,7 @@ def assert_block_data(kv: PrefixKVCache, conn: SwapConnector, rid: str, tokens: 
 
 
 def test_swap_connector_saves_at_finish_and_loads_back():
-    kv, conn = make_cache(num_blocks=4), make_connector(4, swap_max_blocks=8)
+    kv, conn = make_cache(num_blocks=4), make_connector(4, max_blocks=8)
     tokens = list(range(1, 11))
     fill_and_evict(kv, conn, tokens)
     assert conn.stats()["swap_blocks"] == 2 and kv.lookup_prefix(make_req("x", tokens)).num_tokens == 0
@@ -258,10 +261,10 @@ def test_swap_connector_saves_at_finish_and_loads_back():
 
 def test_file_tier_survives_a_restart(tmp_path):
     tokens = list(range(1, 11))
-    kv, conn = make_cache(num_blocks=4), make_connector(4, swap_dir=str(tmp_path))
+    kv, conn = make_cache(num_blocks=4), make_connector(4, dir=str(tmp_path))
     fill_and_evict(kv, conn, tokens)
     assert len(list(tmp_path.glob("*.kvb"))) == 2
-    kv2, restarted = make_cache(num_blocks=4), make_connector(4, swap_dir=str(tmp_path))
+    kv2, restarted = make_cache(num_blocks=4), make_connector(4, dir=str(tmp_path))
     req = make_req("r", tokens)
     assert admit(kv2, req, restarted) == 8
     assert restarted.stats()["swap_loaded_blocks"] == 2
@@ -269,7 +272,7 @@ def test_file_tier_survives_a_restart(tmp_path):
 
 
 def test_close_performs_the_saves_still_pending(tmp_path):
-    kv, conn = make_cache(num_blocks=8), make_connector(8, swap_dir=str(tmp_path))
+    kv, conn = make_cache(num_blocks=8), make_connector(8, dir=str(tmp_path))
     r = make_req("a", list(range(1, 14)))
     admit(kv, r, conn)
     compute(kv, r, conn)
@@ -277,12 +280,12 @@ def test_close_performs_the_saves_still_pending(tmp_path):
     conn.close()
     conn.close()                                               # idempotent
     assert len(list(tmp_path.glob("*.kvb"))) == 3
-    kv2, restarted = make_cache(num_blocks=8), make_connector(8, swap_dir=str(tmp_path))
+    kv2, restarted = make_cache(num_blocks=8), make_connector(8, dir=str(tmp_path))
     assert admit(kv2, make_req("b", list(range(1, 14))), restarted) == 12
 
 
 def test_file_tier_is_bounded(tmp_path):
-    kv, conn = make_cache(num_blocks=4), make_connector(4, swap_dir=str(tmp_path), swap_max_blocks=3)
+    kv, conn = make_cache(num_blocks=4), make_connector(4, dir=str(tmp_path), max_blocks=3)
     fill_and_evict(kv, conn, list(range(1, 11)), "a")
     fill_and_evict(kv, conn, list(range(20, 30)), "b")
     assert len(list(tmp_path.glob("*.kvb"))) <= 3 and len(conn.tier) <= 3
@@ -314,21 +317,21 @@ def _write_corrupt_files(folder, good: FileTier) -> dict[str, str]:
 
 def test_corrupt_and_foreign_files_are_ignored_with_a_warning(tmp_path, caplog):
     tokens = list(range(1, 18))                           # 4 full blocks
-    kv, conn = make_cache(num_blocks=5), make_connector(5, swap_dir=str(tmp_path))
+    kv, conn = make_cache(num_blocks=5), make_connector(5, dir=str(tmp_path))
     fill_and_evict(kv, conn, tokens)
     assert len(list(tmp_path.glob("*.kvb"))) == 4
     bad = _write_corrupt_files(tmp_path, conn.tier)
 
     # a foreign model: every file is ignored at start-up
     with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
-        foreign = make_connector(5, model="other-model", swap_dir=str(tmp_path))
+        foreign = make_connector(5, model="other-model", dir=str(tmp_path))
     assert len(foreign.tier) == 0
     assert "another model" in caplog.text
     assert admit(make_cache(num_blocks=5), make_req("f", tokens), foreign) == 0
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
-        restarted = make_connector(5, swap_dir=str(tmp_path))
+        restarted = make_connector(5, dir=str(tmp_path))
         assert "bad magic" in caplog.text and "format version" in caplog.text
         req = make_req("r", tokens)
         kv2 = make_cache(num_blocks=5)
@@ -351,12 +354,12 @@ def block_key_chain(tokens: list[int], extra=()) -> list[bytes]:
 
 
 def test_file_tier_rejects_a_renamed_or_tampered_header(tmp_path, caplog):
-    kv, conn = make_cache(num_blocks=4), make_connector(4, swap_dir=str(tmp_path))
+    kv, conn = make_cache(num_blocks=4), make_connector(4, dir=str(tmp_path))
     fill_and_evict(kv, conn, list(range(1, 11)))
     f = sorted(tmp_path.glob("*.kvb"))[0]
     f.rename(tmp_path / ("ee" * 16 + ".kvb"))            # name no longer matches the key
     with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
-        restarted = make_connector(4, swap_dir=str(tmp_path))
+        restarted = make_connector(4, dir=str(tmp_path))
     assert "file name does not match" in caplog.text
     assert len(restarted.tier) == 1
     # a tampered token list: the key no longer matches its tokens
@@ -364,7 +367,7 @@ def test_file_tier_rejects_a_renamed_or_tampered_header(tmp_path, caplog):
     restarted.tier.put(meta, block_data([1, 2, 3, 4], 0))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
-        make_connector(4, swap_dir=str(tmp_path))
+        make_connector(4, dir=str(tmp_path))
     assert "key does not match its tokens" in caplog.text
 
 
@@ -484,7 +487,7 @@ def test_a_symlink_planted_at_the_temp_name_is_not_followed(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"precious")
     folder = tmp_path / "tier"
-    kv, conn = make_cache(num_blocks=4), make_connector(4, swap_dir=str(folder))
+    kv, conn = make_cache(num_blocks=4), make_connector(4, dir=str(folder))
     tokens = list(range(1, 11))
     for key in block_key_chain(tokens):
         (folder / f"{key.hex()}.kvb.tmp{os.getpid()}").symlink_to(victim)
@@ -499,7 +502,7 @@ def test_a_block_file_from_another_tier_folder_is_a_miss(tmp_path, caplog):
     """A's KV under B's key, in a file with a valid checksum (written by an
     fdx tier on the attacker's own folder): the victim's tier does not load it."""
     a, b = list(range(1, 6)), list(range(50, 55))
-    kv, conn = make_cache(num_blocks=4), make_connector(4, swap_dir=str(tmp_path / "victim"))
+    kv, conn = make_cache(num_blocks=4), make_connector(4, dir=str(tmp_path / "victim"))
     fill_and_evict(kv, conn, a)
     a0, b0 = block_key_chain(a)[0], block_key_chain(b)[0]
     a_data = conn.tier.get(BlockMeta(a0, ROOT_KEY, tuple(a[:BS])))
@@ -509,7 +512,7 @@ def test_a_block_file_from_another_tier_folder_is_a_miss(tmp_path, caplog):
     (tmp_path / "victim" / (b0.hex() + ".kvb")).write_bytes(forged)
 
     with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
-        restarted = make_connector(4, swap_dir=str(tmp_path / "victim"))
+        restarted = make_connector(4, dir=str(tmp_path / "victim"))
         assert admit(make_cache(num_blocks=4), make_req("b", b), restarted) == 0
         assert admit(make_cache(num_blocks=4), make_req("b2", b), restarted) == 0
         assert admit(make_cache(num_blocks=4), make_req("a", a), restarted) == BS   # a's own block still hits
@@ -523,7 +526,7 @@ def test_a_fifo_in_the_tier_folder_does_not_block_the_start(tmp_path, caplog):
     os.mkfifo(fifo)
     made = []
     with caplog.at_level(logging.WARNING, logger="fdx.cache.swap"):
-        t = threading.Thread(target=lambda: made.append(make_connector(4, swap_dir=str(tmp_path))), daemon=True)
+        t = threading.Thread(target=lambda: made.append(make_connector(4, dir=str(tmp_path))), daemon=True)
         t.start()
         t.join(timeout=30)
     if t.is_alive():                    # blocked opening the FIFO: give it a writer so it ends
@@ -538,13 +541,13 @@ def test_a_folder_others_can_write_to_is_a_config_error(tmp_path):
     folder = tmp_path / "shared"
     folder.mkdir()
     folder.chmod(0o777)
-    with pytest.raises(ConfigError, match=r"cache\.swap_dir.*writable by group or others"):
-        make_connector(4, swap_dir=str(folder))
+    with pytest.raises(ConfigError, match=r"plugins\.connector\.swap\.dir.*writable by group or others"):
+        make_connector(4, dir=str(folder))
     assert not list(folder.iterdir())                     # nothing written there
 
 
 def test_a_new_folder_and_the_tier_key_are_owner_only(tmp_path):
     folder = tmp_path / "new" / "tier"
-    make_connector(4, swap_dir=str(folder))
+    make_connector(4, dir=str(folder))
     assert folder.stat().st_mode & 0o777 == 0o700
     assert (folder / "tier.key").stat().st_mode & 0o777 == 0o600

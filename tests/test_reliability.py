@@ -403,7 +403,7 @@ def test_pickle_sent_to_the_engine_socket_is_rejected(tiny_model, tmp_path):
     from fdx.core.config import FdxConfig
     from fdx.core.engine import EngineCore
     from fdx.core.serving.engine_proc import EngineLoop
-    from fdx.core.serving.messages import EngineAdd, EngineOutputs, EngineShutdown, FromEngine, encoder
+    from fdx.core.messages import EngineAdd, EngineOutputs, EngineShutdown, FromEngine, encoder
 
     engine = EngineCore(FdxConfig.build(None, model=tiny_model, max_model_len=128, num_kv_blocks=32,
                                         block_size=16), progress=False)

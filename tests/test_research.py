@@ -179,7 +179,7 @@ def test_reconfigure_under_tensor_parallel_swaps_the_scheduler_side_only(tiny_ch
         for p, o in zip(ids, outs):
             assert o.outputs[0].token_ids == hf_greedy(hf, p, 6, follow=o.outputs[0].token_ids)
         for change, key in ((dict(logits_processors=["penalties"]), "decoding.logits_processors"),
-                            (dict(swap_max_blocks=8), "cache.swap_max_blocks")):
+                            (dict(kv_connector="swap"), "cache.kv_connector")):
             with pytest.raises(ConfigError, match=re.escape(f"config key '{key}': under tensor parallel")):
                 eng.reconfigure(**change)
 

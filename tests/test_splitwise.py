@@ -206,18 +206,21 @@ def test_the_deployment_page_configs_are_valid(tmp_path):
     roles = []
     for name, text in configs:
         (tmp_path / name).write_text(text)
-        roles.append(FdxConfig.build(str(tmp_path / name)).splitwise.role)
+        cfg = FdxConfig.build(str(tmp_path / name))
+        assert cfg.cache.kv_connector == "splitwise"
+        roles.append(cfg.plugins["connector"]["splitwise"]["role"])
     assert roles == ["prefill", "decode"]
     for i, text in enumerate(re.findall(r"```yaml\n(.*?)```", page, re.S)):   # the global scheduler's too
         (tmp_path / f"{i}.yaml").write_text(text)
         FdxConfig.build(str(tmp_path / f"{i}.yaml"))
-    assert FdxConfig.build(splitwise_role="decode").splitwise.role == "decode"
+    old = FdxConfig.build(splitwise_role="decode")     # the deprecated key, mapped to the new place
+    assert old.cache.kv_connector == "splitwise" and old.plugins["connector"]["splitwise"] == {"role": "decode"}
 
 
 def test_decode_role_needs_a_port_and_bad_settings_name_the_key(tiny_checkpoints):
     from fdx.core.config import ConfigError
     model = str(tiny_checkpoints["LlamaForCausalLM"][0])
-    with pytest.raises(ConfigError, match="connector_port"):
+    with pytest.raises(ConfigError, match=r"plugins\.connector\.splitwise.*port must be set"):
         EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="decode"), progress=False)
     with pytest.raises(ConfigError, match="plugins.connector.splitwise.*bogus"):
         EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="prefill",
@@ -226,5 +229,7 @@ def test_decode_role_needs_a_port_and_bad_settings_name_the_key(tiny_checkpoints
         EngineCore(FdxConfig.build(model=model, max_model_len=64, splitwise_role="prefill",
                                    plugins={"connector": {"splitwise": {"curve_server_key": "short"}}}),
                    progress=False)
-    with pytest.raises(ConfigError, match="splitwise.role"):
-        FdxConfig.build(splitwise_role="both")
+    from fdx.core.assembly import Assembly
+    from fdx.core.plugins import get_plugin_manager
+    with pytest.raises(ConfigError, match=r"plugins\.connector\.splitwise\.role"):
+        Assembly(FdxConfig.build(splitwise_role="both"), get_plugin_manager())

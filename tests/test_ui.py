@@ -14,7 +14,7 @@ import pytest
 from serve_utils import API_KEY, ServerProcess
 
 from fdx.core.config import FdxConfig
-from fdx.core.serving.messages import EngineStats
+from fdx.core.messages import EngineStats
 
 CHROMIUM = "/usr/bin/chromium"
 

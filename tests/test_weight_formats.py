@@ -386,7 +386,7 @@ def test_bench_throughput_reports_the_weights_held(files):
 def test_engine_stats_report_the_weights_held():
     from types import SimpleNamespace
 
-    from fdx.core.serving.messages import EngineReady
+    from fdx.core.messages import EngineReady
     from fdx.core.serving.ui import EngineView
     ready = EngineReady(128, 256, 8, 16, "m.gguf", "cpu", weight_bytes={"q4_1": 66, "f32": 1}, resident_bytes=900)
     server = SimpleNamespace(engine=SimpleNamespace(ready=ready), model_name="m", max_model_len=128)

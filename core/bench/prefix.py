@@ -17,23 +17,24 @@ import time
 
 import numpy as np
 
+from fdx.core.config import FdxConfig
 from fdx.core.sampling_params import SamplingParams
 
 
 @contextlib.contextmanager
 def use_scheduling(engine, num_kv_blocks: int | None = None, **overrides):
     """Run ``engine`` with a fresh KV-cache plugin and resource manager built
-    from its config plus ``overrides`` (``kv_cache``, ``resource_manager``,
-    ``policy``, ``max_num_seqs``, ``swap_dir``, ...), over the KV tensors it
-    already has; ``num_kv_blocks`` may shrink the pool. Restores the old
-    ones on exit. The engine must be idle."""
+    from its config plus ``overrides`` (config keys: ``kv_cache``,
+    ``resource_manager``, ``policy``, ``kv_connector``, ``plugins``, ...),
+    over the KV tensors it already has; ``num_kv_blocks`` may shrink the
+    pool; ``kv_connector=False``: none. Restores the old ones on exit. The
+    engine must be idle."""
     assert not engine.has_unfinished(), "the engine is busy"
-    cfg = engine.config.model_copy(deep=True)
-    for key, value in overrides.items():
-        section = "cache" if key in type(cfg.cache).model_fields else "scheduler"
-        setattr(getattr(cfg, section), key, value)
-    if "swap_dir" in overrides or "swap_max_blocks" in overrides:
-        cfg.cache.kv_connector = cfg.cache.kv_connector or "swap"
+    no_connector = overrides.get("kv_connector") is False
+    overrides = {k: v for k, v in overrides.items() if not (k == "kv_connector" and v is False)}
+    cfg = engine.config.overlay(FdxConfig.build(**overrides))
+    if no_connector:
+        cfg.cache.kv_connector = None
     num_blocks = num_kv_blocks or engine.kv_cache.num_blocks
     if num_blocks > engine.config.cache.num_kv_blocks:
         raise ValueError(f"num_kv_blocks={num_blocks} exceeds the engine's {engine.config.cache.num_kv_blocks}")
@@ -80,7 +81,7 @@ def ttft(llm, prefix_len: int = 1000, suffix_len: int = 16, repeats: int = 3, se
     for _ in range(repeats):
         prefix = rng.integers(0, vocab, prefix_len).tolist()
         suffix_a, suffix_b = (rng.integers(0, vocab, suffix_len).tolist() for _ in range(2))
-        with use_scheduling(eng, kv_cache="prefix", swap_max_blocks=0, swap_dir=None):
+        with use_scheduling(eng, kv_cache="prefix", kv_connector=False):
             (c,), _ = _run(eng, [prefix + suffix_a], sp)          # cold: nothing cached
             _run(eng, [prefix + suffix_b], sp)                    # caches the prefix
             (w,), _ = _run(eng, [prefix + suffix_a], sp)          # warm
@@ -112,7 +113,7 @@ def shared_prompt_throughput(llm, num_requests: int = 32, system_len: int = 512,
            "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens}
     outputs = {}
     for cache in ("paged", "prefix"):
-        with use_scheduling(eng, kv_cache=cache, swap_max_blocks=0, swap_dir=None):
+        with use_scheduling(eng, kv_cache=cache, kv_connector=False):
             _run(eng, [system + [1]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
             reqs, total = _run(eng, prompts, sp)
             stats = eng.kv_cache.stats()

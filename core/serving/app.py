@@ -30,7 +30,7 @@ from fdx.core.plugins import PluginError, get_serving_plugin_manager
 from fdx.core.serving.chat_output import ChoiceOutput, tool_plan
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
-from fdx.core.serving.messages import EngineRejected, SeqDelta
+from fdx.core.messages import EngineRejected, SeqDelta
 from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from fdx.core.output import SequenceState
 from fdx.core.serving import ui
@@ -610,9 +610,11 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/load")
     async def load():                     # what a router pairs instances by (core/serving/router.py)
-        sw = server.config.splitwise
-        return {"role": sw.role, "connector": f"tcp://{sw.connector_host}:{sw.connector_port}"
-                if sw.role == "decode" else None, "in_flight": len(server.groups), "queued": server.num_queued}
+        cfg = server.config            # the role and address of a connector that pairs instances (splitwise)
+        sw = cfg.plugins.get("connector", {}).get(cfg.cache.kv_connector or "", {}) or {}
+        role = sw.get("role", "mixed")
+        return {"role": role, "connector": f"tcp://{sw.get('host', '127.0.0.1')}:{sw.get('port', 0)}"
+                if role == "decode" else None, "in_flight": len(server.groups), "queued": server.num_queued}
 
     @app.get("/version")
     async def version():

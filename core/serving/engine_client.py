@@ -24,18 +24,15 @@ import msgspec
 import zmq
 
 from fdx.core.host import signal_name
-from fdx.core.serving.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeartbeat, EngineOutputs,
-                                       EngineReady, EngineRejected, EngineShutdown, EngineStats, FromEngine)
-from fdx.core.serving.messages import encoder as _encoder
+from fdx.core.messages import (EngineAbort, EngineAdd, EngineDeadError, EngineFailed, EngineHeartbeat,
+                               EngineOutputs, EngineReady, EngineRejected, EngineShutdown, EngineStats,
+                               FromEngine)
+from fdx.core.messages import encoder as _encoder
 
 log = logging.getLogger("fdx.engine_client")
 
 
 # -- the client, in the API process ----------------------------------------------------
-
-class EngineDeadError(RuntimeError):
-    """The engine process is gone (or hung, and was stopped)."""
-
 
 class EngineHungError(EngineDeadError):
     """The engine process sent nothing, not even a heartbeat, for too long."""

@@ -25,10 +25,10 @@ import time
 import msgspec
 import zmq
 
-from fdx.core.serving.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeartbeat, EngineOutputs,
-                                       EngineReady, EngineRejected, EngineShutdown, EngineStats, SeqDelta,
-                                       ToEngine)
-from fdx.core.serving.messages import encoder as _encoder
+from fdx.core.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeartbeat, EngineOutputs,
+                               EngineReady, EngineRejected, EngineShutdown, EngineStats, SeqDelta,
+                               ToEngine)
+from fdx.core.messages import encoder as _encoder
 
 log = logging.getLogger("fdx.engine_proc")
 

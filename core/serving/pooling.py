@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import Request
 
 from fdx.core.serving.engine_client import EngineDeadError
-from fdx.core.serving.messages import EngineRejected, SeqDelta
+from fdx.core.messages import EngineRejected, SeqDelta
 from fdx.core.serving.protocol import APIError, Int, TokenId, _Model
 
 MAX_INPUTS = 2048                      # OpenAI's limit on inputs in one request

@@ -11,7 +11,7 @@
   CPU kernel. The choice is logged once.
 - sampling: the ``device`` sampler (logits stay on the GPU; only the
   sampled ids and requested logprobs are copied back).
-- ``backend.cuda_graph``: see fdx.plugins.backends.cuda_graph.
+- ``backend.model_runner: cuda-graph``: see fdx.plugins.backends.cuda_graph.
 - memory: free = total - what Paddle's allocator reserved; KV sizing
   profiles one forward with the allocator's high-water mark.
 
@@ -63,8 +63,6 @@ class CudaBackend(Backend):
         self.attention_backend = "paddle-block" if why is None else "paddle"
         log_once(self.name, f"attention at {dtype}: paddle-block (block_multihead_attention)" if why is None else
                  f"attention at {dtype}: paddle, the ops/ reference (block_multihead_attention: {why})")
-        from fdx.plugins.backends.cuda_graph import check_config
-        check_config(config, self)
 
     def prepare_model(self, model, dtype: str) -> None:
         cast_model(model, dtype)

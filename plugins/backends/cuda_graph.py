@@ -1,12 +1,13 @@
-"""``backend.cuda_graph: true``: decode steps replayed from CUDA graphs
-(the ``cuda-graph`` model runner). NEVER RUN ON A GPU: written from
+"""``backend.model_runner: cuda-graph``: decode steps replayed from CUDA
+graphs (the ``cuda-graph`` model runner; the deprecated
+``backend.cuda_graph: true`` selects it). NEVER RUN ON A GPU: written from
 Paddle's ``paddle.device.cuda.graphs.CUDAGraph`` API and tested only with
 the capture and replay replaced by eager runs on the same static buffers
 (tests/test_cuda_graph.py); treat it as experimental.
 
 What it does. A step whose sequences all decode one token on a context
 (no prompt tokens, no prompt logprobs), with at most
-``max(backend.cuda_graph_batch_sizes)`` of them, is padded to the smallest
+``max(plugins.model_runner.cuda-graph.batch_sizes)`` of them, is padded to the smallest
 of those sizes that holds it. Each padded size has static input tensors
 (token ids, positions, logits rows and the paddle-block kernel's metadata:
 sequence lengths, offsets, block tables as wide as max_model_len needs)
@@ -23,7 +24,8 @@ metadata, and its two max lengths are host values read at launch: the
 decoder bound is captured as max_model_len (launch sizing covers every
 real length below it) and the encoder one as 0.
 
-Requirements, each a ConfigError naming ``backend.cuda_graph``: the cuda
+Requirements (``CudaGraphRunner.check_backend``, called when the backend is
+chosen), each a ConfigError naming ``backend.model_runner``: the cuda
 backend, a Paddle build whose ``is_cuda_graph_supported()`` is true, the
 paddle-block attention (its kernel running at the model's dtype), and
 tensor parallel off.
@@ -31,9 +33,10 @@ tensor parallel off.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
@@ -44,15 +47,12 @@ from fdx.plugins.backends.runner import DefaultModelRunner
 if TYPE_CHECKING:
     import paddle
 
-KEY = "config key 'backend.cuda_graph'"
+KEY = "config key 'backend.model_runner'"
 
 
 def check_config(config, backend) -> None:
-    """Called by the GPU backends' setup: make ``backend`` capture graphs, or
-    raise a ConfigError saying why it cannot."""
+    """Make ``backend`` capture graphs, or raise a ConfigError saying why it cannot."""
     import paddle
-    if not config.backend.cuda_graph:
-        return
     if backend.name != "cuda":
         raise ConfigError(f"{KEY}: the {backend.name} backend cannot capture CUDA graphs (only cuda can)")
     graphs = getattr(paddle.device.cuda, "graphs", None)
@@ -111,13 +111,27 @@ class Graph:
     logits: paddle.Tensor | None = None  # the captured output buffer
 
 
+class CudaGraphSettings(BaseModel):
+    """``plugins.model_runner.cuda-graph``."""
+    model_config = ConfigDict(extra="forbid")
+    batch_sizes: list[Annotated[int, Field(gt=0)]] = [1, 2, 4, 8, 16, 32]   # padded decode batch sizes
+                                               # captured; a larger decode step runs eagerly
+
+
 class CudaGraphRunner(DefaultModelRunner):
+    Settings = CudaGraphSettings
+
+    @classmethod
+    def check_backend(cls, config, backend) -> None:
+        check_config(config, backend)
+
     def __init__(self, ctx):
         super().__init__(ctx)
         if not isinstance(ctx.attention, PaddleBlockAttention):
             raise ValueError("the cuda-graph runner needs the paddle-block attention")
         cfg = ctx.config
-        self.sizes = sorted(s for s in set(cfg.backend.cuda_graph_batch_sizes) if s <= cfg.scheduler.max_num_seqs)
+        sizes = (ctx.settings if isinstance(ctx.settings, CudaGraphSettings) else CudaGraphSettings()).batch_sizes
+        self.sizes = sorted(s for s in set(sizes) if s <= cfg.scheduler.max_num_seqs)
         self.width = -(-cfg.model.max_model_len // self.spec.block_size)
         self.max_dec_len = cfg.model.max_model_len
         self.graphs: dict[int, Graph] = {}
@@ -126,7 +140,8 @@ class CudaGraphRunner(DefaultModelRunner):
     def _logits(self, input_ids, query_lens, context_lens, tables, rows):
         n = len(query_lens)
         size = bucket_for(n, self.sizes)
-        if size is None or any(q != 1 for q in query_lens) or not all(context_lens) or rows != list(range(n)):
+        if (size is None or any(q != 1 for q in query_lens) or not all(context_lens) or rows != list(range(n))
+                or self.ctx.connector is not None):     # a graph cannot call the per-layer connector hooks
             return super()._logits(input_ids, query_lens, context_lens, tables, rows)
         g = self.graphs.get(size) or self._buffers(size)
         ids = np.zeros(size, dtype=np.int64)
@@ -194,4 +209,4 @@ def _copy(dst: paddle.Tensor, value: np.ndarray) -> None:
 
 @hookimpl
 def fdx_register_model_runners(register):
-    register("cuda-graph", CudaGraphRunner)    # cuda's pick with backend.cuda_graph
+    register("cuda-graph", CudaGraphRunner)    # backend.model_runner: cuda-graph (cuda only)

@@ -45,8 +45,6 @@ class IluvatarBackend(Backend):
         import paddle
         paddle.set_device(f"{DEVICE}:0")
         self.kernels = probe_kernels(self.name, KERNELS)
-        from fdx.plugins.backends.cuda_graph import check_config
-        check_config(config, self)
 
     def prepare_model(self, model, dtype: str) -> None:
         cast_model(model, dtype)

@@ -183,7 +183,7 @@ class DefaultModelRunner(ModelRunner):
         ctx = self.ctx
         meta = ctx.attention.build_metadata(query_lens, context_lens, tables, self.spec,
                                             getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
-        attn = AttentionContext(ctx.attention, meta)
+        attn = AttentionContext(ctx.attention, meta, ctx.connector)
         import paddle                      # here, not at import: a tensor parallel engine process never loads it
         with paddle.no_grad():
             return self.model.forward(paddle.to_tensor(np.asarray(input_ids, dtype=np.int64)), attn.positions,

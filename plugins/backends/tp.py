@@ -166,10 +166,9 @@ class TensorParallelExecutor:
     then asked for a KV budget, told the block count, and fed steps."""
 
     def __init__(self, config, model):
-        from fdx.core.assembly import connector_name
         self.world = world = config.parallel.tensor_parallel_size
         check_divisible(model, world)
-        if connector_name(config) is not None:      # refused before any worker starts
+        if config.cache.kv_connector is not None:      # refused before any worker starts
             raise ConfigError("config key 'cache.kv_connector': KV connectors (and the swap tier) do not "
                               "run with parallel.tensor_parallel_size > 1 yet")
         self.num_blocks: int | None = None

@@ -16,8 +16,8 @@ its KV blocks.
   then evicts. A request's blocks are released tail first, so a prefix's
   head outlives its tail.
 - A second tier (host memory or files) is a KV connector, ``swap``
-  (plugins/cache/swap.py), selected by ``cache.kv_connector`` or implied by
-  ``cache.swap_dir`` / ``cache.swap_max_blocks``.
+  (plugins/cache/swap.py), selected by ``cache.kv_connector: swap``, set by
+  ``plugins.connector.swap.dir`` / ``.max_blocks``.
 - ``stats()``: ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens of
   admitted requests, and of those the ones served from cache), evictions,
   cached blocks.

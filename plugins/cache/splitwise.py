@@ -1,8 +1,10 @@
 """splitwise: prefill/decode disaggregation on the KV connector seam.
 
-An instance runs as ``splitwise.role``: ``mixed`` (no connector), ``prefill``
-or ``decode``. The router (core/serving/router.py) opens each request on a
-decode instance first, marked ``extra_args: {"splitwise": {"remote_prefill":
+An instance runs the connector (``cache.kv_connector: splitwise``) as
+``plugins.connector.splitwise.role``: ``prefill`` or ``decode`` (an instance
+without it is mixed); its settings are ``SplitwiseConnector.Settings``.
+The router (core/serving/router.py) opens each request on a decode
+instance first, marked ``extra_args: {"splitwise": {"remote_prefill":
 true}}``; that request waits in the queue (``defer_request``). Then it sends
 the same request to a prefill instance with ``max_tokens: 1`` and
 ``{"splitwise": {"remote_decode": "tcp://<decode connector>"}}``. The prefill
@@ -34,7 +36,7 @@ frame per layer keeps each buffer a contiguous slice that the receiver
 checks on its own (its size against the fingerprint) before writing any.
 
 Every message is sealed (plugins/cache/splitwise_wire.py): an HMAC-SHA256
-under the shared secret (``connector_secret``, which never travels) over the
+under the shared secret (``secret``, which never travels) over the
 whole message, header and every KV frame, and bound to its transfer by the
 transfer id, a nonce each side chose (the decode side's is fresh for each
 reservation and used once), per-direction sequence numbers, and on the
@@ -63,10 +65,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import Literal
+
 import msgspec
 import numpy as np
 import zmq
 import zmq.utils.z85
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import KVConnector
@@ -87,9 +92,8 @@ def _nonce() -> str:
     return secrets.token_hex(16)
 
 
-def _curve_key(settings: dict, name: str) -> str | None:
+def _curve_key(key: str | None, name: str) -> str | None:
     """A CURVE key setting: Z85 text of 40 characters, as ``zmq.curve_keypair()`` makes."""
-    key = settings.get(name)
     if key is None:
         return None
     try:
@@ -156,27 +160,53 @@ class _Reservation:
     last_seq: int                            # the owner's last sequence number
 
 
-SETTINGS = {"reserve_timeout_s", "unknown_grace_s", "model_name", "max_frame_bytes", "offer_max_age_s",
-            "curve_secret_key", "curve_server_key"}
+class SplitwiseSettings(BaseModel):
+    """``plugins.connector.splitwise`` (docs/deployment.md#settings)."""
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode"]         # which half of the pair this instance is
+    host: str = "127.0.0.1"                    # where a decode instance's connector listens
+    port: int = Field(0, ge=0, le=65535)       # its TCP port; required (non-zero) for role decode
+    secret: str | None = None                  # shared secret every transfer message must carry
+    transfer_timeout_s: float = Field(30.0, gt=0)   # a transfer step not answered in time fails
+    debug_transfer_delay_s: float = Field(0.0, ge=0)   # test only: hold each transfer open this long
+    reserve_timeout_s: float | None = Field(None, gt=0)   # None: min(2, transfer_timeout_s)
+    unknown_grace_s: float = Field(2.0, ge=0)  # an offer for a request id never seen is refused after this
+    offer_max_age_s: float = Field(60.0, gt=0)   # an older Offer is a replay
+    max_frame_bytes: int | None = Field(None, gt=0)   # None: one layer's KV for the longest transfer + 64 KiB
+    model_name: str | None = None              # the fingerprint's model name; None: the model file's name
+    curve_secret_key: str | None = None        # decode: its CURVE secret key (Z85)
+    curve_server_key: str | None = None        # prefill: the decode instances' CURVE public key (Z85)
+
+    @field_validator("curve_secret_key", "curve_server_key")
+    @classmethod
+    def _z85(cls, value, info):
+        return _curve_key(value, info.field_name)
+
+    @model_validator(mode="after")
+    def _decode_listens(self):
+        if self.role == "decode" and not self.port:
+            raise ValueError("port must be set (non-zero) for role decode")
+        return self
 
 
 class SplitwiseConnector(KVConnector):
-    def __init__(self, config, block_size: int, settings=None):
+    Settings = SplitwiseSettings
+
+    def __init__(self, config, block_size: int, settings: SplitwiseSettings | None = None):
+        if not isinstance(settings, SplitwiseSettings):      # built by hand, not by the assembly
+            settings = SplitwiseSettings(**(settings or {}))
         super().__init__(config, block_size, settings)
-        bad = set(self.settings) - SETTINGS
-        if bad:
-            raise ValueError(f"unknown setting {sorted(bad)[0]!r}; known: {', '.join(sorted(SETTINGS))}")
-        sw = config.splitwise
+        sw = self.settings
         self.role = sw.role
-        self.secret = sw.connector_secret or ""
+        self.secret = sw.secret or ""
         self.timeout = float(sw.transfer_timeout_s)
         self.delay = float(sw.debug_transfer_delay_s)
-        self.reserve_timeout = float(self.settings.get("reserve_timeout_s", min(2.0, self.timeout)))
-        self.unknown_grace = float(self.settings.get("unknown_grace_s", 2.0))
-        self.offer_max_age = float(self.settings.get("offer_max_age_s", 60.0))
-        self.max_frame = self.settings.get("max_frame_bytes")
+        self.reserve_timeout = float(sw.reserve_timeout_s or min(2.0, self.timeout))
+        self.unknown_grace = float(sw.unknown_grace_s)
+        self.offer_max_age = float(sw.offer_max_age_s)
+        self.max_frame = sw.max_frame_bytes
         model = config.model.model
-        self.model_name = str(self.settings.get("model_name") or (Path(model).name if model else "default"))
+        self.model_name = str(sw.model_name or (Path(model).name if model else "default"))
         self.fingerprint: dict | None = None
         self.lock = threading.Lock()
         # scheduler side (engine thread)
@@ -207,12 +237,10 @@ class SplitwiseConnector(KVConnector):
         self.threads: list[threading.Thread] = []
         self.zctx = zmq.Context()
         self.sock = None
-        self.curve_server_key = _curve_key(self.settings, "curve_server_key")
-        self.curve_secret_key = _curve_key(self.settings, "curve_secret_key")
+        self.curve_server_key = sw.curve_server_key
+        self.curve_secret_key = sw.curve_secret_key
         if self.role == "decode":
-            if not sw.connector_port:
-                raise ValueError("splitwise.connector_port must be set (non-zero) for role decode")
-            self.address = f"tcp://{sw.connector_host}:{sw.connector_port}"
+            self.address = f"tcp://{sw.host}:{sw.port}"
             # it listens once the KV spec gives the frame limit (register_kv_caches)
 
     def _listen(self, max_frame: int):
@@ -224,7 +252,7 @@ class SplitwiseConnector(KVConnector):
             sock.curve_server = True
             sock.curve_secretkey = self.curve_secret_key.encode()
             sock.curve_publickey = zmq.curve_public(self.curve_secret_key.encode())
-        elif self.config.splitwise.connector_host not in ("127.0.0.1", "localhost", "::1"):
+        elif self.settings.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("splitwise: the connector listens on %s without CURVE: the KV travels in the clear "
                         "(set plugins.connector.splitwise.curve_secret_key; docs/security.md)", self.address)
         try:

@@ -48,8 +48,10 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
 
 from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
@@ -57,6 +59,7 @@ from fdx.core.interfaces import KVConnector
 from fdx.plugins.cache.blocks import BlockMeta, block_key, block_metas
 
 log = logging.getLogger("fdx.cache.swap")
+DIR_KEY = "config key 'plugins.connector.swap.dir'"
 
 MAGIC = b"FDXKVBLK"
 FORMAT_VERSION = 2
@@ -311,7 +314,7 @@ def check_folder(folder: Path) -> None:
     elif st.st_mode & 0o022:
         problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
     if problem:
-        raise ConfigError(f"cache.swap_dir: {folder} {problem}; use a folder only this user can "
+        raise ConfigError(f"{DIR_KEY}: {folder} {problem}; use a folder only this user can "
                           f"write to (fdx creates a missing one with mode 0700)")
 
 
@@ -348,9 +351,9 @@ def tier_key(folder: Path) -> bytes:
             st = os.fstat(f.fileno())
             key = f.read(KEY_BYTES + 1)
     except (_Reject, OSError) as e:
-        raise ConfigError(f"cache.swap_dir: the tier key {path} is not a readable regular file ({e})") from None
+        raise ConfigError(f"{DIR_KEY}: the tier key {path} is not a readable regular file ({e})") from None
     if st.st_uid != os.getuid() or st.st_mode & 0o077 or len(key) != KEY_BYTES:
-        raise ConfigError(f"cache.swap_dir: the tier key {path} must be this user's {KEY_BYTES}-byte "
+        raise ConfigError(f"{DIR_KEY}: the tier key {path} must be this user's {KEY_BYTES}-byte "
                           f"file with mode 0600 (remove it to have fdx make a new one)")
     return key
 
@@ -375,7 +378,16 @@ def model_fingerprint(model_id: str) -> dict:
 # The connector: the second tier on the KV connector seam
 # =============================================================================
 
-DEFAULT_SWAP_BLOCKS = 1024      # tier size when swap_dir is set and swap_max_blocks is not
+DEFAULT_SWAP_BLOCKS = 1024      # tier size when dir is set and max_blocks is not
+
+
+@dataclass(slots=True)
+class SwapSettings:
+    """``plugins.connector.swap`` (docs/configuration.md "Prefix cache and its second tier")."""
+    dir: str | None = None                     # the tier as files in this folder (outlive restarts);
+                                               # None: in host memory
+    max_blocks: Annotated[int, Field(ge=0)] | None = None   # tier size in blocks; None: 1024 with dir,
+                                               # else 0 (off)
 
 
 @dataclass(slots=True)
@@ -387,8 +399,8 @@ class SwapStep:
 
 class SwapConnector(KVConnector):
     """A second tier for KV blocks: host memory (``MemoryTier``), or files
-    under ``cache.swap_dir`` (``FileTier``) that outlive the engine, sized by
-    ``cache.swap_max_blocks`` (default 1024 with swap_dir).
+    under ``plugins.connector.swap.dir`` (``FileTier``) that outlive the
+    engine, sized by ``max_blocks`` (default 1024 with dir): ``SwapSettings``.
 
     - Saving is write-through at the end of a request: its full computed
       blocks that the tier lacks are copied out by the runner side in the
@@ -404,14 +416,15 @@ class SwapConnector(KVConnector):
     - ``close()`` (engine shutdown) performs the saves still pending.
     """
 
-    def __init__(self, config, block_size: int, settings=None):
-        super().__init__(config, block_size, settings)
-        cc = config.cache
-        size = cc.swap_max_blocks
+    Settings = SwapSettings
+
+    def __init__(self, config, block_size: int, settings: SwapSettings | None = None):
+        super().__init__(config, block_size, settings if settings is not None else SwapSettings())
+        size = self.settings.max_blocks
         if size is None:
-            size = DEFAULT_SWAP_BLOCKS if cc.swap_dir else 0
+            size = DEFAULT_SWAP_BLOCKS if self.settings.dir else 0
         self.max_blocks = size
-        self.tier: HostTier | None = None if cc.swap_dir else MemoryTier(size)
+        self.tier: HostTier | None = None if self.settings.dir else MemoryTier(size)
         self.memo: dict[str, list[bytes]] = {}
         self.pending_loads: list[tuple[int, BlockMeta, np.ndarray | None]] = []
         self.staged: dict[str, tuple[int, list[np.ndarray]]] = {}   # request -> (first block, data read)
@@ -473,13 +486,13 @@ class SwapConnector(KVConnector):
     def register_kv_caches(self, kv_caches: list, layout) -> None:
         self.kv_caches, self.spec = kv_caches, layout
         self.num_kv_heads, self.num_slots, self.head_dim = layout.num_kv_heads, layout.num_slots, layout.head_dim
-        cc = self.config.cache
-        if cc.swap_dir and self.max_blocks:
+        folder = self.settings.dir
+        if folder and self.max_blocks:
             fingerprint = {**model_fingerprint(cc_model(self.config)), "num_layers": layout.num_layers,
                            "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
                            "block_size": layout.block_size, "dtype": "float32",
                            "layout": "head-major rows h*num_slots+slot"}
-            self.tier = FileTier(cc.swap_dir, self.max_blocks, fingerprint)
+            self.tier = FileTier(folder, self.max_blocks, fingerprint)
 
     def _rows(self, block_id: int):
         import paddle

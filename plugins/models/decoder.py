@@ -227,8 +227,13 @@ class DecoderForCausalLM(Model):
         from fdx.ops.norm import add_rms_norm
         x = self.embed_tokens.embedding(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        hooks = meta.connector              # the KV connector's per-layer calls, only when one runs
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if hooks is not None:
+                hooks.wait_for_layer_load(i)
             x, residual = layer(x, residual, positions, kv_cache, meta)
+            if hooks is not None:
+                hooks.save_kv_layer(i, kv_cache, meta)
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         if self.capture_pooling_hidden_states:
             self.pooling_hidden_states = x

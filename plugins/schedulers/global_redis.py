@@ -49,8 +49,7 @@ import time
 import msgspec
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.serving.engine_client import EngineDeadError
-from fdx.core.serving.messages import EngineRejected, SeqDelta
+from fdx.core.messages import EngineDeadError, EngineRejected, SeqDelta
 
 log = logging.getLogger("fdx.scheduler.global")
 

@@ -11,7 +11,7 @@ whole prompts admitted at once, never a preemption.
   its own end, so a decode step always finds a block, nothing is ever
   preempted, and every admitted request finishes. The prompt's blocks are
   allocated at admission; output blocks one by one as decoding needs them.
-- ``cache.kv_cache_ratio`` bounds the share of the pool that the prompts of
+- ``plugins.resource_manager.v0.kv_cache_ratio`` (``V0Settings``) bounds the share of the pool that the prompts of
   running requests may take, leaving the rest to their outputs. A request
   admitted into an empty engine is exempt, so a long prompt always runs.
 - A step either prefills or decodes: while any running request has prompt
@@ -29,13 +29,25 @@ finishes. A request whose worst case exceeds the whole pool is rejected.
 """
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import SchedulerPolicy
 from fdx.core.request import Request
 
 
+class V0Settings(BaseModel):
+    """``plugins.resource_manager.v0``."""
+    model_config = ConfigDict(extra="forbid")
+    kv_cache_ratio: float = Field(0.75, gt=0, le=1)   # share of the blocks running prompts may take
+
+
 class V0Policy(SchedulerPolicy):
     """FastDeploy v0's step, on the engine's scheduling core."""
+    Settings = V0Settings
+
+    def __init__(self, config, settings: V0Settings | None = None):
+        super().__init__(config, settings if settings is not None else V0Settings())
 
     # -- block accounting ---------------------------------------------------
     @staticmethod
@@ -71,7 +83,7 @@ class V0Policy(SchedulerPolicy):
         prompt share (``kv_cache_ratio``), the whole prompt within the budget
         unless chunked, and the decode reserve of everyone running."""
         kv = core.kv_cache
-        max_prompt_blocks = core.config.cache.kv_cache_ratio * kv.num_blocks
+        max_prompt_blocks = self.settings.kv_cache_ratio * kv.num_blocks
         acc = dict(reserved=sum(self.reserve(core, r) for r in core.running),
                    prompt_blocks=sum(self._blocks(core, r.num_prompt_tokens) for r in core.running),
                    pending=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in core.running))

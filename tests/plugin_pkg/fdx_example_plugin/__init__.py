@@ -4,14 +4,16 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
 
 - ``example-fifo`` scheduler policy: the engine's scheduling core's two
   loops, with a cap of its own on each new prompt's first chunk.
-- ``shortest-first`` queue policy, ``tenant-cap`` admission rule,
-  ``most-output`` preemption victim policy.
+- ``shortest-first`` queue policy, ``tenant-cap`` admission rule (its
+  settings declared as a ``Settings`` dataclass), ``most-output``
+  preemption victim policy.
 - ``example-blocks`` KV cache: a plain block pool, written from scratch.
 - ``fakedev`` backend with its own ``example-naive`` attention backend
   (which also takes the optional fused ``rope_write_kv`` step).
 - ``stop-after`` logits processor: a per-request argument
   (``extra_args={"stop_after": n}``) ends a request after n tokens.
-- ``example-memory`` KV connector: a host-memory store of whole prompts.
+- ``example-memory`` KV connector: a host-memory store of whole prompts;
+  ``example-layer-recorder``: records the per-layer runner-side calls.
 - ``example-int8`` weight format: every matrix (linear layers, embedding,
   LM head) as int8 with one float32 scale for the whole tensor.
 - an observer of every step, through the ``StepContext``, and of every
@@ -22,7 +24,11 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Annotated
+
 import numpy as np
+from pydantic import Field
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AdmissionRule, AttentionBackend, Backend, KVCacheManager, KVConnector,
@@ -38,6 +44,7 @@ ROPE_CALLS: list[int] = []               # tokens per call of NaiveAttention.rop
 FINISHED: list[str] = []
 ADDED: list[str] = []                    # request ids, from fdx_request_added
 OUTPUTS: dict[str, tuple[list[int], str]] = {}   # request id -> (token ids, finish reason) of its output
+LAYER_CALLS: list[tuple] = []            # the example-layer-recorder connector's runner-side calls
 
 
 # --- a scheduler ---------------------------------------------------------------
@@ -77,14 +84,20 @@ class ShortestFirst(QueuePolicy):
         return (request.num_prompt_tokens,)
 
 
+@dataclass
+class TenantCapSettings:
+    """``plugins.admission_rule.tenant-cap``: the schema the engine validates
+    (an unknown key or a bad value is a config error naming it)."""
+    max_running: Annotated[int, Field(ge=1, strict=True)] = 1   # running requests per tenant
+
+
 class TenantCap(AdmissionRule):
     """At most ``max_running`` running requests per tenant (``extra_args["tenant"]``)."""
+    Settings = TenantCapSettings
 
-    def __init__(self, config, settings=None):
-        super().__init__(config, settings)
-        self.max_running = self.settings.get("max_running", 1)
-        if not isinstance(self.max_running, int) or self.max_running < 1:
-            raise ValueError(f"max_running must be a positive integer, got {self.max_running!r}")
+    def __init__(self, config, settings: TenantCapSettings | None = None):
+        super().__init__(config, settings if settings is not None else TenantCapSettings())
+        self.max_running = self.settings.max_running
 
     @staticmethod
     def tenant(request):
@@ -310,6 +323,41 @@ class StopAfter(LogitsProcessor):
 
 # --- a KV connector ---------------------------------------------------------------------
 
+class LayerRecorder(KVConnector):
+    """Moves nothing; records its runner-side calls in ``LAYER_CALLS``, in
+    order: ("register", number of KV layers), then each step ("start", its
+    step number from ``build_connector_meta``) and, per decoder layer of the
+    forward, ("wait", layer) and ("save", layer, whether ``kv_layer`` is the
+    registered KV of that layer)."""
+
+    def __init__(self, config, block_size, settings=None):
+        super().__init__(config, block_size, settings)
+        self.step, self.kv_caches = 0, None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self):
+        self.step += 1
+        return self.step
+
+    def register_kv_caches(self, kv_caches, layout):
+        self.kv_caches = kv_caches
+        LAYER_CALLS.append(("register", len(kv_caches)))
+
+    def start_load_kv(self, metadata):
+        LAYER_CALLS.append(("start", metadata))
+
+    def wait_for_layer_load(self, layer):
+        LAYER_CALLS.append(("wait", layer))
+
+    def save_kv_layer(self, layer, kv_layer, attn_metadata):
+        LAYER_CALLS.append(("save", layer, kv_layer is self.kv_caches[layer]))
+
+
 class MemoryStore(KVConnector):
     """Keeps the KV of finished requests' full blocks in host memory, keyed
     by the token prefix they hold, and loads it back for a later request
@@ -464,6 +512,7 @@ def fdx_register_logits_processors(register):
 @hookimpl
 def fdx_register_connectors(register):
     register("example-memory", MemoryStore)
+    register("example-layer-recorder", LayerRecorder)
 
 
 # --- a weight format -------------------------------------------------------------------

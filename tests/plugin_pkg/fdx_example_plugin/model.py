@@ -92,7 +92,10 @@ class ExampleLlamaForCausalLM(Model):
         s = self.shape
         n = input_ids.shape[0]
         x = paddle.gather(self.embed, input_ids)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        hooks = meta.connector                 # the KV connector's per-layer calls (core/interfaces.py)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            if hooks is not None:
+                hooks.wait_for_layer_load(i)
             h = self._norm(x, layer["in_norm"])
             q = paddle.matmul(h, layer["q"]).reshape([n, s.num_heads, s.head_dim])
             k = paddle.matmul(h, layer["k"]).reshape([n, s.num_kv_heads, s.head_dim])
@@ -100,6 +103,8 @@ class ExampleLlamaForCausalLM(Model):
             q, k = self._rope(q, positions), self._rope(k, positions)
             meta.write_kv(k_cache, v_cache, k, v)
             a = meta.attention(q, k_cache, v_cache, s.head_dim ** -0.5).reshape([n, s.num_heads * s.head_dim])
+            if hooks is not None:
+                hooks.save_kv_layer(i, kv_caches[i], meta)
             x = x + paddle.matmul(a, layer["o"])
             h = self._norm(x, layer["post_norm"])
             x = x + paddle.matmul(F.silu(paddle.matmul(h, layer["gate"])) * paddle.matmul(h, layer["up"]),

@@ -8,6 +8,12 @@ from typing import Any
 
 import msgspec
 
+class EngineDeadError(RuntimeError):
+    """The engine process is gone (or hung, and was stopped): what a
+    request-level scheduler or the API's client raises or hands a waiting
+    request (core/serving/engine_client.py, plugins/schedulers/)."""
+
+
 # -- messages --------------------------------------------------------------------
 
 class EngineAdd(msgspec.Struct, tag="add"):

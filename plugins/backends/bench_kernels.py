@@ -1,8 +1,8 @@
 """Per-call timings of the compiled elementwise kernels against the Paddle
 ops they replace (ops/csrc/fused_kernels.h).
 
-    python -m fdx.ops.bench_kernels
-    python -m fdx.ops.bench_kernels --quant [q4_1,q8_0,...]
+    python -m fdx.plugins.backends.bench_kernels
+    python -m fdx.plugins.backends.bench_kernels --quant [q4_1,q8_0,...]
 
 Not a test. For SmolLM2-135M's shapes (9/3 heads x 64, intermediate 1536)
 at 64 decode rows and a 512-token prefill, and a Qwen3-like layer (q/k RMS
