@@ -341,7 +341,7 @@ _VARIANT_CODE = {"portable": 0, "avx2": 1, "avx512": 2}     # = C++ Variant
 # From this many activation rows a product dequantizes the weight (compiled, threaded)
 # and multiplies in Paddle's BLAS; below, int8 dot products straight from the blocks
 # (tiles of 2 weight rows x 4 activation rows). Measured on the Zen 3 of
-# docs/benchmarks.md (python -m fdx.ops.bench_kernels --quant q4_1,q8_0 --threads 1
+# docs/benchmarks.md (python -m fdx.plugins.backends.bench_kernels --quant q4_1,q8_0 --threads 1
 # --cpu-time --rows 16,64,128,512): at 16 and 64 rows the int8 path took 0.5-1.2x the
 # time of dequantize + BLAS (about 0.7x summed over a SmolLM2 layer, 0.45-0.5x for
 # the 49152x576 LM head), at 128 rows about 1.0x summed, at 512 rows 1.3-1.8x.

@@ -16,7 +16,8 @@ import pytest
 from fdx import LLM, SamplingParams
 from fdx.core import kernels
 from fdx.ops import cpp, probes
-from fdx.ops.probes import int8_blocks, random_layer, run_layer
+from fdx.ops.probes import int8_blocks
+from fdx.plugins.backends.probe_child import random_layer, run_layer
 from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
 from test_contracts import cpu_kernel_table
 from test_llm import hf_greedy

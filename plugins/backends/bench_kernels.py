@@ -162,7 +162,7 @@ def bench_layer(kinds: list[str], seqs_list: tuple[int, ...], iters: int, thread
     from fdx.core import kernels
     from fdx.core.host import cpu_model
     from fdx.core.interfaces import AttentionContext
-    from fdx.ops.probes import random_layer
+    from fdx.plugins.backends.probe_child import random_layer
     from fdx.plugins.backends.attention import CpuAttention
     from fdx.plugins.backends.cpu import probe_kernels
 

@@ -2,7 +2,8 @@
 
 ``probe_table(names, threads)`` returns a ``KernelTable`` for the kernels
 ``names`` (fdx.ops.probes): from the cache when this host has probed them
-before, else by running ``python -m fdx.ops.probes`` in a child. A child
+before, else by running ``python -m fdx.plugins.backends.probe_child`` (fdx.ops.probes'
+child protocol, plus the decoder-layer probe) in a child. A child
 killed by a signal is a finding for the kernel it was running (``SIGILL on
 this CPU``), and a new child probes the rest; a child that hangs is
 killed after PROBE_TIMEOUT_S. The cache file is keyed by everything that
@@ -77,7 +78,7 @@ def _child(names: list[str], threads: int, log_file) -> dict[str, str | None]:
     """Run probes in one child: what it reported, plus a finding for the
     kernel that killed it or that was still running at the deadline."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "fdx.ops.probes", "--threads", str(threads), *names]
+    cmd = [sys.executable, "-m", "fdx.plugins.backends.probe_child", "--threads", str(threads), *names]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, env=env,
                             text=True)
     fired = threading.Event()

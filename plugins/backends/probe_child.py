@@ -1,0 +1,108 @@
+"""The probe of the one-call decoder layer (``cpp.decoder_layer``,
+ops/csrc/decoder_layer.h), and the probe child the cpu backend runs.
+
+Its reference is the model plugin's composed layer
+(fdx.plugins.models.layers.DecoderLayer), which lives above ops/, so the
+probe lives here and not in fdx.ops.probes (ops imports nothing above it).
+``python -m fdx.plugins.backends.probe_child [--threads N] NAME...`` is
+fdx.ops.probes' child protocol over ops' probes plus this one.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from fdx.ops import probes
+from fdx.ops.probes import (_BLOCK, _BLOCKS, _CONTEXT_LENS, _HEADS, _KV_HEADS, _QUERY_LENS, _TABLES, _close,
+                            _rng, _tensor, random_quantized)
+
+# --- one decoder layer in one call (csrc/decoder_layer.h) -----------------------------------
+
+_LAYER_HIDDEN, _LAYER_INTER, _LAYER_HEAD_DIM = 128, 256, 32      # 4 query / 2 KV heads of 32
+
+
+def random_layer(kind: str, rng, hidden: int = _LAYER_HIDDEN, inter: int = _LAYER_INTER,
+                 heads: int = _HEADS, kv_heads: int = _KV_HEADS, head_dim: int = _LAYER_HEAD_DIM,
+                 table=None, max_position: int = 64):
+    """A Llama decoder layer (fdx.plugins.models.layers.DecoderLayer) with random
+    ``kind`` blocks for its linears and norm weights near 1, kept as blocks by
+    the ``auto`` format under ``table`` (default: the portable build of ``kind``
+    passed), and its DecoderConfig."""
+    from fdx.core.kernels import KernelTable
+    from fdx.ops import cpp
+    from fdx.plugins.models import layers
+    from fdx.plugins.models.decoder_config import DecoderConfig
+    from fdx.plugins.models.weight_formats import AutoFormat
+    cfg = DecoderConfig(vocab_size=32, hidden_size=hidden, intermediate_size=inter, num_layers=1,
+                                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                max_position_embeddings=max_position, rms_norm_eps=1e-6, rope_theta=10000.0)
+    p = "model.layers.0"
+    shapes = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
+              "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    weights = {f"{p}.{n}.weight": random_quantized(kind, *shape, rng) for n, shape in shapes.items()}
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        weights[f"{p}.{n}.weight"] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    table = KernelTable({cpp.quant_kernel_name(kind, "portable"): None}) if table is None else table
+    w = layers.Weights("LlamaForCausalLM", weights, AutoFormat(table))
+    return layers.DecoderLayer(cfg, w, 0, layers.build_rotary(cfg)), cfg
+
+
+def run_layer(layer, x, residual, caches, impl: str, variant: str = "portable"):
+    """(MLP output, residual, k cache, v cache) as numpy after one layer over
+    the probes' mixed step (_QUERY_LENS over _CONTEXT_LENS, caches copied
+    first): ``impl`` "fused" by fdx.ops.cpp.decoder_layer (weights by the
+    ``variant`` build), "composed" by the layer's own ops with the Paddle
+    attention (under whatever kernel table is active)."""
+    import paddle
+    from fdx.core.interfaces import AttentionContext
+    from fdx.ops import attention, cpp
+    from fdx.plugins.backends.attention import PaddleAttention
+    k_cache, v_cache = (paddle.to_tensor(c.copy()) for c in caches)
+    slots = k_cache.shape[0] // layer.attn.num_kv_heads
+    meta = attention.build_attention_metadata(_QUERY_LENS, _CONTEXT_LENS, _TABLES, _BLOCK, layer.attn.num_kv_heads,
+                                              slots, impl="cpp" if impl == "fused" else "paddle")
+    x_t = _tensor(x)
+    r_t = None if residual is None else _tensor(residual)
+    if impl == "fused":
+        f = layer.fused
+        out, res = cpp.decoder_layer(x_t, r_t, f.input_norm, f.post_norm, list(f.weights), [variant] * 4,
+                                     meta.positions, meta.slot_mapping, k_cache, v_cache, f.rope.cos_cache,
+                                     f.rope.sin_cache, meta.cpp.seq_info, meta.cpp.block_tables, f.num_heads,
+                                     f.num_kv_heads, f.head_dim, _BLOCK, f.rope.is_neox_style, f.eps, f.scale)
+    else:
+        out, res = layer(x_t, r_t, meta.positions, (k_cache, v_cache), AttentionContext(PaddleAttention(), meta))
+    return out.numpy(), res.numpy(), k_cache.numpy(), v_cache.numpy()
+
+
+def _probe_decoder_layer(dtype: str = "float32") -> None:
+    """The whole layer against its composed ops (the same portable products, the
+    rest Paddle), first layer (no residual) and a later one, Q4_1 and Q8_0."""
+    from fdx.core import kernels
+    from fdx.core.kernels import KernelTable
+    from fdx.ops import cpp
+    rng = _rng()
+    n = sum(_QUERY_LENS)
+    for kind in ("q4_1", "q8_0"):
+        layer, cfg = random_layer(kind, rng)
+        if layer.fused is None:
+            raise WrongResult(f"wrong result ({kind}: the layer does not take the fused path)")
+        caches = [rng.standard_normal((_KV_HEADS * _BLOCKS * _BLOCK, cfg.head_dim)).astype(np.float32)
+                  for _ in range(2)]
+        x = rng.standard_normal((n, cfg.hidden_size)).astype(np.float32)
+        for residual in (None, rng.standard_normal((n, cfg.hidden_size)).astype(np.float32)):
+            got = run_layer(layer, x, residual, caches, "fused")
+            with kernels.using(KernelTable({cpp.quant_kernel_name(kind, "portable"): None})):
+                want = run_layer(layer, x, residual, caches, "composed")
+            what = f"{kind}, {'first layer' if residual is None else 'with residual'}"
+            for g, w, part in zip(got, want, ("out", "residual", "k cache", "v cache")):
+                scale = float(np.abs(w).max()) or 1.0
+                _close(g / scale, w / scale, f"{what}: {part}", atol=1e-3, rtol=0)
+
+
+PROBES = {**probes.PROBES, "cpp.decoder_layer": _probe_decoder_layer}
+
+
+if __name__ == "__main__":
+    sys.exit(probes.main(probes=PROBES))
