@@ -147,7 +147,8 @@ def test_llm_and_server_give_the_same_outputs(tiny_llm, tiny_server, hf_tok):
     llm_out = tiny_llm.generate(PROMPT, sp)[0].outputs
 
     client = openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
-    resp = client.completions.create(model="x", prompt=PROMPT, n=2, seed=seed, temperature=1.0, max_tokens=24,
+    model = client.models.list().data[0].id
+    resp = client.completions.create(model=model, prompt=PROMPT, n=2, seed=seed, temperature=1.0, max_tokens=24,
                                      logprobs=n_top, stop=[stop], extra_body={"ignore_eos": True})
     choices = sorted(resp.choices, key=lambda c: c.index)
     assert len(choices) == 2
