@@ -131,9 +131,11 @@ class Assembly:
         return built
 
     # -- the scheduler side ---------------------------------------------------------------
-    def token_processor(self, tokenizer):
+    def token_processor(self):
+        """The token processor, built with its settings only: it sees token
+        ids, never a tokenizer (text is the output processor's, core/output.py)."""
         name = self.config.decoding.token_processor
-        return self.classes["token_processor"](tokenizer, settings=self.settings("token_processor", name))
+        return self.classes["token_processor"](settings=self.settings("token_processor", name))
 
     def extensions(self, kv_cache, connector=None, extra_rules=()) -> SchedulingExtensions:
         config, c, s, make = self.config, self.classes, self.settings, self.make

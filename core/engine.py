@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -17,7 +16,7 @@ from fdx.core.assembly import Assembly
 from fdx.core.config import ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import Backend, KVCacheSpec, Model, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
-from fdx.core.request import Request, RequestStatus, request_output
+from fdx.core.request import Request, RequestStatus, check_prompt, request_output
 from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.engine")
@@ -161,7 +160,7 @@ class EngineCore:
         from fdx.core.guided import GuidedDecoding
         self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
                                                  self.eos_token_ids)
-        self.token_processor = assembly.token_processor(self.tokenizer)
+        self.token_processor = assembly.token_processor()
         self._install(self.build_parts(config, num_blocks))
         self.guided_ready: list[str] = []          # this step's guided verdicts (_guided_verdicts)
         self.guided_rejected: dict[str, tuple[str, int]] = {}
@@ -289,12 +288,8 @@ class EngineCore:
         if self.task == "embed":        # a pooling request: one prefill, its pooled hidden state, done
             params = POOLING_PARAMS
         params.validate()
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
         vocab = self.model.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
-               for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        check_prompt(prompt_token_ids, vocab, self.max_model_len)     # the server checked it already: the same rule
         for name in ("logit_bias", "allowed_token_ids"):
             ids = getattr(params, name)
             if ids is not None and any(t >= vocab for t in ids):
@@ -304,10 +299,6 @@ class EngineCore:
             cls.validate_params(params)
         self.guided.check(params)       # a kind the backend cannot compile is refused now
         prompt_token_ids = [int(t) for t in prompt_token_ids]
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
-                             f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens "
-                             "leave room to generate")
         return Request(request_id or self.new_request_id(), prompt_token_ids, params,
                        prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,
                        max_model_len=self.max_model_len, cache_salt=cache_salt, pooling=self.task == "embed",
@@ -339,6 +330,18 @@ class EngineCore:
         return req
 
     abort = abort_request
+
+    def stop_request(self, request_id: str, stop_reason: int | str | None = None) -> Request | None:
+        """End a running or waiting request as stopped (``finish_reason``
+        "stop"): what the output processor calls when a stop string ends a
+        sequence (core/output.py). Its blocks are freed now, as on an abort;
+        observers see it finished with ``stop_reason``. None if unknown or done."""
+        self.guided.remove(request_id)
+        req = self.resource_manager.abort_request(request_id)
+        if req is not None:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_reason
+            self._finished(req)
+        return req
 
     def notify(self, hook_name: str, **kwargs) -> None:
         """Call an observer hook: the plugins' module-level implementations,

@@ -86,7 +86,9 @@ def fdx_register_connectors(register: Register) -> None:
 @hookspec
 def fdx_register_token_processors(register: Register) -> None:
     """Register token processors (``TokenProcessor`` subclasses): sampled
-    token ids -> request outputs (stop checks, detokenizing, logprobs)."""
+    token ids -> request state on the engine side (eos, stop token ids,
+    lengths; logprob ids and values). Text is the output processor's
+    (core/output.py), not theirs."""
 
 
 @hookspec

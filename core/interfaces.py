@@ -559,13 +559,21 @@ class Sampler(abc.ABC):
 
 
 class TokenProcessor(abc.ABC):
-    """Turns sampled token ids into request state: appends the token,
-    detokenizes incrementally, records logprobs, and decides whether the
-    request is finished (eos, stop token ids, stop strings, max_tokens,
-    context length), setting ``request.status`` and ``stop_reason``."""
+    """Turns sampled token ids into request state on the engine side:
+    appends the token, records its logprob ids and values
+    (``request.logprobs``: one ``{token id: TokenLogprob}`` per token,
+    ``decoded`` left None), and decides whether the request is finished by
+    token ids and counts (eos, stop token ids, min_tokens, max_tokens,
+    context length), setting ``request.status`` and ``stop_reason``.
 
-    def __init__(self, tokenizer: Any, settings: dict | None = None):
-        self.tokenizer = tokenizer
+    It makes no text and is given no tokenizer: detokenizing, stop strings
+    and logprob text are the output processor's (core/output.py), which
+    serves ``LLM`` and the server alike; a stop string it finds ends the
+    request through the engine (``EngineCore.stop_request`` in-process, an
+    abort from the API process). Built as ``cls(settings=...)``
+    (``plugins.token_processor.<name>``)."""
+
+    def __init__(self, settings: dict | None = None):
         self.settings = settings or {}
 
     def start(self, request: "Request") -> None:

@@ -6,6 +6,7 @@ from typing import Any, Iterable, Sequence
 
 from fdx.core.config import FdxConfig
 from fdx.core.engine import EngineCore
+from fdx.core.output import OutputProcessor, SequenceState, decode_logprobs, split_n
 from fdx.core.request import CompletionOutput, Request, RequestOutput
 from fdx.core.sampling_params import SamplingParams
 
@@ -144,21 +145,21 @@ class LLM:
         else:
             raise TypeError(f"a prompt must be a str or a dict, not {type(prompt).__name__}")
         eng = self.engine
-        eng.guided.validate(sp)     # compile now: a bad constraint raises here, with the compiler's message
+        # compile now: a bad constraint raises here, with the compiler's message (add_request then
+        # finds the compiled one in the engine's compile cache: one compile)
+        eng.guided.validate(sp)
         base = eng.new_request_id()
-        children = []
-        for i in range(sp.n):
-            child_sp = sp if sp.n == 1 else dataclasses.replace(
-                sp, n=1, seed=None if sp.seed is None else sp.seed + i)
-            rid = base if sp.n == 1 else f"{base}-{i}"
-            children.append(eng.make_request(ids, child_sp, request_id=rid, prompt=text))
-        return children
+        children = split_n(sp)                  # the one n / seed rule (core/output.py), as the server's
+        return [eng.make_request(ids, child, request_id=base if sp.n == 1 else f"{base}-{i}", prompt=text)
+                for i, child in enumerate(children)]
 
     def _run(self, staged: list[list[Request]], use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine
+        outputs = OutputProcessor(eng)          # text, stop strings, logprob text: not the engine's
         for group in staged:
-            for req in group:
+            for i, req in enumerate(group):
                 eng.add_request(req)
+                outputs.add(req, index=i)
         pending = {req.request_id for group in staged for req in group}
         bar = None
         if use_tqdm:
@@ -166,9 +167,9 @@ class LLM:
             bar = tqdm(total=len(pending), desc="requests", unit="req")
         try:
             while pending:
-                for req in eng.step():
-                    if req.is_finished and req.request_id in pending:
-                        pending.discard(req.request_id)
+                for seq in outputs.process(eng.step()):
+                    if seq.request_id in pending:
+                        pending.discard(seq.request_id)
                         if bar:
                             bar.update(1)
             rm = eng.resource_manager
@@ -181,19 +182,18 @@ class LLM:
         finally:
             if bar:
                 bar.close()
-        return [self._output(group) for group in staged]
+        return [self._output(group, [outputs.pop(r.request_id) for r in group]) for group in staged]
 
-    @staticmethod
-    def _output(group: list[Request]) -> RequestOutput:
+    def _output(self, group: list[Request], seqs: list[SequenceState]) -> RequestOutput:
         first = group[0]
         outs = [CompletionOutput(
-            index=i, text=r.output_text, token_ids=list(r.output_token_ids),
-            finish_reason=r.status.value if r.is_finished else None,
-            stop_reason=r.stop_reason, logprobs=r.logprobs) for i, r in enumerate(group)]
+            index=s.index, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason, logprobs=s.logprobs) for s in seqs]
+        decode_logprobs(self.tokenizer, first.prompt_logprobs)
         base_id = first.request_id.rsplit("-", 1)[0] if len(group) > 1 else first.request_id
         return RequestOutput(
             request_id=base_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=outs, finished=all(r.is_finished for r in group),
+            outputs=outs, finished=all(s.finished for s in seqs),
             num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,
             metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
                      "finished_time": first.finished_time})

@@ -1,25 +1,57 @@
-"""Token ids -> text: the one detokenize + stop-string implementation.
+"""The output processor: the engine's token ids -> what callers get.
 
-``TextOutput`` is used by the engine's default token processor (so by
-``LLM``) and, through ``SequenceState``, by the API process, so the
-server's text equals ``LLM.generate``'s. Its rules:
+The engine emits token ids, finish reasons and logprob ids/values only
+(its token processor checks eos, stop token ids, min/max_tokens and the
+context length). Everything made of text happens here, once, for
+``LLM.generate/chat`` (``OutputProcessor``, in-process) and for the
+server (one ``SequenceState`` per choice, in the API process), so the two
+give the same text, logprob text and stop behaviour:
 
-- a stop string counts only once ``min_tokens`` tokens are out, and only if
-  it ends inside the newest token's text; the earliest match wins;
-- the text is cut before it (or after it with include_stop_str_in_output);
-- the token that completed it is the last one counted.
+- ``split_n``: the one place a request becomes its ``n`` children. The
+  seed rule: with ``seed`` given, child ``i`` samples with
+  ``(seed + i) % 2**63``; without one, every child draws its own;
+- ``TextOutput``: incremental detokenizing and stop strings. A stop string
+  counts only once ``min_tokens`` tokens are out, and only if it ends
+  inside the newest token's text; the earliest match wins; the text is cut
+  before it (or after it with include_stop_str_in_output); the token that
+  completed it is the last one counted. Only this side knows a stop string
+  ended the sequence: it finishes it and aborts the engine request, whose
+  KV blocks are then freed (in-process: at once, before the next step);
+- ``token_text``: a logprob's token as text (OpenAI's ``token``, vLLM's
+  ``decoded_token``);
+- ``SequenceState``: one sequence's state (one choice of one prompt),
+  handing out text deltas. A chat choice with tools or a reasoning parser
+  carries its parsers beside them (``chat_output``), fed those deltas.
+  While stop strings are live, the last ``len(longest stop) - 1``
+  characters are held back from streaming, since they may turn out to
+  begin a stop string.
 
-``SequenceState`` (one per engine request of the server: one choice of
-one prompt) hands out text deltas; a chat choice with tools or a reasoning
-parser carries its parsers beside them (``chat_output``), fed those deltas. While stop strings are live, the last ``len(longest stop) - 1`` characters
-are held back from streaming, since they may turn out to begin a stop string.
+``SamplingParams.detokenize=False`` means no text: token ids (and logprob
+ids/values) only, and no stop strings (validate refuses them).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fdx.core.sampling_params import SamplingParams
 from fdx.core.checkpoint.tokenizer import IncrementalDetokenizer
+
+SEED_MODULUS = 2**63          # seeds are in [0, 2**63) (SamplingParams.validate)
+
+
+def split_n(sp: SamplingParams) -> list[SamplingParams]:
+    """A request's ``n`` children, each ``n=1``: child ``i`` gets seed
+    ``(seed + i) % 2**63`` when a seed is given (n=1: the params as they are)."""
+    if sp.n == 1:
+        return [sp]
+    return [dataclasses.replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + i) % SEED_MODULUS)
+            for i in range(sp.n)]
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token as text, special tokens kept: a logprob entry's token."""
+    return tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
 
 class TextOutput:
@@ -72,7 +104,7 @@ class SequenceState:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.tokenizer = tokenizer
-        self.out = TextOutput(tokenizer, params)
+        self.out = TextOutput(tokenizer, params) if params.detokenize else None   # None: token ids only
         stops = params.stop
         self.holdback = max(len(s) for s in stops) - 1 if stops and not params.include_stop_str_in_output else 0
         self.token_ids: list[int] = []
@@ -86,7 +118,6 @@ class SequenceState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
-        self.queue_time: float | None = None
         self.chat_output = None                   # the choice's chat parsers (core/serving/chat_output.py)
         self.queue_time: float | None = None      # the engine's: arrival to first scheduled
         self.prefill_time: float | None = None    # the engine's: first scheduled to first token
@@ -112,19 +143,22 @@ class SequenceState:
             self.token_ids.append(tid)
             if self.logprobs is not None and logprobs is not None and i < len(logprobs):
                 self.logprobs.append(logprobs[i])
+            if self.out is None:
+                continue
             engine_stopped_here = i == last and finish_reason == "stop"   # eos / stop token id: checked first
             stop = self.out.add(tid, len(self.token_ids), check_stop=not engine_stopped_here)
             if stop is not None:
                 self._finish("stop", stop, now)
                 return True
         if finish_reason is not None:
-            self.out.finish()
+            if self.out is not None:
+                self.out.finish()
             self._finish(finish_reason, stop_reason, now)
         return False
 
     @property
     def text(self) -> str:
-        return self.out.text
+        return self.out.text if self.out is not None else ""
 
     def _finish(self, reason: str, stop_reason, now: float) -> None:
         self.finish_reason = reason
@@ -145,3 +179,58 @@ class SequenceState:
             return []
         start, self.num_sent_logprobs = self.num_sent_logprobs, len(self.logprobs)
         return list(zip(self.token_ids[start:], self.logprobs[start:]))
+
+
+def decode_logprobs(tokenizer, entries: list | None) -> None:
+    """Fill ``decoded`` of engine logprob entries ({token id: TokenLogprob}
+    per token, None for a prompt's first) in place: the engine emits ids
+    and values only."""
+    for d in entries or ():
+        for lp in (d or {}).values():
+            if lp.decoded is None:
+                lp.decoded = token_text(tokenizer, lp.token_id)
+
+
+class OutputProcessor:
+    """The in-process engine's outputs -> one ``SequenceState`` per engine
+    request (``LLM``; the server's API process keeps its SequenceStates in
+    its RequestGroups, fed the same fields over the wire). ``add`` the
+    requests ``make_request`` built from ``split_n``'s children; after each
+    engine step ``process`` its changed requests: new token ids, logprobs
+    (their text decoded here), the finish reason. A stop string finishes
+    the sequence here and ends its engine request before the next step
+    (``EngineCore.stop_request``: blocks freed, observers told "stop")."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.seqs: dict[str, SequenceState] = {}
+
+    def add(self, request, index: int = 0, prompt_index: int = 0) -> SequenceState:
+        seq = SequenceState(request.request_id, index, prompt_index, request.prompt_token_ids,
+                            request.sampling_params, self.tokenizer, request.arrival_time)
+        self.seqs[request.request_id] = seq
+        return seq
+
+    def process(self, changed) -> list[SequenceState]:
+        """Apply one step's changed requests; the sequences that finished."""
+        finished = []
+        for req in changed:
+            seq = self.seqs.get(req.request_id)
+            if seq is None or seq.finished:
+                continue
+            sent = len(seq.token_ids)
+            new = req.output_token_ids[sent:]
+            lps = None
+            if req.logprobs is not None:
+                lps = req.logprobs[sent:sent + len(new)]
+                decode_logprobs(self.tokenizer, lps)
+            done = req.is_finished
+            if seq.add(new, req.status.value if done else None, req.stop_reason if done else None, lps):
+                self.engine.stop_request(req.request_id, seq.stop_reason)
+            if seq.finished:
+                finished.append(seq)
+        return finished
+
+    def pop(self, request_id: str) -> SequenceState | None:
+        return self.seqs.pop(request_id, None)

@@ -2,10 +2,35 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from dataclasses import dataclass, field
 
 from fdx.core.sampling_params import SamplingParams
+
+
+class PromptError(ValueError):
+    """A prompt no engine can take; ``code`` is OpenAI's error code, if any."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+def check_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> None:
+    """The one prompt check (the server's edge and ``EngineCore.make_request``
+    both call it): not empty, integer ids in the vocabulary, room left to
+    generate. Raises PromptError."""
+    if not prompt_token_ids:
+        raise PromptError("the prompt is empty: at least one token is needed")
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size
+           for t in prompt_token_ids):
+        raise PromptError(f"prompt token ids (prompt_token_ids) must be integers in [0, {vocab_size})")
+    n = len(prompt_token_ids)
+    if n >= max_model_len:
+        raise PromptError(f"the prompt has {n} tokens, but this model's maximum context length (max_model_len) "
+                          f"is {max_model_len}: at most {max_model_len - 1} prompt tokens leave room to generate",
+                          code="context_length_exceeded")
 
 
 class RequestStatus(enum.Enum):
@@ -46,11 +71,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    # filled by the token processor
-    output_text: str = ""
-    logprobs: list | None = None
+    # filled by the token processor: ids and values only (text is the output processor's, core/output.py)
+    logprobs: list | None = None                 # [{token: TokenLogprob}, ...] with logprobs=N
     prompt_logprobs: list | None = None          # [None, {token: TokenLogprob}, ...] with prompt_logprobs=N
-    detokenizer: object | None = None            # the token processor's TextOutput
     pooled: object | None = None                 # a pooling request's embedding: float32 numpy [hidden]
 
     @property
@@ -86,7 +109,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     rank: int
-    decoded: str | None = None
+    decoded: str | None = None          # the token's text: set by the output processor (core/output.py)
 
 
 @dataclass(slots=True)
@@ -112,9 +135,11 @@ class RequestOutput:
 
 
 def request_output(req: Request, index: int = 0) -> RequestOutput:
-    """One request's ``RequestOutput`` as it stands (what ``fdx_request_finished``
-    observers get): its one completion, and its times (monotonic clock)."""
-    out = CompletionOutput(index=index, text=req.output_text, token_ids=list(req.output_token_ids),
+    """One request's ``RequestOutput`` as the engine has it (what
+    ``fdx_request_finished`` observers get): its one completion's token ids,
+    finish and logprob values, no text (the engine makes none:
+    core/output.py), and its times (monotonic clock)."""
+    out = CompletionOutput(index=index, text="", token_ids=list(req.output_token_ids),
                            finish_reason=req.status.value if req.is_finished else None,
                            stop_reason=req.stop_reason, logprobs=req.logprobs)
     return RequestOutput(

@@ -26,8 +26,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None             # top-N logprobs per sampled token (0: only the sampled)
     skip_special_tokens: bool = True
-    detokenize: bool = True                 # False: token ids only, no text (the server detokenizes
-                                            # in its API process); stop strings need it True
+    detokenize: bool = True                 # False: token ids only, the output processor makes no
+                                            # text (core/output.py); stop strings need it True
     prompt_logprobs: int | None = None      # top-N logprobs of each prompt token (0: only the token)
     logit_bias: dict[int, float] | None = None     # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None     # only these may be sampled

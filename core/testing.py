@@ -44,7 +44,7 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 2
 
 
 class StubTokenizer:
-    """Enough of a tokenizer for the token processor (one letter a token)."""
+    """Enough of a tokenizer for logits processors (one letter a token)."""
     eos_token_ids = [EOS]
 
     def decode(self, ids, skip_special_tokens=True) -> str:
@@ -190,7 +190,7 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
                           **({"kv_connector": "swap", "plugins.connector.swap.max_blocks": w["swap"]}
                              if w["swap"] else {}))
     assembly = Assembly(cfg, pm)            # the engine's assembly, scheduler side
-    tp = assembly.token_processor(StubTokenizer())
+    tp = assembly.token_processor()
     parts = assembly.scheduler_side(w["num_blocks"], tp, w["max_model_len"])
     kv, connector, rm = parts["kv_cache"], parts["connector"], parts["resource_manager"]
     num_slots = w["num_blocks"] * w["bs"]

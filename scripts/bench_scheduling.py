@@ -16,13 +16,12 @@ from fdx.core.interfaces import ModelRunnerOutput
 from fdx.core.plugins import PluginManager
 from fdx.core.request import Request
 from fdx.core.sampling_params import SamplingParams
-from fdx.core.testing import StubTokenizer
 
 
 def main(num_seqs: int, steps: int = 400, repeats: int = 5) -> float:
     cfg = FdxConfig.build(max_num_seqs=max(num_seqs, 1), block_size=16, max_num_batched_tokens=2048)
     assembly = Assembly(cfg, PluginManager(load_entry_points=False))
-    tp = assembly.token_processor(StubTokenizer())
+    tp = assembly.token_processor()
     best = float("inf")
     for _ in range(repeats):
         rm = assembly.scheduler_side(4096, tp, 2048)["resource_manager"]

@@ -17,18 +17,13 @@ from fdx.plugins.schedulers.policies import Fcfs, LongestPrefixMatch, Priority
 MAX_LEN = 256
 
 
-class StubTokenizer:
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return "x" * len(list(ids))
-
-
 def make_rm(kind="v0", cache="paged", num_blocks=64, bs=8, **cfg):
     """The engine's scheduling core running ``kind``'s policy, built by the engine's assembly."""
     config = FdxConfig.build(resource_manager=kind, kv_cache=cache, block_size=bs, **cfg)
     if config.scheduler.max_num_batched_tokens is None:
         config.scheduler.max_num_batched_tokens = 64
     parts = Assembly(config, get_plugin_manager()).scheduler_side(
-        num_blocks, DefaultTokenProcessor(StubTokenizer()), MAX_LEN)
+        num_blocks, DefaultTokenProcessor(), MAX_LEN)
     return parts["resource_manager"]
 
 

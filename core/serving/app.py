@@ -32,7 +32,8 @@ from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
 from fdx.core.messages import EngineRejected, SeqDelta
 from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from fdx.core.output import SequenceState
+from fdx.core.output import SequenceState, split_n
+from fdx.core.request import PromptError, check_prompt
 from fdx.core.serving import ui
 from fdx.core.serving.rendering import Renderer
 from fdx.core.serving.signals import GracefulServer
@@ -230,7 +231,6 @@ class Server:
             self.engine = wrap_engine(config, self.engine, self.metrics, self.plugins)
         self.tokenizer = None
         self.render: Renderer | None = None
-        self.guided: GuidedDecoding | None = None      # the API process's compile cache (validation)
         self.max_model_len = 0
         self.vocab_size = 0
         self.hidden_size = 0                      # an embedding's length (model.task embed)
@@ -357,14 +357,11 @@ class Server:
         return dataclasses.replace(sp, bad_words=None, bad_words_token_ids=seqs)
 
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
-        if not ids:
-            raise APIError(400, "the prompt is empty: at least one token is needed", param=param)
-        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
-            raise APIError(400, f"prompt token ids must be integers in [0, {self.vocab_size})", param=param)
-        if len(ids) >= self.max_model_len:
-            raise APIError(400, f"the prompt has {len(ids)} tokens, but this model's maximum context length "
-                           f"(max_model_len) is {self.max_model_len}: at most {self.max_model_len - 1} prompt "
-                           "tokens leave room to generate", param=param, code="context_length_exceeded")
+        """The prompt check, here at the edge (the engine's make_request runs the same one)."""
+        try:
+            check_prompt(ids, self.vocab_size, self.max_model_len)
+        except PromptError as e:
+            raise APIError(400, str(e), param=param, code=e.code) from None
 
     def make_group(self, prompts: list[tuple[str | None, list[int]]], sp: SamplingParams,
                    prefix: str, http_request: Request | None = None) -> RequestGroup:
@@ -376,9 +373,9 @@ class Server:
         if prefix in self.prefixes or self.config.scheduler.request_scheduler != "local":
             prefix = f"{prefix}.{secrets.token_hex(3)}"
         seqs, params = [], []
+        children = split_n(sp)                  # the one n / seed rule (core/output.py)
         for p_idx, (_text, ids) in enumerate(prompts):
-            for i in range(sp.n):
-                child = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + i) % 2**63)
+            for i, child in enumerate(children):
                 idx = p_idx * sp.n + i
                 seqs.append(SequenceState(f"{prefix}-{idx}", idx, p_idx, ids, child, self.tokenizer, arrival))
                 engine_side = child.to_dict()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from fdx.core.output import token_text
 from fdx.core.serving.protocol import APIError
 
 
@@ -103,7 +104,7 @@ class Renderer:
 
     # -- logprobs in OpenAI's two shapes ---------------------------------------------------
     def _token_str(self, tid: int) -> str:
-        return self.tokenizer.decode([int(tid)], skip_special_tokens=False)
+        return token_text(self.tokenizer, tid)       # the output processor's logprob text
 
     def completion_logprobs(self, lps, offset: int, top_n: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []

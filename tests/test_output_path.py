@@ -1,0 +1,180 @@
+"""One output path (core/output.py): the engine emits token ids and logprob
+ids/values only; the output processor makes the text, the stop strings,
+the logprob text and the n children, for LLM and the server alike.
+
+References: the Hugging Face tokenizer of the same checkpoint (text and
+token strings), a brute-force stop-string search over the unstopped
+output, n=1 requests with the seeds the rule gives, and a real server
+through the openai client."""
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+import transformers
+
+from fdx import LLM
+from fdx.core.output import OutputProcessor, split_n
+from fdx.core.request import request_output
+from fdx.core.sampling_params import SamplingParams
+
+from serve_utils import API_KEY, ready_server
+
+MAX_LEN = 256
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model):
+    llm = LLM(tiny_model, max_model_len=MAX_LEN, block_size=16, num_kv_blocks=64, progress=False)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tiny_model):
+    return transformers.AutoTokenizer.from_pretrained(tiny_model)
+
+
+def first_stop_cut(hf_tok, ids: list[int], stop: str) -> tuple[list[int], str]:
+    """Brute force: the shortest prefix of ``ids`` whose text holds ``stop``;
+    its ids and the text before the stop string."""
+    for k in range(1, len(ids) + 1):
+        text = hf_tok.decode(ids[:k], skip_special_tokens=True)
+        if stop in text:
+            return ids[:k], text[:text.index(stop)]
+    raise AssertionError(f"{stop!r} never appears")
+
+
+def pick_stop(text: str, size: int) -> str:
+    """``size`` plain ASCII characters from the middle of ``text``."""
+    for i in range(len(text) // 3, len(text) - size):
+        cut = text[i:i + size]
+        if cut.isascii() and cut.isprintable() and cut.strip():
+            return cut
+    raise AssertionError(f"no plain stop string in {text!r}")
+
+
+def test_split_n_seed_rule():
+    kids = split_n(SamplingParams(n=3, seed=2**63 - 2))
+    assert [k.seed for k in kids] == [2**63 - 2, 2**63 - 1, 0] and all(k.n == 1 for k in kids)
+    assert [k.seed for k in split_n(SamplingParams(n=2))] == [None, None]
+    one = SamplingParams(seed=5)
+    assert split_n(one) == [one]
+
+
+@pytest.mark.slow
+def test_engine_makes_no_text(tiny_llm, hf_tok):
+    """The token processor has no tokenizer and leaves the engine's requests
+    without text or logprob text; the output processor makes both, equal
+    to the HF tokenizer's."""
+    eng = tiny_llm.engine
+    assert not hasattr(eng.token_processor, "tokenizer")
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    req = eng.make_request(hf_tok.encode(PROMPT), sp)
+    eng.add_request(req)
+    outputs = OutputProcessor(eng)
+    seq = outputs.add(req)
+    raw = []
+    while not seq.finished:
+        changed = eng.step()
+        # what the engine produced, before the output processor sees it
+        raw += [lp.decoded for r in changed if r is req for lp in r.logprobs[-1].values()]
+        assert all(getattr(r, "output_text", "") == "" for r in changed)
+        outputs.process(changed)
+    assert raw and all(d is None for d in raw)
+    assert request_output(req).outputs[0].text == ""
+    assert seq.text == hf_tok.decode(seq.token_ids, skip_special_tokens=True)
+    for tid, entry in zip(seq.token_ids, seq.logprobs):
+        assert entry[tid].decoded == hf_tok.decode([tid])
+        assert all(lp.decoded == hf_tok.decode([t]) for t, lp in entry.items())
+    out = tiny_llm.generate({"prompt_token_ids": req.prompt_token_ids}, sp)[0]
+    assert out.outputs[0].token_ids == seq.token_ids and out.outputs[0].text == seq.text
+    assert all(lp.decoded == hf_tok.decode([t]) for d in out.prompt_logprobs[1:] for t, lp in d.items())
+
+
+@pytest.mark.slow
+def test_stop_string_ends_the_engine_request_at_once(tiny_llm, hf_tok):
+    eng = tiny_llm.engine
+    free = eng.kv_cache.num_free_blocks
+    base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = tiny_llm.generate(PROMPT, base)[0].outputs[0]
+    assert ref.text == hf_tok.decode(ref.token_ids, skip_special_tokens=True)
+    stop = pick_stop(ref.text, 3)
+    want_ids, want_text = first_stop_cut(hf_tok, ref.token_ids, stop)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+
+    req = eng.make_request(hf_tok.encode(PROMPT), sp)
+    eng.add_request(req)
+    outputs = OutputProcessor(eng)
+    seq = outputs.add(req)
+    steps = 0
+    while not seq.finished:
+        outputs.process(eng.step())
+        steps += 1
+    # ended in the step that produced the stop token: nothing left, every block back
+    assert not eng.has_unfinished() and eng.kv_cache.num_free_blocks == free
+    assert steps == len(want_ids) and req.status.value == "stop" and req.stop_reason == stop
+    assert (seq.text, seq.token_ids, seq.finish_reason, seq.stop_reason) == (want_text, want_ids, "stop", stop)
+
+    out = tiny_llm.generate(PROMPT, sp)[0].outputs[0]
+    assert (out.text, out.token_ids, out.finish_reason, out.stop_reason) == (want_text, want_ids, "stop", stop)
+    assert eng.kv_cache.num_free_blocks == free
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory, tiny_model):
+    srv = ready_server(tmp_path_factory.mktemp("serve_output_path"),
+                       model={"model": tiny_model, "max_model_len": MAX_LEN})
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+def test_llm_and_server_give_the_same_outputs(tiny_llm, tiny_server, hf_tok):
+    """n=2 with a seed, logprobs and a stop string: the server's choices
+    are LLM.generate's, token for token and character for character; each
+    child i is the n=1 request with seed + i; the stop frees the server's
+    blocks too."""
+    seed, n_top = 11, 2
+    free = tiny_server.metrics()["fdx:kv_cache_free_blocks"]
+    plain = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=seed, n=2)
+    ref = tiny_llm.generate(PROMPT, plain)[0].outputs
+    text0 = ref[0].text
+    stop = pick_stop(text0, 2)
+    sp = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=seed, n=2, logprobs=n_top, stop=[stop])
+    llm_out = tiny_llm.generate(PROMPT, sp)[0].outputs
+
+    client = openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    resp = client.completions.create(model=model, prompt=PROMPT, n=2, seed=seed, temperature=1.0, max_tokens=24,
+                                     logprobs=n_top, stop=[stop], extra_body={"ignore_eos": True})
+    choices = sorted(resp.choices, key=lambda c: c.index)
+    assert len(choices) == 2
+    for i, (c, o) in enumerate(zip(choices, llm_out)):
+        # the seed rule: child i is the n=1 request with seed + i
+        alone = tiny_llm.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True,
+                                                          seed=seed + i))[0].outputs[0]
+        assert ref[i].token_ids == alone.token_ids
+        if stop in ref[i].text:
+            want_ids, want_text = first_stop_cut(hf_tok, ref[i].token_ids, stop)
+            assert (o.finish_reason, o.stop_reason) == ("stop", stop)
+        else:
+            want_ids, want_text = ref[i].token_ids, ref[i].text
+            assert o.finish_reason == "length"
+        assert (o.text, o.token_ids) == (want_text, want_ids)
+        assert c.text == o.text and c.finish_reason == o.finish_reason
+        # logprob text: the same strings, the HF tokenizer's
+        assert c.logprobs.tokens == [o.logprobs[k][t].decoded for k, t in enumerate(o.token_ids)]
+        assert c.logprobs.tokens == [hf_tok.decode([t]) for t in o.token_ids]
+        for k, t in enumerate(o.token_ids):
+            assert c.logprobs.token_logprobs[k] == pytest.approx(o.logprobs[k][t].logprob, abs=1e-4)
+            top = {lp.decoded: lp.logprob for lp in o.logprobs[k].values() if lp.rank <= n_top}
+            assert set(c.logprobs.top_logprobs[k]) == set(top)
+    assert llm_out[0].finish_reason == "stop"
+    # the server aborted the stopped sequence: its blocks are back
+    deadline = time.monotonic() + 10
+    while tiny_server.metrics()["fdx:kv_cache_free_blocks"] != free and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tiny_server.metrics()["fdx:kv_cache_free_blocks"] == free
