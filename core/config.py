@@ -297,6 +297,15 @@ def plugin_settings(kind: str, name: str, cls: Any, raw: dict | None) -> Any:
         raise ConfigError(_describe(e, key)) from None
 
 
+def _deep_update(node: dict[str, Any], value: dict[str, Any]) -> None:
+    """``node.update(value)``, but a mapping met in both is merged, not replaced."""
+    for k, v in value.items():
+        if isinstance(v, dict) and isinstance(node.get(k), dict):
+            _deep_update(node[k], v)
+        else:
+            node[k] = v
+
+
 def _merge(data: dict[str, Any], key: str, value: Any) -> None:
     if key == "plugins" or key.startswith("plugins."):
         path = key.split(".")[1:]
@@ -314,7 +323,7 @@ def _merge(data: dict[str, Any], key: str, value: Any) -> None:
             if not isinstance(node, dict):
                 raise ConfigError(f"config key '{key}': '{part}' is not a mapping")
         if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
-            node[path[-1]].update(value)
+            _deep_update(node[path[-1]], value)      # what an old key (an alias) put there stays
         else:
             node[path[-1]] = value
         return

@@ -80,6 +80,18 @@ def test_an_explicit_selector_wins_over_what_an_old_key_implied():
     assert both.cache.kv_connector == "splitwise"
 
 
+def test_old_keys_and_new_plugin_settings_of_one_plugin_merge():
+    """An old key (an alias into plugins.connector.splitwise) beside new
+    settings for the same plugin: both hold, in either order (the plugins
+    mapping used to replace what the alias had put there)."""
+    new = {"plugins": {"connector": {"splitwise": {"transfer_timeout_s": 7.0}}}}
+    for kwargs in ({"splitwise": {"role": "decode", "connector_port": 9123}, **new},
+                   {**new, "splitwise": {"role": "decode", "connector_port": 9123}}):
+        cfg = FdxConfig.build(**kwargs)
+        assert cfg.plugins["connector"]["splitwise"] == {"role": "decode", "port": 9123, "transfer_timeout_s": 7.0}
+        assert cfg.cache.kv_connector == "splitwise"
+
+
 def test_the_core_config_has_no_plugin_settings_left():
     fields = {f"{s}.{f}" for s in ("cache", "backend") for f in type(getattr(FdxConfig(), s)).model_fields}
     assert not fields & {"cache.swap_dir", "cache.swap_max_blocks", "cache.kv_cache_ratio", "backend.cuda_graph",
