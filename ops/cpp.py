@@ -43,7 +43,8 @@ from fdx.core.host import cache_root, cpu_id, portable_kernels
 
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
-           "quant_kernel_names", "quant_supported", "decoder_layer", "DECODER_LAYER_KINDS",
+           "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
+           "f32_kernel_name", "decoder_layer", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status"]
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
-            _CSRC / "quant_kernels.inc", _CSRC / "decoder_layer.h"]
+            _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h"]
 _CFLAGS = [
     "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # let dot-product reductions reassociate (vector horizontal sums); no -ffinite-math-only
@@ -410,6 +411,50 @@ def quant_matmul_avx512(x: paddle.Tensor, w) -> paddle.Tensor:
 QUANT_MATMULS = {"portable": quant_matmul_portable, "avx2": quant_matmul_avx2, "avx512": quant_matmul_avx512}
 
 
+# --- the float32 product for a few rows (csrc/f32_kernels.h) ------------------------------------
+
+# From this many activation rows a float32 product is Paddle's (MKL) sgemm, below
+# it the compiled one, which streams the weight once at the memory's speed (see
+# F32_BLAS_MIN_ROWS' measurement in docs/benchmarks.md).
+F32_BLAS_MIN_ROWS = 8
+
+
+def f32_kernel_name(variant: str) -> str:
+    """``cpp.f32_matmul`` (portable), ``cpp.f32_matmul.avx2``, ``cpp.f32_matmul.avx512``."""
+    return quant_kernel_name("f32", variant)
+
+
+F32_KERNEL_NAMES = tuple(f32_kernel_name(v) for v in QUANT_VARIANTS)
+
+
+def _f32_product(x: paddle.Tensor, w: paddle.Tensor, variant: str) -> paddle.Tensor:
+    """x [..., K] @ w [K, N] (float32) -> [..., N] by one build of csrc/f32_kernels.h."""
+    x2 = _rows(x)
+    out = _module_or_raise().fdx_f32_matmul(x2, w if w.is_contiguous() else w.contiguous(), _VARIANT_CODE[variant])
+    return out if len(x.shape) == 2 else out.reshape(x.shape[:-1] + [w.shape[1]])
+
+
+@kernels.implements(f32_kernel_name("portable"))
+def f32_matmul_portable(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    """x @ w for float32 w [in, out], the plain C++ build."""
+    return _f32_product(x, w, "portable")
+
+
+@kernels.implements(f32_kernel_name("avx2"))
+def f32_matmul_avx2(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    """The AVX2 + FMA build."""
+    return _f32_product(x, w, "avx2")
+
+
+@kernels.implements(f32_kernel_name("avx512"))
+def f32_matmul_avx512(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    """The AVX-512 F build: dies by SIGILL on a CPU without it."""
+    return _f32_product(x, w, "avx512")
+
+
+F32_MATMULS = {"portable": f32_matmul_portable, "avx2": f32_matmul_avx2, "avx512": f32_matmul_avx512}
+
+
 # --- one decoder layer in one call (csrc/decoder_layer.h) --------------------------------------
 
 DECODER_LAYER_KINDS = QUANT_KINDS[:8]        # the GGML block kinds (no separate scales tensor)
@@ -422,7 +467,7 @@ def decoder_layer(
     input_norm: paddle.Tensor,
     post_norm: paddle.Tensor,
     weights: list,
-    variants: list[str],
+    variants: list,
     positions: paddle.Tensor,
     slots: paddle.Tensor,
     k_cache: paddle.Tensor,
@@ -444,14 +489,25 @@ def decoder_layer(
     norm, q/k/v, rotary + KV write at ``slots``, attention over the block
     tables (``seq_info`` must list the N rows in order), o_proj, residual
     add + norm, gate/up, SiLU-and-mul and down (csrc/decoder_layer.h).
-    ``weights``: the four fdx.ops.quant.QuantizedTensor (qkv, o, gate_up,
-    down) of DECODER_LAYER_KINDS, each multiplied by the build ``variants[i]``
-    ("avx2", ...); float tensors float32."""
+    ``weights``: the four linears (qkv, o, gate_up, down), each a sequence of
+    one to three parts stacked along rows (output features), each part an
+    fdx.ops.quant.QuantizedTensor of DECODER_LAYER_KINDS or a float32
+    [in, out] tensor; ``variants``: the build ("avx2", ...) of each part, in
+    the same nesting. Float tensors float32."""
     module = _module_or_raise()
+    counts: list[int] = []
     info: list[int] = []
-    for w, variant in zip(weights, variants, strict=True):
-        info += [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1]]
+    tensors: list[paddle.Tensor] = []
+    for parts, builds in zip(weights, variants, strict=True):
+        counts.append(len(parts))
+        for w, variant in zip(parts, builds, strict=True):
+            if isinstance(w, paddle.Tensor):       # float32 [in, out]
+                info += [-1, _VARIANT_CODE[variant], int(w.shape[1]), int(w.shape[0])]
+                tensors.append(w)
+            else:
+                info += [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1]]
+                tensors.append(w.tensors()[0])
     return module.fdx_decoder_layer(
-        _rows(x), residual, input_norm, post_norm, [w.tensors()[0] for w in weights], positions, slots,
-        k_cache, v_cache, cos, sin, seq_info, block_tables, info, int(num_heads), int(num_kv_heads),
+        _rows(x), residual, input_norm, post_norm, tensors, positions, slots,
+        k_cache, v_cache, cos, sin, seq_info, block_tables, counts + info, int(num_heads), int(num_kv_heads),
         int(rotary_dim), int(block_size), bool(neox), float(eps), float(scale))

@@ -224,6 +224,23 @@ def _quant_probes() -> dict[str, Callable[[str], None]]:
     return {quant_kernel_name(k, v): _probe_quant(k, v) for v in QUANT_VARIANTS for k in QUANT_KINDS}
 
 
+def _probe_f32(variant: str) -> Callable[[str], None]:
+    """One build of the float32 product (csrc/f32_kernels.h) against numpy in
+    float64: one row over odd shapes (a column tail, a weight-row tail), a few
+    rows over a weight large enough to use every thread."""
+    def probe(dtype: str = "float32") -> None:
+        from fdx.ops import cpp
+        fn = cpp.F32_MATMULS[variant]
+        rng = _rng()
+        for k, n, m in ((37, 129, 1), (64, 40, 3), (300, 1000, 5)):
+            w = rng.standard_normal((k, n)).astype(np.float32)
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            got = fn(_tensor(x), _tensor(w)).numpy()
+            want = x.astype(np.float64) @ w.astype(np.float64)
+            _close(got / np.abs(want).max(), want / np.abs(want).max(), f"{m}x{k} @ {k}x{n}", atol=1e-5, rtol=0)
+    return probe
+
+
 PROBES: dict[str, Callable[[str], None]] = {
     "fused_rms_norm": _probe_fused_rms_norm,
     "swiglu": _probe_silu("paddle"),
@@ -234,6 +251,7 @@ PROBES: dict[str, Callable[[str], None]] = {
     "cpp.paged_attention": _probe_paged_attention,
     "cpp.rope_write_kv": _probe_rope_write_kv,
     **_quant_probes(),
+    **{f"cpp.f32_matmul{'' if v == 'portable' else '.' + v}": _probe_f32(v) for v in ("avx512", "avx2", "portable")},
 }
 
 

@@ -1,12 +1,15 @@
 """The compiled whole decoder layer (fdx.ops.cpp.decoder_layer, csrc/decoder_layer.h).
 
-One layer on random Q4_1 and Q8_0 blocks against a numpy layer written here
+One layer on random Q4_1 and Q8_0 blocks, float32 weights, and parts of
+different kinds (a Q4_K_M-like q/k/v, gate/up; one with a float32 v beside
+blocks) against a numpy layer written here
 (gguf's dequantization of the same bytes, float64; the activations quantized
 to int8 per block of 32 before each product, as the compiled products do:
 fdx.ops.probes.int8_blocks) and against the layer's composed ops; then whole
 models with ``quantization auto``, the fused path on and off
 (FDX_FUSED_LAYERS), against transformers under batching, chunked prefill and
-prefix hits, and the embedded SmolLM2 likewise (slow).
+prefix hits (a Q4_K_M-like file of mixed kinds and a float32 one among
+them), and the embedded SmolLM2 likewise (slow).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from fdx import LLM, SamplingParams
 from fdx.core import kernels
 from fdx.ops import cpp, probes
 from fdx.ops.probes import int8_blocks
-from fdx.plugins.backends.probe_child import random_layer, run_layer
+from fdx.plugins.backends.probe_child import MIXED_LAYER, part_kind, random_layer, run_layer
 from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
 from test_contracts import cpu_kernel_table
 from test_llm import hf_greedy
@@ -26,9 +29,12 @@ from test_weight_formats import QUANT_TIE, TINY, check_greedy, files, prompts  #
 pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"compiled ops unavailable: {cpp.unavailable_reason()}")
 
 KINDS = ("q4_1", "q8_0")
+LAYERS = {"q4_1": "q4_1", "q8_0": "q8_0", "f32": "f32", "mixed": MIXED_LAYER,
+          "mixed-f32": {**MIXED_LAYER, "v_proj": "f32", "up_proj": "f32"}}
 
 
 def best_variant(kind: str) -> str:
+    """This CPU's build of ``kind``'s product ("f32": the float32 one)."""
     table = cpu_kernel_table()
     if not table.usable("cpp.decoder_layer"):
         pytest.skip(f"cpp.decoder_layer: {table.why_not('cpp.decoder_layer')}")
@@ -38,15 +44,18 @@ def best_variant(kind: str) -> str:
 def numpy_layer(layer, cfg, x, residual, caches):
     """(out, residual, k cache, v cache) of the probes' mixed step, in numpy."""
     f = layer.fused
-    wqkv, wo, wgu, wd = (w.dequantize().astype(np.float64) for w in f.weights)
+    # each weight's parts, stacked along rows: (float32 or not, [rows, cols] float64)
+    wqkv, wo, wgu, wd = ([(part_kind(p) == "f32", p.numpy().T.astype(np.float64) if part_kind(p) == "f32"
+                           else p.dequantize().astype(np.float64)) for p in parts] for parts in f.weights)
     in_w, post_w = f.input_norm.numpy().astype(np.float64), f.post_norm.numpy().astype(np.float64)
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def norm(v, w):
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
 
-    def prod(v, w):
-        return int8_blocks(v.astype(np.float32)).astype(np.float64) @ w.T
+    def prod(v, w):   # a float32 part multiplies the activations as they are, a quantized one their int8 blocks
+        return np.concatenate([(v if dense else int8_blocks(v.astype(np.float32)).astype(np.float64)) @ part.T
+                               for dense, part in w], axis=1)
 
     def rope(v, pos):   # v [heads, D] at position pos, halves rotated (neox)
         inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
@@ -86,9 +95,9 @@ def numpy_layer(layer, cfg, x, residual, caches):
     return out, res, k_cache, v_cache
 
 
-def random_case(kind: str, seed: int):
+def random_case(kind, seed: int):
     rng = np.random.default_rng(seed)
-    layer, cfg = random_layer(kind, rng)
+    layer, cfg = random_layer(LAYERS.get(kind, kind) if isinstance(kind, str) else kind, rng)
     caches = [rng.standard_normal((cfg.num_kv_heads * probes._BLOCKS * probes._BLOCK, cfg.head_dim)
                                   ).astype(np.float32) for _ in range(2)]
     n = sum(probes._QUERY_LENS)
@@ -103,26 +112,30 @@ def assert_close(got, want, what: str, tol: float) -> None:
         assert err < tol, f"{what} {part}: max error {err:.3g} of the largest value"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("first", [True, False], ids=["first-layer", "with-residual"])
 def test_fused_layer_matches_numpy(kind, first):
     """Prefill over an empty context, a chunk over a cached one and two decodes
     in one step. An activation on an int8 rounding boundary may round the other
     way in float64 (one step of 1/127 of its block): 2e-3 of the largest
-    output; a wrong head, position or slot is off by the whole value."""
+    output; a wrong head, position or slot, or a part in the wrong columns,
+    is off by the whole value."""
     layer, cfg, caches, x, residual = random_case(kind, 1)
     assert layer.fused is not None
-    got = run_layer(layer, x, None if first else residual, caches, "fused", best_variant(kind))
+    assert [len(parts) for parts in layer.fused.weights] == (
+        [3, 1, 2, 1] if kind.startswith("mixed") else [1, 1, 1, 1])
+    got = run_layer(layer, x, None if first else residual, caches, "fused", best_variant)
     want = numpy_layer(layer, cfg, x, None if first else residual, caches)
     assert_close(got, want, kind, 2e-3)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", list(LAYERS))
 def test_fused_layer_matches_the_composed_ops(kind):
-    """The same kernels as the composed path's products (this CPU's build), the
-    rest composed in Paddle under the cpu table: float32 rounding apart."""
+    """The same kernels as the composed path's products (this CPU's build; MKL
+    for float32 at these 15 rows), the rest composed in Paddle under the cpu
+    table: float32 rounding apart."""
     layer, _, caches, x, residual = random_case(kind, 2)
-    got = run_layer(layer, x, residual, caches, "fused", best_variant(kind))
+    got = run_layer(layer, x, residual, caches, "fused", best_variant)
     with kernels.using(cpu_kernel_table()):
         want = run_layer(layer, x, residual, caches, "composed")
     assert_close(got, want, kind, 1e-4)
@@ -136,10 +149,17 @@ def test_layers_the_fused_path_leaves_to_the_composed_one():
     assert layer.fused is None
     dense, _ = random_layer("q4_1", np.random.default_rng(4), table=kernels.REFERENCE)
     assert dense.fused is not None            # blocks kept even without a kernel: the backend decides per step
-    from fdx.plugins.models.weight_formats import DenseWeight
-    dense.mlp.w_down = DenseWeight.from_numpy(np.zeros((256, 128), np.float32))
+    from fdx.ops.quant import quantize_wint8
+    from fdx.plugins.models.weight_formats import BlockWeight, DenseWeight
+    dense.mlp.w_down = DenseWeight.from_numpy(np.zeros((128, 256), np.float32))
     dense.weights_changed()
-    assert dense.fused is None                # a float32 linear
+    assert dense.fused is not None            # a float32 linear: fused too
+    dense.mlp.w_down = dense.mlp.w_down.cast("bfloat16")
+    dense.weights_changed()
+    assert dense.fused is None                # another dtype
+    dense.mlp.w_down = BlockWeight(quantize_wint8(np.zeros((128, 256), np.float32)))
+    dense.weights_changed()
+    assert dense.fused is None                # wint8
 
 
 class Spy:
@@ -152,12 +172,14 @@ class Spy:
         return self.real(*args, **kw)
 
 
-@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("name", ["q4_1", "q8_0", "mixed", "f32"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
 def test_greedy_tokens_with_the_fused_path_on_and_off(files, name, fused, monkeypatch):  # noqa: F811
     """Tiny GGUF Llamas, ``auto``: greedy tokens follow transformers on the
     dequantized weights (test_weight_formats' margin) with the fused layers on
-    or off, in a batch of three, then chunked (8 tokens a step) with prefix hits."""
+    or off, in a batch of three, then chunked (8 tokens a step) with prefix hits.
+    "mixed" is like llama.cpp's Q4_K_M (q/k/v and gate/up of different kinds),
+    "f32" all float32 (its decode steps under F32_BLAS_MIN_ROWS rows fuse)."""
     monkeypatch.setenv(FUSED_LAYERS_ENV, "1" if fused else "0")
     spy = Spy(monkeypatch)
     path, model = files[name]

@@ -4,7 +4,7 @@
 // embedding for the first layer) and the residual stream (nullptr for the first
 // layer) -> the MLP output and the new residual, through
 //   h = rms_norm(x + residual)                 (RmsNorm, fused_kernels.h)
-//   qkv = h @ wqkv.T                           (quant::Matmul, quant_kernels.h)
+//   qkv = h @ wqkv.T                           (quant::Matmul or f32::Matmul, each part)
 //   q = rope(q); k, v -> paged caches          (RopeWriteKv)
 //   a = paged_attention(q)                     (PagedAttention, paged_attention_kernel.h)
 //   o = a @ wo.T
@@ -15,21 +15,60 @@
 // calls a layer) between them. Every kernel splits its own work over the one
 // OpenMP pool. No biases, no tensor-parallel reduction: those layers take the
 // composed path (the caller decides).
+//
+// Each of the four weights is one to three parts stacked along its output rows
+// (a q/k/v or gate/up that a file stores in different kinds: Q4_K_M's Q5_0 q and k
+// beside a Q8_0 v), each part GGML blocks (quant_kernels.h) or float32 [in, out]
+// (f32_kernels.h), each writing its own columns of the product.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "f32_kernels.h"
 #include "fused_kernels.h"
 #include "paged_attention_kernel.h"
 #include "quant_kernels.h"
 
 namespace fdx {
 
-struct LayerWeight {
-  quant::Weights w;
-  int variant;  // quant::Variant: the build the kernel table passed for w.kind
+constexpr int kF32Weight = -1;  // a part's kind: float32, [cols, rows] row-major
+constexpr int kMaxParts = 3;
+
+struct WeightPart {
+  int kind;           // quant::Kind, or kF32Weight
+  int variant;        // the build the kernel table passed for the kind (quant::Variant = f32::Variant)
+  quant::Weights q;   // the GGML kinds
+  const float* f32;   // kF32Weight: [cols, rows]
+  int64_t rows, cols;
 };
+
+struct LayerWeight {
+  WeightPart parts[kMaxParts];
+  int num_parts;
+  int64_t rows;  // the parts' rows summed: the product's width
+};
+
+// out [N, w.rows] = x [N, cols] @ w.T, each part into its own columns: a float32
+// part and a lone or one-row quantized part write in place, a quantized part of
+// several rows beside others through `tmp` (quant::Matmul writes whole rows).
+inline void Product(const LayerWeight& w, const float* x, int64_t N, float* out, std::vector<float>& tmp) {
+  int64_t col = 0;
+  for (int i = 0; i < w.num_parts; ++i) {
+    const WeightPart& p = w.parts[i];
+    if (p.kind == kF32Weight) {
+      f32::Matmul(p.variant, p.f32, p.cols, p.rows, x, N, out + col, w.rows);
+    } else if (w.num_parts == 1 || N == 1) {
+      quant::Matmul(p.variant, p.q, x, N, out + col);
+    } else {
+      tmp.resize(N * p.rows);
+      quant::Matmul(p.variant, p.q, x, N, tmp.data());
+      for (int64_t t = 0; t < N; ++t)
+        std::memcpy(out + t * w.rows + col, tmp.data() + t * p.rows, p.rows * sizeof(float));
+    }
+    col += p.rows;
+  }
+}
 
 struct LayerArgs {
   const float* x;         // [N, hidden]
@@ -46,7 +85,7 @@ struct LayerArgs {
 };
 
 struct LayerScratch {
-  std::vector<float> h, qkv, q, attn, o, gate_up, act;
+  std::vector<float> h, qkv, q, attn, o, gate_up, act, part;
 };
 
 inline void DecoderLayer(LayerArgs a, int64_t N) {
@@ -66,19 +105,19 @@ inline void DecoderLayer(LayerArgs a, int64_t N) {
     std::memcpy(a.residual_out, a.x, N * a.hidden * sizeof(float));
     RmsNorm(a.x, nullptr, a.input_norm, a.eps, N, a.hidden, s.h.data(), nullptr);
   }
-  quant::Matmul(a.qkv.variant, a.qkv.w, s.h.data(), N, s.qkv.data());
+  Product(a.qkv, s.h.data(), N, s.qkv.data(), s.part);
   a.rope.qkv = s.qkv.data();
   a.rope.q_out = s.q.data();
   RopeWriteKv(a.rope, N);
   a.attn.q = s.q.data();
   a.attn.out = s.attn.data();
   PagedAttention(a.attn, a.num_seqs, KVH);
-  quant::Matmul(a.o.variant, a.o.w, s.attn.data(), N, s.o.data());
+  Product(a.o, s.attn.data(), N, s.o.data(), s.part);
   // residual_out holds the residual after attention's input norm; add o to it in place
   RmsNorm(s.o.data(), a.residual_out, a.post_norm, a.eps, N, a.hidden, s.h.data(), a.residual_out);
-  quant::Matmul(a.gate_up.variant, a.gate_up.w, s.h.data(), N, s.gate_up.data());
+  Product(a.gate_up, s.h.data(), N, s.gate_up.data(), s.part);
   SiluAndMul(s.gate_up.data(), s.act.data(), N, a.intermediate);
-  quant::Matmul(a.down.variant, a.down.w, s.act.data(), N, a.out);
+  Product(a.down, s.act.data(), N, a.out, s.part);
 }
 
 }  // namespace fdx

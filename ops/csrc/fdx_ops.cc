@@ -14,13 +14,16 @@
 //   -> x @ w.T [M, rows], and fdx_quant_dequantize(data, scales) -> w [rows, cols]
 //   float32, for quantized weights of `kind` by the instruction-set `variant`
 //   (quant_kernels.h).
-// fdx_decoder_layer(x, residual or None, norms, the four GGML-block weights, the step's
+// fdx_f32_matmul(x [M, K], w float32 [K, N]) -> x @ w [M, N] by the instruction-set
+//   `variant` (f32_kernels.h).
+// fdx_decoder_layer(x, residual or None, norms, the four weights' parts, the step's
 //   attention metadata and the layer's caches) -> (mlp out, residual): a whole Llama-family
 //   layer by the kernels above in one call (decoder_layer.h).
 // All inputs are contiguous float32 / int32 / int64 CPU tensors.
 #include <vector>
 
 #include "decoder_layer.h"
+#include "f32_kernels.h"
 #include "fused_kernels.h"
 #include "paddle/extension.h"
 #include "paged_attention_kernel.h"
@@ -399,13 +402,46 @@ PD_BUILD_OP(fdx_quant_dequantize)
     .SetInferShapeFn(PD_INFER_SHAPE(QuantDequantizeInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(QuantDequantizeInferDtype));
 
+// --- the float32 small-M product (f32_kernels.h) -----------------------------------------
+
+std::vector<paddle::Tensor> F32MatmulForward(const paddle::Tensor& x, const paddle::Tensor& w, int64_t variant) {
+  CheckFloat2d(x, "x");
+  CheckFloat2d(w, "w");
+  PD_CHECK(w.shape().size() == 2 && x.shape().size() == 2 && x.shape()[1] == w.shape()[0],
+           "x must be [M, K] and w [K, N]");
+  PD_CHECK(variant >= 0 && variant <= 2, "unknown variant ", variant);
+  const int64_t M = x.shape()[0], K = w.shape()[0], N = w.shape()[1];
+  auto out = paddle::empty({M, N}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fdx::f32::Matmul(static_cast<int>(variant), w.data<float>(), K, N, x.data<float>(), M, out.data<float>(), N);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> F32MatmulInferShape(const std::vector<int64_t>& x_shape,
+                                                      const std::vector<int64_t>& w_shape, int64_t) {
+  return {{x_shape[0], w_shape[1]}};
+}
+
+std::vector<paddle::DataType> F32MatmulInferDtype(const paddle::DataType& x_dtype, const paddle::DataType&) {
+  return {x_dtype};
+}
+
+PD_BUILD_OP(fdx_f32_matmul)
+    .Inputs({"X", "W"})
+    .Outputs({"Out"})
+    .Attrs({"variant: int64_t"})
+    .SetKernelFn(PD_KERNEL(F32MatmulForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(F32MatmulInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(F32MatmulInferDtype));
+
 // --- one decoder layer in one call (decoder_layer.h) -------------------------------------
 
 // fdx_decoder_layer(x [N, hidden], residual [N, hidden] or None, input_norm, post_norm [hidden],
-//   weights [qkv, o, gate_up, down] (GGML block bytes, uint8 [rows, row_bytes]), positions,
-//   slots int64 [N], k_cache, v_cache, cos, sin, seq_info int32 [S, 4], block_tables int32 [S, W])
+//   weights: the parts of qkv, o, gate_up, down in that order (GGML block bytes, uint8
+//   [rows, row_bytes], or float32 [cols, rows]), positions, slots int64 [N], k_cache, v_cache,
+//   cos, sin, seq_info int32 [S, 4], block_tables int32 [S, W])
 //   -> (out, residual) [N, hidden]; writes k and v into the caches in place.
-// weight_info: (kind, variant, rows, cols) of each weight, in that order.
+// weight_info: the four weights' part counts (1 to 3: parts stack along rows), then
+//   (kind, variant, rows, cols) of each part; kind -1 is float32 (decoder_layer.h).
 std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
                                                 const paddle::optional<paddle::Tensor>& residual,
                                                 const paddle::Tensor& input_norm,
@@ -438,7 +474,6 @@ std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
     PD_CHECK(residual->shape() == x.shape(), "residual must have x's shape");
   }
   PD_CHECK(input_norm.numel() == hidden && post_norm.numel() == hidden, "norm weights must be [hidden]");
-  PD_CHECK(weights.size() == 4 && weight_info.size() == 16, "four weights: qkv, o, gate_up, down");
   PD_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
            "num_heads must be a positive multiple of num_kv_heads");
   PD_CHECK(k_cache.shape().size() == 2 && k_cache.shape() == v_cache.shape(),
@@ -460,19 +495,46 @@ std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
            "block_tables must be [S, W]");
 
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
-  const int64_t intermediate = weight_info[3 * 4 + 3];
+  PD_CHECK(weight_info.size() >= 4, "weight_info starts with the four weights' part counts");
+  int64_t num_parts = 0;
+  for (int i = 0; i < 4; ++i) {
+    PD_CHECK(weight_info[i] >= 1 && weight_info[i] <= fdx::kMaxParts, "weight ", i, ": 1 to ", fdx::kMaxParts,
+             " parts, got ", weight_info[i]);
+    num_parts += weight_info[i];
+  }
+  PD_CHECK(static_cast<int64_t>(weights.size()) == num_parts &&
+               static_cast<int64_t>(weight_info.size()) == 4 + 4 * num_parts,
+           "one tensor and (kind, variant, rows, cols) for each part");
+  const int64_t intermediate = weight_info[4 + 4 * (num_parts - 1) + 3];  // the last part is down's
   // (rows, cols) each weight must have: out features x in features
   const int64_t want[4][2] = {{q_size + 2 * kv_size, hidden}, {hidden, q_size}, {2 * intermediate, hidden},
                               {hidden, intermediate}};
   fdx::LayerWeight lw[4];
-  for (int i = 0; i < 4; ++i) {
-    const int64_t kind = weight_info[4 * i], variant = weight_info[4 * i + 1];
-    const int64_t rows = weight_info[4 * i + 2], cols = weight_info[4 * i + 3];
-    PD_CHECK(kind >= 0 && kind < kWint8, "weight ", i, ": only the GGML block kinds, got ", kind);
-    PD_CHECK(variant >= kPortable && variant <= kAvx512, "weight ", i, ": unknown variant ", variant);
-    PD_CHECK(rows == want[i][0] && cols == want[i][1], "weight ", i, " is [", rows, ", ", cols, "], expected [",
-             want[i][0], ", ", want[i][1], "]");
-    lw[i] = {QuantWeights(weights[i], paddle::none, kind, rows, cols, 0), static_cast<int>(variant)};
+  for (int i = 0, part = 0; i < 4; ++i) {
+    lw[i].num_parts = static_cast<int>(weight_info[i]);
+    lw[i].rows = 0;
+    for (int j = 0; j < lw[i].num_parts; ++j, ++part) {
+      const int64_t* info = &weight_info[4 + 4 * part];
+      const int64_t kind = info[0], variant = info[1], rows = info[2], cols = info[3];
+      PD_CHECK(kind == fdx::kF32Weight || (kind >= 0 && kind < kWint8), "weight ", i,
+               ": only float32 and the GGML block kinds, got ", kind);
+      PD_CHECK(variant >= kPortable && variant <= kAvx512, "weight ", i, ": unknown variant ", variant);
+      PD_CHECK(cols == want[i][1] && rows > 0, "weight ", i, " part ", j, " is [", rows, ", ", cols,
+               "], expected ", want[i][1], " columns");
+      fdx::WeightPart& p = lw[i].parts[j];
+      p = fdx::WeightPart{static_cast<int>(kind), static_cast<int>(variant), {}, nullptr, rows, cols};
+      if (kind == fdx::kF32Weight) {
+        const auto& t = weights[part];
+        CheckFloat2d(t, "a float32 weight");
+        PD_CHECK(t.shape().size() == 2 && t.shape()[0] == cols && t.shape()[1] == rows, "weight ", i, " part ", j,
+                 " must be float32 [", cols, ", ", rows, "] (in x out)");
+        p.f32 = t.data<float>();
+      } else {
+        p.q = QuantWeights(weights[part], paddle::none, kind, rows, cols, 0);
+      }
+      lw[i].rows += rows;
+    }
+    PD_CHECK(lw[i].rows == want[i][0], "weight ", i, " has ", lw[i].rows, " rows, expected ", want[i][0]);
   }
 
   const int64_t num_slots = k_cache.shape()[0] / num_kv_heads, max_pos = cos.shape()[0];

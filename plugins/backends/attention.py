@@ -6,9 +6,10 @@
 - ``cpu``: the compiled CPU kernels (ops/csrc/): attention over block
   tables, and ``rope_write_kv``, the fused q/k/v split + q/k RMS norm +
   rotary + KV-cache write the model calls before attention, and
-  ``decoder_layer``, a whole Llama-family layer over GGML-block weights in
-  one compiled call (steps of fewer than fdx.ops.cpp.QUANT_BLAS_MIN_ROWS
-  tokens whose every sequence the compiled attention takes; off with
+  ``decoder_layer``, a whole Llama-family layer over GGML-block or float32
+  weights in one compiled call (steps of fewer than
+  fdx.ops.cpp.QUANT_BLAS_MIN_ROWS tokens, F32_BLAS_MIN_ROWS with a float32
+  weight, whose every sequence the compiled attention takes; off with
   ``FDX_FUSED_LAYERS=0``), each where the
   cpu backend's probed kernel table (fdx.core.kernels) passed it. The
   Paddle reference is its fallback when they could not be built or did not
@@ -79,14 +80,15 @@ class CpuAttention(PaddleAttention):
         self._variants: tuple[object, dict[str, str | None]] = (None, {})
 
     def _variant(self, kind: str) -> str | None:
-        """The build of ``kind``'s product the active table passed ("avx2", ...), or None."""
+        """The build of ``kind``'s product the active table passed ("avx2", ...), or None;
+        kind "f32": the float32 product's."""
         from fdx.ops import cpp
         table = kernels.active()
         if self._variants[0] is not table:
             self._variants = (table, {})
         found = self._variants[1]
         if kind not in found:
-            found[kind] = next((v for v in cpp.QUANT_VARIANTS if kind in cpp.DECODER_LAYER_KINDS
+            found[kind] = next((v for v in cpp.QUANT_VARIANTS if kind in cpp.DECODER_LAYER_KINDS + ("f32",)
                                 and table.usable(cpp.quant_kernel_name(kind, v))), None)
         return found[kind]
 
@@ -95,8 +97,10 @@ class CpuAttention(PaddleAttention):
         kernel table passed it and the step fits: every sequence in the
         compiled attention's group (rows in batch order), fewer tokens than
         QUANT_BLAS_MIN_ROWS (from there the composed products dequantize and
-        multiply by BLAS, faster than the kernel's int8 dot products), float32,
-        and a passed build for each weight's kind. Else None."""
+        multiply by BLAS, faster than the kernel's int8 dot products), or than
+        F32_BLAS_MIN_ROWS when a weight is float32 (from there MKL's sgemm is),
+        float32 activations, and a passed build for each weight part's kind.
+        Else None."""
         import paddle
         from fdx.ops import cpp
         group = metadata.cpp
@@ -105,8 +109,11 @@ class CpuAttention(PaddleAttention):
                 or x.dtype != paddle.float32 or not kernels.active().usable("cpp.decoder_layer")
                 or not cpp.loaded()):
             return None
-        variants = [self._variant(w.kind) for w in layer.weights]
-        if None in variants:
+        if layer.has_float and metadata.num_tokens >= cpp.F32_BLAS_MIN_ROWS:
+            return None
+        variants = [[self._variant("f32" if isinstance(p, paddle.Tensor) else p.kind) for p in parts]
+                    for parts in layer.weights]
+        if any(None in v for v in variants):
             return None
         rope = layer.rope
         return cpp.decoder_layer(x, residual, layer.input_norm, layer.post_norm, layer.weights, variants,

@@ -25,8 +25,10 @@ PADDLE_KERNELS = ("fused_rms_norm", "swiglu", "fused_rotary_position_embedding")
 # AVX-512 ones probed last (on a CPU without it each kills its probe child).
 QUANT_KERNELS = tuple(f"cpp.{kind}_matmul{suffix}" for suffix in ("", ".avx2", ".avx512")
                       for kind in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4"))
+# The float32 product for a few rows (fdx.ops.cpp.F32_KERNEL_NAMES), AVX-512 last likewise.
+F32_KERNELS = ("cpp.f32_matmul", "cpp.f32_matmul.avx2", "cpp.f32_matmul.avx512")
 COMPILED_KERNELS = ("cpp.rms_norm", "cpp.add_rms_norm", "cpp.silu_and_mul", "cpp.paged_attention",
-                    "cpp.rope_write_kv", "cpp.decoder_layer") + QUANT_KERNELS
+                    "cpp.rope_write_kv", "cpp.decoder_layer") + QUANT_KERNELS + F32_KERNELS
 KERNELS = PADDLE_KERNELS + COMPILED_KERNELS
 
 _logged: set[str] = set()
@@ -40,6 +42,7 @@ def host_free_memory_bytes() -> int:
 def op_choices(table: kernels.KernelTable) -> dict[str, str]:
     """op -> what runs for it under ``table``, in words (the ops' own rules,
     fdx.ops.norm / activation / rotary / attention)."""
+    from fdx.ops.cpp import F32_BLAS_MIN_ROWS, QUANT_BLAS_MIN_ROWS
     from fdx.ops.norm import CPP_MIN_ROWS
 
     def pick(*options: tuple[str, str], fallback: str) -> str:
@@ -59,7 +62,8 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
         "rotary": pick(("fused_rotary_position_embedding", "fused"), fallback="matmul"),
         "attention": pick(("cpp.paged_attention", "compiled"), fallback="paddle"),
         "rope_write_kv": pick(("cpp.rope_write_kv", "compiled"), fallback="composed"),
-        "decoder_layer": pick(("cpp.decoder_layer", "compiled (GGML-block layers, under 64 tokens a step)"),
+        "decoder_layer": pick(("cpp.decoder_layer", f"compiled (GGML-block layers under {QUANT_BLAS_MIN_ROWS} "
+                                                    f"tokens a step, float32 ones under {F32_BLAS_MIN_ROWS})"),
                               fallback="composed"),
         "quant_matmul": quant_choices(table),
     }
@@ -90,7 +94,7 @@ def probe_kernels(threads: int) -> kernels.KernelTable:
     cpp.prepare()
     if cpp.loaded():
         # FDX_PORTABLE_KERNELS: only the baseline build of the quantized products
-        off = {n: f"off ({PORTABLE_ENV})" for n in QUANT_KERNELS if "." in n[4:]} if portable_kernels() else {}
+        off = {n: f"off ({PORTABLE_ENV})" for n in QUANT_KERNELS + F32_KERNELS if "." in n[4:]} if portable_kernels() else {}
         return probe_table(list(KERNELS), threads, off, cpp.build_dir().name)
     why = cpp.unavailable_reason() or "unavailable"
     return probe_table(list(KERNELS), threads, {name: why for name in COMPILED_KERNELS})

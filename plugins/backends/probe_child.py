@@ -14,21 +14,28 @@ import sys
 import numpy as np
 
 from fdx.ops import probes
-from fdx.ops.probes import (_BLOCK, _BLOCKS, _CONTEXT_LENS, _HEADS, _KV_HEADS, _QUERY_LENS, _TABLES, _close,
-                            _rng, _tensor, random_quantized)
+from fdx.ops.probes import (_BLOCK, _BLOCKS, _CONTEXT_LENS, _HEADS, _KV_HEADS, _QUERY_LENS, _TABLES, WrongResult,
+                            _close, _rng, _tensor, random_quantized)
 
 # --- one decoder layer in one call (csrc/decoder_layer.h) -----------------------------------
 
 _LAYER_HIDDEN, _LAYER_INTER, _LAYER_HEAD_DIM = 128, 256, 32      # 4 query / 2 KV heads of 32
 
 
-def random_layer(kind: str, rng, hidden: int = _LAYER_HIDDEN, inter: int = _LAYER_INTER,
+def part_kind(part) -> str:
+    """A fused layer's weight part's kind: "f32" for a float32 tensor, else its blocks' kind."""
+    return part.kind if hasattr(part, "kind") else "f32"
+
+
+def random_layer(kind, rng, hidden: int = _LAYER_HIDDEN, inter: int = _LAYER_INTER,
                  heads: int = _HEADS, kv_heads: int = _KV_HEADS, head_dim: int = _LAYER_HEAD_DIM,
                  table=None, max_position: int = 64):
     """A Llama decoder layer (fdx.plugins.models.layers.DecoderLayer) with random
-    ``kind`` blocks for its linears and norm weights near 1, kept as blocks by
-    the ``auto`` format under ``table`` (default: the portable build of ``kind``
-    passed), and its DecoderConfig."""
+    ``kind`` blocks for its linears ("f32": float32 weights; a dict: the kind of
+    each projection, "q_proj" ... "down_proj", parts of different kinds fused as
+    a RowStack) and norm weights near 1, kept as blocks by the ``auto`` format
+    under ``table`` (default: the portable builds of the kinds passed), and its
+    DecoderConfig."""
     from fdx.core.kernels import KernelTable
     from fdx.ops import cpp
     from fdx.plugins.models import layers
@@ -41,20 +48,29 @@ def random_layer(kind: str, rng, hidden: int = _LAYER_HIDDEN, inter: int = _LAYE
     shapes = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
               "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
               "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
-    weights = {f"{p}.{n}.weight": random_quantized(kind, *shape, rng) for n, shape in shapes.items()}
+    kinds = {n: kind[n.split(".")[1]] if isinstance(kind, dict) else kind for n in shapes}
+
+    def weight(k: str, shape):
+        if k == "f32":                       # the scale of the blocks' weights
+            return (0.05 * rng.standard_normal(shape)).astype(np.float32)
+        return random_quantized(k, *shape, rng)
+
+    weights = {f"{p}.{n}.weight": weight(kinds[n], shape) for n, shape in shapes.items()}
     for n in ("input_layernorm", "post_attention_layernorm"):
         weights[f"{p}.{n}.weight"] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
-    table = KernelTable({cpp.quant_kernel_name(kind, "portable"): None}) if table is None else table
+    if table is None:
+        table = KernelTable({cpp.quant_kernel_name(k, "portable"): None for k in set(kinds.values()) if k != "f32"})
     w = layers.Weights("LlamaForCausalLM", weights, AutoFormat(table))
     return layers.DecoderLayer(cfg, w, 0, layers.build_rotary(cfg)), cfg
 
 
-def run_layer(layer, x, residual, caches, impl: str, variant: str = "portable"):
+def run_layer(layer, x, residual, caches, impl: str, variant="portable"):
     """(MLP output, residual, k cache, v cache) as numpy after one layer over
     the probes' mixed step (_QUERY_LENS over _CONTEXT_LENS, caches copied
     first): ``impl`` "fused" by fdx.ops.cpp.decoder_layer (weights by the
-    ``variant`` build), "composed" by the layer's own ops with the Paddle
-    attention (under whatever kernel table is active)."""
+    ``variant`` build, or a function of each part's kind that names it),
+    "composed" by the layer's own ops with the Paddle attention (under
+    whatever kernel table is active)."""
     import paddle
     from fdx.core.interfaces import AttentionContext
     from fdx.ops import attention, cpp
@@ -67,7 +83,9 @@ def run_layer(layer, x, residual, caches, impl: str, variant: str = "portable"):
     r_t = None if residual is None else _tensor(residual)
     if impl == "fused":
         f = layer.fused
-        out, res = cpp.decoder_layer(x_t, r_t, f.input_norm, f.post_norm, list(f.weights), [variant] * 4,
+        pick = variant if callable(variant) else (lambda kind: variant)
+        builds = [[pick(part_kind(p)) for p in parts] for parts in f.weights]
+        out, res = cpp.decoder_layer(x_t, r_t, f.input_norm, f.post_norm, list(f.weights), builds,
                                      meta.positions, meta.slot_mapping, k_cache, v_cache, f.rope.cos_cache,
                                      f.rope.sin_cache, meta.cpp.seq_info, meta.cpp.block_tables, f.num_heads,
                                      f.num_kv_heads, f.head_dim, _BLOCK, f.rope.is_neox_style, f.eps, f.scale)
@@ -76,26 +94,34 @@ def run_layer(layer, x, residual, caches, impl: str, variant: str = "portable"):
     return out.numpy(), res.numpy(), k_cache.numpy(), v_cache.numpy()
 
 
+# A layer like llama.cpp's Q4_K_M of SmolLM2: fused parts of different kinds (RowStacks).
+MIXED_LAYER = {"q_proj": "q5_0", "k_proj": "q5_0", "v_proj": "q8_0", "o_proj": "q4_1", "gate_proj": "q5_0",
+               "up_proj": "q4_0", "down_proj": "q6_k"}
+
+
 def _probe_decoder_layer(dtype: str = "float32") -> None:
     """The whole layer against its composed ops (the same portable products, the
-    rest Paddle), first layer (no residual) and a later one, Q4_1 and Q8_0."""
+    rest Paddle), first layer (no residual) and a later one: Q4_1, Q8_0, float32
+    and a layer of mixed kinds."""
     from fdx.core import kernels
     from fdx.core.kernels import KernelTable
     from fdx.ops import cpp
     rng = _rng()
     n = sum(_QUERY_LENS)
-    for kind in ("q4_1", "q8_0"):
+    for kind in ("q4_1", "q8_0", "f32", MIXED_LAYER):
         layer, cfg = random_layer(kind, rng)
         if layer.fused is None:
             raise WrongResult(f"wrong result ({kind}: the layer does not take the fused path)")
         caches = [rng.standard_normal((_KV_HEADS * _BLOCKS * _BLOCK, cfg.head_dim)).astype(np.float32)
                   for _ in range(2)]
         x = rng.standard_normal((n, cfg.hidden_size)).astype(np.float32)
+        kinds = set(kind.values()) if isinstance(kind, dict) else {kind}
+        table = KernelTable({cpp.quant_kernel_name(k, "portable"): None for k in kinds if k != "f32"})
         for residual in (None, rng.standard_normal((n, cfg.hidden_size)).astype(np.float32)):
             got = run_layer(layer, x, residual, caches, "fused")
-            with kernels.using(KernelTable({cpp.quant_kernel_name(kind, "portable"): None})):
+            with kernels.using(table):
                 want = run_layer(layer, x, residual, caches, "composed")
-            what = f"{kind}, {'first layer' if residual is None else 'with residual'}"
+            what = f"{'mixed' if isinstance(kind, dict) else kind}, {'first layer' if residual is None else 'with residual'}"
             for g, w, part in zip(got, want, ("out", "residual", "k cache", "v cache")):
                 scale = float(np.abs(w).max()) or 1.0
                 _close(g / scale, w / scale, f"{what}: {part}", atol=1e-3, rtol=0)

@@ -206,10 +206,13 @@ class FeedForward:
 class FusedLayer:
     """What a backend's whole-layer kernel needs of one layer
     (``AttentionBackend.decoder_layer``): its norms, its four linear weights
-    as quantized blocks, and the attention shape."""
+    and the attention shape. Each weight is one to three parts stacked along
+    its output rows (a q/k/v or gate/up whose parts a file stores in
+    different kinds), each part an fdx.ops.quant.QuantizedTensor of GGML
+    blocks or a float32 ``[in, out]`` tensor (the ``none`` format's)."""
     input_norm: Tensor
     post_norm: Tensor
-    weights: tuple[Any, Any, Any, Any]   # fdx.ops.quant.QuantizedTensor: qkv, o, gate_up, down
+    weights: tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]   # qkv, o, gate_up, down
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -217,26 +220,50 @@ class FusedLayer:
     eps: float
     scale: float
 
+    @property
+    def has_float(self) -> bool:
+        """Whether a weight part is float32 (the backend takes such a layer for fewer rows)."""
+        return any(isinstance(p, Tensor) for parts in self.weights for p in parts)
+
+
+MAX_FUSED_PARTS = 3     # = kMaxParts of csrc/decoder_layer.h
+
+
+def fused_parts(weight: LinearWeight) -> tuple[Any, ...] | None:
+    """A linear weight as the fused kernel's parts: float32 ``[in, out]``
+    tensors and whole GGML blocks (QuantizedTensor), one part or a RowStack's
+    up to three; None for anything else (wint8/wint4, another dtype)."""
+    from fdx.core.interfaces import RowStack
+    from fdx.ops import cpp
+    from fdx.plugins.models.weight_formats import BlockWeight, DenseWeight
+    if isinstance(weight, RowStack):
+        if len(weight.parts) > MAX_FUSED_PARTS:
+            return None
+        parts = [fused_parts(p) for p in weight.parts]
+        return None if any(p is None for p in parts) else tuple(q for p in parts for q in p)
+    if type(weight) is DenseWeight and weight.t.dtype == paddle.float32:
+        return (weight.t,)
+    if isinstance(weight, BlockWeight) and weight.kind in cpp.DECODER_LAYER_KINDS and cpp.quant_supported(weight.q):
+        weight.q.prepare()
+        return (weight.q,)
+    return None
+
 
 def fused_layer(layer: "DecoderLayer") -> FusedLayer | None:
     """The layer as a ``FusedLayer``, or None when it has what the fused
     kernels leave to the composed path: a bias (Qwen2), q/k norms (Qwen3), a
-    tensor-parallel split, a weight that is not whole GGML blocks (float32,
-    wint8/wint4, mixed kinds), or weights not in float32."""
-    from fdx.ops import cpp
-    from fdx.plugins.models.weight_formats import BlockWeight
+    tensor-parallel split, a weight that is neither float32 nor whole GGML
+    blocks (wint8/wint4, bfloat16), or norm weights not in float32."""
     a, m = layer.attn, layer.mlp
-    linears = (a.wqkv, a.wo, m.w_gate_up, m.w_down)
     if (any(b is not None for b in (a.bqkv, a.bo, m.b_gate_up, m.b_down)) or a.q_norm is not None
             or a.reduce is not None or m.reduce is not None
-            or any(t.dtype != paddle.float32 for t in (layer.input_norm, layer.post_norm))
-            or not all(isinstance(w, BlockWeight) and w.kind in cpp.DECODER_LAYER_KINDS and cpp.quant_supported(w.q)
-                       for w in linears)):
+            or any(t.dtype != paddle.float32 for t in (layer.input_norm, layer.post_norm))):
         return None
-    for w in linears:
-        w.q.prepare()
-    return FusedLayer(layer.input_norm, layer.post_norm, tuple(w.q for w in linears), a.num_heads,
-                      a.num_kv_heads, a.head_dim, a.rope, layer.eps, a.scale)
+    parts = [fused_parts(w) for w in (a.wqkv, a.wo, m.w_gate_up, m.w_down)]
+    if any(p is None for p in parts):
+        return None
+    return FusedLayer(layer.input_norm, layer.post_norm, tuple(parts), a.num_heads, a.num_kv_heads, a.head_dim,
+                      a.rope, layer.eps, a.scale)
 
 
 _UNSET: Any = object()

@@ -1,0 +1,25 @@
+"""Products with float32 ``[in, out]`` weights (the ``none`` format's linears
+and tied LM head): for fewer than fdx.ops.cpp.F32_BLAS_MIN_ROWS activation
+rows the compiled product (csrc/f32_kernels.h: the weight streamed once over
+the threads) in the widest build the active kernel table passed, else
+Paddle's matmul (MKL sgemm), which is also the probes' reference."""
+from __future__ import annotations
+
+import paddle
+from paddle import Tensor
+
+from fdx.core import kernels
+from fdx.ops import cpp
+
+__all__ = ["matmul"]
+
+
+def matmul(x: Tensor, w: Tensor) -> Tensor:
+    """``x [..., in] @ w [in, out]``."""
+    if (x.dtype == paddle.float32 and w.dtype == paddle.float32 and cpp.loaded()
+            and (x.shape[0] if len(x.shape) == 2 else int(x.numel()) // x.shape[-1]) < cpp.F32_BLAS_MIN_ROWS):
+        table = kernels.active()
+        for variant in cpp.QUANT_VARIANTS:
+            if table.usable(cpp.f32_kernel_name(variant)):
+                return cpp.F32_MATMULS[variant](x, w)
+    return paddle.matmul(x, w)

@@ -1,0 +1,92 @@
+"""The compiled float32 product for a few rows (ops/csrc/f32_kernels.h) against numpy.
+
+x [M, K] @ w [K, N] (the ``none`` format's [in, out] weights) in every build
+this CPU runs (the backend's probed table; AVX-512 on an AVX2 machine is
+skipped with its probe's finding, which must be a SIGILL), against numpy in
+float64: float32 accumulation only, 1e-5 of the largest output. Shapes: the
+odd ones (a column tail under a vector, a weight-row tail under a pass, one
+column), every row count to past the two-row passes, and SmolLM2's. Then the
+dispatch (fdx.ops.dense.matmul): the compiled product below F32_BLAS_MIN_ROWS
+rows, MKL from there, both numpy's numbers.
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fdx.core import kernels
+from fdx.core.host import cpu_flags
+from fdx.ops import cpp, dense
+from test_contracts import cpu_kernel_table
+
+pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"compiled ops unavailable: {cpp.unavailable_reason()}")
+
+SHAPES = [(1, 1, 1), (3, 5, 7), (37, 129, 1), (64, 40, 2), (576, 960, 1), (576, 960, 5), (1536, 576, 4),
+          (576, 3072, 7), (8, 16, 17), (300, 1000, 3)]
+
+
+def f32_fn(variant: str):
+    name = cpp.f32_kernel_name(variant)
+    finding = cpu_kernel_table().findings.get(name, "not probed")
+    if finding is not None:
+        if variant == "avx512" and "avx512f" not in cpu_flags():
+            assert finding == "SIGILL on this CPU", finding
+        pytest.skip(f"{name} does not run here: {finding}")
+    return cpp.F32_MATMULS[variant]
+
+
+def numpy_case(k: int, n: int, m: int, seed: int = 0):
+    rng = np.random.default_rng(seed + 1000 * k + n + m)
+    return rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+
+
+def assert_product(got: np.ndarray, x: np.ndarray, w: np.ndarray, what: str) -> None:
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    assert got.shape == want.shape, what
+    err = float(np.abs(got - want).max()) / float(np.abs(want).max())
+    assert err < 1e-5, f"{what}: max error {err:.3g} of the largest output"
+
+
+@pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
+@pytest.mark.parametrize("k,n,m", SHAPES)
+def test_product_matches_numpy(variant, k, n, m):
+    fn = f32_fn(variant)
+    x, w = numpy_case(k, n, m)
+    assert_product(fn(paddle.to_tensor(x), paddle.to_tensor(w)).numpy(), x, w, f"{variant} {m}x{k} @ {k}x{n}")
+
+
+@pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
+def test_every_row_count_and_a_3d_input(variant):
+    """1..2 passes of rows plus every tail, on one weight; [2, 3, K] rows too."""
+    fn = f32_fn(variant)
+    x, w = numpy_case(96, 200, 11)
+    wt = paddle.to_tensor(w)
+    for m in range(1, 12):
+        assert_product(fn(paddle.to_tensor(x[:m]), wt).numpy(), x[:m], w, f"{variant} {m} rows")
+    x3 = x[:6].reshape(2, 3, 96)
+    got = fn(paddle.to_tensor(x3), wt).numpy()
+    assert got.shape == (2, 3, 200)
+    assert_product(got.reshape(6, 200), x[:6], w, f"{variant} [2, 3, K]")
+
+
+def test_the_dense_product_takes_the_compiled_kernel_below_the_threshold(monkeypatch):
+    """fdx.ops.dense.matmul under the cpu table: compiled below F32_BLAS_MIN_ROWS
+    (seen by which function ran), MKL at and above, numpy's numbers either way;
+    under a table without it (or another dtype), Paddle's matmul."""
+    table = cpu_kernel_table()
+    variant = next((v for v in cpp.QUANT_VARIANTS if table.usable(cpp.f32_kernel_name(v))), None)
+    if variant is None:
+        pytest.skip("no build of the float32 product passed its probe here")
+    ran: list[int] = []
+    real = cpp.F32_MATMULS[variant]
+    monkeypatch.setitem(cpp.F32_MATMULS, variant, lambda x, w: (ran.append(x.shape[0]), real(x, w))[1])
+    x, w = numpy_case(576, 960, cpp.F32_BLAS_MIN_ROWS + 1)
+    wt = paddle.to_tensor(w)
+    with kernels.using(table):
+        for m in (1, cpp.F32_BLAS_MIN_ROWS - 1, cpp.F32_BLAS_MIN_ROWS, cpp.F32_BLAS_MIN_ROWS + 1):
+            assert_product(dense.matmul(paddle.to_tensor(x[:m]), wt).numpy(), x[:m], w, f"{m} rows")
+    assert ran == [1, cpp.F32_BLAS_MIN_ROWS - 1]
+    with kernels.using(kernels.REFERENCE):
+        assert_product(dense.matmul(paddle.to_tensor(x[:1]), wt).numpy(), x[:1], w, "reference table")
+    assert ran == [1, cpp.F32_BLAS_MIN_ROWS - 1]
