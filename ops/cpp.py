@@ -414,9 +414,13 @@ QUANT_MATMULS = {"portable": quant_matmul_portable, "avx2": quant_matmul_avx2, "
 # --- the float32 product for a few rows (csrc/f32_kernels.h) ------------------------------------
 
 # From this many activation rows a float32 product is Paddle's (MKL) sgemm, below
-# it the compiled one, which streams the weight once at the memory's speed (see
-# F32_BLAS_MIN_ROWS' measurement in docs/benchmarks.md).
-F32_BLAS_MIN_ROWS = 8
+# it the compiled one, which streams the weight once for all the rows. Measured on
+# the Zen 3 of docs/benchmarks.md (a SmolLM2 layer's four products over 30 layers of
+# distinct weights, 450 MB streamed from memory as a decode step does, one thread,
+# CPU time, alternating): the compiled products took 1.04x MKL's time at 1 row,
+# 0.47x at 4, 0.59x at 8, 0.66x at 16, 1.06x at 32, 0.98x at 64; the fused layer
+# (which also drops ~13 op calls a layer) takes float32 layers below this too.
+F32_BLAS_MIN_ROWS = 32
 
 
 def f32_kernel_name(variant: str) -> str:
