@@ -431,29 +431,29 @@ def f32_kernel_name(variant: str) -> str:
 F32_KERNEL_NAMES = tuple(f32_kernel_name(v) for v in QUANT_VARIANTS)
 
 
-def _f32_product(x: paddle.Tensor, w: paddle.Tensor, variant: str) -> paddle.Tensor:
-    """x [..., K] @ w [K, N] (float32) -> [..., N] by one build of csrc/f32_kernels.h."""
-    x2 = _rows(x)
-    out = _module_or_raise().fdx_f32_matmul(x2, w if w.is_contiguous() else w.contiguous(), _VARIANT_CODE[variant])
+def _f32_product(x: paddle.Tensor, w: paddle.Tensor, variant: str, matmul_op) -> paddle.Tensor:
+    """x [..., K] @ w [K, N] (float32) -> [..., N] by one build of csrc/f32_kernels.h,
+    whose op the declared implementations below hand in."""
+    out = matmul_op(_rows(x), w if w.is_contiguous() else w.contiguous(), _VARIANT_CODE[variant])
     return out if len(x.shape) == 2 else out.reshape(x.shape[:-1] + [w.shape[1]])
 
 
 @kernels.implements(f32_kernel_name("portable"))
 def f32_matmul_portable(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
     """x @ w for float32 w [in, out], the plain C++ build."""
-    return _f32_product(x, w, "portable")
+    return _f32_product(x, w, "portable", _module_or_raise().fdx_f32_matmul)
 
 
 @kernels.implements(f32_kernel_name("avx2"))
 def f32_matmul_avx2(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
     """The AVX2 + FMA build."""
-    return _f32_product(x, w, "avx2")
+    return _f32_product(x, w, "avx2", _module_or_raise().fdx_f32_matmul)
 
 
 @kernels.implements(f32_kernel_name("avx512"))
 def f32_matmul_avx512(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
     """The AVX-512 F build: dies by SIGILL on a CPU without it."""
-    return _f32_product(x, w, "avx512")
+    return _f32_product(x, w, "avx512", _module_or_raise().fdx_f32_matmul)
 
 
 F32_MATMULS = {"portable": f32_matmul_portable, "avx2": f32_matmul_avx2, "avx512": f32_matmul_avx512}
