@@ -43,7 +43,7 @@ from fdx.core.host import cache_root, cpu_id, portable_kernels
 
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
-           "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
+           "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS", "F32_MIN_ROWS",
            "f32_kernel_name", "decoder_layer", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status"]
 
@@ -421,6 +421,12 @@ QUANT_MATMULS = {"portable": quant_matmul_portable, "avx2": quant_matmul_avx2, "
 # 0.47x at 4, 0.59x at 8, 0.66x at 16, 1.06x at 32, 0.98x at 64; the fused layer
 # (which also drops ~13 op calls a layer) takes float32 layers below this too.
 F32_BLAS_MIN_ROWS = 32
+# ... and from this many rows up the compiled one (fdx.ops.dense and the fused layer).
+# At 1 row the products tied MKL on one thread; at 2 threads under a load average
+# of 15 (other jobs on the 2 cores) they took 1.5-2.2x MKL's wall time, every OpenMP
+# barrier waiting for a descheduled thread, unmeasured on a quiet machine: 2 leaves
+# batch 1 to MKL and the composed layer (docs/benchmarks.md, issue 18's fp32 round).
+F32_MIN_ROWS = 1
 
 
 def f32_kernel_name(variant: str) -> str:

@@ -1,6 +1,6 @@
 """Products with float32 ``[in, out]`` weights (the ``none`` format's linears
-and tied LM head): for fewer than fdx.ops.cpp.F32_BLAS_MIN_ROWS activation
-rows the compiled product (csrc/f32_kernels.h: the weight streamed once over
+and tied LM head): from fdx.ops.cpp.F32_MIN_ROWS to fewer than
+F32_BLAS_MIN_ROWS activation rows the compiled product (csrc/f32_kernels.h: the weight streamed once over
 the threads) in the widest build the active kernel table passed, else
 Paddle's matmul (MKL sgemm), which is also the probes' reference."""
 from __future__ import annotations
@@ -16,8 +16,9 @@ __all__ = ["matmul"]
 
 def matmul(x: Tensor, w: Tensor) -> Tensor:
     """``x [..., in] @ w [in, out]``."""
+    rows = x.shape[0] if len(x.shape) == 2 else int(x.numel()) // x.shape[-1]
     if (x.dtype == paddle.float32 and w.dtype == paddle.float32 and cpp.loaded()
-            and (x.shape[0] if len(x.shape) == 2 else int(x.numel()) // x.shape[-1]) < cpp.F32_BLAS_MIN_ROWS):
+            and cpp.F32_MIN_ROWS <= rows < cpp.F32_BLAS_MIN_ROWS):
         table = kernels.active()
         for variant in cpp.QUANT_VARIANTS:
             if table.usable(cpp.f32_kernel_name(variant)):

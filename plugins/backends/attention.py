@@ -109,7 +109,7 @@ class CpuAttention(PaddleAttention):
                 or x.dtype != paddle.float32 or not kernels.active().usable("cpp.decoder_layer")
                 or not cpp.loaded()):
             return None
-        if layer.has_float and metadata.num_tokens >= cpp.F32_BLAS_MIN_ROWS:
+        if layer.has_float and not cpp.F32_MIN_ROWS <= metadata.num_tokens < cpp.F32_BLAS_MIN_ROWS:
             return None
         variants = [[self._variant("f32" if isinstance(p, paddle.Tensor) else p.kind) for p in parts]
                     for parts in layer.weights]
