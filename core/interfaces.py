@@ -1056,8 +1056,9 @@ class AttentionBackend(abc.ABC):
                       ) -> tuple[Any, Any] | None:
         """Optional: a whole pre-norm decoder layer in one call. ``layer``
         (fdx.plugins.models.layers.FusedLayer) holds the layer's norm
-        weights, its four linear weights (q/k/v, o, gate/up, down, as
-        fdx.ops.quant.QuantizedTensor), head counts, ``rope``, ``eps`` and
+        weights, its four linear weights (q/k/v, o, gate/up, down, each one
+        to three parts stacked along rows: fdx.ops.quant.QuantizedTensor
+        blocks or float32 ``[in, out]`` tensors), head counts, ``rope``, ``eps`` and
         ``scale``; the model offers it only for a layer without biases, q/k
         norms or a tensor-parallel split. ``residual`` is None for the first
         layer (the residual is then ``x``). Return (MLP output, residual),

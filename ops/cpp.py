@@ -43,7 +43,8 @@ from fdx.core.host import cache_root, cpu_id, portable_kernels
 
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
-           "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS", "F32_MIN_ROWS",
+           "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
+           "F32_MIN_ROWS",
            "f32_kernel_name", "decoder_layer", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status"]
 

@@ -121,7 +121,8 @@ def _probe_decoder_layer(dtype: str = "float32") -> None:
             got = run_layer(layer, x, residual, caches, "fused")
             with kernels.using(table):
                 want = run_layer(layer, x, residual, caches, "composed")
-            what = f"{'mixed' if isinstance(kind, dict) else kind}, {'first layer' if residual is None else 'with residual'}"
+            what = (f"{'mixed' if isinstance(kind, dict) else kind}, "
+                    f"{'first layer' if residual is None else 'with residual'}")
             for g, w, part in zip(got, want, ("out", "residual", "k cache", "v cache")):
                 scale = float(np.abs(w).max()) or 1.0
                 _close(g / scale, w / scale, f"{what}: {part}", atol=1e-3, rtol=0)
