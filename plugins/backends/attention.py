@@ -34,6 +34,30 @@ def _ops():
     from fdx.ops import attention
     return attention
 
+
+@functools.cache
+def _cpp():
+    """fdx.ops.cpp, imported on first use (it imports Paddle too). Cached:
+    its users run once a layer a step, where a function-level ``from fdx.ops
+    import cpp`` costs about 2 us (importlib's _handle_fromlist) each time."""
+    from fdx.ops import cpp
+    return cpp
+
+
+@functools.cache
+def _paddle():
+    """Paddle, imported on first use (see _cpp)."""
+    import paddle
+    return paddle
+
+
+@functools.cache
+def _float32():
+    """paddle.float32, Paddle imported on first use (see _cpp)."""
+    import paddle
+    return paddle.float32
+
+
 FUSED_LAYERS_ENV = "FDX_FUSED_LAYERS"     # 0: every layer composed (the A/B switch of docs/benchmarks.md)
 
 
@@ -66,9 +90,8 @@ class CpuAttention(PaddleAttention):
         """The compiled fused kernel (fdx.ops.cpp.rope_write_kv) on float32
         tensors where the kernel table passed it; None (the model composes
         the ops) without it."""
-        import paddle
-        from fdx.ops import cpp
-        if not kernels.active().usable("cpp.rope_write_kv") or not cpp.loaded() or qkv.dtype != paddle.float32:
+        cpp = _cpp()
+        if not kernels.active().usable("cpp.rope_write_kv") or not cpp.loaded() or qkv.dtype != _float32():
             return None
         return cpp.rope_write_kv(qkv, positions, metadata.slot_mapping, k_cache, v_cache,
                                  rope.cos_cache, rope.sin_cache, q_norm, k_norm, num_heads, num_kv_heads,
@@ -82,7 +105,7 @@ class CpuAttention(PaddleAttention):
     def _variant(self, kind: str) -> str | None:
         """The build of ``kind``'s product the active table passed ("avx2", ...), or None;
         kind "f32": the float32 product's."""
-        from fdx.ops import cpp
+        cpp = _cpp()
         table = kernels.active()
         if self._variants[0] is not table:
             self._variants = (table, {})
@@ -101,17 +124,16 @@ class CpuAttention(PaddleAttention):
         F32_BLAS_MIN_ROWS when a weight is float32 (from there MKL's sgemm is),
         float32 activations, and a passed build for each weight part's kind.
         Else None."""
-        import paddle
-        from fdx.ops import cpp
+        cpp = _cpp()
         group = metadata.cpp
         if (not self.fused_layers or group is None or group.num_tokens != metadata.num_tokens
                 or metadata.num_tokens >= cpp.QUANT_BLAS_MIN_ROWS or metadata.out_perm is not None
-                or x.dtype != paddle.float32 or not kernels.active().usable("cpp.decoder_layer")
+                or x.dtype != _float32() or not kernels.active().usable("cpp.decoder_layer")
                 or not cpp.loaded()):
             return None
         if layer.has_float and not cpp.F32_MIN_ROWS <= metadata.num_tokens < cpp.F32_BLAS_MIN_ROWS:
             return None
-        variants = [[self._variant("f32" if isinstance(p, paddle.Tensor) else p.kind) for p in parts]
+        variants = [[self._variant("f32" if isinstance(p, _paddle().Tensor) else p.kind) for p in parts]
                     for parts in layer.weights]
         if any(None in v for v in variants):
             return None

@@ -296,7 +296,8 @@ class DecoderLayer:
 
     def __call__(self, x: Tensor, residual: Tensor | None, positions: Tensor,
                  kv_cache: KVCache, meta: AttentionContext) -> tuple[Tensor, Tensor]:
-        if self.fused is not None and (got := meta.decoder_layer(x, residual, self.fused, kv_cache)) is not None:
+        fused = self._fused if self._fused is not _UNSET else self.fused
+        if fused is not None and (got := meta.decoder_layer(x, residual, fused, kv_cache)) is not None:
             return got
         if residual is None:
             residual, x = x, rms_norm(x, self.input_norm, self.eps)

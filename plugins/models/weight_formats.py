@@ -57,6 +57,23 @@ def _quant():
     return quant
 
 
+@functools.cache
+def _paddle():
+    """Paddle, for the products that run once a linear a step: a cached
+    module beats a function-level ``import paddle`` there (about 0.6 us a
+    call, four a layer and the LM head); imported on first use, as _quant."""
+    import paddle
+    return paddle
+
+
+@functools.cache
+def _dense():
+    """fdx.ops.dense (the float32 products: compiled for a few rows, else
+    Paddle's), imported on first use and cached, as _paddle."""
+    from fdx.ops import dense
+    return dense
+
+
 # --- weights ---------------------------------------------------------------------------
 
 class DenseWeight(LinearWeight):
@@ -84,8 +101,7 @@ class DenseWeight(LinearWeight):
         return int(self.t.numel()) * self.t.element_size()
 
     def matmul(self, x: Tensor) -> Tensor:
-        from fdx.ops import dense
-        return dense.matmul(x, self.t)
+        return _dense().matmul(x, self.t)
 
     def take_rows(self, index) -> "DenseWeight":
         import paddle
@@ -116,8 +132,7 @@ class DenseTable(DenseWeight):
         return cls(paddle.to_tensor(np.ascontiguousarray(w, dtype=np.float32)))
 
     def matmul(self, x: Tensor) -> Tensor:
-        import paddle
-        return paddle.matmul(x, self.t, transpose_y=True)
+        return _paddle().matmul(x, self.t, transpose_y=True)
 
     def embedding(self, ids: Tensor) -> Tensor:
         import paddle
@@ -170,8 +185,7 @@ class BlockWeight(LinearWeight):
         return self.q.nbytes
 
     def matmul(self, x: Tensor) -> Tensor:
-        import paddle
-        if x.dtype == paddle.float32:
+        if x.dtype == _paddle().float32:
             return _quant().matmul(x, self.q)
         return _quant().matmul(x.astype("float32"), self.q).astype(x.dtype)
 
