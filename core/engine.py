@@ -331,15 +331,24 @@ class EngineCore:
 
     abort = abort_request
 
-    def stop_request(self, request_id: str, stop_reason: int | str | None = None) -> Request | None:
+    def stop_request(self, request_id: str, stop_reason: int | str | None = None,
+                     num_output_tokens: int | None = None) -> Request | None:
         """End a running or waiting request as stopped (``finish_reason``
         "stop"): what the output processor calls when a stop string ends a
-        sequence (core/output.py). Its blocks are freed now, as on an abort;
-        observers see it finished with ``stop_reason``. None if unknown or done."""
+        sequence (core/output.py), in process or, for ``fdx serve``, in the
+        API process (an ``EngineAbort`` with reason "stop"). Its blocks are
+        freed now, as on an abort; observers see it finished with
+        ``stop_reason`` and its first ``num_output_tokens`` output tokens
+        (the ones the caller kept: the engine may have computed one or two
+        more before the stop reached it). None if unknown or done."""
         self.guided.remove(request_id)
         req = self.resource_manager.abort_request(request_id)
         if req is not None:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_reason
+            if num_output_tokens is not None:
+                del req.output_token_ids[num_output_tokens:]
+                if req.logprobs is not None:
+                    del req.logprobs[num_output_tokens:]
             self._finished(req)
         return req
 

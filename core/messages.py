@@ -4,7 +4,7 @@ msgpack, never pickle. Each message is tagged, so a decoder typed with a
 union rejects anything that is not one of them."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -24,7 +24,14 @@ class EngineAdd(msgspec.Struct, tag="add"):
 
 
 class EngineAbort(msgspec.Struct, tag="abort"):
+    """End requests early: ``reason`` "abort" (the client went away, the
+    server stops) or "stop" (the API process's output processor found a
+    stop string: the engine ends them as ``EngineCore.stop_request`` does,
+    so its observers see "stop" with ``stop_reason``, as ``LLM``'s do)."""
     request_ids: list[str]
+    reason: Literal["abort", "stop"] = "abort"
+    stop_reason: int | str | None = None     # with "stop": the stop string that ended them
+    num_output_tokens: int | None = None     # with "stop": the output tokens they keep (the API's)
 
 
 class EngineShutdown(msgspec.Struct, tag="shutdown"):

@@ -227,7 +227,7 @@ class OutputProcessor:
                 decode_logprobs(self.tokenizer, lps)
             done = req.is_finished
             if seq.add(new, req.status.value if done else None, req.stop_reason if done else None, lps):
-                self.engine.stop_request(req.request_id, seq.stop_reason)
+                self.engine.stop_request(req.request_id, seq.stop_reason, len(seq.token_ids))
             if seq.finished:
                 finished.append(seq)
         return finished

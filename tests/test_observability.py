@@ -141,6 +141,61 @@ def test_a_request_id_reused_while_in_flight_still_runs(server):
     assert "dup-0" in added and any(re.fullmatch(r"dup\.[0-9a-f]{6}-0", a) for a in added), added
 
 
+def _finished_record(server, request_id: str) -> dict:
+    return wait_until(lambda: [r for r in jsonl(server.records_path)
+                               if r["request_id"] == request_id and r["event"] == "finished"],
+                      f"{request_id} finished in the engine")[0]
+
+
+def _request_span(server, request_id: str) -> dict:
+    return wait_until(lambda: [s for s in jsonl(server.spans_path) if s["name"] == "fdx.request"
+                               and s["attributes"].get("fdx.request_id") == request_id], f"{request_id}'s span")[0]
+
+
+def test_a_stop_string_ends_the_engine_request_as_stop_and_a_disconnect_as_abort(server):
+    """The API process finds stop strings (core/output.py); the engine must
+    then end the request as stopped, as ``LLM`` does, so its observers (the
+    recorder, the otel span) see finish reason "stop" and the tokens the
+    client got, not an "abort" with a token or two more. A client that goes
+    away is still an abort there, and in fdx:request_success."""
+    from test_output_path import pick_stop
+    wait_until(lambda: idle(server), "idle")
+
+    def successes(reason):
+        return sum(v for k, v in server.metrics().items()
+                   if k.startswith("fdx:request_success_total{") and f'finished_reason="{reason}"' in k)
+    before = {r: successes(r) for r in ("stop", "abort")}
+    body = {**BODY, "max_tokens": 24}
+    with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60) as http:
+        plain = http.post("/v1/completions", json=body, headers={"X-Request-Id": "unstopped"}).json()
+        stop = pick_stop(plain["choices"][0]["text"], 3)
+        r = http.post("/v1/completions", json={**body, "stop": [stop]}, headers={"X-Request-Id": "stopped"})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        with http.stream("POST", "/v1/completions", json={**BODY, "max_tokens": 400, "stream": True},
+                         headers={"X-Request-Id": "gone"}) as s:
+            events = sse(s)
+            next(events)
+            next(events)                                   # two tokens in: then the client leaves
+    choice = got["choices"][0]
+    assert choice["finish_reason"] == "stop" and stop not in choice["text"]
+    assert plain["choices"][0]["text"].startswith(choice["text"])
+    kept = got["usage"]["completion_tokens"]
+    assert 0 < kept < 24
+    ref = _finished_record(server, "unstopped-0")
+    rec = _finished_record(server, "stopped-0")
+    assert rec["finish_reason"] == "stop"                  # it was "abort"
+    assert rec["token_ids"] == ref["token_ids"][:kept]     # what the client got, nothing computed past it
+    span = _request_span(server, "stopped")
+    assert span["attributes"]["gen_ai.response.finish_reasons"] == ["stop"]
+    assert span["attributes"]["gen_ai.usage.output_tokens"] == kept
+    gone = _finished_record(server, "gone-0")
+    assert gone["finish_reason"] == "abort" and 2 <= len(gone["token_ids"]) < 400
+    assert _request_span(server, "gone")["attributes"]["gen_ai.response.finish_reasons"] == ["abort"]
+    wait_until(lambda: idle(server), "idle")
+    assert successes("stop") - before["stop"] == 1 and successes("abort") - before["abort"] == 1
+
+
 # -- traceparent -> spans in the engine ---------------------------------------------------------
 
 def test_a_traced_request_has_queue_prefill_and_decode_spans_under_its_trace(server):

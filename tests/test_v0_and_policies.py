@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fdx.core.config import ConfigError, FdxConfig
-from fdx.core.interfaces import ModelRunnerOutput
+from fdx.core.interfaces import KVConnector, ModelRunnerOutput
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
 from fdx.core.scheduling import WaitingQueue
@@ -79,6 +79,49 @@ def test_v0_reserves_blocks_for_every_admitted_request_to_finish():
         if "c" in grants:
             assert "b" in finished                          # c ran only once b gave its blocks back
     assert finished == {"a", "b", "c"}
+
+
+class LoadsInTheBackground(KVConnector):
+    """Offers the whole prompt but its last token for the requests named
+    ``remote*``, loaded in the background (a decode-side splitwise peer)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return request.num_prompt_tokens - 1 - num_computed_tokens if request.request_id.startswith("remote") else 0
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def load_async(self, request):
+        return True
+
+    def build_connector_meta(self):
+        return None
+
+    def start_load_kv(self, metadata):
+        pass
+
+
+def test_v0_counts_the_reserve_of_a_request_whose_kv_is_still_loading():
+    """A request admitted with its KV loading in the background holds
+    blocks and will run: its decode reserve counts, so a request after it
+    waits when both could not finish (it was admitted, and a decode later
+    found no block: "the decode reserve ... did not hold")."""
+    rm = make_rm(num_blocks=8, max_num_batched_tokens=64, kv_cache_ratio=1.0)
+    rm.connector = LoadsInTheBackground(FdxConfig.build(), 8)
+    rm.add_request(req("remote", 9, max_tokens=30))         # 2 blocks now, 5 at worst
+    assert step(rm)[0] == {} and "remote" in rm.recving
+    rm.add_request(req("local", 9, max_tokens=30))          # 5 at worst: 3 + 5 > the 6 free
+    assert step(rm)[0] == {} and rm.num_waiting == 1
+    sched = rm.schedule()                                    # the load ends with this step
+    rm.update(sched, ModelRunnerOutput(finished_recving=["remote"]))
+    finished = set()
+    while rm.has_unfinished() or len(finished) < 2:
+        grants, sched = step(rm)
+        assert not sched.preempted_req_ids
+        finished |= set(sched.finished_req_ids)
+        if "local" in grants:
+            assert "remote" in finished                     # it waited for the reserve to come back
+    assert finished == {"remote", "local"}
 
 
 def test_v0_kv_cache_ratio_bounds_prompt_blocks_but_not_a_lone_request():

@@ -146,8 +146,9 @@ class RequestGroup:
         before, last = len(seq.token_ids), seq.last_token_time
         hit_stop = seq.add(msg.token_ids, msg.finish_reason, msg.stop_reason, msg.logprobs)
         self.server.metrics.tokens_arrived(seq, len(seq.token_ids) - before, last)
-        if hit_stop:
-            self.server.engine.abort([seq.request_id])
+        if hit_stop:                             # the engine ends it as stopped, not aborted
+            self.server.engine.abort([seq.request_id], reason="stop", stop_reason=seq.stop_reason,
+                                     num_output_tokens=len(seq.token_ids))
         if seq.request_id in self.queued and (seq.token_ids or seq.finished):
             self.queued.discard(seq.request_id)
             self.server.num_queued -= 1

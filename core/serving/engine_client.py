@@ -187,11 +187,16 @@ class EngineClient:
         self._push.send(_encoder.encode(EngineAdd(request_id, prompt_token_ids, params, dict(trace or {}))),
                         zmq.NOBLOCK)
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], reason: str = "abort", stop_reason: int | str | None = None,
+              num_output_tokens: int | None = None) -> None:
+        """End requests in the engine: ``reason`` "abort", or "stop" when a
+        stop string (``stop_reason``) ended them here after
+        ``num_output_tokens`` tokens (EngineAbort)."""
         live = [rid for rid in request_ids if self.callbacks.pop(rid, None) is not None]
         if live and not self.dead:
             try:
-                self._push.send(_encoder.encode(EngineAbort(live)), zmq.NOBLOCK)
+                self._push.send(_encoder.encode(EngineAbort(live, reason, stop_reason, num_output_tokens)),
+                                zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 

@@ -133,7 +133,10 @@ class EngineLoop:
             self.num_sent[req.request_id] = 0
         elif isinstance(msg, EngineAbort):
             for rid in msg.request_ids:
-                eng.abort_request(rid)
+                if msg.reason == "stop":            # a stop string, found in the API process
+                    eng.stop_request(rid, msg.stop_reason, msg.num_output_tokens)
+                else:
+                    eng.abort_request(rid)
                 self.num_sent.pop(rid, None)
         elif isinstance(msg, EngineShutdown):
             self.running = False
