@@ -1069,6 +1069,15 @@ class AttentionBackend(abc.ABC):
         are the reference the fused kernel must match."""
         return None
 
+    def decoder_stack(self, x: Any, layers: list[Any], kv_caches: list[Any], metadata: Any
+                      ) -> tuple[Any, Any] | None:
+        """Optional: every decoder layer of the step in one call, as
+        ``decoder_layer`` on each in turn (the first with no residual):
+        ``layers`` are the model's FusedLayer, ``kv_caches`` their (k, v)
+        caches. Return (the last layer's MLP output, residual), or None (the
+        default) to let the model call the layers one by one."""
+        return None
+
 
 @dataclass(slots=True)
 class AttentionContext:
@@ -1103,6 +1112,11 @@ class AttentionContext:
         """The backend's whole-layer kernel, or None (see
         ``AttentionBackend.decoder_layer``): the caller then composes the layer."""
         return self.backend.decoder_layer(x, residual, layer, kv_cache[0], kv_cache[1], self.metadata)
+
+    def decoder_stack(self, x, layers, kv_caches):
+        """The backend's all-layers call, or None (see
+        ``AttentionBackend.decoder_stack``): the caller then runs the layers."""
+        return self.backend.decoder_stack(x, layers, kv_caches, self.metadata)
 
 
 class Backend(abc.ABC):

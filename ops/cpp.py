@@ -24,6 +24,7 @@ layer over GGML-block weights in one call (``decoder_layer``, which the
 fallback and test oracle.
 """
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import logging
@@ -44,8 +45,8 @@ from fdx.core.host import cache_root, cpu_id, portable_kernels
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
            "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
-           "F32_MIN_ROWS",
-           "f32_kernel_name", "decoder_layer", "DECODER_LAYER_KINDS",
+           "F32_MIN_ROWS", "f32_kernel_name", "decoder_layer", "decoder_stack", "stack_layers",
+           "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status"]
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ _LDFLAGS = _openmp_ldflags()
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
+_library: Path | None = None                 # the loaded module's shared library (decoder_stack calls it by ctypes)
 _error: str | None = None
 _tried = False
 _status: str | None = None                   # what prepare() did, in words (the log line)
@@ -181,7 +183,9 @@ def _build_or_load() -> tuple[ModuleType, bool]:
                 from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
 
                 with _output_to(path / "build.log"):
-                    return _import_module_from_library(name, str(path / name)), False
+                    module = _import_module_from_library(name, str(path / name))
+                _note_library(path, name)
+                return module, False
             except Exception as e:
                 logger.info("reloading the cached fdx ops failed (%s); rebuilding", e)
         if _compiler() is None:
@@ -196,7 +200,15 @@ def _build_or_load() -> tuple[ModuleType, bool]:
                 verbose=False,
             )
         (path / ".built").touch()
+        _note_library(path, name)
         return module, True
+
+
+def _note_library(path: Path, name: str) -> None:
+    """Remember the extension's .so (already loaded by Paddle) for decoder_stack."""
+    global _library
+    found = path / name / f"{name}.so"
+    _library = found if found.exists() else next(iter(sorted(path.rglob(f"{name}*.so"))), None)
 
 
 def _load() -> ModuleType | None:
@@ -537,3 +549,116 @@ def decoder_layer(
         _rows(x), residual, input_norm, post_norm, tensors, positions, slots,
         k_cache, v_cache, cos, sin, seq_info, block_tables, counts + info, int(num_heads), int(num_kv_heads),
         int(rotary_dim), int(block_size), bool(neox), float(eps), float(scale))
+
+
+# --- every layer of a step in one call (fdx_decoder_stack in csrc/fdx_ops.cc) ------------------
+# A plain C function called through ctypes: no Paddle op dispatch and no Python between
+# the layers (a fdx_decoder_layer call costs about 40 us of both, 30 a SmolLM2 step).
+
+class _StackLayer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("weights", ctypes.c_void_p * 4), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("info", ctypes.c_int64 * 16)]
+
+
+class _StackStep(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("x", "out", "residual", "positions", "slots", "seq_info", "tables",
+                                                "cos", "sin", "layers")] + \
+               [(n, ctypes.c_int64) for n in ("num_layers", "N", "hidden", "num_seqs", "table_width", "num_heads",
+                                              "num_kv_heads", "head_dim", "rotary_dim", "block_size", "num_slots",
+                                              "max_pos", "neox")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+_stack_fn = None
+
+
+def _stack_function():
+    global _stack_fn
+    if _stack_fn is None:
+        _module_or_raise()
+        if _library is None:
+            raise RuntimeError("fdx compiled CPU ops: the extension's shared library was not found")
+        fn = ctypes.CDLL(str(_library)).fdx_decoder_stack
+        fn.argtypes = [ctypes.POINTER(_StackStep), ctypes.c_char_p, ctypes.c_int64]
+        fn.restype = ctypes.c_int
+        _stack_fn = fn
+    return _stack_fn
+
+
+class StackLayers:
+    """The fixed part of a step's fdx_decoder_stack call: each layer's norms,
+    weights (with their kind and build) and caches, as pointers. Holds the
+    tensors, so the pointers stay valid while it lives."""
+
+    def __init__(self, layers: list, variants: list[list[str]], kv_caches: list):
+        self.layers = list(layers)     # held: their ids key the caller's cache of this table
+        self.keep = []
+        self.table = (_StackLayer * len(layers))()
+        for entry, layer, vs, (k, v) in zip(self.table, layers, variants, kv_caches, strict=True):
+            weights = [parts[0] for parts in layer.weights]   # one part of GGML blocks each (the caller checks)
+            data = [w.tensors()[0] for w in weights]
+            for t in (layer.input_norm, layer.post_norm, k, v):
+                if t.dtype != paddle.float32 or not t.is_contiguous():
+                    raise ValueError("decoder_stack: norms and caches must be contiguous float32")
+            self.keep += data + [layer.input_norm, layer.post_norm, k, v]
+            entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+            for i, (w, d, variant) in enumerate(zip(weights, data, vs, strict=True)):
+                entry.weights[i] = d.data_ptr()
+                entry.info[4 * i:4 * i + 4] = [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0],
+                                               w.shape[1]]
+        first = layers[0]
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.rope, self.eps, self.scale = first.rope, first.eps, first.scale
+        self.hidden = int(first.input_norm.shape[0])
+        self.num_slots = int(kv_caches[0][0].shape[0]) // first.num_kv_heads
+        self.first_cache = kv_caches[0][0]
+        self.cache_ptr = self.first_cache.data_ptr()
+
+    def valid_for(self, kv_caches: list) -> bool:
+        """Whether the caches are still the ones (and the memory) this table points at."""
+        return kv_caches[0][0] is self.first_cache and self.first_cache.data_ptr() == self.cache_ptr
+
+
+def stack_layers(layers: list, variants: list[list[str]], kv_caches: list) -> StackLayers:
+    """The table ``decoder_stack`` takes: ``layers`` (FusedLayer, one shape
+    and one rope for all, each weight one part of GGML blocks), the build
+    ``variants[l][i]`` of each weight, and
+    each layer's (k, v) cache."""
+    return StackLayers(layers, variants, kv_caches)
+
+
+@kernels.implements("cpp.decoder_layer")
+def decoder_stack(x: paddle.Tensor, table: StackLayers, positions: paddle.Tensor, slots: paddle.Tensor,
+                  seq_info: paddle.Tensor, block_tables: paddle.Tensor, block_size: int
+                  ) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(last MLP output, residual) of every layer in ``table`` over x [N,
+    hidden] (the embedding), as ``decoder_layer`` one layer after the other
+    (the first with no residual): one C call through ctypes."""
+    fn = _stack_function()
+    x = _rows(x)
+    n, hidden = x.shape
+    if x.dtype != paddle.float32 or hidden != table.hidden:
+        raise ValueError(f"decoder_stack: x must be float32 [N, {table.hidden}]")
+    for t, dtype in ((positions, paddle.int64), (slots, paddle.int64), (seq_info, paddle.int32),
+                     (block_tables, paddle.int32)):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError("decoder_stack: positions and slots must be int64, seq_info and block_tables int32")
+    if positions.shape[0] != n or slots.shape[0] != n or len(seq_info.shape) != 2 or seq_info.shape[1] != 4 \
+            or len(block_tables.shape) != 2 or block_tables.shape[0] != seq_info.shape[0]:
+        raise ValueError("decoder_stack: positions, slots [N], seq_info [S, 4], block_tables [S, W]")
+    rope = table.rope
+    cos, sin = rope.cos_cache, rope.sin_cache
+    out = paddle.empty([n, hidden], dtype="float32")
+    residual = paddle.empty([n, hidden], dtype="float32")
+    step = _StackStep(
+        x.data_ptr(), out.data_ptr(), residual.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+        seq_info.data_ptr(), block_tables.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        ctypes.addressof(table.table), len(table.table), n, hidden, seq_info.shape[0], block_tables.shape[1],
+        table.num_heads, table.num_kv_heads, table.head_dim, getattr(rope, "rotary_dim", table.head_dim),
+        int(block_size), table.num_slots, cos.shape[0], int(rope.is_neox_style), table.eps, table.scale)
+    err = ctypes.create_string_buffer(256)
+    if fn(ctypes.byref(step), err, len(err)) != 0:
+        raise ValueError(f"decoder_stack: {err.value.decode()}")
+    return out, residual

@@ -162,14 +162,87 @@ def test_layers_the_fused_path_leaves_to_the_composed_one():
     assert dense.fused is None                # wint8
 
 
-class Spy:
-    def __init__(self, monkeypatch):
-        self.calls, self.real = 0, cpp.decoder_layer
-        monkeypatch.setattr(cpp, "decoder_layer", self)
+def stack_case(kind: str, seed: int, num_layers: int = 2):
+    """``num_layers`` random layers sharing one rotary table, their caches, x and the probes' step."""
+    import paddle
+    from fdx.ops import attention
+    rng = np.random.default_rng(seed)
+    made = [random_layer(kind, rng) for _ in range(num_layers)]
+    layers, cfg = [m[0] for m in made], made[0][1]
+    for layer in layers[1:]:
+        layer.attn.rope = layers[0].attn.rope
+        layer.weights_changed()
+    caches = [[rng.standard_normal((cfg.num_kv_heads * probes._BLOCKS * probes._BLOCK, cfg.head_dim)
+                                   ).astype(np.float32) for _ in range(2)] for _ in layers]
+    x = rng.standard_normal((sum(probes._QUERY_LENS), cfg.hidden_size)).astype(np.float32)
+    meta = attention.build_attention_metadata(probes._QUERY_LENS, probes._CONTEXT_LENS, probes._TABLES,
+                                              probes._BLOCK, cfg.num_kv_heads, caches[0][0].shape[0]
+                                              // cfg.num_kv_heads, impl="cpp")
+    kv = [tuple(paddle.to_tensor(c.copy()) for c in pair) for pair in caches]
+    return layers, cfg, caches, x, meta, kv
 
-    def __call__(self, *args, **kw):
-        self.calls += 1
-        return self.real(*args, **kw)
+
+def run_stack(layers, x, meta, kv, variant: str):
+    import paddle
+    table = cpp.stack_layers([layer.fused for layer in layers], [[variant] * 4] * len(layers), kv)
+    return cpp.decoder_stack(paddle.to_tensor(x), table, meta.positions, meta.slot_mapping, meta.cpp.seq_info,
+                             meta.cpp.block_tables, probes._BLOCK)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decoder_stack_matches_numpy_layer_after_layer(kind):
+    """Two layers in one fdx_decoder_stack call (the second reads and writes the
+    first's output in place) against the numpy layer run twice, the first with
+    no residual: outputs and every layer's caches. Each layer adds its own int8
+    rounding flips (test_fused_layer_matches_numpy): twice that margin."""
+    layers, cfg, caches, x, meta, kv = stack_case(kind, 5)
+    out, res = run_stack(layers, x, meta, kv, best_variant(kind))
+    want_x, want_res = x, None
+    for layer, pair, (k, v) in zip(layers, caches, kv):
+        want_x, want_res, want_k, want_v = numpy_layer(layer, cfg, want_x, want_res, pair)
+        assert_close((k.numpy(), v.numpy()), (want_k, want_v), f"{kind} caches", 4e-3)
+    assert_close((out.numpy(), res.numpy()), (want_x, want_res), kind, 4e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decoder_stack_equals_the_layer_calls(kind):
+    """The same kernels in the same order as fdx_decoder_layer once a layer: equal bits."""
+    layers, cfg, caches, x, meta, kv = stack_case(kind, 6, num_layers=3)
+    variant = best_variant(kind)
+    out, res = run_stack(layers, x, meta, kv, variant)
+    want_x, want_res = x, None
+    for layer, pair, (k, v) in zip(layers, caches, kv):
+        want_x, want_res, want_k, want_v = run_layer(layer, want_x, want_res, pair, "fused", variant)
+        np.testing.assert_array_equal(k.numpy(), want_k)
+        np.testing.assert_array_equal(v.numpy(), want_v)
+    np.testing.assert_array_equal(out.numpy(), want_x)
+    np.testing.assert_array_equal(res.numpy(), want_res)
+
+
+def test_decoder_stack_refuses_a_bad_step():
+    """A slot outside the cache is an error before anything runs (no write out of bounds)."""
+    import paddle
+    layers, cfg, caches, x, meta, kv = stack_case("q8_0", 7)
+    before = kv[0][0].numpy().copy()
+    meta.slot_mapping = paddle.to_tensor(np.full(len(x), 10 ** 6, dtype=np.int64))
+    with pytest.raises(ValueError, match="slot 1000000 outside the cache"):
+        run_stack(layers, x, meta, kv, best_variant("q8_0"))
+    np.testing.assert_array_equal(kv[0][0].numpy(), before)
+
+
+class Spy:
+    """Counts the compiled layer's calls: one a layer, or one a step for all of them."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        for name in ("decoder_layer", "decoder_stack"):
+            monkeypatch.setattr(cpp, name, self.counted(getattr(cpp, name)))
+
+    def counted(self, real):
+        def call(*args, **kw):
+            self.calls += 1
+            return real(*args, **kw)
+        return call
 
 
 @pytest.mark.parametrize("name", ["q4_1", "q8_0", "mixed", "f32"])

@@ -182,3 +182,15 @@ def test_an_instruction_set_build_dies_in_a_fork_and_the_child_goes_on(tmp_path,
     found = probing._probe(["cpp.q4_1_matmul.avx2", "cpp.q4_0_matmul"], 1, tmp_path / "log")
     assert found == {"cpp.q4_1_matmul.avx2": "SIGILL on this CPU", "cpp.q4_0_matmul": None}
     assert log.read_text().count("child") == 1
+
+
+def test_q8_0_embedding_rows_equal_gguf_dequantize():
+    """The q8_0 table's own row path (no gguf call) against gguf's dequantization
+    of the same rows: equal bits, repeated and unordered ids included."""
+    from gguf.quants import dequantize
+    w = quant.QuantizedTensor("q8_0", (40, 96), random_blocks("q8_0", 40, 96, np.random.default_rng(3)))
+    ids = np.array([7, 0, 39, 7, 12])
+    want = dequantize(w.data[ids], quant.ggml_type("q8_0")).astype(np.float32)
+    got = quant.embedding(ids, w).numpy()
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    np.testing.assert_array_equal(got, want)

@@ -19,7 +19,11 @@
 // fdx_decoder_layer(x, residual or None, norms, the four weights' parts, the step's
 //   attention metadata and the layer's caches) -> (mlp out, residual): a whole Llama-family
 //   layer by the kernels above in one call (decoder_layer.h).
+// fdx_decoder_stack (a plain C function, called through ctypes): every layer of a step
+//   in one call, as fdx_decoder_layer one after another.
 // All inputs are contiguous float32 / int32 / int64 CPU tensors.
+#include <cstdio>
+#include <string>
 #include <vector>
 
 #include "decoder_layer.h"
@@ -610,3 +614,117 @@ PD_BUILD_OP(fdx_decoder_layer)
     .SetKernelFn(PD_KERNEL(DecoderLayerForward))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayerInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderLayerInferDtype));
+
+// --- the whole layer stack in one plain C call (ops/cpp.py decoder_stack, through ctypes) ----------
+// One step's layers without Paddle's op dispatch: about 40 us of Python and custom-op
+// overhead a layer call goes (a batch-1 step of SmolLM2 is 30 of them). Every layer runs
+// DecoderLayer as fdx_decoder_layer does; the first reads x, the others read `out` and
+// write it in place (DecoderLayer reads its x only before its first product, and adds
+// into the residual elementwise), so a step needs no buffers beyond out and residual.
+
+extern "C" {
+
+struct FdxStackLayer {  // what stays fixed from step to step
+  const float* input_norm;
+  const float* post_norm;
+  const void* weights[4];  // qkv, o, gate_up, down: GGML block bytes [rows, row_bytes]
+  float* k_cache;          // [KVH * num_slots, D], written in place
+  float* v_cache;
+  int64_t info[16];  // (kind, variant, rows, cols) of each weight, in that order
+};
+
+struct FdxStackStep {
+  const float* x;   // [N, hidden]: the embedding
+  float* out;       // [N, hidden]: the last layer's MLP output
+  float* residual;  // [N, hidden]: the residual stream after the last layer
+  const int64_t* positions;  // [N]
+  const int64_t* slots;      // [N]
+  const int32_t* seq_info;   // [S, 4], the N rows in order
+  const int32_t* tables;     // [S, table_width]
+  const float* cos;          // [max_pos, D]
+  const float* sin;
+  const FdxStackLayer* layers;
+  int64_t num_layers, N, hidden, num_seqs, table_width, num_heads, num_kv_heads, head_dim, rotary_dim,
+      block_size, num_slots, max_pos, neox;
+  float eps, scale;
+};
+
+// 0, or -1 with a message in err (nothing was computed then).
+int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
+  using namespace fdx::quant;
+  auto fail = [&](const std::string& msg) {
+    std::snprintf(err, static_cast<size_t>(err_len), "%s", msg.c_str());
+    return -1;
+  };
+  const int64_t N = s->N, hidden = s->hidden, H = s->num_heads, KVH = s->num_kv_heads, D = s->head_dim;
+  if (N <= 0 || hidden <= 0 || s->num_layers <= 0 || s->num_seqs <= 0) return fail("empty step");
+  if (H <= 0 || KVH <= 0 || H % KVH) return fail("num_heads must be a positive multiple of num_kv_heads");
+  if (D <= 0 || D > 1024) return fail("head_dim must be in (0, 1024]");
+  if (s->rotary_dim <= 0 || s->rotary_dim > D || s->rotary_dim % 2) return fail("rotary_dim must be even, in (0, head_dim]");
+  if (s->block_size <= 0) return fail("block_size must be positive");
+  for (int64_t t = 0; t < N; ++t) {  // checked here: no error can leave the parallel regions
+    if (s->positions[t] < 0 || s->positions[t] >= s->max_pos)
+      return fail("position " + std::to_string(s->positions[t]) + " outside the rotary table");
+    if (s->slots[t] < 0 || s->slots[t] >= s->num_slots)
+      return fail("slot " + std::to_string(s->slots[t]) + " outside the cache");
+  }
+  int64_t covered = 0;
+  for (int64_t q = 0; q < s->num_seqs; ++q) {
+    const int32_t* info = s->seq_info + 4 * q;
+    if (info[0] != covered || info[3] != covered || info[1] <= 0) return fail("seq_info must cover the N rows in order");
+    covered += info[1];
+  }
+  if (covered != N) return fail("seq_info does not cover the N rows");
+  const int64_t q_size = H * D, kv_size = KVH * D;
+  const int64_t intermediate = s->layers[0].info[15];
+  const int64_t want[4][2] = {{q_size + 2 * kv_size, hidden}, {hidden, q_size}, {2 * intermediate, hidden},
+                              {hidden, intermediate}};
+  for (int64_t l = 0; l < s->num_layers; ++l)
+    for (int i = 0; i < 4; ++i) {
+      const int64_t* wi = s->layers[l].info + 4 * i;
+      if (wi[0] < 0 || wi[0] >= kWint8 || wi[1] < kPortable || wi[1] > kAvx512)
+        return fail("layer " + std::to_string(l) + ": weight " + std::to_string(i) + " has no kernel");
+      if (wi[2] != want[i][0] || wi[3] != want[i][1] || wi[3] % kBlockElems[wi[0]])
+        return fail("layer " + std::to_string(l) + ": weight " + std::to_string(i) + " has the wrong shape");
+    }
+
+  fdx::LayerArgs a{};
+  a.rope = fdx::RopeArgs{nullptr, s->positions, s->slots, s->cos, s->sin, nullptr, nullptr, nullptr, nullptr,
+                         nullptr, H, KVH, D, s->rotary_dim, s->num_slots, s->neox != 0, s->eps};
+  a.attn = fdx::Args{nullptr, nullptr, nullptr, nullptr, s->seq_info, s->tables, s->table_width, H, H / KVH, D,
+                     s->block_size, s->num_slots, s->scale};
+  a.num_seqs = s->num_seqs;
+  a.hidden = hidden;
+  a.intermediate = intermediate;
+  a.eps = s->eps;
+  a.out = s->out;
+  a.residual_out = s->residual;
+  for (int64_t l = 0; l < s->num_layers; ++l) {
+    const FdxStackLayer& L = s->layers[l];
+    fdx::LayerWeight* lw[4] = {&a.qkv, &a.o, &a.gate_up, &a.down};
+    for (int i = 0; i < 4; ++i) {
+      const int64_t* wi = L.info + 4 * i;
+      const int64_t row_bytes = wi[3] / kBlockElems[wi[0]] * kBlockBytes[wi[0]];
+      fdx::LayerWeight& w = *lw[i];  // one part of GGML blocks (the Python side takes only such layers)
+      w = fdx::LayerWeight{};
+      w.num_parts = 1;
+      w.rows = wi[2];
+      w.parts[0] = fdx::WeightPart{static_cast<int>(wi[0]), static_cast<int>(wi[1]),
+                                   Weights{static_cast<const uint8_t*>(L.weights[i]), nullptr, wi[2], wi[3],
+                                           row_bytes, 0, static_cast<int>(wi[0])},
+                                   nullptr, wi[2], wi[3]};
+    }
+    a.x = l == 0 ? s->x : s->out;
+    a.residual = l == 0 ? nullptr : s->residual;
+    a.input_norm = L.input_norm;
+    a.post_norm = L.post_norm;
+    a.rope.k_cache = L.k_cache;
+    a.rope.v_cache = L.v_cache;
+    a.attn.k = L.k_cache;
+    a.attn.v = L.v_cache;
+    fdx::DecoderLayer(a, N);
+  }
+  return 0;
+}
+
+}  // extern "C"

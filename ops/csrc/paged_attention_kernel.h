@@ -24,6 +24,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FDX_ATTEND_ONE 1
+#endif
+
 namespace fdx {
 
 constexpr int64_t kQueryTile = 16;          // query tokens per item (bounds the score buffer)
@@ -51,6 +56,7 @@ struct Args {
 
 struct Scratch {
   std::vector<float> q, scores, acc, inv_sum, kt;
+  std::vector<int64_t> rows;  // AttendOne: each key's row within its head
 };
 
 template <int64_t kD>
@@ -274,7 +280,107 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   }
 }
 
+#ifdef FDX_ATTEND_ONE
+// A decode token (one query token: its G query heads) against kv head h, in AVX2
+// registers of 8 floats: AttendTile's vector-extension code keeps a [rows, 4 x 16]
+// accumulator that spills at this size (measured 2-3x slower per decode token at
+// 9 / 3 heads of 64 over 192 keys). Scores 4 keys at a time, each key's D products
+// summed across the register by one hadd tree for the 4; P.V in column blocks of
+// 32 for up to 3 query heads at once (12 accumulators). kD % 32 == 0.
+template <int64_t kGn, int64_t kD>
+inline void PvBlockOne(const float* p, int64_t width, const float* vbase, const int64_t* rows, int64_t num_keys,
+                       int64_t col, const float* inv, float* dst) {
+  __m256 acc[kGn][4];
+  for (int64_t g = 0; g < kGn; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < num_keys; ++j) {
+    const float* vr = vbase + rows[j] * kD + col;
+    const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8), v2 = _mm256_loadu_ps(vr + 16),
+                 v3 = _mm256_loadu_ps(vr + 24);
+    for (int64_t g = 0; g < kGn; ++g) {
+      const __m256 pj = _mm256_broadcast_ss(p + g * width + j);
+      acc[g][0] = _mm256_fmadd_ps(pj, v0, acc[g][0]);
+      acc[g][1] = _mm256_fmadd_ps(pj, v1, acc[g][1]);
+      acc[g][2] = _mm256_fmadd_ps(pj, v2, acc[g][2]);
+      acc[g][3] = _mm256_fmadd_ps(pj, v3, acc[g][3]);
+    }
+  }
+  for (int64_t g = 0; g < kGn; ++g) {
+    const __m256 s = _mm256_set1_ps(inv[g]);
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(dst + g * kD + col + 8 * c, _mm256_mul_ps(acc[g][c], s));
+  }
+}
+
+template <int64_t kD>
+void AttendOne(const Args& a, int64_t s, int64_t h, int64_t t0, Scratch& w) {
+  static_assert(kD % 32 == 0, "column blocks of 32");
+  constexpr int64_t kV = kD / 8;
+  const int32_t* info = a.seq_info + s * 4;
+  const int64_t q_start = info[0], ctx = info[2], out_start = info[3];
+  const int32_t* table = a.tables + s * a.table_width;
+  const int64_t G = a.group, H = a.num_heads, bs = a.block_size;
+  const int64_t num_keys = ctx + t0 + 1;  // the token sits at position ctx + t0
+  const int64_t width = (num_keys + 3) / 4 * 4;
+  const float* kbase = a.k + h * a.num_slots * kD;
+  const float* vbase = a.v + h * a.num_slots * kD;
+  w.rows.resize(num_keys);
+  int64_t* rows = w.rows.data();
+  for (int64_t j = 0, b = 0; j < num_keys; j += bs, ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * bs, n = std::min(bs, num_keys - j);
+    for (int64_t i = 0; i < n; ++i) rows[j + i] = base + i;
+  }
+  w.scores.resize(G * width);
+  w.inv_sum.resize(G);
+  float* scores = w.scores.data();
+  const float* q = a.q + ((q_start + t0) * H + h * G) * kD;
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 qv[kV];
+    for (int64_t v = 0; v < kV; ++v) qv[v] = _mm256_mul_ps(_mm256_loadu_ps(q + g * kD + 8 * v), scale);
+    float* row = scores + g * width;
+    for (int64_t j = 0; j < num_keys; j += 4) {
+      const float* kr[4];
+      for (int64_t i = 0; i < 4; ++i) kr[i] = kbase + rows[std::min(j + i, num_keys - 1)] * kD;
+      __m256 acc[4];
+      for (int i = 0; i < 4; ++i) acc[i] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr[i]));
+      for (int64_t v = 1; v < kV; ++v)
+        for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(qv[v], _mm256_loadu_ps(kr[i] + 8 * v), acc[i]);
+      const __m256 hh = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+      _mm_storeu_ps(row + j, _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1)));
+    }
+    float mx = row[0];
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 1; j < num_keys; ++j) mx = std::max(mx, row[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < num_keys; ++j) {
+      row[j] = ExpNonPositive(row[j] - mx);
+      sum += row[j];
+    }
+    w.inv_sum[g] = 1.f / sum;
+  }
+  float* out = a.out + ((out_start + t0) * H + h * G) * kD;
+  for (int64_t g = 0; g < G; g += 3) {
+    const int64_t gn = std::min<int64_t>(3, G - g);
+    for (int64_t col = 0; col < kD; col += 32) {
+      const float* p = scores + g * width;
+      float* dst = out + g * kD;
+      const float* inv = w.inv_sum.data() + g;
+      if (gn == 3) PvBlockOne<3, kD>(p, width, vbase, rows, num_keys, col, inv, dst);
+      else if (gn == 2) PvBlockOne<2, kD>(p, width, vbase, rows, num_keys, col, inv, dst);
+      else PvBlockOne<1, kD>(p, width, vbase, rows, num_keys, col, inv, dst);
+    }
+  }
+}
+#endif
+
 inline void AttendTileDispatch(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scratch& w) {
+#ifdef FDX_ATTEND_ONE
+  if (tq == 1) {  // a decode token (or a prefill chunk's last, alone in its tile)
+    if (a.head_dim == 64) return AttendOne<64>(a, s, h, t0, w);
+    if (a.head_dim == 128) return AttendOne<128>(a, s, h, t0, w);
+  }
+#endif
   switch (a.head_dim) {
     case 64: return AttendTile<64>(a, s, h, t0, tq, w);
     case 128: return AttendTile<128>(a, s, h, t0, tq, w);

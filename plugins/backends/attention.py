@@ -101,6 +101,7 @@ class CpuAttention(PaddleAttention):
         super().__init__(settings)
         self.fused_layers = os.environ.get(FUSED_LAYERS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         self._variants: tuple[object, dict[str, str | None]] = (None, {})
+        self._stack = None      # (key, fdx.ops.cpp.StackLayers or None): decoder_stack's table
 
     def _variant(self, kind: str) -> str | None:
         """The build of ``kind``'s product the active table passed ("avx2", ...), or None;
@@ -115,6 +116,52 @@ class CpuAttention(PaddleAttention):
                                 and table.usable(cpp.quant_kernel_name(kind, v))), None)
         return found[kind]
 
+    def _fits(self, x, metadata) -> bool:
+        """Whether the step fits the compiled layer (see decoder_layer)."""
+        cpp = _cpp()
+        group = metadata.cpp
+        return not (not self.fused_layers or group is None or group.num_tokens != metadata.num_tokens
+                    or metadata.num_tokens >= cpp.QUANT_BLAS_MIN_ROWS or metadata.out_perm is not None
+                    or x.dtype != _float32() or not kernels.active().usable("cpp.decoder_layer")
+                    or not cpp.loaded())
+
+    def decoder_stack(self, x, layers, kv_caches, metadata):
+        """Every layer in one compiled call (fdx.ops.cpp.decoder_stack) when
+        each would take ``decoder_layer``'s kernel (same checks) and they
+        share one shape and rotary table; else None. The table of pointers
+        is built once per (layers, caches, kernel table) and kept."""
+        cpp = _cpp()
+        if not layers or any(f is None for f in layers) or not self._fits(x, metadata):
+            return None
+        key = (kernels.active(), [id(f) for f in layers])
+        cached = self._stack
+        if cached is None or cached[0] != key or (cached[1] is not None and not cached[1].valid_for(kv_caches)):
+            cached = self._stack = (key, self._stack_table(layers, kv_caches))
+        if cached[1] is None:
+            return None
+        group = metadata.cpp
+        return cpp.decoder_stack(x, cached[1], metadata.positions, metadata.slot_mapping, group.seq_info,
+                                 group.block_tables, metadata.block_size)
+
+    def _stack_table(self, layers, kv_caches):
+        """fdx.ops.cpp.stack_layers for these layers, or None when they differ
+        in shape or rotary table, a weight is float32 or of several parts (the
+        stack takes one part of GGML blocks a weight; such layers go one by
+        one through decoder_layer), or a weight's kind has no passed build."""
+        cpp = _cpp()
+        if any(f.has_float or any(len(parts) != 1 for parts in f.weights) for f in layers):
+            return None
+        first = layers[0]
+        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.eps, first.scale,
+                 [parts[0].shape for parts in first.weights])
+        if any((f.num_heads, f.num_kv_heads, f.head_dim, f.eps, f.scale, [p[0].shape for p in f.weights]) != shape
+               or f.rope is not first.rope for f in layers):
+            return None
+        variants = [[self._variant(parts[0].kind) for parts in f.weights] for f in layers]
+        if any(None in vs for vs in variants):
+            return None
+        return cpp.stack_layers(layers, variants, kv_caches)
+
     def decoder_layer(self, x, residual, layer, k_cache, v_cache, metadata):
         """The compiled whole layer (fdx.ops.cpp.decoder_layer) where the
         kernel table passed it and the step fits: every sequence in the
@@ -125,12 +172,9 @@ class CpuAttention(PaddleAttention):
         float32 activations, and a passed build for each weight part's kind.
         Else None."""
         cpp = _cpp()
-        group = metadata.cpp
-        if (not self.fused_layers or group is None or group.num_tokens != metadata.num_tokens
-                or metadata.num_tokens >= cpp.QUANT_BLAS_MIN_ROWS or metadata.out_perm is not None
-                or x.dtype != _float32() or not kernels.active().usable("cpp.decoder_layer")
-                or not cpp.loaded()):
+        if not self._fits(x, metadata):
             return None
+        group = metadata.cpp
         if layer.has_float and not cpp.F32_MIN_ROWS <= metadata.num_tokens < cpp.F32_BLAS_MIN_ROWS:
             return None
         variants = [[self._variant("f32" if isinstance(p, _paddle().Tensor) else p.kind) for p in parts]

@@ -228,12 +228,18 @@ class DecoderForCausalLM(Model):
         x = self.embed_tokens.embedding(input_ids)
         residual = None
         hooks = meta.connector              # the KV connector's per-layer calls, only when one runs
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if hooks is not None:
-                hooks.wait_for_layer_load(i)
-            x, residual = layer(x, residual, positions, kv_cache, meta)
-            if hooks is not None:
-                hooks.save_kv_layer(i, kv_cache, meta)
+        # the backend's one call for all layers, when it has one (none with per-layer hooks)
+        got = None if hooks is not None else meta.decoder_stack(x, [layer.fused for layer in self.layers],
+                                                                kv_caches)
+        if got is not None:
+            x, residual = got
+        else:
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                if hooks is not None:
+                    hooks.wait_for_layer_load(i)
+                x, residual = layer(x, residual, positions, kv_cache, meta)
+                if hooks is not None:
+                    hooks.save_kv_layer(i, kv_cache, meta)
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         if self.capture_pooling_hidden_states:
             self.pooling_hidden_states = x
