@@ -392,6 +392,13 @@ class GGUFBlocks:
         index = np.asarray(index)
         return GGUFBlocks(self.kind, (int(index.size), self.shape[1]), np.ascontiguousarray(self.data[index]))
 
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[rows, cols]``, as a load without ``keep_blocks`` gives."""
+        import gguf
+        from gguf.quants import dequantize
+        w = dequantize(self.data, gguf.GGMLQuantizationType[self.kind.upper()])
+        return np.ascontiguousarray(w.reshape(self.shape), dtype=np.float32)
+
 
 def _gguf_blocks(tensor: Any) -> GGUFBlocks | None:
     """A block-type 2-D tensor with a copy of its bytes (so the file's
