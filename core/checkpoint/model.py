@@ -76,6 +76,8 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
             raise ConfigError(str(e)) from None
         raise
     ckpt.weights = {}
+    from fdx.core.host import release_free_heap
+    release_free_heap()                         # what the load freed, not kept resident
     held = held_weight_bytes(model)
     if held:
         log.info("weights (%s): %s", fmt.describe(), format_bytes(held))
