@@ -31,7 +31,8 @@ if "MKL_DEBUG_CPU_TYPE" not in _os.environ and (_cpu_type := _mkl_cpu_type()):
 
 
 class _NoTvmFfiWhilePaddleImports:
-    """A meta-path finder that refuses `tvm_ffi` while Paddle is importing.
+    """A meta-path finder that refuses `tvm_ffi` and `httpx._main` while
+    Paddle is importing.
 
     Paddle 3.3's `import paddle` tries `import tvm_ffi` (to pick a DLPack
     exchange API; it falls back to the same capsule when that import fails,
@@ -39,16 +40,22 @@ class _NoTvmFfiWhilePaddleImports:
     imports torch first thing. Every fdx process would then carry torch:
     about 190 MB resident and seconds of start-up (DESIGN.md: serving must
     not need torch). After Paddle is in, tvm_ffi imports as usual (xgrammar
-    imports it, and torch, itself)."""
+    imports it, and torch, itself).
+
+    Paddle also imports httpx (paddle.utils.download), whose package
+    imports its command-line client when it can (`httpx._main`: click,
+    rich, pygments, about 7 MB resident) and does without it when that
+    import fails. No fdx process runs httpx's command line."""
 
     fdx_guard = True
+    refused = {"tvm_ffi": "tvm_ffi (and torch with it)", "httpx._main": "httpx's command-line client"}
 
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        if name == "tvm_ffi":
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name in cls.refused:
             paddle = _sys.modules.get("paddle")
             if paddle is not None and getattr(getattr(paddle, "__spec__", None), "_initializing", False):
-                raise ImportError("fdx does not import tvm_ffi (and torch with it) while Paddle imports")
+                raise ImportError(f"fdx does not import {cls.refused[name]} while Paddle imports")
         return None
 
 

@@ -29,8 +29,9 @@ class ModelConfig(_Section):
     max_model_len: int | None = Field(None, gt=0)   # None: the model's, capped at 8192
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"   # auto: the backend's first;
                                                # one the backend does not compute in is a config error
-    quantization: str = "none"                 # weight format plugin: none (fp32), auto (each GGUF tensor in its
-                                               # own type), q8_0, q4_0, q4_1, q4_k, q6_k, wint8, wint4 (docs/configuration.md)
+    quantization: str = "auto"                 # weight format plugin: auto (each GGUF tensor in its own type;
+                                               # float32 for float checkpoints), none (fp32), q8_0, q4_0, q4_1,
+                                               # q4_k, q6_k, wint8, wint4 (docs/configuration.md)
     chat_template: str | None = None           # a Jinja file or the template text; None: the model's own
     generation_config: str = "auto"            # sampling defaults: auto (the model's), vllm / none (none:
                                                # fdx's), or a folder holding a generation_config.json

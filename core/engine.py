@@ -78,7 +78,11 @@ class ModelShape:
 
 
 class EngineCore:
-    def __init__(self, config: FdxConfig, plugins: PluginManager | None = None, progress: bool = True):
+    def __init__(self, config: FdxConfig, plugins: PluginManager | None = None, progress: bool = True,
+                 defer_tokenizer: bool = False):
+        """``defer_tokenizer``: hold a ``DeferredTokenizer`` (its eos ids, the
+        rest built on first use): the serving engine process, whose API
+        process tokenizes and detokenizes (core/serving/engine_proc.py)."""
         self.config = config = config.model_copy(deep=True)
         self.plugins = plugins = plugins or get_plugin_manager()
         # every plugin name resolved before the (slow) model load, so a typo fails at once
@@ -106,9 +110,13 @@ class EngineCore:
         if ckpt.tokenizer is None:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
                              "fdx needs one to serve text")
-        self.tokenizer = ckpt.tokenizer
-        if config.model.chat_template is not None:          # --chat-template: a file or the text
-            self.tokenizer.set_chat_template(config.model.chat_template)
+        if defer_tokenizer:
+            from fdx.core.checkpoint.loader import DeferredTokenizer
+            self.tokenizer = DeferredTokenizer(ckpt.path, ckpt.tokenizer, config.model.chat_template)
+        else:
+            self.tokenizer = ckpt.tokenizer
+            if config.model.chat_template is not None:      # --chat-template: a file or the text
+                self.tokenizer.set_chat_template(config.model.chat_template)
         self.model_path = ckpt.path
         from fdx.core.generation import resolve as resolve_generation_config
         # the model's sampling defaults (core/generation.py), as model.generation_config says

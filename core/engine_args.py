@@ -21,8 +21,8 @@ _ENGINE_STR_FLAGS = {
     "resource_manager": "KV scheduler plugin (default: v1; see fdx plugins)",
     "kv_cache": "KV-cache plugin: paged or prefix (default: paged)",
     "backend": "device backend plugin (default: auto, the best available)",
-    "quantization": "weight format: none, auto, q8_0, q4_0, q4_1, q4_k, q6_k, wint8, wint4, or a plugin's "
-                    "(default: none, float32)",
+    "quantization": "weight format: auto, none, q8_0, q4_0, q4_1, q4_k, q6_k, wint8, wint4, or a plugin's "
+                    "(default: auto, each GGUF tensor in its own type; float32 for a float checkpoint)",
 }
 
 

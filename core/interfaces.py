@@ -865,7 +865,8 @@ class Model(abc.ABC):
     format loads); ``fmt`` is the ``WeightFormat`` that
     ``model.quantization`` names, whose ``load`` turns a tensor into a
     ``LinearWeight``. A class without ``weight_format`` takes
-    ``model.quantization: none`` only (any other is a config error). A
+    ``model.quantization`` none or auto only, and gets float32 weights (any
+    other value is a config error). A
     ValueError from the constructor that starts with ``config key`` is shown
     as a config error.
 

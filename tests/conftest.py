@@ -220,9 +220,13 @@ def example_plugin_installed(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm_llm():
-    """One SmolLM2 engine for the session: small pool, sized for tests."""
+    """One SmolLM2 engine for the session: small pool, sized for tests. In
+    float32 (quantization none, not the default auto): the tests compare it
+    with transformers on the file's dequantized weights, and other engines
+    with it (each of those pins none too)."""
     from fdx import LLM
-    return LLM(max_model_len=512, max_num_seqs=16, num_kv_blocks=256, block_size=16, progress=False)
+    return LLM(max_model_len=512, max_num_seqs=16, num_kv_blocks=256, block_size=16, quantization="none",
+               progress=False)
 
 
 def smollm_gguf_path() -> str:

@@ -88,7 +88,7 @@ def test_batch_with_chunking_and_preemption_equals_solo_runs(smollm_llm):
     # 16 at once, a 64-token step budget (chunked prefill), and 24 blocks of
     # 8 tokens: far less than 16 sequences need, so the scheduler preempts
     small = LLM(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=32,
-                block_size=8, progress=False)
+                block_size=8, quantization="none", progress=False)
     rec = StepRecorder()
     small.engine.plugins.pm.register(rec)
     try:

@@ -149,7 +149,7 @@ def test_third_party_resource_manager_selected_by_config(example_plugin_installe
     import fdx_example_plugin as ex
     pm = PluginManager()
     llm = LLM(max_model_len=256, num_kv_blocks=64, block_size=16, resource_manager="example-fifo",
-              policy="shortest-first", plugins=pm, progress=False)
+              policy="shortest-first", plugins=pm, quantization="none", progress=False)   # smollm_llm's
     assert type(llm.engine.resource_manager.policy).__name__ == "FifoScheduler"
     assert ex.STARTED and ex.STARTED[-1] is llm.engine
     before, added = len(ex.STEPS), len(ex.ADDED)

@@ -453,7 +453,7 @@ def test_second_tier_hit_equals_recompute_and_survives_restart(smollm_llm, tmp_p
 
     # a new engine on the same folder: a's whole prefix is a hit from the files
     restarted = LLM(max_model_len=512, num_kv_blocks=32, block_size=16, kv_cache="prefix",
-                    swap_dir=str(tmp_path), progress=False)
+                    swap_dir=str(tmp_path), quantization="none", progress=False)      # smollm_llm's
     assert _generate(restarted, [a]) == [want_a]
     assert restarted.engine.connector.stats()["swap_loaded_blocks"] == (len(a) - 1) // 16
     del restarted

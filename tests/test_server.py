@@ -28,6 +28,7 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 def server(tmp_path_factory, request):
     request.getfixturevalue("example_plugin_installed")      # its stop-after logits processor
     srv = ServerProcess(tmp_path_factory.mktemp("serve"), scheduler={"max_num_seqs": 4},
+                        model={"quantization": "none"},                # smollm_llm's, the reference
                         cache={"num_kv_blocks": 128}, decoding={"logits_processors": ["stop-after"]},
                         server={"max_concurrency": 3, "max_queue": 2, "max_request_body_bytes": 65536,
                                 "engine_death_grace_s": 3})

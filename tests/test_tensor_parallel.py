@@ -167,7 +167,8 @@ def test_smollm2_tp3_llm_equals_tp1(smollm_llm):
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=2,
                             prompt_logprobs=1)
     ref = smollm_llm.generate(text, GREEDY) + smollm_llm.generate(text[:1], seeded)
-    with LLM(max_model_len=256, num_kv_blocks=64, block_size=16, tensor_parallel_size=3, progress=False) as tp:
+    with LLM(max_model_len=256, num_kv_blocks=64, block_size=16, tensor_parallel_size=3, quantization="none",
+             progress=False) as tp:
         assert len(tp.engine.runner.procs) == 3
         out = tp.generate(text, GREEDY) + tp.generate(text[:1], seeded)
     for a, b in zip(out, ref):
@@ -189,7 +190,7 @@ def tp_workers_of(engine_pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_serve_tp3_equals_tp1_then_dead_worker_gives_503_and_exit(tmp_path, smollm_llm):
-    srv = ServerProcess(tmp_path, model={"max_model_len": 256}, cache={"num_kv_blocks": 64},
+    srv = ServerProcess(tmp_path, model={"max_model_len": 256, "quantization": "none"}, cache={"num_kv_blocks": 64},
                         parallel={"tensor_parallel_size": 3}, server={"engine_death_grace_s": 2})
     headers = {"Authorization": f"Bearer {API_KEY}"}
     prompt = "The capital of France is"

@@ -402,3 +402,59 @@ def test_hf_dir_trained_bpe(tmp_path):
 def test_hf_dir_without_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+# ----- the engine process's deferred tokenizer ----------------------------
+
+
+def test_deferred_tokenizer_builds_on_first_use_and_equals_transformers(gguf_file, ours, ref):
+    """The serving engine's tokenizer: its eos ids without a build, then any
+    other use builds it (once), and it encodes as transformers does."""
+    import threading
+
+    from fdx.core.checkpoint.loader import DeferredTokenizer
+    lazy = DeferredTokenizer(str(gguf_file), ours)
+    assert lazy.eos_token_ids == ours.eos_token_ids and not lazy.is_built
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(lazy.encode(TEXTS[0], add_special_tokens=False)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert lazy.is_built and got == [ref.encode(TEXTS[0], add_special_tokens=False)] * 3
+    built = lazy._built
+    assert lazy.vocab_size == ref.vocab_size and len(lazy) == len(ref) and lazy._built is built
+    for text in TEXTS:
+        assert lazy.encode(text) == ref.encode(text), text
+
+
+@pytest.mark.slow
+def test_engine_with_a_deferred_tokenizer_applies_bad_words(gguf_file):
+    """EngineCore(defer_tokenizer=True), as fdx serve's engine process builds
+    it: bad_words needs the vocabulary, so the first such request builds it;
+    the banned word's first token never comes out, as in an engine that
+    holds its tokenizer."""
+    from fdx.core.config import FdxConfig
+    from fdx.core.engine import EngineCore
+    from fdx.core.sampling_params import SamplingParams
+    cfg = FdxConfig.build(max_model_len=128, num_kv_blocks=16, block_size=16)
+    eng = EngineCore(cfg, progress=False, defer_tokenizer=True)
+    assert not eng.tokenizer.is_built
+    ref_tok = Tokenizer.from_gguf(gguf_file)
+    prompt = ref_tok.encode("The capital of France is")
+
+    def run(params):
+        req = eng.make_request(prompt, params)
+        eng.add_request(req)
+        while eng.has_unfinished():
+            eng.step()
+        return req.output_token_ids
+
+    free = run(SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert not eng.tokenizer.is_built                   # a plain request: ids only
+    word = ref_tok.decode(free[:1]).strip()
+    banned = run(SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, bad_words=[word]))
+    assert eng.tokenizer.is_built
+    first = ref_tok.encode(word, add_special_tokens=False)[0]
+    assert banned[0] != free[0] and first not in banned[:1]

@@ -155,7 +155,40 @@ def test_blocks_kept_by_the_loader_are_the_float_loaders_values(files):
         assert isinstance(b, GGUFBlocks) and b.shape == ref.shape, name
         kinds.add(b.kind)
         np.testing.assert_array_equal(dequantize(b.data, T[b.kind.upper()]), ref, err_msg=name)
+        np.testing.assert_array_equal(b.dequantize(), ref, err_msg=name)   # what auto gives a float32-only class
     assert kinds == {"q8_0", "q4_k", "q6_k", "q4_0", "q4_1"}
+
+
+# --- auto, the default, on float checkpoints: what none gives -------------------------------
+
+def test_auto_is_the_default_and_holds_a_float_checkpoint_as_none_does(files, tiny_checkpoints, tmp_path):
+    """model.quantization defaults to auto; on an fp32 or bf16 safetensors
+    folder and on an F32 GGUF it holds float32 weights, the same bytes as
+    none, and its greedy tokens equal transformers' on those values."""
+    from fdx.core.config import FdxConfig
+    assert FdxConfig.build().model.quantization == "auto"
+    hf_dir, hf_model = tiny_checkpoints["LlamaForCausalLM"]
+    import copy
+    import shutil
+    bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    bf16.save_pretrained(str(tmp_path / "bf16"), safe_serialization=True)
+    for f in pathlib.Path(hf_dir).glob("tokenizer*"):
+        shutil.copy(f, tmp_path / "bf16" / f.name)
+    bf16_ref = bf16.float()                        # bf16 values held in float32: what fdx loads
+    for path, model, vocab in ((hf_dir, hf_model, 49152), (tmp_path / "bf16", bf16_ref, 49152),
+                               (files["f32"][0], files["f32"][1], VOCAB)):
+        auto = LLM(str(path), **TINY)                 # no quantization given
+        none = LLM(str(path), quantization="none", **TINY)
+        assert auto.engine.config.model.quantization == "auto"
+        held = auto.engine.model.weight_bytes()
+        assert set(held) == {"f32"} and held == none.engine.model.weight_bytes(), path
+        ma, mn = auto.engine.model, none.engine.model
+        for a, b in ((ma.embed_tokens, mn.embed_tokens), (ma.lm_head, mn.lm_head),
+                     (ma.layers[0].attn.wqkv, mn.layers[0].attn.wqkv), (ma.layers[1].mlp.w_down, mn.layers[1].mlp.w_down)):
+            assert type(a) is type(b)
+            np.testing.assert_array_equal(a.t.numpy(), b.t.numpy())
+        batch = [np.random.default_rng(3).integers(0, vocab, 9).tolist()]
+        check_greedy(auto, model, batch, rel_tie=0.0)   # fp32: rounding ties only
 
 
 def test_tied_quantized_head_reads_the_embedding_table(files):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field as dataclass_field
@@ -23,6 +24,8 @@ from tqdm import tqdm
 from fdx.core import generation
 from fdx.core.checkpoint.gguf_file import read_gguf
 from fdx.core.checkpoint.tokenizer import Tokenizer
+
+log = logging.getLogger("fdx.checkpoint")
 
 __all__ = [
     "GGUFBlocks",
@@ -392,6 +395,13 @@ class GGUFBlocks:
         index = np.asarray(index)
         return GGUFBlocks(self.kind, (int(index.size), self.shape[1]), np.ascontiguousarray(self.data[index]))
 
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[rows, cols]``, as a load without ``keep_blocks`` gives."""
+        import gguf
+        from gguf.quants import dequantize
+        w = dequantize(self.data, gguf.GGMLQuantizationType[self.kind.upper()])
+        return np.ascontiguousarray(w.reshape(self.shape), dtype=np.float32)
+
 
 def _gguf_blocks(tensor: Any) -> GGUFBlocks | None:
     """A block-type 2-D tensor with a copy of its bytes (so the file's
@@ -460,6 +470,46 @@ def load_tokenizer(model: str | None):
                                     "fdx needs one to serve text")
         return Tokenizer.from_hf_dir(path)
     return Tokenizer.from_gguf(str(path))
+
+
+class DeferredTokenizer:
+    """A checkpoint's tokenizer, built again only when first asked for more
+    than its end-of-sequence ids. The serving engine process keeps one of
+    these (the API process tokenizes and detokenizes; the engine needs the
+    vocabulary only for a guided-decoding compile or ``bad_words``): the
+    built tokenizer holds about 11 MB for SmolLM2's 49,152 tokens, and
+    rebuilding it reads the file's metadata again (seconds, once). Any
+    attribute of ``Tokenizer`` works; the first one that is not
+    ``eos_token_ids`` builds it (thread-safe)."""
+
+    def __init__(self, path: str, tokenizer: Tokenizer, chat_template: str | None = None):
+        import threading
+        self._path, self._chat_template = path, chat_template
+        self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self._built: Tokenizer | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def is_built(self) -> bool:
+        return self._built is not None
+
+    def _tokenizer(self) -> Tokenizer:
+        with self._lock:
+            if self._built is None:
+                tok = load_tokenizer(self._path)
+                if self._chat_template is not None:
+                    tok.set_chat_template(self._chat_template)
+                log.info("tokenizer of %s built (first asked for after the load)", self._path)
+                self._built = tok
+            return self._built
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._tokenizer(), name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer())
 
 
 def load_metadata(path: str | None = None) -> Checkpoint:

@@ -8,7 +8,7 @@ import inspect
 import logging
 from typing import Any
 
-from fdx.core.checkpoint.loader import Checkpoint, load_checkpoint
+from fdx.core.checkpoint.loader import Checkpoint, GGUFBlocks, load_checkpoint
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.interfaces import Model, WeightFormat
 from fdx.core.kernels import REFERENCE, KernelTable
@@ -59,10 +59,15 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
     try:
         if _takes_weight_format(cls):
             model = cls(ckpt.config, ckpt.weights, weight_format=fmt)
-        elif config.model.quantization != "none":
+        elif config.model.quantization not in ("none", "auto"):
             raise ConfigError(f"config key '{KEY}': the model class {cls.__name__} ({arch}) takes float32 "
-                              "weights only (its constructor has no weight_format argument); use none")
-        else:
+                              "weights only (its constructor has no weight_format argument); use none or auto")
+        else:           # auto, the default, is none for a class that takes float32 only
+            if any(isinstance(w, GGUFBlocks) for w in ckpt.weights.values()):
+                log.info("%s (%s) takes float32 weights only: model.quantization auto dequantizes the file's "
+                         "blocks at load", cls.__name__, arch)
+                ckpt.weights = {k: w.dequantize() if isinstance(w, GGUFBlocks) else w
+                                for k, w in ckpt.weights.items()}
             model = cls(ckpt.config, ckpt.weights)
     except ConfigError:
         raise
@@ -71,6 +76,8 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
             raise ConfigError(str(e)) from None
         raise
     ckpt.weights = {}
+    from fdx.core.host import release_free_heap
+    release_free_heap()                         # what the load freed, not kept resident
     held = held_weight_bytes(model)
     if held:
         log.info("weights (%s): %s", fmt.describe(), format_bytes(held))

@@ -17,9 +17,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -339,6 +336,7 @@ class Tokenizer:
         `chat_template` is a template name or the template text itself; extra
         keyword arguments become template variables (e.g. enable_thinking).
         """
+        import jinja2                       # here, not at import: the engine process never renders a chat
         source = self._select_template(chat_template, tools)
         variables = {**self.special_tokens_map, **_plain(kwargs)}
         try:
@@ -605,7 +603,9 @@ def _strftime_now(fmt: str) -> str:
 
 
 @lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
+def _compile_template(source: str) -> jinja2.Template:  # noqa: F821 (imported here)
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )

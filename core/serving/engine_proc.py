@@ -323,11 +323,14 @@ def engine_main(argv: list[str] | None = None) -> int:
     try:
         from fdx.core.config import FdxConfig
         from fdx.core.engine import EngineCore
-        engine = EngineCore(FdxConfig.model_validate(json.loads(config_json)), progress=False)
+        # the API process tokenizes: the engine builds its tokenizer only if a request needs it
+        engine = EngineCore(FdxConfig.model_validate(json.loads(config_json)), progress=False, defer_tokenizer=True)
         kernels = engine.backend.kernel_summary()  # the compiled build and the probed kernel table
         warm_up(engine)
         from fdx.core.checkpoint.model import held_weight_bytes
+        from fdx.core.host import release_free_heap
         from fdx.core.memory import rss_bytes
+        release_free_heap()                       # the warm-up's and the set-up's garbage
         outbox.send(_encoder.encode(EngineReady(
             engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
             int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe(), kernels,
