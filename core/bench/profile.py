@@ -139,6 +139,8 @@ class StepProfiler:
                         ops["matmul (inside ops/)"] += t
                     else:
                         out.gemm_s += t
+                elif name in ("_run_custom_op", "run_custom_op") and caller[2] in _COMPILED_PRODUCTS:
+                    out.gemm_s += t                       # a linear's product in a compiled kernel
                 elif name in ("_run_custom_op", "run_custom_op"):
                     ops[f"compiled {caller[2]}"] += t     # a compiled kernel, by its Python wrapper
                 else:
@@ -148,6 +150,10 @@ class StepProfiler:
             out.phases[phase] = sum(row[3] for f, row in table.items()
                                     if any(frag in f[0] and f[2] == fn for frag, fn in keys))
         return out
+
+
+# the compiled ops that are a linear layer's product (fdx.ops.cpp): GEMMs as paddle.matmul is
+_COMPILED_PRODUCTS = frozenset({"fdx_f32_matmul", "fdx_quant_matmul"})
 
 
 def _reached(table: dict, roots: list[tuple]) -> set[tuple]:
