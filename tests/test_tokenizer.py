@@ -413,7 +413,7 @@ def test_deferred_tokenizer_builds_on_first_use_and_equals_transformers(gguf_fil
     import threading
 
     from fdx.core.checkpoint.loader import DeferredTokenizer
-    lazy = DeferredTokenizer(str(gguf_file), ours)
+    lazy = DeferredTokenizer(str(gguf_file), ours.eos_token_ids)
     assert lazy.eos_token_ids == ours.eos_token_ids and not lazy.is_built
     got: list = []
     threads = [threading.Thread(target=lambda: got.append(lazy.encode(TEXTS[0], add_special_tokens=False)))
