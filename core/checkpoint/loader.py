@@ -182,9 +182,8 @@ def _load_hf_dir(path: Path, progress: bool, defer_tokenizer: bool = False) -> C
         config = json.load(f)
     weights = _load_safetensors_dir(path, progress)
     config = _normalize_hf_config(config, weights, str(config_file))
-    return Checkpoint(config=config, weights=weights, tokenizer=_hf_tokenizer(path, defer_tokenizer), path=str(path),
-                      format="hf",
-                      generation_config=generation.from_hf_dir(path))
+    return Checkpoint(config=config, weights=weights, tokenizer=_hf_tokenizer(path, defer_tokenizer),
+                      path=str(path), format="hf", generation_config=generation.from_hf_dir(path))
 
 
 def _normalize_hf_config(config: dict, weights: Mapping[str, np.ndarray], where: str) -> dict:
@@ -359,7 +358,8 @@ class GgufSpecialIds:
             return int(i) if isinstance(i, int) and 0 <= i < n_tokens else None
 
         eos = token_id("eos_token_id")
-        extra = {i for key in ("eot_token_id", "eom_token_id") if isinstance(i := fields.get(f"tokenizer.ggml.{key}"), int)}
+        extra = {i for key in ("eot_token_id", "eom_token_id")
+                 if isinstance(i := fields.get(f"tokenizer.ggml.{key}"), int)}
         return cls(token_id("bos_token_id"), eos if eos is not None else min(extra, default=None),
                    token_id("padding_token_id"), frozenset(extra | ({eos} if eos is not None else set())))
 
@@ -582,8 +582,8 @@ def load_metadata(path: str | None = None, defer_tokenizer: bool = False) -> Che
             config = json.load(f)
         names = {name: None for file in _safetensors_files(p) for name in _safetensors_header(file)[0]}
         config = _normalize_hf_config(config, names, str(p / "config.json"))
-        return Checkpoint(config=config, weights={}, tokenizer=_hf_tokenizer(p, defer_tokenizer), path=str(p), format="hf",
-                          generation_config=generation.from_hf_dir(p))
-    index, fields, _, config, special = _gguf_index_config(p)
+        return Checkpoint(config=config, weights={}, tokenizer=_hf_tokenizer(p, defer_tokenizer), path=str(p),
+                          format="hf", generation_config=generation.from_hf_dir(p))
+    _, fields, _, config, special = _gguf_index_config(p)
     return Checkpoint(config=config, weights={}, tokenizer=_gguf_tokenizer(p, special, defer_tokenizer), path=str(p),
                       format="gguf", generation_config=generation.from_gguf_fields(fields))
