@@ -104,19 +104,15 @@ class EngineCore:
         from fdx.core.generation import chat_defaults_for
         if launch is not None:
             weight_format(config, plugins, self.backend.kernels)   # a bad model.quantization fails before any worker
-            ckpt = load_metadata(config.model.model)
-        else:
-            self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress)   # model.quantization
+            ckpt = load_metadata(config.model.model, defer_tokenizer=defer_tokenizer)
+        else:   # in model.quantization's format
+            self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress, defer_tokenizer)
         if ckpt.tokenizer is None:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
                              "fdx needs one to serve text")
-        if defer_tokenizer:
-            from fdx.core.checkpoint.loader import DeferredTokenizer
-            self.tokenizer = DeferredTokenizer(ckpt.path, ckpt.tokenizer, config.model.chat_template)
-        else:
-            self.tokenizer = ckpt.tokenizer
-            if config.model.chat_template is not None:      # --chat-template: a file or the text
-                self.tokenizer.set_chat_template(config.model.chat_template)
+        self.tokenizer = ckpt.tokenizer                     # a DeferredTokenizer with defer_tokenizer
+        if config.model.chat_template is not None:          # --chat-template: a file or the text
+            self.tokenizer.set_chat_template(config.model.chat_template)
         self.model_path = ckpt.path
         from fdx.core.generation import resolve as resolve_generation_config
         # the model's sampling defaults (core/generation.py), as model.generation_config says
@@ -147,7 +143,7 @@ class EngineCore:
             if launch is not None:      # a model class with no parse_config: its shape from a copy, here
                 self.backend.setup(config)
                 assembly.set_backend(self.backend)
-                self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress)
+                self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress, defer_tokenizer)
             self.backend.prepare_model(self.model, dtype)
         del ckpt
 

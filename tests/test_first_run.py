@@ -13,6 +13,7 @@ import pytest
 
 from fdx.core.cli import build_parser, main
 from fdx.core.checkpoint.loader import read_gguf
+from tiny_models import TinyLlama
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SUPPORTED = "Ernie4_5ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
@@ -187,30 +188,7 @@ def test_every_flag_has_help_with_its_default():
 
 def _tiny_llama_dir(path, generation_config: dict | None = None):
     """A random-weight two-layer Llama folder written with numpy (no torch)."""
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    V, H, I, L = 32, 16, 32, 2
-    rng = np.random.default_rng(0)
-    w = {"model.embed_tokens.weight": rng.standard_normal((V, H)), "model.norm.weight": np.ones(H)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": np.ones(H), p + "post_attention_layernorm.weight": np.ones(H),
-                  p + "mlp.gate_proj.weight": rng.standard_normal((I, H)), p + "mlp.up_proj.weight": rng.standard_normal((I, H)),
-                  p + "mlp.down_proj.weight": rng.standard_normal((H, I))})
-        for name, rows in (("q", H), ("k", H // 2), ("v", H // 2), ("o", H)):
-            w[p + f"self_attn.{name}_proj.weight"] = rng.standard_normal((rows, H))
-    path.mkdir()
-    save_file({k: (0.5 * v).astype(np.float32) for k, v in w.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": V, "max_position_embeddings": 64,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1}))
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w2"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    if generation_config is not None:
-        (path / "generation_config.json").write_text(json.dumps(generation_config))
-    return path
+    return TinyLlama().hf_dir(path, generation_config)
 
 
 def test_the_models_generation_config_is_the_default_and_a_request_overrides_it(tmp_path, monkeypatch):

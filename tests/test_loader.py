@@ -287,6 +287,110 @@ def test_tiny_gguf_round_trip(tmp_path, arch):
     assert ckpt.config["tie_word_embeddings"] is False
 
 
+# ----- the GGUF index: what a model load reads (against gguf's GGUFReader) --------
+
+
+def test_gguf_index_reads_what_gguf_reader_reads_without_the_vocabulary():
+    """read_gguf_index gives every metadata value GGUFReader gives, the
+    tokenizer's arrays by their length only, the same tensor index and,
+    tensor by tensor, the same bytes."""
+    from fdx.core.checkpoint.gguf_file import GGML_TYPES, read_gguf_index
+    path = default_model_path()
+    ref = gguf.GGUFReader(path)
+    index = read_gguf_index(path)
+    for t in gguf.GGMLQuantizationType:      # fdx's table of GGML types, without importing gguf
+        assert GGML_TYPES.get(int(t), (t.name, *gguf.GGML_QUANT_SIZES[t])) == (t.name, *gguf.GGML_QUANT_SIZES[t])
+    skipped = set()
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if key.startswith("tokenizer.ggml.") and field.types[0] == gguf.GGUFValueType.ARRAY:
+            skipped.add(key)
+            assert key not in index.fields and index.array_lengths[key] == len(field.data), key
+        else:
+            assert index.fields[key] == field.contents(), key
+    assert skipped == {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"}
+    assert index.array_lengths["tokenizer.ggml.tokens"] == 49152
+    assert index.data_offset == ref.data_offset
+    assert [(t.name, t.shape, t.type_id, t.offset, t.nbytes) for t in index.tensors] == \
+        [(t.name, tuple(int(d) for d in reversed(t.shape)), int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
+         for t in ref.tensors]
+    with open(path, "rb") as f:
+        for mine, theirs in zip(index.tensors, ref.tensors):
+            np.testing.assert_array_equal(index.read(mine, f).reshape(-1),
+                                          np.asarray(theirs.data).view(np.uint8).reshape(-1), err_msg=mine.name)
+
+
+def _tokenizer_ids(tok) -> tuple:
+    return tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, set(tok.eos_token_ids)
+
+
+@pytest.mark.parametrize("eos, eot", [(1, None), (3, 5), (99, 5)])
+def test_special_ids_from_the_metadata_equal_the_built_tokenizers(tmp_path, eos, eot):
+    """The eos ids the engine stops on, read from the metadata scalars, are
+    the ones the tokenizer built from the whole vocabulary gives (an eos id
+    past the vocabulary's end included: none, then the eot id)."""
+    from fdx.core.checkpoint.gguf_file import read_gguf_index
+    from fdx.core.checkpoint.loader import GgufSpecialIds, _gguf_fields
+    from fdx.core.checkpoint.tokenizer import Tokenizer
+    from tiny_models import TinyLlama
+    files = [Path(default_model_path()), TinyLlama().gguf_file(tmp_path / "t.gguf", eos_token_id=eos, eot_token_id=eot)]
+    for path in files:
+        special = GgufSpecialIds.of(_gguf_fields(read_gguf_index(path)), str(path))
+        built = Tokenizer.from_gguf(path)
+        assert (special.bos_token_id, special.eos_token_id, special.pad_token_id, set(special.eos_token_ids)) == \
+            _tokenizer_ids(built), path
+    assert _tokenizer_ids(Tokenizer.from_gguf(files[0])) == (1, 2, 2, {2})
+
+
+def test_a_deferred_gguf_load_gives_the_same_checkpoint_and_parses_no_vocabulary(tmp_path):
+    """load_checkpoint(defer_tokenizer=True) on a file whose vocabulary no
+    reader can decode (invalid UTF-8): the same config and weights as the
+    tiny model's Hugging Face folder, its eos ids, and the tokenizer unbuilt;
+    building it parses the vocabulary and fails, as gguf's reader does."""
+    from fdx.core.checkpoint.loader import DeferredTokenizer
+    from tiny_models import TinyLlama
+    tiny = TinyLlama()
+    poisoned = [b"\xff\xfe" + bytes([65 + i]) for i in range(tiny.vocab)]
+    path = tiny.gguf_file(tmp_path / "poisoned.gguf", tokens=poisoned, eos_token_id=1, eot_token_id=4)
+    with pytest.raises(UnicodeDecodeError):
+        gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
+    ckpt = load_checkpoint(str(path), progress=False, defer_tokenizer=True)
+    hf = load_checkpoint(str(tiny.hf_dir(tmp_path / "hf")), progress=False)
+    assert set(ckpt.weights) == set(hf.weights)
+    for name, w in hf.weights.items():
+        np.testing.assert_array_equal(ckpt.weights[name], w, err_msg=name)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "bos_token_id", "eos_token_id", "tie_word_embeddings"):
+        assert ckpt.config[key] == hf.config[key], key
+    assert isinstance(ckpt.tokenizer, DeferredTokenizer) and not ckpt.tokenizer.is_built
+    assert ckpt.tokenizer.eos_token_ids == {1, 4}
+    with pytest.raises(UnicodeDecodeError):
+        ckpt.tokenizer.encode("w1")
+    with pytest.raises(UnicodeDecodeError):          # without deferring, the load builds it
+        load_checkpoint(str(path), progress=False)
+
+
+def test_gguf_index_names_a_truncated_or_corrupt_file(tmp_path):
+    """The index reader's errors are read_gguf's (tests/test_first_run.py
+    checks those words for every command)."""
+    from fdx.core.checkpoint.gguf_file import read_gguf, read_gguf_index
+    from tiny_models import TinyLlama
+    full = TinyLlama().gguf_file(tmp_path / "full.gguf")
+    data = full.read_bytes()
+    cases = {"truncated": data[:-100], "no index": data[:200], "corrupt": b"GGUF" + bytes(range(256)) * 4,
+             "big length": data[:24] + b"\xff" * 8 + data[32:]}
+    for name, content in cases.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.gguf"
+        path.write_bytes(content)
+        with pytest.raises(ValueError) as mine:
+            read_gguf_index(path)
+        with pytest.raises(ValueError) as theirs:
+            read_gguf(path)
+        assert str(mine.value).split(" (")[0] == str(theirs.value).split(" (")[0], name
+        assert str(mine.value).startswith(str(path)), name
+
+
 # ----- errors -----------------------------------------------------------
 
 

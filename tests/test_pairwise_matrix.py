@@ -44,6 +44,7 @@ import pytest
 
 from fdx import LLM, SamplingParams
 from fdx.core.config import ConfigError
+from tiny_models import TinyLlama
 
 # -- the factors ---------------------------------------------------------------------------
 
@@ -378,28 +379,8 @@ CHEAP = [r for r in ROWS if r["tp"] == 1 and r["guided"] == "off" and r["connect
 def numpy_llama(path):
     """A random two-layer Llama (hidden 32, 4 heads / 2 KV heads) written
     with numpy and safetensors, and a word-level tokenizer: no torch."""
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    V, H, I, L, KV = QUICK_VOCAB, 32, 64, 2, 16
-    rng = np.random.default_rng(5)
-    w = {"model.embed_tokens.weight": rng.standard_normal((V, H)), "model.norm.weight": np.ones(H)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": np.ones(H), p + "post_attention_layernorm.weight": np.ones(H),
-                  p + "mlp.gate_proj.weight": rng.standard_normal((I, H)), p + "mlp.up_proj.weight": rng.standard_normal((I, H)),
-                  p + "mlp.down_proj.weight": rng.standard_normal((H, I))})
-        for name, rows in (("q", H), ("k", KV), ("v", KV), ("o", H)):
-            w[p + f"self_attn.{name}_proj.weight"] = rng.standard_normal((rows, H))
-    path.mkdir()
-    save_file({k: (0.4 * v).astype(np.float32) for k, v in w.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": V, "max_position_embeddings": MAX_LEN,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1}))
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w2"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    return str(path)
+    return str(TinyLlama(vocab=QUICK_VOCAB, hidden=32, intermediate=64, heads=4, kv_heads=2, max_len=MAX_LEN,
+                         seed=5, scale=0.4).hf_dir(path))
 
 
 @pytest.fixture(scope="module")

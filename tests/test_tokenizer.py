@@ -413,7 +413,7 @@ def test_deferred_tokenizer_builds_on_first_use_and_equals_transformers(gguf_fil
     import threading
 
     from fdx.core.checkpoint.loader import DeferredTokenizer
-    lazy = DeferredTokenizer(str(gguf_file), ours)
+    lazy = DeferredTokenizer(str(gguf_file), ours.eos_token_ids)
     assert lazy.eos_token_ids == ours.eos_token_ids and not lazy.is_built
     got: list = []
     threads = [threading.Thread(target=lambda: got.append(lazy.encode(TEXTS[0], add_special_tokens=False)))
@@ -458,3 +458,82 @@ def test_engine_with_a_deferred_tokenizer_applies_bad_words(gguf_file):
     assert eng.tokenizer.is_built
     first = ref_tok.encode(word, add_special_tokens=False)[0]
     assert banned[0] != free[0] and first not in banned[:1]
+
+
+def _greedy(eng, prompt: list[int], **params) -> tuple[list[int], str]:
+    from fdx.core.sampling_params import SamplingParams
+    req = eng.make_request(prompt, SamplingParams(temperature=0, **params))
+    eng.add_request(req)
+    while eng.has_unfinished():
+        eng.step()
+    return list(req.output_token_ids), req.status.value
+
+
+def test_engine_over_an_undecodable_gguf_vocabulary_loads_generates_and_stops(tmp_path, monkeypatch):
+    """The serving engine's load of a GGUF file never reads its vocabulary:
+    over a file whose tokens no reader can decode (invalid UTF-8), the engine
+    loads, generates what the same weights in a Hugging Face folder generate,
+    and stops on the eot id the metadata names, with its tokenizer unbuilt."""
+    from fdx.core.config import FdxConfig
+    from fdx.core.engine import EngineCore
+    from tiny_models import TinyLlama
+    monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")      # the Paddle path: no kernel build
+    tiny = TinyLlama()
+    settings = dict(max_model_len=64, num_kv_blocks=16, block_size=4)
+    prompt = [0, 5, 9, 7]
+    hf = EngineCore(FdxConfig.build(model=str(tiny.hf_dir(tmp_path / "hf")), **settings), progress=False)
+    free, _ = _greedy(hf, prompt, max_tokens=8, ignore_eos=True)
+    stop = free[3]
+    expected = free[:min(i for i, t in enumerate(free) if t in (1, stop)) + 1]
+    poisoned = [b"\xff\xfe" + bytes([65 + i]) for i in range(tiny.vocab)]
+    path = tiny.gguf_file(tmp_path / "poisoned.gguf", tokens=poisoned, eos_token_id=1, eot_token_id=stop)
+    eng = EngineCore(FdxConfig.build(model=str(path), **settings), progress=False, defer_tokenizer=True)
+    assert eng.eos_token_ids == {1, stop} and not eng.tokenizer.is_built
+    assert _greedy(eng, prompt, max_tokens=8, ignore_eos=True) == (free, "length")
+    assert _greedy(eng, prompt, max_tokens=8) == (expected, "stop")
+    assert not eng.tokenizer.is_built
+    with pytest.raises(UnicodeDecodeError):            # what building it from this file does
+        eng.tokenizer.encode("w1")
+
+
+ENGINE_PROCESS = r"""
+import json, sys
+from fdx.core.config import FdxConfig
+from fdx.core.engine import EngineCore
+from fdx.core.sampling_params import SamplingParams
+eng = EngineCore(FdxConfig.build(max_model_len=256, num_kv_blocks=16), progress=False, defer_tokenizer=True)
+def run(**params):
+    req = eng.make_request(json.loads(sys.argv[1]), SamplingParams(temperature=0, max_tokens=48, **params))
+    eng.add_request(req)
+    while eng.has_unfinished():
+        eng.step()
+    return list(req.output_token_ids), req.status.value
+out = {"plain": run(), "eos_ids": sorted(eng.eos_token_ids), "built": eng.tokenizer.is_built,
+       "modules": sorted(m for m in ("tokenizers", "fdx.core.checkpoint.tokenizer") if m in sys.modules)}
+out["banned"] = run(bad_words=[sys.argv[2]])
+out["built_after"] = eng.tokenizer.is_built
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_serving_engine_loads_the_embedded_model_without_a_tokenizer(ours):
+    """In a fresh process, as fdx serve's engine process builds it: loading
+    the embedded GGUF model and answering a chat prompt imports no tokenizer
+    module at all (nothing parsed the vocabulary), and generation stops on
+    <|im_end|>, the eos id the metadata names; a bad_words request then
+    builds the tokenizer, and the banned word's token stays out."""
+    import subprocess
+    import sys
+    prompt = ours.encode(ours.apply_chat_template([{"role": "user", "content": "Say hello."}]))
+    run = subprocess.run([sys.executable, "-c", ENGINE_PROCESS, json.dumps(prompt), "Hello"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["modules"] == [] and out["built"] is False
+    assert out["eos_ids"] == sorted(ours.eos_token_ids) == [2]
+    tokens, status = out["plain"]
+    assert status == "stop" and tokens[-1] == 2 and len(tokens) < 48, out
+    hello = ours.encode("Hello", add_special_tokens=False)[0]
+    assert hello in tokens and out["built_after"] is True
+    assert hello not in out["banned"][0]

@@ -2,9 +2,11 @@
 
 `load_checkpoint` returns a `Checkpoint`: a Hugging Face style config dict,
 float32 weights under Hugging Face parameter names and shapes ([out, in]
-for linear weights), and the tokenizer. GGUF tensors are dequantized with
-the `gguf` package, renamed, and llama.cpp's Q/K row permutation undone.
-Nothing here downloads.
+for linear weights), and the tokenizer. A GGUF file is read through its
+index (gguf_file.py: the metadata scalars and the tensor index, then one
+tensor's bytes at a time); its tensors are dequantized with the `gguf`
+package (or kept as blocks), renamed, and llama.cpp's Q/K row permutation
+undone. Nothing here downloads.
 """
 
 from __future__ import annotations
@@ -13,17 +15,19 @@ import importlib.util
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from tqdm import tqdm
 
 from fdx.core import generation
-from fdx.core.checkpoint.gguf_file import read_gguf
-from fdx.core.checkpoint.tokenizer import Tokenizer
+from fdx.core.checkpoint.gguf_file import GGUF_TOKENIZER_MODELS, GgufIndex, GgufTensor, read_gguf, read_gguf_index
+
+if TYPE_CHECKING:               # the tokenizer module (and `tokenizers`) loads when a tokenizer is built
+    from fdx.core.checkpoint.tokenizer import Tokenizer
 
 log = logging.getLogger("fdx.checkpoint")
 
@@ -69,7 +73,7 @@ class Checkpoint:
 
     config: dict[str, Any]
     weights: dict[str, np.ndarray]
-    tokenizer: Tokenizer | None
+    tokenizer: Tokenizer | DeferredTokenizer | None
     path: str
     format: Literal["hf", "gguf"]
     generation_config: dict[str, Any] = dataclass_field(default_factory=dict)  # sampling defaults (core/generation.py)
@@ -126,16 +130,19 @@ def check_model_path(path: str | None) -> Path:
     return p
 
 
-def load_checkpoint(path: str | None = None, progress: bool = True, keep_blocks: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | None = None, progress: bool = True, keep_blocks: bool = False,
+                    defer_tokenizer: bool = False) -> Checkpoint:
     """Load a Hugging Face directory or a .gguf file; None loads the default model.
 
     ``keep_blocks``: a GGUF tensor in a block type (Q8_0, Q4_1, Q4_K, ...)
     comes as ``GGUFBlocks``, the file's raw bytes (rows un-permuted like the
-    float ones), instead of float32."""
+    float ones), instead of float32. ``defer_tokenizer``: the checkpoint's
+    tokenizer is a ``DeferredTokenizer`` (a GGUF file's vocabulary is then
+    never parsed during the load)."""
     p = check_model_path(path)
     if p.is_dir():
-        return _load_hf_dir(p, progress)
-    return _load_gguf(p, progress, keep_blocks)
+        return _load_hf_dir(p, progress, defer_tokenizer)
+    return _load_gguf(p, progress, keep_blocks, defer_tokenizer)
 
 
 def is_default_model(path: str | Path) -> bool:
@@ -159,7 +166,15 @@ def _progress(items: list, desc: str, enabled: bool) -> Iterator:
 # ----- Hugging Face directory -------------------------------------------
 
 
-def _load_hf_dir(path: Path, progress: bool) -> Checkpoint:
+def _hf_tokenizer(path: Path, defer: bool) -> Tokenizer | DeferredTokenizer | None:
+    if not (path / "tokenizer.json").is_file():
+        return None
+    from fdx.core.checkpoint.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_hf_dir(path)
+    return DeferredTokenizer(str(path), tokenizer.eos_token_ids) if defer else tokenizer
+
+
+def _load_hf_dir(path: Path, progress: bool, defer_tokenizer: bool = False) -> Checkpoint:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
@@ -167,9 +182,8 @@ def _load_hf_dir(path: Path, progress: bool) -> Checkpoint:
         config = json.load(f)
     weights = _load_safetensors_dir(path, progress)
     config = _normalize_hf_config(config, weights, str(config_file))
-    tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="hf",
-                      generation_config=generation.from_hf_dir(path))
+    return Checkpoint(config=config, weights=weights, tokenizer=_hf_tokenizer(path, defer_tokenizer),
+                      path=str(path), format="hf", generation_config=generation.from_hf_dir(path))
 
 
 def _normalize_hf_config(config: dict, weights: Mapping[str, np.ndarray], where: str) -> dict:
@@ -310,19 +324,48 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_fields(reader: Any) -> dict[str, Any]:
-    """Scalar/string metadata (big arrays such as the vocabulary are left out)."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and len(field.data) > 1:
-            out[f"{key}_count"] = len(field.data)
-            continue
-        out[key] = field.contents()
+def _gguf_fields(index: GgufIndex) -> dict[str, Any]:
+    """Scalar/string metadata; the tokenizer's arrays (the vocabulary and
+    merges, never parsed here) by their length, as ``<key>_count``."""
+    out = dict(index.fields)
+    out.update({f"{key}_count": n for key, n in index.array_lengths.items() if key.startswith("tokenizer.ggml.")})
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class GgufSpecialIds:
+    """A GGUF file's special token ids, from its metadata scalars alone
+    (what llama.cpp stops on): no vocabulary parsed. ``eos_token_ids`` is
+    what ``Tokenizer.from_gguf(...).eos_token_ids`` gives for the same file:
+    the eos id and the eot/eom ids."""
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def of(cls, fields: Mapping[str, Any], where: str) -> "GgufSpecialIds":
+        n_tokens = fields.get("tokenizer.ggml.tokens_count")
+        if n_tokens is None:
+            raise ValueError(f"{where}: GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+        model = fields.get("tokenizer.ggml.model")
+        if model not in GGUF_TOKENIZER_MODELS:
+            raise ValueError(f"{where}: unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model); "
+                             "supported: 'gpt2' (byte-level BPE), 'llama' (sentencepiece BPE)")
+
+        def token_id(key: str) -> int | None:
+            i = fields.get(f"tokenizer.ggml.{key}")
+            return int(i) if isinstance(i, int) and 0 <= i < n_tokens else None
+
+        eos = token_id("eos_token_id")
+        extra = {i for key in ("eot_token_id", "eom_token_id")
+                 if isinstance(i := fields.get(f"tokenizer.ggml.{key}"), int)}
+        return cls(token_id("bos_token_id"), eos if eos is not None else min(extra, default=None),
+                   token_id("padding_token_id"), frozenset(extra | ({eos} if eos is not None else set())))
+
+
 def _gguf_config(fields: Mapping[str, Any], arch: str, spec: _GgufArch, tensor_names: set[str],
-                 tokenizer: Tokenizer, where: str) -> dict[str, Any]:
+                 special: GgufSpecialIds, where: str) -> dict[str, Any]:
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{key}"
         if full not in fields:
@@ -346,23 +389,18 @@ def _gguf_config(fields: Mapping[str, Any], arch: str, spec: _GgufArch, tensor_n
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", required=True)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", required=True)),
-        "vocab_size": _gguf_vocab_size(fields, tokenizer),
+        "vocab_size": int(fields["tokenizer.ggml.tokens_count"]),   # what the embedding rows index
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "hidden_act": "silu",
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": special.bos_token_id,
+        "eos_token_id": special.eos_token_id,
+        "pad_token_id": special.pad_token_id,
         "torch_dtype": "float32",
     }
     config.update(spec.extra_config)
     if (scaling := _gguf_rope_scaling(get)) is not None:
         config["rope_scaling"] = scaling
     return config
-
-
-def _gguf_vocab_size(fields: Mapping[str, Any], tokenizer: Tokenizer) -> int:
-    """The length of the GGUF token list (what the embedding rows index)."""
-    return int(fields.get("tokenizer.ggml.tokens_count", tokenizer.vocab_size))
 
 
 def _gguf_rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
@@ -403,31 +441,29 @@ class GGUFBlocks:
         return np.ascontiguousarray(w.reshape(self.shape), dtype=np.float32)
 
 
-def _gguf_blocks(tensor: Any) -> GGUFBlocks | None:
-    """A block-type 2-D tensor with a copy of its bytes (so the file's
-    buffer is freed), or None for float tensors."""
-    if tensor.tensor_type.name in _FLOAT_TYPES or len(tensor.shape) != 2:
+def _gguf_blocks(tensor: GgufTensor, data: np.ndarray) -> GGUFBlocks | None:
+    """A block-type 2-D tensor over its bytes ``data`` ([rows, row_bytes]),
+    or None for float tensors."""
+    if tensor.type_name in _FLOAT_TYPES or len(tensor.dims) != 2:
         return None
-    cols, rows = (int(d) for d in tensor.shape)
-    data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
-    return GGUFBlocks(tensor.tensor_type.name.lower(), (rows, cols), data)
+    return GGUFBlocks(tensor.type_name.lower(), tensor.shape, data)
 
 
-def _gguf_tensor(tensor: Any) -> np.ndarray:
+def _gguf_tensor(tensor: GgufTensor, data: np.ndarray) -> np.ndarray:
     """Dequantized float32 array in numpy order (GGUF lists dims reversed)."""
-    from gguf.quants import dequantize
+    if tensor.type_name == "F32":
+        array = data.view(np.float32)
+    else:
+        import gguf
+        from gguf.quants import dequantize
+        array = dequantize(data, gguf.GGMLQuantizationType(tensor.type_id))
+    return np.require(array.reshape(tensor.shape), np.float32, ["C", "O", "W"])
 
-    array = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    # Plain F32 tensors come back as read-only views of the memory map: copy them.
-    return np.require(array.reshape(shape), np.float32, ["C", "O", "W"])
 
-
-def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpoint:
-    import gguf
-
-    reader = read_gguf(path)
-    fields = _gguf_fields(reader)
+def _gguf_index_config(path: Path) -> tuple[GgufIndex, dict[str, Any], _GgufArch, dict[str, Any], GgufSpecialIds]:
+    """(index, fields, the architecture's spec, the HF style config, the special ids)."""
+    index = read_gguf_index(path)
+    fields = _gguf_fields(index)
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCHES:
         raise ValueError(
@@ -435,34 +471,48 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpo
             f"supported: {', '.join(sorted(_GGUF_ARCHES))}"
         )
     spec = _GGUF_ARCHES[arch]
-    tokenizer = Tokenizer.from_gguf(reader)
-    tensor_names = {t.name for t in reader.tensors}
-    config = _gguf_config(fields, arch, spec, tensor_names, tokenizer, str(path))
+    special = GgufSpecialIds.of(fields, str(path))
+    config = _gguf_config(fields, arch, spec, {t.name for t in index.tensors}, special, str(path))
+    return index, fields, spec, config, special
 
+
+def _gguf_tokenizer(path: Path, special: GgufSpecialIds, defer: bool) -> Tokenizer | DeferredTokenizer:
+    if defer:
+        return DeferredTokenizer(str(path), special.eos_token_ids)
+    from fdx.core.checkpoint.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(str(path))
+
+
+def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False, defer_tokenizer: bool = False) -> Checkpoint:
+    index, fields, spec, config, special = _gguf_index_config(path)
     weights: dict[str, np.ndarray] = {}
-    for tensor in _progress(list(reader.tensors), "Loading GGUF tensors", progress):
-        if tensor.name in _GGUF_SKIPPED:
-            continue
-        name = _hf_name(tensor.name)
-        blocks = _gguf_blocks(tensor) if keep_blocks else None
-        array = _gguf_tensor(tensor) if blocks is None else blocks
-        n_head = None
-        if spec.permute_qk and ".self_attn.q_proj." in name:
-            n_head = config["num_attention_heads"]
-        elif spec.permute_qk and ".self_attn.k_proj." in name:
-            n_head = config["num_key_value_heads"]
-        if n_head is not None and blocks is not None:      # a row gather on the raw bytes
-            rows = np.arange(blocks.shape[0])
-            array = blocks.take_rows(_unpermute_rows(rows, n_head))
-        elif n_head is not None:
-            array = _unpermute_rows(array, n_head)
-        weights[name] = array
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="gguf",
-                      generation_config=generation.from_gguf_fields(fields))
+    with open(path, "rb") as f:
+        for tensor in _progress(list(index.tensors), "Loading GGUF tensors", progress):
+            if tensor.name in _GGUF_SKIPPED:
+                continue
+            name = _hf_name(tensor.name)
+            data = index.read(tensor, f)
+            blocks = _gguf_blocks(tensor, data) if keep_blocks else None
+            array = _gguf_tensor(tensor, data) if blocks is None else blocks
+            del data
+            n_head = None
+            if spec.permute_qk and ".self_attn.q_proj." in name:
+                n_head = config["num_attention_heads"]
+            elif spec.permute_qk and ".self_attn.k_proj." in name:
+                n_head = config["num_key_value_heads"]
+            if n_head is not None and blocks is not None:      # a row gather on the raw bytes
+                rows = np.arange(blocks.shape[0])
+                array = blocks.take_rows(_unpermute_rows(rows, n_head))
+            elif n_head is not None:
+                array = _unpermute_rows(array, n_head)
+            weights[name] = array
+    return Checkpoint(config=config, weights=weights, tokenizer=_gguf_tokenizer(path, special, defer_tokenizer),
+                      path=str(path), format="gguf", generation_config=generation.from_gguf_fields(fields))
 
 
-def load_tokenizer(model: str | None):
+def load_tokenizer(model: str | None) -> Tokenizer:
     """The tokenizer alone (no weights), for the API process."""
+    from fdx.core.checkpoint.tokenizer import Tokenizer
     path = check_model_path(model)
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
@@ -473,25 +523,34 @@ def load_tokenizer(model: str | None):
 
 
 class DeferredTokenizer:
-    """A checkpoint's tokenizer, built again only when first asked for more
-    than its end-of-sequence ids. The serving engine process keeps one of
-    these (the API process tokenizes and detokenizes; the engine needs the
+    """A checkpoint's tokenizer, built only when first asked for more than
+    its end-of-sequence ids. The serving engine process keeps one of these
+    (the API process tokenizes and detokenizes; the engine needs the
     vocabulary only for a guided-decoding compile or ``bad_words``): the
     built tokenizer holds about 11 MB for SmolLM2's 49,152 tokens, and
-    rebuilding it reads the file's metadata again (seconds, once). Any
-    attribute of ``Tokenizer`` works; the first one that is not
-    ``eos_token_ids`` builds it (thread-safe)."""
+    building it parses the file's vocabulary and merges (seconds, once; a
+    GGUF load with ``defer_tokenizer`` never parses them, its eos ids come
+    from the metadata scalars). Any attribute of ``Tokenizer`` works; the
+    first one that is not ``eos_token_ids`` or ``set_chat_template`` builds
+    it (thread-safe)."""
 
-    def __init__(self, path: str, tokenizer: Tokenizer, chat_template: str | None = None):
+    def __init__(self, path: str, eos_token_ids: Iterable[int], chat_template: str | None = None):
         import threading
         self._path, self._chat_template = path, chat_template
-        self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self.eos_token_ids = {int(i) for i in eos_token_ids}
         self._built: Tokenizer | None = None
         self._lock = threading.Lock()
 
     @property
     def is_built(self) -> bool:
         return self._built is not None
+
+    def set_chat_template(self, source: str) -> None:
+        """As Tokenizer.set_chat_template, applied when the tokenizer is built."""
+        with self._lock:
+            self._chat_template = source
+            if self._built is not None:
+                self._built.set_chat_template(source)
 
     def _tokenizer(self) -> Tokenizer:
         with self._lock:
@@ -512,26 +571,19 @@ class DeferredTokenizer:
         return len(self._tokenizer())
 
 
-def load_metadata(path: str | None = None) -> Checkpoint:
+def load_metadata(path: str | None = None, defer_tokenizer: bool = False) -> Checkpoint:
     """A checkpoint's config, tokenizer and generation defaults, with no
     weights (``weights`` is empty): what an engine whose tensor parallel
-    workers hold the model keeps for itself."""
+    workers hold the model keeps for itself (``defer_tokenizer`` as in
+    load_checkpoint)."""
     p = check_model_path(path)
     if p.is_dir():
         with open(p / "config.json", encoding="utf-8") as f:
             config = json.load(f)
         names = {name: None for file in _safetensors_files(p) for name in _safetensors_header(file)[0]}
         config = _normalize_hf_config(config, names, str(p / "config.json"))
-        tokenizer = Tokenizer.from_hf_dir(p) if (p / "tokenizer.json").is_file() else None
-        return Checkpoint(config=config, weights={}, tokenizer=tokenizer, path=str(p), format="hf",
-                          generation_config=generation.from_hf_dir(p))
-    reader = read_gguf(p)
-    fields = _gguf_fields(reader)
-    arch = fields.get("general.architecture")
-    if arch not in _GGUF_ARCHES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {p} (general.architecture); "
-                         f"supported: {', '.join(sorted(_GGUF_ARCHES))}")
-    tokenizer = Tokenizer.from_gguf(reader)
-    config = _gguf_config(fields, arch, _GGUF_ARCHES[arch], {t.name for t in reader.tensors}, tokenizer, str(p))
-    return Checkpoint(config=config, weights={}, tokenizer=tokenizer, path=str(p), format="gguf",
-                      generation_config=generation.from_gguf_fields(fields))
+        return Checkpoint(config=config, weights={}, tokenizer=_hf_tokenizer(p, defer_tokenizer), path=str(p),
+                          format="hf", generation_config=generation.from_hf_dir(p))
+    _, fields, _, config, special = _gguf_index_config(p)
+    return Checkpoint(config=config, weights={}, tokenizer=_gguf_tokenizer(p, special, defer_tokenizer), path=str(p),
+                      format="gguf", generation_config=generation.from_gguf_fields(fields))

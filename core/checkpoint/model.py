@@ -44,12 +44,14 @@ def _takes_weight_format(cls: Any) -> bool:
 
 
 def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable = REFERENCE,
-               progress: bool = True) -> tuple[Any, Checkpoint]:
+               progress: bool = True, defer_tokenizer: bool = False) -> tuple[Any, Checkpoint]:
     """(model, checkpoint) for ``config.model``: the checkpoint keeps its
-    config and tokenizer, its weights now live in the model. A format's
+    config and tokenizer (``defer_tokenizer``: a DeferredTokenizer, see
+    load_checkpoint), its weights now live in the model. A format's
     refusal of a tensor (a ValueError naming a config key) is a ConfigError."""
     fmt = weight_format(config, plugins, kernels)
-    ckpt = load_checkpoint(config.model.model, progress=progress, keep_blocks=fmt.keeps_blocks)
+    ckpt = load_checkpoint(config.model.model, progress=progress, keep_blocks=fmt.keeps_blocks,
+                           defer_tokenizer=defer_tokenizer)
     arch = (ckpt.config.get("architectures") or ["?"])[0]
     if arch not in plugins.names("model"):
         raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
