@@ -88,7 +88,8 @@ def run_layer(layer, x, residual, caches, impl: str, variant="portable"):
         out, res = cpp.decoder_layer(x_t, r_t, f.input_norm, f.post_norm, list(f.weights), builds,
                                      meta.positions, meta.slot_mapping, k_cache, v_cache, f.rope.cos_cache,
                                      f.rope.sin_cache, meta.cpp.seq_info, meta.cpp.block_tables, f.num_heads,
-                                     f.num_kv_heads, f.head_dim, _BLOCK, f.rope.is_neox_style, f.eps, f.scale)
+                                     f.num_kv_heads, f.head_dim, _BLOCK, f.rope.is_neox_style, f.eps, f.scale,
+                                     f.biases, f.q_norm, f.k_norm)
     else:
         out, res = layer(x_t, r_t, meta.positions, (k_cache, v_cache), AttentionContext(PaddleAttention(), meta))
     return out.numpy(), res.numpy(), k_cache.numpy(), v_cache.numpy()
