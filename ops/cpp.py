@@ -19,8 +19,9 @@ SiLU-and-mul (fdx.ops.activation), RMS norm with the residual add
 backend offers the model), and the products with quantized weights
 (``quant_matmul_*``, which fdx.ops.quant dispatches to: one build per
 instruction set, each its own kernel-table name), and a whole decoder
-layer over GGML-block weights in one call (``decoder_layer``, which the
-``cpu`` attention backend offers the model). Each has the Paddle ops as
+layer over GGML-block or float32 weights in one call (``decoder_layer``,
+which the ``cpu`` attention backend offers the model), or every layer of a
+step in one (``decoder_stack``). Each has the Paddle ops as
 fallback and test oracle.
 """
 import contextlib

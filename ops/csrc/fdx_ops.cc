@@ -709,19 +709,19 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
   for (int64_t l = 0; l < s->num_layers; ++l)
     for (int i = 0; i < 4; ++i) {
       const FdxStackLayer& L = s->layers[l];
-      const std::string what = "layer " + std::to_string(l) + ": weight " + std::to_string(i);
-      if (L.num_parts[i] < 1 || L.num_parts[i] > fdx::kMaxParts) return fail(what + ": 1 to 3 parts");
+      auto what = [&] { return "layer " + std::to_string(l) + ": weight " + std::to_string(i); };  // on failure only
+      if (L.num_parts[i] < 1 || L.num_parts[i] > fdx::kMaxParts) return fail(what() + ": 1 to 3 parts");
       int64_t rows = 0;
       for (int j = 0; j < L.num_parts[i]; ++j) {
         const int64_t* wi = L.info[i][j];
         const bool f32 = wi[0] == fdx::kF32Weight;
         if ((!f32 && (wi[0] < 0 || wi[0] >= kWint8)) || wi[1] < kPortable || wi[1] > kAvx512 || !L.weights[i][j])
-          return fail(what + " has no kernel");
+          return fail(what() + " has no kernel");
         if (wi[2] <= 0 || wi[3] != want[i][1] || (!f32 && wi[3] % kBlockElems[wi[0]]))
-          return fail(what + " has the wrong shape");
+          return fail(what() + " has the wrong shape");
         rows += wi[2];
       }
-      if (rows != want[i][0]) return fail(what + " has the wrong shape");
+      if (rows != want[i][0]) return fail(what() + " has the wrong shape");
     }
   fdx::LayerArgs a{};
   a.rope = fdx::RopeArgs{nullptr, s->positions, s->slots, s->cos, s->sin, nullptr, nullptr, nullptr, nullptr,
