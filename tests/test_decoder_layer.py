@@ -20,7 +20,8 @@ from fdx import LLM, SamplingParams
 from fdx.core import kernels
 from fdx.ops import cpp, probes
 from fdx.ops.probes import int8_blocks
-from fdx.plugins.backends.probe_child import MIXED_LAYER, part_kind, random_layer, run_layer
+from fdx.plugins.backends.probe_child import (MIXED_LAYER, add_biases_and_qk_norms, part_kind, random_layer,
+                                               run_layer)
 from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
 from test_contracts import cpu_kernel_table
 from test_llm import hf_greedy
@@ -38,18 +39,9 @@ STACK_KINDS = ("q4_1", "q8_0", "f32", "mixed", "mixed-f32", "q8_0-extras", "f32-
 
 def make_layer(name: str, rng):
     """random_layer of LAYERS[name], with biases and q/k norms for the "-extras" names."""
-    import paddle
     layer, cfg = random_layer(LAYERS[name], rng)
     if name.endswith("-extras"):
-        a, m = layer.attn, layer.mlp
-        d, hidden, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-
-        def vec(n, loc=0.0):
-            return paddle.to_tensor((loc + 0.3 * rng.standard_normal(n)).astype(np.float32))
-        a.bqkv, a.bo = vec(a.q_size + 2 * a.kv_size), vec(hidden)
-        m.b_gate_up, m.b_down = vec(2 * inter), vec(hidden)
-        a.q_norm, a.k_norm = vec(d, 1.0), vec(d, 1.0)
-        layer.weights_changed()
+        add_biases_and_qk_norms(layer, rng)
     return layer, cfg
 
 
