@@ -1059,9 +1059,10 @@ class AttentionBackend(abc.ABC):
         (fdx.plugins.models.layers.FusedLayer) holds the layer's norm
         weights, its four linear weights (q/k/v, o, gate/up, down, each one
         to three parts stacked along rows: fdx.ops.quant.QuantizedTensor
-        blocks or float32 ``[in, out]`` tensors), head counts, ``rope``, ``eps`` and
-        ``scale``; the model offers it only for a layer without biases, q/k
-        norms or a tensor-parallel split. ``residual`` is None for the first
+        blocks or float32 ``[in, out]`` tensors), their ``biases`` (float32
+        [rows] or None each), ``q_norm`` / ``k_norm`` ([head_dim] or None:
+        Qwen3), head counts, ``rope``, ``eps`` and ``scale``; the model
+        offers it only for a layer without a tensor-parallel split. ``residual`` is None for the first
         layer (the residual is then ``x``). Return (MLP output, residual),
         having written the step's k and v as ``write_kv`` would.
 
@@ -1074,8 +1075,9 @@ class AttentionBackend(abc.ABC):
                       ) -> tuple[Any, Any] | None:
         """Optional: every decoder layer of the step in one call, as
         ``decoder_layer`` on each in turn (the first with no residual):
-        ``layers`` are the model's FusedLayer, ``kv_caches`` their (k, v)
-        caches. Return (the last layer's MLP output, residual), or None (the
+        ``layers`` are the model's FusedLayer (all of them: the model does
+        not offer it when a layer has none), ``kv_caches`` their (k, v)
+        caches; it takes what ``decoder_layer`` takes. Return (the last layer's MLP output, residual), or None (the
         default) to let the model call the layers one by one."""
         return None
 

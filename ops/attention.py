@@ -48,6 +48,17 @@ __all__ = [
 _NEG = np.float32(-1e30)  # additive mask value: exp() underflows to exactly 0
 
 
+def _index_tensor(a: np.ndarray) -> paddle.Tensor:
+    """``paddle.to_tensor(a)`` for a step's index arrays, built by Paddle's
+    tensor constructor directly: to_tensor's argument handling is about 10
+    of its 25 us, and a batch-1 step makes several."""
+    try:
+        place = paddle.base.framework._current_expected_place_()
+        return paddle.base.core.eager.Tensor(value=np.ascontiguousarray(a), place=place, stop_gradient=True)
+    except (AttributeError, TypeError):       # another Paddle's internals: the public call
+        return paddle.to_tensor(a)
+
+
 @dataclass
 class DecodeGroup:
     """Single-token sequences, attended together (Paddle path)."""
@@ -109,7 +120,7 @@ class AttentionMetadata:
     query_starts: list[int]  # first token row of each sequence
     positions: paddle.Tensor  # int64 [N]
     slot_mapping: paddle.Tensor  # int64 [N]
-    kv_write_index: paddle.Tensor  # int64 [N * KVH]: row of (token t, head h) at t * KVH + h
+    kv_write_rows: np.ndarray  # int64 [N * KVH]: row of (token t, head h) at t * KVH + h
     decode: DecodeGroup | None  # Paddle path: batched single-token sequences
     prefills: list[PrefillSeq]  # Paddle path: per-sequence chunks
     cpp: CppGroup | None  # compiled-kernel sequences
@@ -118,6 +129,15 @@ class AttentionMetadata:
     # when the concatenation is already in order.
     piece_order: list[tuple[str, int]] = field(default_factory=list)
     out_perm: paddle.Tensor | None = None
+    _kv_write_index: paddle.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def kv_write_index(self) -> paddle.Tensor:
+        """kv_write_rows as a tensor, made on first use: the composed KV write
+        reads it, the compiled kernels take slot_mapping (one tensor less a step)."""
+        if self._kv_write_index is None:
+            self._kv_write_index = paddle.to_tensor(self.kv_write_rows)
+        return self._kv_write_index
 
 
 def default_impl() -> str:
@@ -238,12 +258,15 @@ def build_attention_metadata(
     slots = batch.slots(seq_of_token, positions)
     write_index = (batch.rows(slots)[:, None] + batch.heads[None, :]).reshape(-1)  # [N, KVH] token-major
 
-    if impl == "cpp":
-        limit = np.iinfo(np.int64).max if cpp_max_query_len is None else cpp_max_query_len
-        cpp_ids, decode_ids = np.flatnonzero(qlens <= limit), np.empty(0, np.int64)
+    every = np.arange(len(qlens))
+    if impl == "cpp" and (cpp_max_query_len is None or int(qlens.max()) <= cpp_max_query_len):
+        cpp_ids, decode_ids, prefill_ids = every, every[:0], every[:0]     # the usual CPU step: all compiled
     else:
-        cpp_ids, decode_ids = np.empty(0, np.int64), np.flatnonzero(qlens == 1)
-    prefill_ids = np.setdiff1d(np.arange(len(qlens)), np.concatenate([cpp_ids, decode_ids]))
+        if impl == "cpp":
+            cpp_ids, decode_ids = np.flatnonzero(qlens <= cpp_max_query_len), every[:0]
+        else:
+            cpp_ids, decode_ids = every[:0], np.flatnonzero(qlens == 1)
+        prefill_ids = np.setdiff1d(every, np.concatenate([cpp_ids, decode_ids]))
 
     meta = AttentionMetadata(
         impl=impl,
@@ -254,9 +277,9 @@ def build_attention_metadata(
         query_lens=qlens.tolist(),
         context_lens=ctx.tolist(),
         query_starts=starts[:-1].tolist(),
-        positions=paddle.to_tensor(positions),
-        slot_mapping=paddle.to_tensor(slots),
-        kv_write_index=paddle.to_tensor(write_index),
+        positions=_index_tensor(positions),
+        slot_mapping=_index_tensor(slots),
+        kv_write_rows=write_index,
         decode=_decode_group(decode_ids, batch) if decode_ids.size else None,
         prefills=[_prefill_seq(int(i), batch) for i in prefill_ids],
         cpp=_cpp_group(cpp_ids, batch) if cpp_ids.size else None,
@@ -315,8 +338,8 @@ def _cpp_group(ids: np.ndarray, batch: _Batch) -> CppGroup:
     return CppGroup(
         seq_ids=ids.tolist(),
         token_ids=token_ids,
-        seq_info=paddle.to_tensor(info.astype(np.int32)),
-        block_tables=paddle.to_tensor(batch.tables[ids].astype(np.int32)),
+        seq_info=_index_tensor(info.astype(np.int32)),
+        block_tables=_index_tensor(batch.tables[ids].astype(np.int32)),
         num_tokens=num_tokens,
     )
 
@@ -331,6 +354,8 @@ def _plan_output(meta: AttentionMetadata) -> None:
         pieces.append((p.token_start, "prefill", j, np.arange(p.token_start, p.token_start + p.query_len)))
     pieces.sort(key=lambda piece: piece[0])
     meta.piece_order = [(kind, j) for _, kind, j, _ in pieces]
+    if len(pieces) == 1 and meta.cpp is not None and len(meta.cpp.token_ids) == meta.num_tokens:
+        return                  # every token in the compiled group, in batch order (its token_ids are arange)
     order = np.concatenate([rows for *_, rows in pieces])
     if not (order == np.arange(meta.num_tokens)).all():
         meta.out_perm = paddle.to_tensor(np.argsort(order).astype(np.int64))

@@ -19,8 +19,9 @@ SiLU-and-mul (fdx.ops.activation), RMS norm with the residual add
 backend offers the model), and the products with quantized weights
 (``quant_matmul_*``, which fdx.ops.quant dispatches to: one build per
 instruction set, each its own kernel-table name), and a whole decoder
-layer over GGML-block weights in one call (``decoder_layer``, which the
-``cpu`` attention backend offers the model). Each has the Paddle ops as
+layer over GGML-block or float32 weights in one call (``decoder_layer``,
+which the ``cpu`` attention backend offers the model), or every layer of a
+step in one (``decoder_stack``). Each has the Paddle ops as
 fallback and test oracle.
 """
 import contextlib
@@ -521,17 +522,22 @@ def decoder_layer(
     neox: bool,
     eps: float,
     scale: float,
+    biases: tuple = (None, None, None, None),
+    q_norm: paddle.Tensor | None = None,
+    k_norm: paddle.Tensor | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """(MLP output, residual) of one pre-norm Llama layer without biases: x
-    [N, hidden] (plus ``residual``, or None for the first layer) through
-    norm, q/k/v, rotary + KV write at ``slots``, attention over the block
-    tables (``seq_info`` must list the N rows in order), o_proj, residual
-    add + norm, gate/up, SiLU-and-mul and down (csrc/decoder_layer.h).
+    """(MLP output, residual) of one pre-norm Llama layer: x [N, hidden]
+    (plus ``residual``, or None for the first layer) through norm, q/k/v
+    (+ bias), the per-head q/k RMS norms when given (Qwen3), rotary + KV
+    write at ``slots``, attention over the block tables (``seq_info`` must
+    list the N rows in order), o_proj (+ bias), residual add + norm, gate/up
+    (+ bias), SiLU-and-mul and down (+ bias) (csrc/decoder_layer.h).
     ``weights``: the four linears (qkv, o, gate_up, down), each a sequence of
     one to three parts stacked along rows (output features), each part an
     fdx.ops.quant.QuantizedTensor of DECODER_LAYER_KINDS or a float32
     [in, out] tensor; ``variants``: the build ("avx2", ...) of each part, in
-    the same nesting. Float tensors float32."""
+    the same nesting; ``biases``: each weight's [rows] bias or None. Float
+    tensors float32."""
     module = _module_or_raise()
     counts: list[int] = []
     info: list[int] = []
@@ -539,26 +545,42 @@ def decoder_layer(
     for parts, builds in zip(weights, variants, strict=True):
         counts.append(len(parts))
         for w, variant in zip(parts, builds, strict=True):
-            if isinstance(w, paddle.Tensor):       # float32 [in, out]
-                info += [-1, _VARIANT_CODE[variant], int(w.shape[1]), int(w.shape[0])]
-                tensors.append(w)
-            else:
-                info += [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1]]
-                tensors.append(w.tensors()[0])
+            info += _part_info(w, variant)
+            tensors.append(_part_tensor(w))
+    extras = list(biases) + [q_norm, k_norm]
+    flags = [int(t is not None) for t in extras]
+    tensors += [t for t in extras if t is not None]
     return module.fdx_decoder_layer(
         _rows(x), residual, input_norm, post_norm, tensors, positions, slots,
-        k_cache, v_cache, cos, sin, seq_info, block_tables, counts + info, int(num_heads), int(num_kv_heads),
+        k_cache, v_cache, cos, sin, seq_info, block_tables, counts + info + flags, int(num_heads), int(num_kv_heads),
         int(rotary_dim), int(block_size), bool(neox), float(eps), float(scale))
+
+
+def _part_info(w, variant: str) -> list[int]:
+    """(kind, variant, rows, cols) of a fused layer's weight part (kind -1: float32 [in, out])."""
+    if isinstance(w, paddle.Tensor):
+        return [-1, _VARIANT_CODE[variant], int(w.shape[1]), int(w.shape[0])]
+    return [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1]]
+
+
+def _part_tensor(w) -> paddle.Tensor:
+    """The tensor a part's pointer is taken from: the float32 weight, or the blocks' bytes."""
+    return w if isinstance(w, paddle.Tensor) else w.tensors()[0]
 
 
 # --- every layer of a step in one call (fdx_decoder_stack in csrc/fdx_ops.cc) ------------------
 # A plain C function called through ctypes: no Paddle op dispatch and no Python between
 # the layers (a fdx_decoder_layer call costs about 40 us of both, 30 a SmolLM2 step).
 
+_MAX_PARTS = 3   # = kMaxParts of csrc/decoder_layer.h
+
+
 class _StackLayer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("weights", ctypes.c_void_p * 4), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("info", ctypes.c_int64 * 16)]
+                ("weights", (ctypes.c_void_p * _MAX_PARTS) * 4), ("biases", ctypes.c_void_p * 4),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("num_parts", ctypes.c_int64 * 4), ("info", ((ctypes.c_int64 * 4) * _MAX_PARTS) * 4)]
 
 
 class _StackStep(ctypes.Structure):
@@ -588,26 +610,35 @@ def _stack_function():
 
 class StackLayers:
     """The fixed part of a step's fdx_decoder_stack call: each layer's norms,
-    weights (with their kind and build) and caches, as pointers. Holds the
-    tensors, so the pointers stay valid while it lives."""
+    weight parts (with their kind and build), biases, q/k norms and caches,
+    as pointers. Holds the tensors, so the pointers stay valid while it lives."""
 
-    def __init__(self, layers: list, variants: list[list[str]], kv_caches: list):
+    def __init__(self, layers: list, variants: list[list[list[str]]], kv_caches: list):
         self.layers = list(layers)     # held: their ids key the caller's cache of this table
         self.keep = []
         self.table = (_StackLayer * len(layers))()
+        self.has_float = any(layer.has_float for layer in layers)
         for entry, layer, vs, (k, v) in zip(self.table, layers, variants, kv_caches, strict=True):
-            weights = [parts[0] for parts in layer.weights]   # one part of GGML blocks each (the caller checks)
-            data = [w.tensors()[0] for w in weights]
-            for t in (layer.input_norm, layer.post_norm, k, v):
-                if t.dtype != paddle.float32 or not t.is_contiguous():
-                    raise ValueError("decoder_stack: norms and caches must be contiguous float32")
-            self.keep += data + [layer.input_norm, layer.post_norm, k, v]
+            vectors = [layer.input_norm, layer.post_norm, k, v, *layer.biases, layer.q_norm, layer.k_norm]
+            for t in vectors:
+                if t is not None and (t.dtype != paddle.float32 or not t.is_contiguous()):
+                    raise ValueError("decoder_stack: norms, biases and caches must be contiguous float32")
+            self.keep += [t for t in vectors if t is not None]
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
-            for i, (w, d, variant) in enumerate(zip(weights, data, vs, strict=True)):
-                entry.weights[i] = d.data_ptr()
-                entry.info[4 * i:4 * i + 4] = [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0],
-                                               w.shape[1]]
+            for i, b in enumerate(layer.biases):
+                entry.biases[i] = None if b is None else b.data_ptr()
+            entry.q_norm = None if layer.q_norm is None else layer.q_norm.data_ptr()
+            entry.k_norm = None if layer.k_norm is None else layer.k_norm.data_ptr()
+            for i, (parts, builds) in enumerate(zip(layer.weights, vs, strict=True)):
+                if not 1 <= len(parts) <= _MAX_PARTS:
+                    raise ValueError(f"decoder_stack: 1 to {_MAX_PARTS} parts a weight, got {len(parts)}")
+                entry.num_parts[i] = len(parts)
+                for j, (w, variant) in enumerate(zip(parts, builds, strict=True)):
+                    data = _part_tensor(w)
+                    self.keep.append(data)
+                    entry.weights[i][j] = data.data_ptr()
+                    entry.info[i][j][:] = _part_info(w, variant)
         first = layers[0]
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.rope, self.eps, self.scale = first.rope, first.eps, first.scale
@@ -621,11 +652,11 @@ class StackLayers:
         return kv_caches[0][0] is self.first_cache and self.first_cache.data_ptr() == self.cache_ptr
 
 
-def stack_layers(layers: list, variants: list[list[str]], kv_caches: list) -> StackLayers:
+def stack_layers(layers: list, variants: list[list[list[str]]], kv_caches: list) -> StackLayers:
     """The table ``decoder_stack`` takes: ``layers`` (FusedLayer, one shape
-    and one rope for all, each weight one part of GGML blocks), the build
-    ``variants[l][i]`` of each weight, and
-    each layer's (k, v) cache."""
+    and one rope for all; each weight one to three parts, GGML blocks or
+    float32), the build ``variants[l][i][j]`` of layer l's weight i's part j,
+    and each layer's (k, v) cache."""
     return StackLayers(layers, variants, kv_caches)
 
 
@@ -635,7 +666,8 @@ def decoder_stack(x: paddle.Tensor, table: StackLayers, positions: paddle.Tensor
                   ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(last MLP output, residual) of every layer in ``table`` over x [N,
     hidden] (the embedding), as ``decoder_layer`` one layer after the other
-    (the first with no residual): one C call through ctypes."""
+    (the first with no residual): one C call through ctypes. The caller
+    keeps float32 layers to the rows ``decoder_layer`` takes them for."""
     fn = _stack_function()
     x = _rows(x)
     n, hidden = x.shape

@@ -16,28 +16,33 @@ from fdx.ops import cpp
 
 __all__ = ["rms_norm", "add_rms_norm", "CPP_MIN_ROWS"]
 
-# Rows from which the compiled kernel wins: below, Paddle's custom-op call
-# (about 7 us more than a built-in op's) costs more than the kernel saves
-# (python -m fdx.plugins.backends.bench_kernels: 0.7x at 1 row, 1.7x at 64).
+# Rows from which the compiled kernel beats Paddle's fused_rms_norm: below,
+# Paddle's custom-op call (about 7 us more than a built-in op's) costs more
+# than the kernel saves (python -m fdx.plugins.backends.bench_kernels: 0.7x
+# at 1 row, 1.7x at 64). Where fused_rms_norm did not pass (it dies by SIGILL
+# on CPUs without AVX-512), the compiled kernel takes every row count: the
+# composed reference is ten Paddle ops (about 0.6 ms at one row).
 CPP_MIN_ROWS = 32
 
 
 def _impl(x: paddle.Tensor, impl: str | None, cpp_name: str) -> str:
     if impl is None:
         table = kernels.active()
-        if (x.shape[0] >= CPP_MIN_ROWS and table.usable(cpp_name) and cpp.loaded()
+        fused = table.usable("fused_rms_norm")
+        if ((x.shape[0] >= CPP_MIN_ROWS or not fused) and table.usable(cpp_name) and cpp.loaded()
                 and x.dtype == paddle.float32 and x.place.is_cpu_place()):
             return "cpp"
-        return "fused" if table.usable("fused_rms_norm") else "reference"
+        return "fused" if fused else "reference"
     if impl not in ("cpp", "fused", "reference"):
         raise ValueError(f"unknown rms_norm impl {impl!r}; expected 'cpp', 'fused' or 'reference'")
     return impl
 
 
 def _reference(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-    xf = x.astype("float32")
+    xf = x if x.dtype == paddle.float32 else x.astype("float32")
     out = xf * paddle.rsqrt(paddle.mean(xf * xf, axis=-1, keepdim=True) + eps)
-    return (out * weight.astype("float32")).astype(x.dtype)
+    out = out * (weight if weight.dtype == paddle.float32 else weight.astype("float32"))
+    return out if x.dtype == paddle.float32 else out.astype(x.dtype)
 
 
 @kernels.implements("fused_rms_norm")

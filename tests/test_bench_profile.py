@@ -13,6 +13,7 @@ from fdx.core.bench.throughput import format_throughput, throughput
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import LogitsProcessor
 from fdx.core.plugins import PluginManager
+from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
 
 SLEEP_S = 0.03
 
@@ -42,7 +43,10 @@ def run(path, **kw):
     return throughput(llm, num_requests=4, input_len=8, output_len=6, profile=True)
 
 
-def test_profile_puts_a_known_cost_where_it_belongs(tiny):
+def test_profile_puts_a_known_cost_where_it_belongs(tiny, monkeypatch):
+    """On the layer's composed ops (FDX_FUSED_LAYERS=0: fused, a step's products
+    and attention are one compiled call, in neither share)."""
+    monkeypatch.setenv(FUSED_LAYERS_ENV, "0")
     pm = PluginManager()
     pm.add_plugin(SleepyPlugin(), name="sleepy-plugin")
     plain = run(tiny, plugins=pm)["profile"]
@@ -60,6 +64,18 @@ def test_profile_puts_a_known_cost_where_it_belongs(tiny):
     # the outside time grew by the sleep, step for step
     grew = slow["mean_step_ms"] * slow["outside_share"] - plain["mean_step_ms"] * plain["outside_share"]
     assert grew == pytest.approx(sleep_ms, rel=0.5)
+
+
+def test_profile_names_the_one_call_for_all_layers(tiny):
+    """Fused (the default), the tiny Qwen3's decode steps run all layers in one
+    compiled call, through ctypes: the profile lists its time among the ops."""
+    from test_contracts import cpu_kernel_table
+    table = cpu_kernel_table()
+    if not table.usable("cpp.decoder_layer"):
+        pytest.skip(f"cpp.decoder_layer: {table.why_not('cpp.decoder_layer')}")
+    p = run(tiny)["profile"]
+    assert p["outside_ops_ms_per_step"]["compiled fdx_decoder_stack"] > 0
+    assert p["attention_share"] == 0
 
 
 def test_profile_report_is_printed(tiny):

@@ -20,7 +20,8 @@ from fdx import LLM, SamplingParams
 from fdx.core import kernels
 from fdx.ops import cpp, probes
 from fdx.ops.probes import int8_blocks
-from fdx.plugins.backends.probe_child import MIXED_LAYER, part_kind, random_layer, run_layer
+from fdx.plugins.backends.probe_child import (MIXED_LAYER, add_biases_and_qk_norms, part_kind, random_layer,
+                                               run_layer)
 from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
 from test_contracts import cpu_kernel_table
 from test_llm import hf_greedy
@@ -30,7 +31,18 @@ pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"compiled ops unava
 
 KINDS = ("q4_1", "q8_0")
 LAYERS = {"q4_1": "q4_1", "q8_0": "q8_0", "f32": "f32", "mixed": MIXED_LAYER,
-          "mixed-f32": {**MIXED_LAYER, "v_proj": "f32", "up_proj": "f32"}}
+          "mixed-f32": {**MIXED_LAYER, "v_proj": "f32", "up_proj": "f32"},
+          # with a bias on each of the four weights and Qwen3's per-head q/k norms
+          "q8_0-extras": "q8_0", "f32-extras": "f32", "mixed-f32-extras": {**MIXED_LAYER, "v_proj": "f32"}}
+STACK_KINDS = ("q4_1", "q8_0", "f32", "mixed", "mixed-f32", "q8_0-extras", "f32-extras", "mixed-f32-extras")
+
+
+def make_layer(name: str, rng):
+    """random_layer of LAYERS[name], with biases and q/k norms for the "-extras" names."""
+    layer, cfg = random_layer(LAYERS[name], rng)
+    if name.endswith("-extras"):
+        add_biases_and_qk_norms(layer, rng)
+    return layer, cfg
 
 
 def best_variant(kind: str) -> str:
@@ -49,6 +61,8 @@ def numpy_layer(layer, cfg, x, residual, caches):
                            else p.dequantize().astype(np.float64)) for p in parts] for parts in f.weights)
     in_w, post_w = f.input_norm.numpy().astype(np.float64), f.post_norm.numpy().astype(np.float64)
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b_qkv, b_o, b_gu, b_d = (0.0 if b is None else b.numpy().astype(np.float64) for b in f.biases)
+    q_w, k_w = (None if t is None else t.numpy().astype(np.float64) for t in (f.q_norm, f.k_norm))
 
     def norm(v, w):
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
@@ -57,7 +71,9 @@ def numpy_layer(layer, cfg, x, residual, caches):
         return np.concatenate([(v if dense else int8_blocks(v.astype(np.float32)).astype(np.float64)) @ part.T
                                for dense, part in w], axis=1)
 
-    def rope(v, pos):   # v [heads, D] at position pos, halves rotated (neox)
+    def rope(v, pos, w=None):   # v [heads, D] at position pos (RMS-normed per head by w first), halves rotated
+        if w is not None:
+            v = norm(v, w)
         inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
         ang = np.concatenate([pos * inv, pos * inv])
         rot = np.concatenate([-v[:, d // 2:], v[:, :d // 2]], axis=1)
@@ -66,7 +82,7 @@ def numpy_layer(layer, cfg, x, residual, caches):
     k_cache, v_cache = (c.astype(np.float64) for c in caches)
     num_slots = k_cache.shape[0] // kvh
     res = x.astype(np.float64) + (0 if residual is None else residual)
-    qkv = prod(norm(res, in_w), wqkv)
+    qkv = prod(norm(res, in_w), wqkv) + b_qkv
     q_all = np.empty((len(x), h_, d))
     row, seqs = 0, []
     for qlen, ctx, table in zip(probes._QUERY_LENS, probes._CONTEXT_LENS, probes._TABLES):
@@ -74,8 +90,8 @@ def numpy_layer(layer, cfg, x, residual, caches):
         for t in range(qlen):
             pos = ctx + t
             q, k, v = np.split(qkv[row + t], [h_ * d, (h_ + kvh) * d])
-            q_all[row + t] = rope(q.reshape(h_, d), pos)
-            k, v = rope(k.reshape(kvh, d), pos), v.reshape(kvh, d)
+            q_all[row + t] = rope(q.reshape(h_, d), pos, q_w)
+            k, v = rope(k.reshape(kvh, d), pos, k_w), v.reshape(kvh, d)
             for hh in range(kvh):
                 k_cache[hh * num_slots + slots[pos]], v_cache[hh * num_slots + slots[pos]] = k[hh], v[hh]
         seqs.append((row, qlen, ctx, slots))
@@ -88,16 +104,16 @@ def numpy_layer(layer, cfg, x, residual, caches):
                 scores = k_cache[kv_rows] @ q_all[start + t, hh] * d ** -0.5
                 p = np.exp(scores - scores.max())
                 attn[start + t, hh] = (p / p.sum()) @ v_cache[kv_rows]
-    res = res + prod(attn.reshape(len(x), -1), wo)
-    gu = prod(norm(res, post_w), wgu)
+    res = res + prod(attn.reshape(len(x), -1), wo) + b_o
+    gu = prod(norm(res, post_w), wgu) + b_gu
     g, u = np.split(gu, 2, axis=1)
-    out = prod(g / (1 + np.exp(-g)) * u, wd)
+    out = prod(g / (1 + np.exp(-g)) * u, wd) + b_d
     return out, res, k_cache, v_cache
 
 
 def random_case(kind, seed: int):
     rng = np.random.default_rng(seed)
-    layer, cfg = random_layer(LAYERS.get(kind, kind) if isinstance(kind, str) else kind, rng)
+    layer, cfg = make_layer(kind, rng)
     caches = [rng.standard_normal((cfg.num_kv_heads * probes._BLOCKS * probes._BLOCK, cfg.head_dim)
                                   ).astype(np.float32) for _ in range(2)]
     n = sum(probes._QUERY_LENS)
@@ -124,6 +140,8 @@ def test_fused_layer_matches_numpy(kind, first):
     assert layer.fused is not None
     assert [len(parts) for parts in layer.fused.weights] == (
         [3, 1, 2, 1] if kind.startswith("mixed") else [1, 1, 1, 1])
+    assert (layer.fused.q_norm is not None) == all(b is not None for b in layer.fused.biases) == (
+        kind.endswith("-extras"))
     got = run_layer(layer, x, None if first else residual, caches, "fused", best_variant)
     want = numpy_layer(layer, cfg, x, None if first else residual, caches)
     assert_close(got, want, kind, 2e-3)
@@ -163,11 +181,11 @@ def test_layers_the_fused_path_leaves_to_the_composed_one():
 
 
 def stack_case(kind: str, seed: int, num_layers: int = 2):
-    """``num_layers`` random layers sharing one rotary table, their caches, x and the probes' step."""
+    """``num_layers`` random layers (LAYERS[kind]) sharing one rotary table, their caches, x and the probes' step."""
     import paddle
     from fdx.ops import attention
     rng = np.random.default_rng(seed)
-    made = [random_layer(kind, rng) for _ in range(num_layers)]
+    made = [make_layer(kind, rng) for _ in range(num_layers)]
     layers, cfg = [m[0] for m in made], made[0][1]
     for layer in layers[1:]:
         layer.attn.rope = layers[0].attn.rope
@@ -182,21 +200,24 @@ def stack_case(kind: str, seed: int, num_layers: int = 2):
     return layers, cfg, caches, x, meta, kv
 
 
-def run_stack(layers, x, meta, kv, variant: str):
+def run_stack(layers, x, meta, kv, variant=best_variant):
+    """One fdx_decoder_stack call; ``variant``: a function of each part's kind naming its build."""
     import paddle
-    table = cpp.stack_layers([layer.fused for layer in layers], [[variant] * 4] * len(layers), kv)
+    fused = [layer.fused for layer in layers]
+    variants = [[[variant(part_kind(p)) for p in parts] for parts in f.weights] for f in fused]
+    table = cpp.stack_layers(fused, variants, kv)
     return cpp.decoder_stack(paddle.to_tensor(x), table, meta.positions, meta.slot_mapping, meta.cpp.seq_info,
                              meta.cpp.block_tables, probes._BLOCK)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", STACK_KINDS)
 def test_decoder_stack_matches_numpy_layer_after_layer(kind):
     """Two layers in one fdx_decoder_stack call (the second reads and writes the
     first's output in place) against the numpy layer run twice, the first with
     no residual: outputs and every layer's caches. Each layer adds its own int8
     rounding flips (test_fused_layer_matches_numpy): twice that margin."""
     layers, cfg, caches, x, meta, kv = stack_case(kind, 5)
-    out, res = run_stack(layers, x, meta, kv, best_variant(kind))
+    out, res = run_stack(layers, x, meta, kv)
     want_x, want_res = x, None
     for layer, pair, (k, v) in zip(layers, caches, kv):
         want_x, want_res, want_k, want_v = numpy_layer(layer, cfg, want_x, want_res, pair)
@@ -204,19 +225,33 @@ def test_decoder_stack_matches_numpy_layer_after_layer(kind):
     assert_close((out.numpy(), res.numpy()), (want_x, want_res), kind, 4e-3)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", STACK_KINDS)
 def test_decoder_stack_equals_the_layer_calls(kind):
     """The same kernels in the same order as fdx_decoder_layer once a layer: equal bits."""
     layers, cfg, caches, x, meta, kv = stack_case(kind, 6, num_layers=3)
-    variant = best_variant(kind)
-    out, res = run_stack(layers, x, meta, kv, variant)
+    out, res = run_stack(layers, x, meta, kv)
     want_x, want_res = x, None
     for layer, pair, (k, v) in zip(layers, caches, kv):
-        want_x, want_res, want_k, want_v = run_layer(layer, want_x, want_res, pair, "fused", variant)
+        want_x, want_res, want_k, want_v = run_layer(layer, want_x, want_res, pair, "fused", best_variant)
         np.testing.assert_array_equal(k.numpy(), want_k)
         np.testing.assert_array_equal(v.numpy(), want_v)
     np.testing.assert_array_equal(out.numpy(), want_x)
     np.testing.assert_array_equal(res.numpy(), want_res)
+
+
+@pytest.mark.parametrize("kind", STACK_KINDS)
+def test_decoder_stack_matches_the_composed_layers(kind):
+    """The stack against each layer's composed ops one after another (Paddle
+    attention, the cpu table's products): float32 rounding apart, as
+    test_fused_layer_matches_the_composed_ops."""
+    layers, cfg, caches, x, meta, kv = stack_case(kind, 8, num_layers=2)
+    out, res = run_stack(layers, x, meta, kv)
+    want_x, want_res = x, None
+    with kernels.using(cpu_kernel_table()):
+        for layer, pair, (k, v) in zip(layers, caches, kv):
+            want_x, want_res, want_k, want_v = run_layer(layer, want_x, want_res, pair, "composed")
+            assert_close((k.numpy(), v.numpy()), (want_k, want_v), f"{kind} caches", 1e-4)
+    assert_close((out.numpy(), res.numpy()), (want_x, want_res), kind, 1e-4)
 
 
 def test_decoder_stack_refuses_a_bad_step():
@@ -226,21 +261,26 @@ def test_decoder_stack_refuses_a_bad_step():
     before = kv[0][0].numpy().copy()
     meta.slot_mapping = paddle.to_tensor(np.full(len(x), 10 ** 6, dtype=np.int64))
     with pytest.raises(ValueError, match="slot 1000000 outside the cache"):
-        run_stack(layers, x, meta, kv, best_variant("q8_0"))
+        run_stack(layers, x, meta, kv)
     np.testing.assert_array_equal(kv[0][0].numpy(), before)
 
 
 class Spy:
-    """Counts the compiled layer's calls: one a layer, or one a step for all of them."""
+    """Counts the compiled layer's calls: one a layer (``decoder_layer``), or
+    one a step for all of them (``decoder_stack``)."""
 
     def __init__(self, monkeypatch):
-        self.calls = 0
-        for name in ("decoder_layer", "decoder_stack"):
-            monkeypatch.setattr(cpp, name, self.counted(getattr(cpp, name)))
+        self.by_name = {"decoder_layer": 0, "decoder_stack": 0}
+        for name in self.by_name:
+            monkeypatch.setattr(cpp, name, self.counted(name, getattr(cpp, name)))
 
-    def counted(self, real):
+    @property
+    def calls(self) -> int:
+        return sum(self.by_name.values())
+
+    def counted(self, name, real):
         def call(*args, **kw):
-            self.calls += 1
+            self.by_name[name] += 1
             return real(*args, **kw)
         return call
 
@@ -252,7 +292,8 @@ def test_greedy_tokens_with_the_fused_path_on_and_off(files, name, fused, monkey
     dequantized weights (test_weight_formats' margin) with the fused layers on
     or off, in a batch of three, then chunked (8 tokens a step) with prefix hits.
     "mixed" is like llama.cpp's Q4_K_M (q/k/v and gate/up of different kinds),
-    "f32" all float32 (its decode steps under F32_BLAS_MIN_ROWS rows fuse)."""
+    "f32" all float32 (its decode steps under F32_BLAS_MIN_ROWS rows fuse).
+    Fused, every file's small steps take the one call for all layers."""
     monkeypatch.setenv(FUSED_LAYERS_ENV, "1" if fused else "0")
     spy = Spy(monkeypatch)
     path, model = files[name]
@@ -264,6 +305,7 @@ def test_greedy_tokens_with_the_fused_path_on_and_off(files, name, fused, monkey
     check_greedy(chunked, model, [shared + [11], shared + [12, 13]])
     assert chunked.engine.kv_cache.stats()["prefix_cache_hits"] > 0
     assert (spy.calls > 0) == fused
+    assert (spy.by_name["decoder_stack"] > 0) == fused, spy.by_name
 
 
 @pytest.mark.slow

@@ -70,6 +70,25 @@ def test_every_row_count_and_a_3d_input(variant):
     assert_product(got.reshape(6, 200), x[:6], w, f"{variant} [2, 3, K]")
 
 
+@pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
+def test_one_row_on_two_threads(variant):
+    """One row on two OpenMP threads splits the weight rows (each thread a
+    partial sum, added after; from 2 ** 16 multiply-adds): K tails under a pass of 8,
+    a K too short to split (31 < 16 a thread), SmolLM2's shapes."""
+    import ctypes
+    fn = f32_fn(variant)
+    omp_threads = ctypes.CDLL(str(cpp._library)).omp_get_max_threads   # the extension's OpenMP runtime
+    before = omp_threads()
+    paddle.base.core.set_num_threads(2)
+    try:
+        assert omp_threads() == 2
+        for k, n in ((576, 960), (1536, 576), (33, 3000), (47, 2000), (101, 700), (31, 2048), (300, 1000)):
+            x, w = numpy_case(k, n, 1)
+            assert_product(fn(paddle.to_tensor(x), paddle.to_tensor(w)).numpy(), x, w, f"{variant} 1x{k} @ {k}x{n}")
+    finally:
+        paddle.base.core.set_num_threads(before)
+
+
 def test_the_dense_product_takes_the_compiled_kernel_below_the_threshold(monkeypatch):
     """fdx.ops.dense.matmul under the cpu table: compiled below F32_BLAS_MIN_ROWS
     (seen by which function ran), MKL at and above, numpy's numbers either way;

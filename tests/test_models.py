@@ -166,6 +166,37 @@ def test_greedy_generation_matches_transformers(case):
     assert len(set(got)) > 3  # a real trajectory, not one token repeated
 
 
+def test_greedy_generation_through_the_one_call_for_all_layers(case, monkeypatch):
+    """The cpu backend under this host's kernel table: every step (the prompt
+    of 13 rows, then one row a step) runs all layers in one compiled call,
+    biases (Qwen2, ERNIE, Llama's optional ones) and Qwen3's q/k norms
+    included; the greedy tokens equal transformers', and the prompt's logits
+    its within ATOL."""
+    from fdx.core import kernels
+    from test_contracts import cpu_kernel_table
+    table = cpu_kernel_table()
+    if not cpp.available() or not table.usable("cpp.decoder_layer"):
+        pytest.skip(f"cpp.decoder_layer: {table.why_not('cpp.decoder_layer')}")
+    calls = []
+    real = cpp.decoder_stack
+    monkeypatch.setattr(cpp, "decoder_stack", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ids = prompt(13, 2)
+    case.hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = case.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               do_sample=False, max_new_tokens=16, pad_token_id=0)
+    expected = out[0, len(ids):].tolist()
+    with kernels.using(table):
+        runner, got = PagedRunner(case.fdx_model(), seed=3, impl="cpp"), []
+        (logits,) = runner.step([("a", ids)])
+        np.testing.assert_allclose(logits, case.hf_logits(ids), atol=ATOL, rtol=0)
+        for _ in range(16):
+            got.append(int(logits[-1].argmax()))
+            (logits,) = runner.step([("a", [got[-1]])], rows="last")
+    assert got == expected
+    assert len(calls) == 17                 # the prompt and every decode step
+
+
 def test_chunked_prefill(case):
     ids = prompt(13, 4)
     runner = PagedRunner(case.fdx_model(), seed=5)

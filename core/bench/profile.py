@@ -15,8 +15,10 @@ and split into three parts:
 
 With the cpu backend's whole-layer kernel (``cpp.decoder_layer``, GGML-block
 weights) a layer's products, attention and elementwise ops are one compiled
-call, reported among the ops as ``compiled fdx_decoder_layer``. The op calls a
-step (Paddle's and the compiled ones) are counted.
+call, reported among the ops as ``compiled fdx_decoder_layer``, and with the
+one call for all layers (``cpp.decoder_stack``) a step's layers are one, as
+``compiled fdx_decoder_stack``: their products and attention are then in
+neither share. The op calls a step (Paddle's and the compiled ones) are counted.
 
 The profiler adds its own cost to each Python call, so the outside share
 measured here is an upper bound; GEMMs and attention are single calls into
@@ -145,6 +147,10 @@ class StepProfiler:
                     ops[f"compiled {caller[2]}"] += t     # a compiled kernel, by its Python wrapper
                 else:
                     ops[name] += t
+        # the one call for all layers goes through ctypes, which the profiler does not see as a
+        # call of its own: its time is the Python wrapper's own
+        ops["compiled fdx_decoder_stack"] += sum(row[2] for f, row in table.items()
+                                                 if f[2] == "decoder_stack" and f[0].endswith("ops/cpp.py"))
         out.ops = {k: v for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if v > 0}
         for phase, keys in _PHASES.items():
             out.phases[phase] = sum(row[3] for f, row in table.items()

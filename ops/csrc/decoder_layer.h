@@ -4,17 +4,19 @@
 // embedding for the first layer) and the residual stream (nullptr for the first
 // layer) -> the MLP output and the new residual, through
 //   h = rms_norm(x + residual)                 (RmsNorm, fused_kernels.h)
-//   qkv = h @ wqkv.T                           (quant::Matmul or f32::Matmul, each part)
+//   qkv = h @ wqkv.T (+ bqkv)                  (quant::Matmul or f32::Matmul, each part)
+//   q, k = rms_norm per head (Qwen3's q_norm, k_norm, when given)
 //   q = rope(q); k, v -> paged caches          (RopeWriteKv)
 //   a = paged_attention(q)                     (PagedAttention, paged_attention_kernel.h)
-//   o = a @ wo.T
+//   o = a @ wo.T (+ bo)
 //   h = rms_norm(o + residual)
-//   out = silu_and_mul(h @ w_gate_up.T) @ w_down.T
+//   out = silu_and_mul(h @ w_gate_up.T (+ b)) @ w_down.T (+ b)
 // by calling those kernels in turn: the same functions the separate ops run, so
 // the results are theirs; what goes is the Paddle dispatch (about a dozen op
 // calls a layer) between them. Every kernel splits its own work over the one
-// OpenMP pool. No biases, no tensor-parallel reduction: those layers take the
-// composed path (the caller decides).
+// OpenMP pool. Each weight may carry a bias (Qwen2's q/k/v, ERNIE's and Llama's
+// optional ones), added after its product as the composed path adds it. No
+// tensor-parallel reduction: such layers take the composed path (the caller decides).
 //
 // Each of the four weights is one to three parts stacked along its output rows
 // (a q/k/v or gate/up that a file stores in different kinds: Q4_K_M's Q5_0 q and k
@@ -46,10 +48,11 @@ struct WeightPart {
 struct LayerWeight {
   WeightPart parts[kMaxParts];
   int num_parts;
-  int64_t rows;  // the parts' rows summed: the product's width
+  int64_t rows;       // the parts' rows summed: the product's width
+  const float* bias;  // [rows], or nullptr
 };
 
-// out [N, w.rows] = x [N, cols] @ w.T, each part into its own columns: a float32
+// out [N, w.rows] = x [N, cols] @ w.T (+ w.bias), each part into its own columns: a float32
 // part and a lone or one-row quantized part write in place, a quantized part of
 // several rows beside others through `tmp` (quant::Matmul writes whole rows).
 inline void Product(const LayerWeight& w, const float* x, int64_t N, float* out, std::vector<float>& tmp) {
@@ -68,6 +71,12 @@ inline void Product(const LayerWeight& w, const float* x, int64_t N, float* out,
     }
     col += p.rows;
   }
+  if (w.bias)
+    for (int64_t t = 0; t < N; ++t) {
+      float* row = out + t * w.rows;
+#pragma omp simd
+      for (int64_t j = 0; j < w.rows; ++j) row[j] += w.bias[j];
+    }
 }
 
 struct LayerArgs {
@@ -76,7 +85,7 @@ struct LayerArgs {
   const float* input_norm;
   const float* post_norm;  // [hidden]
   LayerWeight qkv, o, gate_up, down;
-  RopeArgs rope;  // qkv, q_out set here; the rest (positions, slots, tables, caches, sizes) by the caller
+  RopeArgs rope;  // qkv, q_out set here; the rest (positions, slots, tables, caches, q/k norms, sizes) by the caller
   Args attn;      // q, out set here; k, v, seq_info, tables, sizes by the caller
   int64_t num_seqs, hidden, intermediate;
   float eps;

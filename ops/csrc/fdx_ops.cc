@@ -439,13 +439,19 @@ PD_BUILD_OP(fdx_f32_matmul)
 
 // --- one decoder layer in one call (decoder_layer.h) -------------------------------------
 
+namespace {
+constexpr int kNumExtras = 6;  // a layer's optional vectors: the four weights' biases, q_norm, k_norm
+}  // namespace
+
 // fdx_decoder_layer(x [N, hidden], residual [N, hidden] or None, input_norm, post_norm [hidden],
 //   weights: the parts of qkv, o, gate_up, down in that order (GGML block bytes, uint8
 //   [rows, row_bytes], or float32 [cols, rows]), positions, slots int64 [N], k_cache, v_cache,
 //   cos, sin, seq_info int32 [S, 4], block_tables int32 [S, W])
 //   -> (out, residual) [N, hidden]; writes k and v into the caches in place.
 // weight_info: the four weights' part counts (1 to 3: parts stack along rows), then
-//   (kind, variant, rows, cols) of each part; kind -1 is float32 (decoder_layer.h).
+//   (kind, variant, rows, cols) of each part; kind -1 is float32 (decoder_layer.h); then
+//   six flags: whether the biases of qkv, o, gate_up, down ([rows] float32) and q_norm,
+//   k_norm ([head_dim]) are given. The flagged ones follow the parts in `weights`, in that order.
 std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
                                                 const paddle::optional<paddle::Tensor>& residual,
                                                 const paddle::Tensor& input_norm,
@@ -506,9 +512,13 @@ std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
              " parts, got ", weight_info[i]);
     num_parts += weight_info[i];
   }
-  PD_CHECK(static_cast<int64_t>(weights.size()) == num_parts &&
-               static_cast<int64_t>(weight_info.size()) == 4 + 4 * num_parts,
-           "one tensor and (kind, variant, rows, cols) for each part");
+  PD_CHECK(static_cast<int64_t>(weight_info.size()) == 4 + 4 * num_parts + kNumExtras,
+           "(kind, variant, rows, cols) for each part, then ", kNumExtras, " flags (biases, q/k norms)");
+  const int64_t* flags = &weight_info[4 + 4 * num_parts];
+  int64_t num_extras = 0;
+  for (int i = 0; i < kNumExtras; ++i) num_extras += flags[i] != 0;
+  PD_CHECK(static_cast<int64_t>(weights.size()) == num_parts + num_extras,
+           "one tensor for each part, then each bias and q/k norm flagged present");
   const int64_t intermediate = weight_info[4 + 4 * (num_parts - 1) + 3];  // the last part is down's
   // (rows, cols) each weight must have: out features x in features
   const int64_t want[4][2] = {{q_size + 2 * kv_size, hidden}, {hidden, q_size}, {2 * intermediate, hidden},
@@ -540,6 +550,17 @@ std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
     }
     PD_CHECK(lw[i].rows == want[i][0], "weight ", i, " has ", lw[i].rows, " rows, expected ", want[i][0]);
   }
+  // the biases of the four weights ([rows] each), then q_norm and k_norm ([head_dim]), each when flagged
+  const float* extras[kNumExtras] = {};
+  for (int i = 0, next = static_cast<int>(num_parts); i < kNumExtras; ++i) {
+    if (!flags[i]) continue;
+    const auto& t = weights[next++];
+    CheckFloat2d(t, i < 4 ? "a bias" : "a q/k norm");
+    const int64_t len = i < 4 ? want[i][0] : D;
+    PD_CHECK(t.numel() == len, i < 4 ? "bias " : "q/k norm ", i, " must have ", len, " elements");
+    extras[i] = t.data<float>();
+  }
+  for (int i = 0; i < 4; ++i) lw[i].bias = extras[i];
 
   const int64_t num_slots = k_cache.shape()[0] / num_kv_heads, max_pos = cos.shape()[0];
   const int64_t* pos = positions.data<int64_t>();
@@ -569,7 +590,7 @@ std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
   a.o = lw[1];
   a.gate_up = lw[2];
   a.down = lw[3];
-  a.rope = fdx::RopeArgs{nullptr, pos, slot, cos.data<float>(), sin.data<float>(), nullptr, nullptr, nullptr,
+  a.rope = fdx::RopeArgs{nullptr, pos, slot, cos.data<float>(), sin.data<float>(), extras[4], extras[5], nullptr,
                          const_cast<float*>(k_cache.data<float>()),  // written in place, as scatter_ does
                          const_cast<float*>(v_cache.data<float>()), num_heads, num_kv_heads, D, rotary_dim,
                          num_slots, neox, eps};
@@ -627,10 +648,16 @@ extern "C" {
 struct FdxStackLayer {  // what stays fixed from step to step
   const float* input_norm;
   const float* post_norm;
-  const void* weights[4];  // qkv, o, gate_up, down: GGML block bytes [rows, row_bytes]
-  float* k_cache;          // [KVH * num_slots, D], written in place
+  // qkv, o, gate_up, down: each 1 to kMaxParts parts stacked along rows, each GGML block bytes
+  // [rows, row_bytes] or float32 [cols, rows] (kind -1)
+  const void* weights[4][fdx::kMaxParts];
+  const float* biases[4];  // [rows] of each weight, or null
+  const float* q_norm;     // [head_dim] or null (Qwen3's per-head norms)
+  const float* k_norm;
+  float* k_cache;  // [KVH * num_slots, D], written in place
   float* v_cache;
-  int64_t info[16];  // (kind, variant, rows, cols) of each weight, in that order
+  int64_t num_parts[4];
+  int64_t info[4][fdx::kMaxParts][4];  // (kind, variant, rows, cols) of each part
 };
 
 struct FdxStackStep {
@@ -676,18 +703,26 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
   }
   if (covered != N) return fail("seq_info does not cover the N rows");
   const int64_t q_size = H * D, kv_size = KVH * D;
-  const int64_t intermediate = s->layers[0].info[15];
+  const int64_t intermediate = s->layers[0].info[3][0][3];  // down's columns
   const int64_t want[4][2] = {{q_size + 2 * kv_size, hidden}, {hidden, q_size}, {2 * intermediate, hidden},
                               {hidden, intermediate}};
   for (int64_t l = 0; l < s->num_layers; ++l)
     for (int i = 0; i < 4; ++i) {
-      const int64_t* wi = s->layers[l].info + 4 * i;
-      if (wi[0] < 0 || wi[0] >= kWint8 || wi[1] < kPortable || wi[1] > kAvx512)
-        return fail("layer " + std::to_string(l) + ": weight " + std::to_string(i) + " has no kernel");
-      if (wi[2] != want[i][0] || wi[3] != want[i][1] || wi[3] % kBlockElems[wi[0]])
-        return fail("layer " + std::to_string(l) + ": weight " + std::to_string(i) + " has the wrong shape");
+      const FdxStackLayer& L = s->layers[l];
+      auto what = [&] { return "layer " + std::to_string(l) + ": weight " + std::to_string(i); };  // on failure only
+      if (L.num_parts[i] < 1 || L.num_parts[i] > fdx::kMaxParts) return fail(what() + ": 1 to 3 parts");
+      int64_t rows = 0;
+      for (int j = 0; j < L.num_parts[i]; ++j) {
+        const int64_t* wi = L.info[i][j];
+        const bool f32 = wi[0] == fdx::kF32Weight;
+        if ((!f32 && (wi[0] < 0 || wi[0] >= kWint8)) || wi[1] < kPortable || wi[1] > kAvx512 || !L.weights[i][j])
+          return fail(what() + " has no kernel");
+        if (wi[2] <= 0 || wi[3] != want[i][1] || (!f32 && wi[3] % kBlockElems[wi[0]]))
+          return fail(what() + " has the wrong shape");
+        rows += wi[2];
+      }
+      if (rows != want[i][0]) return fail(what() + " has the wrong shape");
     }
-
   fdx::LayerArgs a{};
   a.rope = fdx::RopeArgs{nullptr, s->positions, s->slots, s->cos, s->sin, nullptr, nullptr, nullptr, nullptr,
                          nullptr, H, KVH, D, s->rotary_dim, s->num_slots, s->neox != 0, s->eps};
@@ -703,17 +738,28 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
     const FdxStackLayer& L = s->layers[l];
     fdx::LayerWeight* lw[4] = {&a.qkv, &a.o, &a.gate_up, &a.down};
     for (int i = 0; i < 4; ++i) {
-      const int64_t* wi = L.info + 4 * i;
-      const int64_t row_bytes = wi[3] / kBlockElems[wi[0]] * kBlockBytes[wi[0]];
-      fdx::LayerWeight& w = *lw[i];  // one part of GGML blocks (the Python side takes only such layers)
+      fdx::LayerWeight& w = *lw[i];
       w = fdx::LayerWeight{};
-      w.num_parts = 1;
-      w.rows = wi[2];
-      w.parts[0] = fdx::WeightPart{static_cast<int>(wi[0]), static_cast<int>(wi[1]),
-                                   Weights{static_cast<const uint8_t*>(L.weights[i]), nullptr, wi[2], wi[3],
-                                           row_bytes, 0, static_cast<int>(wi[0])},
-                                   nullptr, wi[2], wi[3]};
+      w.num_parts = static_cast<int>(L.num_parts[i]);
+      w.bias = L.biases[i];
+      for (int j = 0; j < w.num_parts; ++j) {
+        const int64_t* wi = L.info[i][j];
+        const int kind = static_cast<int>(wi[0]), variant = static_cast<int>(wi[1]);
+        fdx::WeightPart& p = w.parts[j];
+        if (kind == fdx::kF32Weight) {
+          p = fdx::WeightPart{kind, variant, {}, static_cast<const float*>(L.weights[i][j]), wi[2], wi[3]};
+        } else {
+          const int64_t row_bytes = wi[3] / kBlockElems[kind] * kBlockBytes[kind];
+          p = fdx::WeightPart{kind, variant,
+                              Weights{static_cast<const uint8_t*>(L.weights[i][j]), nullptr, wi[2], wi[3], row_bytes,
+                                      0, kind},
+                              nullptr, wi[2], wi[3]};
+        }
+        w.rows += wi[2];
+      }
     }
+    a.rope.q_norm = L.q_norm;
+    a.rope.k_norm = L.k_norm;
     a.x = l == 0 ? s->x : s->out;
     a.residual = l == 0 ? nullptr : s->residual;
     a.input_norm = L.input_norm;

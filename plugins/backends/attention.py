@@ -7,7 +7,8 @@
   tables, and ``rope_write_kv``, the fused q/k/v split + q/k RMS norm +
   rotary + KV-cache write the model calls before attention, and
   ``decoder_layer``, a whole Llama-family layer over GGML-block or float32
-  weights in one compiled call (steps of fewer than
+  weights (biases and Qwen3's q/k norms included) in one compiled call, and
+  ``decoder_stack``, all of a step's layers in one (steps of fewer than
   fdx.ops.cpp.QUANT_BLAS_MIN_ROWS tokens, F32_BLAS_MIN_ROWS with a float32
   weight, whose every sequence the compiled attention takes; off with
   ``FDX_FUSED_LAYERS=0``), each where the
@@ -127,9 +128,10 @@ class CpuAttention(PaddleAttention):
 
     def decoder_stack(self, x, layers, kv_caches, metadata):
         """Every layer in one compiled call (fdx.ops.cpp.decoder_stack) when
-        each would take ``decoder_layer``'s kernel (same checks) and they
-        share one shape and rotary table; else None. The table of pointers
-        is built once per (layers, caches, kernel table) and kept."""
+        each would take ``decoder_layer``'s kernel (same checks: the rows a
+        float32 weight is taken for among them) and they share one shape and
+        rotary table; else None. The table of pointers is built once per
+        (layers, caches, kernel table) and kept."""
         cpp = _cpp()
         if not layers or any(f is None for f in layers) or not self._fits(x, metadata):
             return None
@@ -137,28 +139,36 @@ class CpuAttention(PaddleAttention):
         cached = self._stack
         if cached is None or cached[0] != key or (cached[1] is not None and not cached[1].valid_for(kv_caches)):
             cached = self._stack = (key, self._stack_table(layers, kv_caches))
-        if cached[1] is None:
+        table = cached[1]
+        if table is None or (table.has_float and not cpp.F32_MIN_ROWS <= metadata.num_tokens < cpp.F32_BLAS_MIN_ROWS):
             return None
         group = metadata.cpp
-        return cpp.decoder_stack(x, cached[1], metadata.positions, metadata.slot_mapping, group.seq_info,
+        return cpp.decoder_stack(x, table, metadata.positions, metadata.slot_mapping, group.seq_info,
                                  group.block_tables, metadata.block_size)
+
+    def _parts_variants(self, layer) -> list[list[str | None]]:
+        """The passed build of each of the layer's weight parts ("f32" for a float32 one)."""
+        float_tensor = _paddle().Tensor
+        return [[self._variant("f32" if isinstance(p, float_tensor) else p.kind) for p in parts]
+                for parts in layer.weights]
 
     def _stack_table(self, layers, kv_caches):
         """fdx.ops.cpp.stack_layers for these layers, or None when they differ
-        in shape or rotary table, a weight is float32 or of several parts (the
-        stack takes one part of GGML blocks a weight; such layers go one by
-        one through decoder_layer), or a weight's kind has no passed build."""
+        in shape, rotary table, or in which of biases and q/k norms they
+        have, or a weight part's kind has no passed build."""
         cpp = _cpp()
-        if any(f.has_float or any(len(parts) != 1 for parts in f.weights) for f in layers):
-            return None
         first = layers[0]
-        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.eps, first.scale,
-                 [parts[0].shape for parts in first.weights])
-        if any((f.num_heads, f.num_kv_heads, f.head_dim, f.eps, f.scale, [p[0].shape for p in f.weights]) != shape
-               or f.rope is not first.rope for f in layers):
+
+        def shape(f):
+            return (f.num_heads, f.num_kv_heads, f.head_dim, f.eps, f.scale,
+                    [sum(p.shape[1] if isinstance(p, _paddle().Tensor) else p.shape[0] for p in parts)
+                     for parts in f.weights],
+                    [b is None for b in f.biases], f.q_norm is None, f.k_norm is None)
+        want = shape(first)
+        if any(shape(f) != want or f.rope is not first.rope for f in layers):
             return None
-        variants = [[self._variant(parts[0].kind) for parts in f.weights] for f in layers]
-        if any(None in vs for vs in variants):
+        variants = [self._parts_variants(f) for f in layers]
+        if any(None in parts for vs in variants for parts in vs):
             return None
         return cpp.stack_layers(layers, variants, kv_caches)
 
@@ -177,8 +187,7 @@ class CpuAttention(PaddleAttention):
         group = metadata.cpp
         if layer.has_float and not cpp.F32_MIN_ROWS <= metadata.num_tokens < cpp.F32_BLAS_MIN_ROWS:
             return None
-        variants = [[self._variant("f32" if isinstance(p, _paddle().Tensor) else p.kind) for p in parts]
-                    for parts in layer.weights]
+        variants = self._parts_variants(layer)
         if any(None in v for v in variants):
             return None
         rope = layer.rope
@@ -186,7 +195,8 @@ class CpuAttention(PaddleAttention):
                                  metadata.positions, metadata.slot_mapping, k_cache, v_cache, rope.cos_cache,
                                  rope.sin_cache, group.seq_info, group.block_tables, layer.num_heads,
                                  layer.num_kv_heads, getattr(rope, "rotary_dim", layer.head_dim),
-                                 metadata.block_size, rope.is_neox_style, layer.eps, layer.scale)
+                                 metadata.block_size, rope.is_neox_style, layer.eps, layer.scale,
+                                 layer.biases, layer.q_norm, layer.k_norm)
 
 
 @hookimpl

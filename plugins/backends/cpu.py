@@ -53,9 +53,12 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
             refused.append(f"{name}: {table.why_not(name)}")
         return f"{fallback} ({'; '.join(refused)})"
 
-    small_norm = pick(("fused_rms_norm", "fused_rms_norm"), fallback="reference")
-    norm = (f"compiled from {CPP_MIN_ROWS} rows, else {small_norm}" if table.usable("cpp.add_rms_norm")
-            else pick(("cpp.add_rms_norm", "compiled"), ("fused_rms_norm", "fused_rms_norm"), fallback="reference"))
+    if not table.usable("cpp.add_rms_norm"):
+        norm = pick(("cpp.add_rms_norm", "compiled"), ("fused_rms_norm", "fused_rms_norm"), fallback="reference")
+    elif table.usable("fused_rms_norm"):
+        norm = f"compiled from {CPP_MIN_ROWS} rows, else fused_rms_norm"
+    else:                       # fdx.ops.norm: the compiled kernel then takes every row count
+        norm = f"compiled (fused_rms_norm: {table.why_not('fused_rms_norm')})"
     return {
         "rms_norm": norm,
         "silu_and_mul": pick(("cpp.silu_and_mul", "compiled"), ("swiglu", "swiglu"), fallback="reference"),

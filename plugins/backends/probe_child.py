@@ -88,10 +88,26 @@ def run_layer(layer, x, residual, caches, impl: str, variant="portable"):
         out, res = cpp.decoder_layer(x_t, r_t, f.input_norm, f.post_norm, list(f.weights), builds,
                                      meta.positions, meta.slot_mapping, k_cache, v_cache, f.rope.cos_cache,
                                      f.rope.sin_cache, meta.cpp.seq_info, meta.cpp.block_tables, f.num_heads,
-                                     f.num_kv_heads, f.head_dim, _BLOCK, f.rope.is_neox_style, f.eps, f.scale)
+                                     f.num_kv_heads, f.head_dim, _BLOCK, f.rope.is_neox_style, f.eps, f.scale,
+                                     f.biases, f.q_norm, f.k_norm)
     else:
         out, res = layer(x_t, r_t, meta.positions, (k_cache, v_cache), AttentionContext(PaddleAttention(), meta))
     return out.numpy(), res.numpy(), k_cache.numpy(), v_cache.numpy()
+
+
+def add_biases_and_qk_norms(layer, rng) -> None:
+    """Give ``layer`` (random_layer's) a float32 bias on each of its four
+    weights and Qwen3's per-head q/k norm weights (near 1), as Qwen2, Qwen3
+    and biased ERNIE/Llama layers hold them."""
+    import paddle
+    a, m = layer.attn, layer.mlp
+
+    def vec(n: int, loc: float = 0.0):
+        return paddle.to_tensor((loc + 0.3 * rng.standard_normal(n)).astype(np.float32))
+    a.bqkv, a.bo = vec(a.q_size + 2 * a.kv_size), vec(layer.input_norm.shape[0])
+    m.b_gate_up, m.b_down = vec(2 * m.intermediate_size), vec(layer.input_norm.shape[0])
+    a.q_norm, a.k_norm = vec(a.head_dim, 1.0), vec(a.head_dim, 1.0)
+    layer.weights_changed()
 
 
 # A layer like llama.cpp's Q4_K_M of SmolLM2: fused parts of different kinds (RowStacks).
@@ -101,15 +117,20 @@ MIXED_LAYER = {"q_proj": "q5_0", "k_proj": "q5_0", "v_proj": "q8_0", "o_proj": "
 
 def _probe_decoder_layer(dtype: str = "float32") -> None:
     """The whole layer against its composed ops (the same portable products, the
-    rest Paddle), first layer (no residual) and a later one: Q4_1, Q8_0, float32
-    and a layer of mixed kinds."""
+    rest Paddle), first layer (no residual) and a later one: Q4_1, Q8_0, float32,
+    a layer of mixed kinds, and a Q8_0 one with biases and q/k norms."""
     from fdx.core import kernels
     from fdx.core.kernels import KernelTable
     from fdx.ops import cpp
     rng = _rng()
     n = sum(_QUERY_LENS)
-    for kind in ("q4_1", "q8_0", "f32", MIXED_LAYER):
+    for kind in ("q4_1", "q8_0", "f32", MIXED_LAYER, "q8_0+biases"):
+        extras = kind == "q8_0+biases"
+        if extras:
+            kind = "q8_0"
         layer, cfg = random_layer(kind, rng)
+        if extras:
+            add_biases_and_qk_norms(layer, rng)
         if layer.fused is None:
             raise WrongResult(f"wrong result ({kind}: the layer does not take the fused path)")
         caches = [rng.standard_normal((_KV_HEADS * _BLOCKS * _BLOCK, cfg.head_dim)).astype(np.float32)
@@ -121,7 +142,7 @@ def _probe_decoder_layer(dtype: str = "float32") -> None:
             got = run_layer(layer, x, residual, caches, "fused")
             with kernels.using(table):
                 want = run_layer(layer, x, residual, caches, "composed")
-            what = (f"{'mixed' if isinstance(kind, dict) else kind}, "
+            what = (f"{'mixed' if isinstance(kind, dict) else kind}{' with biases' if extras else ''}, "
                     f"{'first layer' if residual is None else 'with residual'}")
             for g, w, part in zip(got, want, ("out", "residual", "k cache", "v cache")):
                 scale = float(np.abs(w).max()) or 1.0

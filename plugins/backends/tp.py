@@ -428,7 +428,8 @@ class Worker:
             dist.all_reduce(t)
             return t
 
-        model, ckpt = load_model(config, pm, backend.kernels, progress=False)   # in model.quantization's format
+        # in model.quantization's format; the tokenizer is built only if a request needs its vocabulary
+        model, ckpt = load_model(config, pm, backend.kernels, progress=False, defer_tokenizer=True)
         self.model = model
         model.shard(rank, world, all_reduce)
         self.tokenizer = ckpt.tokenizer

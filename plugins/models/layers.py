@@ -205,11 +205,14 @@ class FeedForward:
 @dataclass(slots=True, frozen=True)
 class FusedLayer:
     """What a backend's whole-layer kernel needs of one layer
-    (``AttentionBackend.decoder_layer``): its norms, its four linear weights
-    and the attention shape. Each weight is one to three parts stacked along
-    its output rows (a q/k/v or gate/up whose parts a file stores in
-    different kinds), each part an fdx.ops.quant.QuantizedTensor of GGML
-    blocks or a float32 ``[in, out]`` tensor (the ``none`` format's)."""
+    (``AttentionBackend.decoder_layer``): its norms, its four linear weights,
+    their biases, the per-head q/k norms and the attention shape. Each weight
+    is one to three parts stacked along its output rows (a q/k/v or gate/up
+    whose parts a file stores in different kinds), each part an
+    fdx.ops.quant.QuantizedTensor of GGML blocks or a float32 ``[in, out]``
+    tensor (the ``none`` format's). ``biases``: each weight's float32 [rows]
+    bias or None (Qwen2's q/k/v); ``q_norm``/``k_norm``: float32 [head_dim]
+    or None (Qwen3)."""
     input_norm: Tensor
     post_norm: Tensor
     weights: tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]   # qkv, o, gate_up, down
@@ -219,6 +222,9 @@ class FusedLayer:
     rope: RotaryEmbedding
     eps: float
     scale: float
+    biases: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None] = (None, None, None, None)
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
 
     @property
     def has_float(self) -> bool:
@@ -251,19 +257,20 @@ def fused_parts(weight: LinearWeight) -> tuple[Any, ...] | None:
 
 def fused_layer(layer: "DecoderLayer") -> FusedLayer | None:
     """The layer as a ``FusedLayer``, or None when it has what the fused
-    kernels leave to the composed path: a bias (Qwen2), q/k norms (Qwen3), a
-    tensor-parallel split, a weight that is neither float32 nor whole GGML
-    blocks (wint8/wint4, bfloat16), or norm weights not in float32."""
+    kernels leave to the composed path: a tensor-parallel split, a weight
+    that is neither float32 nor whole GGML blocks (wint8/wint4, bfloat16),
+    or norms or biases not in float32."""
     a, m = layer.attn, layer.mlp
-    if (any(b is not None for b in (a.bqkv, a.bo, m.b_gate_up, m.b_down)) or a.q_norm is not None
-            or a.reduce is not None or m.reduce is not None
-            or any(t.dtype != paddle.float32 for t in (layer.input_norm, layer.post_norm))):
+    biases = (a.bqkv, a.bo, m.b_gate_up, m.b_down)
+    vectors = [layer.input_norm, layer.post_norm, a.q_norm, a.k_norm, *biases]
+    if (a.reduce is not None or m.reduce is not None
+            or any(t is not None and t.dtype != paddle.float32 for t in vectors)):
         return None
     parts = [fused_parts(w) for w in (a.wqkv, a.wo, m.w_gate_up, m.w_down)]
     if any(p is None for p in parts):
         return None
     return FusedLayer(layer.input_norm, layer.post_norm, tuple(parts), a.num_heads, a.num_kv_heads, a.head_dim,
-                      a.rope, layer.eps, a.scale)
+                      a.rope, layer.eps, a.scale, biases, a.q_norm, a.k_norm)
 
 
 _UNSET: Any = object()
