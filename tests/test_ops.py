@@ -207,7 +207,7 @@ def make_seqs(rng, totals, heads, kv_heads, d):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("d", [64, 16])  # the kernel specializes 64 and 128; 16 takes its generic path
+@pytest.mark.parametrize("d", [64, 128, 16])  # the kernel specializes 64 and 128 (an AVX2 prefill tile for both); 16 takes its generic path
 def test_paged_attention_mixed_batch(impl, heads, kv_heads, block_size, d):
     rng = np.random.default_rng(100 + d)
     # (query_len, context_len): decodes with long/short/no context, prefill
