@@ -150,13 +150,18 @@ def test_prefill_logits_every_position(case, impl):
     np.testing.assert_allclose(logits, case.hf_logits(ids), atol=ATOL, rtol=0)
 
 
-def test_greedy_generation_matches_transformers(case):
-    ids = prompt(13, 2)
+def hf_greedy(case, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``ids``: n tokens, no eos stop."""
     case.hf.generation_config.eos_token_id = None
     with torch.no_grad():
         out = case.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               do_sample=False, max_new_tokens=32, pad_token_id=0)
-    expected = out[0, len(ids):].tolist()
+                               do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_generation_matches_transformers(case):
+    ids = prompt(13, 2)
+    expected = hf_greedy(case, ids, 32)
     runner, got = PagedRunner(case.fdx_model(), seed=3), []
     (logits,) = runner.step([("a", ids)], rows="last")
     for _ in range(32):
@@ -181,11 +186,7 @@ def test_greedy_generation_through_the_one_call_for_all_layers(case, monkeypatch
     real = cpp.decoder_stack
     monkeypatch.setattr(cpp, "decoder_stack", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ids = prompt(13, 2)
-    case.hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = case.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               do_sample=False, max_new_tokens=16, pad_token_id=0)
-    expected = out[0, len(ids):].tolist()
+    expected = hf_greedy(case, ids, 16)
     with kernels.using(table):
         runner, got = PagedRunner(case.fdx_model(), seed=3, impl="cpp"), []
         (logits,) = runner.step([("a", ids)])

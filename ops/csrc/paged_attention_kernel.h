@@ -102,6 +102,29 @@ inline float ExpNonPositive(float x) {
 }
 
 // Rows of the keys [c0, c0 + n) of one head in a paged cache (n <= kChunk).
+// Softmax in place of a query tile's score rows [rows, width] (row r: query
+// first_pos + r / G, which sees keys 0..first_pos + r / G); the rest of each row
+// becomes 0, and inv_sum[r] = 1 / the row's sum.
+inline void CausalSoftmax(float* scores, int64_t rows, int64_t width, int64_t first_pos, int64_t G,
+                          std::vector<float>& inv_sum) {
+  inv_sum.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * width;
+    const int64_t valid = first_pos + r / G + 1;
+    float mx = row[0];
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < valid; ++j) {
+      row[j] = ExpNonPositive(row[j] - mx);
+      sum += row[j];
+    }
+    for (int64_t j = valid; j < width; ++j) row[j] = 0.f;
+    inv_sum[r] = 1.f / sum;
+  }
+}
+
 inline void ChunkRows(const float* cache, const int32_t* table, int64_t head_row, int64_t bs, int64_t D,
                       int64_t c0, int64_t n, const float** rows) {
   int64_t block = c0 / bs, offset = c0 % bs;
@@ -227,22 +250,7 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   }
 
   // Softmax in place over the visible keys; the rest of the row becomes 0.
-  w.inv_sum.resize(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = scores + r * width;
-    const int64_t valid = first_pos + r / G + 1;
-    float mx = row[0];
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < valid; ++j) {
-      row[j] = ExpNonPositive(row[j] - mx);
-      sum += row[j];
-    }
-    for (int64_t j = valid; j < width; ++j) row[j] = 0.f;
-    w.inv_sum[r] = 1.f / sum;
-  }
+  CausalSoftmax(scores, rows, width, first_pos, G, w.inv_sum);
 
   // acc[r] = sum_j p[r, j] * v_j, one key chunk at a time.
   w.acc.assign(rows * D, 0.f);
@@ -469,22 +477,7 @@ void AttendTileAvx2(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq,
     }
   }
 
-  w.inv_sum.resize(rows);
-  for (int64_t r = 0; r < rows; ++r) {  // softmax over the visible keys; the rest of the row becomes 0
-    float* row = scores + r * width;
-    const int64_t valid = first_pos + r / G + 1;
-    float mx = row[0];
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < valid; ++j) {
-      row[j] = ExpNonPositive(row[j] - mx);
-      sum += row[j];
-    }
-    for (int64_t j = valid; j < width; ++j) row[j] = 0.f;
-    w.inv_sum[r] = 1.f / sum;
-  }
+  CausalSoftmax(scores, rows, width, first_pos, G, w.inv_sum);
 
   for (int64_t r = 0; r < rows; r += 3) {
     const int64_t rn = std::min<int64_t>(3, rows - r);
