@@ -285,8 +285,13 @@ class Spy:
         return call
 
 
-@pytest.mark.parametrize("name", ["q4_1", "q8_0", "mixed", "f32"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+_SLOW = pytest.mark.slow    # pairwise: each file once fused and once composed, half of them in the quick subset
+
+
+@pytest.mark.parametrize("name, fused", [
+    ("q4_1", True), pytest.param("q4_1", False, marks=_SLOW), pytest.param("q8_0", True, marks=_SLOW),
+    ("q8_0", False), ("mixed", True), pytest.param("mixed", False, marks=_SLOW),
+    pytest.param("f32", True, marks=_SLOW), ("f32", False)])
 def test_greedy_tokens_with_the_fused_path_on_and_off(files, name, fused, monkeypatch):  # noqa: F811
     """Tiny GGUF Llamas, ``auto``: greedy tokens follow transformers on the
     dequantized weights (test_weight_formats' margin) with the fused layers on

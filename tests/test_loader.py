@@ -290,6 +290,7 @@ def test_tiny_gguf_round_trip(tmp_path, arch):
 # ----- the GGUF index: what a model load reads (against gguf's GGUFReader) --------
 
 
+@pytest.mark.slow       # 7.5 s (gguf's reader over a whole vocabulary)
 def test_gguf_index_reads_what_gguf_reader_reads_without_the_vocabulary():
     """read_gguf_index gives every metadata value GGUFReader gives, the
     tokenizer's arrays by their length only, the same tensor index and,
@@ -325,7 +326,9 @@ def _tokenizer_ids(tok) -> tuple:
     return tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, set(tok.eos_token_ids)
 
 
-@pytest.mark.parametrize("eos, eot", [(1, None), (3, 5), (99, 5)])
+# (3, 5) and (99, 5) are slow (4 s each: a tokenizer built a case); (1, None) stays in the quick subset
+@pytest.mark.parametrize("eos, eot", [(1, None), pytest.param(3, 5, marks=pytest.mark.slow),
+                                      pytest.param(99, 5, marks=pytest.mark.slow)])
 def test_special_ids_from_the_metadata_equal_the_built_tokenizers(tmp_path, eos, eot):
     """The eos ids the engine stops on, read from the metadata scalars, are
     the ones the tokenizer built from the whole vocabulary gives (an eos id
