@@ -136,7 +136,7 @@ class AttentionMetadata:
         """kv_write_rows as a tensor, made on first use: the composed KV write
         reads it, the compiled kernels take slot_mapping (one tensor less a step)."""
         if self._kv_write_index is None:
-            self._kv_write_index = paddle.to_tensor(self.kv_write_rows)
+            self._kv_write_index = _index_tensor(self.kv_write_rows)
         return self._kv_write_index
 
 
