@@ -71,10 +71,11 @@ def test_every_row_count_and_a_3d_input(variant):
 
 
 @pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
-def test_one_row_on_two_threads(variant):
-    """One row on two OpenMP threads splits the weight rows (each thread a
-    partial sum, added after; from 2 ** 16 multiply-adds): K tails under a pass of 8,
-    a K too short to split (31 < 16 a thread), SmolLM2's shapes."""
+def test_rows_on_two_threads(variant):
+    """On two OpenMP threads a product splits the weight rows (each thread a
+    partial product, the partials added by columns after a barrier; from 2 ** 16
+    multiply-adds), at one row and at several: K tails under a pass of 8 (one row)
+    or 4 (more), a K too short to split (31 < 16 a thread), SmolLM2's shapes."""
     import ctypes
     fn = f32_fn(variant)
     omp_threads = ctypes.CDLL(str(cpp._library)).omp_get_max_threads   # the extension's OpenMP runtime
@@ -83,8 +84,10 @@ def test_one_row_on_two_threads(variant):
     try:
         assert omp_threads() == 2
         for k, n in ((576, 960), (1536, 576), (33, 3000), (47, 2000), (101, 700), (31, 2048), (300, 1000)):
-            x, w = numpy_case(k, n, 1)
-            assert_product(fn(paddle.to_tensor(x), paddle.to_tensor(w)).numpy(), x, w, f"{variant} 1x{k} @ {k}x{n}")
+            for m in (1, 3, 8, 13):
+                x, w = numpy_case(k, n, m)
+                assert_product(fn(paddle.to_tensor(x), paddle.to_tensor(w)).numpy(), x, w,
+                               f"{variant} {m}x{k} @ {k}x{n}")
     finally:
         paddle.base.core.set_num_threads(before)
 
