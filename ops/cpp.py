@@ -46,7 +46,7 @@ from fdx.core.host import cache_root, cpu_id, portable_kernels
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
            "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
-           "F32_MIN_ROWS", "f32_kernel_name", "decoder_layer", "decoder_stack", "stack_layers",
+           "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "F32_MIN_ROWS", "f32_kernel_name", "decoder_layer", "decoder_stack", "stack_layers",
            "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status"]
 
@@ -450,6 +450,18 @@ QUANT_MATMULS = {"portable": quant_matmul_portable, "avx2": quant_matmul_avx2, "
 # 0.47x at 4, 0.59x at 8, 0.66x at 16, 1.06x at 32, 0.98x at 64; the fused layer
 # (which also drops ~13 op calls a layer) takes float32 layers below this too.
 F32_BLAS_MIN_ROWS = 32
+# ... except the AVX-512 build, whose products from 12 rows keep the output in
+# registers (f32_kernels.inc, RowsTiled). On the Zen 4 of docs/benchmarks.md (2
+# threads, best of 4-5): 30 layers' products at 32 rows 57 ms against MKL's 65, at
+# 40 rows 64 against 70, at 47 86 against 77; the LM head ([576, 49152]) at 32 rows
+# 18 ms against 23, at 39 21 against 26.
+F32_BLAS_MIN_ROWS_BY_VARIANT = {"avx512": 40}
+
+
+def f32_blas_min_rows(variant: str | None) -> int:
+    """Rows from which a float32 product is MKL's rather than ``variant``'s build."""
+    return F32_BLAS_MIN_ROWS_BY_VARIANT.get(variant, F32_BLAS_MIN_ROWS)
+
 # ... and from this many rows up the compiled one (fdx.ops.dense and the fused layer).
 # At 1 row the products tied MKL on one thread; at 2 threads under a load average
 # of 15 (other jobs on the 2 cores) they took 1.5-2.2x MKL's wall time, every OpenMP

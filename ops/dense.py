@@ -1,6 +1,6 @@
 """Products with float32 ``[in, out]`` weights (the ``none`` format's linears
 and tied LM head): from fdx.ops.cpp.F32_MIN_ROWS to fewer than
-F32_BLAS_MIN_ROWS activation rows the compiled product (csrc/f32_kernels.h: the weight streamed once over
+f32_blas_min_rows(build) activation rows the compiled product (csrc/f32_kernels.h: the weight streamed once over
 the threads) in the widest build the active kernel table passed, else
 Paddle's matmul (MKL sgemm), which is also the probes' reference."""
 from __future__ import annotations
@@ -18,9 +18,11 @@ def matmul(x: Tensor, w: Tensor) -> Tensor:
     """``x [..., in] @ w [in, out]``."""
     rows = x.shape[0] if len(x.shape) == 2 else int(x.numel()) // x.shape[-1]
     if (x.dtype == paddle.float32 and w.dtype == paddle.float32 and cpp.loaded()
-            and cpp.F32_MIN_ROWS <= rows < cpp.F32_BLAS_MIN_ROWS):
+            and cpp.F32_MIN_ROWS <= rows < max(cpp.F32_BLAS_MIN_ROWS, *cpp.F32_BLAS_MIN_ROWS_BY_VARIANT.values())):
         table = kernels.active()
         for variant in cpp.QUANT_VARIANTS:
             if table.usable(cpp.f32_kernel_name(variant)):
-                return cpp.F32_MATMULS[variant](x, w)
+                if rows < cpp.f32_blas_min_rows(variant):
+                    return cpp.F32_MATMULS[variant](x, w)
+                break
     return paddle.matmul(x, w)

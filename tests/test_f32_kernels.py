@@ -6,8 +6,8 @@ skipped with its probe's finding, which must be a SIGILL), against numpy in
 float64: float32 accumulation only, 1e-5 of the largest output. Shapes: the
 odd ones (a column tail under a vector, a weight-row tail under a pass, one
 column), every row count to past the two-row passes, and SmolLM2's. Then the
-dispatch (fdx.ops.dense.matmul): the compiled product below F32_BLAS_MIN_ROWS
-rows, MKL from there, both numpy's numbers.
+dispatch (fdx.ops.dense.matmul): the compiled product below f32_blas_min_rows
+(of the build) rows, MKL from there, both numpy's numbers.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from test_contracts import cpu_kernel_table
 pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"compiled ops unavailable: {cpp.unavailable_reason()}")
 
 SHAPES = [(1, 1, 1), (3, 5, 7), (37, 129, 1), (64, 40, 2), (576, 960, 1), (576, 960, 5), (1536, 576, 4),
-          (576, 3072, 7), (8, 16, 17), (300, 1000, 3)]
+          (576, 3072, 7), (8, 16, 17), (300, 1000, 3), (576, 960, 12), (129, 70, 33), (300, 1000, 39)]
 
 
 def f32_fn(variant: str):
@@ -58,11 +58,12 @@ def test_product_matches_numpy(variant, k, n, m):
 
 @pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
 def test_every_row_count_and_a_3d_input(variant):
-    """1..2 passes of rows plus every tail, on one weight; [2, 3, K] rows too."""
+    """1..2 passes of rows plus every tail, and the register tiles' groups of 8 rows
+    (AVX-512 from 12 rows) to 40, on one weight; [2, 3, K] rows too."""
     fn = f32_fn(variant)
-    x, w = numpy_case(96, 200, 11)
+    x, w = numpy_case(96, 200, 40)
     wt = paddle.to_tensor(w)
-    for m in range(1, 12):
+    for m in range(1, 41):                  # AVX-512 keeps 12+ rows' outputs in registers, 8 a group
         assert_product(fn(paddle.to_tensor(x[:m]), wt).numpy(), x[:m], w, f"{variant} {m} rows")
     x3 = x[:6].reshape(2, 3, 96)
     got = fn(paddle.to_tensor(x3), wt).numpy()
@@ -84,7 +85,7 @@ def test_rows_on_two_threads(variant):
     try:
         assert omp_threads() == 2
         for k, n in ((576, 960), (1536, 576), (33, 3000), (47, 2000), (101, 700), (31, 2048), (300, 1000)):
-            for m in (1, 3, 8, 13):
+            for m in (1, 3, 8, 13, 21, 39):
                 x, w = numpy_case(k, n, m)
                 assert_product(fn(paddle.to_tensor(x), paddle.to_tensor(w)).numpy(), x, w,
                                f"{variant} {m}x{k} @ {k}x{n}")
@@ -93,7 +94,7 @@ def test_rows_on_two_threads(variant):
 
 
 def test_the_dense_product_takes_the_compiled_kernel_below_the_threshold(monkeypatch):
-    """fdx.ops.dense.matmul under the cpu table: compiled below F32_BLAS_MIN_ROWS
+    """fdx.ops.dense.matmul under the cpu table: compiled below f32_blas_min_rows
     (seen by which function ran), MKL at and above, numpy's numbers either way;
     under a table without it (or another dtype), Paddle's matmul."""
     table = cpu_kernel_table()
@@ -103,12 +104,13 @@ def test_the_dense_product_takes_the_compiled_kernel_below_the_threshold(monkeyp
     ran: list[int] = []
     real = cpp.F32_MATMULS[variant]
     monkeypatch.setitem(cpp.F32_MATMULS, variant, lambda x, w: (ran.append(x.shape[0]), real(x, w))[1])
-    x, w = numpy_case(576, 960, cpp.F32_BLAS_MIN_ROWS + 1)
+    limit = cpp.f32_blas_min_rows(variant)
+    x, w = numpy_case(576, 960, limit + 1)
     wt = paddle.to_tensor(w)
     with kernels.using(table):
-        for m in (1, cpp.F32_BLAS_MIN_ROWS - 1, cpp.F32_BLAS_MIN_ROWS, cpp.F32_BLAS_MIN_ROWS + 1):
+        for m in (1, limit - 1, limit, limit + 1):
             assert_product(dense.matmul(paddle.to_tensor(x[:m]), wt).numpy(), x[:m], w, f"{m} rows")
-    assert ran == [1, cpp.F32_BLAS_MIN_ROWS - 1]
+    assert ran == [1, limit - 1]
     with kernels.using(kernels.REFERENCE):
         assert_product(dense.matmul(paddle.to_tensor(x[:1]), wt).numpy(), x[:1], w, "reference table")
-    assert ran == [1, cpp.F32_BLAS_MIN_ROWS - 1]
+    assert ran == [1, limit - 1]

@@ -9,7 +9,7 @@
   ``decoder_layer``, a whole Llama-family layer over GGML-block or float32
   weights (biases and Qwen3's q/k norms included) in one compiled call, and
   ``decoder_stack``, all of a step's layers in one (steps of fewer than
-  fdx.ops.cpp.QUANT_BLAS_MIN_ROWS tokens, F32_BLAS_MIN_ROWS with a float32
+  fdx.ops.cpp.QUANT_BLAS_MIN_ROWS tokens, f32_blas_min_rows with a float32
   weight, whose every sequence the compiled attention takes; off with
   ``FDX_FUSED_LAYERS=0``), each where the
   cpu backend's probed kernel table (fdx.core.kernels) passed it. The
@@ -117,6 +117,12 @@ class CpuAttention(PaddleAttention):
                                 and table.usable(cpp.quant_kernel_name(kind, v))), None)
         return found[kind]
 
+    def _f32_rows(self, rows: int) -> bool:
+        """Whether a float32 weight's product is the compiled one at ``rows`` rows
+        (fdx.ops.cpp.f32_blas_min_rows of the passed build; from there MKL's)."""
+        cpp = _cpp()
+        return cpp.F32_MIN_ROWS <= rows < cpp.f32_blas_min_rows(self._variant("f32"))
+
     def _fits(self, x, metadata) -> bool:
         """Whether the step fits the compiled layer (see decoder_layer)."""
         cpp = _cpp()
@@ -140,7 +146,7 @@ class CpuAttention(PaddleAttention):
         if cached is None or cached[0] != key or (cached[1] is not None and not cached[1].valid_for(kv_caches)):
             cached = self._stack = (key, self._stack_table(layers, kv_caches))
         table = cached[1]
-        if table is None or (table.has_float and not cpp.F32_MIN_ROWS <= metadata.num_tokens < cpp.F32_BLAS_MIN_ROWS):
+        if table is None or (table.has_float and not self._f32_rows(metadata.num_tokens)):
             return None
         group = metadata.cpp
         return cpp.decoder_stack(x, table, metadata.positions, metadata.slot_mapping, group.seq_info,
@@ -178,14 +184,14 @@ class CpuAttention(PaddleAttention):
         compiled attention's group (rows in batch order), fewer tokens than
         QUANT_BLAS_MIN_ROWS (from there the composed products dequantize and
         multiply by BLAS, faster than the kernel's int8 dot products), or than
-        F32_BLAS_MIN_ROWS when a weight is float32 (from there MKL's sgemm is),
+        f32_blas_min_rows(build) when a weight is float32 (from there MKL's sgemm is),
         float32 activations, and a passed build for each weight part's kind.
         Else None."""
         cpp = _cpp()
         if not self._fits(x, metadata):
             return None
         group = metadata.cpp
-        if layer.has_float and not cpp.F32_MIN_ROWS <= metadata.num_tokens < cpp.F32_BLAS_MIN_ROWS:
+        if layer.has_float and not self._f32_rows(metadata.num_tokens):
             return None
         variants = self._parts_variants(layer)
         if any(None in v for v in variants):

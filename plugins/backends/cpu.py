@@ -42,7 +42,7 @@ def host_free_memory_bytes() -> int:
 def op_choices(table: kernels.KernelTable) -> dict[str, str]:
     """op -> what runs for it under ``table``, in words (the ops' own rules,
     fdx.ops.norm / activation / rotary / attention)."""
-    from fdx.ops.cpp import F32_BLAS_MIN_ROWS, QUANT_BLAS_MIN_ROWS
+    from fdx.ops.cpp import QUANT_BLAS_MIN_ROWS, QUANT_VARIANTS, f32_blas_min_rows, f32_kernel_name
     from fdx.ops.norm import CPP_MIN_ROWS
 
     def pick(*options: tuple[str, str], fallback: str) -> str:
@@ -59,6 +59,7 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
         norm = f"compiled from {CPP_MIN_ROWS} rows, else fused_rms_norm"
     else:                       # fdx.ops.norm: the compiled kernel then takes every row count
         norm = f"compiled (fused_rms_norm: {table.why_not('fused_rms_norm')})"
+    f32_rows = f32_blas_min_rows(next((v for v in QUANT_VARIANTS if table.usable(f32_kernel_name(v))), None))
     return {
         "rms_norm": norm,
         "silu_and_mul": pick(("cpp.silu_and_mul", "compiled"), ("swiglu", "swiglu"), fallback="reference"),
@@ -66,7 +67,7 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
         "attention": pick(("cpp.paged_attention", "compiled"), fallback="paddle"),
         "rope_write_kv": pick(("cpp.rope_write_kv", "compiled"), fallback="composed"),
         "decoder_layer": pick(("cpp.decoder_layer", f"compiled (GGML-block layers under {QUANT_BLAS_MIN_ROWS} "
-                                                    f"tokens a step, float32 ones under {F32_BLAS_MIN_ROWS})"),
+                                                    f"tokens a step, float32 ones under {f32_rows})"),
                               fallback="composed"),
         "quant_matmul": quant_choices(table),
     }
