@@ -200,7 +200,9 @@ def random_quantized(kind: str, rows: int, cols: int, rng):
 def _probe_quant(kind: str, variant: str) -> Callable[[str], None]:
     """One build of ``kind``'s product against gguf's dequantized weights: one
     row over enough weights to use every thread, a small batch (a tile and a
-    tail), and a prefill-sized one (the dequantize + BLAS path). The int8 path
+    tail), one past 12 rows over an odd count of blocks (q8_0's AVX-512 VNNI
+    tiles, on a CPU that has VNNI), and a prefill-sized one (the dequantize +
+    BLAS path). The int8 path
     is compared with x quantized as it quantizes it (int8_blocks), so the
     tolerance is float32 rounding."""
     def probe(dtype: str = "float32") -> None:
@@ -208,7 +210,8 @@ def _probe_quant(kind: str, variant: str) -> Callable[[str], None]:
         name = cpp.quant_kernel_name(kind, variant)
         fn = dict(quant.KERNELS[kind])[name]
         rng = _rng()
-        for rows, cols, m in ((129, 512, 1), (37, 512, 5), (37, 512, cpp.QUANT_BLAS_MIN_ROWS + 1)):
+        for rows, cols, m in ((129, 512, 1), (37, 512, 5), (37, 544 if kind == "q8_0" else 512, 13),
+                             (37, 512, cpp.QUANT_BLAS_MIN_ROWS + 1)):
             w = random_quantized(kind, rows, cols, rng)
             x = rng.standard_normal((m, cols)).astype(np.float32)
             got = fn(_tensor(x), w).numpy()
@@ -227,12 +230,13 @@ def _quant_probes() -> dict[str, Callable[[str], None]]:
 def _probe_f32(variant: str) -> Callable[[str], None]:
     """One build of the float32 product (csrc/f32_kernels.h) against numpy in
     float64: one row over odd shapes (a column tail, a weight-row tail), a few
-    rows over a weight large enough to use every thread."""
+    rows over a weight large enough to use every thread, and 13 rows (the
+    AVX-512 build's register tiles)."""
     def probe(dtype: str = "float32") -> None:
         from fdx.ops import cpp
         fn = cpp.F32_MATMULS[variant]
         rng = _rng()
-        for k, n, m in ((37, 129, 1), (64, 40, 3), (300, 1000, 5)):
+        for k, n, m in ((37, 129, 1), (64, 40, 3), (300, 1000, 5), (300, 1000, 13)):
             w = rng.standard_normal((k, n)).astype(np.float32)
             x = rng.standard_normal((m, k)).astype(np.float32)
             got = fn(_tensor(x), _tensor(w)).numpy()

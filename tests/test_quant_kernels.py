@@ -71,6 +71,7 @@ def variant_fn(kind: str, variant: str):
 def shapes(kind: str):
     k = kind.endswith("_k")
     return [(1, 37, 512), (1, 1, 256 if k else 64), (3, 129, 1536 if k else 576), (8, 40, 512),
+            (13, 37, 768 if k else 640 if kind == "wint4" else 544),   # q8_0 on AVX-512 VNNI from 12 rows: odd blocks
             (cpp.QUANT_BLAS_MIN_ROWS - 1, 37, 512), (cpp.QUANT_BLAS_MIN_ROWS, 37, 512), (64, 70, 1536)]
 
 

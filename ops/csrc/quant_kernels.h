@@ -13,8 +13,9 @@
 // dx * (d * sum(q * qx) + m * sum(qx)). Output rows are split over the OpenMP
 // threads. The kinds with blocks of 32 (q8_0, q4_0/1, q5_0/1, wint8/4) in the SIMD
 // builds multiply tiles of two weight rows x up to four activation rows (TileDot,
-// 256-bit, in the AVX-512 build too); the k-quants, and every kind in the portable
-// build, one weight row against up to four activation rows (RowDot).
+// 256-bit, in the AVX-512 build too; there q8_0 from 12 rows takes 512-bit VNNI
+// tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); the k-quants, and every kind in
+// the portable build, one weight row against up to four activation rows (RowDot).
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
 // Three builds of the same source (quant_kernels.inc, included once per
