@@ -257,7 +257,10 @@ def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkey
 
     def generate(impl_name):
         runner = PagedRunner(case.fdx_model(), seed=3, impl=impl_name)
-        prompts = {"a": prompt(13, 1), "b": prompt(5, 2), "c": prompt(21, 3)}
+        # 44 prompt rows: past every build's f32_blas_min_rows (40 for AVX-512), so the first
+        # step runs the composed layer (the compiled ops counted below), the decodes the fused one
+        prompts = {"a": prompt(13, 1), "b": prompt(5, 2), "c": prompt(26, 3)}
+        assert 13 + 5 + 26 >= max(cpp.F32_BLAS_MIN_ROWS, *cpp.F32_BLAS_MIN_ROWS_BY_VARIANT.values())
         logits = runner.step(list(prompts.items()), rows="last")
         tokens = {s: [] for s in prompts}
         all_logits = [np.concatenate(logits)]
