@@ -545,6 +545,37 @@ def test_sigterm_during_a_burst_ends_every_stream(server):
     assert "FatalError" not in log and "Traceback" not in log and "died" not in log, log
 
 
+def test_a_stopping_engine_gives_up_a_send_nobody_reads():
+    """After its own SIGTERM the engine's sends wait for room only until its
+    deadline: with the API process reading nothing and the queue full, the
+    send returns by then and the loop stops. Before, a fast engine filled the
+    queue within the grace and waited in its send for as long as the API
+    process was stopped (the test below failed so on a Zen 4, on every run)."""
+    from fdx.core.serving.engine_proc import EngineLoop
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.setsockopt(zmq.RCVHWM, 2)
+        push.setsockopt(zmq.SNDHWM, 2)
+        pull.bind("inproc://stalled-api")
+        push.connect("inproc://stalled-api")              # nothing ever reads pull
+        loop = EngineLoop(None, None, push)
+        loop.TERM_GRACE_S = 0.5
+        loop._push(b"before the SIGTERM")                 # room: sent as before
+        loop.on_sigterm()
+        t0 = time.monotonic()
+        sent = 0
+        while loop.running and sent < 100:
+            loop._push(b"a step's outputs")
+            sent += 1
+        assert not loop.running and sent < 100, sent      # the queue filled and the engine stopped
+        assert time.monotonic() - t0 < 0.5 + 2.0
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
 def test_sigterm_with_the_server_starved_is_no_engine_death(tmp_path, tiny_model):
     """As above, but the server process gets no CPU for longer than the
     engine waits after its own SIGTERM (as on a loaded machine): the engine

@@ -60,11 +60,36 @@ class EngineLoop:
         """A SIGTERM for the engine itself (systemd stops the whole process
         group; the parent dying sends one too): the API process, stopped at
         the same time, ends its streams and tells us to stop; stop on our own
-        only if it does not, or if it is gone. No traceback, no core dump."""
+        only if it does not, or if it is gone. No traceback, no core dump.
+        A send already blocked on an API process that reads nothing (its
+        queue full) gives up at the deadline too (SNDTIMEO)."""
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             self.running = False
         elif self.stop_by is None:
             self.stop_by = time.monotonic() + self.TERM_GRACE_S
+        self.outbox.setsockopt(zmq.SNDTIMEO, int(self.TERM_GRACE_S * 1000))
+
+    def _push(self, data: bytes) -> None:
+        """Send to the API process; once stopping (a SIGTERM of our own), wait
+        for room only until the deadline, then stop: an API process that
+        reads nothing (stopped, starved of CPU) must not hold us past it. A
+        fast engine fills the socket's queue (1000 messages) within the grace
+        (a Zen 4 ran a tiny model's steps that fast, and the engine waited
+        in its send for as long as the API process was stopped)."""
+        if self.stop_by is None:
+            try:
+                self.outbox.send(data)
+            except zmq.Again:                     # blocked when the SIGTERM came: its SNDTIMEO ran out
+                self.running = False
+            return
+        left_ms = max(0, int((self.stop_by - time.monotonic()) * 1000))
+        try:
+            if self.outbox.poll(left_ms, zmq.POLLOUT):
+                self.outbox.send(data, zmq.NOBLOCK)
+                return
+        except zmq.Again:
+            pass
+        self.running = False
 
     def run(self) -> None:
         eng = self.engine
@@ -127,7 +152,7 @@ class EngineLoop:
                 eng.add_request(req)            # a constrained one starts its compile (or is refused)
             except (TypeError, ValueError) as e:
                 log.debug("request %s refused: %s", msg.request_id, e)
-                self.outbox.send(_encoder.encode(EngineRejected(msg.request_id, str(e), getattr(e, "status", 400))))
+                self._push(_encoder.encode(EngineRejected(msg.request_id, str(e), getattr(e, "status", 400))))
                 return
             log.debug("request %s added: %d prompt tokens", req.request_id, req.num_prompt_tokens)
             self.num_sent[req.request_id] = 0
@@ -152,7 +177,7 @@ class EngineLoop:
             refused = eng.guided_rejected.get(req.request_id)
             if refused is not None:               # its compile failed or timed out
                 del self.num_sent[req.request_id]
-                self.outbox.send(_encoder.encode(EngineRejected(req.request_id, *refused)))
+                self._push(_encoder.encode(EngineRejected(req.request_id, *refused)))
                 continue
             new = req.output_token_ids[sent:]
             finished = req.is_finished
@@ -181,7 +206,7 @@ class EngineLoop:
                 del self.num_sent[req.request_id]
             else:
                 self.num_sent[req.request_id] = sent + len(new)
-        self.outbox.send(_encoder.encode(EngineOutputs(deltas, self._stats(num_preempted, step))))
+        self._push(_encoder.encode(EngineOutputs(deltas, self._stats(num_preempted, step))))
 
     def _stats(self, num_preempted: int, step=None) -> EngineStats:
         eng = self.engine
