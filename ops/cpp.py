@@ -46,8 +46,8 @@ from fdx.core.host import cache_root, cpu_id, portable_kernels
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
            "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
-           "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "F32_MIN_ROWS", "f32_kernel_name", "decoder_layer", "decoder_stack", "stack_layers",
-           "DECODER_LAYER_KINDS",
+           "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
+           "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status"]
 
 logger = logging.getLogger(__name__)
@@ -461,6 +461,11 @@ F32_BLAS_MIN_ROWS_BY_VARIANT = {"avx512": 40}
 def f32_blas_min_rows(variant: str | None) -> int:
     """Rows from which a float32 product is MKL's rather than ``variant``'s build."""
     return F32_BLAS_MIN_ROWS_BY_VARIANT.get(variant, F32_BLAS_MIN_ROWS)
+
+
+def f32_build(table) -> str | None:
+    """The widest build of the float32 product that the kernel table ``table`` passed, or None."""
+    return next((v for v in QUANT_VARIANTS if table.usable(f32_kernel_name(v))), None)
 
 # ... and from this many rows up the compiled one (fdx.ops.dense and the fused layer).
 # At 1 row the products tied MKL on one thread; at 2 threads under a load average

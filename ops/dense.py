@@ -17,12 +17,8 @@ __all__ = ["matmul"]
 def matmul(x: Tensor, w: Tensor) -> Tensor:
     """``x [..., in] @ w [in, out]``."""
     rows = x.shape[0] if len(x.shape) == 2 else int(x.numel()) // x.shape[-1]
-    if (x.dtype == paddle.float32 and w.dtype == paddle.float32 and cpp.loaded()
-            and cpp.F32_MIN_ROWS <= rows < max(cpp.F32_BLAS_MIN_ROWS, *cpp.F32_BLAS_MIN_ROWS_BY_VARIANT.values())):
-        table = kernels.active()
-        for variant in cpp.QUANT_VARIANTS:
-            if table.usable(cpp.f32_kernel_name(variant)):
-                if rows < cpp.f32_blas_min_rows(variant):
-                    return cpp.F32_MATMULS[variant](x, w)
-                break
+    if x.dtype == paddle.float32 and w.dtype == paddle.float32 and cpp.loaded() and rows >= cpp.F32_MIN_ROWS:
+        variant = cpp.f32_build(kernels.active())
+        if variant is not None and rows < cpp.f32_blas_min_rows(variant):
+            return cpp.F32_MATMULS[variant](x, w)
     return paddle.matmul(x, w)

@@ -42,7 +42,7 @@ def host_free_memory_bytes() -> int:
 def op_choices(table: kernels.KernelTable) -> dict[str, str]:
     """op -> what runs for it under ``table``, in words (the ops' own rules,
     fdx.ops.norm / activation / rotary / attention)."""
-    from fdx.ops.cpp import QUANT_BLAS_MIN_ROWS, QUANT_VARIANTS, f32_blas_min_rows, f32_kernel_name
+    from fdx.ops.cpp import QUANT_BLAS_MIN_ROWS, f32_blas_min_rows, f32_build
     from fdx.ops.norm import CPP_MIN_ROWS
 
     def pick(*options: tuple[str, str], fallback: str) -> str:
@@ -59,7 +59,7 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
         norm = f"compiled from {CPP_MIN_ROWS} rows, else fused_rms_norm"
     else:                       # fdx.ops.norm: the compiled kernel then takes every row count
         norm = f"compiled (fused_rms_norm: {table.why_not('fused_rms_norm')})"
-    f32_rows = f32_blas_min_rows(next((v for v in QUANT_VARIANTS if table.usable(f32_kernel_name(v))), None))
+    f32_rows = f32_blas_min_rows(f32_build(table))
     return {
         "rms_norm": norm,
         "silu_and_mul": pick(("cpp.silu_and_mul", "compiled"), ("swiglu", "swiglu"), fallback="reference"),
