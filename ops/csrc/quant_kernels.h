@@ -104,6 +104,9 @@ inline void ScaleMinK4(int j, const uint8_t* q, int* sc, int* mn) {
   }
 }
 
+// How far ahead of a weight row the tiles prefetch, in bytes (TileDot's comment).
+constexpr int64_t kQuantPrefetch = 8192;
+
 // Weights decoded per call below this many (rows x cols x M) use one thread.
 constexpr int64_t kQuantMinParallel = 1 << 16;
 
