@@ -1,4 +1,6 @@
 """fdx.ops against plain float64 numpy references."""
+import os
+
 import numpy as np
 import paddle
 import pytest
@@ -243,6 +245,33 @@ def test_paged_attention_batch_shapes(impl, specs):
     for s, (ql, cl) in enumerate(specs):
         ref = ref_attention(q_all[s][cl : cl + ql], kv[s][0], kv[s][1], cl, 0.3)
         np.testing.assert_allclose(outs[s], ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("specs,heads,kv_heads,d", [([(1, 300)], 6, 2, 128), ([(1, 200)], 9, 3, 64),
+                                                     ([(1, 200), (1, 90)], 4, 1, 64), ([(1, 33)], 9, 3, 64)],
+                         ids=["one-decode-d128", "one-decode-gqa3", "two-decodes-mqa", "short"])
+def test_decode_attention_split_over_threads(threads, specs, heads, kv_heads, d):
+    """A decode step with fewer (sequence, kv head) items than twice the threads splits
+    each item's keys over the threads and merges the parts' softmaxes (AttendSplit);
+    the outputs are full attention's, at every split (2 or 3 parts, uneven lengths)."""
+    if not cpp.available():
+        pytest.skip(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    rng = np.random.default_rng(21)
+    query_lens, context_lens = [s[0] for s in specs], [s[1] for s in specs]
+    totals = [q + c for q, c in specs]
+    setup = PagedSetup(rng, totals, 16, kv_heads, d)
+    kv, q_all = make_seqs(rng, totals, heads, kv_heads, d)
+    for s, c in enumerate(context_lens):
+        setup.fill(s, np.arange(c), kv[s][0][:c], kv[s][1][:c])
+    paddle.base.core.set_num_threads(threads)
+    try:
+        outs = run_step(setup, range(len(specs)), query_lens, context_lens, kv, q_all, heads, d**-0.5, {"impl": "cpp"})
+    finally:
+        paddle.base.core.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    for s, (ql, cl) in enumerate(specs):
+        ref = ref_attention(q_all[s][cl : cl + ql], kv[s][0], kv[s][1], cl, d**-0.5)
+        np.testing.assert_allclose(outs[s], ref, atol=ATOL, rtol=RTOL, err_msg=f"seq {s} ctx={cl}")
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2)], ids=["gqa3", "gqa4"])

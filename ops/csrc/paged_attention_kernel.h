@@ -24,6 +24,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define FDX_ATTEND_ONE 1
@@ -319,24 +321,27 @@ inline void PvBlockOne(const float* p, int64_t width, const float* vbase, const 
   }
 }
 
+// Keys [k0, k1) of that token's num_keys: with dst_max and dst_sum null, the whole
+// softmax (k0 = 0, k1 = num_keys) normalized into dst; else one part of a split
+// (AttendSplit): dst holds the part's P.V unnormalized, dst_max and dst_sum each query
+// head's score maximum and sum of exp(score - maximum), for MergeParts.
 template <int64_t kD>
-void AttendOne(const Args& a, int64_t s, int64_t h, int64_t t0, Scratch& w) {
+void AttendOne(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t k0, int64_t k1, Scratch& w, float* dst,
+               float* dst_max, float* dst_sum) {
   static_assert(kD % 32 == 0, "column blocks of 32");
   constexpr int64_t kV = kD / 8;
+  constexpr int64_t kOneAhead = 16;  // keys
   const int32_t* info = a.seq_info + s * 4;
-  const int64_t q_start = info[0], ctx = info[2], out_start = info[3];
+  const int64_t q_start = info[0];
   const int32_t* table = a.tables + s * a.table_width;
   const int64_t G = a.group, H = a.num_heads, bs = a.block_size;
-  const int64_t num_keys = ctx + t0 + 1;  // the token sits at position ctx + t0
+  const int64_t num_keys = k1 - k0;
   const int64_t width = (num_keys + 3) / 4 * 4;
   const float* kbase = a.k + h * a.num_slots * kD;
   const float* vbase = a.v + h * a.num_slots * kD;
   w.rows.resize(num_keys);
   int64_t* rows = w.rows.data();
-  for (int64_t j = 0, b = 0; j < num_keys; j += bs, ++b) {
-    const int64_t base = static_cast<int64_t>(table[b]) * bs, n = std::min(bs, num_keys - j);
-    for (int64_t i = 0; i < n; ++i) rows[j + i] = base + i;
-  }
+  for (int64_t j = 0; j < num_keys; ++j) rows[j] = static_cast<int64_t>(table[(k0 + j) / bs]) * bs + (k0 + j) % bs;
   w.scores.resize(G * width);
   w.inv_sum.resize(G);
   float* scores = w.scores.data();
@@ -349,6 +354,12 @@ void AttendOne(const Args& a, int64_t s, int64_t h, int64_t t0, Scratch& w) {
     for (int64_t j = 0; j < num_keys; j += 4) {
       const float* kr[4];
       for (int64_t i = 0; i < 4; ++i) kr[i] = kbase + rows[std::min(j + i, num_keys - 1)] * kD;
+      if (g == 0 && j + kOneAhead < num_keys)  // the first pass reads K from memory: fetch K and V ahead
+        for (int64_t i = 0; i < 4; ++i) {
+          const int64_t r = rows[std::min(j + kOneAhead + i, num_keys - 1)] * kD;
+          PrefetchRow(kbase + r, kD);
+          PrefetchRow(vbase + r, kD);
+        }
       __m256 acc[4];
       for (int i = 0; i < 4; ++i) acc[i] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr[i]));
       for (int64_t v = 1; v < kV; ++v)
@@ -365,20 +376,27 @@ void AttendOne(const Args& a, int64_t s, int64_t h, int64_t t0, Scratch& w) {
       row[j] = ExpNonPositive(row[j] - mx);
       sum += row[j];
     }
-    w.inv_sum[g] = 1.f / sum;
+    w.inv_sum[g] = dst_max ? 1.f : 1.f / sum;
+    if (dst_max) dst_max[g] = mx, dst_sum[g] = sum;
   }
-  float* out = a.out + ((out_start + t0) * H + h * G) * kD;
   for (int64_t g = 0; g < G; g += 3) {
     const int64_t gn = std::min<int64_t>(3, G - g);
     for (int64_t col = 0; col < kD; col += 32) {
       const float* p = scores + g * width;
-      float* dst = out + g * kD;
+      float* out = dst + g * kD;
       const float* inv = w.inv_sum.data() + g;
-      if (gn == 3) PvBlockOne<3, kD>(p, width, vbase, rows, num_keys, col, inv, dst);
-      else if (gn == 2) PvBlockOne<2, kD>(p, width, vbase, rows, num_keys, col, inv, dst);
-      else PvBlockOne<1, kD>(p, width, vbase, rows, num_keys, col, inv, dst);
+      if (gn == 3) PvBlockOne<3, kD>(p, width, vbase, rows, num_keys, col, inv, out);
+      else if (gn == 2) PvBlockOne<2, kD>(p, width, vbase, rows, num_keys, col, inv, out);
+      else PvBlockOne<1, kD>(p, width, vbase, rows, num_keys, col, inv, out);
     }
   }
+}
+
+template <int64_t kD>
+void AttendOne(const Args& a, int64_t s, int64_t h, int64_t t0, Scratch& w) {
+  const int32_t* info = a.seq_info + s * 4;
+  float* out = a.out + ((info[3] + t0) * a.num_heads + h * a.group) * kD;
+  AttendOne<kD>(a, s, h, t0, 0, info[2] + t0 + 1, w, out, nullptr, nullptr);
 }
 
 // A tile of query tokens (tq > 1: a prefill chunk) against kv head h in AVX2
@@ -514,8 +532,90 @@ inline void AttendTileDispatch(const Args& a, int64_t s, int64_t h, int64_t t0, 
   }
 }
 
+#ifdef FDX_ATTEND_ONE
+// Decode steps with fewer (sequence, kv head) items than twice the threads (batch 1:
+// 3 kv heads on 2 threads, which left one thread idle a third of the time, or both
+// when the work was under kMinParallelWork) split each item's keys into parts of at
+// least kMinSplitKeys, one work item a part, and merge the parts' softmaxes after
+// (flash-decoding). Batch 1 of SmolLM2 (9 / 3 heads of 64), 30 layers with the caches
+// evicted between passes, Zen 5, 2 threads, median of 30: 128 keys 0.66 ms serially
+// -> 0.46 split, 192 1.03 -> 0.64, 512 2.70 -> 1.54, 1024 5.38 -> 2.79.
+constexpr int64_t kMinSplitKeys = 32;
+constexpr int64_t kMinSplitWork = 1024;  // key x query-head products below which one thread is faster
+
+// True when it ran the step (a decode-only batch of head_dim 64 or 128, worth splitting).
+inline bool AttendSplit(const Args& a, int64_t S, int64_t num_kv_heads, int64_t threads) {
+  const int32_t* info = a.seq_info;
+  const int64_t D = a.head_dim, G = a.group, items = S * num_kv_heads;
+  if ((D != 64 && D != 128) || threads < 2 || items >= 2 * threads) return false;
+  int64_t work = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (info[s * 4 + 1] != 1) return false;
+    work += info[s * 4 + 2] + 1;
+  }
+  if (work * G * num_kv_heads < kMinSplitWork) return false;
+  const int64_t want = (2 * threads + items - 1) / items;  // parts an item
+  struct Part {
+    int64_t s, h, k0, k1;
+  };
+  std::vector<Part> parts;
+  std::vector<int64_t> first(items + 1);  // item i's parts: [first[i], first[i + 1])
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t keys = info[s * 4 + 2] + 1;
+    const int64_t np = std::max<int64_t>(1, std::min(want, keys / kMinSplitKeys));
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      first[s * num_kv_heads + h] = static_cast<int64_t>(parts.size());
+      for (int64_t p = 0; p < np; ++p) parts.push_back({s, h, keys * p / np, keys * (p + 1) / np});
+    }
+  }
+  first[items] = static_cast<int64_t>(parts.size());
+  const int64_t n = static_cast<int64_t>(parts.size());
+  thread_local std::vector<float> buf;  // per part: G x D unnormalized outputs, G maxima, G sums
+  const int64_t stride = G * (D + 2);
+  buf.resize(n * stride);
+  float* const parts_out = buf.data();  // the caller's (buf names each thread's own in the region)
+  std::atomic<int64_t> next{0};
+#pragma omp parallel if (n > 1)
+  {
+    thread_local Scratch w;
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      const Part& p = parts[i];
+      float* out = parts_out + i * stride;
+      if (D == 64) AttendOne<64>(a, p.s, p.h, 0, p.k0, p.k1, w, out, out + G * D, out + G * D + G);
+      else AttendOne<128>(a, p.s, p.h, 0, p.k0, p.k1, w, out, out + G * D, out + G * D + G);
+    }
+  }
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t s = it / num_kv_heads, h = it % num_kv_heads;
+    float* dst = a.out + (info[s * 4 + 3] * a.num_heads + h * G) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = -INFINITY;
+      for (int64_t i = first[it]; i < first[it + 1]; ++i) mx = std::max(mx, parts_out[i * stride + G * D + g]);
+      float total = 0.f;
+      float* o = dst + g * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t i = first[it]; i < first[it + 1]; ++i) {
+        const float* part = parts_out + i * stride;
+        const float f = std::exp(part[G * D + g] - mx);
+        total += f * part[G * D + G + g];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] += f * part[g * D + d];
+      }
+      const float inv = 1.f / total;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
+  return true;
+}
+#endif
+
 // Runs every (sequence, kv head, query tile) item of a batch of S sequences.
 inline void PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
+#ifdef FDX_ATTEND_ONE
+  if (AttendSplit(a, S, num_kv_heads, omp_get_max_threads())) return;
+#endif
   const int32_t* info = a.seq_info;
   struct Item {
     int64_t s, h, t0, tq;
