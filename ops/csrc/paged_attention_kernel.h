@@ -61,6 +61,12 @@ struct Scratch {
   std::vector<int64_t> rows;  // AttendOne: each key's row within its head
 };
 
+// The calling thread's scratch, kept across calls: no allocation per call once grown.
+inline Scratch& ThreadScratch() {
+  thread_local Scratch w;
+  return w;
+}
+
 template <int64_t kD>
 inline float DotN(const float* a, const float* b) {
   V16 acc = {};
@@ -324,7 +330,7 @@ inline void PvBlockOne(const float* p, int64_t width, const float* vbase, const 
 // Keys [k0, k1) of that token's num_keys: with dst_max and dst_sum null, the whole
 // softmax (k0 = 0, k1 = num_keys) normalized into dst; else one part of a split
 // (AttendSplit): dst holds the part's P.V unnormalized, dst_max and dst_sum each query
-// head's score maximum and sum of exp(score - maximum), for MergeParts.
+// head's score maximum and sum of exp(score - maximum), which AttendSplit merges.
 template <int64_t kD>
 void AttendOne(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t k0, int64_t k1, Scratch& w, float* dst,
                float* dst_max, float* dst_sum) {
@@ -341,7 +347,10 @@ void AttendOne(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t k0, int6
   const float* vbase = a.v + h * a.num_slots * kD;
   w.rows.resize(num_keys);
   int64_t* rows = w.rows.data();
-  for (int64_t j = 0; j < num_keys; ++j) rows[j] = static_cast<int64_t>(table[(k0 + j) / bs]) * bs + (k0 + j) % bs;
+  for (int64_t j = 0, block = k0 / bs, offset = k0 % bs; j < num_keys; ++j) {  // as ChunkRows walks them
+    rows[j] = static_cast<int64_t>(table[block]) * bs + offset;
+    if (++offset == bs) offset = 0, ++block;
+  }
   w.scores.resize(G * width);
   w.inv_sum.resize(G);
   float* scores = w.scores.data();
@@ -577,7 +586,7 @@ inline bool AttendSplit(const Args& a, int64_t S, int64_t num_kv_heads, int64_t 
   std::atomic<int64_t> next{0};
 #pragma omp parallel if (n > 1)
   {
-    thread_local Scratch w;
+    Scratch& w = ThreadScratch();
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
          i = next.fetch_add(1, std::memory_order_relaxed)) {
       const Part& p = parts[i];
@@ -639,7 +648,7 @@ inline void PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
   std::atomic<int64_t> next{0};
 #pragma omp parallel if (n > 1 && work >= kMinParallelWork)
   {
-    thread_local Scratch w;  // kept across calls: no allocation per call once grown
+    Scratch& w = ThreadScratch();
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
          i = next.fetch_add(1, std::memory_order_relaxed))
       AttendTileDispatch(a, items[i].s, items[i].h, items[i].t0, items[i].tq, w);
