@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import zlib
 
 import numpy as np
 import pytest
@@ -84,7 +85,10 @@ def to_tensor(a):
 @pytest.mark.parametrize("kind", cpp.QUANT_KINDS)
 def test_each_build_matches_the_gguf_dequantized_product(kind, variant):
     fn = variant_fn(kind, variant)
-    rng = np.random.default_rng(hash((kind, variant)) % 2**32)
+    # a seed stable across processes: hash() of a str is salted per process (PYTHONHASHSEED),
+    # so the data changed run to run and one draw (wint4 portable, a 1x64 product whose exact
+    # values nearly cancel) failed the relative tolerance once
+    rng = np.random.default_rng(zlib.crc32(f"{kind}/{variant}".encode()))
     for m, rows, cols in shapes(kind):
         w, values = make_weight(kind, rows, cols, rng)
         x = rng.standard_normal((m, cols)).astype(np.float32)
