@@ -455,7 +455,13 @@ F32_BLAS_MIN_ROWS = 32
 # threads, best of 4-5): 30 layers' products at 32 rows 57 ms against MKL's 65, at
 # 40 rows 64 against 70, at 47 86 against 77; the LM head ([576, 49152]) at 32 rows
 # 18 ms against 23, at 39 21 against 26.
-F32_BLAS_MIN_ROWS_BY_VARIANT = {"avx512": 40}
+# The AVX2 build keeps the output in registers from 2 rows (6-row tiles; from 16 rows
+# each weight panel copied contiguous first), and on the Zen 1 of docs/benchmarks.md
+# (MKL_DEBUG_CPU_TYPE=5, 2 threads, the same harness) it beats MKL's sgemm at every
+# row count measured up to 256 but 16-32 on the layers' shapes, where they are level
+# once the LM head is counted (30 layers + head at 32 rows: 180 ms against 182); MKL's
+# own paths jump at 33 rows (117 -> 218-250 ms) and come back from about 448.
+F32_BLAS_MIN_ROWS_BY_VARIANT = {"avx512": 40, "avx2": 256}
 
 
 def f32_blas_min_rows(variant: str | None) -> int:

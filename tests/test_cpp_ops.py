@@ -256,11 +256,11 @@ def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkey
     monkeypatch.setattr(cpp, "add_rms_norm", lambda *a: (norm.append(1), real_norm(*a))[1])
 
     def generate(impl_name):
-        runner = PagedRunner(case.fdx_model(), seed=3, impl=impl_name)
-        # 44 prompt rows: past every build's f32_blas_min_rows (40 for AVX-512), so the first
+        runner = PagedRunner(case.fdx_model(), num_blocks=64, seed=3, impl=impl_name)
+        # 130 prompt rows: past the fused layer's QUANT_BLAS_MIN_ROWS (128), so the first
         # step runs the composed layer (the compiled ops counted below), the decodes the fused one
-        prompts = {"a": prompt(13, 1), "b": prompt(5, 2), "c": prompt(26, 3)}
-        assert 13 + 5 + 26 >= max(cpp.F32_BLAS_MIN_ROWS, *cpp.F32_BLAS_MIN_ROWS_BY_VARIANT.values())
+        prompts = {"a": prompt(63, 1), "b": prompt(5, 2), "c": prompt(62, 3)}
+        assert 63 + 5 + 62 >= cpp.QUANT_BLAS_MIN_ROWS
         logits = runner.step(list(prompts.items()), rows="last")
         tokens = {s: [] for s in prompts}
         all_logits = [np.concatenate(logits)]

@@ -23,7 +23,10 @@ from test_contracts import cpu_kernel_table
 pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"compiled ops unavailable: {cpp.unavailable_reason()}")
 
 SHAPES = [(1, 1, 1), (3, 5, 7), (37, 129, 1), (64, 40, 2), (576, 960, 1), (576, 960, 5), (1536, 576, 4),
-          (576, 3072, 7), (8, 16, 17), (300, 1000, 3), (576, 960, 12), (129, 70, 33), (300, 1000, 39)]
+          (576, 3072, 7), (8, 16, 17), (300, 1000, 3), (576, 960, 12), (129, 70, 33), (300, 1000, 39),
+          # AVX2 from 16 rows copies each weight panel first: k tails under a 128-row tile,
+          # column tails, a wide weight (tiled only from 16 rows) under and over it, 12 row groups
+          (200, 8200, 5), (200, 8200, 17), (130, 4100, 16), (300, 1000, 70)]
 
 
 def f32_fn(variant: str):
@@ -59,11 +62,12 @@ def test_product_matches_numpy(variant, k, n, m):
 @pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
 def test_every_row_count_and_a_3d_input(variant):
     """1..2 passes of rows plus every tail, and the register tiles' groups of 8 rows
-    (AVX-512 from 12 rows) to 40, on one weight; [2, 3, K] rows too."""
+    (AVX-512 from 12 rows; AVX2: 6 from 2 rows, copied panels from 16) to 40, on one
+    weight; [2, 3, K] rows too."""
     fn = f32_fn(variant)
     x, w = numpy_case(96, 200, 40)
     wt = paddle.to_tensor(w)
-    for m in range(1, 41):                  # AVX-512 keeps 12+ rows' outputs in registers, 8 a group
+    for m in range(1, 41):                  # AVX-512 keeps 12+ rows' outputs in registers, 8 a group, AVX2 2+, 6
         assert_product(fn(paddle.to_tensor(x[:m]), wt).numpy(), x[:m], w, f"{variant} {m} rows")
     x3 = x[:6].reshape(2, 3, 96)
     got = fn(paddle.to_tensor(x3), wt).numpy()
