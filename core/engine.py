@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fdx.core import activations
 from fdx.core.assembly import Assembly
 from fdx.core.config import ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import Backend, KVCacheSpec, Model, RequestStepInfo, StepContext, StepStats
@@ -302,6 +303,8 @@ class EngineCore:
         for cls in self.processor_classes:
             cls.validate_params(params)
         self.guided.check(params)       # a kind the backend cannot compile is refused now
+        activations.check(activations.parse(params.activations), self.model,
+                          lambda name: self.plugins.get("activation_function", name))
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         return Request(request_id or self.new_request_id(), prompt_token_ids, params,
                        prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,

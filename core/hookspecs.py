@@ -155,6 +155,18 @@ def fdx_register_logits_processors(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_activation_functions(register: Register) -> None:
+    """Register activation functions by name: ``fn(layer, positions, hidden,
+    args) -> Tensor``, called in the forward for the rows of one request
+    whose ``SamplingParams.activations`` add names it (``{"function":
+    name, "args": {...}}``): ``layer`` the decoder layer, ``positions``
+    the rows' token positions, ``hidden`` their activations at the hook's
+    point ([rows, hidden], the full residual under tensor parallel, on
+    every rank), ``args`` the request's. Returns the new activations, same
+    shape (docs/research.md)."""
+
+
+@hookspec
 def fdx_register_tool_parsers(register: Register) -> None:
     """Register tool-call parsers (``ToolParser`` subclasses) by name;
     ``server.tool_call_parser`` picks one (built-ins: ``hermes``,

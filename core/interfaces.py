@@ -105,6 +105,26 @@ class ModelRunnerOutput:
     finished_sending: list[str] = field(default_factory=list)   # KV transfers (saves) done: free the blocks
     finished_recving: list[str] = field(default_factory=list)   # KV loads done
     num_recomputed_tokens: int = 0     # filled by the scheduler's helpers (see scheduling.py)
+    activations: dict[str, list[ActivationCapture]] = field(default_factory=dict)   # request id -> what its
+                                    # activation hooks captured this step (SamplingParams.activations;
+                                    # rank 0's under tensor parallel: plain data, it crosses msgpack)
+
+
+@dataclass(slots=True)
+class ActivationCapture:
+    """Rows one capture hook took in one step: the activation at ``point``
+    of decoder layer ``layer`` for the token ``positions`` of its request,
+    as float32 bytes ``[len(positions), hidden]`` (plain data: it crosses
+    the tensor-parallel wire inside ``ModelRunnerOutput``)."""
+    point: str                          # "residual" (after the layer), "attn_out" or "mlp_out"
+    layer: int
+    positions: list[int]
+    hidden: int
+    data: bytes
+
+    def array(self) -> Any:
+        import numpy as np
+        return np.frombuffer(self.data, np.float32).reshape(len(self.positions), self.hidden)
 
 
 @dataclass(slots=True)
@@ -897,6 +917,15 @@ class Model(abc.ABC):
     supports_pooling: bool = False
     capture_pooling_hidden_states: bool = False
     pooling_hidden_states: Any = None
+    #: True when forward() runs the step's activation hooks (``meta.activations``,
+    #: fdx.core.activations.StepActivations, set when a request of the step has
+    #: ``SamplingParams.activations``): for decoder layer k, ``x =
+    #: meta.activations.apply(point, k, x)`` with point "attn_out" on the attention
+    #: output (after o_proj), "mlp_out" on the MLP output and "residual" on the
+    #: residual stream after the layer (``apply_residual`` when the stream is carried
+    #: as (layer output, residual)). A request that asks a model which says False
+    #: is refused with an error naming the field.
+    supports_activation_hooks: bool = False
 
     @classmethod
     def parse_config(cls, config: dict) -> Any:
@@ -917,7 +946,14 @@ class Model(abc.ABC):
         layout, and ``meta`` (an ``AttentionContext``: call its
         ``write_kv`` and ``attention`` per layer; try ``rope_write_kv``
         first). Returns float32 logits [M, vocab_size] for the rows
-        ``logits_indices`` (int64 [M]) only."""
+        ``logits_indices`` (int64 [M]) only.
+
+        ``meta.layout`` (a ``BatchLayout``) says which request each row is:
+        its id, row span, positions, which rows sample and its model
+        arguments (activation hooks). A model that treats requests apart
+        reads it there, never the engine's ``last_schedule`` (the previous
+        step's while a forward runs). A row's result must not depend on
+        the other rows of the step."""
 
     def shard(self, rank: int, world: int, reduce: Any) -> None:
         """Tensor parallel: keep rank ``rank`` of ``world``'s share of the
@@ -1082,12 +1118,35 @@ class AttentionBackend(abc.ABC):
         return None
 
 
+@dataclass(slots=True, frozen=True)
+class BatchLayout:
+    """The step's batch as the model sees it: which request each token row
+    belongs to. Request i owns rows ``[row_starts[i], row_starts[i] +
+    num_rows[i])``, the tokens at positions ``start_positions[i]`` onward
+    (its rows are consecutive positions). Set by the model runner on
+    ``AttentionContext.layout`` for the step that is running (never the
+    previous step's: nothing in a forward reads ``engine.last_schedule``)."""
+    request_ids: tuple[str, ...]        # the step's requests, in row order
+    row_starts: tuple[int, ...]         # request i's first row
+    num_rows: tuple[int, ...]           # request i's rows this step
+    start_positions: tuple[int, ...]    # position of request i's first row this step
+    sample_rows: tuple[int, ...]        # the rows whose logits are computed, in logits order
+    model_args: tuple[Any, ...]         # per request: its model arguments (``ActivationSpec`` when it
+                                        # asked for activation hooks: fdx.core.activations), None when none
+
+    def rows_of(self, request_id: str) -> range:
+        i = self.request_ids.index(request_id)
+        return range(self.row_starts[i], self.row_starts[i] + self.num_rows[i])
+
+
 @dataclass(slots=True)
 class AttentionContext:
     """What a model's forward gets as ``attn_metadata``: the attention
     backend and this step's metadata, so layers call ``write_kv`` and
     ``attention`` (and try ``rope_write_kv`` first) without knowing which
-    kernel runs."""
+    kernel runs; the step's ``layout`` (which request each row is); and
+    ``activations``, the step's activation hooks when a request asked for
+    any (else None: a model then does nothing more)."""
     backend: AttentionBackend
     metadata: Any
     # The KV connector's per-layer hooks, when one runs (None: none, and a model calls nothing). A
@@ -1095,6 +1154,11 @@ class AttentionContext:
     # meta.connector.wait_for_layer_load(i) before the layer's attention, and
     # meta.connector.save_kv_layer(i, kv_caches[i], meta) after it (KVConnector).
     connector: "KVConnector | None" = None
+    layout: BatchLayout | None = None   # set by the runner every step (None only outside a step:
+                                        # a memory profile, a kernel probe)
+    # fdx.core.activations.StepActivations built from ``layout`` when a request of the step has activation
+    # hooks (a model with ``supports_activation_hooks`` calls its ``apply`` at the named points)
+    activations: Any = None
 
     @property
     def positions(self) -> Any:

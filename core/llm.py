@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Sequence
 
+from fdx.core.activations import collect
 from fdx.core.config import FdxConfig
 from fdx.core.engine import EngineCore
 from fdx.core.output import OutputProcessor, SequenceState, decode_logprobs, split_n
@@ -188,7 +189,8 @@ class LLM:
         first = group[0]
         outs = [CompletionOutput(
             index=s.index, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason, logprobs=s.logprobs) for s in seqs]
+            stop_reason=s.stop_reason, logprobs=s.logprobs, activations=collect(req.activations))
+            for req, s in zip(group, seqs)]
         decode_logprobs(self.tokenizer, first.prompt_logprobs)
         base_id = first.request_id.rsplit("-", 1)[0] if len(group) > 1 else first.request_id
         return RequestOutput(

@@ -83,6 +83,7 @@ KINDS: dict[str, str] = {
     "fdx_register_models": "model",
     "fdx_register_weight_formats": "weight_format",
     "fdx_register_logits_processors": "logits_processor",
+    "fdx_register_activation_functions": "activation_function",
     "fdx_register_tool_parsers": "tool_parser",
     "fdx_register_reasoning_parsers": "reasoning_parser",
     "fdx_register_observers": "observer",

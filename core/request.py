@@ -75,6 +75,8 @@ class Request:
     logprobs: list | None = None                 # [{token: TokenLogprob}, ...] with logprobs=N
     prompt_logprobs: list | None = None          # [None, {token: TokenLogprob}, ...] with prompt_logprobs=N
     pooled: object | None = None                 # a pooling request's embedding: float32 numpy [hidden]
+    activations: dict | None = None              # what its activation hooks captured: {"point.layer":
+                                                 # {position: float32 row}} (fdx.core.activations.keep)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -120,6 +122,8 @@ class CompletionOutput:
     finish_reason: str | None = None               # "stop", "length", "abort" or None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, TokenLogprob]] | None = None  # one dict per generated token
+    activations: dict | None = None     # SamplingParams.activations captures: {"point.layer": Captured
+                                        # (positions, float32 values [n, hidden])} (fdx.core.activations)
 
 
 @dataclass(slots=True)
@@ -139,9 +143,11 @@ def request_output(req: Request, index: int = 0) -> RequestOutput:
     ``fdx_request_finished`` observers get): its one completion's token ids,
     finish and logprob values, no text (the engine makes none:
     core/output.py), and its times (monotonic clock)."""
+    from fdx.core.activations import collect
     out = CompletionOutput(index=index, text="", token_ids=list(req.output_token_ids),
                            finish_reason=req.status.value if req.is_finished else None,
-                           stop_reason=req.stop_reason, logprobs=req.logprobs)
+                           stop_reason=req.stop_reason, logprobs=req.logprobs,
+                           activations=collect(req.activations))
     return RequestOutput(
         request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids, outputs=[out],
         finished=req.is_finished, num_cached_tokens=req.num_cached_tokens, prompt_logprobs=req.prompt_logprobs,

@@ -50,12 +50,18 @@ class SamplingParams:
     # reasoning_end_token_ids among them, those tokens are forced (FastDeploy's reasoning_max_tokens)
     reasoning_max_tokens: int | None = None
     reasoning_end_token_ids: list[int] | None = None
+    # activation hooks (docs/research.md): capture and/or add to this request's activations at named
+    # points, {"capture": [{"point", "layer", "positions"}], "add": [{..., "vector"|"function"}]}
+    activations: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.activations is not None:        # plain lists (numpy vectors in process): it crosses msgpack
+            from fdx.core.activations import to_plain
+            self.activations = to_plain(self.activations)
         if isinstance(self.logit_bias, dict):   # OpenAI sends token ids as JSON object keys (strings)
             try:
                 self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
@@ -158,6 +164,9 @@ class SamplingParams:
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", "must be a JSON object (a dict)")
         self._validate_guided(bad)
+        if self.activations is not None:
+            from fdx.core.activations import parse
+            parse(self.activations)
         for name in ("guided_starts_after", "reasoning_end_token_ids"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, list) or not value or any(

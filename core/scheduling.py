@@ -32,6 +32,7 @@ import itertools
 import time
 from typing import Callable, Iterator
 
+from fdx.core import activations
 from fdx.core.interfaces import (CachedRequestData, KVCacheManager, ModelRunnerOutput, NewRequestData,
                                  PrefixHit, QueuePolicy, SchedulerOutput, SchedulerPolicy, SchedulerState,
                                  SchedulingExtensions)
@@ -269,8 +270,10 @@ class SchedulingCore:
         """(the local prefix hit, tokens the connector can load after it): no
         side effects. A request that wants prompt logprobs computes its whole
         prompt, so it takes no hit; so does a pooling request (its embedding
-        pools every prompt token's hidden state)."""
-        if request.sampling_params.prompt_logprobs is not None or request.pooling:
+        pools every prompt token's hidden state), nor one with activation hooks
+        (its positions are captured or steered: docs/research.md)."""
+        if (request.sampling_params.prompt_logprobs is not None or request.pooling
+                or request.sampling_params.activations is not None):
             return PrefixHit(), 0
         hit = self.kv_cache.lookup_prefix(request)
         external = 0
@@ -448,6 +451,8 @@ class SchedulingCore:
             self.kv_cache.on_tokens_computed(req)
             if rid in runner_output.prompt_logprobs:
                 token_processor.add_prompt_logprobs(req, start, runner_output.prompt_logprobs[rid])
+            if rid in runner_output.activations:      # one row per position: a recomputed one replaces it
+                req.activations = activations.keep(req.activations, runner_output.activations[rid])
             token = runner_output.sampled.get(rid)
             if token is None:
                 continue                                  # a prefill chunk short of the end

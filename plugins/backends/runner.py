@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fdx.core import kernels
+from fdx.core import activations, kernels
 from fdx.core.guided import apply_guided
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import (AttentionContext, BatchUpdate, ModelRunner, ModelRunnerOutput, RowState,
-                                 SamplingBatch, SchedulerOutput)
+from fdx.core.interfaces import (AttentionContext, BatchLayout, BatchUpdate, ModelRunner, ModelRunnerOutput,
+                                 RowState, SamplingBatch, SchedulerOutput)
 from fdx.core.sampling_params import SamplingParams
 from fdx.plugins.decoding.sampler import logprobs_of
 
@@ -36,6 +36,7 @@ class RequestState:
     num_computed_tokens: int
     row: RowState
     pooled_sum: np.ndarray | None = None       # model.task embed, mean pooling: the prompt rows so far
+    model_args: object = None                  # its BatchLayout.model_args entry (activation hooks)
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +61,8 @@ class DefaultModelRunner(ModelRunner):
         if self.pooling:                           # the engine checked Model.supports_pooling
             self.model.capture_pooling_hidden_states = True
         self.taps: dict = {}
+        self.layout: BatchLayout | None = None     # this step's, built by _forward for the model
+        self.hooks: activations.StepActivations | None = None   # this step's activation hooks, if any
         self.guided = None                         # this step's guided bitmask (SchedulerOutput.guided)
         if ctx.connector is not None:
             ctx.connector.register_kv_caches(ctx.kv_caches, ctx.kv_spec)
@@ -77,7 +80,8 @@ class DefaultModelRunner(ModelRunner):
             prompt = list(nr.prompt_token_ids)
             self.requests[nr.request_id] = RequestState(
                 nr.request_id, prompt, outputs, nr.sampling_params, list(nr.block_ids), nr.num_computed_tokens,
-                RowState(nr.request_id, nr.sampling_params, prompt, outputs))
+                RowState(nr.request_id, nr.sampling_params, prompt, outputs),
+                model_args=activations.parse(nr.sampling_params.activations))
         for cr in so.cached_requests:
             st = self.requests[cr.request_id]
             st.block_ids.extend(cr.new_block_ids)
@@ -111,9 +115,12 @@ class DefaultModelRunner(ModelRunner):
         query_lens, context_lens, tables = [], [], []
         sample_rows, samplers = [], []
         prompt_rows: list[tuple[RequestState, int, int, int]] = []   # (state, first row, count, start)
+        row_starts, model_args = [], []
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
             start, p = st.num_computed_tokens, len(st.prompt_token_ids)
+            row_starts.append(len(input_ids))
+            model_args.append(st.model_args)
             if start + n <= p:
                 input_ids += st.prompt_token_ids[start:start + n]
             else:
@@ -130,7 +137,14 @@ class DefaultModelRunner(ModelRunner):
                 samplers.append(st)
 
         extra = [r for st, first, count, _ in prompt_rows for r in range(first, first + count)]
+        self.layout = BatchLayout(tuple(so.num_scheduled_tokens), tuple(row_starts), tuple(query_lens),
+                                  tuple(context_lens), tuple(sample_rows + extra), tuple(model_args))
+        self.hooks = None
+        if any(a is not None for a in model_args):
+            self.hooks = activations.StepActivations(self.layout, _activation_function) or None
         logits = self._logits(input_ids, query_lens, context_lens, tables, sample_rows + extra)
+        if self.hooks is not None and self.hooks.captured:
+            out.activations = self.hooks.captured
         if self.pooling:
             self._pool(so, query_lens, out)
         if getattr(ctx.sampler, "device_logits", False) and not prompt_rows and not self.capture_logits:
@@ -183,7 +197,7 @@ class DefaultModelRunner(ModelRunner):
         ctx = self.ctx
         meta = ctx.attention.build_metadata(query_lens, context_lens, tables, self.spec,
                                             getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
-        attn = AttentionContext(ctx.attention, meta, ctx.connector)
+        attn = AttentionContext(ctx.attention, meta, ctx.connector, self.layout, self.hooks)
         import paddle                      # here, not at import: a tensor parallel engine process never loads it
         with paddle.no_grad():
             return self.model.forward(paddle.to_tensor(np.asarray(input_ids, dtype=np.int64)), attn.positions,
@@ -236,6 +250,12 @@ class DefaultModelRunner(ModelRunner):
 
     def last_step_taps(self) -> dict:
         return self.taps
+
+
+def _activation_function(name: str):
+    """A registered activation function (fdx_register_activation_functions), by name."""
+    from fdx.core.plugins import get_plugin_manager
+    return get_plugin_manager().get("activation_function", name)
 
 
 def _host_float32(logits) -> np.ndarray:

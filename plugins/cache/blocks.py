@@ -34,8 +34,15 @@ class BlockMeta:
 
 
 def extra_keys(request) -> tuple[str, ...]:
-    """What else, beside the tokens, a block's identity depends on."""
-    return () if request.cache_salt is None else ("salt:" + request.cache_salt,)
+    """What else, beside the tokens, a block's identity depends on: the
+    cache salt, and for a request that steers its activations (an add in
+    ``SamplingParams.activations``) its own id, so that no other request
+    is ever served its blocks."""
+    salt = () if request.cache_salt is None else ("salt:" + request.cache_salt,)
+    acts = request.sampling_params.activations
+    if acts and acts.get("add"):
+        return salt + ("steered:" + request.request_id,)
+    return salt
 
 
 def block_metas(request, block_size: int, stop: int, start: int = 0,

@@ -121,6 +121,7 @@ class DecoderForCausalLM(Model):
     architecture: ClassVar[str] = "DecoderForCausalLM"
     supports_hidden_states = True
     supports_pooling = True
+    supports_activation_hooks = True
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
@@ -228,18 +229,27 @@ class DecoderForCausalLM(Model):
         x = self.embed_tokens.embedding(input_ids)
         residual = None
         hooks = meta.connector              # the KV connector's per-layer calls, only when one runs
-        # the backend's one call for all layers, when it has one (none with per-layer hooks)
-        got = None if hooks is not None else meta.decoder_stack(x, [layer.fused for layer in self.layers],
-                                                                kv_caches)
+        act = meta.activations              # the step's activation hooks, only when a request has some
+        # the backend's one call for the layers before the first hooked one (all of them without
+        # activation hooks), when it has one (none with a connector's per-layer hooks)
+        first = self.num_layers if act is None else act.layers[0]
+        got = None
+        if hooks is None and first > 0:
+            got = meta.decoder_stack(x, [layer.fused for layer in self.layers[:first]], kv_caches[:first])
+        done = 0
         if got is not None:
             x, residual = got
-        else:
-            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                if hooks is not None:
-                    hooks.wait_for_layer_load(i)
+            done = first
+        for i in range(done, self.num_layers):
+            layer, kv_cache = self.layers[i], kv_caches[i]
+            if hooks is not None:
+                hooks.wait_for_layer_load(i)
+            if act is not None and act.hooked(i):
+                x, residual = layer.hooked(i, x, residual, positions, kv_cache, meta, act)
+            else:
                 x, residual = layer(x, residual, positions, kv_cache, meta)
-                if hooks is not None:
-                    hooks.save_kv_layer(i, kv_cache, meta)
+            if hooks is not None:
+                hooks.save_kv_layer(i, kv_cache, meta)
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         if self.capture_pooling_hidden_states:
             self.pooling_hidden_states = x

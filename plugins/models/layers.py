@@ -306,13 +306,47 @@ class DecoderLayer:
         fused = self._fused if self._fused is not _UNSET else self.fused
         if fused is not None and (got := meta.decoder_layer(x, residual, fused, kv_cache)) is not None:
             return got
+        return self.composed(x, residual, positions, kv_cache, meta)
+
+    def composed(self, x: Tensor, residual: Tensor | None, positions: Tensor, kv_cache: KVCache,
+                 meta: AttentionContext, act: Any = None, index: int = -1) -> tuple[Tensor, Tensor]:
+        """The layer's ops one by one (the reference of the fused kernel);
+        with ``act`` (StepActivations), its attn_out and mlp_out hooks of
+        layer ``index`` applied."""
         if residual is None:
             residual, x = x, rms_norm(x, self.input_norm, self.eps)
         else:
             x, residual = add_rms_norm(x, residual, self.input_norm, self.eps)
         x = self.attn(x, positions, kv_cache, meta)
+        if act is not None:
+            x = act.apply("attn_out", index, x)
         x, residual = add_rms_norm(x, residual, self.post_norm, self.eps)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if act is not None:
+            x = act.apply("mlp_out", index, x)
+        return x, residual
+
+    def hooked(self, index: int, x: Tensor, residual: Tensor | None, positions: Tensor, kv_cache: KVCache,
+               meta: AttentionContext, act: Any) -> tuple[Tensor, Tensor]:
+        """Layer ``index`` with activation hooks on some requests' rows. A
+        hook inside the layer (attn_out, mlp_out) needs the composed ops:
+        they run for every row (writing the step's KV), then, when the
+        backend has the whole-layer kernel, it runs too and every other
+        request's rows are taken from it, so they keep the bits they have
+        without hooks. A residual hook needs only the layer's output."""
+        inside = act.inside(index)
+        if inside:
+            composed = self.composed(x, residual, positions, kv_cache, meta, act, index)
+            fused = self._fused if self._fused is not _UNSET else self.fused
+            got = None if fused is None else meta.decoder_layer(x, residual, fused, kv_cache)
+            if got is None:
+                out, residual = composed
+            else:
+                from fdx.core.activations import merge_rows
+                out, residual = (merge_rows(t, c, inside) for t, c in zip(got, composed))
+        else:
+            out, residual = self(x, residual, positions, kv_cache, meta)
+        return act.apply_residual(index, out, residual), residual
 
 
 def allocate_kv_caches(num_layers: int, num_kv_heads: int, head_dim: int,
