@@ -321,3 +321,52 @@ def test_model_runner_output_with_captures_crosses_msgpack():
     np.testing.assert_array_equal(back.activations["a"][0].array(), rows)
     sp = params({"add": [{"point": "residual", "layer": 0, "vector": np.ones(4, np.float32)}]})
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams) == sp
+
+
+# --- with the compiled layers ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def q8_file(tmp_path_factory):
+    """A 4-layer Llama as a Q8_0 GGUF (the compiled whole-layer kernels take it)."""
+    from gguf import GGMLQuantizationType as T
+    from test_weight_formats import quantized_gguf
+    torch.manual_seed(5)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                                   initializer_range=0.05)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return quantized_gguf(tmp_path_factory.mktemp("q8") / "q8.gguf", model, lambda n: T.Q8_0)
+
+
+@pytest.mark.parametrize("point", ["residual", "attn_out"])
+def test_compiled_layers_run_around_the_hooked_one_and_the_batch_keeps_its_bits(q8_file, point, monkeypatch):
+    """Q8_0, compiled layers on: one request of eight steered at layer 1.
+    The layers before it still run in the one compiled call (decoder_stack
+    over layer 0) and the layers after it compiled one by one; the hooked
+    layer runs the whole-layer kernel for the other rows (attn_out: beside
+    the composed ops for the steered request). The other seven requests'
+    logits are bitwise those of the batch without hooks."""
+    from fdx.ops import cpp
+    if not cpp.available():
+        pytest.skip(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
+    from test_decoder_layer import Spy
+    monkeypatch.setenv(FUSED_LAYERS_ENV, "1")
+    spy = Spy(monkeypatch)
+    llm, tap = tapped_llm(q8_file, quantization="auto", max_num_seqs=8)
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": rng.integers(0, 256, size=int(k)).tolist()} for k in rng.integers(3, 12, size=8)]
+    _, plain = run(llm, tap, prompts, [params()] * 8)
+    assert spy.by_name["decoder_stack"] > 0 and spy.by_name["decoder_layer"] == 0, spy.by_name
+    steps_before = dict(spy.by_name)
+    vec = rng.standard_normal(64).astype(np.float32)
+    steer = {"add": [{"point": point, "layer": 1, "vector": vec.tolist(), "scale": 3.0}]}
+    _, logits = run(llm, tap, prompts, [params()] * 5 + [params(steer)] + [params()] * 2)
+    stack = spy.by_name["decoder_stack"] - steps_before["decoder_stack"]
+    layer = spy.by_name["decoder_layer"] - steps_before["decoder_layer"]
+    assert stack > 0 and layer == 3 * stack, spy.by_name      # layer 1 (whole-layer kernel), 2 and 3
+    for i in range(8):
+        if i != 5:
+            assert np.array_equal(logits[i], plain[i]), i
+    assert not np.array_equal(logits[5], plain[5])
