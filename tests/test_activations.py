@@ -370,3 +370,55 @@ def test_compiled_layers_run_around_the_hooked_one_and_the_batch_keeps_its_bits(
         if i != 5:
             assert np.array_equal(logits[i], plain[i]), i
     assert not np.array_equal(logits[5], plain[5])
+
+
+# --- an outside model (tests/plugin_pkg), written from the Model contract -----------------
+
+def test_an_outside_model_reads_the_layout_and_runs_the_hooks(tiny, tmp_path, example_plugin_installed):
+    """ExampleLlamaForCausalLM (the third-party package, selected by the
+    checkpoint's architecture name) sees each step's layout, and runs the
+    activation hooks from ``meta.activations``: captures equal transformers,
+    a steering vector equals transformers with the hook, and the other
+    requests keep their tokens."""
+    import json
+    import shutil
+    path, hf = tiny
+    dst = tmp_path / "outside"
+    shutil.copytree(path, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"] = ["ExampleLlamaForCausalLM"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(dst), plugins=PluginManager(), max_num_batched_tokens=6, max_num_seqs=3, **ENGINE)
+    model = llm.engine.model
+    assert type(model).__name__ == "ExampleLlamaForCausalLM"
+    prompts = batch(3, seed=8)
+    vec = np.random.default_rng(3).standard_normal(HIDDEN).astype(np.float32)
+    acts = {"capture": [{"point": "attn_out", "layer": 1}, {"point": "residual", "layer": 0}],
+            "add": [{"point": "residual", "layer": 2, "vector": vec.tolist()}]}
+    plain = llm.generate(prompts, params(max_tokens=5))
+    model.seen_layouts.clear()
+    outs = llm.generate(prompts, [params(max_tokens=5), params(acts, 5), params(max_tokens=5)])
+    assert [outs[i].outputs[0].token_ids for i in (0, 2)] == [plain[i].outputs[0].token_ids for i in (0, 2)]
+    # the layouts: every row of a step belongs to exactly one request, positions run on from step to step
+    done: dict[str, int] = {}
+    for layout in model.seen_layouts:
+        at = 0
+        for rid, (r0, count, p0) in layout.items():
+            assert r0 == at and p0 == done.get(rid, 0)
+            at, done[rid] = r0 + count, p0 + count
+    assert {o.request_id for o in outs} <= set(done)
+    out = outs[1].outputs[0]
+    p = prompts[1]["prompt_token_ids"]
+    ids = p + out.token_ids[:-1]
+    ref, mods = hf_forward(hf, ids, adds=[("residual", 2, vec)], grab=[("attn_out", 1)])
+    assert np.abs(out.activations["attn_out.1"].values - mods[("attn_out", 1)]).max() < 1e-4
+    assert np.abs(out.activations["residual.0"].values - ref.hidden_states[1][0].numpy()).max() < 1e-4
+    handle = hf.model.layers[2].register_forward_hook(
+        lambda m, i, o: (o[0] + torch.from_numpy(vec),) + tuple(o[1:]) if isinstance(o, tuple) else o + torch.from_numpy(vec))
+    try:
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist()
+    finally:
+        handle.remove()
+    assert out.token_ids == want

@@ -4,6 +4,11 @@ attention, SwiGLU) in eager Paddle, float32 weights, registered under its
 own architecture name. It imports ``fdx.core.interfaces`` only: the
 attention goes through the ``AttentionContext`` the runner hands it.
 
+It reads the step's ``meta.layout`` (``BatchLayout``: which request each
+row is) and runs the activation hooks of ``meta.activations`` at the three
+named points, as the Model contract says: ``seen_layouts`` keeps, per
+step, the request ids and their row spans it saw.
+
 ``ExampleNoTapForCausalLM`` is the same model saying it does not fill the
 hidden-state tap (``supports_hidden_states`` False), and ``NotAModel`` a
 class that does not subclass the contract: the engine refuses both where
@@ -34,6 +39,7 @@ class _Shape:
 
 class ExampleLlamaForCausalLM(Model):
     supports_hidden_states = True
+    supports_activation_hooks = True
 
     @classmethod
     def parse_config(cls, config):
@@ -68,6 +74,7 @@ class ExampleLlamaForCausalLM(Model):
         freqs = np.outer(np.arange(s.max_position_embeddings, dtype=np.float64), inv)
         emb = np.concatenate([freqs, freqs], axis=-1)
         self.cos, self.sin = paddle.to_tensor(np.cos(emb).astype("float32")), paddle.to_tensor(np.sin(emb).astype("float32"))
+        self.seen_layouts: list[dict[str, tuple[int, int, int]]] = []   # per step: id -> (first row, rows, position)
 
     def weight_bytes(self):
         tensors = [self.embed, self.norm] + [t for layer in self.layers for t in layer.values()]
@@ -93,6 +100,10 @@ class ExampleLlamaForCausalLM(Model):
         n = input_ids.shape[0]
         x = paddle.gather(self.embed, input_ids)
         hooks = meta.connector                 # the KV connector's per-layer calls (core/interfaces.py)
+        layout, act = meta.layout, meta.activations    # this step's rows by request; its activation hooks
+        if layout is not None:                 # None only outside a step (a memory profile)
+            self.seen_layouts.append({rid: (r0, count, p0) for rid, r0, count, p0 in zip(
+                layout.request_ids, layout.row_starts, layout.num_rows, layout.start_positions)})
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
@@ -105,10 +116,17 @@ class ExampleLlamaForCausalLM(Model):
             a = meta.attention(q, k_cache, v_cache, s.head_dim ** -0.5).reshape([n, s.num_heads * s.head_dim])
             if hooks is not None:
                 hooks.save_kv_layer(i, kv_caches[i], meta)
-            x = x + paddle.matmul(a, layer["o"])
+            a = paddle.matmul(a, layer["o"])
+            if act is not None:
+                a = act.apply("attn_out", i, a)
+            x = x + a
             h = self._norm(x, layer["post_norm"])
-            x = x + paddle.matmul(F.silu(paddle.matmul(h, layer["gate"])) * paddle.matmul(h, layer["up"]),
-                                  layer["down"])
+            m = paddle.matmul(F.silu(paddle.matmul(h, layer["gate"])) * paddle.matmul(h, layer["up"]), layer["down"])
+            if act is not None:
+                m = act.apply("mlp_out", i, m)
+            x = x + m
+            if act is not None:
+                x = act.apply("residual", i, x)    # the residual stream after layer i
         x = paddle.gather(self._norm(x, self.norm), logits_indices)
         if self.capture_hidden_states:
             self.last_hidden_states = x
@@ -117,6 +135,7 @@ class ExampleLlamaForCausalLM(Model):
 
 class ExampleNoTapForCausalLM(ExampleLlamaForCausalLM):
     supports_hidden_states = False
+    supports_activation_hooks = False
 
 
 class NotAModel:
