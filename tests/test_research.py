@@ -238,3 +238,13 @@ def test_exact_replay_remakes_the_recorded_decisions(llm, tiny_checkpoints):
     assert not eng.has_unfinished()                                       # the failed replay left nothing
     with pytest.raises(ValueError, match="no config changes"):
         replay(eng, rec, exact=True, policy="fcfs")
+
+
+def test_the_notebook_steering_changes_one_request_of_eight(notebook):
+    """docs/research.md's activation-hook block: the steered request's
+    outputs moved, the seven others' tokens and logprobs bit for bit those of
+    the batch without hooks, and its capture is the stream plus the vector."""
+    ns, _ = notebook
+    assert ns["unchanged"] == [0, 1, 3, 4, 5, 6, 7]
+    assert ns["seen"](ns["after"][2]) != ns["seen"](ns["before"][2])
+    assert ns["captured"].positions == [0, 1, 2, 3]
