@@ -50,6 +50,9 @@ class SeqDelta(msgspec.Struct, array_like=True):
                                              # its finishing delta
     prefill_time_s: float | None = None      # first scheduled to first token, on the first delta with tokens
     decode_time_s: float | None = None       # first token to finished, on the last delta
+    activations: list[tuple[str, list[int], int, bytes]] | None = None   # SamplingParams.activations
+                                             # captures, with the finishing delta: ("point.layer",
+                                             # positions, hidden, float32 [positions, hidden] bytes)
 
 
 class EngineStats(msgspec.Struct, array_like=True):

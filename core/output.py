@@ -122,6 +122,7 @@ class SequenceState:
         self.queue_time: float | None = None      # the engine's: arrival to first scheduled
         self.prefill_time: float | None = None    # the engine's: first scheduled to first token
         self.decode_time: float | None = None     # the engine's: first token to finished
+        self.activations: list | None = None      # SeqDelta.activations (the finishing delta's)
 
     @property
     def finished(self) -> bool:

@@ -422,3 +422,52 @@ def test_an_outside_model_reads_the_layout_and_runs_the_hooks(tiny, tmp_path, ex
     finally:
         handle.remove()
     assert out.token_ids == want
+
+
+# --- over HTTP ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_real_server_returns_a_capture_and_bounds_it(tiny, tmp_path):
+    """``fdx serve`` on the tiny checkpoint: the request body's
+    ``activations`` captures the residual stream after layer 1 at four
+    prompt positions, returned in the choice, equal to transformers; a
+    capture past the size limit, an open range or a malformed entry is a
+    400 naming the field; the server keeps serving."""
+    import httpx
+
+    from fdx.core.activations import MAX_HTTP_CAPTURE_POSITIONS
+    from serve_utils import API_KEY, ready_server
+    path, hf = tiny
+    srv = ready_server(tmp_path, {}, model={"model": str(path), "max_model_len": 128},
+                       cache={"block_size": 4, "num_kv_blocks": 96})
+    try:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        prompt = [5, 9, 23, 41, 7, 30]
+        body = {"model": srv_model(srv, headers), "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                "activations": {"capture": [{"point": "residual", "layer": 1, "positions": [0, 4]}]}}
+        r = httpx.post(f"{srv.base_url}/v1/completions", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["activations"]["residual.1"]
+        assert got["positions"] == [0, 1, 2, 3]
+        ref, _ = hf_forward(hf, prompt)
+        assert np.abs(np.asarray(got["values"], np.float32) - ref.hidden_states[2][0, :4].numpy()).max() < 1e-4
+        for acts, field in [
+                ({"capture": [{"point": "residual", "layer": 1, "positions": [0, MAX_HTTP_CAPTURE_POSITIONS + 1]}]},
+                 "activations.capture[0].positions"),
+                ({"capture": [{"point": "residual", "layer": 1}]}, "activations.capture[0].positions"),
+                ({"capture": [{"point": "nowhere", "layer": 1, "positions": [0, 2]}]}, "activations.capture[0].point"),
+                ({"capture": [{"point": "residual", "layer": 9, "positions": [0, 2]}]}, "layer 9 does not exist")]:
+            r = httpx.post(f"{srv.base_url}/v1/completions", json={**body, "activations": acts}, headers=headers,
+                           timeout=60)
+            assert r.status_code == 400, (acts, r.text)
+            assert field in r.json()["error"]["message"], r.text
+        r = httpx.post(f"{srv.base_url}/v1/completions", json={**body, "activations": None}, headers=headers,
+                       timeout=60)
+        assert r.status_code == 200 and "activations" not in r.json()["choices"][0]
+    finally:
+        srv.stop()
+
+
+def srv_model(srv, headers) -> str:
+    import httpx
+    return httpx.get(f"{srv.base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]

@@ -143,6 +143,8 @@ class RequestGroup:
         if msg.decode_time_s is not None:
             seq.decode_time = msg.decode_time_s
         seq.num_cached_tokens = msg.num_cached_tokens
+        if msg.activations is not None:          # activation captures, with the finishing delta
+            seq.activations = msg.activations
         before, last = len(seq.token_ids), seq.last_token_time
         hit_stop = seq.add(msg.token_ids, msg.finish_reason, msg.stop_reason, msg.logprobs)
         self.server.metrics.tokens_arrived(seq, len(seq.token_ids) - before, last)

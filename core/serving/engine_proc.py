@@ -201,7 +201,8 @@ class EngineLoop:
                 stop_reason=req.stop_reason if finished else None,
                 logprobs=lps, num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time,
                 embedding=req.pooled.tobytes() if finished and req.pooled is not None else None,
-                prefill_time_s=prefill_time, decode_time_s=decode_time))
+                prefill_time_s=prefill_time, decode_time_s=decode_time,
+                activations=_captures(req) if finished else None))
             if finished:
                 del self.num_sent[req.request_id]
             else:
@@ -387,5 +388,15 @@ def engine_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _captures(req) -> list | None:
+    """A finished request's activation captures, as SeqDelta.activations."""
+    from fdx.core.activations import collect
+    got = collect(req.activations)
+    if not got:
+        return None
+    return [(key, c.positions, int(c.values.shape[1]), c.values.tobytes()) for key, c in got.items()]
+
+
 if __name__ == "__main__":
     sys.exit(engine_main())
+

@@ -115,6 +115,8 @@ class _SamplingRequest(_Model):
     guided_grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
     guided_whitespace_flexible: bool | None = None
+    # activation hooks (SamplingParams.activations, docs/research.md): checked in sampling_kwargs
+    activations: dict[str, Any] | None = None
     # OpenAI fields with no effect here: accepted and ignored
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -161,6 +163,16 @@ class _SamplingRequest(_Model):
             raise APIError(400, f"response_format and {', '.join(both)}: a request takes at most one guided "
                            "decoding constraint", param="response_format")
         kw.update(from_format)
+        if self.activations is not None:          # captures come back in the response: bounded (docs/serving.md)
+            from fdx.core.activations import check_http_bounds
+            try:
+                check_http_bounds(self.activations)
+                if self.stream and self.activations.get("capture"):
+                    raise ValueError("activations.capture: captures come back in a non-streamed response "
+                                     "(stream=false)")
+            except ValueError as e:
+                raise APIError(400, str(e), param="activations") from None
+            kw["activations"] = self.activations
         return kw
 
     def response_format_kwargs(self) -> dict[str, Any]:

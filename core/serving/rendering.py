@@ -99,6 +99,8 @@ class Renderer:
                                 "logprobs": (self.completion_logprobs(lps, 0, s.params.logprobs)
                                              if s.logprobs is not None else None),
                                 "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
+            if s.activations:                    # SamplingParams.activations captures (docs/serving.md)
+                choices[-1]["activations"] = activations_json(s.activations)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model_name, "choices": choices, "usage": self.usage(seqs, prompts)}
 
@@ -150,3 +152,12 @@ def _sampled_logprob(tid: int, entries) -> float | None:
     """Entries are [token_id, logprob, rank]: the top-N by rank, then the
     sampled token when it is not among them."""
     return next((e[1] for e in entries if int(e[0]) == tid), None)
+
+
+def activations_json(captures: list) -> dict:
+    """SeqDelta.activations as the response's ``activations``: {"point.layer":
+    {"positions": [...], "values": [[float, ...], ...]}}."""
+    import numpy as np
+    return {key: {"positions": list(positions),
+                  "values": np.frombuffer(data, np.float32).reshape(len(positions), hidden).tolist()}
+            for key, positions, hidden, data in captures}
