@@ -471,3 +471,33 @@ def test_a_real_server_returns_a_capture_and_bounds_it(tiny, tmp_path):
 def srv_model(srv, headers) -> str:
     import httpx
     return httpx.get(f"{srv.base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+
+# --- tensor parallel ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tp2_captures_and_steers_as_tp1(tiny):
+    """TP 2 (today's TP runner, two worker processes): the hooks run on every
+    rank on the full residual, rank 0 sends the captures back inside
+    ModelRunnerOutput. Captures equal transformers; the steered request's
+    tokens equal TP 1's steered tokens and transformers with the hook; the
+    others equal TP 2 without hooks."""
+    path, hf = tiny
+    vec = np.random.default_rng(11).standard_normal(HIDDEN).astype(np.float32) * 2
+    prompts = batch(4, seed=12)
+    acts = {"capture": [{"point": "attn_out", "layer": 2}, {"point": "residual", "layer": 1}],
+            "add": [{"point": "mlp_out", "layer": 1, "vector": vec.tolist()}]}
+    plist = [params(max_tokens=5), params(acts, 5), params(max_tokens=5), params(max_tokens=5)]
+    one = LLM(str(path), **ENGINE).generate(prompts, plist)
+    with LLM(str(path), tensor_parallel_size=2, **ENGINE) as two:
+        plain = two.generate(prompts, params(max_tokens=5))
+        got = two.generate(prompts, plist)
+    assert [got[i].outputs[0].token_ids for i in (0, 2, 3)] == [plain[i].outputs[0].token_ids for i in (0, 2, 3)]
+    out = got[1].outputs[0]
+    assert out.token_ids == one[1].outputs[0].token_ids
+    p = prompts[1]["prompt_token_ids"]
+    ids = p + out.token_ids[:-1]
+    ref, mods = hf_forward(hf, ids, adds=[("mlp_out", 1, vec)], grab=[("attn_out", 2)])
+    assert out.token_ids == [int(t) for t in ref.logits[0, len(p) - 1:].argmax(-1)]
+    assert np.abs(out.activations["attn_out.2"].values - mods[("attn_out", 2)]).max() < 1e-4
+    assert np.abs(out.activations["residual.1"].values - ref.hidden_states[2][0].numpy()).max() < 1e-4
