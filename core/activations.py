@@ -32,14 +32,28 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fdx.core.interfaces import ActivationCapture, BatchLayout
-
 POINTS = ("residual", "attn_out", "mlp_out")
 MAX_HOOKS = 64                      # capture + add entries per request
 MAX_VECTOR = 1 << 16                # floats in one steering vector
 # Over HTTP each capture names a closed position range, and all of a request's captures together
 # cover at most this many positions (a response holds positions x hidden floats per capture).
 MAX_HTTP_CAPTURE_POSITIONS = 256
+
+
+@dataclass(slots=True)
+class ActivationCapture:
+    """Rows one capture hook took in one step: the activation at ``point``
+    of decoder layer ``layer`` for the token ``positions`` of its request,
+    as float32 bytes ``[len(positions), hidden]`` (plain data: it crosses
+    the tensor-parallel wire inside ``ModelRunnerOutput``)."""
+    point: str                          # "residual" (after the layer), "attn_out" or "mlp_out"
+    layer: int
+    positions: list[int]
+    hidden: int
+    data: bytes
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, np.float32).reshape(len(self.positions), self.hidden)
 
 
 @dataclass(slots=True, frozen=True, eq=False)
@@ -223,7 +237,7 @@ class StepActivations:
     (or ``apply_residual`` after a layer); ``captured`` collects what the
     capture hooks took, by request id."""
 
-    def __init__(self, layout: BatchLayout, functions: Callable[[str], Callable] | None = None):
+    def __init__(self, layout: "BatchLayout", functions: Callable[[str], Callable] | None = None):
         self.functions = functions
         self.spans: dict[tuple[str, int], list[_Span]] = {}
         self.request_spans: dict[int, list[tuple[int, int]]] = {}   # layer -> rows of requests hooked

@@ -21,6 +21,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from fdx.core.activations import ActivationCapture
 from fdx.core.kernels import REFERENCE, KernelTable
 from fdx.core.sampling_params import SamplingParams
 
@@ -108,23 +109,6 @@ class ModelRunnerOutput:
     activations: dict[str, list[ActivationCapture]] = field(default_factory=dict)   # request id -> what its
                                     # activation hooks captured this step (SamplingParams.activations;
                                     # rank 0's under tensor parallel: plain data, it crosses msgpack)
-
-
-@dataclass(slots=True)
-class ActivationCapture:
-    """Rows one capture hook took in one step: the activation at ``point``
-    of decoder layer ``layer`` for the token ``positions`` of its request,
-    as float32 bytes ``[len(positions), hidden]`` (plain data: it crosses
-    the tensor-parallel wire inside ``ModelRunnerOutput``)."""
-    point: str                          # "residual" (after the layer), "attn_out" or "mlp_out"
-    layer: int
-    positions: list[int]
-    hidden: int
-    data: bytes
-
-    def array(self) -> Any:
-        import numpy as np
-        return np.frombuffer(self.data, np.float32).reshape(len(self.positions), self.hidden)
 
 
 @dataclass(slots=True)
