@@ -67,6 +67,15 @@ def run(llm, tap, prompts, plist):
     return outs, [np.stack(tap.rows[o.request_id]) for o in outs]
 
 
+def adding(vec: np.ndarray):
+    """A torch forward hook adding ``vec`` to a module's output (a tensor, or a tuple's first)."""
+    v = torch.from_numpy(vec)
+
+    def hook(m, i, o):
+        return (o[0] + v,) + tuple(o[1:]) if isinstance(o, tuple) else o + v
+    return hook
+
+
 def hf_forward(model, ids, adds=(), grab=()):
     """transformers over ``ids`` with forward hooks: ``adds`` (point, layer,
     vector) added to every position, ``grab`` (point, layer) module outputs
@@ -77,19 +86,12 @@ def hf_forward(model, ids, adds=(), grab=()):
         lyr = model.model.layers[layer]
         return {"residual": lyr, "attn_out": lyr.self_attn, "mlp_out": lyr.mlp}[point]
 
-    def adder(vec):
-        v = torch.from_numpy(vec)
-
-        def hook(m, i, o):
-            return (o[0] + v,) + tuple(o[1:]) if isinstance(o, tuple) else o + v
-        return hook
-
     def grabber(key):
         def hook(m, i, o):
             got[key] = (o[0] if isinstance(o, tuple) else o)[0].detach().numpy().copy()
         return hook
     for point, layer, vec in adds:
-        handles.append(module(point, layer).register_forward_hook(adder(vec)))
+        handles.append(module(point, layer).register_forward_hook(adding(vec)))
     for point, layer in grab:
         handles.append(module(point, layer).register_forward_hook(grabber((point, layer))))
     try:
@@ -218,7 +220,7 @@ def test_a_registered_function_steers_only_its_request(tiny, monkeypatch):
     acts = {"add": [{"point": "mlp_out", "layer": 1, "function": "test-scale", "args": {"factor": -1.5}}]}
     plain = llm.generate(prompts, params(max_tokens=4))
     outs = llm.generate(prompts, [params(max_tokens=4), params(acts, 4), params(max_tokens=4)])
-    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [o.outputs[0].token_ids for o in (plain[0], plain[2])]
+    assert [outs[i].outputs[0].token_ids for i in (0, 2)] == [plain[i].outputs[0].token_ids for i in (0, 2)]
     n = len(prompts[1]["prompt_token_ids"])
     assert calls[0] == (1, list(range(n)), (n, HIDDEN)) and all(c[1] == [n + j] for j, c in enumerate(calls[1:]))
     handle = hf.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * -1.5)
@@ -246,7 +248,8 @@ def test_bad_activation_requests_are_refused_naming_the_field(tiny):
             params(acts)
     for acts, match in [({"capture": [{"point": "residual", "layer": LAYERS}]}, r"layer 4 does not exist"),
                         ({"add": [{"point": "residual", "layer": 0, "vector": [1.0] * 3}]}, r"hidden size is 32"),
-                        ({"add": [{"point": "residual", "layer": 0, "function": "nope"}]}, r"'nope' is not registered")]:
+                        ({"add": [{"point": "residual", "layer": 0, "function": "nope"}]},
+                         r"'nope' is not registered")]:
         with pytest.raises(ValueError, match=match):
             llm.generate([{"prompt_token_ids": [3, 4]}], params(acts))
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
@@ -281,8 +284,7 @@ def test_prefix_cache_preemption_and_chunks_keep_hooks_exact(tiny):
     ref, _ = hf_forward(hf, ids)
     assert np.abs(c.values - ref.hidden_states[3][0].numpy()).max() < 1e-4
     n = len(prompts[1]["prompt_token_ids"])
-    handle = hf.model.layers[1].register_forward_hook(
-        lambda m, i, o: (o[0] + torch.from_numpy(vec),) + tuple(o[1:]) if isinstance(o, tuple) else o + torch.from_numpy(vec))
+    handle = hf.model.layers[1].register_forward_hook(adding(vec))
     try:
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompts[1]["prompt_token_ids"]]), max_new_tokens=12, do_sample=False,
@@ -413,8 +415,7 @@ def test_an_outside_model_reads_the_layout_and_runs_the_hooks(tiny, tmp_path, ex
     ref, mods = hf_forward(hf, ids, adds=[("residual", 2, vec)], grab=[("attn_out", 1)])
     assert np.abs(out.activations["attn_out.1"].values - mods[("attn_out", 1)]).max() < 1e-4
     assert np.abs(out.activations["residual.0"].values - ref.hidden_states[1][0].numpy()).max() < 1e-4
-    handle = hf.model.layers[2].register_forward_hook(
-        lambda m, i, o: (o[0] + torch.from_numpy(vec),) + tuple(o[1:]) if isinstance(o, tuple) else o + torch.from_numpy(vec))
+    handle = hf.model.layers[2].register_forward_hook(adding(vec))
     try:
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, eos_token_id=None,

@@ -62,7 +62,7 @@ class DefaultModelRunner(ModelRunner):
             self.model.capture_pooling_hidden_states = True
         self.taps: dict = {}
         self.layout: BatchLayout | None = None     # this step's, built by _forward for the model
-        self.hooks: activations.StepActivations | None = None   # this step's activation hooks, if any
+        self.step_activations: activations.StepActivations | None = None   # this step's hooks, if any
         self.guided = None                         # this step's guided bitmask (SchedulerOutput.guided)
         if ctx.connector is not None:
             ctx.connector.register_kv_caches(ctx.kv_caches, ctx.kv_spec)
@@ -139,12 +139,12 @@ class DefaultModelRunner(ModelRunner):
         extra = [r for st, first, count, _ in prompt_rows for r in range(first, first + count)]
         self.layout = BatchLayout(tuple(so.num_scheduled_tokens), tuple(row_starts), tuple(query_lens),
                                   tuple(context_lens), tuple(sample_rows + extra), tuple(model_args))
-        self.hooks = None
+        self.step_activations = None
         if any(a is not None for a in model_args):
-            self.hooks = activations.StepActivations(self.layout, _activation_function) or None
+            self.step_activations = activations.StepActivations(self.layout, _activation_function) or None
         logits = self._logits(input_ids, query_lens, context_lens, tables, sample_rows + extra)
-        if self.hooks is not None and self.hooks.captured:
-            out.activations = self.hooks.captured
+        if self.step_activations is not None and self.step_activations.captured:
+            out.activations = self.step_activations.captured
         if self.pooling:
             self._pool(so, query_lens, out)
         if getattr(ctx.sampler, "device_logits", False) and not prompt_rows and not self.capture_logits:
@@ -197,7 +197,7 @@ class DefaultModelRunner(ModelRunner):
         ctx = self.ctx
         meta = ctx.attention.build_metadata(query_lens, context_lens, tables, self.spec,
                                             getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
-        attn = AttentionContext(ctx.attention, meta, ctx.connector, self.layout, self.hooks)
+        attn = AttentionContext(ctx.attention, meta, ctx.connector, self.layout, self.step_activations)
         import paddle                      # here, not at import: a tensor parallel engine process never loads it
         with paddle.no_grad():
             return self.model.forward(paddle.to_tensor(np.asarray(input_ids, dtype=np.int64)), attn.positions,
