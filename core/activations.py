@@ -186,13 +186,13 @@ def check(spec: ActivationSpec | None, model: Any, functions: Callable[[str], An
     naming the field."""
     if spec is None:
         return
-    if not getattr(model, "supports_activation_hooks", True):
+    if not getattr(model, "supports_activation_hooks", True):   # a stand-in shape (TP) says nothing
         _bad("", f"{type(model).__name__} does not run activation hooks (Model.supports_activation_hooks)")
-    num_layers = model.num_layers
+    num_layers = getattr(model, "num_layers", None)
     cfg = getattr(model, "cfg", None)
     hidden = getattr(model, "hidden_size", None) or getattr(cfg, "hidden_size", None)
     for h in spec.hooks:
-        if h.layer >= num_layers:
+        if num_layers is not None and h.layer >= num_layers:
             _bad("", f"layer {h.layer} does not exist (the model has {num_layers} layers: 0 to {num_layers - 1})")
         if h.vector is not None and hidden is not None and h.vector.size != hidden:
             _bad("", f"a {h.point} vector at layer {h.layer} has {h.vector.size} numbers; "

@@ -423,6 +423,12 @@ def test_an_outside_model_reads_the_layout_and_runs_the_hooks(tiny, tmp_path, ex
     finally:
         handle.remove()
     assert out.token_ids == want
+    # a model class that says it runs no hooks refuses a request that asks, naming the field
+    cfg["architectures"] = ["ExampleNoTapForCausalLM"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    notap = LLM(str(dst), plugins=PluginManager(), **ENGINE)
+    with pytest.raises(ValueError, match=r"activations.*supports_activation_hooks"):
+        notap.generate(prompts[:1], params(acts))
 
 
 # --- over HTTP ------------------------------------------------------------------------------
