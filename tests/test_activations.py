@@ -343,7 +343,8 @@ def q8_file(tmp_path_factory):
 
 @pytest.mark.parametrize("point", ["residual", "attn_out"])
 def test_compiled_layers_run_around_the_hooked_one_and_the_batch_keeps_its_bits(q8_file, point, monkeypatch):
-    """Q8_0, compiled layers on: one request of eight steered at layer 1.
+    """Q8_0, compiled layers on, 16 tokens a step (prompts in chunks beside
+    decodes): one request of eight steered at layer 1.
     The layers before it still run in the one compiled call (decoder_stack
     over layer 0) and the layers after it compiled one by one; the hooked
     layer runs the whole-layer kernel for the other rows (attn_out: beside
@@ -356,7 +357,7 @@ def test_compiled_layers_run_around_the_hooked_one_and_the_batch_keeps_its_bits(
     from test_decoder_layer import Spy
     monkeypatch.setenv(FUSED_LAYERS_ENV, "1")
     spy = Spy(monkeypatch)
-    llm, tap = tapped_llm(q8_file, quantization="auto", max_num_seqs=8)
+    llm, tap = tapped_llm(q8_file, quantization="auto", max_num_seqs=8, max_num_batched_tokens=16)   # chunks
     rng = np.random.default_rng(2)
     prompts = [{"prompt_token_ids": rng.integers(0, 256, size=int(k)).tolist()} for k in rng.integers(3, 12, size=8)]
     _, plain = run(llm, tap, prompts, [params()] * 8)
@@ -367,7 +368,9 @@ def test_compiled_layers_run_around_the_hooked_one_and_the_batch_keeps_its_bits(
     _, logits = run(llm, tap, prompts, [params()] * 5 + [params(steer)] + [params()] * 2)
     stack = spy.by_name["decoder_stack"] - steps_before["decoder_stack"]
     layer = spy.by_name["decoder_layer"] - steps_before["decoder_layer"]
-    assert stack > 0 and layer == 3 * stack, spy.by_name      # layer 1 (whole-layer kernel), 2 and 3
+    # a step with the steered request's rows: the stack over layer 0, then the kernel for layers 1 (the
+    # other rows), 2 and 3; a step without them: the one stack call
+    assert stack > 0 and layer > 0 and layer % 3 == 0, spy.by_name
     for i in range(8):
         if i != 5:
             assert np.array_equal(logits[i], plain[i]), i
