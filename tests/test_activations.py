@@ -442,7 +442,10 @@ def test_a_real_server_returns_a_capture_and_bounds_it(tiny, tmp_path):
     ``activations`` captures the residual stream after layer 1 at four
     prompt positions, returned in the choice, equal to transformers; a
     capture past the size limit, an open range or a malformed entry is a
-    400 naming the field; the server keeps serving."""
+    400 naming the field; the server keeps serving, and a streamed response
+    carries the capture on the choice's last chunk."""
+    import json
+
     import httpx
 
     from fdx.core.activations import MAX_HTTP_CAPTURE_POSITIONS
@@ -474,6 +477,15 @@ def test_a_real_server_returns_a_capture_and_bounds_it(tiny, tmp_path):
         r = httpx.post(f"{srv.base_url}/v1/completions", json={**body, "activations": None}, headers=headers,
                        timeout=60)
         assert r.status_code == 200 and "activations" not in r.json()["choices"][0]
+        # streamed: the capture rides the choice's last chunk
+        chunks = []
+        with httpx.stream("POST", f"{srv.base_url}/v1/completions", json={**body, "stream": True}, headers=headers,
+                          timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        last = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+        assert len(last) == 1 and last[0]["activations"]["residual.1"]["values"] == got["values"]
     finally:
         srv.stop()
 

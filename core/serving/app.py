@@ -35,7 +35,7 @@ from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from fdx.core.output import SequenceState, split_n
 from fdx.core.request import PromptError, check_prompt
 from fdx.core.serving import ui
-from fdx.core.serving.rendering import Renderer
+from fdx.core.serving.rendering import Renderer, activations_json
 from fdx.core.serving.signals import GracefulServer
 from fdx.core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from fdx.core.serving import edge, pooling, security, tokenizing
@@ -571,6 +571,8 @@ class Server:
                     text_offsets[s.index] += len(text)
                 if s.finished:
                     choice["stop_reason"] = s.stop_reason
+                    if s.activations:             # activation captures, on the choice's last chunk
+                        choice["activations"] = activations_json(s.activations)
                 yield chunk([choice])
             if include_usage:
                 yield chunk([], self.render.usage(group.seqs, prompts))

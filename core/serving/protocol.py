@@ -167,9 +167,6 @@ class _SamplingRequest(_Model):
             from fdx.core.activations import check_http_bounds
             try:
                 check_http_bounds(self.activations)
-                if self.stream and self.activations.get("capture"):
-                    raise ValueError("activations.capture: captures come back in a non-streamed response "
-                                     "(stream=false)")
             except ValueError as e:
                 raise APIError(400, str(e), param="activations") from None
             kw["activations"] = self.activations
