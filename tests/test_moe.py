@@ -354,3 +354,78 @@ def test_engine_batch_chunked_preempted_prefix_hits_equal_transformers(gguf_case
     for p, got in zip(prompts, outputs[case.path]):
         assert got == hf_greedy(case.hf, p, 12, follow=got)
     assert outputs[f32] == outputs[case.path]
+
+
+# --- tensor parallel ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tensor_parallel_shards_sum_to_the_whole_layer(tmp_path):
+    """Each rank keeps its share of every expert's (and the shared experts')
+    intermediate columns; the ranks' partial outputs of a MoE MLP sum to the
+    whole one (the bias of the shared down projection added once)."""
+    case = write_case("ernie-moe-bias", tmp_path)
+    whole, ranks = case.fdx_model(), [case.fdx_model() for _ in range(2)]
+    for r, model in enumerate(ranks):
+        model.shard(r, 2, lambda t: t)
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((9, 64)).astype(np.float32))
+    for i in whole.moe.moe_layers:
+        block = whole.layers[i].mlp
+        assert ranks[0].layers[i].mlp.w_down[0].shape == (64, 16)
+        got = ranks[0].layers[i].mlp(x) + ranks[1].layers[i].mlp(x) - block.shared.b_down
+        np.testing.assert_allclose(got.numpy(), block(x).numpy(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_tp2_greedy_equals_tp1(tmp_path):
+    from fdx import LLM, SamplingParams
+    case = write_case("ernie-moe-bias", tmp_path)
+    ps = [prompt(n, 20 + n) for n in (4, 11)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw = dict(max_model_len=64, num_kv_blocks=32, block_size=4, quantization="none", progress=False)
+    with LLM(str(case.path), **kw) as one:
+        tp1 = [o.outputs[0].token_ids for o in one.generate([{"prompt_token_ids": p} for p in ps], sp)]
+    with LLM(str(case.path), tensor_parallel_size=2, **kw) as two:
+        tp2 = [o.outputs[0].token_ids for o in two.generate([{"prompt_token_ids": p} for p in ps], sp)]
+    assert tp2 == tp1
+
+
+# --- research taps: expert load and a replaced router ---------------------------------------------
+
+@pytest.mark.slow
+def test_expert_load_and_a_replaced_router(tmp_path):
+    """``capture_expert_load``: the tokens each expert got in each MoE layer
+    by the last forward, equal to a brute-force count of transformers'
+    router choices; ``set_router`` replaces the top-k choice (here: always
+    experts 0 and 1, equal weights), and the logits follow it."""
+    case = write_case("qwen3moe", tmp_path)
+    model = case.fdx_model()
+    model.capture_expert_load = True
+    ids = prompt(10, 9)
+    runner = PagedRunner(model, impl="paddle")
+    runner.step([("a", ids)])
+    captured = {}
+    hooks = [case.hf.model.layers[i].mlp.gate.register_forward_hook(
+        lambda mod, inp, out, i=i: captured.__setitem__(i, out[2].numpy())) for i in model.moe.moe_layers]
+    case.logits(ids)
+    for h in hooks:
+        h.remove()
+    want = [np.bincount(captured[i].reshape(-1), minlength=model.moe.num_experts).tolist()
+            for i in model.moe.moe_layers]
+    assert model.last_expert_load() == want
+    assert all(sum(layer) == len(ids) * model.moe.top_k for layer in want)
+
+    def first_two(logits, bias):
+        n = logits.shape[0]
+        return np.tile(np.array([0, 1]), (n, 1)), np.full((n, 2), 0.5, np.float32)
+    model.set_router(first_two)
+    (logits,) = PagedRunner(model, impl="paddle").step([("a", ids)])
+    assert model.last_expert_load() == [[len(ids), len(ids)] + [0] * 6 for _ in model.moe.moe_layers]
+    for i in model.moe.moe_layers:                   # the same choice in transformers
+        case.hf.model.layers[i].mlp.gate.forward = lambda x, i=i: (
+            None, torch.full((x.reshape(-1, 64).shape[0], 2), 0.5),
+            torch.tensor([[0, 1]]).repeat(x.reshape(-1, 64).shape[0], 1))
+    try:
+        np.testing.assert_allclose(logits, case.logits(ids), atol=ATOL, rtol=0)
+    finally:
+        for i in model.moe.moe_layers:
+            del case.hf.model.layers[i].mlp.gate.forward
