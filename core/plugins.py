@@ -49,6 +49,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.models.ernie4_5",
     "fdx.plugins.models.qwen3_moe",
     "fdx.plugins.models.ernie4_5_moe",
+    "fdx.plugins.models.moe_taps",
     "fdx.plugins.models.weight_formats",
     "fdx.plugins.parsers.tool_parsers",
     "fdx.plugins.parsers.reasoning_parsers",

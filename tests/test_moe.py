@@ -350,6 +350,11 @@ def test_engine_batch_chunked_preempted_prefix_hits_equal_transformers(gguf_case
         assert sum(s.num_preempted for s in rec.stats) > 0                 # preemption happened
         assert max(s.num_scheduled_tokens for s in rec.stats) <= 16         # chunked to the budget
         assert any(o.num_cached_tokens > 0 for o in outs)                   # prefix hits
+        # the expert-load tap: every routed row of the step counted top_k times in each MoE layer
+        moe = llm.engine.model.moe
+        ran = [s for s in rec.stats if s.num_scheduled_tokens]
+        assert ran and all(len(s.expert_load) == len(moe.moe_layers) for s in ran)
+        assert all(sum(layer) == s.num_scheduled_tokens * moe.top_k for s in ran for layer in s.expert_load)
         llm.close()
     for p, got in zip(prompts, outputs[case.path]):
         assert got == hf_greedy(case.hf, p, 12, follow=got)
@@ -393,13 +398,12 @@ def test_tp2_greedy_equals_tp1(tmp_path):
 
 @pytest.mark.slow
 def test_expert_load_and_a_replaced_router(tmp_path):
-    """``capture_expert_load``: the tokens each expert got in each MoE layer
+    """``last_expert_load()``: the tokens each expert got in each MoE layer
     by the last forward, equal to a brute-force count of transformers'
     router choices; ``set_router`` replaces the top-k choice (here: always
     experts 0 and 1, equal weights), and the logits follow it."""
     case = write_case("qwen3moe", tmp_path)
     model = case.fdx_model()
-    model.capture_expert_load = True
     ids = prompt(10, 9)
     runner = PagedRunner(model, impl="paddle")
     runner.step([("a", ids)])

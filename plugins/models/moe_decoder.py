@@ -115,7 +115,6 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         self.layers = [MoeDecoderLayer(cfg, moe, w, i, rope, router) if i in moe.moe_layers
                        else DecoderLayer(cfg, w, i, rope) for i in range(cfg.num_layers)]
         self.norm = w.vector("model.norm.weight", cfg.hidden_size)
-        self.capture_expert_load = False    # research tap: tokens per expert per MoE layer, each step
 
     @property
     def moe_blocks(self) -> list:
@@ -131,13 +130,10 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         for block in self.moe_blocks:
             block.router = router
 
-    def last_expert_load(self) -> list[list[int]] | None:
-        """Tokens routed to each expert in each MoE layer by the last
-        forward (``[moe layers][num_experts]``), while
-        ``capture_expert_load`` is on; else None."""
-        if not self.capture_expert_load:
-            return None
-        return [list(block.last_load) for block in self.moe_blocks]
+    def last_expert_load(self) -> list[list[int]]:
+        """Tokens routed to each expert in each MoE layer by the last forward
+        (``[moe layers][num_experts]``; zeros before the first)."""
+        return [block.last_load.tolist() for block in self.moe_blocks]
 
     def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
         cfg, moe = self.cfg, self.moe
@@ -177,8 +173,6 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list, meta: AttentionContext,
                 logits_indices: Tensor) -> Tensor:
-        for block in self.moe_blocks:
-            block.count_load = self.capture_expert_load
         logits = super().forward(input_ids, positions, kv_caches, meta, logits_indices)
         return logits if self.lm_head_bias is None else logits + self.lm_head_bias
 

@@ -122,7 +122,6 @@ class SparseMoe:
         if moe.shared_intermediate_size:
             self.shared = SharedMlp(h, moe.shared_intermediate_size, w, f"{p}.{moe.shared_prefix}", moe.mlp_bias)
         self.reduce: Callable[[Tensor], Tensor] | None = None   # tensor parallel: sum over ranks
-        self.count_load = False
         self.last_load: np.ndarray = np.zeros(e, dtype=np.int64)
 
     def route(self, x: Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -136,8 +135,7 @@ class SparseMoe:
         flat = ids.reshape(-1)
         order = np.argsort(flat, kind="stable")          # (row, slot) places grouped by expert
         counts = np.bincount(flat, minlength=self.num_experts)
-        if self.count_load:
-            self.last_load = counts
+        self.last_load = counts                          # the expert-load tap (tokens per expert)
         rows = order // k
         outs, start = [], 0
         for e in np.flatnonzero(counts):
