@@ -23,7 +23,7 @@ from fdx.ops.activation import silu_and_mul
 from fdx.ops.rotary import RotaryEmbedding
 from fdx.plugins.models.decoder_config import DecoderConfig
 from fdx.plugins.models.layers import Attention, DecoderLayer, Weights, _take, linear
-from fdx.plugins.models.moe_decoder import MoeConfig
+from fdx.plugins.models.moe_config import MoeConfig
 
 Tensor = paddle.Tensor
 
