@@ -85,6 +85,7 @@ KINDS: dict[str, str] = {
     "fdx_register_guided_backends": "guided_backend",
     "fdx_register_models": "model",
     "fdx_register_weight_formats": "weight_format",
+    "fdx_register_moe_routers": "moe_router",
     "fdx_register_logits_processors": "logits_processor",
     "fdx_register_tool_parsers": "tool_parser",
     "fdx_register_reasoning_parsers": "reasoning_parser",

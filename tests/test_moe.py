@@ -455,3 +455,41 @@ def test_quantized_on_load_experts_stay_quantized(fmt, tmp_path):
     assert np.isfinite(logits).all()
     if fmt != "wint4":
         assert np.abs(logits - expected).max() < 0.05 * float(expected.max() - expected.min())
+
+
+@pytest.mark.slow
+def test_an_outside_router_replaces_top_k(tmp_path, monkeypatch):
+    """``model.moe_router`` names a router an outside package registers
+    (tests/plugin_pkg's ``example-uniform``: top-k by logit, equal
+    weights): the engine's greedy tokens equal transformers' with its
+    router's weights replaced the same way; an unknown name is a config
+    error naming the key."""
+    import sys
+
+    from conftest import PLUGIN_PKG
+    from fdx import LLM, SamplingParams
+    from fdx.core.config import ConfigError
+    from fdx.core.plugins import BUILTIN_PLUGINS, PluginManager
+    from test_llm import hf_greedy
+    monkeypatch.syspath_prepend(str(PLUGIN_PKG))
+    pm = PluginManager(builtins=BUILTIN_PLUGINS + ("fdx_example_plugin.moe_router",), load_entry_points=False)
+    case = write_case("qwen3moe", tmp_path)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kw = dict(max_model_len=64, num_kv_blocks=32, block_size=4, quantization="none", progress=False)
+    with LLM(str(case.path), moe_router="example-uniform", plugins=pm, **kw) as llm:
+        ps = [prompt(7, 31), prompt(12, 32)]
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp)]
+    assert got != [hf_greedy(case.hf, p, 10) for p in ps]       # the router's own choice gives other tokens
+    k = case.hf.config.num_experts_per_tok
+    for layer in case.hf.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            def uniform(x, gate=layer.mlp.gate):
+                logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), gate.weight)
+                ids = logits.topk(k, dim=-1).indices
+                return logits, torch.full(ids.shape, 1.0 / k), ids
+            monkeypatch.setattr(layer.mlp.gate, "forward", uniform)
+    for p, g in zip(ps, got):
+        assert g == hf_greedy(case.hf, p, 10, follow=g)
+    with pytest.raises(ConfigError, match="model.moe_router"):
+        LLM(str(case.path), moe_router="no-such-router", plugins=pm, **kw)
+    assert "example-uniform" in pm.names("moe_router") and sys.modules["fdx_example_plugin.moe_router"]
