@@ -47,6 +47,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.models.qwen2",
     "fdx.plugins.models.qwen3",
     "fdx.plugins.models.ernie4_5",
+    "fdx.plugins.models.qwen2_moe",
     "fdx.plugins.models.qwen3_moe",
     "fdx.plugins.models.ernie4_5_moe",
     "fdx.plugins.models.moe_taps",

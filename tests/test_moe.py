@@ -22,6 +22,7 @@ import transformers
 
 from fdx.core.checkpoint.loader import load_checkpoint
 from fdx.plugins.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+from fdx.plugins.models.qwen2_moe import Qwen2MoeForCausalLM
 from fdx.plugins.models.qwen3_moe import Qwen3MoeForCausalLM
 from test_models import PagedRunner
 
@@ -39,13 +40,19 @@ CASES = {  # id -> (architecture, transformers config overrides)
     "ernie-moe": ("Ernie4_5_MoeForCausalLM", dict(moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
                                                   moe_layer_start_index=1, use_bias=False,
                                                   tie_word_embeddings=True)),
+    # q/k/v biases, a shared expert behind its sigmoid gate, top-2 of 8 not renormalized, layer 2 dense
+    "qwen2moe": ("Qwen2MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                             shared_expert_intermediate_size=64, mlp_only_layers=[2],
+                                             tie_word_embeddings=False, rms_norm_eps=1e-6)),
     # biases everywhere (head included), two shared experts, every layer routed, top-3
     "ernie-moe-bias": ("Ernie4_5_MoeForCausalLM", dict(moe_num_experts=8, moe_k=3, moe_num_shared_experts=2,
                                                        moe_layer_start_index=0, use_bias=True,
                                                        tie_word_embeddings=False, num_hidden_layers=2)),
 }
-CLASSES = {"Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM}
-GGUF_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Ernie4_5_MoeForCausalLM": "ernie4_5-moe"}
+CLASSES = {"Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+           "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM}
+GGUF_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Ernie4_5_MoeForCausalLM": "ernie4_5-moe",
+             "Qwen2MoeForCausalLM": "qwen2moe"}
 ATOL = 1e-4
 
 
@@ -126,10 +133,12 @@ def write_gguf(case: Case, out: Path, qtype: str = "F32") -> Path:
     if "head_dim" in config:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch == "qwen3moe":                   # Qwen2MoeModel.set_gguf_parameters
+    if arch in ("qwen2moe", "qwen3moe"):     # Qwen2MoeModel.set_gguf_parameters
         w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if "shared_expert_intermediate_size" in config:
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     else:                                    # Ernie4_5MoeModel.set_gguf_parameters
         w.add_expert_count(config["moe_num_experts"])
         w.add_expert_used_count(config["moe_k"])
@@ -147,7 +156,8 @@ def write_gguf(case: Case, out: Path, qtype: str = "F32") -> Path:
 
     def add(name: str, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if qtype == "Q8_0" and array.ndim >= 2 and ".ffn_gate_inp." not in name and ".exp_probs_b." not in name:
+        if qtype == "Q8_0" and array.ndim >= 2 and not any(  # the converter keeps these in F32
+                f".{t}." in name for t in ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b")):
             w.add_tensor(name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -254,7 +264,7 @@ def test_bad_top_k_is_a_clear_error():
 
 # --- GGUF ---------------------------------------------------------------------------------
 
-GGUF_CASES = ["qwen3moe", "ernie-moe"]
+GGUF_CASES = ["qwen3moe", "ernie-moe", "qwen2moe"]
 
 
 @pytest.fixture(scope="module", params=GGUF_CASES)

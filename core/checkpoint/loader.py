@@ -278,6 +278,7 @@ _GGUF_ARCHES = {
     "llama": _GgufArch("LlamaForCausalLM", "llama", True, (("attention_bias", False), ("mlp_bias", False))),
     "qwen2": _GgufArch("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": _GgufArch("Qwen3ForCausalLM", "qwen3", False, (("attention_bias", False),)),
+    "qwen2moe": _GgufArch("Qwen2MoeForCausalLM", "qwen2_moe", False, (("qkv_bias", True),)),
     "qwen3moe": _GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", False, (("attention_bias", False),)),
     "ernie4_5-moe": _GgufArch("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", False, (("use_bias", False),)),
 }
@@ -310,7 +311,8 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # in one 3-D tensor per projection ([experts, out, in] in numpy order; split here into Hugging
 # Face's per-expert names, each expert's rows of the file's bytes), the shared experts, and
 # ERNIE-4.5-MoE's expert-choice bias.
-_GGUF_MOE_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate_inp|ffn_(gate|up|down)_(exps|shexp)|exp_probs_b)(\.weight|\.bias)?$")
+_GGUF_MOE_RE = re.compile(
+    r"^blk\.(\d+)\.(ffn_gate_inp_shexp|ffn_gate_inp|ffn_(gate|up|down)_(exps|shexp)|exp_probs_b)(\.weight|\.bias)?$")
 _GGUF_SHARED_PREFIX = {"ernie4_5-moe": "shared_experts"}
 
 
@@ -320,13 +322,15 @@ def _gguf_moe_config(fields: Mapping[str, Any], arch: str, config: Mapping[str, 
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
 
-    if arch == "qwen3moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         routed = {i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names}
         return {"num_experts": int(get("expert_count", 0)), "num_experts_per_tok": int(get("expert_used_count", 0)),
                 "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
-                # llama.cpp's qwen3moe graph always renormalizes the top-k weights
-                "norm_topk_prob": bool(get("expert_weights_norm", True)), "decoder_sparse_step": 1,
-                "mlp_only_layers": [i for i in range(config["num_hidden_layers"]) if i not in routed]}
+                # llama.cpp's qwen3moe graph always renormalizes the top-k weights, its qwen2moe never
+                "norm_topk_prob": bool(get("expert_weights_norm", arch == "qwen3moe")), "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i in range(config["num_hidden_layers"]) if i not in routed],
+                **({"shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0))}
+                   if arch == "qwen2moe" else {})}
     if arch == "ernie4_5-moe":
         return {"moe_num_experts": int(get("expert_count", 0)), "moe_k": int(get("expert_used_count", 0)),
                 "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
@@ -358,10 +362,14 @@ def _gguf_moe_tensors(tensor: GgufTensor, data: np.ndarray, arch: str, keep_bloc
         return out
     blocks = _gguf_blocks(tensor, data) if keep_blocks else None
     array = _gguf_tensor(tensor, data) if blocks is None else blocks
+    if isinstance(array, GGUFBlocks) and part in ("exp_probs_b", "ffn_gate_inp_shexp"):
+        array = array.dequantize()                       # a vector the model holds in float32
     if part == "exp_probs_b":
         return {f"{mlp}.moe_statics.e_score_correction_bias": np.asarray(array).reshape(1, -1)}
     if part == "ffn_gate_inp":
         return {f"{mlp}.gate.weight": array}
+    if part == "ffn_gate_inp_shexp":                     # Qwen2-MoE's shared expert gate, [1, hidden]
+        return {f"{mlp}.shared_expert_gate.weight": np.asarray(array).reshape(1, -1)}
     return {f"{mlp}.{_GGUF_SHARED_PREFIX.get(arch, 'shared_expert')}.{proj}_proj.weight": array}
 
 

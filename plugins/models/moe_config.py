@@ -20,6 +20,7 @@ class MoeConfig:
     score_correction_bias: bool = False  # ERNIE: moe_statics.e_score_correction_bias picks the experts
     shared_intermediate_size: int = 0    # the shared experts' MLP width (0: none)
     shared_prefix: str = "shared_experts"   # its HF module name under mlp.
+    shared_gate: bool = False            # Qwen2-MoE: the shared output times sigmoid(shared_expert_gate(x))
     mlp_bias: bool = False               # biases on the dense and shared MLPs (ERNIE use_bias)
 
 

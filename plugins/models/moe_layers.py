@@ -121,6 +121,10 @@ class SparseMoe:
         self.shared = None
         if moe.shared_intermediate_size:
             self.shared = SharedMlp(h, moe.shared_intermediate_size, w, f"{p}.{moe.shared_prefix}", moe.mlp_bias)
+        self.w_shared_gate = None
+        if moe.shared_gate:
+            self.w_shared_gate = paddle.to_tensor(
+                np.ascontiguousarray(_float_matrix(w, f"{p}.shared_expert_gate.weight", (1, h)).T))
         self.reduce: Callable[[Tensor], Tensor] | None = None   # tensor parallel: sum over ranks
         self.last_load: np.ndarray = np.zeros(e, dtype=np.int64)
 
@@ -149,7 +153,10 @@ class SparseMoe:
         y = y * paddle.to_tensor(weights.reshape(-1, 1).astype(np.float32)).astype(y.dtype)
         y = y.reshape([n, k, -1]).sum(axis=1) if k > 1 else y
         if self.shared is not None:
-            y = y + self.shared.partial(x)
+            shared = self.shared.partial(x)
+            if self.w_shared_gate is not None:
+                shared = shared * paddle.nn.functional.sigmoid(paddle.matmul(x, self.w_shared_gate))
+            y = y + shared
         if self.reduce is not None:
             y = self.reduce(y)
         if self.shared is not None and self.shared.b_down is not None:
@@ -172,7 +179,7 @@ class SparseMoe:
 
     def held(self) -> list[Any]:
         """Every weight this block holds (for weight_bytes)."""
-        out: list[Any] = [self.w_router, *self.w_gate_up, *self.w_down]
+        out: list[Any] = [self.w_router, self.w_shared_gate, *self.w_gate_up, *self.w_down]
         if self.shared is not None:
             s = self.shared
             out += [s.w_gate_up, s.b_gate_up, s.w_down, s.b_down]
