@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders (Qwen3-MoE, ERNIE-4.5-MoE): the dense
+"""Mixture-of-experts decoders (Qwen2-MoE, Qwen3-MoE, ERNIE-4.5-MoE): the dense
 decoder (fdx.plugins.models.decoder) whose MLP, in the layers the config
 names, is a router over ``num_experts`` SwiGLU experts, of which each token
 takes ``top_k``, plus, where the architecture has them, shared experts
@@ -20,6 +20,9 @@ decoder.py, this module imports no Paddle.
 A MoE layer never runs as the backend's fused decoder layer (``fused`` is
 None), so the composed ops run it and the backend's one call for all
 layers does not apply to such a model.
+
+The constructor repeats DecoderForCausalLM's (that one builds dense layers
+only); ``forward`` is the dense decoder's, plus ERNIE's optional head bias.
 """
 from __future__ import annotations
 
@@ -51,8 +54,6 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         raise NotImplementedError
 
     def __init__(self, config: dict[str, Any], weights: dict[str, Any], weight_format=None):
-        # DecoderForCausalLM.__init__ builds dense layers; this one builds the
-        # same model with MoE layers where the config says.
         if weight_format is None:
             from fdx.plugins.models.weight_formats import NoQuantization
             weight_format = NoQuantization()
