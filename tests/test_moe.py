@@ -503,3 +503,12 @@ def test_an_outside_router_replaces_top_k(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="model.moe_router"):
         LLM(str(case.path), moe_router="no-such-router", plugins=pm, **kw)
     assert "example-uniform" in pm.names("moe_router") and sys.modules["fdx_example_plugin.moe_router"]
+
+
+@pytest.mark.slow
+def test_a_router_out_of_range_is_named(tmp_path):
+    case = write_case("ernie-moe", tmp_path)
+    model = case.fdx_model()
+    model.set_router(lambda logits, bias: (np.full((logits.shape[0], 2), 8), np.ones((logits.shape[0], 2))))
+    with pytest.raises(ValueError, match=r"model.moe_router.*\[0, 8\)"):
+        PagedRunner(model, impl="paddle").step([("a", [5, 6, 7])])

@@ -129,11 +129,22 @@ class SparseMoe:
         self.last_load: np.ndarray = np.zeros(e, dtype=np.int64)
 
     def route(self, x: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The router's choice for the rows of x: (ids int64 [rows, k], weights float32 [rows, k])."""
         logits = paddle.matmul(x.astype("float32"), self.w_router).numpy()
-        return self.router(logits, self.score_bias)
+        ids, weights = self.router(logits, self.score_bias)
+        ids, weights = np.asarray(ids), np.asarray(weights, dtype=np.float32)
+        if (ids.ndim != 2 or ids.shape[0] != logits.shape[0] or weights.shape != ids.shape
+                or not np.issubdtype(ids.dtype, np.integer) or ids.size and not (
+                    0 <= ids.min() and ids.max() < self.num_experts)):
+            raise ValueError(f"{self.prefix}: the router (config key 'model.moe_router' when a plugin's) returned "
+                             f"expert ids {ids.dtype} {ids.shape} and weights {weights.shape}; expected integer ids "
+                             f"in [0, {self.num_experts}) and weights, both [{logits.shape[0]}, k]")
+        return ids.astype(np.int64, copy=False), weights
 
     def __call__(self, x: Tensor) -> Tensor:
         n = x.shape[0]
+        if n == 0:
+            return paddle.zeros_like(x)
         ids, weights = self.route(x)
         k = ids.shape[1]
         flat = ids.reshape(-1)
