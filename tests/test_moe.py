@@ -274,6 +274,7 @@ def gguf_case(request, tmp_path_factory) -> tuple[Case, Path, Path]:
     return c, write_gguf(c, root / f"{c.name}.f32.gguf"), write_gguf(c, root / f"{c.name}.q8_0.gguf", "Q8_0")
 
 
+@pytest.mark.slow                   # builds a torch reference model (conftest's rule)
 def test_gguf_f32_config_and_logits(gguf_case):
     case, f32, _ = gguf_case
     hf_ck = load_checkpoint(str(case.path), progress=False)
@@ -290,6 +291,7 @@ def test_gguf_f32_config_and_logits(gguf_case):
     np.testing.assert_allclose(logits, case.logits(ids), atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_gguf_q8_0_experts_stay_quantized(gguf_case, tmp_path):
     """Q8_0 experts are held as Q8_0 blocks (each expert its rows of the
     stacked tensor) and multiply through the format's product; the logits
