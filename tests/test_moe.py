@@ -514,3 +514,20 @@ def test_a_router_out_of_range_is_named(tmp_path):
     model.set_router(lambda logits, bias: (np.full((logits.shape[0], 2), 8), np.ones((logits.shape[0], 2))))
     with pytest.raises(ValueError, match=r"model.moe_router.*\[0, 8\)"):
         PagedRunner(model, impl="paddle").step([("a", [5, 6, 7])])
+
+
+def test_which_layers_route():
+    """transformers' rules: Qwen3-MoE routes every decoder_sparse_step-th
+    layer outside mlp_only_layers; ERNIE routes layers start..end (-1: the
+    last) every moe_layer_interval-th, its shared experts one MLP of
+    moe_intermediate_size * moe_num_shared_experts."""
+    q = Qwen3MoeForCausalLM.parse_moe_config(dict(num_hidden_layers=6, num_experts=4, num_experts_per_tok=2,
+                                                  decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert q.moe_layers == (1, 5) and q.shared_intermediate_size == 0 and not q.norm_topk_prob
+    e = Ernie4_5_MoeForCausalLM.parse_moe_config(dict(num_hidden_layers=8, moe_num_experts=4, moe_k=2,
+                                                      moe_layer_start_index=2, moe_layer_end_index=6,
+                                                      moe_layer_interval=2, moe_intermediate_size=16,
+                                                      moe_num_shared_experts=2))
+    assert e.moe_layers == (3, 5) and e.shared_intermediate_size == 32 and e.score_correction_bias
+    with pytest.raises(NotImplementedError, match="moe_num_experts"):
+        Ernie4_5_MoeForCausalLM.parse_moe_config(dict(num_hidden_layers=2, moe_num_experts=[4, 4]))
