@@ -20,6 +20,7 @@ import paddle
 
 from fdx.core.interfaces import LinearWeight
 from fdx.ops.activation import silu_and_mul
+from fdx.ops.dense import matmul as dense_matmul
 from fdx.ops.rotary import RotaryEmbedding
 from fdx.plugins.models.decoder_config import DecoderConfig
 from fdx.plugins.models.layers import Attention, DecoderLayer, Weights, _take, linear
@@ -130,7 +131,8 @@ class SparseMoe:
 
     def route(self, x: Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The router's choice for the rows of x: (ids int64 [rows, k], weights float32 [rows, k])."""
-        logits = paddle.matmul(x.astype("float32"), self.w_router).numpy()
+        # the dense layers' float32 product (fdx.ops.dense), so the choice follows the rows' own sums
+        logits = dense_matmul(x.astype("float32"), self.w_router).numpy()
         ids, weights = self.router(logits, self.score_bias)
         ids, weights = np.asarray(ids), np.asarray(weights, dtype=np.float32)
         if (ids.ndim != 2 or ids.shape[0] != logits.shape[0] or weights.shape != ids.shape
