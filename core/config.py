@@ -32,6 +32,8 @@ class ModelConfig(_Section):
     quantization: str = "auto"                 # weight format plugin: auto (each GGUF tensor in its own type;
                                                # float32 for float checkpoints), none (fp32), q8_0, q4_0, q4_1,
                                                # q4_k, q6_k, wint8, wint4 (docs/configuration.md)
+    moe_router: str | None = None              # a MoE model's expert choice (fdx_register_moe_routers); None:
+                                               # the architecture's own top-k
     chat_template: str | None = None           # a Jinja file or the template text; None: the model's own
     generation_config: str = "auto"            # sampling defaults: auto (the model's), vllm / none (none:
                                                # fdx's), or a folder holding a generation_config.json

@@ -140,6 +140,20 @@ def fdx_register_weight_formats(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_moe_routers(register: Register) -> None:
+    """Register mixture-of-experts routers: classes constructed once per
+    model as ``cls(moe_config, settings)`` (the model's ``MoeConfig``:
+    ``num_experts``, ``top_k``, ...; the ``plugins.moe_router.<name>``
+    settings), whose instances are called in every MoE layer as
+    ``router(logits, bias) -> (ids, weights)``: the router's float32 logits
+    (numpy ``[rows, num_experts]``) and the checkpoint's expert-choice bias
+    (float32 ``[num_experts]``, or None) in; each row's expert ids (int64
+    ``[rows, k]``) and weights (float32 ``[rows, k]``) out.
+    ``config.model.moe_router`` picks one in place of the architecture's own
+    top-k (none built in)."""
+
+
+@hookspec
 def fdx_register_observers(register: Register) -> None:
     """Register observers (``Observer`` subclasses: classes whose methods
     are the observer hooks below) by name. ``config.observability.observers``

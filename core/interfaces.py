@@ -125,6 +125,8 @@ class StepStats:
     num_finished: int
     num_recomputed_tokens: int = 0     # tokens computed again after a preemption, this step
     recompute_tax: float = 0.0         # recomputed / all computed tokens, since the engine started
+    expert_load: list[list[int]] | None = None   # a MoE model run in-process: tokens routed to each expert,
+                                       # [MoE layer][expert], this step (plugins/models/moe_taps.py); else None
 
 
 @dataclass(slots=True)

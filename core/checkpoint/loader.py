@@ -278,6 +278,9 @@ _GGUF_ARCHES = {
     "llama": _GgufArch("LlamaForCausalLM", "llama", True, (("attention_bias", False), ("mlp_bias", False))),
     "qwen2": _GgufArch("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": _GgufArch("Qwen3ForCausalLM", "qwen3", False, (("attention_bias", False),)),
+    "qwen2moe": _GgufArch("Qwen2MoeForCausalLM", "qwen2_moe", False, (("qkv_bias", True),)),
+    "qwen3moe": _GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", False, (("attention_bias", False),)),
+    "ernie4_5-moe": _GgufArch("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", False, (("use_bias", False),)),
 }
 
 # GGUF per-layer tensor names -> Hugging Face names under model.layers.N.
@@ -302,6 +305,72 @@ _GGUF_GLOBAL_NAMES = {
 # llama.cpp-only tensors with no Hugging Face parameter (recomputed from config).
 _GGUF_SKIPPED = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+# Mixture-of-experts tensors (llama.cpp's convert_hf_to_gguf.py): the router, the experts stacked
+# in one 3-D tensor per projection ([experts, out, in] in numpy order; split here into Hugging
+# Face's per-expert names, each expert's rows of the file's bytes), the shared experts, and
+# ERNIE-4.5-MoE's expert-choice bias.
+_GGUF_MOE_RE = re.compile(
+    r"^blk\.(\d+)\.(ffn_gate_inp_shexp|ffn_gate_inp|ffn_(gate|up|down)_(exps|shexp)|exp_probs_b)(\.weight|\.bias)?$")
+_GGUF_SHARED_PREFIX = {"ernie4_5-moe": "shared_experts"}
+
+
+def _gguf_moe_config(fields: Mapping[str, Any], arch: str, config: Mapping[str, Any],
+                     tensor_names: set[str]) -> dict[str, Any]:
+    """The Hugging Face MoE config keys of a MoE GGUF file (none for a dense one)."""
+    def get(key: str, default: Any = None) -> Any:
+        return fields.get(f"{arch}.{key}", default)
+
+    if arch in ("qwen2moe", "qwen3moe"):
+        routed = {i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names}
+        return {"num_experts": int(get("expert_count", 0)), "num_experts_per_tok": int(get("expert_used_count", 0)),
+                "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
+                # llama.cpp's qwen3moe graph always renormalizes the top-k weights, its qwen2moe never
+                "norm_topk_prob": bool(get("expert_weights_norm", arch == "qwen3moe")), "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i in range(config["num_hidden_layers"]) if i not in routed],
+                **({"shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0))}
+                   if arch == "qwen2moe" else {})}
+    if arch == "ernie4_5-moe":
+        return {"moe_num_experts": int(get("expert_count", 0)), "moe_k": int(get("expert_used_count", 0)),
+                "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
+                "moe_num_shared_experts": int(get("expert_shared_count", 0)),
+                "moe_layer_start_index": int(get("leading_dense_block_count", 0)),
+                "moe_layer_interval": int(get("interleave_moe_layer_step", 1)), "moe_layer_end_index": -1}
+    return {}
+
+
+def _gguf_moe_tensors(tensor: GgufTensor, data: np.ndarray, arch: str, keep_blocks: bool
+                      ) -> dict[str, Any] | None:
+    """A MoE tensor under its Hugging Face name(s), or None for any other tensor."""
+    m = _GGUF_MOE_RE.match(tensor.name)
+    if m is None:
+        return None
+    layer, part, proj, kind = m.group(1), m.group(2), m.group(3), m.group(4)
+    mlp = f"model.layers.{layer}.mlp"
+    if kind == "exps":
+        if len(tensor.shape) != 3:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has shape {tensor.shape}, expected "
+                             "[experts, rows, cols]")
+        n, rows, cols = tensor.shape
+        out: dict[str, Any] = {}
+        floats = None if keep_blocks and tensor.type_name not in _FLOAT_TYPES else _gguf_tensor(tensor, data)
+        for e in range(n):
+            name = f"{mlp}.experts.{e}.{proj}_proj.weight"
+            out[name] = floats[e] if floats is not None else \
+                GGUFBlocks(tensor.type_name.lower(), (rows, cols), data[e * rows:(e + 1) * rows])
+        return out
+    blocks = _gguf_blocks(tensor, data) if keep_blocks else None
+    array = _gguf_tensor(tensor, data) if blocks is None else blocks
+    if isinstance(array, GGUFBlocks) and part in ("exp_probs_b", "ffn_gate_inp_shexp"):
+        array = array.dequantize()                       # a vector the model holds in float32
+    if part == "exp_probs_b":
+        return {f"{mlp}.moe_statics.e_score_correction_bias": np.asarray(array).reshape(1, -1)}
+    if part == "ffn_gate_inp":
+        return {f"{mlp}.gate.weight": array}
+    if part == "ffn_gate_inp_shexp":                     # Qwen2-MoE's shared expert gate, [1, hidden]
+        return {f"{mlp}.shared_expert_gate.weight": np.asarray(array).reshape(1, -1)}
+    return {f"{mlp}.{_GGUF_SHARED_PREFIX.get(arch, 'shared_expert')}.{proj}_proj.weight": array}
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -473,6 +542,7 @@ def _gguf_index_config(path: Path) -> tuple[GgufIndex, dict[str, Any], _GgufArch
     spec = _GGUF_ARCHES[arch]
     special = GgufSpecialIds.of(fields, str(path))
     config = _gguf_config(fields, arch, spec, {t.name for t in index.tensors}, special, str(path))
+    config.update(_gguf_moe_config(fields, arch, config, {t.name for t in index.tensors}))
     return index, fields, spec, config, special
 
 
@@ -489,6 +559,10 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False, defer_toke
     with open(path, "rb") as f:
         for tensor in _progress(list(index.tensors), "Loading GGUF tensors", progress):
             if tensor.name in _GGUF_SKIPPED:
+                continue
+            if _GGUF_MOE_RE.match(tensor.name):
+                weights.update(_gguf_moe_tensors(tensor, index.read(tensor, f), fields["general.architecture"],
+                                                 keep_blocks))
                 continue
             name = _hf_name(tensor.name)
             data = index.read(tensor, f)

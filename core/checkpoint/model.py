@@ -77,6 +77,8 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
         if str(e).startswith("config key "):
             raise ConfigError(str(e)) from None
         raise
+    if config.model.moe_router is not None:
+        _set_moe_router(model, arch, config, plugins)
     ckpt.weights = {}
     from fdx.core.host import release_free_heap
     release_free_heap()                         # what the load freed, not kept resident
@@ -84,6 +86,23 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
     if held:
         log.info("weights (%s): %s", fmt.describe(), format_bytes(held))
     return model, ckpt
+
+
+def _set_moe_router(model: Any, arch: str, config: FdxConfig, plugins: PluginManager) -> None:
+    """Put the router ``model.moe_router`` names in every MoE layer (here,
+    where every tensor parallel rank builds its model too)."""
+    name = config.model.moe_router
+    if not hasattr(model, "set_router"):
+        raise ConfigError(f"config key 'model.moe_router': {arch} has no mixture-of-experts layers to route")
+    try:
+        cls = plugins.get("moe_router", name)
+    except PluginError as e:
+        raise ConfigError(f"config key 'model.moe_router': {e}") from None
+    settings = dict(config.plugins.get("moe_router", {}).get(name, {}) or {})
+    try:
+        model.set_router(cls(model.moe, settings))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config key 'plugins.moe_router.{name}': {e}") from None
 
 
 def check_model_class(cls: Any, arch: str, config: FdxConfig) -> None:

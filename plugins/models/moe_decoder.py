@@ -1,0 +1,155 @@
+"""Mixture-of-experts decoders (Qwen2-MoE, Qwen3-MoE, ERNIE-4.5-MoE): the dense
+decoder (fdx.plugins.models.decoder) whose MLP, in the layers the config
+names, is a router over ``num_experts`` SwiGLU experts, of which each token
+takes ``top_k``, plus, where the architecture has them, shared experts
+every token runs.
+
+The weights arrive under the names a Hugging Face folder stores them
+(``model.layers.N.mlp.gate.weight`` for the router,
+``mlp.experts.E.{gate,up,down}_proj.weight`` per expert); the GGUF loader
+splits llama.cpp's stacked 3-D expert tensors into the same names, each
+expert's bytes as the file holds them. Each expert's matrices are
+``LinearWeight``s of the model's weight format, so a quantized expert stays
+quantized and multiplies through the format's product; the router stays
+float32 (its top-k choice is the architecture's, read from the file).
+
+The compute (routing, the grouped expert products) is in
+``fdx.plugins.models.moe_layers``, imported when a model is built: like
+decoder.py, this module imports no Paddle.
+
+A MoE layer never runs as the backend's fused decoder layer (``fused`` is
+None), so the composed ops run it and the backend's one call for all
+layers does not apply to such a model.
+
+The constructor repeats DecoderForCausalLM's (that one builds dense layers
+only); ``forward`` is the dense decoder's, plus ERNIE's optional head bias.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from fdx.core.interfaces import AttentionContext
+from fdx.plugins.models.decoder import DecoderForCausalLM
+from fdx.plugins.models.moe_config import MoeConfig, check_moe
+
+__all__ = ["MoeConfig", "MoeDecoderForCausalLM", "check_moe"]
+
+if TYPE_CHECKING:
+    from paddle import Tensor
+
+
+class MoeDecoderForCausalLM(DecoderForCausalLM):
+    """``DecoderForCausalLM`` with MoE MLPs in ``parse_moe_config``'s layers.
+
+    Tensor parallel splits each expert's intermediate dimension (and the
+    shared experts' and the dense layers') the way the dense MLP is split;
+    the router stays whole on every rank and the layer's output is summed
+    over the ranks once, after the routed and shared parts are added."""
+
+    architecture: ClassVar[str] = "MoeDecoderForCausalLM"
+    supports_pooling = True
+
+    @classmethod
+    def parse_moe_config(cls, config: dict[str, Any]) -> MoeConfig:
+        raise NotImplementedError
+
+    def __init__(self, config: dict[str, Any], weights: dict[str, Any], weight_format=None):
+        if weight_format is None:
+            from fdx.plugins.models.weight_formats import NoQuantization
+            weight_format = NoQuantization()
+        self.weight_format = weight_format
+        cfg = self.cfg = self.parse_config(config)
+        moe = self.moe = check_moe(self.architecture, cfg.num_layers, self.parse_moe_config(config))
+        self.num_layers = cfg.num_layers
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.capture_hidden_states = False
+        self.last_hidden_states = None
+        self.capture_pooling_hidden_states = False
+        self.pooling_hidden_states = None
+        self.head_dim = cfg.head_dim
+        self.vocab_size = cfg.vocab_size
+        self.max_position_embeddings = cfg.max_position_embeddings
+
+        from fdx.plugins.models.layers import DecoderLayer, Weights, build_rotary
+        from fdx.plugins.models.moe_layers import MoeDecoderLayer, default_router
+        w = Weights(self.architecture, weights, weight_format)
+        self.embed_tokens = w.matrix("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "embedding")
+        if cfg.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+            self.lm_head = weight_format.tied_head(self.embed_tokens)
+        else:
+            self.lm_head = w.matrix("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "lm_head")
+        # ERNIE-4.5-MoE's head takes a bias with use_bias (transformers' nn.Linear(bias=use_bias))
+        self.lm_head_bias = w.vector("lm_head.bias", cfg.vocab_size) if "lm_head.bias" in weights else None
+        rope = build_rotary(cfg)
+        router = default_router(moe)
+        self.layers = [MoeDecoderLayer(cfg, moe, w, i, rope, router) if i in moe.moe_layers
+                       else DecoderLayer(cfg, w, i, rope) for i in range(cfg.num_layers)]
+        self.norm = w.vector("model.norm.weight", cfg.hidden_size)
+
+    @property
+    def moe_blocks(self) -> list:
+        """The MoE MLPs, in layer order."""
+        return [layer.mlp for layer in self.layers if getattr(layer, "is_moe", False)]
+
+    def set_router(self, router: Callable[[Any], tuple[Any, Any]]) -> None:
+        """Replace the top-k choice in every MoE layer: ``router(logits,
+        bias)`` takes the router's float32 logits (numpy ``[rows,
+        num_experts]``) and the checkpoint's expert-choice bias (ERNIE's
+        ``e_score_correction_bias``, float32 ``[num_experts]``, or None) and
+        returns ``(expert ids int64 [rows, k], weights float32 [rows, k])``."""
+        for block in self.moe_blocks:
+            block.router = router
+
+    def last_expert_load(self) -> list[list[int]]:
+        """Tokens routed to each expert in each MoE layer by the last forward
+        (``[moe layers][num_experts]``; zeros before the first)."""
+        return [block.last_load.tolist() for block in self.moe_blocks]
+
+    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
+        cfg, moe = self.cfg, self.moe
+        counts = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                  ("moe_intermediate_size", moe.moe_intermediate_size)]
+        if len(moe.moe_layers) < cfg.num_layers:
+            counts.append(("intermediate_size", cfg.intermediate_size))
+        if moe.shared_intermediate_size:
+            counts.append(("shared expert intermediate size", moe.shared_intermediate_size))
+        for key, count in counts:
+            if count % world:
+                raise ValueError(f"config key 'parallel.tensor_parallel_size': {self.architecture}: "
+                                 f"{key}={count} does not divide by tensor_parallel_size={world}")
+        for layer in self.layers:
+            layer.attn.shard(rank, world, reduce)
+            layer.mlp.shard(rank, world, reduce)
+            layer.weights_changed()
+        self.num_heads, self.num_kv_heads = cfg.num_heads // world, cfg.num_kv_heads // world
+
+    def weight_bytes(self) -> dict[str, int]:
+        from fdx.plugins.models.weight_formats import weight_bytes
+        held = [self.embed_tokens, self.norm, self.lm_head_bias] + (
+            [] if self.lm_head is self.embed_tokens else [self.lm_head])
+        for layer in self.layers:
+            a = layer.attn
+            held += [layer.input_norm, layer.post_norm, a.wqkv, a.bqkv, a.wo, a.bo, a.q_norm, a.k_norm,
+                     *layer.mlp.held()] if getattr(layer, "is_moe", False) else [
+                layer.input_norm, layer.post_norm, a.wqkv, a.bqkv, a.wo, a.bo, a.q_norm, a.k_norm,
+                layer.mlp.w_gate_up, layer.mlp.b_gate_up, layer.mlp.w_down, layer.mlp.b_down]
+        return weight_bytes(held)
+
+    def cast(self, dtype: str) -> None:
+        """float32 only (the MoE layers' first target)."""
+        if dtype != "float32":
+            raise ValueError(f"config key 'model.dtype': {self.architecture} computes in float32 only, "
+                             f"not {dtype}")
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list, meta: AttentionContext,
+                logits_indices: Tensor) -> Tensor:
+        logits = super().forward(input_ids, positions, kv_caches, meta, logits_indices)
+        return logits if self.lm_head_bias is None else logits + self.lm_head_bias
+
+    def drop_lm_head(self) -> None:
+        super().drop_lm_head()
+        self.lm_head_bias = None
+
+    __call__ = forward
