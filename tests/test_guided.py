@@ -197,6 +197,18 @@ def test_compiles_are_capped_timed_out_and_cancelled_when_nobody_waits(tokenizer
         g.close()
 
 
+def test_guided_decoding_is_on_by_default_with_llguidance():
+    """The README's install (fdx's own dependencies) answers structured output:
+    ``decoding.guided_backend`` defaults to auto, which takes llguidance, an fdx
+    dependency; null turns it off."""
+    from fdx.core.config import FdxConfig
+    from fdx.core.guided import auto_backend
+    from fdx.core.plugins import get_plugin_manager
+    assert FdxConfig.build().decoding.guided_backend == "auto"
+    assert auto_backend(get_plugin_manager()) == "llguidance"
+    assert FdxConfig.build(guided_backend="none").decoding.guided_backend == "none"
+
+
 def test_off_missing_package_and_bad_settings_are_clear_errors(tokenizer):
     off = GuidedDecoding(None, None, tokenizer, 49152, [2])
     with pytest.raises(ValueError, match="guided_regex: guided decoding is off.*decoding.guided_backend"):

@@ -95,7 +95,8 @@ def tool_plan(req, sc) -> ToolPlan:
         if not (sc.enable_auto_tool_choice and sc.tool_call_parser):
             raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice '
                            "and --tool-call-parser (server.enable_auto_tool_choice, server.tool_call_parser); "
-                           'tool_choice "required" or a named function work without them',
+                           'tool_choice "required" or a named function work without them (through guided '
+                           "decoding, on by default: decoding.guided_backend auto)",
                            param="tool_choice")
         return ToolPlan("auto", tools, None, parallel)
     if choice in ("none", "required"):
