@@ -50,6 +50,9 @@ class SeqDelta(msgspec.Struct, array_like=True):
                                              # its finishing delta
     prefill_time_s: float | None = None      # first scheduled to first token, on the first delta with tokens
     decode_time_s: float | None = None       # first token to finished, on the last delta
+    prompt_logprobs: list[list[list[float]] | None] | None = None   # with prompt_logprobs=N, on the first
+                                             # delta with tokens: per prompt token [[token_id, logprob, rank],
+                                             # ...] by rank (the prompt's own token among them), None first
 
 
 class EngineStats(msgspec.Struct, array_like=True):

@@ -111,6 +111,8 @@ class SequenceState:
         self.num_sent_chars = 0
         self.logprobs: list[list[list[float]]] | None = [] if params.logprobs is not None else None
         self.num_sent_logprobs = 0
+        # with prompt_logprobs=N: per prompt token [[token_id, logprob, rank], ...] by rank, None first
+        self.prompt_logprobs: list[list[list[float]] | None] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0

@@ -133,6 +133,56 @@ def test_completion_greedy_matches_llm(server, client, smollm_llm):
     assert r2.choices[0].text == smollm_llm.tokenizer.decode(ids, skip_special_tokens=False) + ref.text
 
 
+def test_prompt_logprobs_over_http_equal_the_engine_in_process(server, client, smollm_llm):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) and vLLM's
+    prompt_logprobs: the prompt tokens' logprobs equal LLM.generate(...,
+    prompt_logprobs=N) on the same float32 weights; nothing generated is shown."""
+    prompt = "The capital of France is Paris. The capital of Spain is"
+    ref = reference(smollm_llm, prompt, max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    ids, want = ref.prompt_token_ids, ref.prompt_logprobs
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    c = r.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(want[j][ids[j]].logprob, abs=1e-4), j
+        assert len(lp.top_logprobs[j]) == 1
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(ids))]
+    # with generated tokens: the prompt's entries, then the completion's, and the text after the prompt
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    c, out = r.choices[0], reference(smollm_llm, prompt, max_tokens=3, temperature=0.0)
+    assert c.text == prompt + out.outputs[0].text
+    assert len(c.logprobs.tokens) == len(ids) + 3 and c.logprobs.token_logprobs[0] is None
+    # streamed: the echo chunk carries the prompt's logprobs
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0,
+                                            temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    assert chunks[0].choices[0].logprobs.token_logprobs[1:] == c.logprobs.token_logprobs[1:len(ids)]
+    # vLLM's prompt_logprobs: per choice on completions, at the top level on chat
+    body = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2}).model_dump()
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for j in range(1, len(ids)):
+        assert {int(t) for t in got[j]} == set(want[j]), j
+        for t, e in got[j].items():
+            assert e["logprob"] == pytest.approx(want[j][int(t)].logprob, abs=1e-4)
+            assert e["rank"] == want[j][int(t)].rank
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0}).model_dump()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) >= 1 for e in chat["prompt_logprobs"][1:])
+    # refused with the field named
+    for kw, param in (({"max_tokens": 0}, "max_tokens"),
+                      ({"max_tokens": 1, "stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+                      ({"max_tokens": 1, "extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, **kw)
+        assert e.value.body["param"] == param, kw
+
+
 def test_chat_stream_matches_llm(server, smollm_llm):
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is 2+2?"}]
     # fields the request leaves out (the penalties, top_p) get the defaults, as in LLM.chat

@@ -143,6 +143,8 @@ class RequestGroup:
         if msg.decode_time_s is not None:
             seq.decode_time = msg.decode_time_s
         seq.num_cached_tokens = msg.num_cached_tokens
+        if msg.prompt_logprobs is not None:
+            seq.prompt_logprobs = msg.prompt_logprobs
         before, last = len(seq.token_ids), seq.last_token_time
         hit_stop = seq.add(msg.token_ids, msg.finish_reason, msg.stop_reason, msg.logprobs)
         self.server.metrics.tokens_arrived(seq, len(seq.token_ids) - before, last)
@@ -399,9 +401,12 @@ class Server:
             raise APIError(400, bad[1], param=bad[0])
         edge.check_limits(req, self.sc, self.vocab_size)
         prompts = self.render.completion_prompts(req.prompt)
-        kwargs = self.with_defaults(req, req.sampling_kwargs(req.max_tokens if req.max_tokens is not None else 16),
-                                    chat=False)
+        # echo with max_tokens 0 scores the prompt (lm-eval's loglikelihood): one token is computed, never shown
+        max_tokens = 1 if req.scores_only() else req.max_tokens if req.max_tokens is not None else 16
+        kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=False)
         kwargs["logprobs"] = req.logprobs
+        if req.echo and req.logprobs is not None:      # the echoed prompt's tokens with their logprobs
+            kwargs["prompt_logprobs"] = max(req.logprobs, kwargs.get("prompt_logprobs") or 0)
         sp = self.sampling_params(kwargs)
         for _, ids in prompts:
             self.check_prompt(ids)
@@ -530,20 +535,35 @@ class Server:
         def chunk(choices: list[dict], usage: dict | None = None, with_usage: bool = include_usage) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             if with_usage:                    # continuous_usage_stats: the counts so far on every chunk
-                body["usage"] = usage if usage is not None or not continuous else self.render.usage(group.seqs, prompts)
+                body["usage"] = usage if usage is not None or not continuous else self.render.usage(group.seqs, prompts, req)
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         text_offsets = {s.index: 0 for s in group.seqs}
         try:
+            echo_later = set()                    # echoed prompts whose logprobs come with the first delta
             for s in group.seqs:                  # opening chunk: the role, or the echoed prompt
                 if chat:
                     yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
+                elif req.echo and s.logprobs is not None:
+                    echo_later.add(s.index)
                 elif req.echo:
                     yield chunk([{"index": s.index, "text": self.render.prompt_text(prompts, s.prompt_index),
                                   "logprobs": None, "finish_reason": None}])
+            scores_only = not chat and req.scores_only()
             while group.unfinished:
                 s = await group.next()
+                if s.index in echo_later and (s.prompt_logprobs is not None or s.finished):
+                    echo_later.discard(s.index)
+                    text = self.render.prompt_text(prompts, s.prompt_index)
+                    yield chunk([{"index": s.index, "text": text, "finish_reason": None,
+                                  "logprobs": self.render.prompt_completion_logprobs(s, s.params.logprobs)}])
+                    text_offsets[s.index] = len(text)
+                if scores_only:                   # the computed token is not shown
+                    if s.finished:
+                        yield chunk([{"index": s.index, "text": "", "logprobs": None, "finish_reason": "length",
+                                      "stop_reason": None}])
+                    continue
                 text = s.take_text()
                 if not text and not s.finished:
                     continue                      # held back (a stop string may be starting)
@@ -571,7 +591,7 @@ class Server:
                     choice["stop_reason"] = s.stop_reason
                 yield chunk([choice])
             if include_usage:
-                yield chunk([], self.render.usage(group.seqs, prompts))
+                yield chunk([], self.render.usage(group.seqs, prompts, req))
             yield "data: [DONE]\n\n"
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"

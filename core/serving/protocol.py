@@ -115,6 +115,7 @@ class _SamplingRequest(_Model):
     guided_grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
     guided_whitespace_flexible: bool | None = None
+    prompt_logprobs: Int | None = None                # vLLM's: top-N logprobs of each prompt token (0..20)
     # OpenAI fields with no effect here: accepted and ignored
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -130,6 +131,8 @@ class _SamplingRequest(_Model):
         """(field, message) for a field set to something fdx cannot do."""
         if self.extra_args is not None and self.vllm_xargs is not None:
             return ("extra_args", "send per-request plugin arguments as extra_args or vllm_xargs, not both")
+        if self.prompt_logprobs is not None and self.stream:
+            return ("prompt_logprobs", "prompt_logprobs is not supported with stream=true (as in vLLM)")
         return None
 
     def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
@@ -140,7 +143,7 @@ class _SamplingRequest(_Model):
                               "skip_special_tokens": self.skip_special_tokens}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "stop_token_ids", "logit_bias",
-                     "allowed_token_ids", "bad_words"):
+                     "allowed_token_ids", "bad_words", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
@@ -206,9 +209,14 @@ class CompletionRequest(_SamplingRequest):
             return ("suffix", "suffix (insertion) is not supported")
         if self.best_of is not None and self.best_of != self.n:
             return ("best_of", "best_of is not supported (use n)")
-        if self.echo and self.logprobs is not None:
-            return ("echo", "echo together with logprobs is not supported (prompt logprobs are not computed)")
+        if self.max_tokens == 0 and not self.echo:
+            return ("max_tokens", "max_tokens 0 scores the prompt without generating: it needs echo=true")
         return super().unsupported()
+
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated (lm-eval's
+        loglikelihood requests)."""
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(BaseModel):
