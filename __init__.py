@@ -67,7 +67,7 @@ if not any(getattr(f, "fdx_guard", False) for f in _sys.meta_path):   # once, al
 _warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -76,7 +76,7 @@ def __getattr__(name: str):
     if name == "LLM":
         from fdx.core.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from fdx.core.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"):
+        from fdx.core import sampling_params
+        return getattr(sampling_params, name)
     raise AttributeError(name)

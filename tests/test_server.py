@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import time
 
@@ -181,6 +182,33 @@ def test_prompt_logprobs_over_http_equal_the_engine_in_process(server, client, s
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=prompt, **kw)
         assert e.value.body["param"] == param, kw
+
+
+def test_todays_structured_output_names_over_http(server, client, smollm_llm):
+    """vLLM's structured_outputs body field, instructor 1.3's json_object with a
+    schema, and a 400 naming an unknown key inside response_format or a
+    stream_options without stream: from the README's install (guided decoding
+    on by default)."""
+    import jsonschema
+    prompt = "My favourite city is"
+    want = reference(smollm_llm, prompt, max_tokens=6, temperature=0.0, guided_regex="[A-Z][a-z]+",
+                     guided_whitespace_flexible=True)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z][a-z]+"}})
+    assert r.choices[0].text == want.outputs[0].text and re.fullmatch("[A-Z][a-z]+", r.choices[0].text)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city as JSON"}],
+                                          max_tokens=40, temperature=0,
+                                          response_format={"type": "json_object", "schema": schema})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    for body, param in (({"response_format": {"type": "json_object", "scheme": {}}}, "response_format.scheme"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": schema, "x": 1}}},
+                         "response_format.json_schema.x"),
+                        ({"stream_options": {"include_usage": True}}, "stream_options"),
+                        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs")):
+        r = httpx.post(server.base_url + "/v1/chat/completions", headers=HEADERS, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
 def test_chat_stream_matches_llm(server, smollm_llm):

@@ -115,6 +115,8 @@ class _SamplingRequest(_Model):
     guided_grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
     guided_whitespace_flexible: bool | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's (>= 0.12) name: {json | regex | choice | grammar |
+                                                      # json_object | structural_tag, disable_any_whitespace}
     prompt_logprobs: Int | None = None                # vLLM's: top-N logprobs of each prompt token (0..20)
     # OpenAI fields with no effect here: accepted and ignored
     store: bool | None = None
@@ -131,6 +133,8 @@ class _SamplingRequest(_Model):
         """(field, message) for a field set to something fdx cannot do."""
         if self.extra_args is not None and self.vllm_xargs is not None:
             return ("extra_args", "send per-request plugin arguments as extra_args or vllm_xargs, not both")
+        if self.stream_options is not None and not self.stream:
+            return ("stream_options", "stream_options is only allowed with stream=true (as in vLLM and OpenAI)")
         if self.prompt_logprobs is not None and self.stream:
             return ("prompt_logprobs", "prompt_logprobs is not supported with stream=true (as in vLLM)")
         return None
@@ -164,6 +168,11 @@ class _SamplingRequest(_Model):
             raise APIError(400, f"response_format and {', '.join(both)}: a request takes at most one guided "
                            "decoding constraint", param="response_format")
         kw.update(from_format)
+        if self.structured_outputs is not None:
+            if from_format or both:
+                raise APIError(400, f"structured_outputs and {'response_format' if from_format else both[0]}: a "
+                               "request takes at most one guided decoding constraint", param="structured_outputs")
+            kw["structured_outputs"] = self.structured_outputs
         return kw
 
     def response_format_kwargs(self) -> dict[str, Any]:
@@ -173,12 +182,30 @@ class _SamplingRequest(_Model):
         if rf is None:
             return {}
         kind = rf.get("type", "text")
+
+        def only(where: dict, keys: set[str], name: str) -> None:     # an unknown key is a 400, as at the top
+            unknown = sorted(set(where) - keys)
+            if unknown:
+                raise APIError(400, f"{name}.{unknown[0]}: unknown key (known: {', '.join(sorted(keys))})",
+                               param=f"{name}.{unknown[0]}")
+
         if kind == "text":
+            only(rf, {"type"}, "response_format")
             return {}
-        if kind == "json_object":
-            return {"guided_json_object": True}
+        if kind == "json_object":                 # instructor 1.3 sends its schema here: honoured
+            only(rf, {"type", "schema"}, "response_format")
+            schema = rf.get("schema")
+            if schema is None:
+                return {"guided_json_object": True}
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.schema must be a JSON schema object",
+                               param="response_format.schema")
+            return {"guided_json": schema}
         if kind == "json_schema":
+            only(rf, {"type", "json_schema"}, "response_format")
             spec = rf.get("json_schema")
+            if isinstance(spec, dict):
+                only(spec, {"name", "schema", "strict", "description"}, "response_format.json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object "
