@@ -102,6 +102,19 @@ class LLM:
             sampling_params = self.get_default_sampling_params(chat=True)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params) -> list:
+        """vLLM's ``LLM.beam_search``: ``params`` a ``BeamSearchParams``
+        (beam_width, max_tokens, ignore_eos, temperature, length_penalty);
+        one ``BeamSearchOutput`` per prompt, its ``sequences`` best first
+        (``tokens`` with the prompt's, ``text``, ``cum_logprob``). See
+        core/beam_search.py."""
+        from fdx.core.beam_search import beam_search
+        if self.engine.task == "embed":
+            raise ValueError("this LLM runs model.task=embed: it does not generate")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return beam_search(self, list(prompts), params)
+
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False) -> list[EmbeddingOutput]:
         """One embedding per prompt (strings or ``{"prompt_token_ids": [...]}``),
         in order: the model's final hidden states pooled as
