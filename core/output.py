@@ -120,7 +120,7 @@ class SequenceState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
-        self.chat_output = None                   # the choice's chat parsers (core/serving/chat_output.py)
+        self.chat_output = None                   # the choice's chat parsers (core/chat_output.py)
         self.queue_time: float | None = None      # the engine's: arrival to first scheduled
         self.prefill_time: float | None = None    # the engine's: first scheduled to first token
         self.decode_time: float | None = None     # the engine's: first token to finished

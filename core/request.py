@@ -120,6 +120,9 @@ class CompletionOutput:
     finish_reason: str | None = None               # "stop", "length", "abort" or None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, TokenLogprob]] | None = None  # one dict per generated token
+    # LLM.chat with tools or a reasoning parser: the OpenAI-shaped assistant message the server
+    # answers (role, content, tool_calls, reasoning_content), from the same parsers (core/chat_output.py)
+    message: dict | None = None
 
 
 @dataclass(slots=True)

@@ -26,8 +26,8 @@ from fdx.core.checkpoint.loader import check_model_path, is_default_model, load_
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.generation import CHAT_DEFAULTS, chat_defaults_for, defaults_for
 from fdx.core.guided import constraint_of
-from fdx.core.plugins import PluginError, get_serving_plugin_manager
-from fdx.core.serving.chat_output import ChoiceOutput, tool_plan
+from fdx.core.plugins import get_serving_plugin_manager
+from fdx.core.chat_output import ChatRequestError, chat_parser, choice_outputs, tool_plan
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
 from fdx.core.messages import EngineRejected, SeqDelta
@@ -250,14 +250,7 @@ class Server:
 
     def _parser(self, kind: str, key: str):
         """(class, settings) of the chat output parser ``server.<key>`` names, or None."""
-        name = getattr(self.sc, key)
-        if name is None:
-            return None
-        try:
-            cls = self.plugins.get(kind, name)
-        except PluginError as e:
-            raise ConfigError(f"config key 'server.{key}': {e}") from None
-        return cls, dict((self.config.plugins.get(kind, {}) or {}).get(name, {}) or {})
+        return chat_parser(self.plugins, self.config, kind, key)
 
     # -- lifecycle ------------------------------------------------------------
     async def startup(self) -> None:
@@ -420,7 +413,10 @@ class Server:
         if bad:
             raise APIError(400, bad[1], param=bad[0])
         edge.check_limits(req, self.sc, self.vocab_size)
-        plan = tool_plan(req, self.sc)
+        try:
+            plan = tool_plan(req, self.sc)
+        except ChatRequestError as e:
+            raise APIError(400, e.message, param=e.param) from None
         text, ids = self.render.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=True)
@@ -433,47 +429,12 @@ class Server:
         return await self._serve(req, http_request, [(text, ids)], sp, "chatcmpl", chat=True, outputs=outputs)
 
     def chat_outputs(self, req, plan, prompt: str, kwargs: dict[str, Any]):
-        """Set the sampling fields tools and reasoning need (the guided
-        schema of a required / named call, where it starts, the reasoning
-        budget) and return the factory of each choice's ChoiceOutput (None:
-        plain content)."""
-        schema = plan.guided_json()
-        if schema is not None:
-            given = [k for k in SamplingParams.GUIDED_FIELDS if kwargs.get(k) not in (None, False)]
-            if given:
-                raise APIError(400, f"tool_choice {plan.mode!r} is guaranteed by a guided constraint: a request "
-                               f"cannot also carry {', '.join(given)}", param="tool_choice")
-            kwargs["guided_json"] = schema
-        reasoning = self.reasoning_parser
-        if reasoning is None:
-            if req.reasoning_max_tokens is not None:
-                raise APIError(400, "reasoning_max_tokens needs a reasoning parser: start the server with "
-                               "--reasoning-parser (server.reasoning_parser)", param="reasoning_max_tokens")
-        else:
-            cls, settings = reasoning
-            probe = cls(self.tokenizer, settings)
-            if probe.begin(prompt) is not False:       # thinking may come first
-                end_ids = self.tokenizer.encode(probe.end, add_special_tokens=False)
-                guided = any(kwargs.get(k) not in (None, False) for k in SamplingParams.GUIDED_FIELDS)
-                if guided and probe.reasons_first():
-                    kwargs["guided_starts_after"] = end_ids     # the constraint holds after the thinking
-                # a constraint from the first token leaves no thinking to budget (forcing the end
-                # tokens there would fight the grammar)
-                if req.reasoning_max_tokens is not None and (probe.reasons_first() or not guided):
-                    kwargs["reasoning_max_tokens"] = req.reasoning_max_tokens
-                    kwargs["reasoning_end_token_ids"] = end_ids
-        if plan.mode == "none" and reasoning is None:
-            return None
-        tool_cls = self.tool_parser
-
-        def make() -> ChoiceOutput:
-            r = None
-            if reasoning is not None:
-                r = reasoning[0](self.tokenizer, reasoning[1])
-                r.begin(prompt)
-            t = tool_cls[0](self.tokenizer, plan.tools, tool_cls[1]) if plan.mode == "auto" else None
-            return ChoiceOutput(plan, r, t)
-        return make
+        """core/chat_output.py's choice_outputs over this server's parsers (a 400 naming the field)."""
+        try:
+            return choice_outputs(plan, prompt, kwargs, self.tokenizer, self.tool_parser, self.reasoning_parser,
+                                  req.reasoning_max_tokens)
+        except ChatRequestError as e:
+            raise APIError(400, e.message, param=e.param) from None
 
     async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, kind: str, chat: bool,
                      outputs=None):

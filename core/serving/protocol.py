@@ -270,7 +270,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None          # checked in core/serving/chat_output.py
+    tools: list[dict[str, Any]] | None = None          # checked in core/chat_output.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_max_tokens: Int | None = None            # FastDeploy's: the think block closes after this many
