@@ -67,7 +67,8 @@ if not any(getattr(f, "fdx_guard", False) for f in _sys.meta_path):   # once, al
 _warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -76,7 +77,10 @@ def __getattr__(name: str):
     if name == "LLM":
         from fdx.core.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from fdx.core.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"):
+        from fdx.core import sampling_params
+        return getattr(sampling_params, name)
+    if name == "BeamSearchParams":
+        from fdx.core.beam_search import BeamSearchParams
+        return BeamSearchParams
     raise AttributeError(name)

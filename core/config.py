@@ -85,7 +85,9 @@ class ParallelConfig(_Section):
 class DecodingConfig(_Section):
     token_processor: str = "default"
     logits_processors: list[str] = []          # logits processor plugins added to the built-ins
-    guided_backend: str | None = None          # consumed by guided decoding (xgrammar, llguidance)
+    guided_backend: str | None = "auto"        # guided decoding backend: auto (llguidance, else xgrammar,
+                                               # whichever is installed first), a plugin's name, or
+                                               # none / null (off)
     capture_logits: bool = False               # research tap: raw logits in each StepContext
     capture_hidden_states: bool = False        # research tap: final hidden states in each StepContext
 

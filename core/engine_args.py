@@ -80,10 +80,33 @@ FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "--cache-queue-port": ((), "fdx's engine talks to its API process over private ipc:// sockets"),
     "--metrics-port": ((), "fdx serves /metrics on --port"),
     "--enable-mm": ((), "fdx serves text models only"),
+    "--lora-modules": ((), "fdx serves no LoRA adapters yet; merge the adapter into the weights and serve that "
+                           "folder"),
+    "--max-logprobs": (("20",), "fdx bounds logprobs and prompt_logprobs at 20 per token, fixed"),
+    "--enable-log-requests": (("",), "fdx logs no request contents; each request's id, status and timings are "
+                                     "in its trace (observability.observers: [otel], docs/observability.md)"),
+    "--response-role": (("assistant",), "fdx answers chat completions with the role 'assistant', fixed"),
+    "--allowed-origins": ((), "fdx sends no CORS headers; put the page's origin and fdx behind one reverse proxy"),
+    "--ssl-keyfile": ((), "fdx serves plain HTTP (on 127.0.0.1 by default); terminate TLS in a reverse proxy "
+                          "in front of it (docs/deployment.md)"),
+    "--ssl-certfile": ((), "fdx serves plain HTTP (on 127.0.0.1 by default); terminate TLS in a reverse proxy "
+                           "in front of it (docs/deployment.md)"),
+    "--root-path": ((), "fdx serves its routes at /; a reverse proxy that serves it under a prefix strips the "
+                        "prefix before passing requests on"),
+    "--enable-request-id-headers": (("",), "fdx always answers with the request's X-Request-Id header"),
+    "--return-tokens-as-token-ids": ((), "fdx returns token text; ask for token ids with the completion's "
+                                         "logprobs (each entry names its token id in /v1/completions' tokens)"),
+    "--enable-logprob": (("",), "fdx always computes logprobs when a request asks for them"),
+    "--max-waiting-time": ((), "fdx bounds the wait for a first token with server.max_queue (a 429 past it) and "
+                               "the global scheduler's queue timeout (docs/deployment.md)"),
+    "--enable-expert-parallel": ((), "fdx loads no mixture-of-experts model across ranks yet; use "
+                                     "--tensor-parallel-size"),
 }
 
 
-_SWITCHES = {"--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--enable-lora", "--enable-mm"}
+_SWITCHES = {"--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--enable-lora", "--enable-mm",
+             "--enable-log-requests", "--enable-request-id-headers", "--return-tokens-as-token-ids",
+             "--enable-logprob", "--enable-expert-parallel"}
 
 
 class _Foreign(argparse.Action):
@@ -138,8 +161,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(and vLLM's half, float); one the backend cannot compute in is an error saying so "
                         "(cpu: float32 only; model.dtype; default: auto)")
     p.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
-                   help="vLLM/FastDeploy: xgrammar, llguidance (vLLM's 'guidance'), or auto: the first "
-                        "installed (decoding.guided_backend; default: none, guided decoding off)")
+                   help="vLLM/FastDeploy: xgrammar, llguidance (vLLM's 'guidance'), auto (llguidance, else "
+                        "xgrammar: the first installed) or none (off) (decoding.guided_backend; default: auto)")
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help="vLLM: '{\"backend\": NAME}' with NAME as --guided-decoding-backend takes it "
+                        "(decoding.guided_backend; default: auto)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="vLLM: trace each request to this OTLP/HTTP collector (= observability.observers: [otel] "
+                        "and plugins.observer.otel.endpoint: URL; needs fdx[otel]; default: no tracing)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="vLLM/FastDeploy: accepted and ignored: fdx runs no code from a model's folder "
                         "(default: off, and on changes nothing)")
@@ -160,17 +189,31 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def _guided_backend(name: str) -> str:
-    if name == "auto":
-        import importlib.util
-        for module, backend in (("xgrammar", "xgrammar"), ("llguidance", "llguidance")):
-            if importlib.util.find_spec(module) is not None:
-                return backend
-        raise ConfigError("--guided-decoding-backend auto: neither xgrammar nor llguidance is installed "
-                          "(pip install 'fdx[guided]')")
+    if name in ("auto", "none"):
+        return name
     if name not in _GUIDED:
-        raise ConfigError(f"--guided-decoding-backend {name}: fdx has xgrammar and llguidance (vLLM's 'guidance'), "
-                          "or a plugin's name with --set guided_backend=NAME")
+        raise ConfigError(f"--guided-decoding-backend {name}: fdx has auto, none, xgrammar and llguidance "
+                          "(vLLM's 'guidance'), or a plugin's name with --set guided_backend=NAME")
     return _GUIDED[name]
+
+
+def _structured_outputs_backend(text: str) -> str:
+    """vLLM's --structured-outputs-config JSON: its ``backend`` (the only key fdx has)."""
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--structured-outputs-config: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError("--structured-outputs-config: a JSON object, e.g. '{\"backend\": \"xgrammar\"}'")
+    unknown = sorted(set(value) - {"backend"})
+    if unknown:
+        raise ConfigError(f"--structured-outputs-config: key {unknown[0]!r} is not an fdx setting; fdx takes "
+                          "'backend' only (docs/guided.md)")
+    backend = value.get("backend", "auto")
+    if not isinstance(backend, str):
+        raise ConfigError("--structured-outputs-config: 'backend' must be a string")
+    return _guided_backend(backend)
 
 
 def _overrides(args) -> dict:
@@ -186,6 +229,11 @@ def _overrides(args) -> dict:
         out["dtype"] = _DTYPES[args.dtype]
     if getattr(args, "guided_decoding_backend", None) is not None:
         out["guided_backend"] = _guided_backend(args.guided_decoding_backend)
+    if getattr(args, "structured_outputs_config", None) is not None:
+        out["guided_backend"] = _structured_outputs_backend(args.structured_outputs_config)
+    if getattr(args, "otlp_traces_endpoint", None) is not None:
+        out["observability.observers"] = ["otel"]
+        out["plugins.observer.otel.endpoint"] = args.otlp_traces_endpoint
     for item in args.set:
         if "=" not in item:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")

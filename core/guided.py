@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -42,6 +43,7 @@ from fdx.core.config import ConfigError
 from fdx.core.interfaces import GUIDED_KINDS, AdmissionRule, GuidedBackend, GuidedStep
 from fdx.core.sampling_params import SamplingParams
 
+log = logging.getLogger("fdx.guided")
 # how to install the backends' packages (named in the errors when one is missing)
 INSTALL_HINT = 'pip install "fdx[guided]"'
 FAST_LANE_CHARS = 4096      # constraints up to this size compile on their own thread
@@ -99,6 +101,25 @@ class _Entry:
         self.ready = False              # compiled and its matcher built: it may be scheduled
 
 
+# ``decoding.guided_backend: auto`` takes the first of these that is registered and installed
+AUTO_ORDER = ("llguidance", "xgrammar")
+
+
+def auto_backend(plugins) -> str | None:
+    """The backend ``auto`` means here: the first of AUTO_ORDER registered and
+    importable (llguidance is an install dependency of fdx), else None (off,
+    logged)."""
+    for name in AUTO_ORDER:
+        if name not in plugins.names("guided_backend"):
+            continue
+        cls = plugins.get("guided_backend", name)
+        if all(importlib.util.find_spec(m) is not None for m in getattr(cls, "requires", ())):
+            return name
+    log.info("guided decoding off: decoding.guided_backend is auto and neither llguidance nor xgrammar is "
+             "installed (%s)", INSTALL_HINT)
+    return None
+
+
 class GuidedDecoding:
     """The guided service for one model and one backend (``None``: guided
     decoding is off, and a constrained request is refused)."""
@@ -153,6 +174,11 @@ class GuidedDecoding:
     def from_config(cls, config, plugins, tokenizer, vocab_size: int, eos_token_ids,
                     warm_up: bool = True) -> "GuidedDecoding":
         name = config.decoding.guided_backend
+        named = name not in ("auto", "none", None)   # auto builds its backend at the first guided request
+        if name == "auto":
+            name = auto_backend(plugins)
+        elif name == "none":          # off, as null
+            name = None
         backend_cls = None
         if name:
             from fdx.core.plugins import PluginError
@@ -164,7 +190,7 @@ class GuidedDecoding:
         sc = config.server
         service = cls(name, backend_cls, tokenizer, vocab_size, eos_token_ids, settings,
                       compile_timeout_s=sc.guided_compile_timeout_s, max_compiles=sc.max_guided_compiles)
-        if warm_up and backend_cls is not None:
+        if warm_up and named and backend_cls is not None:
             service._pool.submit(service.backend_or_error)      # import and build off the step loop
         return service
 
@@ -201,7 +227,8 @@ class GuidedDecoding:
         field_name = FIELD_OF_KIND[c[0]]
         if not self.enabled:
             raise ValueError(f"invalid sampling parameter {field_name}: guided decoding is off on this "
-                             "engine; set decoding.guided_backend to xgrammar or llguidance")
+                             "engine (decoding.guided_backend is null, or auto found no backend installed); set "
+                             "decoding.guided_backend to llguidance or xgrammar")
         kinds = getattr(self.backend_cls, "kinds", GUIDED_KINDS)
         if c[0] not in kinds:
             raise ValueError(f"invalid sampling parameter {field_name}: the {self.name} guided backend "

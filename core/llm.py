@@ -91,17 +91,62 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+             reasoning_max_tokens: int | None = None) -> list[RequestOutput]:
+        """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as OpenAI's
+        (``required`` and a named function are guaranteed by guided decoding;
+        ``auto`` needs ``server.tool_call_parser`` and
+        ``server.enable_auto_tool_choice``); with tools or a
+        ``server.reasoning_parser``, each output's ``message`` is the
+        assistant message the server answers (content, tool_calls,
+        reasoning_content), from the same parsers (core/chat_output.py)."""
+        from types import SimpleNamespace
+
+        from fdx.core.chat_output import chat_parser, choice_outputs, tool_plan
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        plan = tool_plan(SimpleNamespace(tools=tools, tool_choice=tool_choice,
+                                         parallel_tool_calls=parallel_tool_calls), self.config.server)
         prompts = []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+                conv, add_generation_prompt=add_generation_prompt, tools=tools or None, **(chat_template_kwargs or {}))
             # the template already holds the special tokens
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params(chat=True)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        plugins = self.engine.plugins
+        tool_parser = chat_parser(plugins, self.config, "tool_parser", "tool_call_parser")
+        reasoning = chat_parser(plugins, self.config, "reasoning_parser", "reasoning_parser")
+        params = self._params_list(sampling_params, len(prompts))
+        makers = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            kwargs = sp.to_dict()
+            makers.append(choice_outputs(plan, p["prompt"], kwargs, self.tokenizer, tool_parser, reasoning,
+                                         reasoning_max_tokens))
+            params[i] = SamplingParams(**kwargs)
+        results = self.generate(prompts, params, use_tqdm=use_tqdm)
+        for make, result in zip(makers, results):
+            if make is None:
+                continue
+            for out in result.outputs:
+                parsed = make()
+                out.message = parsed.message(out.text)
+                out.finish_reason = parsed.finish_reason(out.finish_reason)
+        return results
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params) -> list:
+        """vLLM's ``LLM.beam_search``: ``params`` a ``BeamSearchParams``
+        (beam_width, max_tokens, ignore_eos, temperature, length_penalty);
+        one ``BeamSearchOutput`` per prompt, its ``sequences`` best first
+        (``tokens`` with the prompt's, ``text``, ``cum_logprob``). See
+        core/beam_search.py."""
+        from fdx.core.beam_search import beam_search
+        if self.engine.task == "embed":
+            raise ValueError("this LLM runs model.task=embed: it does not generate")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return beam_search(self, list(prompts), params)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False) -> list[EmbeddingOutput]:
         """One embedding per prompt (strings or ``{"prompt_token_ids": [...]}``),

@@ -53,6 +53,9 @@ class SeqDelta(msgspec.Struct, array_like=True):
     activations: list[tuple[str, list[int], int, bytes]] | None = None   # SamplingParams.activations
                                              # captures, with the finishing delta: ("point.layer",
                                              # positions, hidden, float32 [positions, hidden] bytes)
+    prompt_logprobs: list[list[list[float]] | None] | None = None   # with prompt_logprobs=N, on the first
+                                             # delta with tokens: per prompt token [[token_id, logprob, rank],
+                                             # ...] by rank (the prompt's own token among them), None first
 
 
 class EngineStats(msgspec.Struct, array_like=True):

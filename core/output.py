@@ -111,6 +111,8 @@ class SequenceState:
         self.num_sent_chars = 0
         self.logprobs: list[list[list[float]]] | None = [] if params.logprobs is not None else None
         self.num_sent_logprobs = 0
+        # with prompt_logprobs=N: per prompt token [[token_id, logprob, rank], ...] by rank, None first
+        self.prompt_logprobs: list[list[list[float]] | None] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
@@ -118,7 +120,7 @@ class SequenceState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
-        self.chat_output = None                   # the choice's chat parsers (core/serving/chat_output.py)
+        self.chat_output = None                   # the choice's chat parsers (core/chat_output.py)
         self.queue_time: float | None = None      # the engine's: arrival to first scheduled
         self.prefill_time: float | None = None    # the engine's: first scheduled to first token
         self.decode_time: float | None = None     # the engine's: first token to finished

@@ -124,6 +124,9 @@ class CompletionOutput:
     logprobs: list[dict[int, TokenLogprob]] | None = None  # one dict per generated token
     activations: dict | None = None     # SamplingParams.activations captures: {"point.layer": Captured
                                         # (positions, float32 values [n, hidden])} (fdx.core.activations)
+    # LLM.chat with tools or a reasoning parser: the OpenAI-shaped assistant message the server
+    # answers (role, content, tool_calls, reasoning_content), from the same parsers (core/chat_output.py)
+    message: dict | None = None
 
 
 @dataclass(slots=True)

@@ -8,6 +8,37 @@ from typing import Any
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's structured-output request (``SamplingParams(structured_outputs=...)``,
+    the body field ``structured_outputs``): one constraint, which fdx turns into
+    the ``guided_*`` field of the same meaning. ``disable_any_whitespace``
+    keeps JSON compact, as in vLLM (there, and so here, any whitespace is
+    allowed by default; fdx's own ``guided_json`` is compact by default)."""
+    json: dict | str | None = None          # a JSON schema -> guided_json
+    regex: str | None = None                # -> guided_regex
+    choice: list[str] | None = None         # -> guided_choice
+    grammar: str | None = None              # -> guided_grammar
+    json_object: bool | None = None         # -> guided_json_object
+    structural_tag: dict | str | None = None   # -> structural_tag
+    disable_any_whitespace: bool = False    # True: compact JSON (guided_whitespace_flexible False)
+
+    def guided_fields(self) -> dict[str, Any]:
+        out = {name: value for name, value in (
+            ("guided_json", self.json), ("guided_regex", self.regex), ("guided_choice", self.choice),
+            ("guided_grammar", self.grammar), ("guided_json_object", self.json_object or None),
+            ("structural_tag", self.structural_tag)) if value is not None}
+        if len(out) > 1:
+            raise ValueError("invalid sampling parameter structured_outputs=...: it takes one of json, regex, "
+                             f"choice, grammar, json_object, structural_tag, not {len(out)}")
+        if out and not self.disable_any_whitespace:
+            out["guided_whitespace_flexible"] = True
+        return out
+
+
+GuidedDecodingParams = StructuredOutputsParams     # FastDeploy's (and vLLM < 0.12's) name for it
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1                              # completions per prompt
     temperature: float = 1.0                # 0 means greedy
@@ -53,8 +84,13 @@ class SamplingParams:
     # activation hooks (docs/research.md): capture and/or add to this request's activations at named
     # points, {"capture": [{"point", "layer", "positions"}], "add": [{..., "vector"|"function"}]}
     activations: dict | None = None
+    # vLLM's name for a constraint (StructuredOutputsParams or its dict): turned into the guided_*
+    # field above at construction, and None after it
+    structured_outputs: Any = None         # StructuredOutputsParams | dict | None (Any: msgspec encodes the class)
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self._take_structured_outputs()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -68,6 +104,27 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ValueError("invalid sampling parameter logit_bias: keys must be token ids") from None
         self.validate()
+
+    def _take_structured_outputs(self) -> None:
+        so, self.structured_outputs = self.structured_outputs, None
+        if isinstance(so, dict):
+            known = {f.name for f in fields(StructuredOutputsParams)}
+            unknown = sorted(set(so) - known)
+            if unknown:
+                raise ValueError(f"invalid sampling parameter structured_outputs={{{unknown[0]!r}: ...}}: unknown "
+                                 f"key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+            so = StructuredOutputsParams(**so)
+        if not isinstance(so, StructuredOutputsParams):
+            raise ValueError("invalid sampling parameter structured_outputs=...: a StructuredOutputsParams or a dict")
+        taken = so.guided_fields()
+        already = [f.name for f in fields(self) if f.name.startswith(("guided_", "structural_tag"))
+                   and f.name not in ("guided_whitespace_flexible", "guided_starts_after")
+                   and getattr(self, f.name) not in (None, False)]
+        if taken and already:
+            raise ValueError(f"invalid sampling parameter structured_outputs=...: {already[0]} is set too; a "
+                             "request takes at most one guided decoding constraint")
+        for name, value in taken.items():
+            setattr(self, name, value)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a shallow dict (no deep copy, unlike dataclasses.asdict:

@@ -147,7 +147,7 @@ def test_the_page_chat_parsers_give_openai_messages(doc_plugins):
     """The page's tool and reasoning parsers, found by name as the server
     finds them, through the server's per-choice seam (ChoiceOutput), whole
     and streamed (their default stream)."""
-    from fdx.core.serving.chat_output import ChoiceOutput, ToolPlan
+    from fdx.core.chat_output import ChoiceOutput, ToolPlan
     pm, _ = doc_plugins
     assert {"my-actions"} <= set(pm.names("tool_parser")) and "my-notes" in pm.names("reasoning_parser")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]

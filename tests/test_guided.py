@@ -16,7 +16,7 @@ from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.guided import FAST_LANE_CHARS, GuidedAdmission, GuidedDecoding, GuidedRefused, apply_bitmask, constraint_of
 from fdx.core.interfaces import GuidedBackend
 from fdx.core.plugins import PluginManager
-from fdx.core.sampling_params import SamplingParams
+from fdx.core.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 BACKENDS = ("llguidance", pytest.param("xgrammar", marks=pytest.mark.slow))   # xgrammar imports torch: 4 s
 
@@ -71,6 +71,21 @@ def test_sampling_params_guided_fields():
             SamplingParams(**kw)
     with pytest.raises(ValueError, match="guided_json, guided_regex: a request takes at most one"):
         SamplingParams(guided_json={"type": "object"}, guided_regex="a+")
+
+
+def test_structured_outputs_names_become_the_guided_fields():
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    assert sp.guided_regex == "[a-z]+" and sp.guided_whitespace_flexible and sp.structured_outputs is None
+    sp = SamplingParams(structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True})
+    assert sp.guided_json == {"type": "object"} and not sp.guided_whitespace_flexible
+    assert SamplingParams(structured_outputs=GuidedDecodingParams(choice=["a", "b"])).guided_choice == ["a", "b"]
+    assert SamplingParams.from_dict(sp.to_dict()) == sp          # one form across the process boundary
+    with pytest.raises(ValueError, match="structured_outputs.*'jsn'"):
+        SamplingParams(structured_outputs={"jsn": {}})
+    with pytest.raises(ValueError, match="structured_outputs.*one of"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
+    with pytest.raises(ValueError, match="structured_outputs.*guided_regex is set too"):
+        SamplingParams(guided_regex="a", structured_outputs={"choice": ["a"]})
 
 
 def test_apply_bitmask_matches_a_loop():
@@ -195,6 +210,18 @@ def test_compiles_are_capped_timed_out_and_cancelled_when_nobody_waits(tokenizer
         gate.set()
         g._compile = real
         g.close()
+
+
+def test_guided_decoding_is_on_by_default_with_llguidance():
+    """The README's install (fdx's own dependencies) answers structured output:
+    ``decoding.guided_backend`` defaults to auto, which takes llguidance, an fdx
+    dependency; null turns it off."""
+    from fdx.core.config import FdxConfig
+    from fdx.core.guided import auto_backend
+    from fdx.core.plugins import get_plugin_manager
+    assert FdxConfig.build().decoding.guided_backend == "auto"
+    assert auto_backend(get_plugin_manager()) == "llguidance"
+    assert FdxConfig.build(guided_backend="none").decoding.guided_backend == "none"
 
 
 def test_off_missing_package_and_bad_settings_are_clear_errors(tokenizer):

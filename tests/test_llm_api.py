@@ -1,6 +1,8 @@
 """The LLM API's contract: prompts in, outputs in order, stops, validation, plugins."""
 from __future__ import annotations
 
+import json
+
 import subprocess
 import sys
 
@@ -178,3 +180,46 @@ def test_cli_generate_and_bad_flag():
     bad = subprocess.run([sys.executable, "-m", "fdx.core.cli", "generate", "x", "--set", "blok_size=3"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "blok_size" in bad.stderr and "Traceback" not in bad.stderr
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                     "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_llm_chat_with_tools_returns_calls_that_follow_the_schema(smollm_llm, choice):
+    """LLM.chat(tools=...) answers as the server does (one parser implementation,
+    core/chat_output.py): required and named calls are guaranteed by guided
+    decoding (on by default), their arguments valid under the tool's schema."""
+    import jsonschema
+    out = smollm_llm.chat([{"role": "user", "content": "What is the weather in Paris? And the time?"}],
+                          SamplingParams(temperature=0.0, max_tokens=80), tools=[WEATHER, TIME],
+                          tool_choice=choice)[0].outputs[0]
+    msg = out.message
+    assert msg["role"] == "assistant" and msg["content"] is None and msg["tool_calls"], out.text
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in msg["tool_calls"]:
+        name = call["function"]["name"]
+        assert name in schemas and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+    if isinstance(choice, dict):
+        assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_time"]
+        assert out.finish_reason == "stop"
+    else:
+        assert out.finish_reason == "tool_calls"
+    plain = smollm_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=4))
+    assert plain[0].outputs[0].message is None                # no tools, no parser: text only, as before
+
+
+def test_llm_chat_bad_tools_name_the_field(smollm_llm):
+    from fdx.core.chat_output import ChatRequestError
+    with pytest.raises(ChatRequestError, match="tool_choice names the function 'nope'") as e:
+        smollm_llm.chat([{"role": "user", "content": "Hi"}], tools=[WEATHER],
+                        tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice"
+    with pytest.raises(ChatRequestError, match="auto.*tool_call_parser"):
+        smollm_llm.chat([{"role": "user", "content": "Hi"}], tools=[WEATHER])

@@ -139,8 +139,6 @@ def refused_fields() -> list[str]:
 REFUSED_BODIES = {   # a body that uses each documented-refused field, and the param its 400 names
     "suffix": ({"suffix": "x"}, "suffix"),
     "best_of": ({"best_of": 3}, "best_of"),
-    "echo": ({"echo": True, "logprobs": 1}, "echo"),
-    "logprobs": ({"echo": True, "logprobs": 1}, "echo"),
 }
 QUALIFIERS = {"n"}   # "best_of other than `n`"
 

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import time
 
@@ -131,6 +132,83 @@ def test_completion_greedy_matches_llm(server, client, smollm_llm):
     ids = smollm_llm.tokenizer.encode(PROMPT)
     r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, echo=True)
     assert r2.choices[0].text == smollm_llm.tokenizer.decode(ids, skip_special_tokens=False) + ref.text
+
+
+def test_prompt_logprobs_over_http_equal_the_engine_in_process(server, client, smollm_llm):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) and vLLM's
+    prompt_logprobs: the prompt tokens' logprobs equal LLM.generate(...,
+    prompt_logprobs=N) on the same float32 weights; nothing generated is shown."""
+    prompt = "The capital of France is Paris. The capital of Spain is"
+    ref = reference(smollm_llm, prompt, max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    ids, want = ref.prompt_token_ids, ref.prompt_logprobs
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    c = r.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(want[j][ids[j]].logprob, abs=1e-4), j
+        assert len(lp.top_logprobs[j]) == 1
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(ids))]
+    # with generated tokens: the prompt's entries, then the completion's, and the text after the prompt
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    c, out = r.choices[0], reference(smollm_llm, prompt, max_tokens=3, temperature=0.0)
+    assert c.text == prompt + out.outputs[0].text
+    assert len(c.logprobs.tokens) == len(ids) + 3 and c.logprobs.token_logprobs[0] is None
+    # streamed: the echo chunk carries the prompt's logprobs
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0,
+                                            temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    assert chunks[0].choices[0].logprobs.token_logprobs[1:] == c.logprobs.token_logprobs[1:len(ids)]
+    # vLLM's prompt_logprobs: per choice on completions, at the top level on chat
+    body = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2}).model_dump()
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for j in range(1, len(ids)):
+        assert {int(t) for t in got[j]} == set(want[j]), j
+        for t, e in got[j].items():
+            assert e["logprob"] == pytest.approx(want[j][int(t)].logprob, abs=1e-4)
+            assert e["rank"] == want[j][int(t)].rank
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0}).model_dump()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) >= 1 for e in chat["prompt_logprobs"][1:])
+    # refused with the field named
+    for kw, param in (({"max_tokens": 0}, "max_tokens"),
+                      ({"max_tokens": 1, "stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+                      ({"max_tokens": 1, "extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, **kw)
+        assert e.value.body["param"] == param, kw
+
+
+def test_todays_structured_output_names_over_http(server, client, smollm_llm):
+    """vLLM's structured_outputs body field, instructor 1.3's json_object with a
+    schema, and a 400 naming an unknown key inside response_format or a
+    stream_options without stream: from the README's install (guided decoding
+    on by default)."""
+    import jsonschema
+    prompt = "My favourite city is"
+    want = reference(smollm_llm, prompt, max_tokens=6, temperature=0.0, guided_regex="[A-Z][a-z]+",
+                     guided_whitespace_flexible=True)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z][a-z]+"}})
+    assert r.choices[0].text == want.outputs[0].text and re.fullmatch("[A-Z][a-z]+", r.choices[0].text)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city as JSON"}],
+                                          max_tokens=40, temperature=0,
+                                          response_format={"type": "json_object", "schema": schema})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    for body, param in (({"response_format": {"type": "json_object", "scheme": {}}}, "response_format.scheme"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": schema, "x": 1}}},
+                         "response_format.json_schema.x"),
+                        ({"stream_options": {"include_usage": True}}, "stream_options"),
+                        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs")):
+        r = httpx.post(server.base_url + "/v1/chat/completions", headers=HEADERS, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
 def test_chat_stream_matches_llm(server, smollm_llm):

@@ -26,8 +26,8 @@ from fdx.core.checkpoint.loader import check_model_path, is_default_model, load_
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.generation import CHAT_DEFAULTS, chat_defaults_for, defaults_for
 from fdx.core.guided import constraint_of
-from fdx.core.plugins import PluginError, get_serving_plugin_manager
-from fdx.core.serving.chat_output import ChoiceOutput, tool_plan
+from fdx.core.plugins import get_serving_plugin_manager
+from fdx.core.chat_output import ChatRequestError, chat_parser, choice_outputs, tool_plan
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 from fdx.core.serving.engine_proc import user_message
 from fdx.core.messages import EngineRejected, SeqDelta
@@ -145,6 +145,8 @@ class RequestGroup:
         seq.num_cached_tokens = msg.num_cached_tokens
         if msg.activations is not None:          # activation captures, with the finishing delta
             seq.activations = msg.activations
+        if msg.prompt_logprobs is not None:
+            seq.prompt_logprobs = msg.prompt_logprobs
         before, last = len(seq.token_ids), seq.last_token_time
         hit_stop = seq.add(msg.token_ids, msg.finish_reason, msg.stop_reason, msg.logprobs)
         self.server.metrics.tokens_arrived(seq, len(seq.token_ids) - before, last)
@@ -250,14 +252,7 @@ class Server:
 
     def _parser(self, kind: str, key: str):
         """(class, settings) of the chat output parser ``server.<key>`` names, or None."""
-        name = getattr(self.sc, key)
-        if name is None:
-            return None
-        try:
-            cls = self.plugins.get(kind, name)
-        except PluginError as e:
-            raise ConfigError(f"config key 'server.{key}': {e}") from None
-        return cls, dict((self.config.plugins.get(kind, {}) or {}).get(name, {}) or {})
+        return chat_parser(self.plugins, self.config, kind, key)
 
     # -- lifecycle ------------------------------------------------------------
     async def startup(self) -> None:
@@ -401,9 +396,12 @@ class Server:
             raise APIError(400, bad[1], param=bad[0])
         edge.check_limits(req, self.sc, self.vocab_size)
         prompts = self.render.completion_prompts(req.prompt)
-        kwargs = self.with_defaults(req, req.sampling_kwargs(req.max_tokens if req.max_tokens is not None else 16),
-                                    chat=False)
+        # echo with max_tokens 0 scores the prompt (lm-eval's loglikelihood): one token is computed, never shown
+        max_tokens = 1 if req.scores_only() else req.max_tokens if req.max_tokens is not None else 16
+        kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=False)
         kwargs["logprobs"] = req.logprobs
+        if req.echo and req.logprobs is not None:      # the echoed prompt's tokens with their logprobs
+            kwargs["prompt_logprobs"] = max(req.logprobs, kwargs.get("prompt_logprobs") or 0)
         sp = self.sampling_params(kwargs)
         for _, ids in prompts:
             self.check_prompt(ids)
@@ -417,7 +415,10 @@ class Server:
         if bad:
             raise APIError(400, bad[1], param=bad[0])
         edge.check_limits(req, self.sc, self.vocab_size)
-        plan = tool_plan(req, self.sc)
+        try:
+            plan = tool_plan(req, self.sc)
+        except ChatRequestError as e:
+            raise APIError(400, e.message, param=e.param) from None
         text, ids = self.render.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=True)
@@ -430,47 +431,12 @@ class Server:
         return await self._serve(req, http_request, [(text, ids)], sp, "chatcmpl", chat=True, outputs=outputs)
 
     def chat_outputs(self, req, plan, prompt: str, kwargs: dict[str, Any]):
-        """Set the sampling fields tools and reasoning need (the guided
-        schema of a required / named call, where it starts, the reasoning
-        budget) and return the factory of each choice's ChoiceOutput (None:
-        plain content)."""
-        schema = plan.guided_json()
-        if schema is not None:
-            given = [k for k in SamplingParams.GUIDED_FIELDS if kwargs.get(k) not in (None, False)]
-            if given:
-                raise APIError(400, f"tool_choice {plan.mode!r} is guaranteed by a guided constraint: a request "
-                               f"cannot also carry {', '.join(given)}", param="tool_choice")
-            kwargs["guided_json"] = schema
-        reasoning = self.reasoning_parser
-        if reasoning is None:
-            if req.reasoning_max_tokens is not None:
-                raise APIError(400, "reasoning_max_tokens needs a reasoning parser: start the server with "
-                               "--reasoning-parser (server.reasoning_parser)", param="reasoning_max_tokens")
-        else:
-            cls, settings = reasoning
-            probe = cls(self.tokenizer, settings)
-            if probe.begin(prompt) is not False:       # thinking may come first
-                end_ids = self.tokenizer.encode(probe.end, add_special_tokens=False)
-                guided = any(kwargs.get(k) not in (None, False) for k in SamplingParams.GUIDED_FIELDS)
-                if guided and probe.reasons_first():
-                    kwargs["guided_starts_after"] = end_ids     # the constraint holds after the thinking
-                # a constraint from the first token leaves no thinking to budget (forcing the end
-                # tokens there would fight the grammar)
-                if req.reasoning_max_tokens is not None and (probe.reasons_first() or not guided):
-                    kwargs["reasoning_max_tokens"] = req.reasoning_max_tokens
-                    kwargs["reasoning_end_token_ids"] = end_ids
-        if plan.mode == "none" and reasoning is None:
-            return None
-        tool_cls = self.tool_parser
-
-        def make() -> ChoiceOutput:
-            r = None
-            if reasoning is not None:
-                r = reasoning[0](self.tokenizer, reasoning[1])
-                r.begin(prompt)
-            t = tool_cls[0](self.tokenizer, plan.tools, tool_cls[1]) if plan.mode == "auto" else None
-            return ChoiceOutput(plan, r, t)
-        return make
+        """core/chat_output.py's choice_outputs over this server's parsers (a 400 naming the field)."""
+        try:
+            return choice_outputs(plan, prompt, kwargs, self.tokenizer, self.tool_parser, self.reasoning_parser,
+                                  req.reasoning_max_tokens)
+        except ChatRequestError as e:
+            raise APIError(400, e.message, param=e.param) from None
 
     async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, kind: str, chat: bool,
                      outputs=None):
@@ -532,20 +498,35 @@ class Server:
         def chunk(choices: list[dict], usage: dict | None = None, with_usage: bool = include_usage) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             if with_usage:                    # continuous_usage_stats: the counts so far on every chunk
-                body["usage"] = usage if usage is not None or not continuous else self.render.usage(group.seqs, prompts)
+                body["usage"] = usage if usage is not None or not continuous else self.render.usage(group.seqs, prompts, req)
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         text_offsets = {s.index: 0 for s in group.seqs}
         try:
+            echo_later = set()                    # echoed prompts whose logprobs come with the first delta
             for s in group.seqs:                  # opening chunk: the role, or the echoed prompt
                 if chat:
                     yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
+                elif req.echo and s.logprobs is not None:
+                    echo_later.add(s.index)
                 elif req.echo:
                     yield chunk([{"index": s.index, "text": self.render.prompt_text(prompts, s.prompt_index),
                                   "logprobs": None, "finish_reason": None}])
+            scores_only = not chat and req.scores_only()
             while group.unfinished:
                 s = await group.next()
+                if s.index in echo_later and (s.prompt_logprobs is not None or s.finished):
+                    echo_later.discard(s.index)
+                    text = self.render.prompt_text(prompts, s.prompt_index)
+                    yield chunk([{"index": s.index, "text": text, "finish_reason": None,
+                                  "logprobs": self.render.prompt_completion_logprobs(s, s.params.logprobs)}])
+                    text_offsets[s.index] = len(text)
+                if scores_only:                   # the computed token is not shown
+                    if s.finished:
+                        yield chunk([{"index": s.index, "text": "", "logprobs": None, "finish_reason": "length",
+                                      "stop_reason": None}])
+                    continue
                 text = s.take_text()
                 if not text and not s.finished:
                     continue                      # held back (a stop string may be starting)
@@ -575,7 +556,7 @@ class Server:
                         choice["activations"] = activations_json(s.activations)
                 yield chunk([choice])
             if include_usage:
-                yield chunk([], self.render.usage(group.seqs, prompts))
+                yield chunk([], self.render.usage(group.seqs, prompts, req))
             yield "data: [DONE]\n\n"
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"

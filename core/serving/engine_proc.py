@@ -188,6 +188,11 @@ class EngineLoop:
                 lps = [[[float(t.token_id), t.logprob, float(t.rank)]
                         for t in sorted(d.values(), key=lambda t: t.rank)]
                        for d in req.logprobs[sent:sent + len(new)]]
+            prompt_lps = None
+            if sent == 0 and new and req.prompt_logprobs is not None:   # the whole prompt is computed by now
+                prompt_lps = [None if d is None else [[float(t.token_id), t.logprob, float(t.rank)]
+                                                      for t in sorted(d.values(), key=lambda t: t.rank)]
+                              for d in req.prompt_logprobs]
             queue_time = prefill_time = decode_time = None
             if sent == 0 and req.first_scheduled_time is not None:
                 queue_time = req.first_scheduled_time - req.arrival_time
@@ -202,7 +207,7 @@ class EngineLoop:
                 logprobs=lps, num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time,
                 embedding=req.pooled.tobytes() if finished and req.pooled is not None else None,
                 prefill_time_s=prefill_time, decode_time_s=decode_time,
-                activations=_captures(req) if finished else None))
+                activations=_captures(req) if finished else None, prompt_logprobs=prompt_lps))
             if finished:
                 del self.num_sent[req.request_id]
             else:

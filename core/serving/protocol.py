@@ -117,6 +117,9 @@ class _SamplingRequest(_Model):
     guided_whitespace_flexible: bool | None = None
     # activation hooks (SamplingParams.activations, docs/research.md): checked in sampling_kwargs
     activations: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's (>= 0.12) name: {json | regex | choice | grammar |
+                                                      # json_object | structural_tag, disable_any_whitespace}
+    prompt_logprobs: Int | None = None                # vLLM's: top-N logprobs of each prompt token (0..20)
     # OpenAI fields with no effect here: accepted and ignored
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -132,6 +135,10 @@ class _SamplingRequest(_Model):
         """(field, message) for a field set to something fdx cannot do."""
         if self.extra_args is not None and self.vllm_xargs is not None:
             return ("extra_args", "send per-request plugin arguments as extra_args or vllm_xargs, not both")
+        if self.stream_options is not None and not self.stream:
+            return ("stream_options", "stream_options is only allowed with stream=true (as in vLLM and OpenAI)")
+        if self.prompt_logprobs is not None and self.stream:
+            return ("prompt_logprobs", "prompt_logprobs is not supported with stream=true (as in vLLM)")
         return None
 
     def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
@@ -142,7 +149,7 @@ class _SamplingRequest(_Model):
                               "skip_special_tokens": self.skip_special_tokens}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "stop_token_ids", "logit_bias",
-                     "allowed_token_ids", "bad_words"):
+                     "allowed_token_ids", "bad_words", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
@@ -170,6 +177,11 @@ class _SamplingRequest(_Model):
             except ValueError as e:
                 raise APIError(400, str(e), param="activations") from None
             kw["activations"] = self.activations
+        if self.structured_outputs is not None:
+            if from_format or both:
+                raise APIError(400, f"structured_outputs and {'response_format' if from_format else both[0]}: a "
+                               "request takes at most one guided decoding constraint", param="structured_outputs")
+            kw["structured_outputs"] = self.structured_outputs
         return kw
 
     def response_format_kwargs(self) -> dict[str, Any]:
@@ -179,12 +191,30 @@ class _SamplingRequest(_Model):
         if rf is None:
             return {}
         kind = rf.get("type", "text")
+
+        def only(where: dict, keys: set[str], name: str) -> None:     # an unknown key is a 400, as at the top
+            unknown = sorted(set(where) - keys)
+            if unknown:
+                raise APIError(400, f"{name}.{unknown[0]}: unknown key (known: {', '.join(sorted(keys))})",
+                               param=f"{name}.{unknown[0]}")
+
         if kind == "text":
+            only(rf, {"type"}, "response_format")
             return {}
-        if kind == "json_object":
-            return {"guided_json_object": True}
+        if kind == "json_object":                 # instructor 1.3 sends its schema here: honoured
+            only(rf, {"type", "schema"}, "response_format")
+            schema = rf.get("schema")
+            if schema is None:
+                return {"guided_json_object": True}
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.schema must be a JSON schema object",
+                               param="response_format.schema")
+            return {"guided_json": schema}
         if kind == "json_schema":
+            only(rf, {"type", "json_schema"}, "response_format")
             spec = rf.get("json_schema")
+            if isinstance(spec, dict):
+                only(spec, {"name", "schema", "strict", "description"}, "response_format.json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object "
@@ -215,9 +245,14 @@ class CompletionRequest(_SamplingRequest):
             return ("suffix", "suffix (insertion) is not supported")
         if self.best_of is not None and self.best_of != self.n:
             return ("best_of", "best_of is not supported (use n)")
-        if self.echo and self.logprobs is not None:
-            return ("echo", "echo together with logprobs is not supported (prompt logprobs are not computed)")
+        if self.max_tokens == 0 and not self.echo:
+            return ("max_tokens", "max_tokens 0 scores the prompt without generating: it needs echo=true")
         return super().unsupported()
+
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated (lm-eval's
+        loglikelihood requests)."""
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(BaseModel):
@@ -244,7 +279,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None          # checked in core/serving/chat_output.py
+    tools: list[dict[str, Any]] | None = None          # checked in core/chat_output.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_max_tokens: Int | None = None            # FastDeploy's: the think block closes after this many

@@ -72,9 +72,10 @@ class Renderer:
                        "lists of token ids", param="prompt")
 
     # -- output ---------------------------------------------------------------
-    def usage(self, seqs, prompts) -> dict:
+    def usage(self, seqs, prompts, req=None) -> dict:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        completion = sum(len(s.token_ids) for s in seqs)
+        scores_only = getattr(req, "scores_only", lambda: False)()     # its one computed token is not shown
+        completion = 0 if scores_only else sum(len(s.token_ids) for s in seqs)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
@@ -94,15 +95,49 @@ class Renderer:
                                 "logprobs": self.chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
                                 "finish_reason": reason, "stop_reason": s.stop_reason})
             else:
-                text = (self.prompt_text(prompts, s.prompt_index) if req.echo else "") + s.text
-                choices.append({"index": s.index, "text": text,
-                                "logprobs": (self.completion_logprobs(lps, 0, s.params.logprobs)
-                                             if s.logprobs is not None else None),
-                                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
+                scores_only = req.scores_only()
+                echoed = self.prompt_text(prompts, s.prompt_index) if req.echo else ""
+                text = echoed + ("" if scores_only else s.text)
+                logprobs = None
+                if s.logprobs is not None:
+                    logprobs = self.completion_logprobs([] if scores_only else lps, len(echoed), s.params.logprobs)
+                    if req.echo:                  # the prompt's tokens first (the first one has none)
+                        head = self.prompt_completion_logprobs(s, s.params.logprobs)
+                        logprobs = {k: head[k] + logprobs[k] for k in logprobs}
+                choice = {"index": s.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": "length" if scores_only else s.finish_reason,
+                          "stop_reason": None if scores_only else s.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.vllm_prompt_logprobs(s)
+                choices.append(choice)
             if s.activations:                    # SamplingParams.activations captures (docs/serving.md)
                 choices[-1]["activations"] = activations_json(s.activations)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": self.usage(seqs, prompts)}
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": self.usage(seqs, prompts, req)}
+        if chat and req.prompt_logprobs is not None:      # vLLM: the chat response's, top level
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(seqs[0]) if seqs else None
+        return body
+
+    def prompt_completion_logprobs(self, s, top_n: int) -> dict:
+        """The echoed prompt's tokens in the legacy completions logprobs shape:
+        the first token's logprob (and top) null, as OpenAI's echo gives."""
+        entries = s.prompt_logprobs or [None] * len(s.prompt_token_ids)
+        out = self.completion_logprobs([(tid, e or []) for tid, e in zip(s.prompt_token_ids, entries)], 0, top_n)
+        for i, e in enumerate(entries):
+            if e is None:
+                out["token_logprobs"][i] = None
+                out["top_logprobs"][i] = None
+        return out
+
+    def vllm_prompt_logprobs(self, s) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or
+        {token id: {logprob, rank, decoded_token}}, the prompt's own token among them."""
+        if s.prompt_logprobs is None:
+            return None
+        return [None if e is None else {str(int(t)): {"logprob": lp, "rank": int(rank),
+                                                      "decoded_token": self._token_str(int(t))}
+                                        for t, lp, rank in e}
+                for e in s.prompt_logprobs]
 
     # -- logprobs in OpenAI's two shapes ---------------------------------------------------
     def _token_str(self, tid: int) -> str:

@@ -1,12 +1,13 @@
 """Chat requests with tools and thinking: what the request asks for (the
 tool plan: which calls, and the guided constraint that guarantees them),
 and each choice's output parsers (reasoning first, then tool calls) as
-OpenAI's message fields and stream deltas.
+OpenAI's message fields and stream deltas. One implementation for the
+server (core/serving/app.py) and ``LLM.chat(..., tools=...)``.
 
 The seam with the output path is ``ChoiceOutput``: one per choice, fed
 the choice's text deltas (``stream``) or its whole text (``message``). It
-knows nothing about HTTP or the engine, so an output processor can own it
-later (issue 19).
+knows nothing about HTTP or the engine. A bad request raises
+``ChatRequestError`` naming the field (the server answers it with a 400).
 """
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fdx.core.interfaces import ReasoningParser, ToolParser
-from fdx.core.serving.protocol import APIError
+
+
+class ChatRequestError(ValueError):
+    """A chat request's tools, tool_choice or reasoning fields ask for what
+    this server or LLM cannot do; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
 
 
 def call_id() -> str:
@@ -65,42 +74,43 @@ def tool_plan(req, sc) -> ToolPlan:
     tools, choice = req.tools, req.tool_choice
     if not tools:                             # none, or an empty list
         if choice not in (None, "none"):
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+            raise ChatRequestError("tool_choice needs tools", param="tool_choice")
         return ToolPlan("none")
     names = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+            raise ChatRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
                            "'parameters': {...}}}}", param="tools")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise APIError(400, f"tools[{i}].function.name must be a non-empty string", param="tools")
+            raise ChatRequestError(f"tools[{i}].function.name must be a non-empty string", param="tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+            raise ChatRequestError(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
         names.append(fn["name"])
     if len(set(names)) != len(names):
-        raise APIError(400, "tools: two functions have the same name", param="tools")
+        raise ChatRequestError("tools: two functions have the same name", param="tools")
     parallel = req.parallel_tool_calls is not False
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
+            raise ChatRequestError("tool_choice must be 'none', 'auto', 'required' or "
                            "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
         if name not in names:
-            raise APIError(400, f"tool_choice names the function {name!r}, which is not among tools "
+            raise ChatRequestError(f"tool_choice names the function {name!r}, which is not among tools "
                            f"({', '.join(names)})", param="tool_choice")
         return ToolPlan("named", tools, name, parallel)
     if choice in (None, "auto"):
         if not (sc.enable_auto_tool_choice and sc.tool_call_parser):
-            raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+            raise ChatRequestError('"auto" tool choice needs the server started with --enable-auto-tool-choice '
                            "and --tool-call-parser (server.enable_auto_tool_choice, server.tool_call_parser); "
-                           'tool_choice "required" or a named function work without them',
+                           'tool_choice "required" or a named function work without them (through guided '
+                           "decoding, on by default: decoding.guided_backend auto)",
                            param="tool_choice")
         return ToolPlan("auto", tools, None, parallel)
     if choice in ("none", "required"):
         return ToolPlan(choice, tools, None, parallel)
-    raise APIError(400, f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function",
+    raise ChatRequestError(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function",
                    param="tool_choice")
 
 
@@ -239,3 +249,65 @@ class ChoiceOutput:
         if reason == "stop" and self.num_calls and self.plan.mode in ("auto", "required"):
             return "tool_calls"
         return reason
+
+
+def choice_outputs(plan: ToolPlan, prompt: str, kwargs: dict[str, Any], tokenizer, tool_parser,
+                   reasoning_parser, reasoning_max_tokens: int | None = None):
+    """Set the sampling fields (``kwargs``, SamplingParams keywords) that
+    tools and reasoning need (the guided schema of a required / named call,
+    where it starts, the reasoning budget) and return the factory of each
+    choice's ChoiceOutput (None: plain content). ``tool_parser`` and
+    ``reasoning_parser``: (class, settings) or None."""
+    from fdx.core.sampling_params import SamplingParams
+    schema = plan.guided_json()
+    if schema is not None:
+        given = [k for k in SamplingParams.GUIDED_FIELDS if kwargs.get(k) not in (None, False)]
+        if given:
+            raise ChatRequestError(f"tool_choice {plan.mode!r} is guaranteed by a guided constraint: a request "
+                                   f"cannot also carry {', '.join(given)}", param="tool_choice")
+        kwargs["guided_json"] = schema
+    reasoning = reasoning_parser
+    if reasoning is None:
+        if reasoning_max_tokens is not None:
+            raise ChatRequestError("reasoning_max_tokens needs a reasoning parser: start the server with "
+                                   "--reasoning-parser (server.reasoning_parser)", param="reasoning_max_tokens")
+    else:
+        cls, settings = reasoning
+        probe = cls(tokenizer, settings)
+        if probe.begin(prompt) is not False:       # thinking may come first
+            end_ids = tokenizer.encode(probe.end, add_special_tokens=False)
+            guided = any(kwargs.get(k) not in (None, False) for k in SamplingParams.GUIDED_FIELDS)
+            if guided and probe.reasons_first():
+                kwargs["guided_starts_after"] = end_ids     # the constraint holds after the thinking
+            # a constraint from the first token leaves no thinking to budget (forcing the end
+            # tokens there would fight the grammar)
+            if reasoning_max_tokens is not None and (probe.reasons_first() or not guided):
+                kwargs["reasoning_max_tokens"] = reasoning_max_tokens
+                kwargs["reasoning_end_token_ids"] = end_ids
+    if plan.mode == "none" and reasoning is None:
+        return None
+    tool_cls = tool_parser
+
+    def make() -> ChoiceOutput:
+        r = None
+        if reasoning is not None:
+            r = reasoning[0](tokenizer, reasoning[1])
+            r.begin(prompt)
+        t = tool_cls[0](tokenizer, plan.tools, tool_cls[1]) if plan.mode == "auto" else None
+        return ChoiceOutput(plan, r, t)
+    return make
+
+
+def chat_parser(plugins, config, kind: str, key: str):
+    """(class, settings) of the chat output parser ``server.<key>`` names
+    (kind ``tool_parser`` or ``reasoning_parser``), or None."""
+    from fdx.core.config import ConfigError
+    from fdx.core.plugins import PluginError
+    name = getattr(config.server, key)
+    if name is None:
+        return None
+    try:
+        cls = plugins.get(kind, name)
+    except PluginError as e:
+        raise ConfigError(f"config key 'server.{key}': {e}") from None
+    return cls, dict((config.plugins.get(kind, {}) or {}).get(name, {}) or {})
