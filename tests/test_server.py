@@ -349,8 +349,8 @@ def test_error_codes(server, client):
     assert error_of(e)["param"] == "bogus_field"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       response_format={"type": "json_object"})
-    assert "guided decoding" in error_of(e)["message"] and error_of(e)["param"] == "response_format"
+                                       response_format={"type": "json_bogus"})
+    assert "json_bogus" in error_of(e)["message"] and error_of(e)["param"] == "response_format"
     for bad in ({"temperature": -1}, {"n": 0}, {"max_tokens": 0}, {"prompt": ""}, {"prompt": [10 ** 7]}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**{"model": MODEL, "prompt": PROMPT, **bad})
