@@ -175,3 +175,14 @@ def test_insecure_on_loopback_is_logged_loudly_and_sends_to_loopback_only(tiny_c
     finally:
         pre.shutdown()
         dec.shutdown()
+
+
+def test_a_config_error_never_shows_the_secret():
+    """Pydantic echoes a model's input in its error; a secret in it is shown as ***."""
+    for settings in ({"role": "decode", "secret": "TOPSECRET"},                     # port missing
+                     {"role": "prefill", "secret": "TOPSECRET", "secret_file": "/x"},
+                     {"role": "prefill", "secret": "TOPSECRET", "insecure": True},
+                     {"role": "prefill", "secret": "TOPSECRET", "curve_secret_key": "TOPSECRET"}):
+        with pytest.raises(ConfigError) as e:
+            assemble(**settings)
+        assert "TOPSECRET" not in str(e.value) and "***" in str(e.value)

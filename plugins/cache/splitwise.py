@@ -96,7 +96,7 @@ MAX_LOGGED_PEERS = 1024
 SECRET_ENV = "FDX_SPLITWISE_SECRET"
 SECRET_HELP = ("set plugins.connector.splitwise.secret, secret_file (created with a random secret when missing) "
                f"or ${SECRET_ENV}, the same on the prefill and the decode instances; or insecure: true, on "
-               "loopback only (docs/security.md#splitwise-kv-transfer)")
+               "loopback only (docs/security.md#the-splitwise-kv-channel)")
 
 
 def _nonce() -> str:
