@@ -562,3 +562,27 @@ def test_a_job_lost_with_redis_or_with_its_instance_says_so(tiny_checkpoints, tm
         a.stop()
         if b is not None:
             b.stop()
+
+
+def test_a_held_job_with_no_result_for_result_timeout_is_given_up(tiny_checkpoints, tmp_path_factory,
+                                                                   redis_server):
+    """The backstop for a job a live instance holds but never answers (its
+    engine paused here): a 503 naming the instance after result_timeout_s."""
+    model = tiny_checkpoints["LlamaForCausalLM"][0]
+    r = redis_server.client()
+    srv = global_server(tmp_path_factory, model, redis_server.url, 1, ttl_s=0.3, result_timeout_s=1.0,
+                        prefix="silent", instance_id="silent-a")
+    try:
+        srv.wait_ready()
+        held = long_request(srv.base_url)
+        wait_for(lambda: r.llen("silent:processing:silent-a") == 1, "the request to start")
+        os.kill(srv.engine_pid(), signal.SIGSTOP)
+        try:
+            with pytest.raises(openai.APIStatusError) as e:
+                held.result(timeout=120)
+        finally:
+            os.kill(srv.engine_pid(), signal.SIGCONT)
+        assert e.value.status_code == 503
+        assert "the instance holding it (silent-a) sent no result" in str(e.value)
+    finally:
+        srv.stop()

@@ -33,7 +33,8 @@ Faults:
   in the queue waits (every instance is busy), up to ``queue_timeout_s``
   from its arrival, then ends with a 503 saying it was not admitted in
   time (and leaves the queue); a job an instance holds keeps waiting (the
-  watchers hand a dead instance's jobs back); a job in neither, for longer
+  watchers hand a dead instance's jobs back), unless no result came for
+  ``result_timeout_s`` (a 503 naming that instance); a job in neither, for longer
   than a grace of 3 heartbeats plus a second, is lost, and its request
   ends with a 503 saying why: Redis restarted (its ``run_id`` changed)
   without keeping it, or the instance that ran it is gone. A job whose
@@ -101,7 +102,7 @@ _job_dec = msgspec.msgpack.Decoder(Job)
 _res_dec = msgspec.msgpack.Decoder(Result)
 JOB, RESULT = b"fdx-global-job\0", b"fdx-global-result\0"     # HMAC domain tags
 
-SETTINGS = {"url", "prefix", "ttl_s", "queue_timeout_s", "heartbeat_s", "max_attempts", "instance_id", "secret",
+SETTINGS = {"url", "prefix", "ttl_s", "queue_timeout_s", "result_timeout_s", "heartbeat_s", "max_attempts", "instance_id", "secret",
             "username", "password", "ssl", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"}
 SECRET_HELP = "set plugins.scheduler.global.secret (or $FDX_SCHEDULER_SECRET), the same on every instance"
 PASSWORD_HELP = ("set plugins.scheduler.global.password (or $FDX_REDIS_PASSWORD; username / $FDX_REDIS_USERNAME "
@@ -177,7 +178,7 @@ class LocalScheduler:
 
 class _Pending:
     __slots__ = ("callback", "tokens", "attempt", "executor", "seq", "last", "raw", "added", "admitted",
-                 "missing_since", "holder", "run_id")
+                 "missing_since", "holder", "run_id", "heard")
 
     def __init__(self, callback, raw: bytes, run_id: str | None = None):
         self.callback, self.raw = callback, raw
@@ -187,6 +188,7 @@ class _Pending:
         self.seq = -1                        # the last result taken from it
         self.last = time.monotonic()         # the last news: a result, or the job seen in Redis
         self.added = self.last
+        self.heard = self.last               # the last result (or the arrival)
         self.admitted = False                # an instance took the job (a result, or seen held)
         self.missing_since: float | None = None   # the job was in no queue and no instance held it
         self.holder: str | None = None       # the instance last seen holding the job
@@ -230,10 +232,12 @@ class GlobalScheduler:
         self.prefix = str(settings.get("prefix", "fdx"))
         self.ttl = float(settings.get("ttl_s", 60.0))
         self.queue_timeout = float(settings.get("queue_timeout_s", 600.0))
+        self.result_timeout = float(settings.get("result_timeout_s", 600.0))
         self.heartbeat = float(settings.get("heartbeat_s", 1.0))
         self.max_attempts = int(settings.get("max_attempts", 3))
-        if self.ttl <= 0 or self.heartbeat <= 0 or self.queue_timeout <= 0 or self.max_attempts < 1:
-            raise ValueError("ttl_s, queue_timeout_s and heartbeat_s must be positive, max_attempts at least 1")
+        if min(self.ttl, self.heartbeat, self.queue_timeout, self.result_timeout) <= 0 or self.max_attempts < 1:
+            raise ValueError("ttl_s, queue_timeout_s, result_timeout_s and heartbeat_s must be positive, "
+                             "max_attempts at least 1")
         self.grace = 3 * self.heartbeat + 1.0          # a job in no list this long is lost
         self.run_id: str | None = None                 # Redis's run_id: another one means it restarted
         self.id = str(settings.get("instance_id") or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
@@ -426,6 +430,9 @@ class GlobalScheduler:
             return
         if where is not None:
             p.missing_since, p.admitted, p.holder, p.last = None, True, where, now
+            if now - p.heard > self.result_timeout:          # a backstop: held, but silent that long
+                self._fail(rid, p, f"the global scheduler gave up on the request: the instance holding it ({where}) "
+                                   f"sent no result for {now - p.heard:.0f} s (result_timeout_s={self.result_timeout:g})")
             return
         if await self.r.llen(self.k("results", self.id)) > 0:
             return                                       # its last results are waiting to be read
@@ -451,6 +458,7 @@ class GlobalScheduler:
             self._reject(f"a replayed or out-of-order result for {res.request_id}")
             return
         p.last, p.admitted, p.missing_since = time.monotonic(), True, None
+        p.heard = p.last
         if res.fatal is not None or res.error is not None:
             del self.pending[res.request_id]
             p.callback(EngineRejected(res.request_id, res.error) if res.error is not None
