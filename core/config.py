@@ -374,9 +374,22 @@ def _merge(data: dict[str, Any], key: str, value: Any) -> None:
     data.setdefault(section, {})[field] = value
 
 
+_SECRET_NAMES = ("secret", "password", "api_key")     # values never echoed in an error
+
+
+def _redacted(value, name: str = ""):
+    """``value`` as an error may show it: settings named like a secret as ``***``."""
+    if value and any(s in name for s in _SECRET_NAMES):
+        return "***"
+    if isinstance(value, dict):
+        return {k: _redacted(v, str(k)) for k, v in value.items()}
+    return value
+
+
 def _describe(e: ValidationError, prefix: str = "") -> str:
     parts = []
     for err in e.errors():
         loc = ".".join([prefix] * bool(prefix) + [str(p) for p in err["loc"]])
-        parts.append(f"config key '{loc}': {err['msg']} (got {err.get('input')!r})")
+        shown = _redacted(err.get("input"), str(err["loc"][-1]) if err["loc"] else "")
+        parts.append(f"config key '{loc}': {err['msg']} (got {shown!r})")
     return "; ".join(parts)

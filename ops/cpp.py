@@ -42,6 +42,7 @@ import paddle
 
 from fdx.core import kernels
 from fdx.core.host import cache_root, cpu_id, portable_kernels
+from fdx.ops import kernel_cache
 
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
@@ -174,12 +175,12 @@ def _build_or_load() -> tuple[ModuleType, bool]:
     from paddle.utils.cpp_extension import load
 
     path = build_dir()
-    path.mkdir(parents=True, exist_ok=True)
     name = f"fdx_ops_{path.name}"
+    path = kernel_cache.checked_dir(path)    # created 0700 and checked, else a private folder (warned)
     # One builder at a time across processes (tensor-parallel workers, test runners).
     with open(path / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (path / ".built").exists():
+        if (path / ".built").exists() and kernel_cache.verified(path, path / name / f"{name}.so"):
             try:  # already built: load the library without load()'s setup.py run (~6 s)
                 from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
 
@@ -200,6 +201,7 @@ def _build_or_load() -> tuple[ModuleType, bool]:
                 build_directory=str(path),
                 verbose=False,
             )
+        kernel_cache.record(path / name / f"{name}.so")     # what the load above checks
         (path / ".built").touch()
         _note_library(path, name)
         return module, True

@@ -164,7 +164,7 @@ def _bound(baseline: float) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    sw = {"transfer_timeout_s": 4.0}
+    sw = {"connector_secret": "router-test-secret", "transfer_timeout_s": 4.0}
     from serve_utils import free_port
     model = {"model": tiny_model, "max_model_len": 512}
     p = ready_server(tmp_path_factory.mktemp("p"), {}, model=model, splitwise={**sw, "role": "prefill"})

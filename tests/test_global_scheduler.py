@@ -427,3 +427,162 @@ def test_an_abort_flag_carries_a_stop_only_in_its_own_shape():
                 json.dumps(["stop", "x", -1]).encode(), json.dumps(["stop", "x", True]).encode(),
                 json.dumps(["length", "x", 3]).encode()):
         assert abort_reason(bad) == ("abort", None, None), bad
+
+
+# -- a queue is not a loss (issue 35 item 3) ------------------------------------------------------
+def long_request(url: str) -> cf.Future:
+    """A request that holds a max_num_seqs=1 instance for its whole length (no early EOS)."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return cf.ThreadPoolExecutor(1).submit(c.completions.create, model="tiny", prompt="Occupy " * 8,
+                                           max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+
+
+def submit(fn, *args) -> cf.Future:
+    return cf.ThreadPoolExecutor(1).submit(fn, *args)
+
+
+def wait_for(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def hold_queued(srv: ServerProcess, r: redis.Redis, prefix: str, seconds: float):
+    """One long request running on ``srv`` (max_num_seqs 1), one short one
+    (``ask`` number 3) queued behind it; then the engine paused (SIGSTOP) for
+    ``seconds``, so that the short one stays queued that long whatever the
+    machine's speed (the instance itself, its heartbeat, keeps running)."""
+    occupier = long_request(srv.base_url)
+    wait_for(lambda: r.llen(f"{prefix}:processing:{srv.instance_id}") == 1, "the long request to start")
+    queued = submit(ask, srv.base_url, 3)
+    wait_for(lambda: r.llen(f"{prefix}:queue") == 1, "the second request to be queued")
+    os.kill(srv.engine_pid(), signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(srv.engine_pid(), signal.SIGCONT)
+    return occupier, queued
+
+
+def test_a_request_queued_past_ttl_waits_for_a_slot(tiny_checkpoints, tmp_path_factory, redis_server, reference):
+    """Before: a request queued (every instance busy) longer than ttl_s got a
+    503 "lost the request" though nothing was lost. Now it waits for a slot."""
+    model = tiny_checkpoints["LlamaForCausalLM"][0]
+    r = redis_server.client()
+    patient = global_server(tmp_path_factory, model, redis_server.url, 1, ttl_s=0.3, prefix="patient",
+                            instance_id="patient-a")
+    patient.instance_id = "patient-a"
+    try:
+        patient.wait_ready()
+        occupier, queued = hold_queued(patient, r, "patient", 3.0)      # 10 x ttl_s in the queue
+        assert len(occupier.result(timeout=120).choices[0].text) > 0
+        assert queued.result(timeout=120) == reference[3]
+    finally:
+        patient.stop()
+
+
+def test_a_request_queued_past_the_queue_timeout_is_told_so(tiny_checkpoints, tmp_path_factory, redis_server,
+                                                            reference):
+    """It waits up to queue_timeout_s, then gets a 503 saying it was not
+    admitted in time, and leaves the queue."""
+    model = tiny_checkpoints["LlamaForCausalLM"][0]
+    r = redis_server.client()
+    strict = global_server(tmp_path_factory, model, redis_server.url, 1, ttl_s=0.3, queue_timeout_s=1.0,
+                           prefix="strict", instance_id="strict-a")
+    strict.instance_id = "strict-a"
+    try:
+        strict.wait_ready()
+        occupier, queued = hold_queued(strict, r, "strict", 3.0)        # 3 x queue_timeout_s
+        with pytest.raises(openai.APIStatusError) as e:
+            queued.result(timeout=120)
+        assert e.value.status_code == 503
+        assert "did not admit the request in time" in str(e.value) and "queue_timeout_s=1" in str(e.value)
+        assert r.llen("strict:queue") == 0                 # it left the queue: no instance runs it later
+        assert len(occupier.result(timeout=120).choices[0].text) > 0
+        assert ask(strict.base_url, 4) == reference[4]     # and the instance serves on
+    finally:
+        strict.stop()
+
+
+def test_a_job_lost_with_redis_or_with_its_instance_says_so(tiny_checkpoints, tmp_path_factory, redis_server,
+                                                             reference):
+    """Redis restarted without persistence while a job was queued: that
+    request is told Redis restarted, and the one running in an engine
+    completes (its instance puts it back). Then an instance dies with a job
+    and no attempt left (max_attempts 1): its request is told which
+    instance is gone."""
+    model = tiny_checkpoints["LlamaForCausalLM"][0]
+    a = global_server(tmp_path_factory, model, redis_server.url, 1, ttl_s=0.3, prefix="lost", instance_id="lost-a",
+                      max_attempts=1)
+    a.instance_id = "lost-a"
+    b = None
+    try:
+        a.wait_ready()
+        occupier = long_request(a.base_url)
+        r = redis_server.client()
+        wait_for(lambda: r.llen("lost:processing:lost-a") == 1, "the long request to start")
+        queued = submit(ask, a.base_url, 3)
+        wait_for(lambda: r.llen("lost:queue") == 1, "the second request to be queued")
+        os.kill(a.engine_pid(), signal.SIGSTOP)           # so the queued job is still queued at the restart
+        try:
+            redis_server.stop()
+            redis_server.start()
+            time.sleep(1.0)
+        finally:
+            os.kill(a.engine_pid(), signal.SIGCONT)
+        with pytest.raises(openai.APIStatusError) as e:
+            queued.result(timeout=120)
+        assert e.value.status_code == 503
+        assert "lost the request" in str(e.value) and "restarted (its run_id changed)" in str(e.value)
+        assert len(occupier.result(timeout=120).choices[0].text) > 0    # not lost: it was in an engine
+
+        b = global_server(tmp_path_factory, model, redis_server.url, 1, ttl_s=0.3, prefix="lost",
+                          instance_id="lost-b", max_attempts=1)
+        b.wait_ready()
+        r = redis_server.client()
+        first = long_request(a.base_url)
+        wait_for(lambda: r.llen("lost:processing:lost-a") + r.llen("lost:processing:lost-b") == 1, "a start")
+        second = long_request(a.base_url)
+        wait_for(lambda: r.llen("lost:processing:lost-a") == 1 and r.llen("lost:processing:lost-b") == 1,
+                 "one long request on each instance")
+        os.kill(b.engine_pid(), signal.SIGKILL)
+        b.proc.kill()
+        outcomes = []
+        for f in (first, second):
+            try:
+                outcomes.append(len(f.result(timeout=120).choices[0].text) > 0)
+            except openai.APIStatusError as err:
+                outcomes.append((err.status_code, str(err)))
+        lost = [o for o in outcomes if o is not True]
+        assert len(lost) == 1, outcomes                    # the one on a completes
+        status, message = lost[0]
+        assert status == 503 and "lost the request: the instance running it (lost-b) is gone" in message
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_a_held_job_with_no_result_for_result_timeout_is_given_up(tiny_checkpoints, tmp_path_factory,
+                                                                   redis_server):
+    """The backstop for a job a live instance holds but never answers (its
+    engine paused here): a 503 naming the instance after result_timeout_s."""
+    model = tiny_checkpoints["LlamaForCausalLM"][0]
+    r = redis_server.client()
+    srv = global_server(tmp_path_factory, model, redis_server.url, 1, ttl_s=0.3, result_timeout_s=1.0,
+                        prefix="silent", instance_id="silent-a")
+    try:
+        srv.wait_ready()
+        held = long_request(srv.base_url)
+        wait_for(lambda: r.llen("silent:processing:silent-a") == 1, "the request to start")
+        os.kill(srv.engine_pid(), signal.SIGSTOP)
+        try:
+            with pytest.raises(openai.APIStatusError) as e:
+                held.result(timeout=120)
+        finally:
+            os.kill(srv.engine_pid(), signal.SIGCONT)
+        assert e.value.status_code == 503
+        assert "the instance holding it (silent-a) sent no result" in str(e.value)
+    finally:
+        srv.stop()

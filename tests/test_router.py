@@ -31,7 +31,7 @@ def model_sections(path, **extra):
 def cluster(tiny_checkpoints, tmp_path_factory):
     llama = tiny_checkpoints["LlamaForCausalLM"][0]
     qwen = tiny_checkpoints["Qwen2ForCausalLM"][0]
-    sw = {"transfer_timeout_s": 4.0}
+    sw = {"connector_secret": "router-test-secret", "transfer_timeout_s": 4.0}
     ports = {k: free_port() for k in ("d", "bad", "kill")}
     spans = tmp_path_factory.mktemp("spans")
     traced = lambda name: {"observability": {"observers": ["otel"]}, "plugins": {"observer": {"otel": {

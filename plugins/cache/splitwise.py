@@ -36,7 +36,10 @@ frame per layer keeps each buffer a contiguous slice that the receiver
 checks on its own (its size against the fingerprint) before writing any.
 
 Every message is sealed (plugins/cache/splitwise_wire.py): an HMAC-SHA256
-under the shared secret (``secret``, which never travels) over the
+under the shared secret (``secret``, ``secret_file`` or
+``$FDX_SPLITWISE_SECRET``, which never travels nor is logged; an instance
+with a splitwise role refuses to start without one, unless ``insecure:
+true`` on loopback only: ``resolve_secret``) over the
 whole message, header and every KV frame, and bound to its transfer by the
 transfer id, a nonce each side chose (the decode side's is fresh for each
 reservation and used once), per-direction sequence numbers, and on the
@@ -57,15 +60,19 @@ its blocks.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import queue
 import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 import msgspec
 import numpy as np
@@ -86,6 +93,10 @@ log = logging.getLogger("fdx.cache.splitwise")
 
 POLL_MS = 10
 MAX_LOGGED_PEERS = 1024
+SECRET_ENV = "FDX_SPLITWISE_SECRET"
+SECRET_HELP = ("set plugins.connector.splitwise.secret, secret_file (created with a random secret when missing) "
+               f"or ${SECRET_ENV}, the same on the prefill and the decode instances; or insecure: true, on "
+               "loopback only (docs/security.md#the-splitwise-kv-channel)")
 
 
 def _nonce() -> str:
@@ -167,6 +178,8 @@ class SplitwiseSettings(BaseModel):
     host: str = "127.0.0.1"                    # where a decode instance's connector listens
     port: int = Field(0, ge=0, le=65535)       # its TCP port; required (non-zero) for role decode
     secret: str | None = None                  # shared secret every transfer message must carry
+    secret_file: str | None = None             # or a file holding it (created 0600 with a random one if missing)
+    insecure: bool = False                     # no secret: messages unauthenticated; loopback only, for tests
     transfer_timeout_s: float = Field(30.0, gt=0)   # a transfer step not answered in time fails
     debug_transfer_delay_s: float = Field(0.0, ge=0)   # test only: hold each transfer open this long
     reserve_timeout_s: float | None = Field(None, gt=0)   # None: min(2, transfer_timeout_s)
@@ -188,6 +201,108 @@ class SplitwiseSettings(BaseModel):
             raise ValueError("port must be set (non-zero) for role decode")
         return self
 
+    @model_validator(mode="after")
+    def _authenticated(self):
+        """A splitwise role needs a secret (or ``insecure`` on loopback): checked
+        here, where a config error names the key; the file is read at start."""
+        if self.secret is not None and not self.secret:
+            raise ValueError("secret is empty: " + SECRET_HELP)
+        if self.secret is not None and self.secret_file is not None:
+            raise ValueError("secret and secret_file are both set: choose one")
+        given = self.secret is not None or self.secret_file is not None or bool(os.environ.get(SECRET_ENV))
+        if self.insecure:
+            if given:
+                raise ValueError(f"insecure: true beside a secret (secret, secret_file or ${SECRET_ENV}): "
+                                 "choose one")
+            if not is_loopback(self.host):
+                raise ValueError(f"insecure: true is allowed only on loopback, and host is {self.host!r}: "
+                                 + SECRET_HELP)
+        elif not given:
+            raise ValueError("a splitwise role needs a shared secret: " + SECRET_HELP)
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 possibly in brackets) is this machine's loopback."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def peer_is_loopback(peer: str) -> bool:
+    """Whether a ZMQ endpoint (``tcp://host:port``, ``ipc://...``) stays on this machine."""
+    if peer.startswith(("ipc://", "inproc://")):
+        return True
+    try:
+        host = urlsplit(peer).hostname
+    except ValueError:
+        return False
+    return bool(host) and is_loopback(host)
+
+
+def read_secret_file(path: str) -> str:
+    """The secret in ``path``: created (mode 0600, a random secret) when it
+    does not exist; an existing one must be a regular file owned by this
+    user and not readable by group or others. Raises ValueError naming the
+    setting and the reason."""
+    p = Path(path).expanduser()
+    where = f"secret_file {str(p)!r}"
+    if not p.exists() and not p.is_symlink():
+        p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+            try:
+                os.link(tmp, p)                       # atomic; the peer on this host may have made it first
+                log.warning("splitwise: created a new shared secret in %s (mode 0600). Give the peer instances "
+                            "the same secret: copy the file to them (e.g. scp -p, keeping mode 0600) and set their "
+                            "plugins.connector.splitwise.secret_file to it (docs/deployment.md)", p)
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    try:
+        st = os.lstat(p)
+    except OSError as e:
+        raise ValueError(f"{where}: cannot be read: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{where} is not a regular file (a symlink or a device): refused")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"{where} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): refused")
+    if st.st_mode & 0o077:
+        raise ValueError(f"{where} is readable or writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                         "chmod 600 it")
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(f"{where} is empty")
+    return secret
+
+
+def resolve_secret(sw: SplitwiseSettings) -> str:
+    """The connector's HMAC key: ``secret``, else ``secret_file``'s, else
+    ``$FDX_SPLITWISE_SECRET``; "" only with ``insecure`` (on loopback, said
+    loudly). Never logged."""
+    if sw.secret:
+        return sw.secret
+    if sw.secret_file:
+        return read_secret_file(sw.secret_file)
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    if not sw.insecure:                              # the settings validator already refused this
+        raise ValueError("a splitwise role needs a shared secret: " + SECRET_HELP)
+    log.warning("splitwise: plugins.connector.splitwise.insecure is true: KV transfers are NOT authenticated "
+                "(anyone who can reach the connector on this host can forge, alter or replay them); only "
+                "loopback peers are used. Set a secret for anything but a test (docs/security.md)")
+    return ""
+
 
 class SplitwiseConnector(KVConnector):
     Settings = SplitwiseSettings
@@ -198,7 +313,11 @@ class SplitwiseConnector(KVConnector):
         super().__init__(config, block_size, settings)
         sw = self.settings
         self.role = sw.role
-        self.secret = sw.secret or ""
+        try:
+            self.secret = resolve_secret(sw)
+        except OSError as e:
+            raise ValueError(f"secret_file: {e}") from None
+        self.insecure = sw.insecure
         self.timeout = float(sw.transfer_timeout_s)
         self.delay = float(sw.debug_transfer_delay_s)
         self.reserve_timeout = float(sw.reserve_timeout_s or min(2.0, self.timeout))
@@ -482,8 +601,15 @@ class SplitwiseConnector(KVConnector):
 
     def _send_transfer(self, job: SendJob, data: list[np.ndarray]) -> None:
         t0 = time.monotonic()
-        sock = self._dealer(job.peer)
         ok, why, accept = False, "", None
+        if self.insecure and not peer_is_loopback(job.peer):
+            with self.lock:
+                self.counters["splitwise_transfers_failed"] += 1
+                self.done_sending.add(job.request_id)
+            log.warning("splitwise: refused to send %s to %s: insecure: true sends to loopback peers only",
+                        job.request_id, job.peer)
+            return
+        sock = self._dealer(job.peer)
         try:
             offer = Offer(PROTOCOL_VERSION, job.wire_id, 0, _nonce(), time.time(), job.num_tokens,
                           job.first_token, self.fingerprint or {})

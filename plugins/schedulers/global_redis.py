@@ -29,10 +29,20 @@ Faults:
   continue seamlessly, an unseeded sampled one that diverges ends with an
   error). After ``max_attempts`` a job fails with an error instead.
 - a server stopped with SIGTERM hands its jobs back to the queue at once.
-- a request with no news for ``ttl_s`` (its job lost: Redis restarted
-  without persistence, or every instance is gone) ends with an error (503).
+- a request with no news for ``ttl_s`` is looked for in Redis: a job still
+  in the queue waits (every instance is busy), up to ``queue_timeout_s``
+  from its arrival, then ends with a 503 saying it was not admitted in
+  time (and leaves the queue); a job an instance holds keeps waiting (the
+  watchers hand a dead instance's jobs back), unless no result came for
+  ``result_timeout_s`` (a 503 naming that instance); a job in neither, for longer
+  than a grace of 3 heartbeats plus a second, is lost, and its request
+  ends with a 503 saying why: Redis restarted (its ``run_id`` changed)
+  without keeping it, or the instance that ran it is gone. A job whose
+  instances died ``max_attempts`` times ends with a 503 naming the last one.
   Redis going away is retried every half second; jobs already in an engine
-  finish and their results are delivered once Redis is back.
+  finish and their results are delivered once Redis is back (each
+  instance puts the jobs it runs back in its ``processing`` list when it
+  sees Redis restarted).
 """
 from __future__ import annotations
 
@@ -92,7 +102,7 @@ _job_dec = msgspec.msgpack.Decoder(Job)
 _res_dec = msgspec.msgpack.Decoder(Result)
 JOB, RESULT = b"fdx-global-job\0", b"fdx-global-result\0"     # HMAC domain tags
 
-SETTINGS = {"url", "prefix", "ttl_s", "heartbeat_s", "max_attempts", "instance_id", "secret",
+SETTINGS = {"url", "prefix", "ttl_s", "queue_timeout_s", "result_timeout_s", "heartbeat_s", "max_attempts", "instance_id", "secret",
             "username", "password", "ssl", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"}
 SECRET_HELP = "set plugins.scheduler.global.secret (or $FDX_SCHEDULER_SECRET), the same on every instance"
 PASSWORD_HELP = ("set plugins.scheduler.global.password (or $FDX_REDIS_PASSWORD; username / $FDX_REDIS_USERNAME "
@@ -167,15 +177,22 @@ class LocalScheduler:
 
 
 class _Pending:
-    __slots__ = ("callback", "tokens", "attempt", "executor", "seq", "last", "raw")
+    __slots__ = ("callback", "tokens", "attempt", "executor", "seq", "last", "raw", "added", "admitted",
+                 "missing_since", "holder", "run_id", "heard")
 
-    def __init__(self, callback, raw: bytes):
+    def __init__(self, callback, raw: bytes, run_id: str | None = None):
         self.callback, self.raw = callback, raw
         self.tokens: list[int] = []
         self.attempt = 0
         self.executor: str | None = None     # the instance whose results this attempt takes
         self.seq = -1                        # the last result taken from it
-        self.last = time.monotonic()
+        self.last = time.monotonic()         # the last news: a result, or the job seen in Redis
+        self.added = self.last
+        self.heard = self.last               # the last result (or the arrival)
+        self.admitted = False                # an instance took the job (a result, or seen held)
+        self.missing_since: float | None = None   # the job was in no queue and no instance held it
+        self.holder: str | None = None       # the instance last seen holding the job
+        self.run_id = run_id                 # Redis's run_id when the job was pushed
 
     def takes(self, res: Result) -> bool:
         """Whether ``res`` continues this request: the first result of a
@@ -214,10 +231,15 @@ class GlobalScheduler:
         self.key = str(secret).encode() if secret else None    # checked at start (SECRET_HELP)
         self.prefix = str(settings.get("prefix", "fdx"))
         self.ttl = float(settings.get("ttl_s", 60.0))
+        self.queue_timeout = float(settings.get("queue_timeout_s", 600.0))
+        self.result_timeout = float(settings.get("result_timeout_s", 600.0))
         self.heartbeat = float(settings.get("heartbeat_s", 1.0))
         self.max_attempts = int(settings.get("max_attempts", 3))
-        if self.ttl <= 0 or self.heartbeat <= 0 or self.max_attempts < 1:
-            raise ValueError("ttl_s and heartbeat_s must be positive, max_attempts at least 1")
+        if min(self.ttl, self.heartbeat, self.queue_timeout, self.result_timeout) <= 0 or self.max_attempts < 1:
+            raise ValueError("ttl_s, queue_timeout_s, result_timeout_s and heartbeat_s must be positive, "
+                             "max_attempts at least 1")
+        self.grace = 3 * self.heartbeat + 1.0          # a job in no list this long is lost
+        self.run_id: str | None = None                 # Redis's run_id: another one means it restarted
         self.id = str(settings.get("instance_id") or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
         self.capacity = config.scheduler.max_num_seqs
         self.pending: dict[str, _Pending] = {}         # origin side: requests this server received
@@ -277,6 +299,7 @@ class GlobalScheduler:
             if isinstance(e, AuthenticationError) or (isinstance(e, ResponseError) and "NOAUTH" in str(e)):
                 raise EngineDeadError(f"{where} refused the login ({e}): {PASSWORD_HELP}") from None
             raise EngineDeadError(f"{where} cannot be reached: {e}") from None
+        self.run_id = await self._run_id()
         self.tasks = [asyncio.create_task(f()) for f in (self._pull, self._read, self._publish, self._watch)]
         return ready
 
@@ -305,7 +328,7 @@ class GlobalScheduler:
         if self.local.dead or self.stopping:
             raise EngineDeadError("the engine is not running")
         raw = seal(self.key, JOB, Job(request_id, self.id, list(prompt_token_ids), params, dict(trace or {})))
-        self.pending[request_id] = _Pending(callback, raw)
+        self.pending[request_id] = _Pending(callback, raw, self.run_id)
         asyncio.get_running_loop().create_task(self._push(request_id, raw))
 
     async def _push(self, rid: str, raw: bytes) -> None:
@@ -356,11 +379,76 @@ class GlobalScheduler:
                     self._deliver(res)
             now = time.monotonic()
             for rid, p in list(self.pending.items()):
-                if now - p.last > self.ttl:
-                    del self.pending[rid]
-                    p.callback(EngineDeadError(
-                        f"the global scheduler lost the request: no result within ttl_s={self.ttl:g} s "
-                        "(Redis restarted, or no instance could run it)"))
+                overdue = not p.admitted and now - p.added > self.queue_timeout
+                if now - p.last > self.ttl or overdue or p.missing_since is not None:
+                    try:
+                        await self._check(rid, p)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:               # Redis away: looked for again next time
+                        log.warning("global scheduler: looking for %s: %s", rid, e)
+
+    def _fail(self, rid: str, p: _Pending, why: str) -> None:
+        if self.pending.get(rid) is p:
+            del self.pending[rid]
+            p.callback(EngineDeadError(why))
+
+    async def _run_id(self) -> str | None:
+        try:
+            return str((await self.r.info("server")).get("run_id")) or None
+        except Exception:
+            return None
+
+    async def _holder(self, raw: bytes) -> str | None:
+        """Where the job ``raw`` is: "" (the queue), an instance id (its
+        ``processing`` list), or None (nowhere)."""
+        if await self.r.lpos(self.k("queue"), raw) is not None:
+            return ""
+        start = len(self.k("processing", ""))
+        async for key in self.r.scan_iter(match=self.k("processing", "*")):
+            key = key.decode() if isinstance(key, bytes) else key
+            if await self.r.lpos(key, raw) is not None:
+                return key[start:]
+        return None
+
+    async def _check(self, rid: str, p: _Pending) -> None:
+        """A request with no news for ttl_s (or past its queue timeout): is
+        its job queued, held by an instance, or lost?"""
+        now = time.monotonic()
+        where = await self._holder(p.raw)
+        if self.pending.get(rid) is not p:
+            return                                       # finished or aborted meanwhile
+        if where == "":
+            p.missing_since = None
+            if not p.admitted and now - p.added > self.queue_timeout:
+                if await self.r.lrem(self.k("queue"), 1, p.raw):     # still queued: it leaves the queue
+                    self._fail(rid, p, f"the global scheduler did not admit the request in time: it waited "
+                                       f"{now - p.added:.0f} s in the queue (queue_timeout_s={self.queue_timeout:g}) "
+                                       "while every instance was busy")
+                    return
+            p.last = now
+            return
+        if where is not None:
+            p.missing_since, p.admitted, p.holder, p.last = None, True, where, now
+            if now - p.heard > self.result_timeout:          # a backstop: held, but silent that long
+                self._fail(rid, p, f"the global scheduler gave up on the request: the instance holding it ({where}) "
+                                   f"sent no result for {now - p.heard:.0f} s (result_timeout_s={self.result_timeout:g})")
+            return
+        if await self.r.llen(self.k("results", self.id)) > 0:
+            return                                       # its last results are waiting to be read
+        if p.missing_since is None:
+            p.missing_since = now
+        if now - p.missing_since < self.grace:
+            return
+        run_id = await self._run_id()
+        last = p.executor or p.holder
+        if run_id is not None and p.run_id is not None and run_id != p.run_id:
+            why = f"Redis at {redact(self.url)} restarted (its run_id changed) and did not keep the job"
+        elif last and last != self.id and not await self.r.exists(self.k("alive", last)):
+            why = f"the instance running it ({last}) is gone, and its job was not handed back"
+        else:
+            why = "its job is in no queue and no instance holds it (was Redis flushed?)"
+        self._fail(rid, p, f"the global scheduler lost the request: {why}")
 
     def _deliver(self, res: Result) -> None:
         p = self.pending.get(res.request_id)
@@ -369,7 +457,8 @@ class GlobalScheduler:
         if not p.takes(res):
             self._reject(f"a replayed or out-of-order result for {res.request_id}")
             return
-        p.last = time.monotonic()
+        p.last, p.admitted, p.missing_since = time.monotonic(), True, None
+        p.heard = p.last
         if res.fatal is not None or res.error is not None:
             del self.pending[res.request_id]
             p.callback(EngineRejected(res.request_id, res.error) if res.error is not None
@@ -493,31 +582,45 @@ class GlobalScheduler:
         while True:
             try:
                 await self.r.set(self.k("alive", self.id), 1, px=alive_ttl_ms)
+                run_id = await self._run_id()
+                if run_id is not None and self.run_id is not None and run_id != self.run_id:
+                    log.warning("global scheduler: Redis at %s restarted (its run_id changed): jobs queued "
+                                "before are lost unless it persisted them; putting back the %d this instance "
+                                "runs", redact(self.url), len(self.running))
+                    mine = self.k("processing", self.id)
+                    for run in list(self.running.values()):
+                        if await self.r.lpos(mine, run.raw) is None:
+                            await self.r.rpush(mine, run.raw)
+                if run_id is not None:
+                    self.run_id = run_id
                 async for key in self.r.scan_iter(match=self.k("processing", "*")):
                     key = key.decode() if isinstance(key, bytes) else key
                     other = key[len(self.k("processing", "")):]
                     if other == self.id or await self.r.exists(self.k("alive", other)):
                         continue
                     while (raw := await self.r.lmove(key, self.k("queue"), "RIGHT", "LEFT")) is not None:
-                        await self._requeued(raw)
+                        await self._requeued(raw, other)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 log.warning("global scheduler: watching: %s", e)
             await asyncio.sleep(self.heartbeat)
 
-    async def _requeued(self, raw: bytes) -> None:
+    async def _requeued(self, raw: bytes, dead: str) -> None:
         job = unseal(self.key, JOB, raw, _job_dec)
         if job is None:
             return                                   # not ours: the puller drops it
         attempts = await self.r.incr(self.k("attempts", job.request_id))
         await self.r.expire(self.k("attempts", job.request_id), int(self.ttl) * 4)
         self.m_requeued.inc()
-        log.warning("global scheduler: %s held by a dead instance: attempt %d", job.request_id, attempts + 1)
+        log.warning("global scheduler: %s held by a dead instance (%s): attempt %d", job.request_id, dead,
+                    attempts + 1)
         if attempts >= self.max_attempts:
             await self.r.lrem(self.k("queue"), 1, raw)
             await self._send(job.origin, b"", Result(job.request_id, job.origin, self.id, 0, attempts, 0, [], fatal=(
-                f"the request failed on {attempts} instances that died")), False)
+                f"the global scheduler lost the request: the instance running it ({dead}) is gone (no "
+                f"heartbeat within {3 * self.heartbeat:g} s), after {attempts} attempt(s) on instances that died "
+                f"(max_attempts={self.max_attempts})")), False)
 
 
 @hookimpl

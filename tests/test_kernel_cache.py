@@ -1,0 +1,187 @@
+"""The compiled-kernel cache loads only what fdx built, from a folder it
+trusts (issue 35 item 2; fdx.ops.kernel_cache): the attack replayed (a
+planted ``fdx_ops_<key>.so`` whose constructor writes a marker, in a folder
+owned by another user with mode 0777; a tampered object in a trusted
+folder), with a real build in a child process each time."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fdx.ops import kernel_cache
+
+NOBODY = 65534
+
+
+# -- the folder checks (no build) ---------------------------------------------------------------
+
+def test_a_folder_is_trusted_only_if_it_and_everything_below_the_root_is_this_users_and_private(tmp_path):
+    root = tmp_path / "cache"
+    leaf = root / "ops" / "key"
+    assert kernel_cache.check_dir(leaf, root, create=True) is None
+    for p in (root, root / "ops", leaf):
+        assert p.is_dir() and (p.stat().st_mode & 0o777) == 0o700       # made by fdx, private
+    (root / "ops").chmod(0o777)
+    assert "writable by group or others (mode 0777)" in kernel_cache.check_dir(leaf, root)
+    (root / "ops").chmod(0o755)                           # readable by others is fine, writable is not
+    assert kernel_cache.check_dir(leaf, root) is None
+    os.chown(leaf, NOBODY, -1)
+    assert f"{leaf} is owned by uid {NOBODY}" in kernel_cache.check_dir(leaf, root)
+    os.chown(leaf, os.geteuid(), -1)
+    real = tmp_path / "elsewhere"
+    real.mkdir(mode=0o700)
+    shutil.rmtree(leaf)
+    leaf.symlink_to(real)
+    assert f"{leaf} is a symlink" in kernel_cache.check_dir(leaf, root)
+    # above the root: a folder others may write without the sticky bit
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert "above the cache" in kernel_cache.check_dir(shared / "cache" / "ops", shared / "cache", create=True)
+    shared.chmod(0o1777)
+    assert kernel_cache.check_dir(shared / "cache" / "ops", shared / "cache", create=True) is None
+
+
+def test_an_object_is_loadable_only_with_its_builds_record(tmp_path):
+    so = tmp_path / "lib.so"
+    so.write_bytes(b"\x7fELF built")
+    assert "no record of its hash" in kernel_cache.check_object(so)
+    kernel_cache.record(so)
+    assert kernel_cache.check_object(so) is None
+    so.write_bytes(b"\x7fELF changed")
+    assert "does not match the record" in kernel_cache.check_object(so)
+    kernel_cache.record(so)
+    so.chmod(0o666)
+    assert "writable by group or others" in kernel_cache.check_object(so)
+
+
+# -- the attack, with real builds ------------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import json, logging, sys
+    import numpy as np
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    import paddle
+    from fdx.ops import cpp
+    status = cpp.prepare()
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype("float32")
+    got = cpp.silu_and_mul(paddle.to_tensor(x)).numpy()
+    print(json.dumps({"status": status, "available": cpp.available(), "x": x.tolist(), "got": got.tolist()}))
+""")
+
+
+def run_child(cache: Path, marker: Path) -> tuple[dict, str]:
+    env = {**os.environ, "FDX_CACHE_DIR": str(cache)}
+    env.pop("FDX_DISABLE_CPP_OPS", None)
+    env.pop(kernel_cache.PRIVATE_ENV, None)
+    p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    x = __import__("numpy").asarray(out["x"], dtype="float32")
+    half = x.shape[1] // 2
+    ref = x[:, :half] / (1 + __import__("numpy").exp(-x[:, :half])) * x[:, half:]    # numpy reference
+    assert out["available"]
+    assert __import__("numpy").allclose(out["got"], ref, rtol=1e-5, atol=1e-5), "the kernels do not work"
+    return out, p.stderr
+
+
+def key_of(cache: Path) -> str:
+    code = "from fdx.ops import cpp; print(cpp.build_dir().name)"
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FDX_CACHE_DIR": str(cache)},
+                       capture_output=True, text=True, check=True, timeout=300)
+    return p.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> tuple[Path, Path]:
+    """A shared object whose constructor writes a marker file: what an attacker plants."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("planted")
+    marker = d / "constructor-ran"
+    (d / "evil.c").write_text(textwrap.dedent(f"""
+        #include <stdio.h>
+        __attribute__((constructor)) static void planted(void) {{
+            FILE *f = fopen("{marker}", "a");
+            if (f) {{ fputs("ran\\n", f); fclose(f); }}
+        }}
+    """))
+    subprocess.run([gcc, "-shared", "-fPIC", "-o", str(d / "evil.so"), str(d / "evil.c")], check=True)
+    return d / "evil.so", marker
+
+
+def plant(folder: Path, name: str, evil: Path) -> Path:
+    (folder / name).mkdir(parents=True, exist_ok=True)
+    so = folder / name / f"{name}.so"
+    shutil.copy(evil, so)
+    (folder / ".built").touch()
+    return so
+
+
+@pytest.fixture(scope="module")
+def foreign_attack(tmp_path_factory, planted):
+    """The attack as found: FDX_CACHE_DIR at a folder another user owns,
+    mode 0777, holding a planted object under the expected name (and a
+    record of its hash: whoever can write the folder can write that too)."""
+    evil, marker = planted
+    cache = tmp_path_factory.mktemp("foreign") / "cache"
+    key = key_of(cache)
+    folder = cache / "ops" / key
+    folder.mkdir(parents=True)
+    so = plant(folder, f"fdx_ops_{key}", evil)
+    kernel_cache.record(so)
+    for p in [cache, cache / "ops", folder, folder / so.parent.name]:
+        os.chown(p, NOBODY, NOBODY)
+        p.chmod(0o777)
+    for p in (so, kernel_cache._record_path(so), folder / ".built"):
+        os.chown(p, NOBODY, NOBODY)
+        p.chmod(0o666)
+    out, log = run_child(cache, marker)
+    return cache, key, out, log, marker
+
+
+@pytest.mark.slow
+def test_a_planted_object_in_a_foreign_world_writable_folder_is_not_loaded(foreign_attack):
+    cache, key, out, log, marker = foreign_attack
+    assert not marker.exists(), "the planted object's constructor ran"
+    assert f"not loading anything from {cache / 'ops' / key}" in log
+    assert f"owned by uid {NOBODY}, not by this user" in log
+    assert "built the compiled CPU kernels" in out["status"]         # rebuilt privately, and they work
+
+
+@pytest.mark.slow
+def test_a_tampered_object_in_a_trusted_folder_is_rebuilt_not_loaded(foreign_attack, planted, tmp_path):
+    """A trusted cache (this user's, 0700) seeded with a genuine build and its
+    record; the object is then replaced: rebuilt, not loaded; the rebuilt
+    cache is loaded on the next start without a build."""
+    evil, marker = planted
+    _, key, out, log, _ = foreign_attack
+    private = Path(next(line for line in log.splitlines() if "private folder" in line)
+                   .split("private folder, ")[1].split(", instead")[0])
+    cache = tmp_path / "cache"
+    folder = cache / "ops" / key
+    (cache / "ops").mkdir(parents=True, mode=0o700)
+    cache.chmod(0o700)
+    shutil.copytree(private, folder)
+    folder.chmod(0o700)
+    name = f"fdx_ops_{key}"
+    assert kernel_cache.check_object(folder / name / f"{name}.so") is None    # the genuine build and its record
+
+    again, log2 = run_child(cache, marker)
+    assert "loaded the compiled CPU kernels" in again["status"] and "not loading" not in log2
+
+    shutil.copy(evil, folder / name / f"{name}.so")      # tampered after the build: the record no longer matches
+    out3, log3 = run_child(cache, marker)
+    assert not marker.exists(), "the tampered object's constructor ran"
+    assert f"not loading {folder / name / (name + '.so')}: its sha256 does not match the record" in log3
+    assert "built the compiled CPU kernels" in out3["status"]
+    out4, log4 = run_child(cache, marker)                  # healed: loaded, not rebuilt
+    assert "loaded the compiled CPU kernels" in out4["status"] and "not loading" not in log4
