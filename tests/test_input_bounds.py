@@ -94,6 +94,8 @@ def _edge_refusal(body: dict, vocab: int | None = 49152) -> APIError:
     from fdx.core.serving.edge import check_limits, validation_error
     try:
         req = CompletionRequest.model_validate(body)
+    except APIError as e:                   # the schema's check_untrusted: an integer past 64 bits anywhere
+        return e
     except ValidationError as e:
         resp = validation_error(e.errors(include_url=False))
         err = json.loads(resp.body)["error"]
