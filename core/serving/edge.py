@@ -197,8 +197,7 @@ class GuardMiddleware:
         finally:       # a line per generation request and per refusal (not per poll of /v1/engine/stats)
             code = status[0] or 500
             if self.budget is not None and 400 <= code < 500 and code != 429:
-                length = headers.get(b"content-length", b"")
-                self.budget.charge(who, min(self.max_body, max(seen[0], int(length) if length.isdigit() else 0)))
+                self.budget.charge(who, seen[0])      # the body bytes it made this server read
             if (scope.get("method") != "GET" or code >= 400) and requests_log.isEnabledFor(logging.INFO):
                 detail = scope["fdx.log"].get("detail")
                 requests_log.info("request %s: %s %s %s in %.3f s%s%s", rid, scope.get("method"), scope["path"],
@@ -346,6 +345,18 @@ def checked_request(raw: bytes, schema, sc, content_type: str | None = None, wit
     return (req, data) if with_data else req
 
 
+async def read_body(request) -> bytes:
+    """The whole body; a client that leaves first (or is cut by
+    server.body_timeout_s) ends the request as a 400 nobody reads, not as a
+    traceback in the log."""
+    from starlette.requests import ClientDisconnect
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise APIError(400, "the client closed the connection before its request body was complete",
+                       code="client_disconnected") from None
+
+
 async def read_request(request, schema, sc, with_data: bool = False):
     """The request's body as ``schema``, checked. A body over
     PARSE_ON_LOOP_BYTES is parsed and validated in a worker thread, off the
@@ -354,7 +365,7 @@ async def read_request(request, schema, sc, with_data: bool = False):
     thread still takes the GIL, but in 5 ms slices the loop shares, and
     check_sizes refuses an oversized field before the schema's validation
     (one call into pydantic-core that holds the GIL throughout) runs."""
-    raw = await request.body()
+    raw = await read_body(request)
     ctype = request.headers.get("content-type")
     request.scope["fdx.body_bytes"] = len(raw)
     if len(raw) <= PARSE_ON_LOOP_BYTES:

@@ -200,7 +200,7 @@ class Router:
                                   f"{raw[:200].decode('utf-8', 'replace')}")
                 self.m_requests.labels("client_error").inc()
                 return Response(raw, status_code=resp.status_code, media_type="application/json")
-            return await (self._stream(resp, p_task, release, p) if stream else self._whole(resp, p_task, p))
+            return await (self._stream(resp, p_task, release, p, d) if stream else self._whole(resp, p_task, p, d))
         except BaseException:
             release()
             raise
@@ -247,6 +247,17 @@ class Router:
                 raise PrefillAnswered(out[0], out[1])
         return await step
 
+    def _blame(self, reason: str, p: Instance, d: Instance) -> Refused:
+        """A splitwise refusal the decode instance reported, naming the
+        instance at fault and its role: a transfer that never came, or was
+        aborted, is the prefill instance's (it leaves this request's
+        pairings and its health is checked now); the rest the decode's."""
+        if "prefill instance" in reason:
+            asyncio.ensure_future(self.refresh(p))
+            return Refused(f"prefill instance {p.url} (as decode instance {d.url} reports): {reason}",
+                           role="prefill")
+        return Refused(f"decode instance {d.url}: {reason}")
+
     @staticmethod
     def _refusal(choices: list[dict]) -> str | None:
         for c in choices:
@@ -255,7 +266,7 @@ class Router:
                 return reason
         return None
 
-    async def _whole(self, resp: httpx.Response, p_task, p: Instance):
+    async def _whole(self, resp: httpx.Response, p_task, p: Instance, d: Instance):
         from fastapi.responses import JSONResponse, Response
         try:
             raw = await self._until_output(resp.aread(), p_task, p)
@@ -271,11 +282,11 @@ class Router:
             data = {}
         reason = self._refusal(data.get("choices") or [])
         if reason is not None:
-            raise Refused(reason)
+            raise self._blame(reason, p, d)
         self.m_requests.labels("ok").inc()
         return Response(raw, status_code=200, media_type="application/json")
 
-    async def _stream(self, resp: httpx.Response, p_task, release, p: Instance):
+    async def _stream(self, resp: httpx.Response, p_task, release, p: Instance, d: Instance):
         from fastapi.responses import JSONResponse, StreamingResponse
         """Hold the chunks back until the first one with output (or the end),
         so a refusal can still be retried; then pass everything through."""
@@ -299,7 +310,7 @@ class Router:
                 choices = chunk.get("choices") or []
                 reason = self._refusal(choices)
                 if reason is not None:
-                    raise Refused(reason)
+                    raise self._blame(reason, p, d)
                 if "error" in chunk or any(c.get("finish_reason") or (c.get("text") or
                                            (c.get("delta") or {}).get("content")) for c in choices):
                     break

@@ -43,9 +43,9 @@ def _ready(server):
 def install(app, server) -> None:
     @app.post("/tokenize")
     async def tokenize(http_request: Request):
-        from fdx.core.serving.edge import check_sizes, parse_json, validation_error
+        from fdx.core.serving.edge import check_sizes, parse_json, read_body, validation_error
         from pydantic import ValidationError
-        raw = await http_request.body()
+        raw = await read_body(http_request)
         data = parse_json(raw, http_request.headers.get("content-type"))
         check_sizes(data, server.sc)
         kind = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
