@@ -669,7 +669,8 @@ def build_app(server: Server) -> FastAPI:
     tokenizing.install(app, server)           # /tokenize, /detokenize (vLLM's shapes)
     pooling.install(app, server)              # /v1/embeddings (model.task embed)
     ui.install(app, server)                   # the page at / and /v1/engine/stats (server.ui)
-    openapi_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    openapi_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                         "/v1/embeddings": pooling.EmbeddingRequest})
     return app
 
 
