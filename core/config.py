@@ -136,7 +136,7 @@ class ServerConfig(_Section):
                                                # head: 408, closed (per connection; None: no limit)
     refused_bytes_per_s: float | None = Field(1024 * 1024, gt=0)  # per client (address + key): refused
                                                # bodies' bytes refill this fast; an empty budget: 429
-    refused_bytes_burst: int = Field(8 * 1024 * 1024, gt=0)  # ... up to this many (docs/security.md)
+    refused_bytes_burst: int = Field(32 * 1024 * 1024, gt=0)  # ... up to this many (docs/security.md)
     content_special_tokens: Literal["parse", "text"] = "parse"  # special-token text in chat message
                                                # content: real special tokens, or encoded as plain text
     # -- chat output parsers (issue 20; plugins: fdx_register_tool_parsers / _reasoning_parsers)

@@ -197,7 +197,8 @@ class GuardMiddleware:
         finally:       # a line per generation request and per refusal (not per poll of /v1/engine/stats)
             code = status[0] or 500
             if self.budget is not None and 400 <= code < 500 and code != 429:
-                self.budget.charge(who, seen[0])      # the body bytes it made this server read
+                # the body bytes it made this server read and parse
+                self.budget.charge(who, 0 if scope.get("fdx.unparsed") else seen[0])
             if (scope.get("method") != "GET" or code >= 400) and requests_log.isEnabledFor(logging.INFO):
                 detail = scope["fdx.log"].get("detail")
                 requests_log.info("request %s: %s %s %s in %.3f s%s%s", rid, scope.get("method"), scope["path"],
@@ -219,6 +220,7 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_body:
             # read and drop a body up to DRAIN_FACTOR x the limit, so its client reads the 413 (an 8 MB
             # body was answered by a reset); a larger one is answered at once and the connection closed
+            scope["fdx.unparsed"] = True          # the refusal budget charges its minimum only
             if int(length) <= DRAIN_FACTOR * self.max_body:
                 await drain(receive, DRAIN_FACTOR * self.max_body)
             return await send_json(send, 413, error_body(
