@@ -190,7 +190,8 @@ def test_a_client_repeating_refused_bodies_is_rate_limited_and_others_are_served
         assert ok.status_code == 200, ok.text[:300]
     # the default budget (32 MiB of refused bodies, refilled at 1 MiB/s) takes eight or nine 3.9 MB
     # bodies at once; then 429s decided on the headers, their bodies never parsed
-    assert statuses[:8] == [400] * 8 and statuses[-3:] == [429] * 3, statuses
+    # (a slow machine refills a body's worth now and then: a 400 may come between the 429s)
+    assert statuses[:8] == [400] * 8 and statuses[8:].count(429) >= 3, statuses
     assert gap < _bound(baseline), (gap, baseline)
     log = serve.log_path.read_text()
     assert re.search(r"POST /v1/completions 429 .*too many refused requests from this client", log)
