@@ -134,6 +134,15 @@ class ServerConfig(_Section):
     guided_compile_timeout_s: float = Field(30.0, gt=0)  # a compile not done by then: the request gets 408
     max_guided_compiles: int = Field(8, gt=0)        # large (> 4 KiB) constraints compiling or queued; past 429
     max_extra_args_bytes: int = Field(64 * 1024, gt=0)  # extra_args (vllm_xargs) as JSON
+    max_messages: int = Field(4096, gt=0)            # chat messages per request (issue 35: checked before
+    max_tools: int = Field(256, gt=0)                # tools per request             the schema validates)
+    body_timeout_s: float | None = Field(30.0, gt=0)  # a request body not complete this long after its
+                                               # head: 408, closed (per connection; None: no limit)
+    refused_bytes_per_s: float | None = Field(1024 * 1024, gt=0)  # per client (address + key): refused
+                                               # bodies' bytes refill this fast; an empty budget: 429
+    refused_bytes_burst: int = Field(32 * 1024 * 1024, gt=0)  # ... up to this many (docs/security.md)
+    content_special_tokens: Literal["parse", "text"] = "parse"  # special-token text in chat message
+                                               # content: real special tokens, or encoded as plain text
     # -- chat output parsers (issue 20; plugins: fdx_register_tool_parsers / _reasoning_parsers)
     tool_call_parser: str | None = None        # finds calls in the output of tool_choice "auto" (hermes,
                                                # llama3_json, ernie-4.5); None: "auto" is refused

@@ -94,6 +94,8 @@ def _edge_refusal(body: dict, vocab: int | None = 49152) -> APIError:
     from fdx.core.serving.edge import check_limits, validation_error
     try:
         req = CompletionRequest.model_validate(body)
+    except APIError as e:                   # the schema's check_untrusted: an integer past 64 bits anywhere
+        return e
     except ValidationError as e:
         resp = validation_error(e.errors(include_url=False))
         err = json.loads(resp.body)["error"]
@@ -174,3 +176,51 @@ def test_bad_words_tokenized_once_in_the_api_process_match_the_engines():
     assert sp.bad_words_token_ids == [[32, 97, 98], [32, 99], [97, 98]]
     with pytest.raises(ValueError, match="bad_words_token_ids"):
         SamplingParams(bad_words_token_ids=[[2 ** 40]])
+
+
+# -- issue 35: integers anywhere, sizes before the schema, the refusal budget ----------------
+
+@pytest.mark.parametrize("body, param, where", [
+    ({"guided_json": {"type": "integer", "minimum": 10 ** 30}}, "guided_json", "guided_json.minimum"),
+    ({"guided_json": {"enum": ["a", 10 ** 23]}}, "guided_json", "guided_json.enum.1"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"maximum": -10 ** 20}}}},
+     "response_format", "response_format.json_schema.schema.maximum"),
+    ({"metadata": {"k": 2 ** 63}}, "metadata", "metadata.k"),
+])
+def test_every_integer_in_a_body_is_within_64_bits(body, param, where):
+    import msgspec
+    with pytest.raises(APIError) as e:
+        CompletionRequest.model_validate({"prompt": "x", **body})
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(where + ":")
+    ok = CompletionRequest.model_validate({"prompt": "x", "guided_json": {"minimum": -2 ** 63, "maximum": 2 ** 63 - 1}})
+    msgspec.msgpack.encode(ok.model_dump())          # what passes, the wire carries
+
+
+def test_field_sizes_are_refused_before_the_schema_on_any_type():
+    from fdx.core.config import ServerConfig
+    from fdx.core.serving.edge import check_sizes
+    sc = ServerConfig()
+    for body, param in [({"bad_words": ["w"] * 257}, "bad_words"), ({"bad_words": ["x" * 70000]}, "bad_words"),
+                        ({"tools": [{}] * 257}, "tools"), ({"messages": [{}] * 4097}, "messages"),
+                        ({"stop": ["s"] * 17}, "stop"), ({"guided_json": {"enum": ["v"] * 40000}}, "guided_json"),
+                        ({"extra_args": {"k": ["v" * 100] * 1000}}, "extra_args")]:
+        with pytest.raises(APIError) as e:
+            check_sizes({"prompt": "x", **body}, sc)
+        assert e.value.param == param and e.value.code == "limit_exceeded", body
+    check_sizes({"bad_words": 5, "tools": "x", "stop": "s" * 5000}, sc)   # wrong types: the schema's to refuse
+    # at the limits nothing is refused early (check_limits measures exactly later)
+    check_sizes({"bad_words": ["x" * 1024] * 64, "guided_json": {"type": "string", "description": "d" * 65000}}, sc)
+
+
+def test_refusal_budget_refills_and_is_per_client():
+    from fdx.core.serving.edge import RefusalBudget
+    b = RefusalBudget(rate=1000.0, burst=5000.0)
+    a, other = ("10.0.0.1", None), ("10.0.0.2", None)
+    assert b.wait_s(a, now=0.0) == 0.0
+    b.charge(a, 4000, now=0.0)
+    assert b.wait_s(a, now=0.0) == 0.0                # 1000 left
+    b.charge(a, 4000, now=0.0)                        # -3000: limited for about 3 s
+    assert 2.9 < b.wait_s(a, now=0.0) < 3.1 and b.wait_s(other, now=0.0) == 0.0
+    assert b.wait_s(a, now=2.0) > 0 and b.wait_s(a, now=3.1) == 0.0
+    b.charge(other, 10, now=0.0)                      # at least MIN_COST
+    assert b._level(other, 0.0) == 5000 - RefusalBudget.MIN_COST

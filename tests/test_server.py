@@ -364,7 +364,7 @@ def test_error_codes(server, client):
     assert httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"}).status_code == 401
     r = httpx.post(server.base_url + "/v1/completions", headers=HEADERS, content=b"{not json",
                    timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not a valid JSON object"
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request body is not valid JSON")
     r = httpx.post(server.base_url + "/v1/completions", headers=HEADERS,
                    json={"model": MODEL, "prompt": "x " * 40000}, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

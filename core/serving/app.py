@@ -382,6 +382,27 @@ class Server:
         scope = http_request.scope if http_request is not None else {}
         return RequestGroup(self, seqs, params, prefix, scope.get("fdx.trace"), scope.get("fdx.log"))
 
+    def content_as_text(self, req) -> bool:
+        """Whether special-token text in the messages' content is tokenized as
+        plain text: the request's content_special_tokens, or the server's
+        (a server set to "text" refuses a request asking for "parse")."""
+        asked = getattr(req, "content_special_tokens", None)
+        if self.sc.content_special_tokens == "text":
+            if asked == "parse":
+                raise APIError(400, "this server encodes special-token text in message content as plain text "
+                               "(server.content_special_tokens 'text'); a request cannot ask to parse it",
+                               param="content_special_tokens")
+            return True
+        return asked == "text"
+
+    @staticmethod
+    async def off_loop_if_large(http_request: Request, fn, *args):
+        """``fn(*args)`` (templating, tokenizing) in a worker thread when the
+        body was large (edge.read_request), so the event loop keeps streaming."""
+        if http_request.scope.get("fdx.body_bytes", 0) > edge.PARSE_ON_LOOP_BYTES:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
     # -- the generation endpoints -------------------------------------------------
     def check_generates(self) -> None:
         if self.config.model.task != "generate":
@@ -395,7 +416,7 @@ class Server:
         if bad:
             raise APIError(400, bad[1], param=bad[0])
         edge.check_limits(req, self.sc, self.vocab_size)
-        prompts = self.render.completion_prompts(req.prompt)
+        prompts = await self.off_loop_if_large(http_request, self.render.completion_prompts, req.prompt)
         # echo with max_tokens 0 scores the prompt (lm-eval's loglikelihood): one token is computed, never shown
         max_tokens = 1 if req.scores_only() else req.max_tokens if req.max_tokens is not None else 16
         kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=False)
@@ -419,7 +440,8 @@ class Server:
             plan = tool_plan(req, self.sc)
         except ChatRequestError as e:
             raise APIError(400, e.message, param=e.param) from None
-        text, ids = self.render.chat_prompt(req)
+        text, ids = await self.off_loop_if_large(http_request, self.render.chat_prompt, req,
+                                                 self.content_as_text(req))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=True)
         if req.logprobs:
@@ -572,6 +594,7 @@ class Server:
 def build_app(server: Server) -> FastAPI:
     """The routes; ``run_server`` starts and stops the engine around serving."""
     app = FastAPI(title="fdx", version=fdx_version())
+    app.router.redirect_slashes = False       # /tokenize/ is a 404 naming /tokenize, not a 307 to it
     edge.install(app, server.sc)              # API key, body limit, OpenAI-shaped errors
 
     @app.get("/health")
@@ -616,18 +639,44 @@ def build_app(server: Server) -> FastAPI:
             "id": server.model_name, "object": "model", "created": server.created, "owned_by": "fdx",
             "root": server.config.model.model or DEFAULT_MODEL_NAME, "max_model_len": server.max_model_len}]}
 
+    # the bodies are read, size-checked and validated by edge.read_request (large ones off the event
+    # loop), not by FastAPI's body parameter; /openapi.json still describes them (openapi_bodies)
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, http_request: Request):
+    async def completions(http_request: Request):
+        req = await edge.read_request(http_request, CompletionRequest, server.sc)
         return await server.completions(req, http_request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, http_request: Request):
+    async def chat_completions(http_request: Request):
+        req = await edge.read_request(http_request, ChatCompletionRequest, server.sc)
         return await server.chat_completions(req, http_request)
 
     tokenizing.install(app, server)           # /tokenize, /detokenize (vLLM's shapes)
     pooling.install(app, server)              # /v1/embeddings (model.task embed)
     ui.install(app, server)                   # the page at / and /v1/engine/stats (server.ui)
+    openapi_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                         "/v1/embeddings": pooling.EmbeddingRequest})
     return app
+
+
+def openapi_bodies(app: FastAPI, bodies: dict[str, type]) -> None:
+    """Put the request schemas of endpoints that read their own body into
+    /openapi.json (as FastAPI writes those of typed body parameters)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
 
 
 def _bind(host: str, port: int):
@@ -661,7 +710,8 @@ def run_server(config: FdxConfig) -> int:
                                timeout_graceful_shutdown=10, lifespan="off",
                                http=edge.capped_http_protocol(edge.connection_cap(config.server.max_connections),
                                                                config.server.header_timeout_s,
-                                                               config.server.socket_send_buffer_bytes))
+                                                               config.server.socket_send_buffer_bytes,
+                                                               config.server.body_timeout_s))
     edge.quiet_accept_errors()
     warning = security.exposure_warning(config.server)
     if warning:

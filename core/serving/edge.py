@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -75,45 +77,133 @@ def request_context(headers: dict[bytes, bytes]) -> tuple[str, str | None, dict[
     return rid, bad, carrier
 
 
+API_PATHS = ("/tokenize", "/detokenize")         # beside /v1: request ids, refusal budget, reasons logged
+
+
+def is_api_path(path: str) -> bool:
+    return path.startswith("/v1") or path in API_PATHS
+
+
+class RefusalBudget:
+    """A per-client token bucket of refused request bytes: each 4xx (but
+    429) costs the bytes of the body it refused (at least ``MIN_COST``);
+    the bucket refills at ``rate`` bytes a second up to ``burst``. A client
+    whose bucket is empty gets 429 ``too_many_refusals`` on its next
+    requests, decided on the headers, until it has refilled: a client that
+    repeats bodies the server refuses cannot keep its parser busy (issue 35
+    item 4). Keyed by the client's address and the API key it presents
+    (not by the key alone: one server key is often shared by every client,
+    and one client's refusals must not lock out the others)."""
+
+    MIN_COST = 1024
+    MAX_KEYS = 10000
+
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst = rate, burst
+        self.buckets: dict[tuple, tuple[float, float]] = {}     # key -> (level, when)
+
+    def _level(self, key, now: float) -> float:
+        level, when = self.buckets.get(key, (self.burst, now))
+        return min(self.burst, level + (now - when) * self.rate)
+
+    def wait_s(self, key, now: float | None = None) -> float:
+        """0 when ``key`` may send; else the seconds until its bucket is positive."""
+        now = time.monotonic() if now is None else now
+        level = self._level(key, now)
+        return 0.0 if level > 0 else (-level + 1) / self.rate
+
+    def charge(self, key, cost: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.buckets[key] = (self._level(key, now) - max(cost, self.MIN_COST), now)
+        if len(self.buckets) > self.MAX_KEYS:    # forget the clients that have refilled
+            self.buckets = {k: v for k, v in self.buckets.items() if self._level(k, now) < self.burst}
+
+
+async def drain(receive, limit: int) -> bool:
+    """Read and drop a request body (at most ``limit`` bytes), so the client,
+    still sending, reads the answer instead of a reset. False: the body is
+    longer than ``limit`` (or the client went away): close without reading on."""
+    seen = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            return False
+        if not message.get("more_body", False):
+            return True
+
+
 class GuardMiddleware:
     """The API key (on the paths ``security.needs_key`` names) and the body
     limit, both decided on the headers before any body byte is read. On
-    /v1: the request id (X-Request-Id, checked, else made) and trace
-    context, in ``scope["fdx.request_id"]`` / ``scope["fdx.trace"]``; the id
-    echoed on every response and named in one ``fdx.requests`` log line
-    when the response of a POST or of a refusal ends (with what the
-    endpoint put in ``scope["fdx.log"]``)."""
+    /v1, /tokenize and /detokenize: the request id (X-Request-Id, checked,
+    else made) and trace context, in ``scope["fdx.request_id"]`` /
+    ``scope["fdx.trace"]``; the id echoed on every response and named in
+    one ``fdx.requests`` log line when the response of a POST or of a
+    refusal ends (with what the endpoint put in ``scope["fdx.log"]``, and
+    for a 4xx/5xx its reason); the refusal budget (RefusalBudget) per
+    client."""
 
     def __init__(self, app, sc):
         self.app = app
         self.key = sc.api_key.encode() if sc.api_key else None
         self.max_body = sc.max_request_body_bytes
         self.sc = sc
+        rate = getattr(sc, "refused_bytes_per_s", None)
+        self.budget = RefusalBudget(rate, sc.refused_bytes_burst) if rate else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if not scope["path"].startswith("/v1"):
+        if not is_api_path(scope["path"]):
             return await self._guarded(scope, receive, send, headers, None)
         rid, bad, carrier = request_context(headers)
         scope["fdx.request_id"], scope["fdx.trace"], scope["fdx.log"] = rid, carrier, {}
         echo = (b"x-request-id", rid.encode())
-        status, t0 = [None], time.monotonic()
+        status, reason, t0 = [None], [None], time.monotonic()
+        client = (scope.get("client") or ("?", 0))[0]
+        auth = headers.get(b"authorization", b"")
+        who = (client, hashlib.sha256(auth).hexdigest()[:16] if auth else None)
+        seen = [0]
+
+        async def counted_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+            return message
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 message = {**message, "headers": [*message.get("headers", ()), echo]}
+            elif message["type"] == "http.response.body" and reason[0] is None and (status[0] or 0) >= 400:
+                reason[0] = _error_reason(message.get("body", b""))
             await send(message)
         try:
-            await self._guarded(scope, receive, send_with_id, headers, bad)
+            wait = self.budget.wait_s(who) if self.budget is not None else 0.0
+            if wait:
+                length = headers.get(b"content-length", b"0")
+                if not length.isdigit() or int(length) <= DRAIN_FACTOR * self.max_body:
+                    await drain(receive, DRAIN_FACTOR * self.max_body)
+                await send_json(send_with_id, 429, error_body(
+                    f"too many refused requests from this client ({client}); retry in {math.ceil(wait)} s "
+                    "(server.refused_bytes_per_s)", "rate_limit_error", code="too_many_refusals"),
+                    extra_headers=[(b"retry-after", str(math.ceil(wait)).encode())])
+                return
+            await self._guarded(scope, counted_receive, send_with_id, headers, bad)
         finally:       # a line per generation request and per refusal (not per poll of /v1/engine/stats)
-            if (scope.get("method") != "GET" or (status[0] or 500) >= 400) and requests_log.isEnabledFor(logging.INFO):
+            code = status[0] or 500
+            if self.budget is not None and 400 <= code < 500 and code != 429:
+                # the body bytes it made this server read and parse
+                self.budget.charge(who, 0 if scope.get("fdx.unparsed") else seen[0])
+            if (scope.get("method") != "GET" or code >= 400) and requests_log.isEnabledFor(logging.INFO):
                 detail = scope["fdx.log"].get("detail")
-                requests_log.info("request %s: %s %s %s in %.3f s%s", rid, scope.get("method"), scope["path"],
+                requests_log.info("request %s: %s %s %s in %.3f s%s%s", rid, scope.get("method"), scope["path"],
                                   status[0] or "(no response)", time.monotonic() - t0,
-                                  f", {detail}" if detail else "")
+                                  f", {detail}" if detail else "", f": {reason[0]}" if reason[0] else "")
 
     async def _guarded(self, scope, receive, send, headers, bad_request_id):
         if self.key is not None and security.needs_key(self.sc, scope["path"]):
@@ -128,6 +218,11 @@ class GuardMiddleware:
                                                          code="invalid_request_id"))
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
+            # read and drop a body up to DRAIN_FACTOR x the limit, so its client reads the 413 (an 8 MB
+            # body was answered by a reset); a larger one is answered at once and the connection closed
+            scope["fdx.unparsed"] = True          # the refusal budget charges its minimum only
+            if int(length) <= DRAIN_FACTOR * self.max_body:
+                await drain(receive, DRAIN_FACTOR * self.max_body)
             return await send_json(send, 413, error_body(
                 f"the request body is {int(length)} bytes; the limit is {self.max_body}",
                 code="request_too_large"))
@@ -144,11 +239,25 @@ class GuardMiddleware:
         return await self.app(scope, limited_receive, send)
 
 
-async def send_json(send, status: int, body: dict) -> None:
+DRAIN_FACTOR = 4          # a refused body up to this many times the body limit is read (and dropped) first
+
+
+def _error_reason(raw: bytes) -> str | None:
+    """An error body's message (and param), for the request's log line."""
+    try:
+        err = json.loads(raw)["error"]
+        text = str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    text = text if len(text) <= 300 else text[:300] + "..."
+    return f"{text} (param {err['param']})" if err.get("param") else text
+
+
+async def send_json(send, status: int, body: dict, extra_headers: list | None = None) -> None:
     raw = JSONResponse(body).body                 # the same bytes as every other error body
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *(extra_headers or ())]})
     await send({"type": "http.response.body", "body": raw})
 
 
@@ -182,29 +291,88 @@ def install(app, sc) -> None:
                                        code="request_too_large"), status_code=413)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
+    async def _http(request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         if isinstance(e.__cause__, BodyTooLarge):           # FastAPI wraps what reading the body raised
             return await _too_large(None, e.__cause__)
         detail = str(e.detail)
+        path = request.url.path
+        if e.status_code in (404, 405) and detail in ("Not Found", "Method Not Allowed"):
+            detail = f"{detail}: {request.method} {path[:200]}"
+            if path.endswith("/") and len(path) > 1:      # no redirect to the path without it (app.py)
+                detail += f" (without the trailing slash: {path.rstrip('/')[:200]})"
         if detail == "There was an error parsing the body":   # FastAPI's words for bad UTF-8, deep nesting
             detail = "the request body could not be parsed as JSON (it must be UTF-8 and not absurdly nested)"
         return JSONResponse(error_body(detail, kind), status_code=e.status_code)
 
 
-def parse_json(raw: bytes) -> Any:
-    """A request body as JSON, or a 400 (bad UTF-8, bad JSON, absurd nesting)."""
+def parse_json(raw: bytes, content_type: str | None = None, check: bool = True) -> Any:
+    """A request body as JSON, or a 400 (bad UTF-8, bad JSON, absurd nesting).
+    Whatever the Content-Type (curl's ``-d`` sends form-urlencoded): a body
+    that parses as a JSON object is taken (docs/serving.md); one that does
+    not is refused naming the content type it came with. ``check``: walk
+    it for lone surrogates, depth and integer range (check_untrusted) here;
+    False when a schema's validator does it next."""
+    sent_as = "" if content_type is None or "json" in content_type.lower() else \
+        f" (it was sent as Content-Type: {content_type[:80]}; fdx reads every body as JSON)"
     try:
         data = json.loads(raw)
     except RecursionError:
         raise APIError(400, f"the request nests deeper than {MAX_JSON_DEPTH} levels",
                        param=_deep_field(raw)) from None
     except ValueError:
-        raise APIError(400, "the request body is not valid JSON (it must be UTF-8)") from None
+        raise APIError(400, f"the request body is not valid JSON (it must be UTF-8){sent_as}") from None
     if not isinstance(data, dict):
-        raise APIError(400, "the request body is not a valid JSON object")
-    check_untrusted(data)
+        raise APIError(400, f"the request body is not a valid JSON object{sent_as}")
+    if check:
+        check_untrusted(data)
     return data
+
+
+PARSE_ON_LOOP_BYTES = 32 * 1024      # larger bodies are parsed and validated in a thread
+
+
+def checked_request(raw: bytes, schema, sc, content_type: str | None = None, with_data: bool = False):
+    """Parse, size-check (check_sizes: before the schema, so an oversized
+    field costs a count, not a validation) and validate one request body:
+    the request (``with_data``: and the parsed dict). Raises APIError or
+    RequestValidationError (both answered as a 400)."""
+    from pydantic import ValidationError
+    data = parse_json(raw, content_type, check=False)
+    check_sizes(data, sc)
+    try:
+        req = schema.model_validate(data)           # its "before" validator runs check_untrusted
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_context=False)) from None
+    return (req, data) if with_data else req
+
+
+async def read_body(request) -> bytes:
+    """The whole body; a client that leaves first (or is cut by
+    server.body_timeout_s) ends the request as a 400 nobody reads, not as a
+    traceback in the log."""
+    from starlette.requests import ClientDisconnect
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise APIError(400, "the client closed the connection before its request body was complete",
+                       code="client_disconnected") from None
+
+
+async def read_request(request, schema, sc, with_data: bool = False):
+    """The request's body as ``schema``, checked. A body over
+    PARSE_ON_LOOP_BYTES is parsed and validated in a worker thread, off the
+    event loop that streams every other request's tokens (a 3 MB refused
+    body held every stream for over a second there: issue 35 item 4). The
+    thread still takes the GIL, but in 5 ms slices the loop shares, and
+    check_sizes refuses an oversized field before the schema's validation
+    (one call into pydantic-core that holds the GIL throughout) runs."""
+    raw = await read_body(request)
+    ctype = request.headers.get("content-type")
+    request.scope["fdx.body_bytes"] = len(raw)
+    if len(raw) <= PARSE_ON_LOOP_BYTES:
+        return checked_request(raw, schema, sc, ctype, with_data)
+    return await asyncio.to_thread(checked_request, raw, schema, sc, ctype, with_data)
 
 
 def _deep_field(raw: bytes) -> str | None:
@@ -306,6 +474,67 @@ def check_limits(req, sc, vocab_size: int | None = None) -> None:
             refuse(name, f"at most {sc.max_extra_args_bytes} bytes (as JSON)")
 
 
+def _size_over(value: Any, limit: int) -> int | None:
+    """A lower bound of the JSON size of ``value`` (check_limits measures it
+    exactly, later), or None when under ``limit``: stops counting once
+    past it, so a 3 MB value costs no more than ``limit`` to measure."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v) + 2
+        elif isinstance(v, dict):
+            total += 2 + 2 * len(v)
+            for k, x in v.items():
+                total += len(k) if isinstance(k, str) else 1
+                stack.append(x)
+        elif isinstance(v, list):
+            total += 2 + len(v)
+            stack.extend(v)
+        else:
+            total += 1                           # a number, true, false, null: at least a character
+        if total > limit:
+            return total
+    return None
+
+
+def check_sizes(data: dict, sc) -> None:
+    """The per-field limits of check_limits, on the body as parsed, before
+    the schema validates it (docs/serving.md#what-one-request-may-carry):
+    counts and sizes only, on whatever type the field holds (the schema
+    then refuses a wrong type). 400 ``limit_exceeded`` naming the field."""
+    def refuse(param: str, why: str):
+        raise APIError(400, f"{param}: {why}", param=param, code="limit_exceeded")
+
+    def count(name: str, most: int, what: str) -> None:
+        v = data.get(name)
+        if isinstance(v, (list, dict)) and len(v) > most:
+            refuse(name, f"at most {most} {what}, got {len(v)}")
+
+    count("stop", sc.max_stop_strings, "stop strings")
+    count("bad_words", sc.max_bad_words, "words")
+    count("logit_bias", sc.max_logit_bias, "entries")
+    count("allowed_token_ids", sc.max_allowed_token_ids, "token ids")
+    count("guided_choice", sc.max_guided_choices, "choices")
+    count("messages", sc.max_messages, "messages")
+    count("tools", sc.max_tools, "tools")
+    stop = data.get("stop")
+    if isinstance(stop, list) and any(isinstance(x, str) and len(x) > sc.max_stop_string_chars for x in stop):
+        refuse("stop", f"each stop string at most {sc.max_stop_string_chars} characters")
+    words = data.get("bad_words")
+    if isinstance(words, list):
+        total = sum(len(w.encode("utf-8", "surrogatepass")) for w in words if isinstance(w, str))
+        if total > sc.max_bad_words_bytes:
+            refuse("bad_words", f"at most {sc.max_bad_words_bytes} bytes of words in all, got {total}")
+    for name in ("guided_json", "guided_regex", "guided_grammar", "structural_tag", "response_format", "tools",
+                 "guided_choice"):
+        if name in data and _size_over(data[name], sc.max_guided_bytes) is not None:
+            refuse(name, f"at most {sc.max_guided_bytes} characters")
+    for name in ("extra_args", "vllm_xargs"):
+        if name in data and _size_over(data[name], sc.max_extra_args_bytes) is not None:
+            refuse(name, f"at most {sc.max_extra_args_bytes} bytes (as JSON)")
+
+
 # -- connections: a cap below the file-descriptor limit, and no log flood -------------
 
 MAX_LINGERING = 16         # refused connections kept open (up to 1 s) so their client reads the 503
@@ -335,8 +564,14 @@ def connection_cap(configured: int | None) -> int:
 HEAD_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
 
 
+BODY_TIMEOUT = json.dumps(error_body("the request body was not complete in time (server.body_timeout_s)",
+                                     code="body_timeout")).encode()
+BODY_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
+                + str(len(BODY_TIMEOUT)).encode() + b"\r\nconnection: close\r\n\r\n" + BODY_TIMEOUT)
+
+
 def capped_http_protocol(max_connections: int, header_timeout_s: float | None = None,
-                         send_buffer_bytes: int | None = None):
+                         send_buffer_bytes: int | None = None, body_timeout_s: float | None = None):
     """uvicorn's h11 protocol with three bounds uvicorn does not have:
 
     - past ``max_connections``, a connection is answered with a 503
@@ -346,6 +581,10 @@ def capped_http_protocol(max_connections: int, header_timeout_s: float | None = 
       ``header_timeout_s`` of the connection, or of its first byte on a
       kept-alive connection: a client that trickles headers gets a 408 and
       is closed (h11 itself waits forever);
+    - a request body must be complete within ``body_timeout_s`` of the end
+      of its head (per connection, whatever its Content-Length): a client
+      that trickles its body gets a 408 and is closed, so slow bodies cannot
+      hold every connection slot (issue 35 item 6);
     - the socket's kernel send buffer is ``send_buffer_bytes`` (else Linux
       grows it to megabytes for a client that stops reading), and each
       request's scope carries its transport under ``"fdx.transport"``, so a
@@ -397,6 +636,30 @@ def capped_http_protocol(max_connections: int, header_timeout_s: float | None = 
                 self.transport.write(HEAD_TIMEOUT)
                 self.transport.close()
 
+        _body_timer: asyncio.TimerHandle | None = None
+
+        def _arm_body_timer(self) -> None:
+            if body_timeout_s and self._body_timer is None:
+                self._body_timer = self.loop.call_later(body_timeout_s, self._body_timed_out)
+
+        def _disarm_body_timer(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _body_timed_out(self) -> None:
+            self._body_timer = None
+            if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+                return
+            if self.flow.read_paused:             # the app has not taken what came: not the client's delay
+                self._arm_body_timer()
+                return
+            refusals.warning("closing connections whose request body was not complete within %g s "
+                             "(server.body_timeout_s; 408)", body_timeout_s)
+            if self.cycle is None or not self.cycle.response_started:
+                self.transport.write(BODY_TIMEOUT)
+            self.transport.close()
+
         def data_received(self, data: bytes) -> None:
             if not self.refused:
                 if self.conn.their_state is h11.IDLE:    # a head begins (or goes on): its clock runs
@@ -404,6 +667,10 @@ def capped_http_protocol(max_connections: int, header_timeout_s: float | None = 
                 super().data_received(data)
                 if self.conn.their_state is not h11.IDLE:
                     self._disarm_head_timer()
+                if self.conn.their_state is h11.SEND_BODY:   # a body begins (or goes on): its clock runs
+                    self._arm_body_timer()
+                else:
+                    self._disarm_body_timer()
                 return
             if b"\r\n\r\n" in data:               # the head is read: closing now sends no reset
                 self.transport.close()
@@ -416,6 +683,7 @@ def capped_http_protocol(max_connections: int, header_timeout_s: float | None = 
         def connection_lost(self, exc) -> None:
             if not self.refused:
                 self._disarm_head_timer()
+                self._disarm_body_timer()
                 return super().connection_lost(exc)
             if self._closer is not None:
                 self._closer.cancel()

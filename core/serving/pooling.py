@@ -110,7 +110,9 @@ def _prompts(server, req: EmbeddingRequest) -> list[list[int]]:
 
 def install(app, server) -> None:
     @app.post("/v1/embeddings")
-    async def embeddings(req: EmbeddingRequest, http_request: Request):
+    async def embeddings(http_request: Request):
+        from fdx.core.serving.edge import read_request
+        req = await read_request(http_request, EmbeddingRequest, server.sc)   # large bodies off the loop
         server.check_model(req.model)
         if server.config.model.task != "embed":
             raise APIError(400, "this server generates (model.task=generate); /v1/embeddings needs a server "

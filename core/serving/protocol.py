@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, mode
 
 MAX_JSON_DEPTH = 32            # deeper nesting anywhere in a request body: 400
 MAX_PROMPTS = 1024             # prompts in one completion request (checked before tokenizing)
+INT64 = (-2**63, 2**63)        # the integers a body may hold anywhere (check_untrusted)
 
 # numbers as JSON sent them: no bool taken as 1, no 1.0 or "5" taken as an integer, and every
 # integer within 64 bits (msgpack carries no more; core/serving/edge.py checks vocabulary ranges)
@@ -40,8 +41,11 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 def check_untrusted(data: Any) -> None:
     """Reject, naming where, text that is not Unicode (a lone surrogate
-    sent as a ``\\ud800`` escape; tokenizers and JSON encoders fail on it)
-    and nesting deeper than MAX_JSON_DEPTH. Iterative: no recursion to
+    sent as a ``\\ud800`` escape; tokenizers and JSON encoders fail on it),
+    nesting deeper than MAX_JSON_DEPTH, and any integer outside 64 bits,
+    wherever it is (a schema's ``minimum``, an ``enum`` value, a tool's
+    parameters, extra_args: msgpack carries no more, and the engine process
+    must never see a body it cannot decode). Iterative: no recursion to
     exhaust."""
     stack = [(data, (), 0)]
     while stack:
@@ -60,12 +64,17 @@ def check_untrusted(data: Any) -> None:
         elif isinstance(obj, dict):
             for k, v in obj.items():
                 stack.append((k, path, depth + 1))
-                if isinstance(v, (str, dict, list)):
+                if isinstance(v, (str, dict, list)) or type(v) is int and not INT64[0] <= v < INT64[1]:
                     stack.append((v, path + (k,), depth + 1))
         elif isinstance(obj, list):
             for i, v in enumerate(obj):
-                if isinstance(v, (str, dict, list)):
+                if isinstance(v, (str, dict, list)) or type(v) is int and not INT64[0] <= v < INT64[1]:
                     stack.append((v, path + (i,), depth + 1))
+        elif type(obj) is int:                     # only out-of-range ones are pushed
+            digits = str(obj) if abs(obj) < 10**60 else f"{'-' if obj < 0 else ''}a {len(str(abs(obj)))}-digit number"
+            raise APIError(400, f"{where}: the integer {digits} is outside the 64-bit range "
+                           f"[-2**63, 2**63) that fdx carries", param=str(path[0]) if path else None,
+                           code="integer_out_of_range")
 
 
 class _Model(BaseModel):
@@ -283,6 +292,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_max_tokens: Int | None = None            # FastDeploy's: the think block closes after this many
+    # special-token text in message content: "text" encodes it as plain text (docs/security.md); "parse"
+    # (vLLM's behaviour) as special tokens, unless the server's content_special_tokens is "text"
+    content_special_tokens: Literal["parse", "text"] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.reasoning_max_tokens is not None and self.reasoning_max_tokens < 0:

@@ -22,6 +22,10 @@ class Renderer:
         tokenizing blocks this process (4 MB of text: seconds), and no token
         of it could be used. A head of the text that alone has more tokens
         than the context is proof enough."""
+        self._refuse_long(text, param, **kw)
+        return self.tokenizer.encode(text, **kw)
+
+    def _refuse_long(self, text: str, param: str, **kw) -> None:
         limit = self.max_prompt_tokens
         head_len = None if limit is None else self.CHARS_PER_TOKEN_BOUND * limit
         if head_len is not None and len(text) > head_len:
@@ -31,11 +35,54 @@ class Renderer:
                                f"alone are {len(head)} tokens of {len(text)} characters), but this model's "
                                f"maximum context length (max_model_len) is {limit}", param=param,
                                code="context_length_exceeded")
-        return self.tokenizer.encode(text, **kw)
+
+    # -- special-token text in message content (server.content_special_tokens, docs/security.md) ------
+    _plain = None                                 # the tokenizer's copy that reads special-token text as text
+    _special_texts: tuple[str, ...] | None = None
+
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special token (``<|im_start|>``, ``</s>``, ...)."""
+        if self._special_texts is None:
+            added = self.tokenizer.backend.get_added_tokens_decoder().values()
+            self._special_texts = tuple(sorted({t.content for t in added if t.special and t.content}))
+        return self._special_texts
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if self._plain is None:
+            from tokenizers import Tokenizer as Backend
+            plain = Backend.from_str(self.tokenizer.backend.to_str())
+            plain.encode_special_tokens = True    # "<|im_end|>" becomes "<", "|", "im", ... : plain text
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def _encode_content_as_text(self, text: str, contents: list[str]) -> list[int]:
+        """The rendered chat ``text`` tokenized with the template's own special
+        tokens as special tokens, and the messages' content as text: a user
+        who writes ``<|im_end|>\\n<|im_start|>system`` gets those characters,
+        not a forged system turn. Each content that holds special-token text
+        is found in the text (in order) and encoded on its own."""
+        specials = self.special_texts()
+        self._refuse_long(text, "messages", add_special_tokens=False)
+        ids: list[int] = []
+        pos = 0
+        for content in contents:
+            if not content or not any(sp in content for sp in specials):
+                continue
+            at = text.find(content, pos)
+            if at < 0:
+                raise APIError(400, "a message's content holds special-token text, which this server encodes "
+                               "as plain text (content_special_tokens 'text'), but the chat template changed "
+                               "that content, so fdx cannot tell it from the template's own tokens",
+                               param="messages")
+            ids += self.tokenizer.encode(text[pos:at], add_special_tokens=False) + self._encode_plain(content)
+            pos = at + len(content)
+        return ids + self.tokenizer.encode(text[pos:], add_special_tokens=False)
 
     # -- input ---------------------------------------------------------------------------
-    def chat_prompt(self, req) -> tuple[str, list[int]]:
-        """The chat template applied to the request's messages: (text, token ids)."""
+    def chat_prompt(self, req, content_as_text: bool = False) -> tuple[str, list[int]]:
+        """The chat template applied to the request's messages: (text, token
+        ids). ``content_as_text``: special-token text inside the messages'
+        content is tokenized as plain text (_encode_content_as_text)."""
         messages = []
         for m in req.messages:
             msg = {k: v for k, v in m.model_dump().items() if v is not None}
@@ -55,6 +102,8 @@ class Renderer:
                 **template_kwargs)
         except Exception as e:  # template errors (raise_exception, a missing template)
             raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
+        if content_as_text:
+            return text, self._encode_content_as_text(text, [m["content"] for m in messages])
         return text, self._encode(text, "messages", add_special_tokens=False)
 
     def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:

@@ -55,7 +55,21 @@ class Instance:
 
 
 class Refused(Exception):
-    """The pairing was refused before any output: try another."""
+    """The pairing was refused before any output: try another. ``role``:
+    the instance to leave out of the next pairing ("decode" or "prefill")."""
+
+    def __init__(self, message: str, role: str = "decode"):
+        super().__init__(message)
+        self.role = role
+
+
+class PrefillAnswered(Exception):
+    """The prefill instance refused the request (a 4xx) before any output:
+    its answer goes to the client, as the decode instance's would."""
+
+    def __init__(self, status: int, raw: bytes):
+        super().__init__(status)
+        self.status, self.raw = status, raw
 
 
 @dataclass
@@ -119,22 +133,29 @@ class Router:
 
     # -- one request --------------------------------------------------------------------
     async def generate(self, path: str, body: dict, headers: dict):
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
         tried_d: set = set()
+        tried_p: set = set()
+        why: list[str] = []                       # each refused pairing: which instance, its role, what
         while True:
             d = self.pick(self.decode, tried_d)
-            p = self.pick(self.prefill, set())
+            p = self.pick(self.prefill, tried_p)
             if d is None or p is None:
                 self.m_requests.labels("unavailable").inc()
                 which = "decode" if d is None else "prefill"
-                return JSONResponse(error_body(f"no {which} instance available", "service_unavailable"),
+                tried = f" ({'; '.join(why[-4:])})" if why else ""
+                return JSONResponse(error_body(f"no {which} instance available{tried}", "service_unavailable"),
                                     status_code=503)
             try:
                 return await self._pair(path, body, headers, p, d)
+            except PrefillAnswered as e:
+                self.m_requests.labels("client_error").inc()
+                return Response(e.raw, status_code=e.status, media_type="application/json")
             except Refused as e:
-                log.info("router: pairing %s -> %s refused: %s", p.url, d.url, e)
+                log.warning("router: pairing prefill %s -> decode %s refused: %s", p.url, d.url, e)
                 self.m_retries.inc()
-                tried_d.add(d)
+                why.append(str(e))
+                (tried_p if e.role == "prefill" else tried_d).add(p if e.role == "prefill" else d)
 
     async def _pair(self, path: str, body: dict, headers: dict, p: Instance, d: Instance):
         from fastapi.responses import Response
@@ -169,16 +190,17 @@ class Router:
             except httpx.HTTPError as e:
                 p_task.cancel()
                 self._mark(d, False)
-                raise Refused(f"decode {d.url}: {e}") from None
+                raise Refused(f"decode instance {d.url} failed: {e!r}") from None
             if resp.status_code != 200:
                 raw = await resp.aread()
                 await resp.aclose()
                 p_task.cancel()
                 if resp.status_code in RETRYABLE_STATUS:
-                    raise Refused(f"decode {d.url} answered {resp.status_code}")
+                    raise Refused(f"decode instance {d.url} answered {resp.status_code}: "
+                                  f"{raw[:200].decode('utf-8', 'replace')}")
                 self.m_requests.labels("client_error").inc()
                 return Response(raw, status_code=resp.status_code, media_type="application/json")
-            return await (self._stream(resp, p_task, release) if stream else self._whole(resp, p_task))
+            return await (self._stream(resp, p_task, release, p, d) if stream else self._whole(resp, p_task, p, d))
         except BaseException:
             release()
             raise
@@ -186,18 +208,55 @@ class Router:
             if not stream:
                 release()
 
-    async def _prefill(self, path: str, body: dict, headers: dict, p: Instance) -> None:
+    async def _prefill(self, path: str, body: dict, headers: dict, p: Instance) -> tuple[int, bytes] | str:
+        """(status, body) of the prefill instance's answer, or why it failed (the text names it)."""
         p.in_flight += 1
         self.m_sent.labels("prefill", p.url).inc()
         try:
             r = await self.client.post(p.url + path, json=body, headers=headers)
             if r.status_code != 200:
                 log.warning("router: prefill %s answered %s: %s", p.url, r.status_code, r.text[:300])
+            return r.status_code, r.content
         except httpx.HTTPError as e:
             self._mark(p, False)
-            log.warning("router: prefill %s failed: %s", p.url, e)
+            log.warning("router: prefill instance %s failed: %r", p.url, e)
+            return f"prefill instance {p.url} failed: {e!r}"
         finally:
             p.in_flight -= 1
+
+    async def _until_output(self, step, p_task, p: Instance):
+        """Await ``step`` (the decode instance's next line or whole answer)
+        while the prefill request runs: a prefill instance that fails, or
+        answers a 5xx, before ``step`` is done ends the pairing as Refused
+        naming it (its KV will never come); one that refuses the request
+        (4xx) ends it with that answer (PrefillAnswered)."""
+        step = asyncio.ensure_future(step)
+        while not p_task.done():
+            await asyncio.wait({step, p_task}, return_when=asyncio.FIRST_COMPLETED)
+            if step.done():
+                return step.result()
+        if not p_task.cancelled():
+            out = p_task.result()
+            if isinstance(out, str) or out[0] >= 500 or out[0] == 429:
+                step.cancel()
+                why = out if isinstance(out, str) else \
+                    f"prefill instance {p.url} answered {out[0]}: {out[1][:200].decode('utf-8', 'replace')}"
+                raise Refused(why, role="prefill")
+            if out[0] >= 400:
+                step.cancel()
+                raise PrefillAnswered(out[0], out[1])
+        return await step
+
+    def _blame(self, reason: str, p: Instance, d: Instance) -> Refused:
+        """A splitwise refusal the decode instance reported, naming the
+        instance at fault and its role: a transfer that never came, or was
+        aborted, is the prefill instance's (it leaves this request's
+        pairings and its health is checked now); the rest the decode's."""
+        if "prefill instance" in reason:
+            asyncio.ensure_future(self.refresh(p))
+            return Refused(f"prefill instance {p.url} (as decode instance {d.url} reports): {reason}",
+                           role="prefill")
+        return Refused(f"decode instance {d.url}: {reason}")
 
     @staticmethod
     def _refusal(choices: list[dict]) -> str | None:
@@ -207,10 +266,10 @@ class Router:
                 return reason
         return None
 
-    async def _whole(self, resp: httpx.Response, p_task):
+    async def _whole(self, resp: httpx.Response, p_task, p: Instance, d: Instance):
         from fastapi.responses import JSONResponse, Response
         try:
-            raw = await resp.aread()
+            raw = await self._until_output(resp.aread(), p_task, p)
         except httpx.HTTPError as e:          # the decode instance died before it answered
             self.m_requests.labels("error").inc()
             return JSONResponse(error_body(f"the decode instance failed: {e}", "service_unavailable"),
@@ -223,18 +282,22 @@ class Router:
             data = {}
         reason = self._refusal(data.get("choices") or [])
         if reason is not None:
-            raise Refused(reason)
+            raise self._blame(reason, p, d)
         self.m_requests.labels("ok").inc()
         return Response(raw, status_code=200, media_type="application/json")
 
-    async def _stream(self, resp: httpx.Response, p_task, release):
+    async def _stream(self, resp: httpx.Response, p_task, release, p: Instance, d: Instance):
         from fastapi.responses import JSONResponse, StreamingResponse
         """Hold the chunks back until the first one with output (or the end),
         so a refusal can still be retried; then pass everything through."""
         lines = resp.aiter_lines()
         held: list[str] = []
         try:
-            async for line in lines:
+            while True:
+                try:
+                    line = await self._until_output(lines.__anext__(), p_task, p)
+                except StopAsyncIteration:
+                    break
                 held.append(line)
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     if line == "data: [DONE]":
@@ -247,7 +310,7 @@ class Router:
                 choices = chunk.get("choices") or []
                 reason = self._refusal(choices)
                 if reason is not None:
-                    raise Refused(reason)
+                    raise self._blame(reason, p, d)
                 if "error" in chunk or any(c.get("finish_reason") or (c.get("text") or
                                            (c.get("delta") or {}).get("content")) for c in choices):
                     break
@@ -257,7 +320,7 @@ class Router:
             self.m_requests.labels("error").inc()
             return JSONResponse(error_body(f"the decode instance failed: {e}", "service_unavailable"),
                                 status_code=502)
-        except Refused:
+        except (Refused, PrefillAnswered):
             await resp.aclose()
             release()
             raise
@@ -289,14 +352,13 @@ def build_router_app(router: Router, sc=None):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
     from prometheus_client import generate_latest
-    from fastapi.exceptions import RequestValidationError
-    from pydantic import ValidationError
 
     from fdx.core.config import ServerConfig
     from fdx.core.serving import edge
     from fdx.core.serving.protocol import ChatCompletionRequest, CompletionRequest
     sc = sc if sc is not None else ServerConfig()
     app = FastAPI(title="fdx router")
+    app.router.redirect_slashes = False       # a 404 naming the path, as fdx serve
     edge.install(app, sc)
 
     def fwd_headers(request: Request) -> dict:
@@ -310,11 +372,7 @@ def build_router_app(router: Router, sc=None):
         return out
 
     async def checked_body(request: Request, schema) -> dict:
-        body = edge.parse_json(await request.body())
-        try:
-            req = schema.model_validate(body)
-        except ValidationError as e:
-            raise RequestValidationError(e.errors(include_url=False, include_context=False)) from None
+        req, body = await edge.read_request(request, schema, sc, with_data=True)   # large ones off the loop
         edge.check_limits(req, sc)
         return body
 
@@ -416,7 +474,8 @@ def cmd_router(args) -> int:
         config = uvicorn.Config(build_router_app(router, sc), host=args.host, port=args.port,
                                 log_level=args.log_level, access_log=False, lifespan="off",
                                 http=edge.capped_http_protocol(edge.connection_cap(sc.max_connections),
-                                                               sc.header_timeout_s, sc.socket_send_buffer_bytes))
+                                                               sc.header_timeout_s, sc.socket_send_buffer_bytes,
+                                                               sc.body_timeout_s))
         edge.quiet_accept_errors()
         print(f"fdx router: http://{args.host}:{args.port}/v1 -> prefill {', '.join(args.prefill)}; "
               f"decode {', '.join(args.decode)}", flush=True)

@@ -3,7 +3,7 @@ API key, like /v1): a prompt, or chat messages through the model's template,
 into token ids with their count and ``max_model_len``; token ids back into text."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 from pydantic import Field
@@ -25,6 +25,7 @@ class TokenizeChatRequest(_Model):
     add_special_tokens: bool = False          # the template holds them already (vLLM's default)
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    content_special_tokens: Literal["parse", "text"] | None = None   # as in chat completions
 
 
 class DetokenizeRequest(_Model):
@@ -42,9 +43,11 @@ def _ready(server):
 def install(app, server) -> None:
     @app.post("/tokenize")
     async def tokenize(http_request: Request):
-        from fdx.core.serving.edge import parse_json, validation_error
+        from fdx.core.serving.edge import check_sizes, parse_json, read_body, validation_error
         from pydantic import ValidationError
-        data = parse_json(await http_request.body())
+        raw = await read_body(http_request)
+        data = parse_json(raw, http_request.headers.get("content-type"))
+        check_sizes(data, server.sc)
         kind = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
         try:
             req = kind.model_validate(data)
@@ -53,7 +56,7 @@ def install(app, server) -> None:
         server.check_model(req.model)
         render = _ready(server)
         if isinstance(req, TokenizeChatRequest):
-            text, ids = render.chat_prompt(req)
+            text, ids = render.chat_prompt(req, server.content_as_text(req))
             if req.add_special_tokens:
                 ids = render._encode(text, "messages", add_special_tokens=True)
         else:
