@@ -39,7 +39,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 
 def worker_pids(llm: LLM) -> list[int]:
-    return [p.pid for p in llm.engine.runner.procs]
+    return [p.pid for p in llm.engine.executor.procs]
 
 
 def test_config_key_flat_and_dotted():
@@ -135,7 +135,7 @@ class KillRankAt:
     @hookimpl
     def fdx_step_finished(self, scheduler_output, step_stats, context):
         if step_stats.step == self.step:
-            os.kill(self.llm.engine.runner.procs[self.rank].pid, signal.SIGKILL)
+            os.kill(self.llm.engine.executor.procs[self.rank].pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -169,7 +169,7 @@ def test_smollm2_tp3_llm_equals_tp1(smollm_llm):
     ref = smollm_llm.generate(text, GREEDY) + smollm_llm.generate(text[:1], seeded)
     with LLM(max_model_len=256, num_kv_blocks=64, block_size=16, tensor_parallel_size=3, quantization="none",
              progress=False) as tp:
-        assert len(tp.engine.runner.procs) == 3
+        assert len(tp.engine.executor.procs) == 3
         out = tp.generate(text, GREEDY) + tp.generate(text[:1], seeded)
     for a, b in zip(out, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
