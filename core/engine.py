@@ -66,6 +66,19 @@ class EngineCore:
         # or in each rank's, taking rank 0's findings), loads the weights and reports their shape
         dtype = self._resolve_dtype()
         self.executor = assembly.executor_class()(assembly, self.backend, dtype, progress, defer_tokenizer)
+        try:
+            self._set_up(dtype)
+        except BaseException:
+            self.executor.close()            # a config error after the load leaves no worker behind
+            raise
+        self.notify("fdx_engine_started", engine=self)
+
+    # -- set-up ---------------------------------------------------------------
+    def _set_up(self, dtype: str) -> None:
+        """Everything over the loaded model: tokenizer and generation
+        defaults, lengths, KV sizing through the executor, the scheduling
+        parts and each rank's runner."""
+        config, assembly = self.config, self.assembly
         ckpt, self.executor.checkpoint = self.executor.checkpoint, None
         if ckpt.tokenizer is None:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
@@ -108,9 +121,7 @@ class EngineCore:
         self.last_stats: StepStats | None = None
         self.last_schedule = None                  # the last step's SchedulerOutput
         self._ids = itertools.count()
-        self.notify("fdx_engine_started", engine=self)
 
-    # -- set-up ---------------------------------------------------------------
     def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
         """The KV cache, connector and scheduling core for ``config`` (with
         ``num_blocks`` KV blocks in use), and its assembly."""

@@ -3,7 +3,7 @@ reaches the model only through an ``Executor`` (in process at TP 1, worker
 processes above), each rank runs the runner class config names, and every
 feature that runs at TP 1 gives TP 1's greedy output at TP 2 and TP 3,
 checked pairwise on a tiny random checkpoint (tests/tiny_models.py, 6 heads
-/ 3 KV heads: both sizes divide it) with the SmolLM2 tokenizer.
+and 6 KV heads: both sizes divide them) with the SmolLM2 tokenizer.
 
 A TP all-reduce sums each row in another order than one rank does, so two
 candidates closer than that rounding may swap: where a token differs, the
@@ -30,21 +30,30 @@ from fdx.core.plugins import PluginManager
 
 TINY = dict(max_model_len=96, num_kv_blocks=48, block_size=8, progress=False)
 ROUNDING = 1e-3          # float32 all-reduce order: TP 1 and TP N logits of a row differ by well under this
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
 BIAS = {11: 6.0, 28: 3.0}
 
 
 @pytest.fixture(scope="module")
 def tiny_tp(tmp_path_factory, smollm_hf_tokenizer_dir):
-    """A random Llama whose heads (6), KV heads (3) and MLP width (96)
+    """A random Llama whose heads (6), KV heads (6) and MLP width (96)
     divide by 2 and 3, with the SmolLM2 vocabulary and tokenizer."""
     from tiny_models import TinyLlama
-    path = TinyLlama(vocab=49152, hidden=48, intermediate=96, layers=2, heads=6, kv_heads=3, max_len=128,
+    path = TinyLlama(vocab=49152, hidden=48, intermediate=96, layers=2, heads=6, kv_heads=6, max_len=128,
                      seed=5, scale=0.3).hf_dir(tmp_path_factory.mktemp("tp") / "model")
     for f in smollm_hf_tokenizer_dir.iterdir():
         shutil.copy(f, path / f.name)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_w(tmp_path_factory):
+    """The same shape with tiny_models' own word-level vocabulary (64 ids):
+    cheap, for what needs no real tokenizer."""
+    from tiny_models import TinyLlama
+    return TinyLlama(vocab=64, hidden=48, intermediate=96, layers=2, heads=6, kv_heads=3, max_len=128,
+                     seed=5).hf_dir(tmp_path_factory.mktemp("tpw") / "model")
 
 
 def features() -> list[tuple[str, SamplingParams]]:
@@ -122,7 +131,7 @@ def check_constraint(name: str, text: str) -> None:
     elif name == "choice":
         assert text in ("Paris", "London", "Rome"), text
     elif name == "json":
-        assert isinstance(json.loads(text)["n"], int), text
+        assert isinstance(json.loads(text)["ok"], bool), text
 
 
 @pytest.mark.slow
@@ -152,7 +161,7 @@ def test_every_feature_at_tp2_and_tp3_equals_tp1(tiny_tp):
 
 # -- what cannot run is a config error naming the key, before any worker starts --------
 
-def test_a_runner_without_the_rank_contract_is_refused_at_tp2(tiny_tp):
+def test_a_runner_without_the_rank_contract_is_refused_at_tp2(tiny_w):
     from fdx.plugins.backends.runner import DefaultModelRunner
 
     class Plain(DefaultModelRunner):
@@ -166,11 +175,12 @@ def test_a_runner_without_the_rank_contract_is_refused_at_tp2(tiny_tp):
     pm = PluginManager(load_entry_points=False)
     pm.add_plugin(Register(), name="plain-runner")
     with pytest.raises(ConfigError, match=r"config key 'backend\.model_runner'.*'plain' does not run under tensor"):
-        LLM(str(tiny_tp), plugins=pm, tensor_parallel_size=2, **{"backend.model_runner": "plain"}, **TINY)
-    assert LLM(str(tiny_tp), plugins=pm, **{"backend.model_runner": "plain"}, **TINY).engine.runner is not None
+        LLM(str(tiny_w), plugins=pm, tensor_parallel_size=2, **{"backend.model_runner": "plain"}, **TINY)
+    with LLM(str(tiny_w), plugins=pm, **{"backend.model_runner": "plain"}, **TINY) as llm:     # runs at TP 1
+        assert type(llm.engine.runner) is Plain
 
 
-def test_what_cannot_run_at_tp_n_names_its_key(tiny_tp):
+def test_what_cannot_run_at_tp_n_names_its_key(tiny_w):
     cases = [(dict(task="embed"), "model.task"),
              (dict(swap_max_blocks=8), "cache.kv_connector"),
              ({"backend.model_runner": "tp"}, "backend.model_runner"),      # an executor, not a runner
@@ -179,26 +189,44 @@ def test_what_cannot_run_at_tp_n_names_its_key(tiny_tp):
     for kw, key in cases:
         kw = {"tensor_parallel_size": 2, **kw}
         with pytest.raises(ConfigError, match=re.escape(f"config key '{key}'")):
-            LLM(str(tiny_tp), **kw, **TINY)
+            LLM(str(tiny_w), **kw, **TINY)
 
 
-def test_tp1_runs_through_the_in_process_executor(tiny_tp):
+def test_tp1_runs_through_the_in_process_executor(tiny_w):
     """The engine holds no model of its own: ``model``, ``runner`` and the
     KV tensors are the executor's; reconfigure rebuilds its runner side over
     the same model and tensors."""
     from fdx.core.executor import UniProcExecutor
-    with LLM(str(tiny_tp), **TINY) as llm:
+    with LLM(str(tiny_w), **TINY) as llm:
         eng = llm.engine
         ex = eng.executor
         assert isinstance(ex, UniProcExecutor) and eng.model is ex.model and eng.kv_caches is ex.kv_caches
-        assert eng.shape.num_heads == 6 and eng.shape.vocab_size == 49152
+        assert eng.shape.num_heads == 6 and eng.shape.vocab_size == 64
         assert eng.kv_budget is None                           # num_kv_blocks was given: no profile
         assert ex.weight_bytes() == eng.model.weight_bytes()
-        before = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                                                features()[0][1])]
+        ps = [{"prompt_token_ids": [3, 9, 27, 40]}, {"prompt_token_ids": [5, 6]}]
+        before = [o.outputs[0].token_ids for o in llm.generate(ps, features()[0][1])]
         runner, model, kv = eng.runner, eng.model, eng.kv_caches
         eng.reconfigure(seed=3, max_num_seqs=1)
         assert eng.runner is not runner and eng.model is model and eng.kv_caches is kv
-        after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                                               features()[0][1])]
+        after = [o.outputs[0].token_ids for o in llm.generate(ps, features()[0][1])]
     assert after == before
+
+
+@pytest.mark.slow
+def test_a_config_error_after_the_workers_load_leaves_no_worker(tiny_w):
+    """``model.max_model_len`` is checked against the shape the executor
+    reports, after the ranks have loaded: the error names the key and the
+    engine closes its executor, so no worker process is left."""
+    import os
+    import pathlib
+
+    def tp_children() -> list[int]:
+        me = os.getpid()
+        kids = pathlib.Path(f"/proc/{me}/task/{me}/children").read_text().split()
+        return [int(p) for p in kids if pathlib.Path(f"/proc/{p}").exists()
+                and b"fdx.plugins.backends.tp" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()]
+
+    with pytest.raises(ConfigError, match=re.escape("config key 'model.max_model_len'")):
+        LLM(str(tiny_w), tensor_parallel_size=2, **{**TINY, "max_model_len": 1000})
+    assert tp_children() == []
