@@ -52,7 +52,7 @@ def tiny_w(tmp_path_factory):
     """The same shape with tiny_models' own word-level vocabulary (64 ids):
     cheap, for what needs no real tokenizer."""
     from tiny_models import TinyLlama
-    return TinyLlama(vocab=64, hidden=48, intermediate=96, layers=2, heads=6, kv_heads=3, max_len=128,
+    return TinyLlama(vocab=64, hidden=48, intermediate=96, layers=2, heads=6, kv_heads=6, max_len=128,
                      seed=5).hf_dir(tmp_path_factory.mktemp("tpw") / "model")
 
 
