@@ -902,10 +902,11 @@ class Model(abc.ABC):
     def parse_config(cls, config: dict) -> Any:
         """The shape from the Hugging Face config alone, without weights: an
         object with the six shape attributes above (and ``intermediate_size``
-        when the MLP is split by tensor parallel). With it, a tensor-parallel
-        engine process loads no weights (its workers do); without it (the
-        default raises NotImplementedError) the engine loads one copy to read
-        the shape."""
+        when the MLP is split by tensor parallel). The tensor parallel
+        executor reads the shape here (the engine process loads no weights:
+        its workers do); a class without it (the default raises
+        NotImplementedError) runs at tensor_parallel_size 1 only (a
+        ConfigError naming parallel.tensor_parallel_size above)."""
         raise NotImplementedError
 
     @abc.abstractmethod
