@@ -10,7 +10,10 @@ Then:
 
     scheduler side   kv_cache, connector, resource_manager   (what schedules: the
                      scheduling core, running the scheduler policy config names)
-    runner side      logits processors, attention, sampler, runner (what computes)
+    executor         where the model runs (executor_class: in-process at TP 1,
+                     parallel.runner's worker processes above)
+    runner side      logits processors, attention, sampler, runner (what computes:
+                     the executor builds it on each rank)
 
 each built over what the caller holds (the KV block count, the model, its
 KV tensors), so a rank builds only the runner side and the kit only the
@@ -21,7 +24,7 @@ from __future__ import annotations
 import copy
 
 from fdx.core.config import ConfigError, FdxConfig, plugin_settings
-from fdx.core.interfaces import RunnerContext, SchedulingExtensions
+from fdx.core.interfaces import Executor, RunnerContext, SchedulingExtensions
 from fdx.core.plugins import PluginError, PluginManager
 from fdx.core.scheduling import SchedulingCore
 
@@ -62,18 +65,35 @@ class Assembly:
         c["attention"] = pick("attention_backend", "backend.name", backend.attention_backend)
         c["sampler"] = pick("sampler", "backend.name", backend.sampler)
         chosen = self.config.backend.model_runner
-        if chosen:                                          # backend.model_runner: config's pick
-            self.runner_name = chosen
-            c["runner"] = pick("model_runner", "backend.model_runner", chosen)
-            check = getattr(c["runner"], "check_backend", None)
-            if check is not None:                           # it may refuse this backend (ConfigError)
-                check(self.config, backend)
-        elif self.config.parallel.tensor_parallel_size > 1:   # worker processes, each with its shard
-            self.runner_name = self.config.parallel.runner
-            c["runner"] = pick("model_runner", "parallel.runner", self.runner_name)
-        else:
-            self.runner_name = backend.model_runner
-            c["runner"] = pick("model_runner", "backend.name", backend.model_runner)
+        key = "backend.model_runner" if chosen else "backend.name"      # config's pick, or the backend's
+        self.runner_name = chosen or backend.model_runner
+        c["runner"] = runner = pick("model_runner", key, self.runner_name)
+        if isinstance(runner, type) and issubclass(runner, Executor):
+            raise ConfigError(f"config key '{key}': {self.runner_name!r} is an executor (parallel.runner picks "
+                              "it under tensor parallel), not a model runner")
+        world = self.config.parallel.tensor_parallel_size
+        if world > 1 and not getattr(runner, "tensor_parallel", False):
+            raise ConfigError(f"config key '{key}': the model runner {self.runner_name!r} does not run under "
+                              f"tensor parallel (parallel.tensor_parallel_size={world}): it does not follow "
+                              "rank 0's sampling (ModelRunner.tensor_parallel)")
+        check = getattr(runner, "check_backend", None) if chosen else None
+        if check is not None:                               # it may refuse this backend (ConfigError)
+            check(self.config, backend)
+
+    def executor_class(self) -> type[Executor]:
+        """Where the model runs: ``UniProcExecutor`` (core/executor.py) at
+        ``parallel.tensor_parallel_size`` 1, else the executor
+        ``parallel.runner`` names (registered with the model runners,
+        ``tp`` by default: plugins/backends/tp.py)."""
+        if self.config.parallel.tensor_parallel_size == 1:
+            from fdx.core.executor import UniProcExecutor
+            return UniProcExecutor
+        name = self.config.parallel.runner
+        cls = self.pick("model_runner", "parallel.runner", name)
+        if not (isinstance(cls, type) and issubclass(cls, Executor)):
+            raise ConfigError(f"config key 'parallel.runner': {name!r} is a model runner, not an executor "
+                              "(fdx.core.interfaces.Executor); backend.model_runner picks the runner")
+        return cls
 
     # -- lookups --------------------------------------------------------------------
     def pick(self, kind: str, key: str, name: str):
@@ -174,21 +194,21 @@ class Assembly:
         return self.make("attention_backend", name, self.classes["attention"], self.settings("attention_backend", name))
 
     def runner_side(self, model, kv_caches: list, kv_spec, tokenizer, eos_token_ids, connector=None,
-                    executor=None, runner_cls=None, attention=None, with_processors: bool = True) -> dict:
-        """Logits processors, attention backend, sampler and the runner over
-        ``model`` and its KV tensors (``runner_cls``: in place of the one
-        the backend names, as a tensor parallel rank runs its own)."""
+                    attention=None, rank: int = 0, world_size: int = 1, share_sampled=None) -> dict:
+        """Logits processors, attention backend, sampler and the runner the
+        config names over ``model`` and its KV tensors: what an executor
+        builds on each rank (processors on rank 0 only: the one that samples)."""
         config, c, s, make, b = self.config, self.classes, self.settings, self.make, self.backend
         processors = [make("logits_processor", n, cls, config, tokenizer, model.vocab_size, s("logits_processor", n))
-                      for n, cls in c["processors"]] if with_processors else []
+                      for n, cls in c["processors"]] if rank == 0 else []
         attention = attention if attention is not None else self.attention()
         sampler = make("sampler", b.sampler, c["sampler"], config=config, settings=s("sampler", b.sampler))
         # the tensors' layout (num_slots) stays that of the whole allocation, even when the pool
         # the KV cache manages uses fewer of its blocks
-        runner = (runner_cls or c["runner"])(RunnerContext(
+        runner = c["runner"](RunnerContext(
             config=config, model=model, kv_caches=kv_caches, kv_spec=kv_spec, attention=attention,
             sampler=sampler, logits_processors=processors, eos_token_ids=frozenset(eos_token_ids),
-            connector=connector, settings=s("model_runner", b.model_runner if runner_cls else self.runner_name),
-            kernels=b.kernels, executor=executor))
+            connector=connector, settings=s("model_runner", self.runner_name), kernels=b.kernels,
+            rank=rank, world_size=world_size, share_sampled=share_sampled))
         return dict(logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
                     attention=attention, sampler=sampler, runner=runner)

@@ -79,7 +79,7 @@ class BackendConfig(_Section):
 class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, le=64)   # worker processes sharing each layer's heads and
                                                # MLP columns (the runner below); 1: in-process
-    runner: str = "tp"                         # the model runner plugin under tensor_parallel_size > 1
+    runner: str = "tp"                         # the executor under tensor_parallel_size > 1 (core Executor)
 
 
 class DecodingConfig(_Section):

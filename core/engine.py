@@ -1,7 +1,8 @@
 """EngineCore: builds every part from the plugins config names, and steps.
 
     sched = resource_manager.schedule()          # plain data: which requests, how many tokens
-    out   = runner.execute(sched)                # one batched forward + logits processors + sampling
+    out   = executor.execute(sched)              # one batched forward + logits processors + sampling,
+                                                 # on rank 0 in process or on every TP rank
     done  = resource_manager.update(sched, out)  # append tokens, stop checks, free blocks
 """
 from __future__ import annotations
@@ -9,13 +10,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
 from typing import Any
 
 from fdx.core import activations
 from fdx.core.assembly import Assembly
 from fdx.core.config import ConfigError, FdxConfig, plugin_settings
-from fdx.core.interfaces import Backend, KVCacheSpec, Model, RequestStepInfo, StepContext, StepStats
+from fdx.core.interfaces import Backend, KVCacheSpec, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus, check_prompt, request_output
 from fdx.core.sampling_params import SamplingParams
@@ -51,33 +51,6 @@ def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
     raise ConfigError("config key 'backend.name': no available backend")
 
 
-@dataclass(slots=True, frozen=True)
-class ModelShape:
-    """What the engine reads of a model whose weights live in tensor
-    parallel workers (the engine process loads none)."""
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    cfg: Any                            # the architecture's parsed config (intermediate_size, ...)
-    can_shard: bool = True              # the class overrides Model.shard
-    held: tuple[tuple[str, int], ...] = ()     # (kind, bytes) the workers hold, summed over the ranks
-
-    def shardable(self) -> bool:
-        return self.can_shard
-
-    def weight_bytes(self) -> dict[str, int]:
-        return dict(self.held)
-
-    @classmethod
-    def of(cls, model_cls, config: dict) -> "ModelShape":
-        c = model_cls.parse_config(config)
-        return cls(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
-                   c.max_position_embeddings, c, model_cls.shardable())
-
-
 class EngineCore:
     def __init__(self, config: FdxConfig, plugins: PluginManager | None = None, progress: bool = True,
                  defer_tokenizer: bool = False):
@@ -90,24 +63,24 @@ class EngineCore:
         self.assembly = assembly = Assembly(config, plugins)
         self.observers = assembly.observers()    # observability.observers (a bad setting fails before the load)
         self.backend = self._select_backend()
+        # where the model runs, at every tensor parallel size: it sets the backend up (in this process,
+        # or in each rank's, taking rank 0's findings), loads the weights and reports their shape
         dtype = self._resolve_dtype()
-        # a runner whose model lives in worker processes (tensor parallel): each worker sets the backend
-        # up (device, threads, kernel probe) and this process takes rank 0's findings, so it never
-        # loads Paddle (docs/benchmarks.md)
-        in_workers = config.parallel.tensor_parallel_size > 1 and not config.backend.model_runner
-        if not in_workers:
-            self.backend.setup(config)
-        assembly.set_backend(self.backend)       # after setup: a backend may choose its attention by a probe
-        launch = getattr(assembly.classes["runner"], "launch", None)
+        self.executor = assembly.executor_class()(assembly, self.backend, dtype, progress, defer_tokenizer)
+        try:
+            self._set_up(dtype)
+        except BaseException:
+            self.executor.close()            # a config error after the load leaves no worker behind
+            raise
+        self.notify("fdx_engine_started", engine=self)
 
-        from fdx.core.checkpoint.loader import is_default_model, load_metadata
-        from fdx.core.checkpoint.model import check_model_class, load_model, weight_format
-        from fdx.core.generation import chat_defaults_for
-        if launch is not None:
-            weight_format(config, plugins, self.backend.kernels)   # a bad model.quantization fails before any worker
-            ckpt = load_metadata(config.model.model, defer_tokenizer=defer_tokenizer)
-        else:   # in model.quantization's format
-            self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress, defer_tokenizer)
+    # -- set-up ---------------------------------------------------------------
+    def _set_up(self, dtype: str) -> None:
+        """Everything over the loaded model: tokenizer and generation
+        defaults, lengths, KV sizing through the executor, the scheduling
+        parts and each rank's runner."""
+        config, assembly = self.config, self.assembly
+        ckpt, self.executor.checkpoint = self.executor.checkpoint, None
         if ckpt.tokenizer is None:
             raise ValueError(f"the checkpoint at {ckpt.path} has no tokenizer (tokenizer.json); "
                              "fdx needs one to serve text")
@@ -115,50 +88,22 @@ class EngineCore:
         if config.model.chat_template is not None:          # --chat-template: a file or the text
             self.tokenizer.set_chat_template(config.model.chat_template)
         self.model_path = ckpt.path
+        from fdx.core.checkpoint.loader import is_default_model
+        from fdx.core.generation import chat_defaults_for
         from fdx.core.generation import resolve as resolve_generation_config
         # the model's sampling defaults (core/generation.py), as model.generation_config says
         self.generation_config = resolve_generation_config(config.model.generation_config, ckpt.generation_config)
         self.chat_defaults = chat_defaults_for(is_default_model(ckpt.path))   # fdx's, under them, for chat
-        arch = (ckpt.config.get("architectures") or ["?"])[0]
-        if arch not in plugins.names("model"):
-            raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
-                             f"supported: {', '.join(plugins.names('model'))}")
-        model_cls = assembly.pick("model", "model.model", arch)
-        check_model_class(model_cls, arch, config)      # before a tensor-parallel launch
-        self.executor = None
-        self.task = config.model.task               # generate, or embed: every request is a pooling one
-        if self.task == "embed" and launch is not None:
-            raise ConfigError("config key 'model.task': embed runs the model in this process; it does not run "
-                              f"with the {config.parallel.tensor_parallel_size}-worker tensor parallel runner "
-                              "(set tensor_parallel_size=1)")
-        if launch is not None and model_cls.parse_config.__func__ is not Model.parse_config.__func__:
-            self.model = ModelShape.of(model_cls, ckpt.config)     # the workers load the weights
-            self.executor = launch(config, self.model)
-            held = getattr(self.executor, "weight_bytes", None) or {}
-            self.model = replace(self.model, held=tuple(held.items()))
-            adopt = getattr(self.executor, "adopt_setup", None)      # rank 0's kernels, attention, threads
-            if adopt is not None:
-                adopt(self.backend)
-                assembly.set_backend(self.backend)
-        else:
-            if launch is not None:      # a model class with no parse_config: its shape from a copy, here
-                self.backend.setup(config)
-                assembly.set_backend(self.backend)
-                self.model, ckpt = load_model(config, plugins, self.backend.kernels, progress, defer_tokenizer)
-            self.backend.prepare_model(self.model, dtype)
         del ckpt
-
+        self.shape = m = self.executor.shape       # what the engine reads of the model
+        self.task = config.model.task               # generate, or embed: every request is a pooling one
         self.max_model_len = self._resolve_lengths()
-        m, cc = self.model, config.cache
         layout = getattr(assembly.classes["attention"], "layout", "head_major")  # the kernel's
-        spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, cc.block_size,
+        spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, config.cache.block_size,
                            self.backend.kv_cache_dtype(dtype), layout)
         num_blocks = self._resolve_num_blocks(spec)
         self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
                                    spec.block_size, spec.dtype, layout)
-        # with tensor parallel the workers hold the KV cache, each its share of the heads
-        tp = config.parallel.tensor_parallel_size > 1
-        self.kv_caches = [] if tp else self.backend.allocate_kv_cache(self.kv_spec)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         # guided decoding: the engine's service (compiles, matchers, the step's bitmask), with
         # the admission rule build_parts adds
@@ -166,7 +111,9 @@ class EngineCore:
         self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
                                                  self.eos_token_ids)
         self.token_processor = assembly.token_processor()
-        self._install(self.build_parts(config, num_blocks))
+        parts = self.build_parts(config, num_blocks)
+        self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank
+        self._install(parts)
         self.guided_ready: list[str] = []          # this step's guided verdicts (_guided_verdicts)
         self.guided_rejected: dict[str, tuple[str, int]] = {}
         self.step_count = 0
@@ -175,20 +122,15 @@ class EngineCore:
         self.last_stats: StepStats | None = None
         self.last_schedule = None                  # the last step's SchedulerOutput
         self._ids = itertools.count()
-        self.notify("fdx_engine_started", engine=self)
 
-    # -- set-up ---------------------------------------------------------------
-    def build_parts(self, config: FdxConfig, num_blocks: int, runner_side: bool = True) -> dict:
-        """The KV cache, connector, scheduling core and (``runner_side``)
-        runner for ``config``, over this engine's model and KV tensors
-        (``num_blocks`` of them in use)."""
+    def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
+        """The KV cache, connector and scheduling core for ``config`` (with
+        ``num_blocks`` KV blocks in use), and its assembly."""
         a = self.assembly if config is self.config else Assembly(config, self.plugins, self.backend)
         parts = a.scheduler_side(num_blocks, self.token_processor, self.max_model_len,
                                  extra_rules=self.guided.admission_rules(config))
-        if runner_side:
-            parts.update(a.runner_side(self.model, self.kv_caches, self.kv_spec, self.tokenizer,
-                                       self.eos_token_ids, connector=parts["connector"], executor=self.executor))
-        return dict(config=config, assembly=a, **parts)
+        return dict(config=config, assembly=a, processor_classes=[cls for _, cls in a.classes["processors"]],
+                    **parts)
 
     def reconfigure(self, config: FdxConfig | None = None, **changes: Any) -> None:
         """Swap the scheduling parts (and the logits processors) of an idle
@@ -200,21 +142,21 @@ class EngineCore:
         config whose explicitly set keys apply (a fresh ``FdxConfig.build``).
         A key that would need a reload (the model, its dtype or weights, the
         block size, max_model_len, the backend, tensor parallel, ...) is a
-        ConfigError naming it, and nothing changes (core/reconfigure.py)."""
+        ConfigError naming it, and nothing changes (core/reconfigure.py).
+        The executor rebuilds the runner side on every rank."""
         from fdx.core.reconfigure import reconfigured
         if self.has_unfinished():
             raise RuntimeError(f"reconfigure needs an idle engine: {len(self.resource_manager.requests())} "
                                "requests are unfinished (let them finish or abort them)")
-        tp = self.executor is not None
-        new = reconfigured(self.config, config, changes, kv_blocks=self.kv_spec.num_blocks, tensor_parallel=tp)
+        new = reconfigured(self.config, config, changes, kv_blocks=self.kv_spec.num_blocks)
         self._check_batch_budget(new)
-        parts = self.build_parts(new, new.cache.num_kv_blocks, runner_side=not tp)
-        if tp:          # the workers' runner stays: it still drops the ids that left it
-            parts["resource_manager"].left_runner = list(self.resource_manager.left_runner)
-        old = self._install(parts)
-        if old["connector"] is not None:
-            old["connector"].close()
-        old["kv_cache"].close()
+        parts = self.build_parts(new, new.cache.num_kv_blocks)
+        try:
+            self.executor.reconfigure(parts["assembly"], parts["connector"])
+        except BaseException:
+            _close_parts(parts)
+            raise
+        _close_parts(self._install(parts))
 
     def _install(self, parts: dict) -> dict:
         """Make ``parts`` (from build_parts) the engine's; returns the old ones."""
@@ -222,6 +164,39 @@ class EngineCore:
         for k, v in parts.items():
             setattr(self, k, v)
         return old
+
+    # what runs in this process: rank 0's parts under UniProcExecutor, None (or []) under tensor parallel
+    @property
+    def model(self):
+        """The model, read-only, when it runs in this process (TP 1); None
+        under tensor parallel. ``shape`` is what the engine reads of it."""
+        return self.executor.model
+
+    @property
+    def runner(self):
+        return self.executor.runner
+
+    @property
+    def kv_caches(self) -> list:
+        return self.executor.kv_caches
+
+    @property
+    def attention(self):
+        return self.executor.attention
+
+    @property
+    def sampler(self):
+        return self.executor.sampler
+
+    @property
+    def logits_processors(self) -> list:
+        return self.executor.logits_processors
+
+    @property
+    def kv_budget(self):
+        """The KV sizing's figures (``core.memory.KVBudget``) when the
+        executor profiled, else None."""
+        return self.executor.budget
 
     def _select_backend(self) -> Backend:
         return select_backend(self.config, self.plugins)
@@ -237,7 +212,7 @@ class EngineCore:
 
     def _resolve_lengths(self) -> int:
         mc, sc = self.config.model, self.config.scheduler
-        model_max = self.model.max_position_embeddings
+        model_max = self.shape.max_position_embeddings
         max_len = mc.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
         if max_len > model_max:
             raise ConfigError(f"config key 'model.max_model_len': {max_len} exceeds the model's "
@@ -256,22 +231,12 @@ class EngineCore:
                 f"max_model_len ({max_len}) with chunked prefill off; a long prompt could never run")
 
     def _resolve_num_blocks(self, spec: KVCacheSpec) -> int:
-        cc = self.config.cache
+        cc, sc = self.config.cache, self.config.scheduler
         need_per_seq = -(-self.max_model_len // cc.block_size)
-        if cc.num_kv_blocks is None and self.executor is not None:    # the workers profile their shards
-            sc = self.config.scheduler
-            kv_bytes = self.executor.profile(sc.max_num_batched_tokens, sc.max_num_seqs, cc.memory_fraction)
-            # a block's bytes over all ranks: the ranks of one host share its memory (conservative on GPUs)
-            cc.num_kv_blocks = max(1, min(kv_bytes // spec.bytes_per_block, need_per_seq * sc.max_num_seqs))
         if cc.num_kv_blocks is None:       # memory_fraction of what one largest-batch forward leaves
-            from fdx.core.memory import kv_budget
-            attention = self.assembly.attention()
-            self.kv_budget = kv_budget(self.backend, self.model, attention, spec,
-                                       self.config.scheduler.max_num_batched_tokens,
-                                       self.config.scheduler.max_num_seqs, cc.memory_fraction)
-            by_memory = self.kv_budget.kv_bytes // spec.bytes_per_block
-            by_demand = need_per_seq * self.config.scheduler.max_num_seqs
-            cc.num_kv_blocks = max(1, min(by_memory, by_demand))
+            kv_bytes = self.executor.kv_budget(sc.max_num_batched_tokens, sc.max_num_seqs, cc.memory_fraction)
+            # under tensor parallel a block's bytes over all ranks: the ranks of one host share its memory
+            cc.num_kv_blocks = max(1, min(kv_bytes // spec.bytes_per_block, need_per_seq * sc.max_num_seqs))
         if cc.num_kv_blocks < need_per_seq:
             raise ConfigError(
                 f"config key 'cache.num_kv_blocks': {cc.num_kv_blocks} blocks of {cc.block_size} tokens "
@@ -293,7 +258,7 @@ class EngineCore:
         if self.task == "embed":        # a pooling request: one prefill, its pooled hidden state, done
             params = POOLING_PARAMS
         params.validate()
-        vocab = self.model.vocab_size
+        vocab = self.shape.vocab_size
         check_prompt(prompt_token_ids, vocab, self.max_model_len)     # the server checked it already: the same rule
         for name in ("logit_bias", "allowed_token_ids"):
             ids = getattr(params, name)
@@ -303,7 +268,7 @@ class EngineCore:
         for cls in self.processor_classes:
             cls.validate_params(params)
         self.guided.check(params)       # a kind the backend cannot compile is refused now
-        activations.check(activations.parse(params.activations), self.model,
+        activations.check(activations.parse(params.activations), self.model if self.model is not None else self.shape,
                           lambda name: self.plugins.get("activation_function", name))
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         return Request(request_id or self.new_request_id(), prompt_token_ids, params,
@@ -372,7 +337,8 @@ class EngineCore:
         return self.resource_manager.has_unfinished()
 
     def shutdown(self) -> None:
-        """Abort what is left and let the KV cache and connector flush."""
+        """Abort what is left, let the KV cache and connector flush, and
+        close the executor (its worker processes, under tensor parallel)."""
         for req in self.resource_manager.requests():
             self.abort_request(req.request_id)
         if self.connector is not None:
@@ -384,9 +350,7 @@ class EngineCore:
                 obs.close()
             except Exception as e:                # an observer must not stop the shutdown
                 log.warning("observer %s raised %s in close(): %s", obs.name, type(e).__name__, e)
-        close = getattr(self.runner, "close", None)     # a runner with processes of its own (tp)
-        if close is not None:
-            close()
+        self.executor.close()
 
     @property
     def recompute_tax(self) -> float:
@@ -412,7 +376,7 @@ class EngineCore:
         context = None
         num_recomputed = 0
         if not sched.is_empty or sched.kv_connector_metadata is not None:
-            out = self.runner.execute(sched)
+            out = self.executor.execute(sched)
             if out.pooled:                 # pooling requests whose prompt is done: their embedding
                 by_id = {r.request_id: r for r in rm.requests()}
                 for rid, vector in out.pooled.items():
@@ -486,4 +450,12 @@ class EngineCore:
         kv = self.kv_cache
         return StepContext(engine=self, step=sched.step, requests=infos,
                            kv_blocks_used=kv.num_blocks - kv.num_free_blocks, kv_blocks_free=kv.num_free_blocks,
-                           **self.runner.last_step_taps())
+                           **self.executor.last_step_taps())
+
+
+def _close_parts(parts: dict) -> None:
+    """Close the connector and KV cache of ``parts`` (from build_parts)."""
+    if parts.get("connector") is not None:
+        parts["connector"].close()
+    if parts.get("kv_cache") is not None:
+        parts["kv_cache"].close()

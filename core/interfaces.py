@@ -917,10 +917,11 @@ class Model(abc.ABC):
     def parse_config(cls, config: dict) -> Any:
         """The shape from the Hugging Face config alone, without weights: an
         object with the six shape attributes above (and ``intermediate_size``
-        when the MLP is split by tensor parallel). With it, a tensor-parallel
-        engine process loads no weights (its workers do); without it (the
-        default raises NotImplementedError) the engine loads one copy to read
-        the shape."""
+        when the MLP is split by tensor parallel). The tensor parallel
+        executor reads the shape here (the engine process loads no weights:
+        its workers do); a class without it (the default raises
+        NotImplementedError) runs at tensor_parallel_size 1 only (a
+        ConfigError naming parallel.tensor_parallel_size above)."""
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -1262,8 +1263,11 @@ class RunnerContext:
                                         # Settings instance, or the dict when it declares none
     kernels: KernelTable = REFERENCE    # the backend's probed kernel table: a runner steps under
                                         # ``fdx.core.kernels.using(kernels)``
-    executor: Any = None                # what the runner class's ``launch`` returned (its worker
-                                        # processes, started before KV sizing), or None
+    rank: int = 0                       # this runner's tensor parallel rank (0: the one that samples)
+    world_size: int = 1                 # how many ranks run this runner, each over its shard
+    share_sampled: Any = None           # under tensor parallel: ``share_sampled(ids)`` hands rank 0's
+                                        # sampled ids (int64 numpy [rows]; zeros elsewhere) to every
+                                        # rank and returns them; None at world_size 1
 
 
 class ModelRunner(abc.ABC):
@@ -1281,7 +1285,22 @@ class ModelRunner(abc.ABC):
     ``backend.model_runner`` picks a runner over the backend's choice; such a
     class may define ``check_backend(config, backend)`` (a classmethod,
     called once when the backend is chosen) raising ``ConfigError`` when it
-    cannot run there."""
+    cannot run there.
+
+    The executor runs the same runner class on every rank (``Executor``).
+    Under tensor parallel (``ctx.world_size`` above 1) each rank's runner
+    gets every step, runs the forward over its model shard (the model's
+    all-reduces join the ranks), and then: rank 0 alone reads logits, runs
+    the logits processors and the guided bitmask, samples, and calls
+    ``ctx.share_sampled(ids)``; the other ranks call it with zeros and
+    append the ids it returns, so every rank's persistent batch stays the
+    same (they hold no logits processors, and do not compute prompt
+    logprobs). Rank 0's ``ModelRunnerOutput`` and taps are the step's. A
+    runner class that does not follow this sets ``tensor_parallel =
+    False``: ``parallel.tensor_parallel_size`` above 1 with it is a
+    ConfigError naming ``backend.model_runner``."""
+
+    tensor_parallel: bool = False       # follows the rank contract above (DefaultModelRunner does)
 
     def __init__(self, ctx: RunnerContext):
         self.ctx = ctx
@@ -1293,6 +1312,97 @@ class ModelRunner(abc.ABC):
         """The last step's ``sampled_request_ids``, ``logits`` and
         ``hidden_states`` for the StepContext (empty when not captured)."""
         return {}
+
+
+@dataclass(slots=True, frozen=True)
+class ModelShape:
+    """What the engine reads of the model, wherever its weights live (the
+    executor's ``shape``): a ``Model.parse_config`` result's six shape
+    attributes, and that result itself (``cfg``: intermediate_size, ...)."""
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    cfg: Any = None
+
+    @classmethod
+    def of(cls, m: Any, cfg: Any = None) -> "ModelShape":
+        """The shape of a model (``cfg``: its ``cfg``), or of a ``parse_config``
+        result (pass it as ``cfg`` too)."""
+        return cls(m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size,
+                   m.max_position_embeddings, cfg if cfg is not None else getattr(m, "cfg", None))
+
+
+class Executor(abc.ABC):
+    """Where the model runs: the engine's one way to it at every tensor
+    parallel size (``UniProcExecutor`` in core/executor.py: rank 0 in this
+    process; ``parallel.runner``, ``tp`` in plugins/backends/tp.py: ranks 0
+    .. N-1 in worker processes). The engine holds no model: it sizes the
+    KV cache, builds it and steps only through these methods.
+
+    Built as ``cls(assembly, backend, dtype, progress, defer_tokenizer)``
+    (``core.assembly.Assembly.executor_class`` picks the class): it sets the
+    backend up wherever the model runs (``backend``, the engine's, ends up
+    holding what that setup found, and ``assembly.set_backend`` has run),
+    loads the checkpoint (``checkpoint``: its config, tokenizer and
+    generation config, no weights; the engine takes it and sets it None)
+    and sets ``shape``. A combination that cannot run (a model that cannot
+    be sharded, a runner that does not follow the rank contract of
+    ``ModelRunner``, a feature that does not run at this size) is a
+    ConfigError naming the key, raised here before any rank starts.
+
+    Then, in order: ``kv_budget`` (only when ``cache.num_kv_blocks`` is not
+    set), ``allocate`` once, then ``execute`` per step; ``reconfigure`` on
+    an idle engine; ``close`` last (idempotent)."""
+
+    shape: ModelShape
+    checkpoint: Any = None              # the loaded checkpoint's metadata, until the engine takes it
+    budget: Any = None                  # the last kv_budget's figures (core.memory.KVBudget), or None
+    # what runs in this process (UniProcExecutor: rank 0's parts), None under tensor parallel
+    model: Any = None
+    runner: "ModelRunner | None" = None
+    kv_caches: list = []
+    attention: "AttentionBackend | None" = None
+    sampler: "Sampler | None" = None
+    logits_processors: list = []
+
+    @abc.abstractmethod
+    def kv_budget(self, num_tokens: int, num_seqs: int, memory_fraction: float) -> int:
+        """Bytes the KV cache may take on each rank: ``memory_fraction`` of
+        what one forward of ``num_tokens`` tokens in ``num_seqs`` sequences
+        leaves (under tensor parallel, the least any rank has; a KV block's
+        bytes count whole, which is conservative)."""
+
+    @abc.abstractmethod
+    def allocate(self, kv_spec: KVCacheSpec, connector: "KVConnector | None" = None) -> None:
+        """Allocate ``kv_spec``'s KV tensors on every rank (each its share
+        of the KV heads) and build each rank's runner (with ``connector``,
+        the engine's, in this process)."""
+
+    @abc.abstractmethod
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every rank; rank 0's output, whole."""
+
+    @abc.abstractmethod
+    def reconfigure(self, assembly: Any, connector: "KVConnector | None" = None) -> None:
+        """Rebuild each rank's runner (logits processors, sampler, runner)
+        for ``assembly.config`` (an ``Assembly`` of the new config) over the
+        same model and KV tensors: the engine is idle, so no persistent
+        batch is lost. A config this executor cannot run is a ConfigError
+        naming the key, raised before anything changes."""
+
+    def last_step_taps(self) -> dict[str, Any]:
+        """Rank 0's runner's ``last_step_taps`` for the last step."""
+        return {}
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights held, by kind, summed over the ranks."""
+        return {}
+
+    def close(self) -> None:
+        """Stop what the executor started (idempotent)."""
 
 
 # =============================================================================

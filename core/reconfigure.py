@@ -12,13 +12,12 @@ RECONFIGURABLE = ("scheduler.", "cache.kv_cache", "cache.num_kv_blocks", "cache.
                   "decoding.logits_processors", "seed", *(f"plugins.{k}." for k in (
                       "resource_manager", "queue_policy", "admission_rule", "preemption_policy", "kv_cache",
                       "connector", "logits_processor")))
-# held by the runner, which tensor parallel workers own: not changed under tensor parallel
-RUNNER_SIDE = ("decoding.logits_processors", "seed", "plugins.logits_processor.", "cache.kv_connector",
-               "plugins.connector.")
+# the runner side of these (logits processors, sampler seed, connector) is rebuilt by the executor on
+# every rank (Executor.reconfigure), which refuses what it cannot run (a connector under tensor parallel)
 
 
 def reconfigured(current: FdxConfig, config: FdxConfig | None, changes: dict[str, Any], *,
-                 kv_blocks: int, tensor_parallel: bool) -> FdxConfig:
+                 kv_blocks: int) -> FdxConfig:
     """``current`` with ``config``'s explicitly set keys, then ``changes``
     (config keys, flat or dotted), over it; a ConfigError naming the first
     key that would need a reload, nothing changed."""
@@ -32,9 +31,6 @@ def reconfigured(current: FdxConfig, config: FdxConfig | None, changes: dict[str
         if not key.startswith(RECONFIGURABLE) or key == "scheduler.request_scheduler":
             raise ConfigError(f"config key '{key}': reconfigure keeps the model and its KV tensors; "
                               f"changing {key} needs a new engine (a new LLM)")
-        if tensor_parallel and key.startswith(RUNNER_SIDE):
-            raise ConfigError(f"config key '{key}': under tensor parallel the workers hold the runner; "
-                              "reconfigure changes the scheduler side only")
     if new.cache.num_kv_blocks > kv_blocks:
         raise ConfigError(f"config key 'cache.num_kv_blocks': {new.cache.num_kv_blocks} exceeds the "
                           f"{kv_blocks} blocks the KV tensors hold")

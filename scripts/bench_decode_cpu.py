@@ -24,7 +24,7 @@ def main() -> None:
     llm = LLM(model, quantization="auto", num_threads=1, progress=False)
     eng = llm.engine
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True))
-    prompt = np.random.default_rng(0).integers(0, eng.model.vocab_size, 128).tolist()
+    prompt = np.random.default_rng(0).integers(0, eng.shape.vocab_size, 128).tolist()
     eng.add_request(eng.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)))
     eng.step()                                  # the prefill
     cpu, wall = [], []

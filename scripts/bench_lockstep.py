@@ -51,7 +51,7 @@ def worker(n: int, threads: int, output_len: int) -> None:
 
     def fill():
         for _ in range(n):
-            eng.add_request(eng.make_request(rng.integers(0, eng.model.vocab_size, INPUT_LEN).tolist(), sp))
+            eng.add_request(eng.make_request(rng.integers(0, eng.shape.vocab_size, INPUT_LEN).tolist(), sp))
 
     fill()
     print(json.dumps({"backend": eng.backend.describe(), "torch_loaded": "torch" in sys.modules}), flush=True)

@@ -35,7 +35,7 @@ def main() -> None:
     eng = llm.engine
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True))
     rng = np.random.default_rng(0)
-    vocab = eng.model.vocab_size
+    vocab = eng.shape.vocab_size
     out = []
     for what in args.what.split(","):
         times = []

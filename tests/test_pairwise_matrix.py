@@ -350,7 +350,7 @@ def test_row_equals_the_reference(row, tiny, batches, references, request):
         request.getfixturevalue("example_plugin_installed")
     with LLM(tiny[0], **row_config(row)) as llm:
         if row["tp"] == 2:
-            assert len(llm.engine.runner.procs) == 2
+            assert len(llm.engine.executor.procs) == 2
         run = run_batches(llm, batches, batch_params(row["guided"]))
         check_guided_outputs(llm, row["guided"], run)
     assert run.tokens == references[row["guided"]].tokens, row     # and so transformers' (the test above)

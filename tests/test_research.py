@@ -163,25 +163,28 @@ def test_build_parts_with_a_fresh_config(llm):
 
 
 @pytest.mark.slow
-def test_reconfigure_under_tensor_parallel_swaps_the_scheduler_side_only(tiny_checkpoints):
-    """TP 2: the workers keep their runner (and the KV shards); the scheduler
-    side changes, outputs stay transformers'; runner-side keys are refused."""
+def test_reconfigure_under_tensor_parallel_goes_through_the_executor(tiny_checkpoints):
+    """TP 2: the workers (and their KV shards) stay; the scheduler side
+    changes in the engine, the runner side (here the sampler's seed) on every
+    rank through the executor; outputs stay transformers'; a connector,
+    which does not run under tensor parallel, is refused naming its key."""
     from test_llm import hf_greedy
     path, hf = tiny_checkpoints["LlamaForCausalLM"]
     ids = [[5, 9, 200, 31, 7], list(range(60, 90)), [3, 1, 4]]
     with LLM(str(path), tensor_parallel_size=2, max_model_len=64, num_kv_blocks=40, block_size=4,
              max_num_batched_tokens=16, progress=False) as llm:
         eng = llm.engine
-        runner = eng.runner
-        eng.reconfigure(policy="priority", preemption="least-computed", kv_cache="prefix", max_num_seqs=1)
-        assert eng.runner is runner and eng.config.scheduler.max_num_seqs == 1
+        pids = [p.pid for p in eng.executor.procs]
+        eng.reconfigure(policy="priority", preemption="least-computed", kv_cache="prefix", max_num_seqs=1, seed=7)
+        assert [p.pid for p in eng.executor.procs] == pids and eng.config.scheduler.max_num_seqs == 1
+        assert eng.config.seed == 7
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY)
         for p, o in zip(ids, outs):
             assert o.outputs[0].token_ids == hf_greedy(hf, p, 6, follow=o.outputs[0].token_ids)
-        for change, key in ((dict(logits_processors=["penalties"]), "decoding.logits_processors"),
-                            (dict(kv_connector="swap"), "cache.kv_connector")):
-            with pytest.raises(ConfigError, match=re.escape(f"config key '{key}': under tensor parallel")):
-                eng.reconfigure(**change)
+        with pytest.raises(ConfigError, match=re.escape("config key 'cache.kv_connector'")):
+            eng.reconfigure(kv_connector="swap")
+        assert eng.config.cache.kv_connector is None and eng.config.seed == 7     # nothing changed
+        assert llm.generate([{"prompt_token_ids": ids[2]}], GREEDY)[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
 
 
 def test_exact_replay_remakes_the_recorded_decisions(llm, tiny_checkpoints):

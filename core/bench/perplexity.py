@@ -79,12 +79,11 @@ def perplexity(llm, ids: list[int], ctx: int = 512, max_chunks: int | None = Non
         nll -= sum(lps)
     scored = len(chunks) * len(scored_positions(ctx))
     eng = llm.engine
-    from fdx.core.checkpoint.model import held_weight_bytes
     return {"model": str(eng.model_path), "quantization": eng.config.model.quantization, "ctx": ctx,
             "chunks": len(chunks), "tokens_scored": scored, "text_tokens": len(ids),
             "nll_mean": nll / scored, "perplexity": math.exp(nll / scored), "per_chunk": per_chunk,
             "seconds": seconds, "tokens_per_s": len(chunks) * ctx / seconds if seconds else 0.0,
-            "weight_bytes": held_weight_bytes(eng.model)}
+            "weight_bytes": eng.executor.weight_bytes()}
 
 
 _LLAMA_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")

@@ -73,7 +73,7 @@ def ttft(llm, prefix_len: int = 1000, suffix_len: int = 16, repeats: int = 3, se
     a fresh cache and a fresh random prefix."""
     eng = llm.engine
     rng = np.random.default_rng(seed)
-    vocab = eng.model.vocab_size
+    vocab = eng.shape.vocab_size
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     cold, warm, same = [], [], True
     with use_scheduling(eng, kv_cache="paged"):           # warm-up: one-time costs
@@ -103,7 +103,7 @@ def shared_prompt_throughput(llm, num_requests: int = 32, system_len: int = 512,
     server's steady state: the system prompt was seen before)."""
     eng = llm.engine
     rng = np.random.default_rng(seed)
-    vocab = eng.model.vocab_size
+    vocab = eng.shape.vocab_size
     system = rng.integers(0, vocab, system_len).tolist()
     prompts = [system + rng.integers(0, vocab, question_len).tolist() for _ in range(num_requests)]
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

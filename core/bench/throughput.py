@@ -19,7 +19,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     a little low."""
     eng = llm.engine
     rng = np.random.default_rng(seed)
-    vocab = eng.model.vocab_size
+    vocab = eng.shape.vocab_size
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     # warm-up: one short request, so one-time costs are not counted
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -62,10 +62,9 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         "recompute_tax": ((eng.num_recomputed_tokens - recomputed0) / (eng.num_computed_tokens - computed0)
                           if eng.num_computed_tokens > computed0 else 0.0),
     }
-    from fdx.core.checkpoint.model import held_weight_bytes
     from fdx.core.memory import rss_bytes
     result["quantization"] = eng.config.model.quantization
-    result["weight_bytes"] = held_weight_bytes(eng.model)      # by kind ("q4_1", "f32", ...)
+    result["weight_bytes"] = eng.executor.weight_bytes()      # by kind ("q4_1", "f32", ...)
     result["resident_bytes"] = rss_bytes()                     # this process, after the run
     if profiler is not None:
         result["profile"] = profiler.summary().as_dict()

@@ -358,15 +358,14 @@ def engine_main(argv: list[str] | None = None) -> int:
         engine = EngineCore(FdxConfig.model_validate(json.loads(config_json)), progress=False, defer_tokenizer=True)
         kernels = engine.backend.kernel_summary()  # the compiled build and the probed kernel table
         warm_up(engine)
-        from fdx.core.checkpoint.model import held_weight_bytes
         from fdx.core.host import release_free_heap
         from fdx.core.memory import rss_bytes
         release_free_heap()                       # the warm-up's and the set-up's garbage
         outbox.send(_encoder.encode(EngineReady(
-            engine.max_model_len, int(engine.model.vocab_size), int(engine.kv_cache.num_blocks),
+            engine.max_model_len, int(engine.shape.vocab_size), int(engine.kv_cache.num_blocks),
             int(engine.config.cache.block_size), str(engine.model_path), engine.backend.describe(), kernels,
-            dict(engine.generation_config), held_weight_bytes(engine.model), rss_bytes(),
-            int(getattr(getattr(engine.model, "cfg", None), "hidden_size", 0)))))
+            dict(engine.generation_config), engine.executor.weight_bytes(), rss_bytes(),
+            int(getattr(engine.shape.cfg, "hidden_size", 0)))))
         loop = EngineLoop(engine, inbox, outbox, args.parent_pid)
         signal.signal(signal.SIGTERM, loop.on_sigterm)    # in place of Paddle's fatal-error dump
         beat.loop = loop

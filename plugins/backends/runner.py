@@ -10,10 +10,14 @@ joined and left) and the sampler; append each sampled token to its own
 request state, so the next step's input needs nothing from the scheduler
 but the block ids. Prompt logprobs, logits and hidden-state taps are
 computed here when asked.
+
+Under tensor parallel every rank runs this runner over its model shard
+(``ctx.rank`` of ``ctx.world_size``): rank 0 samples and shares the ids
+(``ctx.share_sampled``); the others append them (``ModelRunner``'s contract).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -44,6 +48,8 @@ class RequestState:
 
 
 class DefaultModelRunner(ModelRunner):
+    tensor_parallel = True          # follows rank 0's sampling on the other ranks (ModelRunner's contract)
+
     def __init__(self, ctx):
         super().__init__(ctx)
         self.model = ctx.model
@@ -78,9 +84,12 @@ class DefaultModelRunner(ModelRunner):
         for nr in so.new_requests:
             outputs = list(nr.output_token_ids)
             prompt = list(nr.prompt_token_ids)
+            params = nr.sampling_params
+            if self.ctx.rank != 0 and params.prompt_logprobs is not None:   # rank 0 alone reads logits
+                params = replace(params, prompt_logprobs=None)
             self.requests[nr.request_id] = RequestState(
-                nr.request_id, prompt, outputs, nr.sampling_params, list(nr.block_ids), nr.num_computed_tokens,
-                RowState(nr.request_id, nr.sampling_params, prompt, outputs),
+                nr.request_id, prompt, outputs, params, list(nr.block_ids), nr.num_computed_tokens,
+                RowState(nr.request_id, params, prompt, outputs),
                 model_args=activations.parse(nr.sampling_params.activations))
         for cr in so.cached_requests:
             st = self.requests[cr.request_id]
@@ -209,6 +218,12 @@ class DefaultModelRunner(ModelRunner):
         sampler) the model's logits tensor, moved to the host only when a
         logits processor has work this step."""
         ctx = self.ctx
+        if ctx.rank != 0:               # a tensor parallel rank that follows: rank 0's ids, no logits read
+            ids = ctx.share_sampled(np.zeros(len(samplers), dtype=np.int64))
+            for st, token in zip(samplers, ids.tolist()):
+                st.output_token_ids.append(int(token))
+            self.taps = {}
+            return
         rows = [st.request_id for st in samplers]
         added = [st.row for st in samplers if st.request_id not in self.in_processors]
         self.in_processors.update(rows)
@@ -236,6 +251,8 @@ class DefaultModelRunner(ModelRunner):
             output_token_ids=[st.output_token_ids for st in samplers], eos_token_ids=ctx.eos_token_ids,
             request_ids=rows)
         result = ctx.sampler.sample(x, batch, raw_logits=raw if keep_raw else None)
+        if ctx.share_sampled is not None:           # rank 0 of several: the others take the same ids
+            ctx.share_sampled(np.asarray([int(t) for t in result.token_ids[:len(samplers)]], dtype=np.int64))
         for i, st in enumerate(samplers):
             token = int(result.token_ids[i])
             st.output_token_ids.append(token)

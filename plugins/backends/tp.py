@@ -1,33 +1,42 @@
-"""Tensor parallel: the ``tp`` model runner and its worker processes.
+"""Tensor parallel: the ``tp`` executor and its worker processes.
 
-    engine process                                worker rank r (of N)
-    TensorParallelRunner.execute(step) --WorkerStep--> WorkerRunner.execute(step)
-        (the same msgspec bytes to every rank)           its shard of every layer,
-                                                          its KV heads; all_reduce
-                                                          (paddle.distributed, gloo on
-                                                          CPU) after o_proj and down_proj
-                  <---- WorkerResult (rank 0 only) ---   rank 0: logits processors and
-                                                          sampling; broadcasts the ids
+    engine process                                  worker rank r (of N)
+    TensorParallelExecutor.execute(step) --WorkerStep--> the config's runner (the same
+        (the same msgspec bytes to every rank)             class on every rank): its shard
+                                                            of every layer, its KV heads;
+                                                            all_reduce (paddle.distributed,
+                                                            gloo on CPU) after o_proj and
+                                                            down_proj
+                  <---- WorkerResult (rank 0 only) -----   rank 0: logits processors, guided
+                                                            bitmask, sampling; shares the ids
 
-The engine picks this runner when ``parallel.tensor_parallel_size`` is
-above 1, and starts its executor (``TensorParallelRunner.launch``) before
-it sizes the KV cache: the engine process loads no weights (only the
-checkpoint's config and tokenizer) and never imports Paddle: each worker
-sets the backend up (device, threads, kernel probe) and rank 0 reports
-what its setup found (``BackendSetup``), which the engine's backend
-adopts (``adopt_setup``). Each worker loads the checkpoint
-itself and keeps its heads and MLP columns (``DecoderForCausalLM.shard``);
-asked, the workers profile one forward together and report the KV memory
-left (``WorkerProfile`` -> ``WorkerBudget``); told the block count
-(``WorkerAllocate``), each allocates its share of the KV cache
-(``num_kv_heads / N`` heads of every block) and runs the default runner's
-persistent batch over the plain-data steps. Guided decoding's bitmask
-rides in the step (``SchedulerOutput.guided``), so rank 0 masks as a
-single-process runner does. Embedding and norms
-are whole on every rank; only rank 0 keeps the lm_head (the others a
-1-wide stand-in), computes logits and samples (logits processors
-included), and ``broadcast`` hands the sampled ids to the others so every
-rank's next input is the same.
+The engine builds this executor (``parallel.runner``, registered with the
+model runners) when ``parallel.tensor_parallel_size`` is above 1; it is the
+engine's only way to the model (contract: ``fdx.core.interfaces.Executor``).
+The engine process loads no weights (only the checkpoint's config and
+tokenizer) and never imports Paddle: each worker sets the backend up
+(device, threads, kernel probe) and rank 0 reports what its setup found
+(``BackendSetup``), which the engine's backend adopts. Each worker loads
+the checkpoint itself and keeps its heads and MLP columns
+(``Model.shard``); asked, the workers profile one forward together and
+report the KV memory left (``WorkerProfile`` -> ``WorkerBudget``); told the
+block count (``WorkerAllocate``), each allocates its share of the KV cache
+(``num_kv_heads / N`` heads of every block) and builds the runner the
+config names (``backend.model_runner`` or the backend's), as the
+in-process executor does, with ``rank``, ``world_size`` and
+``share_sampled`` in its RunnerContext (``ModelRunner``'s rank contract:
+rank 0 samples, a ``broadcast`` hands the ids to the others). Guided
+decoding's bitmask rides in the step (``SchedulerOutput.guided``), so rank
+0 masks as a single-process runner does. Embedding and norms are whole on
+every rank; only rank 0 keeps the lm_head (the others a 1-wide stand-in).
+``WorkerReconfigure`` rebuilds each rank's runner side for a new config.
+
+What does not run here yet is refused before any worker starts, a
+ConfigError naming the key: a KV connector (``cache.kv_connector``, the
+swap tier), ``model.task: embed``, a model class without ``shard`` or
+``parse_config`` (``parallel.tensor_parallel_size``), head counts or MLP
+width the ranks do not divide, a runner without the rank contract
+(``backend.model_runner``, checked by the assembly).
 
 Steps travel as msgspec over ZMQ (never pickle, never paddle's object
 broadcast). A worker that exits or fails makes ``execute`` raise at once
@@ -39,7 +48,6 @@ check), so none outlives it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -58,7 +66,7 @@ import zmq
 
 from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import ModelRunner, ModelRunnerOutput, SchedulerOutput
+from fdx.core.interfaces import Executor, Model, ModelRunnerOutput, ModelShape, SchedulerOutput
 
 log = logging.getLogger("fdx.backends.tp")
 
@@ -86,6 +94,10 @@ class WorkerAllocate(msgspec.Struct, tag="allocate"):
     num_blocks: int
 
 
+class WorkerReconfigure(msgspec.Struct, tag="reconfigure"):
+    config: str                        # the new config, as JSON (FdxConfig.model_dump)
+
+
 class BackendSetup(msgspec.Struct):
     """A rank's backend after its ``setup``, for the engine process, which
     sets none up (it never loads Paddle): the probed kernel table and the
@@ -106,11 +118,16 @@ class WorkerLoaded(msgspec.Struct, tag="loaded"):
 class WorkerBudget(msgspec.Struct, tag="budget"):
     rank: int
     kv_bytes: int                      # memory_fraction of what this rank's profile forward left
+    free_bytes: int = 0                # this rank's core.memory.KVBudget figures
+    peak_bytes: int = 0
+    num_tokens: int = 0
+    num_seqs: int = 0
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):
     rank: int
     num_kv_heads: int                  # this rank's
+    error: str | None = None           # a reconfigure this rank refused (a ConfigError's message)
 
 
 class WorkerResult(msgspec.Struct, tag="result"):
@@ -125,7 +142,7 @@ class WorkerFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
-ToWorker = WorkerStep | WorkerStop | WorkerProfile | WorkerAllocate
+ToWorker = WorkerStep | WorkerStop | WorkerProfile | WorkerAllocate | WorkerReconfigure
 FromWorker = WorkerLoaded | WorkerBudget | WorkerReady | WorkerResult | WorkerFailed
 _encoder = msgspec.msgpack.Encoder()
 
@@ -143,36 +160,68 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def check_divisible(model, world: int) -> None:
-    """Head counts and the MLP width must split evenly over the ranks
-    (``model``: a model, or the engine's ``ModelShape`` of one)."""
-    cfg = getattr(model, "cfg", None)
-    counts = [("attention heads", model.num_heads), ("KV heads", model.num_kv_heads)]
-    if cfg is not None and hasattr(cfg, "intermediate_size"):
-        counts.append(("MLP intermediate size", cfg.intermediate_size))
-    if not model.shardable():
-        raise ConfigError(f"config key 'parallel.tensor_parallel_size': the model "
-                          f"{type(model).__name__} cannot be sharded (it has no shard method)")
+def check_divisible(shape: ModelShape, world: int) -> None:
+    """Head counts and the MLP width must split evenly over the ranks."""
+    counts = [("attention heads", shape.num_heads), ("KV heads", shape.num_kv_heads)]
+    if shape.cfg is not None and hasattr(shape.cfg, "intermediate_size"):
+        counts.append(("MLP intermediate size", shape.cfg.intermediate_size))
     for what, count in counts:
         if count % world:
             raise ConfigError(f"config key 'parallel.tensor_parallel_size': {world} does not divide the "
                               f"model's {what} ({count})")
 
 
+def sharded_shape(config, plugins, ckpt) -> ModelShape:
+    """The shape of the checkpoint's model class, read from its config
+    alone; a ConfigError naming the key when the class, the task or the
+    head counts cannot run at ``parallel.tensor_parallel_size``."""
+    from fdx.core.checkpoint.model import check_model_class
+    world = config.parallel.tensor_parallel_size
+    key = "config key 'parallel.tensor_parallel_size'"
+    arch = (ckpt.config.get("architectures") or ["?"])[0]
+    if arch not in plugins.names("model"):
+        raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
+                         f"supported: {', '.join(plugins.names('model'))}")
+    cls = plugins.get("model", arch)
+    check_model_class(cls, arch, config)
+    if not cls.shardable():
+        raise ConfigError(f"{key}: the model {cls.__name__} ({arch}) cannot be sharded over {world} ranks "
+                          "(it does not override Model.shard)")
+    if cls.parse_config.__func__ is Model.parse_config.__func__:
+        raise ConfigError(f"{key}: the model {cls.__name__} ({arch}) cannot run over {world} ranks: the engine "
+                          "process reads its shape from Model.parse_config, which it does not override")
+    c = cls.parse_config(ckpt.config)
+    shape = ModelShape.of(c, cfg=c)
+    check_divisible(shape, world)
+    return shape
+
+
 # -- the engine side ------------------------------------------------------------------
 
-class TensorParallelExecutor:
-    """The worker processes: started with the model loaded and sharded,
-    then asked for a KV budget, told the block count, and fed steps."""
+class TensorParallelExecutor(Executor):
+    """Ranks 0 .. N-1 in worker processes: started with the model loaded
+    and sharded, then asked for a KV budget, told the block count, and fed
+    steps; rank 0's output comes back whole."""
 
-    def __init__(self, config, model):
+    def __init__(self, assembly, backend, dtype: str, progress: bool = True, defer_tokenizer: bool = False):
+        from fdx.core.checkpoint.loader import load_metadata
+        from fdx.core.checkpoint.model import weight_format
+        config = assembly.config
         self.world = world = config.parallel.tensor_parallel_size
-        check_divisible(model, world)
+        self.backend = backend
         if config.cache.kv_connector is not None:      # refused before any worker starts
             raise ConfigError("config key 'cache.kv_connector': KV connectors (and the swap tier) do not "
-                              "run with parallel.tensor_parallel_size > 1 yet")
+                              f"run with parallel.tensor_parallel_size={world} yet")
+        if config.model.task == "embed":
+            raise ConfigError(f"config key 'model.task': embed does not run with parallel.tensor_parallel_size="
+                              f"{world} yet (the ranks pool no hidden states); set tensor_parallel_size=1")
+        assembly.set_backend(backend)      # the runner's rank contract, before any worker starts
+        weight_format(config, assembly.plugins, backend.kernels)   # a bad model.quantization, likewise
+        self.checkpoint = load_metadata(config.model.model, defer_tokenizer=defer_tokenizer)
+        self.shape = sharded_shape(config, assembly.plugins, self.checkpoint)
         self.num_blocks: int | None = None
         self.failed: str | None = None
+        self.taps: dict = {}
         self._dir = tempfile.mkdtemp(prefix="fdx-tp-")
         self._zmq = zmq.Context()
         self._results = self._zmq.socket(zmq.PULL)
@@ -203,24 +252,24 @@ class TensorParallelExecutor:
             proc.stdin.close()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
         loaded = self._gather(WorkerLoaded, "loading the model", time.monotonic() + READY_TIMEOUT_S)
-        self.weight_bytes: dict[str, int] = {}      # kind -> bytes, summed over the ranks
+        self.held: dict[str, int] = {}      # kind -> bytes, summed over the ranks
         for msg in loaded.values():
             for kind, n in msg.weight_bytes.items():
-                self.weight_bytes[kind] = self.weight_bytes.get(kind, 0) + n
-        self.setup = loaded[0].setup
+                self.held[kind] = self.held.get(kind, 0) + n
+        self._adopt_setup(loaded[0].setup)
+        assembly.set_backend(backend)      # rank 0's attention choice
 
-    def adopt_setup(self, backend) -> None:
-        """Give the engine's ``backend`` (never set up in its process) rank
-        0's kernel table and the values its setup chose, so what the engine
+    def _adopt_setup(self, setup: BackendSetup | None) -> None:
+        """Give the engine's backend (never set up in its process) rank 0's
+        kernel table and the values its setup chose, so what the engine
         reports (the kernel line, the attention backend) is what the ranks run."""
         from fdx.core.kernels import KernelTable
-        if self.setup is None:
+        if setup is None:
             return
-        s = self.setup
-        for name, value in s.attrs.items():
-            setattr(backend, name, value)
-        backend.kernels = KernelTable(findings=dict(s.findings), source=s.source, seconds=s.seconds,
-                                      location=s.location)
+        for name, value in setup.attrs.items():
+            setattr(self.backend, name, value)
+        self.backend.kernels = KernelTable(findings=dict(setup.findings), source=setup.source,
+                                           seconds=setup.seconds, location=setup.location)
 
     def _gather(self, kind, doing: str, deadline: float | None) -> dict:
         """One ``kind`` message from every rank: {rank: message}."""
@@ -231,24 +280,40 @@ class TensorParallelExecutor:
                 got[msg.rank] = msg
         return got
 
-    def profile(self, num_tokens: int, num_seqs: int, memory_fraction: float) -> int:
-        """KV bytes: the least any rank has left after one forward of
+    def kv_budget(self, num_tokens: int, num_seqs: int, memory_fraction: float) -> int:
+        """The least KV bytes any rank has left after one forward of
         ``num_tokens`` tokens in ``num_seqs`` sequences, all ranks at once."""
+        from fdx.core.memory import KVBudget
         self._send(WorkerProfile(num_tokens, num_seqs, memory_fraction))
         budgets = self._gather(WorkerBudget, "profiling", time.monotonic() + READY_TIMEOUT_S)
-        return min(b.kv_bytes for b in budgets.values())
+        b = min(budgets.values(), key=lambda b: b.kv_bytes)
+        self.budget = KVBudget(b.free_bytes, b.peak_bytes, b.kv_bytes, b.num_tokens, b.num_seqs)
+        return b.kv_bytes
 
-    def allocate(self, num_blocks: int) -> None:
-        """Each rank allocates its share of ``num_blocks`` KV blocks (once)."""
-        if self.num_blocks == num_blocks:
-            return
+    def allocate(self, kv_spec, connector=None) -> None:
+        """Each rank allocates its share of ``kv_spec.num_blocks`` KV blocks
+        and builds its runner (once)."""
+        if connector is not None:
+            raise ConfigError("config key 'cache.kv_connector': KV connectors do not run with "
+                              f"parallel.tensor_parallel_size={self.world} yet")
         if self.num_blocks is not None:
-            raise ConfigError(f"config key 'cache.num_kv_blocks': the tensor parallel workers hold "
-                              f"{self.num_blocks} KV blocks; {num_blocks} needs a new engine")
-        self._send(WorkerAllocate(num_blocks))
+            raise RuntimeError("the KV cache is allocated once")
+        self._send(WorkerAllocate(kv_spec.num_blocks))
         self._gather(WorkerReady, "allocating the KV cache", time.monotonic() + READY_TIMEOUT_S)
-        self.num_blocks = num_blocks
+        self.num_blocks = kv_spec.num_blocks
         log.info("tensor parallel: %d workers ready (%d threads each)", self.world, self.threads)
+
+    def reconfigure(self, assembly, connector=None) -> None:
+        """Each rank rebuilds its runner side for ``assembly.config``; a
+        rank's ConfigError comes back as one here."""
+        if connector is not None:
+            raise ConfigError("config key 'cache.kv_connector': KV connectors do not run with "
+                              f"parallel.tensor_parallel_size={self.world} yet")
+        self._send(WorkerReconfigure(json.dumps(assembly.config.model_dump(mode="json"))))
+        ready = self._gather(WorkerReady, "reconfiguring", time.monotonic() + READY_TIMEOUT_S)
+        errors = [m.error for _, m in sorted(ready.items()) if m.error]
+        if errors:
+            raise ConfigError(errors[0])
 
     def _send(self, msg) -> None:
         if self.failed is not None:
@@ -257,12 +322,27 @@ class TensorParallelExecutor:
         for sock in self._steps:
             sock.send(data)
 
-    def execute(self, so: SchedulerOutput) -> WorkerResult:
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._send(WorkerStep(so))
         while True:
             msg = self._receive(None, f"running step {so.step}")
             if isinstance(msg, WorkerResult):
-                return msg
+                break
+        self.taps = {}
+        if msg.sampled_request_ids:
+            rows = len(msg.sampled_request_ids)
+            self.taps["sampled_request_ids"] = msg.sampled_request_ids
+            if msg.logits is not None:
+                self.taps["logits"] = np.frombuffer(msg.logits, np.float32).reshape(rows, -1)
+            if msg.hidden_states is not None:
+                self.taps["hidden_states"] = np.frombuffer(msg.hidden_states, np.float32).reshape(rows, -1)
+        return msg.output
+
+    def last_step_taps(self) -> dict:
+        return self.taps
+
+    def weight_bytes(self) -> dict[str, int]:
+        return dict(self.held)
 
     def _receive(self, deadline: float | None, doing: str):
         while True:
@@ -303,43 +383,6 @@ class TensorParallelExecutor:
         self._finalizer()
 
 
-class TensorParallelRunner(ModelRunner):
-    """Sends each step to every rank of its executor (the engine's, started
-    by ``launch`` before KV sizing; or one of its own) and returns rank 0's
-    output."""
-
-    @classmethod
-    def launch(cls, config, model) -> TensorParallelExecutor:
-        """Start the workers (each loads and shards the model) before the
-        engine sizes the KV cache: it asks the executor's ``profile``."""
-        return TensorParallelExecutor(config, model)
-
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.executor = ctx.executor if ctx.executor is not None else self.launch(ctx.config, ctx.model)
-        self.executor.allocate(ctx.kv_spec.num_blocks)
-        self.procs = self.executor.procs
-        self.taps: dict = {}
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        msg = self.executor.execute(so)
-        self.taps = {}
-        if msg.sampled_request_ids:
-            rows = len(msg.sampled_request_ids)
-            self.taps["sampled_request_ids"] = msg.sampled_request_ids
-            if msg.logits is not None:
-                self.taps["logits"] = np.frombuffer(msg.logits, np.float32).reshape(rows, -1)
-            if msg.hidden_states is not None:
-                self.taps["hidden_states"] = np.frombuffer(msg.hidden_states, np.float32).reshape(rows, -1)
-        return msg.output
-
-    def last_step_taps(self) -> dict:
-        return self.taps
-
-    def close(self) -> None:
-        self.executor.close()
-
-
 def _stop(procs, steps, results, ctx, path) -> None:
     stop = _encoder.encode(WorkerStop())
     for proc, sock in zip(procs, steps):
@@ -371,42 +414,9 @@ def _available_cores() -> int:
 
 # -- the worker side ----------------------------------------------------------------------
 
-def _make_worker_runner(base):
-    """A default runner whose rank 0 samples and broadcasts the ids; the
-    other ranks take them, so every rank's persistent batch stays the same."""
-    import paddle
-    import paddle.distributed as dist
-
-    class WorkerRunner(base):
-        rank = 0
-
-        def _update_states(self, so):
-            removed = super()._update_states(so)
-            if self.rank != 0:                     # only rank 0 reads logits (its lm_head is whole)
-                for nr in so.new_requests:
-                    st = self.requests[nr.request_id]
-                    if st.params.prompt_logprobs is not None:
-                        st.params = dataclasses.replace(st.params, prompt_logprobs=None)
-            return removed
-
-        def _sample(self, samplers, raw, removed, out):
-            if self.rank == 0:
-                super()._sample(samplers, raw, removed, out)
-                ids = np.asarray([out.sampled[st.request_id] for st in samplers], dtype=np.int64)
-            else:
-                ids = np.zeros(len(samplers), dtype=np.int64)
-            t = paddle.to_tensor(ids)
-            dist.broadcast(t, src=0)
-            if self.rank != 0:
-                for st, token in zip(samplers, t.numpy().tolist()):
-                    st.output_token_ids.append(int(token))
-
-    return WorkerRunner
-
-
 class Worker:
     """One rank in its process: the model shard (loaded at construction),
-    then on request a profile forward and its KV cache and runner."""
+    then on request a profile forward, its KV cache and the config's runner."""
 
     def __init__(self, config, rank: int, world: int, threads: int):
         from fdx.core.assembly import Assembly
@@ -414,13 +424,14 @@ class Worker:
         from fdx.core.engine import select_backend
         from fdx.core.plugins import get_plugin_manager
 
-        self.config, self.rank = config, rank
-        pm = get_plugin_manager()
+        self.config, self.rank, self.world = config, rank, world
+        self.plugins = pm = get_plugin_manager()
         config.backend.num_threads = threads
         self.backend = backend = select_backend(config, pm)
         backend.setup(config)
         self.assembly = Assembly(config, pm, backend)       # the engine's, built the same way
 
+        import paddle
         import paddle.distributed as dist
         dist.init_parallel_env()
 
@@ -428,6 +439,12 @@ class Worker:
             dist.all_reduce(t)
             return t
 
+        def share_sampled(ids: np.ndarray) -> np.ndarray:
+            t = paddle.to_tensor(ids)
+            dist.broadcast(t, src=0)
+            return t.numpy()
+
+        self.share_sampled = share_sampled
         # in model.quantization's format; the tokenizer is built only if a request needs its vocabulary
         model, ckpt = load_model(config, pm, backend.kernels, progress=False, defer_tokenizer=True)
         self.model = model
@@ -440,6 +457,7 @@ class Worker:
         backend.prepare_model(model, self.dtype)
         self.attention = self.assembly.attention()
         self.runner = None
+        self.kv_caches: list = []
 
     def spec(self, num_blocks: int):
         from fdx.core.interfaces import KVCacheSpec
@@ -447,23 +465,29 @@ class Worker:
         return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, num_blocks, self.config.cache.block_size,
                            self.backend.kv_cache_dtype(self.dtype), self.attention.layout)
 
-    def profile(self, msg: WorkerProfile) -> int:
+    def profile(self, msg: WorkerProfile) -> WorkerBudget:
         from fdx.core.memory import kv_budget
-        return kv_budget(self.backend, self.model, self.attention, self.spec(0), msg.num_tokens, msg.num_seqs,
-                         msg.memory_fraction).kv_bytes
+        b = kv_budget(self.backend, self.model, self.attention, self.spec(0), msg.num_tokens, msg.num_seqs,
+                      msg.memory_fraction)
+        return WorkerBudget(self.rank, b.kv_bytes, b.free_bytes, b.peak_bytes, b.num_tokens, b.num_seqs)
 
     def allocate(self, num_blocks: int):
-        """This rank's KV cache and runner (a default runner whose rank 0
-        alone runs the logits processors and samples)."""
-        from fdx.plugins.backends.runner import DefaultModelRunner
-        spec = self.spec(num_blocks)
-        parts = self.assembly.runner_side(
-            self.model, self.backend.allocate_kv_cache(spec), spec, self.tokenizer, self.tokenizer.eos_token_ids,
-            runner_cls=_make_worker_runner(DefaultModelRunner), attention=self.attention,
-            with_processors=self.rank == 0)
-        self.runner = parts["runner"]
-        self.runner.rank = self.rank
+        """This rank's KV cache and runner."""
+        self.kv_spec = spec = self.spec(num_blocks)
+        self.kv_caches = self.backend.allocate_kv_cache(spec)
+        self._build(self.assembly)
         return spec
+
+    def reconfigure(self, config) -> None:
+        from fdx.core.assembly import Assembly
+        config.backend.num_threads = self.config.backend.num_threads
+        self._build(Assembly(config, self.plugins, self.backend))
+
+    def _build(self, assembly) -> None:
+        parts = assembly.runner_side(self.model, self.kv_caches, self.kv_spec, self.tokenizer,
+                                     self.tokenizer.eos_token_ids, attention=self.attention, rank=self.rank,
+                                     world_size=self.world, share_sampled=self.share_sampled)
+        self.runner = parts["runner"]
 
 
 def backend_setup(backend) -> BackendSetup:
@@ -513,7 +537,15 @@ def worker_main(argv: list[str] | None = None) -> int:
             if isinstance(msg, WorkerStop):
                 break
             if isinstance(msg, WorkerProfile):
-                results.send(_encoder.encode(WorkerBudget(args.rank, worker.profile(msg))))
+                results.send(_encoder.encode(worker.profile(msg)))
+                continue
+            if isinstance(msg, WorkerReconfigure):
+                try:
+                    worker.reconfigure(FdxConfig.model_validate(json.loads(msg.config)))
+                    error = None
+                except ConfigError as e:       # this rank keeps its runner; the engine raises it
+                    error = str(e)
+                results.send(_encoder.encode(WorkerReady(args.rank, worker.kv_spec.num_kv_heads, error)))
                 continue
             if isinstance(msg, WorkerAllocate):
                 spec = worker.allocate(msg.num_blocks)
@@ -550,7 +582,7 @@ def _die_with_parent() -> None:
 
 @hookimpl
 def fdx_register_model_runners(register):
-    register("tp", TensorParallelRunner)       # the engine's pick when parallel.tensor_parallel_size > 1
+    register("tp", TensorParallelExecutor)     # an executor: parallel.runner's pick above TP 1
 
 
 if __name__ == "__main__":

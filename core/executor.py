@@ -1,0 +1,69 @@
+"""``UniProcExecutor``: the model on rank 0, in the engine's process
+(``parallel.tensor_parallel_size`` 1). The tensor parallel executor
+(plugins/backends/tp.py) runs the same runner class in N worker processes;
+the engine cannot tell them apart (contract: ``fdx.core.interfaces.Executor``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fdx.core.interfaces import Executor, KVCacheSpec, ModelRunnerOutput, ModelShape, SchedulerOutput
+
+
+class UniProcExecutor(Executor):
+    """Sets the backend up here, loads the model, profiles one forward for
+    the KV budget, allocates the KV tensors and runs the config's runner."""
+
+    def __init__(self, assembly, backend, dtype: str, progress: bool = True, defer_tokenizer: bool = False):
+        from fdx.core.checkpoint.model import load_model
+        self.assembly, self.backend, self.dtype = assembly, backend, dtype
+        config = assembly.config
+        backend.setup(config)
+        assembly.set_backend(backend)        # after setup: a backend may choose its attention by a probe
+        # in model.quantization's format
+        self.model, self.checkpoint = load_model(config, assembly.plugins, backend.kernels, progress,
+                                                 defer_tokenizer)
+        backend.prepare_model(self.model, dtype)
+        self.tokenizer = self.checkpoint.tokenizer
+        self.shape = ModelShape.of(self.model)
+        self.attention = assembly.attention()
+        self.kv_spec: KVCacheSpec | None = None
+
+    def kv_budget(self, num_tokens: int, num_seqs: int, memory_fraction: float) -> int:
+        from fdx.core.memory import kv_budget
+        m = self.shape
+        spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, self.assembly.config.cache.block_size,
+                           self.backend.kv_cache_dtype(self.dtype), self.attention.layout)
+        self.budget = kv_budget(self.backend, self.model, self.attention, spec, num_tokens, num_seqs,
+                                memory_fraction)
+        return self.budget.kv_bytes
+
+    def allocate(self, kv_spec: KVCacheSpec, connector=None) -> None:
+        if self.kv_spec is not None:
+            raise RuntimeError("the KV cache is allocated once")
+        self.kv_spec, self.kv_caches = kv_spec, self.backend.allocate_kv_cache(kv_spec)
+        self._build(self.assembly, connector)
+
+    def _build(self, assembly, connector) -> None:
+        parts = assembly.runner_side(self.model, self.kv_caches, self.kv_spec, self.tokenizer,
+                                     self.tokenizer.eos_token_ids, connector=connector, attention=self.attention)
+        self.runner, self.sampler = parts["runner"], parts["sampler"]
+        self.logits_processors = parts["logits_processors"]
+
+    def reconfigure(self, assembly, connector=None) -> None:
+        self._build(assembly, connector)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)
+
+    def last_step_taps(self) -> dict[str, Any]:
+        return self.runner.last_step_taps()
+
+    def weight_bytes(self) -> dict[str, int]:
+        from fdx.core.checkpoint.model import held_weight_bytes
+        return held_weight_bytes(self.model)
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
