@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -142,7 +143,9 @@ def test_kernel_is_built_before_ready_and_never_after(wheel_server):
     log = srv.log()
     lines = log.splitlines()
     (build_line,) = [i for i, line in enumerate(lines) if "built the compiled CPU kernels" in line]
-    assert lines[build_line].startswith("INFO fdx.ops.cpp: built the compiled CPU kernels (ops/csrc/")
+    # fdx's one log format (fdx.core.logs): the time, the level, the logger
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO fdx\.ops\.cpp: built the compiled CPU kernels "
+                        r"\(ops/csrc/.* in \d+\.\d s, cached in .*", lines[build_line]), lines[build_line]
     (ready_line,) = [i for i, line in enumerate(lines) if line.startswith("fdx serve: SmolLM2-135M-Instruct at ")]
     assert build_line < ready_line
     for noise in ("g++", "ccache", "Compiling user custom op", "OMP_NUM_THREADS", "Traceback"):
