@@ -192,6 +192,18 @@ def _cli_environment_restored():
             os.environ[k] = v
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _memory_released_after_each_module():
+    """Engines a module built (and dropped) hold their weights, KV tensors
+    and Paddle's buffers until a garbage collection finds their cycles, and
+    glibc keeps the freed pages resident: collect and trim after each
+    module, so that one module's engines are gone before the next builds its
+    own (the suite's peak resident set is one module's, not their sum)."""
+    yield
+    from fdx.core.host import release_free_heap
+    release_free_heap()
+
+
 @pytest.fixture(scope="session")
 def example_plugin_installed(tmp_path_factory):
     """The third-party test plugin, installed with pip as a user would, but
