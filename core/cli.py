@@ -245,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = log_level(args)
-    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    from fdx.core.logs import configure
     try:
-        logging.getLogger("fdx").setLevel(level)
+        configure(level)
     except ValueError:
         print(f"fdx: error: FDX_LOG_LEVEL={level.lower()!r} is not a log level (debug, info, warning, error)",
               file=sys.stderr)

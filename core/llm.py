@@ -39,6 +39,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, config: str | FdxConfig | None = None,
                  progress: bool = True, plugins=None, **overrides: Any):
+        from fdx.core.logs import configure_api
+        configure_api()                      # fdx's one log format, unless the program set up logging
         if isinstance(config, FdxConfig):
             cfg = config if model is None and not overrides else FdxConfig.build(
                 **config.model_dump(), **({"model": model} if model else {}), **overrides)

@@ -230,7 +230,7 @@ def _load() -> ModuleType | None:
                     logger.info("%s", _status)
                 else:
                     _status = f"loaded the compiled CPU kernels from {build_dir()} in {secs:.1f} s"
-                    logger.debug("%s", _status)
+                    logger.info("%s", _status)         # the page's figure (waiting for another build included)
             except Exception as e:  # any build or load failure means: use the Paddle path
                 _error = f"{type(e).__name__}: {e}"
                 try:

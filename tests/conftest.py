@@ -173,17 +173,35 @@ def _cli_environment_restored():
     """``fdx.core.cli.main`` exports FDX_LOG_LEVEL (for the engine process)
     and drops OMP_NUM_THREADS: a test that calls it in process (``--quiet``
     exports WARNING) must not change the level of every server a later test
-    starts (request log lines went missing that way)."""
+    starts (request log lines went missing that way). It also gives the
+    ``fdx`` logger a handler of its own and stops it propagating
+    (fdx.core.logs.configure): caplog, on the root logger, would then see
+    nothing of a later test's fdx lines."""
     import logging
     saved = {k: os.environ.get(k) for k in ("FDX_LOG_LEVEL", "OMP_NUM_THREADS")}
-    level = logging.getLogger("fdx").level
+    fdx = logging.getLogger("fdx")
+    level, handlers, propagate = fdx.level, list(fdx.handlers), fdx.propagate
     yield
-    logging.getLogger("fdx").setLevel(level)
+    fdx.setLevel(level)
+    fdx.handlers[:] = handlers
+    fdx.propagate = propagate
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _memory_released_after_each_module():
+    """Engines a module built (and dropped) hold their weights, KV tensors
+    and Paddle's buffers until a garbage collection finds their cycles, and
+    glibc keeps the freed pages resident: collect and trim after each
+    module, so that one module's engines are gone before the next builds its
+    own (the suite's peak resident set is one module's, not their sum)."""
+    yield
+    from fdx.core.host import release_free_heap
+    release_free_heap()
 
 
 @pytest.fixture(scope="session")

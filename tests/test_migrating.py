@@ -132,6 +132,11 @@ def test_each_llm_keyword_row(row):
     name, value = keyword(code(ours))
     cfg = FdxConfig.build(**{name: value})
     assert attr(cfg, name) == value
+    # the keyword changes a setting, in the section the key names (a row showing the default proves nothing)
+    default = FdxConfig.build()
+    assert attr(default, name) != value, f"{name}: the row shows the default, so it proves nothing"
+    changed = {s for s in type(cfg).model_fields if getattr(cfg, s) != getattr(default, s)}
+    assert attr_section(name) in changed, (name, changed)
 
 
 SP_ROWS = table("`SamplingParams`")
@@ -154,6 +159,16 @@ def test_each_sampling_params_row(row):
 def metric_rows() -> list[tuple[str, str]]:
     """(theirs, fdx's) for each metric row that names an fdx series."""
     return [(r[0], code(r[1])) for r in table("Metrics") if r[1].startswith("`fdx:")]
+
+
+def attr_section(key: str) -> str:
+    """The config section a flat or dotted key lands in."""
+    from fdx.core.config import FLAT_KEYS
+    key = DEPRECATED.get(DEPRECATED_FLAT.get(key, key), key)
+    if key in FLAT_KEYS:
+        section, field = FLAT_KEYS[key]
+        return section or field                     # seed: a top-level field
+    return key.split(".", 1)[0]
 
 
 def test_the_metric_table_names_fdx_series():

@@ -190,26 +190,36 @@ def tp_workers_of(engine_pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_serve_tp3_equals_tp1_then_dead_worker_gives_503_and_exit(tmp_path, smollm_llm):
-    srv = ServerProcess(tmp_path, model={"max_model_len": 256, "quantization": "none"}, cache={"num_kv_blocks": 64},
-                        parallel={"tensor_parallel_size": 3}, server={"engine_death_grace_s": 2})
+def test_serve_tp3_equals_tp1_then_dead_worker_gives_503_and_exit(tmp_path):
+    """On a tiny random Llama with 3 heads (the embedded model's TP 3 is
+    test_smollm2_tp3_llm_equals_tp1's, in process): the server's TP 3
+    answers as TP 1 does, then a killed worker ends the stream with an error,
+    /health says 503 and the server exits 1, leaving no process behind."""
+    from tiny_models import TinyLlama
+    model = str(TinyLlama(vocab=64, hidden=48, intermediate=96, heads=3, kv_heads=3, max_len=512)
+                .hf_dir(tmp_path / "tiny3"))
+    srv = ServerProcess(tmp_path, model={"model": model, "max_model_len": 512, "quantization": "none"},
+                        cache={"num_kv_blocks": 64}, parallel={"tensor_parallel_size": 3},
+                        server={"engine_death_grace_s": 2})
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    prompt = "The capital of France is"
+    prompt = "w3 w4 w5 w6"
     try:
         srv.wait_ready(timeout=300)
         engine = srv.engine_pid()
         workers = tp_workers_of(engine)
         assert len(workers) == 3
-        ref = smollm_llm.generate([prompt], GREEDY)[0].outputs[0].text
+        tp1 = LLM(model, max_model_len=256, num_kv_blocks=64, block_size=16, quantization="none", progress=False)
+        ref = tp1.generate([prompt], GREEDY)[0].outputs[0].text
         with httpx.Client(base_url=srv.base_url, headers=headers, timeout=120) as http:
-            r = http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt,
+            name = http.get("/v1/models").json()["data"][0]["id"]
+            r = http.post("/v1/completions", json={"model": name, "prompt": prompt,
                                                    "max_tokens": 12, "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == ref
             with contextlib.ExitStack() as stack:
                 resp = stack.enter_context(http.stream(
-                    "POST", "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt,
-                                                     "max_tokens": 200, "ignore_eos": True, "stream": True}))
+                    "POST", "/v1/completions", json={"model": name, "prompt": prompt,    # long: mid-flight
+                                                     "max_tokens": 500, "ignore_eos": True, "stream": True}))
                 lines = resp.iter_lines()
                 for line in lines:                        # a token arrived: the request is mid-flight
                     if line.startswith("data: ") and '"text"' in line:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -142,7 +143,9 @@ def test_kernel_is_built_before_ready_and_never_after(wheel_server):
     log = srv.log()
     lines = log.splitlines()
     (build_line,) = [i for i, line in enumerate(lines) if "built the compiled CPU kernels" in line]
-    assert lines[build_line].startswith("INFO fdx.ops.cpp: built the compiled CPU kernels (ops/csrc/")
+    # fdx's one log format (fdx.core.logs): the time, the level, the logger
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO fdx\.ops\.cpp: built the compiled CPU kernels "
+                        r"\(ops/csrc/.* in \d+\.\d s, cached in .*", lines[build_line]), lines[build_line]
     (ready_line,) = [i for i, line in enumerate(lines) if line.startswith("fdx serve: SmolLM2-135M-Instruct at ")]
     assert build_line < ready_line
     for noise in ("g++", "ccache", "Compiling user custom op", "OMP_NUM_THREADS", "Traceback"):
@@ -163,9 +166,11 @@ def test_kernel_is_built_before_ready_and_never_after(wheel_server):
 def test_wheel_serves_a_chat_completion_and_its_page_without_torch(wheel_server):
     import openai
     client = openai.OpenAI(base_url=wheel_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    # the README's example, whose greedy answer holds on every CPU (tokens ahead by 0.85 or more)
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=24, temperature=0,
-                                       messages=[{"role": "user", "content": "What is 2+2?"}])
-    assert r.choices[0].message.content.strip() and r.usage.completion_tokens <= 24
+                                       messages=[{"role": "user", "content": "What is the capital of Japan?"}])
+    assert r.choices[0].message.content == "The capital of Japan is Tokyo.", r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
     page = httpx.get(wheel_server.base_url + "/", timeout=30)
     assert page.status_code == 200 and "/ui/app.js" in page.text
     assert httpx.get(wheel_server.base_url + "/ui/app.js", timeout=30).status_code == 200

@@ -68,5 +68,8 @@ def server_config(args):
 
 def cmd_serve(args) -> int:
     config = server_config(args)              # a bad key fails here, before any process starts
+    from fdx.core.checkpoint.loader import check_model_path
+    # a bad model path too: fdx.core.cli.main words it and exits 2, as for fdx generate
+    check_model_path(config.model.model)
     from fdx.core.serving.app import run_server
     return run_server(config)

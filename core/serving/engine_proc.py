@@ -336,9 +336,8 @@ def engine_main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
         remove_orphaned_sockets(args.parent_pid, args.inbox, args.outbox)
         return 1
-    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("fdx").setLevel(
-        (os.environ.get("FDX_ENGINE_LOG_LEVEL") or os.environ.get("FDX_LOG_LEVEL") or "INFO").upper())
+    from fdx.core.logs import configure
+    configure(os.environ.get("FDX_ENGINE_LOG_LEVEL") or os.environ.get("FDX_LOG_LEVEL") or "INFO")
     # Paddle warns at import when OMP_NUM_THREADS > 1; the CPU backend sets the
     # thread count from config (backend.num_threads) or the cores, not from it
     os.environ.pop("OMP_NUM_THREADS", None)

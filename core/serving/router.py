@@ -456,7 +456,8 @@ def cmd_router(args) -> int:
     except ValueError as e:
         print(f"fdx router: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from fdx.core.logs import configure
+    configure(args.log_level)
     from fdx.core.config import ServerConfig
     from fdx.core.serving import edge
     try:

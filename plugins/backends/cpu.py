@@ -95,6 +95,9 @@ def probe_kernels(threads: int) -> kernels.KernelTable:
     this host (cached; else probed in a child process)."""
     from fdx.ops import cpp
     from fdx.plugins.backends.probing import probe_table
+    if "announced" not in _logged and not cpp.loaded():   # what runs now (the next lines: how long it took)
+        _logged.add("announced")
+        log.info("building or loading the compiled CPU kernels (a first build compiles for a minute or more)")
     cpp.prepare()
     if cpp.loaded():
         # FDX_PORTABLE_KERNELS: only the baseline build of the quantized products
@@ -145,7 +148,7 @@ class CpuBackend(Backend):
 
     def kernel_line(self) -> str:
         t = self.kernels
-        how = {"cache": f"from the cache in {t.seconds * 1000:.0f} ms",
+        how = {"cache": f"probe table from the cache in {t.seconds:.1f} s",
                "probed": f"probed in a child process in {t.seconds:.1f} s"}.get(t.source, t.source)
         return "kernels: " + ", ".join(f"{op}={what}" for op, what in self.kernel_choices().items()) + f" ({how})"
 

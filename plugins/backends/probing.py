@@ -141,6 +141,7 @@ def probe_table(names: list[str], threads: int, unavailable: dict[str, str] | No
             findings = _read(path, material)           # another process probed while we waited
             if findings is None:
                 source = "probed"
+                log.info("probing the kernels on this CPU in a child process (once per host and build)")
                 findings = _probe(wanted, threads, path.with_suffix(".log")) if wanted else {}
                 tmp = Path(tempfile.mkstemp(dir=path.parent, suffix=".tmp")[1])
                 tmp.write_text(json.dumps({"key": material, "findings": findings}, indent=1, sort_keys=True))

@@ -513,8 +513,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C goes to the server; it stops us
     if os.getppid() != args.parent_pid:
         return 1
-    logging.basicConfig(level=os.environ.get("FDX_ENGINE_LOG_LEVEL", "WARNING"),
-                        format=f"%(levelname)s %(name)s[tp{args.rank}]: %(message)s")
+    from fdx.core.logs import configure
+    configure(os.environ.get("FDX_ENGINE_LOG_LEVEL", "WARNING"), tag=f"[tp{args.rank}]")
     payload = json.loads(sys.stdin.read())
     ctx = zmq.Context()
     results = ctx.socket(zmq.PUSH)
