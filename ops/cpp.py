@@ -45,8 +45,7 @@ from fdx.core.host import cache_root, cpu_id, portable_kernels
 
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
-           "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
-           "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
+           "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "f32_build", "f32_kernel_name",
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status"]
 
@@ -58,8 +57,9 @@ _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC
             _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h"]
 _CFLAGS = [
     "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
-    # let dot-product reductions reassociate (vector horizontal sums); no -ffinite-math-only
-    "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+    # no -fassociative-math: every sum keeps the order the source writes (a row's bits must not
+    # depend on the code around an inlined kernel: issue 40 item 4); no -ffinite-math-only
+    "-fno-signed-zeros", "-fno-trapping-math",
 ]
 
 
@@ -368,14 +368,11 @@ def rope_write_kv(
 QUANT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4")  # = C++ Kind
 QUANT_VARIANTS = ("avx512", "avx2", "portable")            # best first
 _VARIANT_CODE = {"portable": 0, "avx2": 1, "avx512": 2}     # = C++ Variant
-# From this many activation rows a product dequantizes the weight (compiled, threaded)
-# and multiplies in Paddle's BLAS; below, int8 dot products straight from the blocks
-# (tiles of 2 weight rows x 4 activation rows). Measured on the Zen 3 of
-# docs/benchmarks.md (python -m fdx.plugins.backends.bench_kernels --quant q4_1,q8_0 --threads 1
-# --cpu-time --rows 16,64,128,512): at 16 and 64 rows the int8 path took 0.5-1.2x the
-# time of dequantize + BLAS (about 0.7x summed over a SmolLM2 layer, 0.45-0.5x for
-# the 49152x576 LM head), at 128 rows about 1.0x summed, at 512 rows 1.3-1.8x.
-QUANT_BLAS_MIN_ROWS = 128
+# Every row count takes the int8 dot products straight from the blocks (activations
+# quantized to int8 once per row, int32 block dots, float accumulation over the blocks in
+# order): one reduction order for a row whatever rows share the call (issue 40 item 4).
+# The dequantize-to-float + BLAS path that took 128 rows and more (float activations:
+# other bits) is gone; fdx_quant_dequantize stays for the probes and tests.
 
 
 def quant_kernel_name(kind: str, variant: str) -> str:
@@ -397,7 +394,7 @@ def quant_supported(w) -> bool:
     return w.kind != "wint4" or (w.group_size % 32 == 0 and w.shape[1] % w.group_size == 0)
 
 
-def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) -> paddle.Tensor | None:
+def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op) -> paddle.Tensor | None:
     """x [..., cols] @ w.T -> [..., rows] by one build of csrc/quant_kernels.h,
     whose ops the declared implementations below hand in; None for a weight
     or input the kernels cannot take (``quant.matmul`` then runs the reference)."""
@@ -406,10 +403,7 @@ def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) 
     data, scales = w.tensors()
     x2 = _rows(x)
     args = (_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1], w.group_size)
-    if x2.shape[0] >= QUANT_BLAS_MIN_ROWS:
-        out = paddle.matmul(x2, dequantize_op(data, scales, *args), transpose_y=True)
-    else:
-        out = matmul_op(x2, data, scales, *args)
+    out = matmul_op(x2, data, scales, *args)
     return out if len(x.shape) == 2 else out.reshape(x.shape[:-1] + [w.shape[0]])
 
 
@@ -419,22 +413,19 @@ _QUANT_KIND_CODE = {kind: code for code, kind in enumerate(QUANT_KINDS)}
 @kernels.implements(*(quant_kernel_name(k, "portable") for k in QUANT_KINDS))
 def quant_matmul_portable(x: paddle.Tensor, w) -> paddle.Tensor:
     """The plain C++ build (the compiler's flags: -march=native, or the baseline with FDX_PORTABLE_KERNELS)."""
-    m = _module_or_raise()
-    return _quant_product(x, w, "portable", m.fdx_quant_matmul, m.fdx_quant_dequantize)
+    return _quant_product(x, w, "portable", _module_or_raise().fdx_quant_matmul)
 
 
 @kernels.implements(*(quant_kernel_name(k, "avx2") for k in QUANT_KINDS))
 def quant_matmul_avx2(x: paddle.Tensor, w) -> paddle.Tensor:
     """The AVX2 + FMA + F16C build."""
-    m = _module_or_raise()
-    return _quant_product(x, w, "avx2", m.fdx_quant_matmul, m.fdx_quant_dequantize)
+    return _quant_product(x, w, "avx2", _module_or_raise().fdx_quant_matmul)
 
 
 @kernels.implements(*(quant_kernel_name(k, "avx512") for k in QUANT_KINDS))
 def quant_matmul_avx512(x: paddle.Tensor, w) -> paddle.Tensor:
     """The AVX-512 (F, BW, VL) build: dies by SIGILL on a CPU without it."""
-    m = _module_or_raise()
-    return _quant_product(x, w, "avx512", m.fdx_quant_matmul, m.fdx_quant_dequantize)
+    return _quant_product(x, w, "avx512", _module_or_raise().fdx_quant_matmul)
 
 
 QUANT_MATMULS = {"portable": quant_matmul_portable, "avx2": quant_matmul_avx2, "avx512": quant_matmul_avx512}
@@ -442,44 +433,15 @@ QUANT_MATMULS = {"portable": quant_matmul_portable, "avx2": quant_matmul_avx2, "
 
 # --- the float32 product for a few rows (csrc/f32_kernels.h) ------------------------------------
 
-# From this many activation rows a float32 product is Paddle's (MKL) sgemm, below
-# it the compiled one, which streams the weight once for all the rows. Measured on
-# the Zen 3 of docs/benchmarks.md (a SmolLM2 layer's four products over 30 layers of
-# distinct weights, 450 MB streamed from memory as a decode step does, one thread,
-# CPU time, alternating): the compiled products took 1.04x MKL's time at 1 row,
-# 0.47x at 4, 0.59x at 8, 0.66x at 16, 1.06x at 32, 0.98x at 64; the fused layer
-# (which also drops ~13 op calls a layer) takes float32 layers below this too.
-F32_BLAS_MIN_ROWS = 32
-# ... except the AVX-512 build, whose products from 12 rows keep the output in
-# registers (f32_kernels.inc, RowsTiled). On the Zen 4 of docs/benchmarks.md (2
-# threads, best of 4-5): 30 layers' products at 32 rows 57 ms against MKL's 65, at
-# 40 rows 64 against 70, at 47 86 against 77; the LM head ([576, 49152]) at 32 rows
-# 18 ms against 23, at 39 21 against 26.
-# The AVX2 build keeps the output in registers from 2 rows (6-row tiles; from 16 rows
-# each weight panel copied contiguous first), and on the Zen 1 of docs/benchmarks.md
-# (MKL_DEBUG_CPU_TYPE=5, 2 threads, the same harness) it beats MKL's sgemm at every
-# row count measured up to 256 but 16-32 on the layers' shapes, where they are level
-# once the LM head is counted (30 layers + head at 32 rows: 180 ms against 182); MKL's
-# own paths jump at 33 rows (117 -> 218-250 ms) and come back from about 448.
-F32_BLAS_MIN_ROWS_BY_VARIANT = {"avx512": 40, "avx2": 256}
-
-
-def f32_blas_min_rows(variant: str | None) -> int:
-    """Rows from which a float32 product is MKL's rather than ``variant``'s build."""
-    return F32_BLAS_MIN_ROWS_BY_VARIANT.get(variant, F32_BLAS_MIN_ROWS)
+# Every row count takes the compiled float32 product: one reduction order for a row
+# (a fixed sequence of multiply-adds over the input features, in fixed parts summed in a
+# fixed order, whatever the row count and thread count: csrc/f32_kernels.inc), which
+# MKL's sgemm, taken from 32-256 rows until issue 40, does not promise.
 
 
 def f32_build(table) -> str | None:
     """The widest build of the float32 product that the kernel table ``table`` passed, or None."""
     return next((v for v in QUANT_VARIANTS if table.usable(f32_kernel_name(v))), None)
-
-# ... and from this many rows up the compiled one (fdx.ops.dense and the fused layer).
-# At 1 row the products tied MKL on one thread; at 2 threads under a load average
-# of 15 (other jobs on the 2 cores) they took 1.5-2.2x MKL's wall time, every OpenMP
-# barrier waiting for a descheduled thread, unmeasured on a quiet machine: 2 leaves
-# batch 1 to MKL and the composed layer (docs/benchmarks.md, issue 18's fp32 round).
-F32_MIN_ROWS = 1
-
 
 def f32_kernel_name(variant: str) -> str:
     """``cpp.f32_matmul`` (portable), ``cpp.f32_matmul.avx2``, ``cpp.f32_matmul.avx512``."""
@@ -618,13 +580,36 @@ class _StackStep(ctypes.Structure):
 _stack_fn = None
 
 
+def _layout(struct) -> list[int]:
+    """sizeof(struct), then each field's offset, as ctypes lays them out."""
+    return [ctypes.sizeof(struct)] + [getattr(struct, name).offset for name, _ in struct._fields_]
+
+
+def check_stack_layout(library) -> None:
+    """Fail loudly when the ctypes mirrors _StackLayer / _StackStep differ from the C
+    structs FdxStackLayer / FdxStackStep (csrc/fdx_ops.cc): the library reports their
+    sizes and every field's offset (fdx_stack_layout), compared here with ctypes' own."""
+    fn = library.fdx_stack_layout
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    fn.restype = ctypes.c_int64
+    buf = (ctypes.c_int64 * 64)()
+    count = fn(buf, len(buf))
+    want = _layout(_StackLayer) + _layout(_StackStep)
+    got = list(buf[:count])
+    if got != want:
+        raise RuntimeError(f"fdx compiled CPU ops: decoder_stack's struct layout differs between csrc/fdx_ops.cc "
+                           f"(sizes and offsets {got}) and ops/cpp.py's ctypes mirrors ({want})")
+
+
 def _stack_function():
     global _stack_fn
     if _stack_fn is None:
         _module_or_raise()
         if _library is None:
             raise RuntimeError("fdx compiled CPU ops: the extension's shared library was not found")
-        fn = ctypes.CDLL(str(_library)).fdx_decoder_stack
+        library = ctypes.CDLL(str(_library))
+        check_stack_layout(library)
+        fn = library.fdx_decoder_stack
         fn.argtypes = [ctypes.POINTER(_StackStep), ctypes.c_char_p, ctypes.c_int64]
         fn.restype = ctypes.c_int
         _stack_fn = fn

@@ -1,8 +1,8 @@
 """Products with float32 ``[in, out]`` weights (the ``none`` format's linears
-and tied LM head): from fdx.ops.cpp.F32_MIN_ROWS to fewer than
-f32_blas_min_rows(build) activation rows the compiled product (csrc/f32_kernels.h: the weight streamed once over
-the threads) in the widest build the active kernel table passed, else
-Paddle's matmul (MKL sgemm), which is also the probes' reference."""
+and tied LM head): the compiled product (csrc/f32_kernels.h: the weight streamed
+once over the threads, one reduction order for a row at every row count) in the
+widest build the active kernel table passed, else Paddle's matmul (MKL sgemm),
+which is also the probes' reference."""
 from __future__ import annotations
 
 import paddle
@@ -16,9 +16,8 @@ __all__ = ["matmul"]
 
 def matmul(x: Tensor, w: Tensor) -> Tensor:
     """``x [..., in] @ w [in, out]``."""
-    rows = x.shape[0] if len(x.shape) == 2 else int(x.numel()) // x.shape[-1]
-    if x.dtype == paddle.float32 and w.dtype == paddle.float32 and cpp.loaded() and rows >= cpp.F32_MIN_ROWS:
+    if x.dtype == paddle.float32 and w.dtype == paddle.float32 and cpp.loaded():
         variant = cpp.f32_build(kernels.active())
-        if variant is not None and rows < cpp.f32_blas_min_rows(variant):
+        if variant is not None:
             return cpp.F32_MATMULS[variant](x, w)
     return paddle.matmul(x, w)

@@ -1,9 +1,10 @@
 """RMS norm, with an optional fused residual add.
 
 Which kernel runs comes from the backend's probed table
-(``fdx.core.kernels``): float32 CPU tensors of at least CPP_MIN_ROWS rows
-take the compiled kernel when ``cpp.add_rms_norm`` / ``cpp.rms_norm``
-passed (csrc/fused_kernels.h: the residual add, the norm and both outputs
+(``fdx.core.kernels``): float32 CPU tensors take the compiled kernel at
+every row count when ``cpp.add_rms_norm`` / ``cpp.rms_norm`` passed (one
+kernel whatever the rows: a row's bits do not depend on the batch, and they
+are the compiled decoder layer's) (csrc/fused_kernels.h: the residual add, the norm and both outputs
 in one pass); else Paddle's ``fused_rms_norm`` when it passed (on some
 CPUs it dies by SIGILL: its probe finds that out in a child process); else
 the composed reference.
@@ -14,22 +15,18 @@ import paddle.incubate.nn.functional as IF
 from fdx.core import kernels
 from fdx.ops import cpp
 
-__all__ = ["rms_norm", "add_rms_norm", "CPP_MIN_ROWS"]
+__all__ = ["rms_norm", "add_rms_norm"]
 
-# Rows from which the compiled kernel beats Paddle's fused_rms_norm: below,
-# Paddle's custom-op call (about 7 us more than a built-in op's) costs more
-# than the kernel saves (python -m fdx.plugins.backends.bench_kernels: 0.7x
-# at 1 row, 1.7x at 64). Where fused_rms_norm did not pass (it dies by SIGILL
-# on CPUs without AVX-512), the compiled kernel takes every row count: the
-# composed reference is ten Paddle ops (about 0.6 ms at one row).
-CPP_MIN_ROWS = 32
+# The compiled kernel takes every row count where it passed (until issue 40 Paddle's
+# fused_rms_norm took fewer than 32 rows where it passed, 0.7x the compiled call's time
+# at 1 row: other bits than the compiled decoder layer's and the larger steps').
 
 
 def _impl(x: paddle.Tensor, impl: str | None, cpp_name: str) -> str:
     if impl is None:
         table = kernels.active()
         fused = table.usable("fused_rms_norm")
-        if ((x.shape[0] >= CPP_MIN_ROWS or not fused) and table.usable(cpp_name) and cpp.loaded()
+        if (table.usable(cpp_name) and cpp.loaded()
                 and x.dtype == paddle.float32 and x.place.is_cpu_place()):
             return "cpp"
         return "fused" if fused else "reference"

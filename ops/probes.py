@@ -200,9 +200,8 @@ def random_quantized(kind: str, rows: int, cols: int, rng):
 def _probe_quant(kind: str, variant: str) -> Callable[[str], None]:
     """One build of ``kind``'s product against gguf's dequantized weights: one
     row over enough weights to use every thread, a small batch (a tile and a
-    tail), one past 12 rows over an odd count of blocks (q8_0's AVX-512 VNNI
-    tiles, on a CPU that has VNNI), and a prefill-sized one (the dequantize +
-    BLAS path). The int8 path
+    tail), 13 rows over an odd count of blocks, and a prefill-sized one (129 rows: three
+    chunks of activation rows). The int8 path
     is compared with x quantized as it quantizes it (int8_blocks), so the
     tolerance is float32 rounding."""
     def probe(dtype: str = "float32") -> None:
@@ -211,11 +210,11 @@ def _probe_quant(kind: str, variant: str) -> Callable[[str], None]:
         fn = dict(quant.KERNELS[kind])[name]
         rng = _rng()
         for rows, cols, m in ((129, 512, 1), (37, 512, 5), (37, 544 if kind == "q8_0" else 512, 13),
-                             (37, 512, cpp.QUANT_BLAS_MIN_ROWS + 1)):
+                             (37, 512, 129)):
             w = random_quantized(kind, rows, cols, rng)
             x = rng.standard_normal((m, cols)).astype(np.float32)
             got = fn(_tensor(x), w).numpy()
-            xs = x if m >= cpp.QUANT_BLAS_MIN_ROWS else int8_blocks(x)
+            xs = int8_blocks(x)
             want = xs.astype(np.float64) @ w.dequantize().astype(np.float64).T
             scale = float(np.abs(want).max()) or 1.0
             _close(got / scale, want / scale, f"{m}x{cols} @ {rows}x{cols}", atol=1e-4, rtol=0)

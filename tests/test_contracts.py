@@ -103,8 +103,7 @@ def test_cpu_backend_uses_the_compiled_kernel_and_rejects_other_dtypes(tiny, ref
     assert passed == cpp.available()                 # the compiled attention passes its probe wherever it builds
     calls = []
     # the compiled attention runs as its own op in a composed layer, or inside the one
-    # compiled call for a layer or for all of them (steps under the float32 build's
-    # f32_blas_min_rows: with AVX2's 256, every step of this test)
+    # compiled call for a layer or for all of them (every step size)
     for name in ("paged_attention", "decoder_layer", "decoder_stack"):
         real = getattr(cpp, name)
         monkeypatch.setattr(cpp, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])

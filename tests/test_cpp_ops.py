@@ -101,12 +101,11 @@ def test_rms_norm_default_follows_the_kernels(impl, monkeypatch):
     calls = []
     real = cpp.add_rms_norm
     monkeypatch.setattr(cpp, "add_rms_norm", lambda *a: (calls.append(1), real(*a))[1])
-    from fdx.ops import norm
-    x = t(np.random.default_rng(0).standard_normal((norm.CPP_MIN_ROWS, 8)).astype(np.float32))
+    x = t(np.random.default_rng(0).standard_normal((32, 8)).astype(np.float32))
     add_rms_norm(x, x, x[0], 1e-6)
     assert calls == [1]
-    add_rms_norm(x[1:], x[1:], x[0], 1e-6)      # fewer rows: fused_rms_norm where it runs, else still compiled
-    expected = [1] if host_runs_fused_rms_norm() else [1, 1]
+    add_rms_norm(x[:1], x[:1], x[0], 1e-6)      # one row: still compiled (one kernel at every row count)
+    expected = [1, 1]
     assert calls == expected
     monkeypatch.setenv("FDX_DISABLE_CPP_OPS", "1")
     add_rms_norm(x, x, x[0], 1e-6)
@@ -257,10 +256,8 @@ def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkey
 
     def generate(impl_name):
         runner = PagedRunner(case.fdx_model(), num_blocks=64, seed=3, impl=impl_name)
-        # 130 prompt rows: past the fused layer's QUANT_BLAS_MIN_ROWS (128), so the first
-        # step runs the composed layer (the compiled ops counted below), the decodes the fused one
+        # 130 prompt rows, then decodes
         prompts = {"a": prompt(63, 1), "b": prompt(5, 2), "c": prompt(62, 3)}
-        assert 63 + 5 + 62 >= cpp.QUANT_BLAS_MIN_ROWS
         logits = runner.step(list(prompts.items()), rows="last")
         tokens = {s: [] for s in prompts}
         all_logits = [np.concatenate(logits)]
@@ -282,3 +279,21 @@ def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkey
     assert all(len(set(v)) > 3 for v in on_tokens.values())       # real trajectories
     for a, b in zip(on_logits, off_logits):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_stack_structs_layout_is_checked_at_load(monkeypatch):
+    """decoder_stack's ctypes mirrors of FdxStackLayer / FdxStackStep are checked against
+    the sizes and offsets the library reports (fdx_stack_layout): equal as built, and a
+    mirror missing a field fails loudly instead of passing garbage to C."""
+    import ctypes
+    if not cpp.available():
+        pytest.skip(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    library = ctypes.CDLL(str(cpp._library))
+    cpp.check_stack_layout(library)
+
+    class Short(ctypes.Structure):
+        _fields_ = cpp._StackStep._fields_[:-1]
+    monkeypatch.setattr(cpp, "_StackStep", Short)
+    with pytest.raises(RuntimeError, match="struct layout differs"):
+        cpp.check_stack_layout(library)

@@ -297,7 +297,7 @@ def test_greedy_tokens_with_the_fused_path_on_and_off(files, name, fused, monkey
     dequantized weights (test_weight_formats' margin) with the fused layers on
     or off, in a batch of three, then chunked (8 tokens a step) with prefix hits.
     "mixed" is like llama.cpp's Q4_K_M (q/k/v and gate/up of different kinds),
-    "f32" all float32 (its decode steps under F32_BLAS_MIN_ROWS rows fuse).
+    "f32" all float32.
     Fused, every file's small steps take the one call for all layers."""
     monkeypatch.setenv(FUSED_LAYERS_ENV, "1" if fused else "0")
     spy = Spy(monkeypatch)

@@ -6,8 +6,8 @@ skipped with its probe's finding, which must be a SIGILL), against numpy in
 float64: float32 accumulation only, 1e-5 of the largest output. Shapes: the
 odd ones (a column tail under a vector, a weight-row tail under a pass, one
 column), every row count to past the two-row passes, and SmolLM2's. Then the
-dispatch (fdx.ops.dense.matmul): the compiled product below f32_blas_min_rows
-(of the build) rows, MKL from there, both numpy's numbers.
+dispatch (fdx.ops.dense.matmul): the compiled product at every row count, and a
+row's bits the same whatever the other rows and the threads (issue 40 item 4).
 """
 from __future__ import annotations
 
@@ -97,10 +97,10 @@ def test_rows_on_two_threads(variant):
         paddle.base.core.set_num_threads(before)
 
 
-def test_the_dense_product_takes_the_compiled_kernel_below_the_threshold(monkeypatch):
-    """fdx.ops.dense.matmul under the cpu table: compiled below f32_blas_min_rows
-    (seen by which function ran), MKL at and above, numpy's numbers either way;
-    under a table without it (or another dtype), Paddle's matmul."""
+def test_the_dense_product_takes_the_compiled_kernel_at_every_row_count(monkeypatch):
+    """fdx.ops.dense.matmul under the cpu table: the compiled product at every row count
+    (seen by which function ran; MKL took 32-256 rows and more until issue 40), numpy's
+    numbers; under a table without it (or another dtype), Paddle's matmul."""
     table = cpu_kernel_table()
     variant = cpp.f32_build(table)
     if variant is None:
@@ -108,13 +108,40 @@ def test_the_dense_product_takes_the_compiled_kernel_below_the_threshold(monkeyp
     ran: list[int] = []
     real = cpp.F32_MATMULS[variant]
     monkeypatch.setitem(cpp.F32_MATMULS, variant, lambda x, w: (ran.append(x.shape[0]), real(x, w))[1])
-    limit = cpp.f32_blas_min_rows(variant)
-    x, w = numpy_case(576, 960, limit + 1)
+    x, w = numpy_case(576, 960, 300)
     wt = paddle.to_tensor(w)
     with kernels.using(table):
-        for m in (1, limit - 1, limit, limit + 1):
+        for m in (1, 39, 40, 257, 300):
             assert_product(dense.matmul(paddle.to_tensor(x[:m]), wt).numpy(), x[:m], w, f"{m} rows")
-    assert ran == [1, limit - 1]
+    assert ran == [1, 39, 40, 257, 300]
     with kernels.using(kernels.REFERENCE):
         assert_product(dense.matmul(paddle.to_tensor(x[:1]), wt).numpy(), x[:1], w, "reference table")
-    assert ran == [1, limit - 1]
+    assert ran == [1, 39, 40, 257, 300]
+
+
+@pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads(variant):
+    """Issue 40 item 4: a row of a product of M rows is, bitwise, the row computed alone
+    on one thread, at every M (one-row passes, 4-row passes, register tiles, copied
+    panels) and on 1, 2 and 3 threads, for a narrow, a wide (LM-head-like) and a tall weight."""
+    import ctypes
+    fn = f32_fn(variant)
+    omp_threads = ctypes.CDLL(str(cpp._library)).omp_get_max_threads
+    before = omp_threads()
+    try:
+        for k, n in ((576, 576), (576, 5000), (1536, 200), (40, 100)):
+            x, w = numpy_case(k, n, 512, seed=40)
+            wt = paddle.to_tensor(w)
+            paddle.base.core.set_num_threads(1)
+            alone = {i: fn(paddle.to_tensor(x[i:i + 1]), wt).numpy()[0] for i in (0, 5, 17, 129, 511)}
+            for threads in (1, 2, 3):
+                paddle.base.core.set_num_threads(threads)
+                for m in (1, 2, 7, 8, 16, 33, 130, 512):
+                    got = fn(paddle.to_tensor(x[:m]), wt).numpy()
+                    for i in alone:
+                        if i < m:
+                            assert np.array_equal(got[i], alone[i]), (
+                                f"{variant} {k}x{n}: row {i} of {m} on {threads} threads differs from it alone")
+            assert_product(got, x, w, f"{variant} {k}x{n} 512 rows")
+    finally:
+        paddle.base.core.set_num_threads(before)

@@ -360,3 +360,54 @@ def test_cpp_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, ca
         assert build_attention_metadata([1], [0], [[0]], 4, 2, 64).impl == "paddle"
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
     assert "missing.cc" in cpp.unavailable_reason()
+
+
+@pytest.mark.parametrize("d,heads,kv_heads", [(64, 9, 3), (128, 4, 2), (16, 8, 2)], ids=["d64-gqa3", "d128", "d16"])
+def test_a_query_rows_bits_do_not_depend_on_the_batch(d, heads, kv_heads):
+    """Issue 40 item 4: a query row's output is the same bits whatever shares its step.
+    Sequence 0 (150 tokens: three 64-key parts) is computed decode by decode alone on one
+    thread (the row alone), then as one prefill, as prefill chunks beside other
+    sequences' chunks and decodes (a resumed request recomputes its tokens this way),
+    and as decodes beside others, on 1, 2 and 3 threads: every row array_equal. And
+    full causal attention in float64 within the usual tolerance."""
+    if not cpp.available():
+        pytest.skip(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    rng = np.random.default_rng(40)
+    totals = [150, 70, 9, 131]
+    setup = PagedSetup(rng, totals, 16, kv_heads, d)
+    kv, q_all = make_seqs(rng, totals, heads, kv_heads, d)
+    for s, n in enumerate(totals):
+        setup.fill(s, np.arange(n), kv[s][0], kv[s][1])     # every key in place: steps only attend
+    scale = d**-0.5
+
+    def attend(steps, threads):
+        """steps: lists of (seq, query_len, context_len); returns seq 0's rows by position."""
+        got = {}
+        paddle.base.core.set_num_threads(threads)
+        try:
+            for step in steps:
+                meta = setup.meta([q for _, q, _ in step], [c for _, _, c in step], [s for s, _, _ in step],
+                                  impl="cpp")
+                q = t(np.concatenate([q_all[s][c:c + ql] for s, ql, c in step]))
+                out = paged_attention(q, setup.k_cache, setup.v_cache, meta, scale).numpy()
+                at = 0
+                for s, ql, c in step:
+                    if s == 0:
+                        for i in range(ql):
+                            got[c + i] = out[at + i]
+                    at += ql
+        finally:
+            paddle.base.core.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        return np.stack([got[p] for p in range(totals[0])])
+
+    alone = attend([[(0, 1, c)] for c in range(totals[0])], 1)
+    ref = ref_attention(q_all[0], kv[0][0], kv[0][1], 0, scale)
+    np.testing.assert_allclose(alone, ref, atol=ATOL, rtol=RTOL)
+    one_prefill = [[(0, 150, 0)]]
+    chunked = [[(1, 1, 60), (0, 37, 0), (2, 9, 0)], [(0, 50, 37), (3, 1, 130)], [(3, 1, 100), (0, 63, 87), (1, 5, 64)]]
+    decodes = [[(3, 1, c % 131), (0, 1, c), (1, 1, c % 70)] for c in range(totals[0])]
+    for threads in (1, 2, 3):
+        for name, steps in (("one prefill", one_prefill), ("chunked", chunked), ("decodes", decodes)):
+            got = attend(steps, threads)
+            bad = [p for p in range(totals[0]) if not np.array_equal(got[p], alone[p])]
+            assert not bad, f"{name}, {threads} threads: rows at positions {bad[:8]}... differ from the row alone"

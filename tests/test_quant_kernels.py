@@ -6,14 +6,16 @@ q4_1, q5_0 and q5_1 quantized from normal values by ``gguf.quants.quantize``;
 the k-quants, which gguf-py cannot quantize to, as random valid blocks
 (fdx.ops.probes.random_blocks: random quants and sub-scales, sane fp16 scales).
 
-Tolerances: below ``QUANT_BLAS_MIN_ROWS`` rows the kernels quantize the
+Tolerances: at every row count the kernels quantize the
 activations to int8 in blocks of 32. Against x quantized the same way in
 numpy (``int8_blocks``) the error is float32 accumulation only: 1e-4 of the
 largest output. Against the unquantized x, each activation is off by at most
 half a step (max|block| / 254), so each output by at most the sum over blocks
 of that step times sum|w| over the block: checked as that bound (measured
-about 5e-3 of the largest output on normal data). From that many rows they
-dequantize and multiply in fp32: 1e-4 against the unquantized x.
+about 5e-3 of the largest output on normal data).
+
+Batch invariance (issue 40 item 4): a row's output alone equals, bitwise, the
+same row inside products of 2, 7, 8, 33, 130 and 512 rows, in every build.
 
 Every build this CPU runs (the backend's probed table) is tested; one it does
 not run (AVX-512 on an AVX2 machine) is skipped with the probe's finding, which
@@ -72,8 +74,8 @@ def variant_fn(kind: str, variant: str):
 def shapes(kind: str):
     k = kind.endswith("_k")
     return [(1, 37, 512), (1, 1, 256 if k else 64), (3, 129, 1536 if k else 576), (8, 40, 512),
-            (13, 37, 768 if k else 640 if kind == "wint4" else 544),   # q8_0 on AVX-512 VNNI from 12 rows: odd blocks
-            (cpp.QUANT_BLAS_MIN_ROWS - 1, 37, 512), (cpp.QUANT_BLAS_MIN_ROWS, 37, 512), (64, 70, 1536)]
+            (13, 37, 768 if k else 640 if kind == "wint4" else 544),   # odd block counts
+            (127, 37, 512), (130, 37, 512), (64, 70, 1536)]
 
 
 def to_tensor(a):
@@ -97,14 +99,35 @@ def test_each_build_matches_the_gguf_dequantized_product(kind, variant):
         exact = x.astype(np.float64) @ values.T
         scale = np.abs(exact).max()
         what = f"{kind} {variant} M={m} {rows}x{cols}"
-        if m < cpp.QUANT_BLAS_MIN_ROWS:
-            as_quantized = int8_blocks(x).astype(np.float64) @ values.T
-            assert np.abs(got - as_quantized).max() <= 1e-4 * scale, what
-            step = np.abs(x.reshape(m, -1, 32)).max(axis=2) / 254                      # [M, blocks]
-            bound = step.astype(np.float64) @ np.abs(values).reshape(rows, -1, 32).sum(axis=2).T
-            assert (np.abs(got - exact) <= 1.001 * bound + 1e-4 * scale).all(), what
-        else:
-            assert np.abs(got - exact).max() <= 1e-4 * scale, what
+        as_quantized = int8_blocks(x).astype(np.float64) @ values.T
+        assert np.abs(got - as_quantized).max() <= 1e-4 * scale, what
+        step = np.abs(x.reshape(m, -1, 32)).max(axis=2) / 254                      # [M, blocks]
+        bound = step.astype(np.float64) @ np.abs(values).reshape(rows, -1, 32).sum(axis=2).T
+        assert (np.abs(got - exact) <= 1.001 * bound + 1e-4 * scale).all(), what
+
+
+@pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
+@pytest.mark.parametrize("kind", cpp.QUANT_KINDS)
+def test_a_rows_bits_do_not_depend_on_the_other_rows(kind, variant):
+    """Issue 40 item 4: row i of a product of M rows is, bitwise, row i computed alone,
+    at every M (tiles of 1, 2 and 4 activation rows, chunks of 64, the threads' split of
+    the output rows), for the first, last and a middle row; and the product of 512 rows
+    still matches the gguf-dequantized float64 product of the int8-quantized x."""
+    fn = variant_fn(kind, variant)
+    rng = np.random.default_rng(zlib.crc32(f"invariance/{kind}/{variant}".encode()))
+    cols = 512
+    w, values = make_weight(kind, 70, cols, rng)
+    x = rng.standard_normal((512, cols)).astype(np.float32)
+    alone = {i: fn(to_tensor(x[i:i + 1]), w).numpy()[0] for i in (0, 1, 6, 7, 32, 129, 300, 511)}
+    for m in (2, 7, 8, 33, 130, 512):
+        got = fn(to_tensor(x[:m]), w).numpy()
+        for i in alone:
+            if i < m:
+                assert np.array_equal(got[i], alone[i]), f"{kind} {variant}: row {i} of {m} differs from it alone"
+        shifted = fn(to_tensor(x[m - 1:2 * m - 1]), w).numpy()      # the same row first in another batch
+        assert np.array_equal(shifted[0], got[m - 1]), f"{kind} {variant}: row {m - 1} moved to row 0"
+    want = int8_blocks(x).astype(np.float64) @ values.T
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q6_k", "wint4"])

@@ -22,6 +22,7 @@
 // fdx_decoder_stack (a plain C function, called through ctypes): every layer of a step
 //   in one call, as fdx_decoder_layer one after another.
 // All inputs are contiguous float32 / int32 / int64 CPU tensors.
+#include <cstddef>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -675,6 +676,33 @@ struct FdxStackStep {
       block_size, num_slots, max_pos, neox;
   float eps, scale;
 };
+
+// The layout of the two structs above, for ops/cpp.py's check at load (its ctypes
+// mirrors must match: a field added on one side only fails loudly, never reads garbage):
+// sizeof(FdxStackLayer), then the offset of each of its 11 fields in order,
+// sizeof(FdxStackStep), then the offset of each of its 25 fields in order. Returns
+// how many values it has (38); writes at most n of them.
+int64_t fdx_stack_layout(int64_t* out, int64_t n) {
+#define FDX_OFF(T, f) static_cast<int64_t>(offsetof(T, f))
+  const int64_t v[] = {
+      static_cast<int64_t>(sizeof(FdxStackLayer)), FDX_OFF(FdxStackLayer, input_norm),
+      FDX_OFF(FdxStackLayer, post_norm), FDX_OFF(FdxStackLayer, weights), FDX_OFF(FdxStackLayer, biases),
+      FDX_OFF(FdxStackLayer, q_norm), FDX_OFF(FdxStackLayer, k_norm), FDX_OFF(FdxStackLayer, k_cache),
+      FDX_OFF(FdxStackLayer, v_cache), FDX_OFF(FdxStackLayer, num_parts), FDX_OFF(FdxStackLayer, info),
+      static_cast<int64_t>(sizeof(FdxStackStep)), FDX_OFF(FdxStackStep, x), FDX_OFF(FdxStackStep, out),
+      FDX_OFF(FdxStackStep, residual), FDX_OFF(FdxStackStep, positions), FDX_OFF(FdxStackStep, slots),
+      FDX_OFF(FdxStackStep, seq_info), FDX_OFF(FdxStackStep, tables), FDX_OFF(FdxStackStep, cos),
+      FDX_OFF(FdxStackStep, sin), FDX_OFF(FdxStackStep, layers), FDX_OFF(FdxStackStep, num_layers),
+      FDX_OFF(FdxStackStep, N), FDX_OFF(FdxStackStep, hidden), FDX_OFF(FdxStackStep, num_seqs),
+      FDX_OFF(FdxStackStep, table_width), FDX_OFF(FdxStackStep, num_heads), FDX_OFF(FdxStackStep, num_kv_heads),
+      FDX_OFF(FdxStackStep, head_dim), FDX_OFF(FdxStackStep, rotary_dim), FDX_OFF(FdxStackStep, block_size),
+      FDX_OFF(FdxStackStep, num_slots), FDX_OFF(FdxStackStep, max_pos), FDX_OFF(FdxStackStep, neox),
+      FDX_OFF(FdxStackStep, eps), FDX_OFF(FdxStackStep, scale)};
+#undef FDX_OFF
+  const int64_t count = static_cast<int64_t>(sizeof(v) / sizeof(v[0]));
+  for (int64_t i = 0; i < count && i < n; ++i) out[i] = v[i];
+  return count;
+}
 
 // 0, or -1 with a message in err (nothing was computed then).
 int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {

@@ -58,22 +58,24 @@ inline void SiluAndMul(const float* x, float* out, int64_t N, int64_t I) {
 }
 
 // RMS norm of rows [N, H]: out = x * rsqrt(mean(x^2) + eps) * w; with `residual`,
-// x + residual is normalized and also written to `summed`.
+// x + residual is normalized and also written to `summed`. The squares are summed in 8
+// lanes (elements i, i + 8, ... in lane i % 8), the lanes by a fixed tree, the H % 8 tail
+// after: one order for a row wherever it lies (issue 40 item 4).
 inline void RmsNormRow(const float* x, const float* residual, const float* w, float eps, int64_t H, float* out,
                        float* summed) {
-  float ss = 0.f;
   if (residual) {
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < H; ++i) {
-      const float v = x[i] + residual[i];
-      summed[i] = v;
-      ss += v * v;
-    }
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) summed[i] = x[i] + residual[i];
     x = summed;
-  } else {
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
   }
+  Lanes<8>::T lanes = {};
+  const int64_t body = H / 8 * 8;
+  for (int64_t i = 0; i < body; i += 8) {
+    const Lanes<8>::T v = LoadW<8>(x + i);
+    lanes = lanes + v * v;
+  }
+  float ss = LaneSum<8>(lanes);
+  for (int64_t i = body; i < H; ++i) ss = ss + x[i] * x[i];
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < H; ++i) out[i] = x[i] * inv * w[i];
@@ -115,9 +117,14 @@ inline void NormRopeHead(const RopeArgs& a, const float* src, const float* weigh
   float buf[kD > 0 ? kD : 1024];
   const float* x = src;
   if (weight) {
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < D; ++i) ss += src[i] * src[i];
+    Lanes<8>::T lanes = {};  // as RmsNormRow: 8 lanes, a fixed tree, then the tail
+    const int64_t body = D / 8 * 8;
+    for (int64_t i = 0; i < body; i += 8) {
+      const Lanes<8>::T v = LoadW<8>(src + i);
+      lanes = lanes + v * v;
+    }
+    float ss = LaneSum<8>(lanes);
+    for (int64_t i = body; i < D; ++i) ss = ss + src[i] * src[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + a.eps);
 #pragma omp simd
     for (int64_t i = 0; i < D; ++i) buf[i] = src[i] * inv * weight[i];

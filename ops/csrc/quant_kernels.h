@@ -13,10 +13,13 @@
 // dx * (d * sum(q * qx) + m * sum(qx)). Output rows are split over the OpenMP
 // threads. The kinds with blocks of 32 (q8_0, q4_0/1, q5_0/1, wint8/4) in the SIMD
 // builds multiply tiles of two weight rows x up to four activation rows (TileDot,
-// 256-bit, in the AVX-512 build too; there q8_0 from 12 rows takes 512-bit VNNI
-// tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); the k-quants, and every kind in
-// the portable build, one weight row against up to four activation rows (RowDot).
-// Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
+// 256-bit, in the AVX-512 build too); the k-quants, and every kind in the portable
+// build, one weight row against up to four activation rows (RowDot). Every path sums
+// a row's blocks in block order into the same accumulators, whatever the tile, the
+// row count M or the threads (which split output rows, never blocks): a row's bits do
+// not depend on the other rows (issue 40 item 4). Every M takes this path (the
+// dequantize + BLAS path for many rows, with float activations, is gone).
+// Dequantize(w) -> [rows, cols] float32 (the probes and tests).
 //
 // Three builds of the same source (quant_kernels.inc, included once per
 // instruction set under #pragma GCC target, each in a namespace of its own):
@@ -102,6 +105,16 @@ inline void ScaleMinK4(int j, const uint8_t* q, int* sc, int* mn) {
     *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
     *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
+}
+
+// a * b + c, fused where the build has FMA (one rounding) and plain where it has not:
+// written out, so the compiler's contraction does not choose which product to fuse.
+inline float Fma(float a, float b, float c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
 }
 
 // How far ahead of a weight row the tiles prefetch, in bytes (TileDot's comment).

@@ -8,10 +8,10 @@
   rotary + KV-cache write the model calls before attention, and
   ``decoder_layer``, a whole Llama-family layer over GGML-block or float32
   weights (biases and Qwen3's q/k norms included) in one compiled call, and
-  ``decoder_stack``, all of a step's layers in one (steps of fewer than
-  fdx.ops.cpp.QUANT_BLAS_MIN_ROWS tokens, f32_blas_min_rows with a float32
-  weight, whose every sequence the compiled attention takes; off with
-  ``FDX_FUSED_LAYERS=0``), each where the
+  ``decoder_stack``, all of a step's layers in one (steps of any size
+  whose every sequence the compiled attention takes; off with
+  ``FDX_FUSED_LAYERS=0``: the composed layer runs the same kernels, so a
+  row's bits are the same either way), each where the
   cpu backend's probed kernel table (fdx.core.kernels) passed it. The
   Paddle reference is its fallback when they could not be built or did not
   pass their probe (both logged by the backend), or with
@@ -117,18 +117,12 @@ class CpuAttention(PaddleAttention):
                                 and table.usable(cpp.quant_kernel_name(kind, v))), None)
         return found[kind]
 
-    def _f32_rows(self, rows: int) -> bool:
-        """Whether a float32 weight's product is the compiled one at ``rows`` rows
-        (fdx.ops.cpp.f32_blas_min_rows of the passed build; from there MKL's)."""
-        cpp = _cpp()
-        return cpp.F32_MIN_ROWS <= rows < cpp.f32_blas_min_rows(self._variant("f32"))
-
     def _fits(self, x, metadata) -> bool:
         """Whether the step fits the compiled layer (see decoder_layer)."""
         cpp = _cpp()
         group = metadata.cpp
         return not (not self.fused_layers or group is None or group.num_tokens != metadata.num_tokens
-                    or metadata.num_tokens >= cpp.QUANT_BLAS_MIN_ROWS or metadata.out_perm is not None
+                    or metadata.out_perm is not None
                     or x.dtype != _float32() or not kernels.active().usable("cpp.decoder_layer")
                     or not cpp.loaded())
 
@@ -146,7 +140,7 @@ class CpuAttention(PaddleAttention):
         if cached is None or cached[0] != key or (cached[1] is not None and not cached[1].valid_for(kv_caches)):
             cached = self._stack = (key, self._stack_table(layers, kv_caches))
         table = cached[1]
-        if table is None or (table.has_float and not self._f32_rows(metadata.num_tokens)):
+        if table is None:
             return None
         group = metadata.cpp
         return cpp.decoder_stack(x, table, metadata.positions, metadata.slot_mapping, group.seq_info,
@@ -181,18 +175,14 @@ class CpuAttention(PaddleAttention):
     def decoder_layer(self, x, residual, layer, k_cache, v_cache, metadata):
         """The compiled whole layer (fdx.ops.cpp.decoder_layer) where the
         kernel table passed it and the step fits: every sequence in the
-        compiled attention's group (rows in batch order), fewer tokens than
-        QUANT_BLAS_MIN_ROWS (from there the composed products dequantize and
-        multiply by BLAS, faster than the kernel's int8 dot products), or than
-        f32_blas_min_rows(build) when a weight is float32 (from there MKL's sgemm is),
-        float32 activations, and a passed build for each weight part's kind.
+        compiled attention's group (rows in batch order), float32
+        activations, and a passed build for each weight part's kind (any
+        number of rows: the products' per-row order does not depend on it).
         Else None."""
         cpp = _cpp()
         if not self._fits(x, metadata):
             return None
         group = metadata.cpp
-        if layer.has_float and not self._f32_rows(metadata.num_tokens):
-            return None
         variants = self._parts_variants(layer)
         if any(None in v for v in variants):
             return None

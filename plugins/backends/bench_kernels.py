@@ -126,8 +126,8 @@ def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, thread
     table = probe_kernels(threads)
     isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni") if f in cpu_flags()]
     print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}, load average {os.getloadavg()[0]:.1f}")
-    print(f"quant_matmul: {quant_choices(table)}; from {cpp.QUANT_BLAS_MIN_ROWS} rows quant.matmul takes "
-          "the dequantize + BLAS path")
+    print(f"quant_matmul: {quant_choices(table)} at every row count (the deq+BLAS column: what the "
+          "removed large-M path would take)")
     print(f"{'kind':<6} {'out x in':>10} {'M':>4} | {'int8 us':>9} {'GB/s':>6} | {'deq+BLAS us':>11} | "
           f"{'fp32 us':>9} {'GB/s':>6} | int8 vs fp32, deq+BLAS vs fp32")
     module = cpp._module_or_raise()

@@ -42,8 +42,6 @@ def host_free_memory_bytes() -> int:
 def op_choices(table: kernels.KernelTable) -> dict[str, str]:
     """op -> what runs for it under ``table``, in words (the ops' own rules,
     fdx.ops.norm / activation / rotary / attention)."""
-    from fdx.ops.cpp import QUANT_BLAS_MIN_ROWS, f32_blas_min_rows, f32_build
-    from fdx.ops.norm import CPP_MIN_ROWS
 
     def pick(*options: tuple[str, str], fallback: str) -> str:
         refused = []
@@ -55,19 +53,15 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
 
     if not table.usable("cpp.add_rms_norm"):
         norm = pick(("cpp.add_rms_norm", "compiled"), ("fused_rms_norm", "fused_rms_norm"), fallback="reference")
-    elif table.usable("fused_rms_norm"):
-        norm = f"compiled from {CPP_MIN_ROWS} rows, else fused_rms_norm"
-    else:                       # fdx.ops.norm: the compiled kernel then takes every row count
-        norm = f"compiled (fused_rms_norm: {table.why_not('fused_rms_norm')})"
-    f32_rows = f32_blas_min_rows(f32_build(table))
+    else:                       # fdx.ops.norm: the compiled kernel takes every row count
+        norm = "compiled"
     return {
         "rms_norm": norm,
         "silu_and_mul": pick(("cpp.silu_and_mul", "compiled"), ("swiglu", "swiglu"), fallback="reference"),
         "rotary": pick(("fused_rotary_position_embedding", "fused"), fallback="matmul"),
         "attention": pick(("cpp.paged_attention", "compiled"), fallback="paddle"),
         "rope_write_kv": pick(("cpp.rope_write_kv", "compiled"), fallback="composed"),
-        "decoder_layer": pick(("cpp.decoder_layer", f"compiled (GGML-block layers under {QUANT_BLAS_MIN_ROWS} "
-                                                    f"tokens a step, float32 ones under {f32_rows})"),
+        "decoder_layer": pick(("cpp.decoder_layer", "compiled (GGML-block and float32 layers, every step size)"),
                               fallback="composed"),
         "quant_matmul": quant_choices(table),
     }
