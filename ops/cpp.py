@@ -11,7 +11,10 @@ line says what was built and how long it took. Without a C++ compiler, or
 if the build fails, one warning says so and callers use the Paddle path.
 FDX_DISABLE_CPP_OPS=1 turns the compiled kernels off.
 
-The kernels (one extension module, one translation unit, csrc/fdx_ops.cc):
+The kernels (one extension module; csrc/fdx_ops.cc, the bindings and every
+portable kernel, built with no x86 extension of its own; csrc/isa_avx2.cc and
+isa_avx512.cc, the x86 builds of the products, the only files that include
+<immintrin.h>, empty off x86, included at the end of fdx_ops.cc):
 paged attention over block tables (fdx.ops.attention's "cpp" path),
 SiLU-and-mul (fdx.ops.activation), RMS norm with the residual add
 (fdx.ops.norm) and the fused q/k/v split + q/k RMS norm
@@ -52,9 +55,15 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+# fdx_ops.cc: the bindings and every portable kernel (no x86 extension); isa_*.cc: the
+# x86 builds of the products (empty where x86 is not). The extension links one source:
+# fdx_ops.cc includes the isa files at its end (three sources through Paddle's load()
+# failed to link here: the isa objects were missing at the link), so in this build they
+# are parts of one translation unit, each compilable alone (tests/test_portable_build.py).
 _SOURCES = [_CSRC / "fdx_ops.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
-            _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h"]
+            _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h",
+            _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _CFLAGS = [
     "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # no -fassociative-math: every sum keeps the order the source writes (a row's bits must not
@@ -366,7 +375,9 @@ def rope_write_kv(
 # --- products with quantized weights (csrc/quant_kernels.h) -----------------------------------
 
 QUANT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4")  # = C++ Kind
-QUANT_VARIANTS = ("avx512", "avx2", "portable")            # best first
+# best first; the x86 builds only on x86 (elsewhere isa_*.cc compile empty)
+QUANT_VARIANTS = ("avx512", "avx2", "portable") if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") \
+    else ("portable",)
 _VARIANT_CODE = {"portable": 0, "avx2": 1, "avx512": 2}     # = C++ Variant
 # Every row count takes the int8 dot products straight from the blocks (activations
 # quantized to int8 once per row, int32 block dots, float accumulation over the blocks in

@@ -802,3 +802,9 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
 }
 
 }  // extern "C"
+
+// The x86 builds of the products (AVX2, AVX-512): files of their own, the only ones that
+// include <immintrin.h>, empty off x86 or with FDX_NO_X86 (then only the portable builds
+// exist). Included here so that the extension links one source (ops/cpp.py, _SOURCES).
+#include "isa_avx2.cc"
+#include "isa_avx512.cc"

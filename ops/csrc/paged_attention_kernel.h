@@ -82,7 +82,7 @@ inline void PrefetchRow(const float* row, int64_t D) {
 // A query row (one token, one query head) at position pos sees keys [0, pos]. They are cut
 // into parts of kPartKeys keys at fixed key indices (part p: [p * kPartKeys, ...)). For
 // each part, in key order: the scores q.k (a multiply-add chain over the head dimension
-// in W lanes, the lanes summed by a fixed tree), their maximum, exp(score - maximum),
+// in W lanes, the lanes summed by a fixed tree: ScoresOf4), their maximum, exp(score - maximum),
 // the exps summed in W lanes (a fixed tree), and P.V (a multiply-add chain over the keys
 // for each element). The parts are merged in order, part 0 first (online softmax:
 // m' = max(m, m_p), l = l e^(m - m') + l_p e^(m_p - m'), o likewise), and the row is o / l.
@@ -124,6 +124,30 @@ inline float RowDot(const float* q, const float* k, int64_t D) {
   return LaneSum<W>(acc);
 }
 
+// q . k for four keys k[0..3] (8 lanes: a multiply-add chain over the head dimension in
+// lane d % 8), each key's lanes summed as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)):
+// the shuffles and adds of two rounds of AVX's hadd, written with vector extensions,
+// each output one fixed add of two fixed inputs (a key's score does not depend on the
+// other three).
+template <int64_t kD>
+inline void ScoresOf4(const float* q, const float* const* k, int64_t D, float* out) {
+  using V = Lanes<8>::T;
+  typedef int I8 __attribute__((vector_size(32)));
+  const int64_t n = kD > 0 ? kD : D;
+  V acc[4];
+  const V q0 = LoadW<8>(q);
+  for (int u = 0; u < 4; ++u) acc[u] = q0 * LoadW<8>(k[u]);
+  for (int64_t d = 8; d < n; d += 8) {
+    const V qd = LoadW<8>(q + d);
+    for (int u = 0; u < 4; ++u) acc[u] = acc[u] + qd * LoadW<8>(k[u] + d);
+  }
+  const I8 even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+  const V h01 = __builtin_shuffle(acc[0], acc[1], even) + __builtin_shuffle(acc[0], acc[1], odd);
+  const V h23 = __builtin_shuffle(acc[2], acc[3], even) + __builtin_shuffle(acc[2], acc[3], odd);
+  const V h = __builtin_shuffle(h01, h23, even) + __builtin_shuffle(h01, h23, odd);
+  for (int u = 0; u < 4; ++u) out[u] = h[u] + h[u + 4];
+}
+
 // Part [k0, k0 + nk) of the keys for n query rows of one kv head: row i (scaled query
 // qs + i * D) sees the first len[i] of them (0 < len[i] <= nk). keys[j]: key k0 + j's row
 // within the head. Writes row i's maximum mx[i], sum of exps sum[i] and unnormalized
@@ -133,16 +157,28 @@ void PartRows(const float* kbase, const float* vbase, const int64_t* keys, int64
               const float* qs, const int64_t* len, int64_t n, float* mx, float* sum, float* acc, float* p) {
   using V = typename Lanes<W>::T;
   if constexpr (kD > 0) D = kD;
-  for (int64_t j = 0; j < nk; ++j) {  // scores, a key at a time for all the rows that see it
-    const float* kr = kbase + keys[j] * D;
-    if (j + 4 < nk) PrefetchRow(kbase + keys[j + 4] * D, D);
+  if constexpr (W == 8) {  // scores, four keys at a time (ScoresOf4), each row over the keys it sees
+    for (int64_t j = 0; j < nk; ++j) PrefetchRow(kbase + keys[j] * D, D);
     for (int64_t i = 0; i < n; ++i)
-      if (j < len[i]) p[i * kPartKeys + j] = RowDot<W, kD>(qs + i * D, kr, D);
+      for (int64_t j = 0; j < len[i]; j += 4) {
+        const float* kr[4];
+        for (int u = 0; u < 4; ++u) kr[u] = kbase + keys[std::min(j + u, len[i] - 1)] * D;
+        float got[4];
+        ScoresOf4<kD>(qs + i * D, kr, D, got);
+        for (int u = 0; u < 4 && j + u < len[i]; ++u) p[i * kPartKeys + j + u] = got[u];
+      }
+  } else {
+    for (int64_t j = 0; j < nk; ++j) {  // scores, a key at a time for all the rows that see it
+      const float* kr = kbase + keys[j] * D;
+      for (int64_t i = 0; i < n; ++i)
+        if (j < len[i]) p[i * kPartKeys + j] = RowDot<W, kD>(qs + i * D, kr, D);
+    }
   }
   for (int64_t i = 0; i < n; ++i) {
     float* row = p + i * kPartKeys;
     const int64_t m = len[i];
     float top = row[0];
+#pragma omp simd reduction(max : top)
     for (int64_t j = 1; j < m; ++j) top = std::max(top, row[j]);
 #pragma omp simd
     for (int64_t j = 0; j < m; ++j) row[j] = ExpNonPositive(row[j] - top);

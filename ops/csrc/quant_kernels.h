@@ -21,15 +21,16 @@
 // dequantize + BLAS path for many rows, with float activations, is gone).
 // Dequantize(w) -> [rows, cols] float32 (the probes and tests).
 //
-// Three builds of the same source (quant_kernels.inc, included once per
-// instruction set under #pragma GCC target, each in a namespace of its own):
-// `portable` (plain C++, the compiler's flags), `avx2` (AVX2 + FMA + F16C) and
-// `avx512` (AVX-512 F/BW/VL: two activation rows a 512-bit register). Which one
-// runs is the caller's choice (the probed kernel table); a variant this CPU
-// lacks dies by SIGILL in the probe child, never here.
+// Three builds of the same source (quant_kernels.inc, each in a namespace of its
+// own): `portable` (plain C++, the compiler's flags), included here; `avx2` (AVX2 +
+// FMA + F16C) and `avx512` (AVX-512 F/BW/VL: two activation rows a 512-bit
+// register), each in a translation unit of its own (isa_avx2.cc, isa_avx512.cc: the
+// only ones that include <immintrin.h>), declared here. On a compiler or CPU without
+// x86 (or with FDX_NO_X86 defined) those units are empty and only the portable build
+// exists. Which one runs is the caller's choice (the probed kernel table); a variant
+// this CPU lacks dies by SIGILL in the probe child, never here.
 #pragma once
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -125,46 +126,43 @@ constexpr int64_t kQuantMinParallel = 1 << 16;
 
 }  // namespace fdx::quant
 
-#pragma GCC push_options
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(FDX_NO_X86)
+#define FDX_X86_BUILDS 1
+#endif
+
 #define FDX_Q_NS portable
 #define FDX_Q_SIMD 0
 #include "quant_kernels.inc"
 #undef FDX_Q_NS
 #undef FDX_Q_SIMD
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define FDX_Q_NS avx2
-#define FDX_Q_SIMD 2
-#include "quant_kernels.inc"
-#undef FDX_Q_NS
-#undef FDX_Q_SIMD
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
-#define FDX_Q_NS avx512
-#define FDX_Q_SIMD 3
-#include "quant_kernels.inc"
-#undef FDX_Q_NS
-#undef FDX_Q_SIMD
-#pragma GCC pop_options
 
 namespace fdx::quant {
 
+#ifdef FDX_X86_BUILDS
+// The x86 builds (isa_avx2.cc, isa_avx512.cc).
+void Avx2Matmul(const Weights& w, const float* x, int64_t M, float* out);
+void Avx2Dequantize(const Weights& w, float* out);
+void Avx512Matmul(const Weights& w, const float* x, int64_t M, float* out);
+void Avx512Dequantize(const Weights& w, float* out);
+#endif
+
+// Matmul and Dequantize by `variant`; without the x86 builds every variant is the portable one.
 inline void Matmul(int variant, const Weights& w, const float* x, int64_t M, float* out) {
   switch (variant) {
-    case kAvx512: avx512::Matmul(w, x, M, out); break;
-    case kAvx2: avx2::Matmul(w, x, M, out); break;
+#ifdef FDX_X86_BUILDS
+    case kAvx512: Avx512Matmul(w, x, M, out); break;
+    case kAvx2: Avx2Matmul(w, x, M, out); break;
+#endif
     default: portable::Matmul(w, x, M, out); break;
   }
 }
 
 inline void Dequantize(int variant, const Weights& w, float* out) {
   switch (variant) {
-    case kAvx512: avx512::Dequantize(w, out); break;
-    case kAvx2: avx2::Dequantize(w, out); break;
+#ifdef FDX_X86_BUILDS
+    case kAvx512: Avx512Dequantize(w, out); break;
+    case kAvx2: Avx2Dequantize(w, out); break;
+#endif
     default: portable::Dequantize(w, out); break;
   }
 }
