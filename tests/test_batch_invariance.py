@@ -27,14 +27,17 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
 
 
-def _run(prompts: list[str], **kw) -> list[tuple]:
-    """(token ids, top logprobs) of each prompt, generated together by one engine."""
+def _run(prompts: list[str], recomputed: list | None = None, **kw) -> list[tuple]:
+    """(token ids, top logprobs) of each prompt, generated together by one engine;
+    ``recomputed`` gets the engine's count of recomputed (preempted) tokens."""
     args = dict(resource_manager="v1", kv_cache="paged", block_size=16, num_kv_blocks=96,
                 max_num_batched_tokens=64, max_num_seqs=4, max_model_len=1024, progress=False)
     args.update(kw)
     llm = LLM(**args)
     try:
         out = llm.generate(prompts, _params())
+        if recomputed is not None:
+            recomputed.append(llm.engine.num_recomputed_tokens)
         return [(tuple(o.outputs[0].token_ids), repr(o.outputs[0].logprobs)) for o in out]
     finally:
         llm.close()
@@ -67,9 +70,11 @@ def test_chunk_budget(in_order, budget):
 
 @pytest.mark.slow
 def test_preempted_and_resumed(in_order):
-    # 6 prompts of about 40 tokens + 16 generated, four running at once: 14 blocks of 16
+    # 6 prompts of about 40 tokens + 16 generated, four running at once: 8 blocks of 16
     # cannot hold four (4 blocks each), so requests are preempted and recomputed
-    _same(_run(PROMPTS, num_kv_blocks=14), in_order, "preempted")
+    recomputed: list[int] = []
+    _same(_run(PROMPTS, recomputed, num_kv_blocks=8, max_model_len=128), in_order, "preempted")
+    assert recomputed[0] > 0, "no request was preempted"
 
 
 @pytest.mark.slow
