@@ -52,12 +52,7 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
     fmt = weight_format(config, plugins, kernels)
     ckpt = load_checkpoint(config.model.model, progress=progress, keep_blocks=fmt.keeps_blocks,
                            defer_tokenizer=defer_tokenizer)
-    arch = (ckpt.config.get("architectures") or ["?"])[0]
-    if arch not in plugins.names("model"):
-        raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
-                         f"supported: {', '.join(plugins.names('model'))}")
-    cls = plugins.get("model", arch)
-    check_model_class(cls, arch, config)
+    arch, cls = model_class(ckpt, plugins, config)
     try:
         if _takes_weight_format(cls):
             model = cls(ckpt.config, ckpt.weights, weight_format=fmt)
@@ -130,3 +125,15 @@ def format_bytes(by_kind: dict[str, int]) -> str:
     total = sum(by_kind.values())
     parts = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
     return f"{total / 1e6:.1f} MB ({parts})"
+
+
+def model_class(ckpt, plugins, config) -> tuple[str, type]:
+    """(architecture name, its registered Model class) of a checkpoint, checked
+    (check_model_class); ValueError naming the supported ones for another."""
+    arch = (ckpt.config.get("architectures") or ["?"])[0]
+    if arch not in plugins.names("model"):
+        raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
+                         f"supported: {', '.join(plugins.names('model'))}")
+    cls = plugins.get("model", arch)
+    check_model_class(cls, arch, config)
+    return arch, cls

@@ -175,15 +175,10 @@ def sharded_shape(config, plugins, ckpt) -> ModelShape:
     """The shape of the checkpoint's model class, read from its config
     alone; a ConfigError naming the key when the class, the task or the
     head counts cannot run at ``parallel.tensor_parallel_size``."""
-    from fdx.core.checkpoint.model import check_model_class
+    from fdx.core.checkpoint.model import model_class
     world = config.parallel.tensor_parallel_size
     key = "config key 'parallel.tensor_parallel_size'"
-    arch = (ckpt.config.get("architectures") or ["?"])[0]
-    if arch not in plugins.names("model"):
-        raise ValueError(f"unsupported architecture {arch!r} in {ckpt.path}; "
-                         f"supported: {', '.join(plugins.names('model'))}")
-    cls = plugins.get("model", arch)
-    check_model_class(cls, arch, config)
+    arch, cls = model_class(ckpt, plugins, config)
     if not cls.shardable():
         raise ConfigError(f"{key}: the model {cls.__name__} ({arch}) cannot be sharded over {world} ranks "
                           "(it does not override Model.shard)")
