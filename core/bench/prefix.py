@@ -39,7 +39,9 @@ def use_scheduling(engine, num_kv_blocks: int | None = None, **overrides):
     if num_blocks > engine.config.cache.num_kv_blocks:
         raise ValueError(f"num_kv_blocks={num_blocks} exceeds the engine's {engine.config.cache.num_kv_blocks}")
     cfg.cache.num_kv_blocks = num_blocks
-    saved = engine._install(engine.build_parts(cfg, num_blocks))
+    parts = engine.build_parts(cfg, num_blocks)
+    engine.executor.reconfigure(parts["assembly"], parts["connector"])   # the runner side: its connector
+    saved = engine._install(parts)
     try:
         yield engine
     finally:
@@ -51,6 +53,7 @@ def use_scheduling(engine, num_kv_blocks: int | None = None, **overrides):
             engine.connector.close()         # before the tensors are reused
         engine.kv_cache.close()
         engine._install(saved)
+        engine.executor.reconfigure(saved["assembly"], saved["connector"])
 
 
 def _run(engine, prompts: list[list[int]], sp: SamplingParams) -> tuple[list, float]:
