@@ -145,7 +145,7 @@ class DecoderForCausalLM(Model):
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
 
-        from fdx.plugins.models.layers import DecoderLayer, Weights, build_rotary
+        from fdx.plugins.models.layers import Weights, build_rotary
         w = Weights(self.architecture, weights, weight_format)
         self.embed_tokens = w.matrix("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "embedding")
         if cfg.tie_word_embeddings:
@@ -155,8 +155,13 @@ class DecoderForCausalLM(Model):
             self.lm_head = w.matrix("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "lm_head")
 
         rope = build_rotary(cfg)
-        self.layers = [DecoderLayer(cfg, w, i, rope) for i in range(cfg.num_layers)]
+        self.layers = [self.make_layer(cfg, w, i, rope) for i in range(cfg.num_layers)]
         self.norm = w.vector("model.norm.weight", cfg.hidden_size)
+
+    def make_layer(self, cfg: DecoderConfig, w, index: int, rope):
+        """Decoder layer ``index`` (a subclass builds other MLPs here: MoE)."""
+        from fdx.plugins.models.layers import DecoderLayer
+        return DecoderLayer(cfg, w, index, rope)
 
     def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
         """Keep only tensor-parallel rank ``rank`` of ``world``'s part: its

@@ -21,8 +21,8 @@ A MoE layer never runs as the backend's fused decoder layer (``fused`` is
 None), so the composed ops run it and the backend's one call for all
 layers does not apply to such a model.
 
-The constructor repeats DecoderForCausalLM's (that one builds dense layers
-only); ``forward`` is the dense decoder's, plus ERNIE's optional head bias.
+The constructor is DecoderForCausalLM's, with ``make_layer`` building the
+MoE layers; ``forward`` is the dense decoder's, plus ERNIE's optional head bias.
 """
 from __future__ import annotations
 
@@ -54,39 +54,20 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         raise NotImplementedError
 
     def __init__(self, config: dict[str, Any], weights: dict[str, Any], weight_format=None):
-        if weight_format is None:
-            from fdx.plugins.models.weight_formats import NoQuantization
-            weight_format = NoQuantization()
-        self.weight_format = weight_format
-        cfg = self.cfg = self.parse_config(config)
-        moe = self.moe = check_moe(self.architecture, cfg.num_layers, self.parse_moe_config(config))
-        self.num_layers = cfg.num_layers
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.capture_hidden_states = False
-        self.last_hidden_states = None
-        self.capture_pooling_hidden_states = False
-        self.pooling_hidden_states = None
-        self.head_dim = cfg.head_dim
-        self.vocab_size = cfg.vocab_size
-        self.max_position_embeddings = cfg.max_position_embeddings
-
-        from fdx.plugins.models.layers import DecoderLayer, Weights, build_rotary
-        from fdx.plugins.models.moe_layers import MoeDecoderLayer, default_router
-        w = Weights(self.architecture, weights, weight_format)
-        self.embed_tokens = w.matrix("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "embedding")
-        if cfg.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-            self.lm_head = weight_format.tied_head(self.embed_tokens)
-        else:
-            self.lm_head = w.matrix("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "lm_head")
+        from fdx.plugins.models.moe_layers import default_router
+        self.moe = check_moe(self.architecture, self.parse_config(config).num_layers, self.parse_moe_config(config))
+        self._router = default_router(self.moe)
+        super().__init__(config, weights, weight_format)
+        from fdx.plugins.models.layers import Weights
         # ERNIE-4.5-MoE's head takes a bias with use_bias (transformers' nn.Linear(bias=use_bias))
-        self.lm_head_bias = w.vector("lm_head.bias", cfg.vocab_size) if "lm_head.bias" in weights else None
-        rope = build_rotary(cfg)
-        router = default_router(moe)
-        self.layers = [MoeDecoderLayer(cfg, moe, w, i, rope, router) if i in moe.moe_layers
-                       else DecoderLayer(cfg, w, i, rope) for i in range(cfg.num_layers)]
-        self.norm = w.vector("model.norm.weight", cfg.hidden_size)
+        self.lm_head_bias = (Weights(self.architecture, weights, self.weight_format).vector(
+            "lm_head.bias", self.cfg.vocab_size) if "lm_head.bias" in weights else None)
+
+    def make_layer(self, cfg, w, index: int, rope):
+        from fdx.plugins.models.moe_layers import MoeDecoderLayer
+        if index in self.moe.moe_layers:
+            return MoeDecoderLayer(cfg, self.moe, w, index, rope, self._router)
+        return super().make_layer(cfg, w, index, rope)
 
     @property
     def moe_blocks(self) -> list:
