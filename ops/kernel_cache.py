@@ -51,11 +51,15 @@ def _strict_root(path: Path) -> Path:
     return home if home in path.parents else path
 
 
-def _own_folder(p: Path, st: os.stat_result) -> str | None:
-    if stat.S_ISLNK(st.st_mode):
+def _owned(p: Path, st: os.stat_result, folder: bool) -> str | None:
+    """Why ``p`` (its lstat ``st``) is not this user's own folder (``folder``)
+    or regular file, writable by nobody else; None when it is."""
+    if folder and stat.S_ISLNK(st.st_mode):
         return f"{p} is a symlink"
-    if not stat.S_ISDIR(st.st_mode):
+    if folder and not stat.S_ISDIR(st.st_mode):
         return f"{p} is not a directory"
+    if not folder and not stat.S_ISREG(st.st_mode):
+        return f"{p} is not a regular file"
     if st.st_uid != os.geteuid():
         return f"{p} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
     if st.st_mode & 0o022:
@@ -96,7 +100,7 @@ def check_dir(path: Path, root: Path | None = None, create: bool = False) -> str
             if st.st_uid not in (0, os.geteuid()):
                 return f"{p} is owned by uid {st.st_uid}"
             continue
-        why = _own_folder(p, st)
+        why = _owned(p, st, folder=True)
         if why:
             return why
     return None
@@ -122,13 +126,7 @@ def _own_file(p: Path) -> str | None:
         return f"{p} does not exist"
     except OSError as e:
         return f"{p}: {e.strerror}"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{p} is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"{p} is owned by uid {st.st_uid}, not by this user"
-    if st.st_mode & 0o022:
-        return f"{p} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
+    return _owned(p, st, folder=False)
 
 
 def check_object(so: Path) -> str | None:
