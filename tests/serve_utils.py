@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -178,3 +179,22 @@ def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def stream_gaps(base_url: str, stop: threading.Event, stamps: list[float]) -> None:
+    """Read one long stream, stamping each chunk's arrival, until ``stop``."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json={"prompt": [100, 200, 300], "max_tokens": 4000,
+                                                           "ignore_eos": True, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.monotonic())
+                if stop.is_set():
+                    return
+
+
+def max_gap(stamps: list[float], t0: float, t1: float) -> float:
+    """The longest gap between stamps within [t0, t1] (inf with fewer than two)."""
+    inside = [t for t in stamps if t0 <= t <= t1]
+    return max((b - a for a, b in zip(inside, inside[1:])), default=float("inf"))

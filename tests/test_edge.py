@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from serve_utils import API_KEY, RouterProcess, ready_server
+from serve_utils import API_KEY, RouterProcess, max_gap, ready_server, stream_gaps
 
 pytestmark = pytest.mark.slow
 
@@ -67,23 +67,6 @@ def test_serve_answers_each_attack_with_a_400_naming_the_field(serve, extra, par
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
-def _stream_gaps(base_url: str, stop: threading.Event, stamps: list[float]) -> None:
-    """Read one long stream, stamping each chunk's arrival, until ``stop``."""
-    with httpx.Client(base_url=base_url, headers=HEADERS, timeout=120) as http:
-        with http.stream("POST", "/v1/completions", json={"prompt": [100, 200, 300], "max_tokens": 4000,
-                                                           "ignore_eos": True, "stream": True}) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    stamps.append(time.monotonic())
-                if stop.is_set():
-                    return
-
-
-def _max_gap(stamps: list[float], t0: float, t1: float) -> float:
-    inside = [t for t in stamps if t0 <= t <= t1]
-    return max((b - a for a, b in zip(inside, inside[1:])), default=float("inf"))
-
-
 def _at_the_limits() -> dict[str, tuple[dict, int]]:
     """One request body at each per-request limit (ServerConfig's defaults),
     with the max_tokens it runs for."""
@@ -111,7 +94,7 @@ def test_requests_at_the_limits_do_not_stall_other_streams(serve):
     One bad word more is a 400. Prints the figures of docs/reliability.md."""
     cases = _at_the_limits()
     stop, stamps = threading.Event(), []
-    reader = threading.Thread(target=_stream_gaps, args=(serve.base_url, stop, stamps), daemon=True)
+    reader = threading.Thread(target=stream_gaps, args=(serve.base_url, stop, stamps), daemon=True)
     reader.start()
     gaps: dict[str, tuple[float, float]] = {}
     try:
@@ -127,7 +110,7 @@ def test_requests_at_the_limits_do_not_stall_other_streams(serve):
                     r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens, **extra})
                     assert r.status_code == 200, r.text[:300]
                 time.sleep(0.3)
-                return _max_gap(stamps, t0, time.monotonic()), time.monotonic() - t0
+                return max_gap(stamps, t0, time.monotonic()), time.monotonic() - t0
             gaps["3 plain requests"] = window({}, 1)
             for name, (extra, max_tokens) in cases.items():
                 # a stall these requests cause comes back in every window; a busy machine's one-off

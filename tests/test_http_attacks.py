@@ -19,7 +19,7 @@ import time
 
 import httpx
 import pytest
-from serve_utils import API_KEY, RouterProcess, free_port, ready_server
+from serve_utils import API_KEY, RouterProcess, free_port, max_gap, ready_server, stream_gaps
 
 pytestmark = pytest.mark.slow
 
@@ -95,23 +95,6 @@ def refused_bodies() -> dict[str, tuple[bytes, str]]:
     }
 
 
-def _stream_gaps(base_url: str, stop: threading.Event, stamps: list[float]) -> None:
-    """Read one long stream, stamping each chunk's arrival, until ``stop``."""
-    with httpx.Client(base_url=base_url, headers=HEADERS, timeout=120) as http:
-        with http.stream("POST", "/v1/completions", json={"prompt": [100, 200, 300], "max_tokens": 4000,
-                                                           "ignore_eos": True, "stream": True}) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    stamps.append(time.monotonic())
-                if stop.is_set():
-                    return
-
-
-def _max_gap(stamps: list[float], t0: float, t1: float) -> float:
-    inside = [t for t in stamps if t0 <= t <= t1]
-    return max((b - a for a, b in zip(inside, inside[1:])), default=float("inf"))
-
-
 def _bound(baseline: float) -> float:
     """The longest gap a victim stream may see while refused bodies are
     processed. The target is 0.5 s on an idle machine (issue 35); a shared
@@ -127,7 +110,7 @@ def _bound(baseline: float) -> float:
 def victim(serve):
     """A long stream's chunk arrival times, read in a thread."""
     stop, stamps = threading.Event(), []
-    reader = threading.Thread(target=_stream_gaps, args=(serve.base_url, stop, stamps), daemon=True)
+    reader = threading.Thread(target=stream_gaps, args=(serve.base_url, stop, stamps), daemon=True)
     reader.start()
     deadline = time.monotonic() + 60
     while len(stamps) < 20 and time.monotonic() < deadline:
@@ -147,7 +130,7 @@ def test_refused_bodies_do_not_stall_other_streams(serve, victim):
             t0 = time.monotonic()
             send()
             time.sleep(0.3)
-            return _max_gap(victim, t0, time.monotonic())
+            return max_gap(victim, t0, time.monotonic())
 
         def plain():
             for _ in range(3):
@@ -183,8 +166,8 @@ def test_a_client_repeating_refused_bodies_is_rate_limited_and_others_are_served
             if r.status_code == 429:
                 err = openai_error(r, 429)
                 assert err["code"] == "too_many_refusals" and int(r.headers["retry-after"]) >= 1, err
-        gap = _max_gap(victim, t0, time.monotonic())
-        baseline = _max_gap(victim, victim[1], t0)          # the stream's own gaps before the attack
+        gap = max_gap(victim, t0, time.monotonic())
+        baseline = max_gap(victim, victim[1], t0)          # the stream's own gaps before the attack
         # another client is served meanwhile
         ok = other.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert ok.status_code == 200, ok.text[:300]
