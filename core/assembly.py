@@ -209,6 +209,6 @@ class Assembly:
             config=config, model=model, kv_caches=kv_caches, kv_spec=kv_spec, attention=attention,
             sampler=sampler, logits_processors=processors, eos_token_ids=frozenset(eos_token_ids),
             connector=connector, settings=s("model_runner", self.runner_name), kernels=b.kernels,
-            rank=rank, world_size=world_size, share_sampled=share_sampled))
+            rank=rank, world_size=world_size, share_sampled=share_sampled, plugins=self.plugins))
         return dict(logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
                     attention=attention, sampler=sampler, runner=runner)

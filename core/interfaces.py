@@ -1268,6 +1268,7 @@ class RunnerContext:
     share_sampled: Any = None           # under tensor parallel: ``share_sampled(ids)`` hands rank 0's
                                         # sampled ids (int64 numpy [rows]; zeros elsewhere) to every
                                         # rank and returns them; None at world_size 1
+    plugins: Any = None                 # the engine's PluginManager (registered activation functions, ...)
 
 
 class ModelRunner(abc.ABC):

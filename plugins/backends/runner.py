@@ -150,7 +150,10 @@ class DefaultModelRunner(ModelRunner):
                                   tuple(context_lens), tuple(sample_rows + extra), tuple(model_args))
         self.step_activations = None
         if any(a is not None for a in model_args):
-            self.step_activations = activations.StepActivations(self.layout, _activation_function) or None
+            from fdx.core.plugins import get_plugin_manager
+            plugins = ctx.plugins if ctx.plugins is not None else get_plugin_manager()
+            self.step_activations = activations.StepActivations(
+                self.layout, lambda name: plugins.get("activation_function", name)) or None
         logits = self._logits(input_ids, query_lens, context_lens, tables, sample_rows + extra)
         if self.step_activations is not None and self.step_activations.captured:
             out.activations = self.step_activations.captured
@@ -267,12 +270,6 @@ class DefaultModelRunner(ModelRunner):
 
     def last_step_taps(self) -> dict:
         return self.taps
-
-
-def _activation_function(name: str):
-    """A registered activation function (fdx_register_activation_functions), by name."""
-    from fdx.core.plugins import get_plugin_manager
-    return get_plugin_manager().get("activation_function", name)
 
 
 def _host_float32(logits) -> np.ndarray:
