@@ -185,14 +185,10 @@ class EngineLoop:
                 continue
             lps = None
             if req.logprobs is not None:
-                lps = [[[float(t.token_id), t.logprob, float(t.rank)]
-                        for t in sorted(d.values(), key=lambda t: t.rank)]
-                       for d in req.logprobs[sent:sent + len(new)]]
+                lps = [_wire_logprobs(d) for d in req.logprobs[sent:sent + len(new)]]
             prompt_lps = None
             if sent == 0 and new and req.prompt_logprobs is not None:   # the whole prompt is computed by now
-                prompt_lps = [None if d is None else [[float(t.token_id), t.logprob, float(t.rank)]
-                                                      for t in sorted(d.values(), key=lambda t: t.rank)]
-                              for d in req.prompt_logprobs]
+                prompt_lps = [None if d is None else _wire_logprobs(d) for d in req.prompt_logprobs]
             queue_time = prefill_time = decode_time = None
             if sent == 0 and req.first_scheduled_time is not None:
                 queue_time = req.first_scheduled_time - req.arrival_time
@@ -235,6 +231,11 @@ class EngineLoop:
                            step_time_s=float(step.step_time_s) if step else 0.0,
                            num_prefill_tokens=int(step.num_prefill_tokens) if step else 0,
                            num_decode_tokens=int(step.num_decode_tokens) if step else 0)
+
+
+def _wire_logprobs(entries: dict) -> list[list[float]]:
+    """One token's {token id: TokenLogprob} as SeqDelta carries it: [[token_id, logprob, rank], ...] by rank."""
+    return [[float(t.token_id), t.logprob, float(t.rank)] for t in sorted(entries.values(), key=lambda t: t.rank)]
 
 
 def warm_up(engine) -> float:
