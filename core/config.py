@@ -157,6 +157,44 @@ class ServerConfig(_Section):
         return self
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding (docs/speculative.md): a proposer drafts tokens,
+    one forward of the model verifies them; the output never changes. Keys
+    are vLLM's ``--speculative-config`` names; FastDeploy's ``max_ngram_size``
+    / ``min_ngram_size`` are taken for prompt_lookup_max / _min."""
+    method: str | None = None                  # a proposer (fdx_register_proposers: ngram, suffix, or a
+                                               # plugin's); None: off
+    num_speculative_tokens: int = Field(4, ge=1, le=64)   # k: tokens proposed per request and step, at most
+    prompt_lookup_min: int | None = Field(None, ge=1)     # ngram: shortest / longest n-gram of the tokens'
+    prompt_lookup_max: int | None = Field(None, ge=1)     # end looked up earlier (vLLM's: 5 and 5; one set: both)
+    suffix_decoding_max_tree_depth: int = Field(24, ge=1)   # suffix: longest match and draft kept
+    suffix_decoding_max_cached_requests: int = Field(1000, ge=0)  # suffix: finished requests' outputs kept
+                                               # for later requests (0: the request's own tokens only)
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)  # suffix: draft at most factor x match length
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)  # suffix: stop a draft where the next
+                                               # token's share of the continuations falls below this
+    disable_by_batch_size: int | None = Field(None, ge=1)   # vLLM's: no speculation on a step with at least
+                                               # this many decoding requests
+    cost_gate: bool = True                     # measure a forward of 1 against k+1 rows per request and
+                                               # lower k (or skip) at batch sizes where it cannot pay
+
+    @model_validator(mode="after")
+    def _lookup_bounds(self):
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})")
+        return self
+
+    @property
+    def lookup_bounds(self) -> tuple[int, int]:
+        """(min, max) n of the n-gram lookup, filled in as vLLM does: both 5
+        when neither is set, else the one set for the other."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            return 5, 5
+        return (lo or hi), (hi or lo)
+
+
 class ObservabilityConfig(_Section):
     observers: list[str] = []                  # observer plugins each engine builds (fdx_register_observers;
                                                # built-in: otel, settings plugins.observer.otel)
@@ -171,6 +209,7 @@ class FdxConfig(_Section):
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     seed: int | None = 0
     # plugin settings: {kind: {name: {key: value}}}, validated by the plugin's Settings schema (when it
     # declares one) and handed to its constructor (core/assembly.py)
@@ -239,7 +278,10 @@ class FdxConfig(_Section):
                 for k, (s, f) in FLAT_KEYS.items()}
 
 
-SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "observability")
+SPECULATIVE_ALIASES = {"max_ngram_size": "prompt_lookup_max", "min_ngram_size": "prompt_lookup_min"}
+
+SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "observability",
+            "speculative")
 
 # flat key -> (section, field); section "" means top level
 FLAT_KEYS: dict[str, tuple[str, str]] = {"seed": ("", "seed")}
@@ -341,6 +383,11 @@ def _merge(data: dict[str, Any], key: str, value: Any) -> None:
         else:
             node[path[-1]] = value
         return
+    if key == "speculative_config":        # vLLM's name (LLM(speculative_config=...), --speculative-config)
+        value = _speculative_mapping(value)
+        if value is None:
+            return
+        key = "speculative"
     if key in DEPRECATED_FLAT:
         key = DEPRECATED_FLAT[key]
     if key in DEPRECATED:
@@ -358,6 +405,8 @@ def _merge(data: dict[str, Any], key: str, value: Any) -> None:
         _merge(data, new, value)
         return
     if (key in SECTIONS or key in DEPRECATED_SECTIONS) and isinstance(value, dict):
+        if key == "speculative":           # FastDeploy's names for two of its keys
+            value = {SPECULATIVE_ALIASES.get(k, k): v for k, v in value.items()}
         for k, v in value.items():
             _merge(data, f"{key}.{k}", v)
         return
@@ -402,3 +451,19 @@ def _describe(e: ValidationError, prefix: str = "") -> str:
         shown = _redacted(err.get("input"), str(err["loc"][-1]) if err["loc"] else "")
         parts.append(f"config key '{loc}': {err['msg']} (got {shown!r})")
     return "; ".join(parts)
+
+
+def _speculative_mapping(value: Any) -> dict | None:
+    """vLLM's ``speculative_config``: a mapping or its JSON text (None or {}: off)."""
+    if isinstance(value, str):
+        import json
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"config key 'speculative_config': not JSON ({e})") from None
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError("config key 'speculative_config' must be a mapping, e.g. "
+                          "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
+    return value

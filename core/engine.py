@@ -111,6 +111,10 @@ class EngineCore:
         self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
                                                  self.eos_token_ids)
         self.token_processor = assembly.token_processor()
+        self.speculation = None            # speculative decoding (core/spec.py), when speculative.method is set
+        if config.speculative.method is not None:
+            from fdx.core.spec import Speculation
+            self.speculation = Speculation(config, self.plugins, m.vocab_size)
         parts = self.build_parts(config, num_blocks)
         self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank
         self._install(parts)
@@ -163,6 +167,7 @@ class EngineCore:
         old = {k: getattr(self, k, None) for k in parts}
         for k, v in parts.items():
             setattr(self, k, v)
+        self.resource_manager.speculation = getattr(self, "speculation", None)
         return old
 
     # what runs in this process: rank 0's parts under UniProcExecutor, None (or []) under tensor parallel
@@ -288,6 +293,8 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in the engine")
         self.guided.add(rid, request.sampling_params)
         self.token_processor.start(request)
+        if self.speculation is not None:
+            self.speculation.add_request(request)
         self.resource_manager.add_request(request)
         self.notify("fdx_request_added", request=request)
         return request
@@ -330,6 +337,8 @@ class EngineCore:
         self.plugins.notify(hook_name, self.observers, **kwargs)
 
     def _finished(self, req: Request) -> None:
+        if self.speculation is not None:
+            self.speculation.remove_request(req)
         if self.plugins.has_observers("fdx_request_finished", self.observers):
             self.notify("fdx_request_finished", request=req, output=request_output(req))
 
@@ -345,6 +354,8 @@ class EngineCore:
             self.connector.close()
         self.kv_cache.close()
         self.guided.close()
+        if self.speculation is not None:
+            self.speculation.close()
         for obs in self.observers:
             try:
                 obs.close()
@@ -369,6 +380,9 @@ class EngineCore:
         t0 = time.perf_counter()
         rm = self.resource_manager
         rejected = self._guided_verdicts()
+        spec = self.speculation
+        if spec is not None:               # this step's k, from how many requests decode (the cost gate)
+            spec.begin_step(sum(r.num_tokens - r.num_computed_tokens == 1 for r in rm.running))
         sched = rm.schedule()
         if self.guided.entries:
             sched.guided = self._guided_step(sched)
@@ -389,6 +403,11 @@ class EngineCore:
         self.num_computed_tokens += sched.total_num_scheduled_tokens
         self.num_recomputed_tokens += num_recomputed
         decode = 0 if context is None else sum(r.num_decode_tokens for r in context.requests)
+        spec_counts = [0, 0, 0]
+        if spec is not None:
+            spec_counts = spec.step_counts
+            spec.end_step(spec_counts[2] + sum(r.request_id in sched.num_scheduled_tokens for r in changed),
+                          time.perf_counter() - t0, decode == sched.total_num_scheduled_tokens > 0)
         finished = [r for r in changed if r.is_finished]
         for req in finished:
             self.guided.remove(req.request_id)
@@ -398,7 +417,9 @@ class EngineCore:
             num_prefill_tokens=sched.total_num_scheduled_tokens - decode, num_decode_tokens=decode,
             num_preempted=len(sched.preempted_req_ids), kv_usage=self.kv_cache.usage,
             step_time_s=time.perf_counter() - t0, num_finished=len(finished),
-            num_recomputed_tokens=num_recomputed, recompute_tax=self.recompute_tax)
+            num_recomputed_tokens=num_recomputed, recompute_tax=self.recompute_tax,
+            spec_num_drafts=spec_counts[0], spec_num_draft_tokens=spec_counts[1],
+            spec_num_accepted_tokens=spec_counts[2], spec_gated=int(spec is not None and spec.step_k == 0))
         self.last_stats = stats
         self.last_schedule = sched
         self.notify("fdx_step_finished", scheduler_output=sched, step_stats=stats,

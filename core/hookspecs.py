@@ -169,6 +169,14 @@ def fdx_register_logits_processors(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers (``Proposer`` subclasses) by
+    name. ``speculative.method`` picks one (built-ins: ``ngram``,
+    ``suffix``); the engine verifies what it proposes in one forward and
+    keeps only what the target model would have produced itself."""
+
+
+@hookspec
 def fdx_register_activation_functions(register: Register) -> None:
     """Register activation functions by name: ``fn(layer, positions, hidden,
     args) -> Tensor``, called in the forward for the rows of one request

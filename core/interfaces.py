@@ -80,6 +80,10 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)  # of those, preempted (to be recomputed)
     kv_connector_metadata: Any = None    # the KV connector's plain data for its runner side, if any
     guided: GuidedStep | None = None     # the constrained rows' token bitmask (set by the engine)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> proposed tokens
+                                         # (speculative decoding): its last num_scheduled_tokens include
+                                         # them, after its one pending token; the runner scores all and
+                                         # keeps the accepted prefix (ModelRunnerOutput.accepted)
 
     @property
     def is_empty(self) -> bool:
@@ -106,6 +110,12 @@ class ModelRunnerOutput:
     finished_sending: list[str] = field(default_factory=list)   # KV transfers (saves) done: free the blocks
     finished_recving: list[str] = field(default_factory=list)   # KV loads done
     num_recomputed_tokens: int = 0     # filled by the scheduler's helpers (see scheduling.py)
+    accepted: dict[str, list[int]] = field(default_factory=dict)   # requests with proposals this step
+                                    # (SchedulerOutput.spec_token_ids) -> the tokens verification kept:
+                                    # the accepted proposals, then the target's own next token (the
+                                    # first is also in ``sampled``); at least one token each
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)   # of those, per
+                                    # token, for requests that asked for logprobs
     activations: dict[str, list[ActivationCapture]] = field(default_factory=dict)   # request id -> what its
                                     # activation hooks captured this step (SamplingParams.activations;
                                     # rank 0's under tensor parallel: plain data, it crosses msgpack)
@@ -125,6 +135,12 @@ class StepStats:
     num_finished: int
     num_recomputed_tokens: int = 0     # tokens computed again after a preemption, this step
     recompute_tax: float = 0.0         # recomputed / all computed tokens, since the engine started
+    # speculative decoding this step (vLLM's spec_decode_* counters): requests that verified proposals,
+    # tokens proposed, of those accepted; speculation the cost gate switched off (0 or 1)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_gated: int = 0
     expert_load: list[list[int]] | None = None   # a MoE model run in-process: tokens routed to each expert,
                                        # [MoE layer][expert], this step (plugins/models/moe_taps.py); else None
 
@@ -562,6 +578,82 @@ class Sampler(abc.ABC):
     def sample(self, logits: Any, batch: SamplingBatch, raw_logits: Any = None) -> SamplerOutput:
         """``logits``: processed float32 [B, V]; ``raw_logits``: before the
         processors (for logprobs; None: the same as ``logits``)."""
+
+
+@dataclass(slots=True)
+class Proposal:
+    """What a proposer returns for one request: up to k draft tokens and,
+    optionally, the draft distribution each was drawn from."""
+    token_ids: list[int]
+    draft_probs: Any = None             # float [len(token_ids), vocab] numpy, row j the distribution
+                                        # token_ids[j] was drawn from; None: deterministic drafts (each
+                                        # proposed with probability 1, as n-gram lookups are)
+
+
+class Proposer(abc.ABC):
+    """Speculative decoding's draft side (``speculative.method`` names one;
+    registered by ``fdx_register_proposers``). The engine asks it, before
+    each step, for up to ``k`` tokens that may follow a request's tokens;
+    one forward of the target model scores the request's pending token and
+    the proposals together, and verification keeps the longest prefix the
+    target agrees with plus the target's own next token (greedy: equal to
+    its argmax; sampled: rejection sampling, which keeps the target's
+    distribution exactly). A proposer can therefore change speed, never
+    output.
+
+    Built once per engine as ``cls(config, vocab_size, settings)`` in the
+    engine process (``settings``: ``plugins.proposer.<name>``, validated
+    into ``cls.Settings`` when the class declares one; the built-ins read
+    the ``speculative`` section). Called on the engine thread, between
+    steps; it must be quick (it runs every step for every decoding
+    request). The calls, per request, in order:
+
+    - ``add_request`` when the engine accepts it;
+    - ``propose`` whenever it decodes and may speculate, then
+      ``on_accepted`` with how many of those proposals were kept;
+    - ``on_preempted`` when it loses its KV (it resumes later with the
+      same tokens; proposing continues after it recomputes them);
+    - ``remove_request`` once, when it finishes or is aborted.
+
+    Requests a proposer is never asked about: guided ones, ones whose
+    sampling parameters need a logits processor (penalties, min_tokens,
+    logit_bias, allowed_token_ids, bad_words), ones that opted out
+    (``SamplingParams.extra_args={"speculative": False}``), and all of
+    them on a step the cost gate skips (docs/speculative.md)."""
+
+    uses_hidden_states: bool = False     # room for MTP-style heads: not delivered yet (propose gets None)
+
+    def __init__(self, config: "FdxConfig", vocab_size: int, settings: Any = None):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.settings = settings if settings is not None else {}
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """A request joined. Default: nothing."""
+
+    @abc.abstractmethod
+    def propose(self, request_id: str, token_ids: Sequence[int], k: int,
+                hidden_states: Any = None) -> "list[int] | Proposal":
+        """Up to ``k`` (>= 1) token ids to follow ``token_ids`` (the
+        request's prompt and output so far, the last one not yet computed);
+        ``[]`` to propose nothing this step. Every id must be below
+        ``vocab_size`` and there must be at most ``k``: anything else is a
+        ``ProposerError`` naming the proposer (fdx.core.spec). Return a
+        ``Proposal`` to give draft probabilities."""
+
+    def on_accepted(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """How many of the last proposals for the request the target kept
+        (a prefix of them). Default: nothing."""
+
+    def on_preempted(self, request_id: str) -> None:
+        """The request lost its KV and waits to be recomputed. Default: nothing."""
+
+    def remove_request(self, request_id: str, output_token_ids: Sequence[int]) -> None:
+        """The request finished or was aborted, with these output tokens
+        (a suffix proposer may keep them for later requests). Default: nothing."""
+
+    def close(self) -> None:
+        """The engine shuts down. Default: nothing."""
 
 
 class TokenProcessor(abc.ABC):

@@ -55,6 +55,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.parsers.tool_parsers",
     "fdx.plugins.parsers.reasoning_parsers",
     "fdx.plugins.observers.otel",
+    "fdx.plugins.spec.ngram",
+    "fdx.plugins.spec.suffix",
 )
 
 # The built-ins the API process of ``fdx serve`` loads: what it looks up is a
@@ -88,6 +90,7 @@ KINDS: dict[str, str] = {
     "fdx_register_weight_formats": "weight_format",
     "fdx_register_moe_routers": "moe_router",
     "fdx_register_logits_processors": "logits_processor",
+    "fdx_register_proposers": "proposer",
     "fdx_register_activation_functions": "activation_function",
     "fdx_register_tool_parsers": "tool_parser",
     "fdx_register_reasoning_parsers": "reasoning_parser",

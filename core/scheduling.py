@@ -154,6 +154,7 @@ class SchedulingCore:
         self.step = 0
         self.num_computed_total = 0
         self.num_recomputed_total = 0
+        self.speculation = None                     # core.spec.Speculation when speculative.method is set
 
     # -- what the engine asks ---------------------------------------------------------
     @property
@@ -326,6 +327,8 @@ class SchedulingCore:
             self.left_runner.append(request.request_id)
             self.preempted_ids.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
+        if self.speculation is not None:
+            self.speculation.preempted(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.push_preempted(request)
@@ -369,19 +372,36 @@ class SchedulingCore:
         budget lasts. When blocks run out, the victim policy picks among the
         running requests not yet scheduled this step (the one asking
         included) and that one is preempted; a request that is itself the
-        victim is not scheduled."""
+        victim is not scheduled. With speculative decoding, a decoding
+        request's step also holds its drafts (``spec_token_ids``), budget
+        and blocks allowing; blocks run short, the drafts go first."""
         i = 0
         while i < len(self.running) and self.budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, self.budget)
-            while not self.kv_cache.allocate_slots(req, num_new):
+            drafts = self.drafts(req, num_new)
+            while not self.kv_cache.allocate_slots(req, num_new + len(drafts)):
+                if drafts:
+                    drafts = []
+                    continue
                 victim = self.choose_victim(self.running[i:])   # not one already in this step
                 self.preempt(victim)
                 if victim is req:
                     break
             else:
-                self.schedule_request(req, num_new)
+                self.schedule_request(req, num_new + len(drafts))
+                if drafts:
+                    self.out.spec_token_ids[req.request_id] = drafts
                 i += 1
+
+    def drafts(self, request: Request, num_new: int) -> list[int]:
+        """The speculative drafts for a request that decodes (one new token),
+        within the step's budget, max_model_len and its max_tokens."""
+        if self.speculation is None or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = min(self.budget - 1, self.max_model_len - request.num_tokens,
+                   request.max_tokens - request.num_output_tokens - 1)
+        return self.speculation.drafts(request, room) if room > 0 else []
 
     def admit_waiting(self, grant: Callable[[Request, PrefixHit, int], int | None] | None = None, *,
                       schedule: bool = True) -> list[Request]:
@@ -445,6 +465,8 @@ class SchedulingCore:
             if req is None or req.is_finished:          # aborted while the step ran
                 continue
             start = req.num_computed_tokens
+            if rid in runner_output.accepted:             # speculated: _update_speculated counts
+                n -= len(out.spec_token_ids.get(rid, ()))
             recomputed += max(0, min(req.max_num_computed_tokens, start + n) - start)
             req.num_computed_tokens = start + n
             req.max_num_computed_tokens = max(req.max_num_computed_tokens, start + n)
@@ -453,6 +475,9 @@ class SchedulingCore:
                 token_processor.add_prompt_logprobs(req, start, runner_output.prompt_logprobs[rid])
             if rid in runner_output.activations:      # one row per position: a recomputed one replaces it
                 req.activations = activations.keep(req.activations, runner_output.activations[rid])
+            if rid in runner_output.accepted:
+                self._update_speculated(req, start, n, out.spec_token_ids.get(rid, []), runner_output, changed)
+                continue
             token = runner_output.sampled.get(rid)
             if token is None:
                 continue                                  # a prefill chunk short of the end
@@ -465,3 +490,28 @@ class SchedulingCore:
         self.num_recomputed_total += recomputed
         runner_output.num_recomputed_tokens = recomputed
         return changed
+
+    def _update_speculated(self, req: Request, start: int, n: int, drafts: list[int],
+                           runner_output: ModelRunnerOutput, changed: list[Request]) -> None:
+        """A request that verified drafts: its accepted tokens go through the
+        token processor one at a time, up to the first that finishes it; its
+        computed count covers only the pending token and the drafts kept
+        (the rejected positions' KV is past it: overwritten later, never
+        registered in the prefix cache)."""
+        tokens = runner_output.accepted[req.request_id]
+        lps = runner_output.accepted_logprobs.get(req.request_id)
+        done, kept = False, 0
+        for j, token in enumerate(tokens):
+            kept += 1
+            done = self.token_processor.process(req, token, lps[j] if lps else None)
+            if done:
+                break
+        req.num_computed_tokens = start + n + min(len(tokens) - 1, kept - 1)   # n: without the drafts
+        req.max_num_computed_tokens = max(req.max_num_computed_tokens, req.num_computed_tokens)
+        self.kv_cache.on_tokens_computed(req)
+        if self.speculation is not None:
+            self.speculation.on_accepted(req, len(drafts), len(tokens) - 1)
+        changed.append(req)
+        if done:
+            self.running.remove(req)
+            self.release(req)

@@ -70,6 +70,7 @@ class DefaultModelRunner(ModelRunner):
         self.layout: BatchLayout | None = None     # this step's, built by _forward for the model
         self.step_activations: activations.StepActivations | None = None   # this step's hooks, if any
         self.guided = None                         # this step's guided bitmask (SchedulerOutput.guided)
+        self.drafts: dict[str, list[int]] = {}     # this step's speculative drafts (SchedulerOutput.spec_token_ids)
         if ctx.connector is not None:
             ctx.connector.register_kv_caches(ctx.kv_caches, ctx.kv_spec)
 
@@ -125,24 +126,32 @@ class DefaultModelRunner(ModelRunner):
         sample_rows, samplers = [], []
         prompt_rows: list[tuple[RequestState, int, int, int]] = []   # (state, first row, count, start)
         row_starts, model_args = [], []
+        self.drafts = {}                       # this step's speculative drafts of the requests that sample
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
             start, p = st.num_computed_tokens, len(st.prompt_token_ids)
             row_starts.append(len(input_ids))
             model_args.append(st.model_args)
-            if start + n <= p:
-                input_ids += st.prompt_token_ids[start:start + n]
+            drafts = so.spec_token_ids.get(rid, ())
+            n_real = n - len(drafts)           # the request's own tokens; its drafts follow them
+            if start + n_real <= p:
+                input_ids += st.prompt_token_ids[start:start + n_real]
             else:
-                input_ids += st.prompt_token_ids[start:] + st.output_token_ids[max(0, start - p):start + n - p]
+                input_ids += (st.prompt_token_ids[start:]
+                              + st.output_token_ids[max(0, start - p):start + n_real - p])
+            if drafts:
+                input_ids += drafts
+                self.drafts[rid] = list(drafts)
+                n = n_real                     # below: the rows up to the pending token's
             if st.params.prompt_logprobs is not None and start < p - 1:
                 count = min(start + n, p - 1) - start
                 prompt_rows.append((st, len(input_ids) - n, count, start))
-            query_lens.append(n)
+            query_lens.append(n + len(drafts))
             context_lens.append(start)
             tables.append(st.block_ids)
-            st.num_computed_tokens = start + n
+            st.num_computed_tokens = start + n     # speculated: the drafts kept are added by _sample
             if start + n == st.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 samplers.append(st)
 
         extra = [r for st, first, count, _ in prompt_rows for r in range(first, first + count)]
@@ -159,7 +168,8 @@ class DefaultModelRunner(ModelRunner):
             out.activations = self.step_activations.captured
         if self.pooling:
             self._pool(so, query_lens, out)
-        if getattr(ctx.sampler, "device_logits", False) and not prompt_rows and not self.capture_logits:
+        if (getattr(ctx.sampler, "device_logits", False) and not prompt_rows and not self.capture_logits
+                and not self.drafts):
             if samplers:                # a device sampler: the logits stay where they are (see _sample)
                 self._sample(samplers, logits, removed, out)
             else:
@@ -221,6 +231,8 @@ class DefaultModelRunner(ModelRunner):
         sampler) the model's logits tensor, moved to the host only when a
         logits processor has work this step."""
         ctx = self.ctx
+        if self.drafts:                 # speculative decoding: several rows per request (_verify)
+            return self._verify(samplers, raw, removed, out)
         if ctx.rank != 0:               # a tensor parallel rank that follows: rank 0's ids, no logits read
             ids = ctx.share_sampled(np.zeros(len(samplers), dtype=np.int64))
             for st, token in zip(samplers, ids.tolist()):
@@ -267,6 +279,82 @@ class DefaultModelRunner(ModelRunner):
             self.taps["logits"] = raw
         if self.capture_hidden and self.model.last_hidden_states is not None:
             self.taps["hidden_states"] = self.model.last_hidden_states.numpy()[:len(rows)]
+
+    def _verify(self, samplers: list[RequestState], raw, removed: list[str], out: ModelRunnerOutput) -> None:
+        """A step with speculative drafts: ``raw`` holds, per request, its
+        pending token's row and then one row per draft. Each row j is
+        sampled as the request would sample its token j without
+        speculation: the first rows (one per request) go through the logits
+        processors and the guided mask as always (a speculated request has
+        none of its own: core/spec.py), every row through the sampler with
+        the request's seed at that output position. The drafts are kept
+        while they equal those samples (``fdx.core.spec.accept_sampled``);
+        drafts with probabilities go through rejection sampling. Under
+        tensor parallel rank 0 shares every row's token; each rank accepts
+        the same prefix."""
+        from fdx.core.spec import accept_sampled
+        ctx = self.ctx
+        counts = [1 + len(self.drafts.get(st.request_id, ())) for st in samplers]
+        firsts = np.cumsum([0] + counts[:-1])
+        if ctx.rank != 0:
+            tokens = ctx.share_sampled(np.zeros(sum(counts), dtype=np.int64)).tolist()
+            probs_rows = None
+        else:
+            raw = raw if isinstance(raw, np.ndarray) else _host_float32(raw)
+            rows = [st.request_id for st in samplers]
+            added = [st.row for st in samplers if st.request_id not in self.in_processors]
+            self.in_processors.update(rows)
+            update = BatchUpdate(added, removed, rows, rows != self.rows)
+            self.rows = rows
+            for processor in ctx.logits_processors:
+                processor.update_state(update)
+            x0 = raw[firsts]                       # a copy: the processors may edit it
+            for processor in ctx.logits_processors:
+                x0 = processor.apply(x0)
+            if self.guided is not None:
+                x0 = apply_guided(x0, self.guided, {rid: i for i, rid in enumerate(rows)}, ctx.eos_token_ids)
+            x = raw.copy()
+            x[firsts] = x0
+            params, prompts, outputs, ids = [], [], [], []
+            for st, c in zip(samplers, counts):
+                drafts = self.drafts.get(st.request_id, [])
+                for j in range(c):
+                    params.append(st.params)
+                    prompts.append(st.prompt_token_ids)
+                    outputs.append(st.output_token_ids + drafts[:j])
+                    ids.append(st.request_id)
+            batch = SamplingBatch(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
+                                  eos_token_ids=ctx.eos_token_ids, request_ids=ids)
+            result = ctx.sampler.sample(x, batch, raw_logits=raw)
+            tokens = [int(t) for t in result.token_ids]
+            probs_rows = (x, batch, result)
+            if ctx.share_sampled is not None:
+                ctx.share_sampled(np.asarray(tokens, dtype=np.int64))
+        for st, c, first in zip(samplers, counts, firsts.tolist()):
+            rid = st.request_id
+            drafts = self.drafts.get(rid, [])
+            accepted = accept_sampled(drafts, tokens[first:first + c])
+            st.output_token_ids.extend(accepted)
+            st.num_computed_tokens += len(accepted) - 1     # the drafts kept: their KV is valid
+            if ctx.rank != 0:
+                continue
+            out.sampled[rid] = accepted[0]
+            lps = probs_rows[2].logprobs[first:first + len(accepted)]
+            if lps[0] is not None:
+                out.logprobs[rid] = lps[0]
+            if drafts:
+                out.accepted[rid] = accepted
+                if lps[0] is not None:
+                    out.accepted_logprobs[rid] = list(lps)
+        if ctx.rank != 0:
+            self.taps = {}
+            return
+        rows = [st.request_id for st in samplers]
+        self.taps = {"sampled_request_ids": rows}
+        if self.capture_logits:
+            self.taps["logits"] = raw[firsts]
+        if self.capture_hidden and self.model.last_hidden_states is not None:
+            self.taps["hidden_states"] = self.model.last_hidden_states.numpy()[firsts]
 
     def last_step_taps(self) -> dict:
         return self.taps

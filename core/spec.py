@@ -1,0 +1,287 @@
+"""Speculative decoding: the engine's side of it (docs/speculative.md).
+
+``Speculation`` holds the configured proposer (``speculative.method``, a
+``Proposer`` from core/interfaces.py), asks it for drafts while the
+scheduler builds a step (``SchedulingCore.schedule_running``), checks what
+it returns, tells it what was accepted, and counts (vLLM's
+``spec_decode_*`` figures). ``CostGate`` decides, from step times measured
+on this machine, at which batch sizes speculation pays.
+
+Verification runs in the model runner (plugins/backends/runner.py): one
+forward scores each request's pending token and its drafts; row j of a
+request is sampled as a request without speculation would sample its
+token j (the same processed logits, the same seeded draw), and the drafts
+are kept while they equal those samples. For deterministic drafts that is
+exactly rejection sampling (a draft proposed with probability 1 is kept
+with the target's probability of it, else the target's distribution
+without it is drawn from): the output distribution, and for greedy or
+seeded requests the output itself, is the one without speculation.
+Drafts with probabilities (``Proposal.draft_probs``) go through
+``rejection_sample`` (Leviathan et al. 2023).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from fdx.core.config import ConfigError, FdxConfig, plugin_settings
+from fdx.core.interfaces import Proposal, Proposer
+
+log = logging.getLogger("fdx.spec")
+
+# SamplingParams fields whose logits processors read the request's output so far: such a request is not
+# speculated (its verified rows would need the processors run once per draft position)
+_PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+                     "allowed_token_ids", "bad_words", "bad_words_token_ids")
+
+
+class ProposerError(RuntimeError):
+    """A proposer broke its contract (more than k drafts, an id outside the vocabulary)."""
+
+
+def needs_processors(params) -> bool:
+    """True when a request's sampling parameters ask for a built-in logits
+    processor (penalties, min_tokens, logit_bias, allowed ids, bad words)."""
+    defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+    for name in _PROCESSOR_FIELDS:
+        value = getattr(params, name, None)
+        if name in defaults:
+            if value is not None and value != defaults[name]:
+                return True
+        elif value:
+            return True
+    return False
+
+
+def opted_out(params) -> bool:
+    """The per-request opt-out: ``extra_args={"speculative": False}``."""
+    extra = params.extra_args or {}
+    return extra.get("speculative", True) is False
+
+
+def check_proposal(name: str, result: Any, k: int, vocab_size: int) -> tuple[list[int], np.ndarray | None]:
+    """A proposer's answer as (token ids, draft probs or None); a
+    ``ProposerError`` naming the proposer when it breaks the contract."""
+    probs = None
+    if isinstance(result, Proposal):
+        result, probs = result.token_ids, result.draft_probs
+    try:
+        ids = [int(t) for t in result]
+    except (TypeError, ValueError):
+        raise ProposerError(f"proposer {name!r} returned {type(result).__name__}, not a list of token ids") from None
+    if len(ids) > k:
+        raise ProposerError(f"proposer {name!r} proposed {len(ids)} tokens; at most k={k} may be proposed")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ProposerError(f"proposer {name!r} proposed token id {bad[0]}, outside the vocabulary "
+                            f"(0 .. {vocab_size - 1})")
+    if probs is not None:
+        probs = np.asarray(probs, dtype=np.float32)
+        if probs.shape != (len(ids), vocab_size):
+            raise ProposerError(f"proposer {name!r} gave draft_probs of shape {probs.shape}; "
+                                f"expected ({len(ids)}, {vocab_size})")
+    return ids, probs
+
+
+def accept_sampled(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
+    """Deterministic drafts against the target's samples at each verified
+    position (``len(sampled) == len(drafts) + 1``): the drafts up to the
+    first that differs from the target's sample there, then the target's
+    sample at that position (or, all kept, the bonus one)."""
+    out = []
+    for d, s in zip(drafts, sampled):
+        out.append(int(s))
+        if int(s) != int(d):
+            return out
+    out.append(int(sampled[len(drafts)]))
+    return out
+
+
+def rejection_sample(target: np.ndarray, drafts: Sequence[int], draft_probs: np.ndarray,
+                     uniforms: np.ndarray) -> list[int]:
+    """Leviathan et al. 2023: ``target`` [m+1, V] the target's distributions
+    at each verified position, ``draft_probs`` [m, V] the ones the drafts
+    were drawn from, ``uniforms`` [m+1, 2] in [0, 1). Draft j is kept with
+    probability min(1, p(d)/q(d)); the first one rejected is replaced by a
+    draw from max(0, p - q) normalized; all kept, a bonus token is drawn
+    from the last row. The result is distributed as the target samples."""
+    out = []
+    for j, d in enumerate(drafts):
+        p, q = float(target[j, d]), float(draft_probs[j, d])
+        if q > 0 and uniforms[j, 0] < min(1.0, p / q):
+            out.append(int(d))
+            continue
+        residual = np.maximum(target[j].astype(np.float64) - draft_probs[j], 0.0)
+        if residual.sum() <= 0:                  # p == q: any rejection is impossible in exact arithmetic
+            residual = target[j].astype(np.float64)
+        out.append(_draw(residual, uniforms[j, 1]))
+        return out
+    out.append(_draw(target[len(drafts)].astype(np.float64), uniforms[len(drafts), 1]))
+    return out
+
+
+def _draw(weights: np.ndarray, u: float) -> int:
+    cum = np.cumsum(weights)
+    return int(min(np.searchsorted(cum, u * cum[-1], side="right"), len(weights) - 1))
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """Since the engine started (vLLM's spec_decode_* counters)."""
+    num_drafts: int = 0                    # requests x steps that verified proposals
+    num_draft_tokens: int = 0              # tokens proposed and verified
+    num_accepted_tokens: int = 0           # of those, kept
+    accepted_per_pos: list[int] = field(default_factory=list)   # kept at draft position 0, 1, ...
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying request gains per step: 1 (the target's own) + accepted."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class CostGate:
+    """Whether speculation pays at a batch size, from this machine's own
+    step times. Batch sizes fall in power-of-two buckets; in each, decode
+    steps with and without speculation are timed (output tokens per
+    second, an average over the last steps) and the better one runs; every
+    ``explore_every`` steps the other is tried once again, so a change in
+    acceptance is noticed. The first ``min_samples`` steps of a bucket
+    alternate. Each change of decision is logged."""
+
+    def __init__(self, enabled: bool = True, min_samples: int = 3, explore_every: int = 32, window: int = 8):
+        self.enabled = enabled
+        self.min_samples, self.explore_every, self.window = min_samples, explore_every, window
+        self.samples: dict[int, dict[bool, list[float]]] = {}
+        self.decided: dict[int, bool] = {}
+        self.steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return max(1, batch).bit_length()
+
+    def allow(self, batch: int) -> bool:
+        if not self.enabled:
+            return True
+        b = self.bucket(batch)
+        got = self.samples.setdefault(b, {True: [], False: []})
+        n = self.steps[b] = self.steps.get(b, 0) + 1
+        if len(got[True]) < self.min_samples or len(got[False]) < self.min_samples:
+            return len(got[True]) <= len(got[False])
+        on = np.mean(got[True]) >= np.mean(got[False])
+        if self.decided.get(b) != on:
+            self.decided[b] = on
+            lo, hi = 2 ** (b - 1), 2 ** b - 1
+            log.info("speculation cost gate: %s at %d-%d decoding requests (measured %.1f tok/s with, %.1f "
+                     "without)", "on" if on else "off", lo, hi, np.mean(got[True]), np.mean(got[False]))
+        return (not on) if n % self.explore_every == 0 else on
+
+    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        if not self.enabled or seconds <= 0:
+            return
+        got = self.samples.setdefault(self.bucket(batch), {True: [], False: []})[speculated]
+        got.append(tokens / seconds)
+        del got[:-self.window]
+
+
+class Speculation:
+    """The engine's speculative decoding: the proposer, the drafts of the
+    step being scheduled, the counters and the cost gate."""
+
+    def __init__(self, config: FdxConfig, plugins, vocab_size: int):
+        sc = config.speculative
+        self.name = name = sc.method
+        try:
+            cls = plugins.get("proposer", name)
+        except Exception as e:
+            raise ConfigError(f"config key 'speculative.method': {e}") from None
+        if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+            raise ConfigError(f"config key 'speculative.method': {name!r} is not a Proposer subclass")
+        settings = plugin_settings("proposer", name, cls, config.plugins.get("proposer", {}).get(name))
+        self.proposer: Proposer = cls(config, vocab_size, settings)
+        self.k = sc.num_speculative_tokens
+        self.vocab_size = vocab_size
+        self.disable_by_batch_size = sc.disable_by_batch_size
+        self.gate = CostGate(sc.cost_gate)
+        self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
+        self.step_k = self.k                       # this step's k (0: the step does not speculate)
+        self.step_batch = 0
+        self.step_counts = [0, 0, 0]               # this step's drafts, draft tokens, accepted tokens
+        self.draft_probs: dict[str, np.ndarray] = {}
+        self.plugin_processors = bool(config.decoding.logits_processors)
+        if self.plugin_processors:
+            log.warning("speculative decoding is off: decoding.logits_processors names plugin processors, "
+                        "which may change any row of the verified logits")
+        log.info("speculative decoding: proposer %s, k=%d, cost gate %s", name, self.k,
+                 "on" if sc.cost_gate else "off")
+
+    # -- requests ----------------------------------------------------------------------------
+    def eligible(self, request) -> bool:
+        """Whether a request may speculate: not guided, no logits processor
+        of its own, no activation hooks or reasoning budget, not opted out,
+        and no plugin logits processors configured (they may touch any row)."""
+        from fdx.core.guided import constraint_of
+        p = request.sampling_params
+        return not (self.plugin_processors or request.pooling or needs_processors(p) or opted_out(p)
+                    or constraint_of(p) is not None or p.activations is not None
+                    or p.reasoning_max_tokens is not None)
+
+    def add_request(self, request) -> None:
+        self.proposer.add_request(request.request_id, list(request.prompt_token_ids))
+
+    def remove_request(self, request) -> None:
+        self.draft_probs.pop(request.request_id, None)
+        self.proposer.remove_request(request.request_id, list(request.output_token_ids))
+
+    def preempted(self, request) -> None:
+        self.proposer.on_preempted(request.request_id)
+
+    # -- a step --------------------------------------------------------------------------------
+    def begin_step(self, num_decoding: int) -> None:
+        """Decide this step's k from the number of requests that decode."""
+        self.step_counts = [0, 0, 0]
+        self.step_batch = num_decoding
+        if self.disable_by_batch_size is not None and num_decoding >= self.disable_by_batch_size:
+            self.step_k = 0
+        else:
+            self.step_k = self.k if self.gate.allow(num_decoding) else 0
+
+    def drafts(self, request, room: int) -> list[int]:
+        """Drafts for a decoding request (at most ``room`` and this step's
+        k); [] when it does not speculate."""
+        k = min(self.step_k, room)
+        if k <= 0 or not self.eligible(request):
+            return []
+        tokens = [*request.prompt_token_ids, *request.output_token_ids]
+        ids, probs = check_proposal(self.name, self.proposer.propose(request.request_id, tokens, k), k,
+                                    self.vocab_size)
+        if probs is not None:
+            self.draft_probs[request.request_id] = probs
+        return ids
+
+    def on_accepted(self, request, num_proposed: int, num_accepted: int) -> None:
+        self.draft_probs.pop(request.request_id, None)
+        c = self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += num_proposed
+        c.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            c.accepted_per_pos[j] += 1
+        s = self.step_counts
+        s[0], s[1], s[2] = s[0] + 1, s[1] + num_proposed, s[2] + num_accepted
+        self.proposer.on_accepted(request.request_id, num_proposed, num_accepted)
+
+    def end_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
+        """Time a decode-only step for the cost gate: ``num_tokens`` output tokens in ``seconds``."""
+        if decode_only and self.step_batch:
+            self.gate.record(self.step_batch, self.step_k > 0, num_tokens, seconds)
+
+    def close(self) -> None:
+        self.proposer.close()
+
