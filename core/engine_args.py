@@ -74,7 +74,6 @@ FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "--download-dir": ((), "fdx loads local files only and downloads nothing"),
     "--max-num-partial-prefills": ((), "fdx has no partial-prefill limit; --max-num-batched-tokens bounds the "
                                        "prompt tokens of one step"),
-    "--speculative-config": ((), "fdx has no speculative decoding"),
     "--enable-lora": ((), "fdx serves no LoRA adapters"),
     "--engine-worker-queue-port": ((), "fdx's engine talks to its API process over private ipc:// sockets"),
     "--cache-queue-port": ((), "fdx's engine talks to its API process over private ipc:// sockets"),
@@ -166,6 +165,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                    help="vLLM: '{\"backend\": NAME}' with NAME as --guided-decoding-backend takes it "
                         "(decoding.guided_backend; default: auto)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM/FastDeploy: speculative decoding, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (methods: ngram, suffix, "
+                        "or a plugin's; the speculative section, docs/speculative.md; default: off)")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="vLLM: trace each request to this OTLP/HTTP collector (= observability.observers: [otel] "
                         "and plugins.observer.otel.endpoint: URL; needs fdx[otel]; default: no tracing)")
@@ -231,6 +234,8 @@ def _overrides(args) -> dict:
         out["guided_backend"] = _guided_backend(args.guided_decoding_backend)
     if getattr(args, "structured_outputs_config", None) is not None:
         out["guided_backend"] = _structured_outputs_backend(args.structured_outputs_config)
+    if getattr(args, "speculative_config", None) is not None:
+        out["speculative_config"] = args.speculative_config     # JSON text: checked by FdxConfig.build
     if getattr(args, "otlp_traces_endpoint", None) is not None:
         out["observability.observers"] = ["otel"]
         out["plugins.observer.otel.endpoint"] = args.otlp_traces_endpoint

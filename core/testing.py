@@ -19,6 +19,10 @@ request waits forever; no block leaks; and every finished request's tokens
 equal its solo run. The fake runner sees only the plain-data
 ``SchedulerOutput``, round-tripped through msgspec.
 
+``check_proposer`` drives a speculative-decoding proposer as the engine does
+and checks its contract (at most k in-vocabulary drafts) and that greedy
+verification keeps every output equal to the model's own.
+
 ``check_logits_processor`` checks a processor's batch contract: applied to
 a batch, each row equals what the processor does to that row alone, over
 random join/leave/preemption schedules and parameter orders. ``check_equivalence`` runs an ``LLM``
@@ -446,3 +450,62 @@ def check_equivalence(llm, prompts: list, sampling_params: SamplingParams | None
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
     assert together == alone, "batched outputs differ from solo runs"
+
+
+def _copy_model(tokens: list[int], period: int) -> int:
+    """The kit's fake model for proposers: mostly copies the token
+    ``period`` back (input-grounded text), sometimes the hash model's."""
+    t = next_token(tokens)
+    return tokens[-period] if len(tokens) >= period and t % 4 else t
+
+
+def check_proposer(name: str, *, k: int = 4, num_requests: int = 16, max_tokens: int = 40, seed: int = 0,
+                   plugins=None, config: FdxConfig | None = None) -> dict[str, float]:
+    """Drive the proposer registered as ``name`` over random requests the
+    way the engine does (``add_request``, ``propose`` then ``on_accepted``
+    each step, ``on_preempted`` at random, ``remove_request`` at the end)
+    against a fake model that mostly copies its input, verifying the drafts
+    greedily (``fdx.core.spec.accept_sampled``). Checks: every proposal is
+    at most k tokens of the vocabulary (else ``ProposerError`` naming the
+    proposer), and every request's output equals the fake model's own run
+    token for token (lossless whatever it proposes). Returns the
+    acceptance rate and mean accepted length."""
+    from fdx.core.spec import Speculation, accept_sampled
+    rng = np.random.default_rng(seed)
+    pm = plugins or get_plugin_manager()
+    cfg = config or FdxConfig.build(speculative={"method": name, "num_speculative_tokens": k, "cost_gate": False})
+    spec = Speculation(cfg, pm, VOCAB)
+    live: list[tuple[Request, int, list[int]]] = []
+    for i in range(num_requests):
+        period = int(rng.integers(2, 12))
+        base = rng.integers(1, VOCAB, period).tolist()
+        prompt = (base * int(rng.integers(1, 4)) + base[:int(rng.integers(0, period))])
+        req = Request(f"kit-{i}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                      eos_token_ids=frozenset({EOS}), max_model_len=512)
+        toks, ref = list(prompt), []
+        for _ in range(max_tokens):
+            toks.append(_copy_model(toks, period))
+            ref.append(toks[-1])
+        spec.add_request(req)
+        live.append((req, period, ref))
+    spec.begin_step(len(live))
+    for req, period, ref in live:
+        while len(req.output_token_ids) < max_tokens:
+            room = min(k, max_tokens - len(req.output_token_ids) - 1)
+            drafts = spec.drafts(req, room) if room > 0 else []
+            toks = [*req.prompt_token_ids, *req.output_token_ids]
+            sampled = []
+            for j in range(len(drafts) + 1):
+                sampled.append(_copy_model(toks + drafts[:j], period))
+            kept = accept_sampled(drafts, sampled)
+            req.output_token_ids.extend(kept)
+            if drafts:
+                spec.on_accepted(req, len(drafts), len(kept) - 1)
+            if rng.random() < 0.05:
+                spec.preempted(req)
+        assert req.output_token_ids == ref, (f"proposer {name!r}: request {req.request_id} differs from the "
+                                             "model's own output")
+        spec.remove_request(req)
+    spec.close()
+    c = spec.counters
+    return {"acceptance_rate": c.acceptance_rate, "mean_accepted_length": c.mean_accepted_length}

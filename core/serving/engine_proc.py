@@ -220,6 +220,10 @@ class EngineLoop:
                 stats.update(eng.connector.stats() or {})
             if eng.guided.enabled:
                 stats.update({f"guided_{k}": v for k, v in eng.guided.counts.items()})
+            if eng.speculation is not None:         # speculative decoding's counters since start
+                c = eng.speculation.counters
+                stats.update(spec_decode_num_drafts=c.num_drafts, spec_decode_num_draft_tokens=c.num_draft_tokens,
+                             spec_decode_num_accepted_tokens=c.num_accepted_tokens)
             cache_stats = {k: float(v) for k, v in stats.items()}
         except Exception:                         # a plugin's stats must not stop serving
             cache_stats = {}

@@ -76,6 +76,7 @@ class ServerMetrics:
                             "event (started, cancelled, timed_out, refused).", lab + ["event"], registry=r)
         self._prefix = None                     # created when the KV cache reports prefix counters
         self._splitwise = None                  # created when the splitwise connector reports
+        self._spec = None                       # created when the engine speculates
         self._prefix_last = (0.0, 0.0)
 
     def observe_engine(self, stats) -> None:
@@ -95,6 +96,8 @@ class ServerMetrics:
                 self.guided.labels(**self.labels, event=key[len("guided_compiles_"):]).set(value)
         if "prefix_cache_queries" in cs and "prefix_cache_hits" in cs:
             self._observe_prefix(cs["prefix_cache_queries"], cs["prefix_cache_hits"])
+        if "spec_decode_num_drafts" in cs:
+            self._observe_spec(cs)
         if "splitwise_transfers_failed" in cs:
             if self._splitwise is None:
                 self._splitwise = SplitwiseCollector(self.labels)
@@ -116,6 +119,24 @@ class ServerMetrics:
         self._prefix[1].inc(max(0.0, hits - h0))
         self._prefix_last = (queries, hits)
         self._prefix[2].set(hits / queries if queries else 0.0)
+
+    def _observe_spec(self, cs: dict) -> None:
+        """Speculative decoding's counters (vLLM's spec_decode_* series), from the engine's totals."""
+        names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        if self._spec is None:
+            r, lab = self.registry, ["model_name"]
+            docs = ("Requests x steps that verified speculative drafts.", "Speculative tokens proposed and "
+                    "verified.", "Speculative tokens accepted (kept by verification).")
+            self._spec = {n: Counter(f"fdx:spec_decode_{n}", d, lab, registry=r).labels(**self.labels)
+                          for n, d in zip(names, docs)}
+            self._spec["rate"] = Gauge("fdx:spec_decode_acceptance_rate", "Accepted / proposed speculative "
+                                       "tokens since start, 0 to 1.", lab, registry=r).labels(**self.labels)
+            self._spec_last = dict.fromkeys(names, 0.0)
+        for n in names:
+            self._spec[n].inc(max(0.0, cs[f"spec_decode_{n}"] - self._spec_last[n]))
+            self._spec_last[n] = cs[f"spec_decode_{n}"]
+        proposed = cs["spec_decode_num_draft_tokens"]
+        self._spec["rate"].set(cs["spec_decode_num_accepted_tokens"] / proposed if proposed else 0.0)
 
     def observe_engine_process(self, engine) -> None:
         """From the ``EngineClient``: memory (its last heartbeat's, and this

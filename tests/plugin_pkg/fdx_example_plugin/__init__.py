@@ -21,6 +21,8 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
 - ``example-recorder`` observer (an ``Observer`` class, selected by
   ``observability.observers``): writes each request it sees added and
   finished as a JSON line to the file its ``path`` setting names.
+- ``example-lookback`` speculative-decoding proposer (proposer.py, its own
+  entry point): a one-token lookup with a ``max_draft`` setting.
 """
 from __future__ import annotations
 

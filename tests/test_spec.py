@@ -1,0 +1,368 @@
+"""Speculative decoding (docs/speculative.md): proposers against brute force,
+the acceptance rules against numpy, and the engine's outputs with
+speculation equal to its outputs without, token for token, on a tiny float32
+checkpoint (pairwise over chunked prefill, preemption, prefix cache, n > 1,
+logprobs, stops, seeded sampling) and on the embedded default model."""
+from __future__ import annotations
+
+import pathlib
+import types
+
+import numpy as np
+import pytest
+
+from fdx import LLM, SamplingParams
+from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import Proposer
+from fdx.core.plugins import PluginManager
+from fdx.core.spec import CostGate, ProposerError, accept_sampled, rejection_sample
+from fdx.core.testing import check_proposer
+from fdx.plugins.spec.ngram import lookup
+from fdx.plugins.spec.suffix import SuffixTrie
+from tiny_models import TinyLlama
+
+VOCAB = 512
+
+
+# --- proposers and rules, against brute force -------------------------------------------------
+
+def _brute_lookup(tokens, lo, hi, k):
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_lookup_equals_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, int(rng.integers(1, 30))).tolist()
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        k = int(rng.integers(1, 6))
+        assert lookup(tokens, lo, hi, k) == _brute_lookup(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_suffix_trie_counts_equal_brute_force_and_removal_undoes():
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 3, int(rng.integers(1, 15))).tolist() for _ in range(6)]
+    trie = SuffixTrie(depth=4)
+    for s in seqs:
+        trie.add(s)
+
+    def count(path):
+        node = trie.root
+        for t in path:
+            node = node.children.get(t)
+            if node is None:
+                return 0
+        return node.count
+
+    def brute(path):
+        return sum(s[i:i + len(path)] == path for s in seqs for i in range(len(s) - len(path) + 1))
+
+    import itertools
+    for n in range(1, 5):
+        for path in itertools.product(range(3), repeat=n):
+            assert count(list(path)) == brute(list(path)), path
+    for s in seqs:
+        trie.add(s, delta=-1)
+    assert trie.root.children == {}
+
+
+def test_accept_sampled_keeps_the_agreeing_prefix_and_the_targets_token():
+    assert accept_sampled([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accept_sampled([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accept_sampled([5], [4, 1]) == [4]
+    assert accept_sampled([], [3]) == [3]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Draft tokens drawn from q, kept by min(1, p/q), else the residual:
+    the first output token is distributed as p (chi-square against p), and
+    an accept-everything rule fails the same test."""
+    from scipy.stats import chisquare
+    rng = np.random.default_rng(2)
+    V, n = 6, 20000
+    p = rng.dirichlet(np.ones(V), size=2)
+    q = rng.dirichlet(np.ones(V), size=1)
+    firsts, accept_all = np.zeros(V), np.zeros(V)
+    for _ in range(n):
+        d = int(rng.choice(V, p=q[0]))
+        out = rejection_sample(p, [d], q, rng.random((2, 2)))
+        firsts[out[0]] += 1
+        accept_all[d] += 1
+    assert chisquare(firsts, p[0] * n).pvalue > 1e-3
+    assert chisquare(accept_all, p[0] * n).pvalue < 1e-6
+
+
+def test_cost_gate_runs_the_faster_and_explores():
+    gate = CostGate(min_samples=2, explore_every=4)
+    picks = []
+    for _ in range(4):                                 # measured: speculation half as fast here
+        picks.append(gate.allow(8))
+        gate.record(8, picks[-1], 10 if picks[-1] else 20, 1.0)
+    assert picks == [True, False, True, False]
+    decisions = [gate.allow(8) for _ in range(8)]
+    assert decisions.count(True) == 2                  # off, but tried again every 4th step
+    assert gate.decided == {gate.bucket(8): False}
+    assert gate.allow(1) is True                       # another bucket decides on its own
+    assert CostGate(enabled=False).allow(64) is True
+
+
+def test_config_takes_vllm_json_fastdeploy_names_and_names_unknown_keys():
+    cfg = FdxConfig.build(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "max_ngram_size": 6}')
+    assert (cfg.speculative.method, cfg.speculative.num_speculative_tokens, cfg.speculative.lookup_bounds) == \
+        ("ngram", 3, (6, 6))
+    assert FdxConfig.build(speculative={"method": "ngram", "prompt_lookup_min": 2}).speculative.lookup_bounds == (2, 2)
+    assert FdxConfig.build().speculative.method is None
+    with pytest.raises(ConfigError, match="speculative.foo"):
+        FdxConfig.build(speculative_config={"method": "ngram", "foo": 1})
+    with pytest.raises(ConfigError, match="speculative_config': not JSON"):
+        FdxConfig.build(speculative_config="{nope")
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        FdxConfig.build(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+
+
+def test_cli_flag_builds_the_section():
+    from fdx.core.cli import build_parser
+    from fdx.core.serving.cli import server_config
+    args = build_parser().parse_args(["serve", "--speculative-config",
+                                      '{"method": "suffix", "num_speculative_tokens": 5}'])
+    cfg = server_config(args)
+    assert (cfg.speculative.method, cfg.speculative.num_speculative_tokens) == ("suffix", 5)
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix"])
+def test_kit_checks_the_builtin_proposers(name):
+    figures = check_proposer(name)
+    assert figures["acceptance_rate"] > 0.2           # the kit's model copies: lookups find it
+
+
+def _bad_proposer(ids):
+    class Bad(Proposer):
+        def propose(self, request_id, token_ids, k, hidden_states=None):
+            return ids(k)
+
+    pm = PluginManager(load_entry_points=False)
+    pm.add_plugin(types.SimpleNamespace(fdx_register_proposers=hookimpl(lambda register: register("bad", Bad))),
+                  name="bad-proposer")
+    return pm
+
+
+def test_kit_names_a_proposer_that_breaks_the_contract():
+    with pytest.raises(ProposerError, match="proposer 'bad' proposed 5 tokens; at most k=4"):
+        check_proposer("bad", plugins=_bad_proposer(lambda k: [1] * (k + 1)))
+    with pytest.raises(ProposerError, match="proposer 'bad' proposed token id 99999, outside the vocabulary"):
+        check_proposer("bad", plugins=_bad_proposer(lambda k: [99999]))
+
+
+def test_unknown_method_is_a_config_error(tiny):
+    with pytest.raises(ConfigError, match="speculative.method"):
+        LLM(tiny, speculative_config={"method": "nope"}, **ENGINE)
+
+
+# --- the engine: outputs with speculation equal outputs without ------------------------------
+
+ENGINE = dict(max_model_len=256, num_kv_blocks=64, block_size=8, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(TinyLlama(vocab=VOCAB, hidden=64, intermediate=128, heads=4, kv_heads=2, max_len=256)
+               .hf_dir(tmp_path_factory.mktemp("spec") / "m"))
+
+
+def _prompts(seed=3, lens=(5, 12, 30, 8, 3, 20)):
+    """Prompts that repeat themselves (input-grounded text: lookups find drafts)."""
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(2, VOCAB, n).tolist() * 3} for n in lens]
+
+
+class Oracle(Proposer):
+    """A test proposer that knows the answer (``ANSWERS``, from a run
+    without speculation) and spoils it at random positions: high
+    acceptance, and rejections at every draft position."""
+    ANSWERS: dict[tuple, list[int]] = {}
+
+    def __init__(self, config, vocab_size, settings=None):
+        super().__init__(config, vocab_size, settings)
+        self.rng = np.random.default_rng(0)
+        self.prompts = {}
+
+    def add_request(self, request_id, prompt_token_ids):
+        self.prompts[request_id] = tuple(prompt_token_ids)
+
+    def propose(self, request_id, token_ids, k, hidden_states=None):
+        prompt = self.prompts[request_id]
+        answer = self.ANSWERS.get(prompt, [])
+        done = len(token_ids) - len(prompt)
+        draft = list(answer[done:done + k])
+        if draft and self.rng.random() < 0.5:
+            draft[int(self.rng.integers(len(draft)))] = int(self.rng.integers(self.vocab_size))
+        return draft
+
+
+def _oracle_plugins():
+    pm = PluginManager(load_entry_points=False)
+    pm.add_plugin(types.SimpleNamespace(fdx_register_proposers=hookimpl(
+        lambda register: register("oracle", Oracle))), name="oracle-proposer")
+    return pm
+
+
+def _run(path, prompts, sp, spec=None, plugins=None, **engine):
+    llm = LLM(path, plugins=plugins, **{**ENGINE, **engine},
+              **({"speculative_config": {"num_speculative_tokens": 4, "cost_gate": False, **spec}} if spec else {}))
+    outs = llm.generate(prompts, sp)
+    got = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+    lps = [[c.logprobs for c in o.outputs] for o in outs]
+    counters = llm.engine.speculation.counters if spec else None
+    llm.close()
+    return got, lps, counters
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+# pairwise over (proposer) x (chunked prefill budget) x (preemption: a small pool) x (prefix cache) x (n)
+CASES = [
+    ("ngram", dict(max_num_batched_tokens=16), "paged", 1),
+    ("ngram", dict(num_kv_blocks=34), "prefix", 2),
+    ("suffix", dict(max_num_batched_tokens=16), "prefix", 1),
+    ("suffix", dict(num_kv_blocks=34), "paged", 2),
+    ("oracle", dict(max_num_batched_tokens=16, num_kv_blocks=34), "prefix", 1),
+    ("oracle", dict(), "paged", 2),
+]
+
+
+@pytest.mark.parametrize("method,engine,kv_cache,n", CASES,
+                         ids=[f"{m}-{'-'.join(e) or 'plain'}-{c}-n{n}" for m, e, c, n in CASES])
+def test_greedy_outputs_equal_without_speculation(tiny, method, engine, kv_cache, n):
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=n, logprobs=2)
+    ref, ref_lps, _ = _run(tiny, prompts, sp, kv_cache=kv_cache, **engine)
+    Oracle.ANSWERS = {tuple(p["prompt_token_ids"]): r[0][0] for p, r in zip(prompts, ref)}
+    got, lps, counters = _run(tiny, prompts, sp, spec={"method": method, "prompt_lookup_min": 1,
+                                                        "prompt_lookup_max": 4},
+                              plugins=_oracle_plugins() if method == "oracle" else None, kv_cache=kv_cache, **engine)
+    assert got == ref
+    assert _ranked(lps) == _ranked(ref_lps)            # each accepted token's logprob entries: ids and ranks
+    assert counters.num_drafts > 0
+    if method == "oracle":                             # drafts kept and rejected at every position
+        assert counters.num_accepted_tokens > counters.num_drafts
+        assert 0 < counters.acceptance_rate < 1
+
+
+def _ranked(lps):
+    return [[[sorted((t, e.rank) for t, e in entry.items()) for entry in c] for c in o] for o in lps]
+
+
+@pytest.mark.xfail(strict=False, reason="needs batch-invariant kernels: a row's logits move by ~1e-6 with the "
+                                        "rows around it, so the values (not the tokens) may differ")
+def test_logprob_values_equal_without_speculation(tiny):
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    _, ref, _ = _run(tiny, prompts, sp)
+    _, got, _ = _run(tiny, prompts, sp, spec={"method": "ngram", "prompt_lookup_min": 1})
+    assert got == ref
+
+
+def test_seeded_sampling_is_unchanged_token_for_token(tiny):
+    """Each verified row draws with the request's seed at that output
+    position, as the request would without speculation."""
+    prompts = _prompts(seed=4)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=30, ignore_eos=True, seed=11)
+    ref, _, _ = _run(tiny, prompts, sp)
+    Oracle.ANSWERS = {tuple(p["prompt_token_ids"]): r[0][0] for p, r in zip(prompts, ref)}
+    got, _, counters = _run(tiny, prompts, sp, spec={"method": "oracle"}, plugins=_oracle_plugins())
+    assert got == ref and counters.num_accepted_tokens > 0
+
+
+def test_sampled_distribution_matches_speculation_off(tiny):
+    """Unseeded sampling: the tokens at the first three output positions of
+    many runs, with speculation (drafts that are often wrong) and without,
+    are one distribution (chi-square); a verifier that kept every draft
+    would put all the mass on the draft."""
+    from scipy.stats import chi2_contingency
+    prompt = {"prompt_token_ids": [7, 8, 9, 10] * 4}
+    sp = SamplingParams(temperature=1.5, top_k=4, max_tokens=3, ignore_eos=True)
+    N = 300
+    Oracle.ANSWERS = {tuple(prompt["prompt_token_ids"]): [0, 0, 0]}
+    off, _, _ = _run(tiny, [prompt] * N, sp)
+    on, _, counters = _run(tiny, [prompt] * N, sp, spec={"method": "oracle"}, plugins=_oracle_plugins())
+    assert counters.num_drafts > 0
+    for pos in range(3):
+        a = [o[0][0][pos] for o in off]
+        b = [o[0][0][pos] for o in on]
+        keys = sorted(set(a) | set(b))
+        table = np.array([[a.count(t) for t in keys], [b.count(t) for t in keys]])
+        assert chi2_contingency(table).pvalue > 1e-3, (pos, table)
+
+
+def test_stops_and_max_tokens_are_never_passed(tiny):
+    prompts = _prompts(seed=5)
+    ref, _, _ = _run(tiny, prompts, GREEDY)
+    Oracle.ANSWERS = {tuple(p["prompt_token_ids"]): r[0][0] for p, r in zip(prompts, ref)}
+    stop_ids = sorted({r[0][0][9] for r in ref})       # a token each output has at position 9
+    for sp in (SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=stop_ids)):
+        want, _, _ = _run(tiny, prompts, sp)
+        got, _, _ = _run(tiny, prompts, sp, spec={"method": "oracle"}, plugins=_oracle_plugins())
+        assert got == want
+
+
+def test_opt_out_and_processor_requests_are_not_speculated(tiny):
+    prompts = _prompts(seed=6)[:2]
+    sp_out = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, extra_args={"speculative": False})
+    sp_pen = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
+    for sp in (sp_out, sp_pen):
+        ref, _, _ = _run(tiny, prompts, sp)
+        got, _, counters = _run(tiny, prompts, sp, spec={"method": "ngram", "prompt_lookup_min": 1})
+        assert got == ref and counters.num_drafts == 0
+
+
+def test_outside_proposer_selected_by_config(tiny, example_plugin_installed):
+    from fdx_example_plugin import proposer as example
+    prompts = _prompts(seed=7)[:3]
+    ref, _, _ = _run(tiny, prompts, GREEDY)
+    example.EVENTS.clear()
+    got, _, counters = _run(tiny, prompts, GREEDY, spec={"method": "example-lookback"},
+                            plugins=PluginManager(), **{"plugins.proposer.example-lookback.max_draft": 2})
+    assert got == ref and counters.num_drafts > 0
+    kinds = [e[0] for e in example.EVENTS]
+    assert kinds.count("add") == kinds.count("remove") == 3 and "accepted" in kinds
+    assert check_proposer("example-lookback", plugins=PluginManager())["acceptance_rate"] > 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_greedy_equal(tiny):
+    prompts = _prompts(seed=8)[:3]
+    ref, _, _ = _run(tiny, prompts, GREEDY, tensor_parallel_size=2)
+    got, _, counters = _run(tiny, prompts, GREEDY, spec={"method": "ngram", "prompt_lookup_min": 1},
+                            tensor_parallel_size=2)
+    assert got == ref and counters.num_drafts > 0
+
+
+DEFAULT_PROMPTS = ["Copy this line exactly: def add(a, b): return a + b\ndef add(a, b): return a + b",
+                   "Repeat the list: apples, pears, plums, apples, pears, plums, apples,"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", [
+    "none", pytest.param("auto", marks=pytest.mark.xfail(strict=False, reason="needs batch-invariant kernels"))])
+def test_default_model_greedy_equal(quantization):
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    kw = dict(max_model_len=512, num_kv_blocks=96, block_size=16, quantization=quantization, progress=False)
+    base = LLM(**kw)
+    ref = [o.outputs[0].token_ids for o in base.generate(DEFAULT_PROMPTS, sp)]
+    base.close()
+    for method in ("ngram", "suffix"):
+        llm = LLM(**kw, speculative_config={"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                            "prompt_lookup_max": 4, "cost_gate": False})
+        got = [o.outputs[0].token_ids for o in llm.generate(DEFAULT_PROMPTS, sp)]
+        accepted = llm.engine.speculation.counters.num_accepted_tokens
+        llm.close()
+        assert got == ref, method
+        assert accepted > 0, method
