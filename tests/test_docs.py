@@ -43,7 +43,8 @@ def test_the_page_has_every_contract(doc_plugins):
                        ("kv_cache", "my-blocks"), ("logits_processor", "my-ban"), ("backend", "my-device"),
                        ("attention_backend", "my-dense"), ("connector", "my-counter"),
                        ("backend", "my-probing-device"), ("weight_format", "my-int8"), ("observer", "my-latency"),
-                       ("activation_function", "my-scale"), ("moe_router", "my-drop-last")]:
+                       ("activation_function", "my-scale"), ("moe_router", "my-drop-last"),
+                       ("proposer", "my-repeat")]:
         assert name in pm.names(kind), (kind, name)
         assert pm.registries[kind][name].package == "local"
 
@@ -65,6 +66,22 @@ def test_the_conformance_kit_block_runs_on_the_page_plugins(doc_plugins):
     assert len(tests) == 2
     for t in tests:
         t()
+
+
+def test_the_page_proposer_passes_the_kit_and_keeps_outputs(doc_plugins, tiny_checkpoints):
+    (code,) = [b for b in blocks("python") if "check_proposer(" in b and "def test_" in b]
+    ns: dict = {}
+    exec(compile(code, "docs/plugins.md proposer kit block", "exec"), ns)
+    ns["test_my_proposer_is_lossless"]()
+    path = str(tiny_checkpoints["LlamaForCausalLM"][0])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 200, 31] * 4}]
+    base = dict(max_model_len=64, num_kv_blocks=40, block_size=4, progress=False)
+    ref = [o.outputs[0].token_ids for o in LLM(path, **base).generate(prompts, sp)]
+    llm = LLM(path, **base, speculative_config={"method": "my-repeat", "cost_gate": False},
+              **{"plugins.proposer.my-repeat.period": 2})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+    assert llm.engine.speculation.counters.num_drafts > 0 and llm.engine.speculation.proposer.settings.period == 2
 
 
 def test_the_page_plugins_run_a_real_model_together(doc_plugins, tiny_checkpoints):
