@@ -154,8 +154,18 @@ def cmd_env(args) -> int:
 def cmd_bench_throughput(args) -> int:
     from fdx.core.bench import throughput as bench
     llm = _make_llm(args, progress=False)
-    result = bench.throughput(llm, args.num_requests, args.input_len, args.output_len, seed=args.bench_seed,
-                              profile=args.profile)
+    try:
+        run = lambda speculation: bench.throughput(llm, args.num_requests, args.input_len, args.output_len,
+                                                   seed=args.bench_seed, profile=args.profile,
+                                                   workload=args.workload, speculation=speculation)
+        baseline = run(False) if llm.engine.speculation is not None else None
+        result = run(True)
+    except ValueError as e:
+        print(f"fdx: error: {e}", file=sys.stderr)
+        return 2
+    if baseline is not None:       # speculation off, the same engine and prompts, first: the ratio's base
+        result["baseline"] = {k: baseline[k] for k in ("output_tokens_per_s", "decode_tokens_per_s", "total_time_s")}
+        result["outputs_equal"] = baseline["outputs_sha1"] == result["outputs_sha1"]
     print(json.dumps(result, indent=2) if args.json else bench.format_throughput(result))
     return 0
 
@@ -201,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request (default: 128)")
     t.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: 128)")
     t.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts (default: 0)")
+    t.add_argument("--workload", default=None, metavar="FILE",
+                   help="prompts from a JSON-lines file ({\"messages\": [...]} or {\"prompt\": ...}), cycled to "
+                        "--num-requests, or 'grounded' (shipped: code to copy with one change, passages to quote, "
+                        "JSON to echo with edits); with --speculative-config the run is made without speculation "
+                        "first and the ratio printed (default: random prompts of --input-len)")
     t.add_argument("--json", action="store_true", help="print every figure as JSON (default: a table)")
     t.add_argument("--profile", action="store_true",
                    help="profile each step and break the full-batch decode steps down into GEMMs, attention "

@@ -279,7 +279,8 @@ class Speculation:
 
     def end_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
         """Time a decode-only step for the cost gate: ``num_tokens`` output tokens in ``seconds``."""
-        if decode_only and self.step_batch:
+        if decode_only and self.step_batch and (self.step_k == 0 or self.step_counts[0]):
+            # a step allowed to speculate in which nothing was proposed tells nothing about speculation
             self.gate.record(self.step_batch, self.step_k > 0, num_tokens, seconds)
 
     def close(self) -> None:

@@ -1,7 +1,9 @@
 """Benchmarks. Figures are reported, never asserted."""
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -9,10 +11,40 @@ from fdx.core.bench.profile import StepProfiler, format_profile
 from fdx.core.sampling_params import SamplingParams
 
 
+WORKLOADS = {"grounded": Path(__file__).with_name("grounded.jsonl")}   # shipped workload files by name
+
+
+def workload_prompts(llm, workload: str) -> list[list[int]]:
+    """The prompts of a workload file (JSON lines: ``{"messages": [...]}``,
+    through the model's chat template, or ``{"prompt": "..."}``), or of a
+    shipped one by name (``grounded``: input-grounded prompts, code to copy
+    with one change, a passage to quote, JSON to echo with edits)."""
+    path = WORKLOADS.get(workload, Path(workload))
+    try:
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--workload {workload}: cannot read it as JSON lines ({e})") from None
+    tok, out = llm.tokenizer, []
+    for i, row in enumerate(lines):
+        if "messages" in row:
+            text = tok.apply_chat_template(row["messages"], add_generation_prompt=True)
+            out.append(tok.encode(text, add_special_tokens=False))
+        elif "prompt" in row:
+            out.append(tok.encode(row["prompt"]))
+        else:
+            raise ValueError(f"--workload {workload}: line {i + 1} has neither 'messages' nor 'prompt'")
+    if not out:
+        raise ValueError(f"--workload {workload}: no prompts")
+    return out
+
+
 def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: int = 0,
-               profile: bool = False) -> dict:
+               profile: bool = False, workload: str | None = None, speculation: bool = True) -> dict:
     """N requests of I random prompt tokens and O generated tokens (ignore_eos),
     all queued at once, driven step by step through the LLM's engine.
+    ``workload``: the prompts of a workload file instead (cycled to N; see
+    ``workload_prompts``). ``speculation`` False: an engine built with a
+    speculative config runs this without it (the baseline of the same run).
     ``profile``: run each step under cProfile and add a breakdown of the
     decode-only steps at the full batch (``fdx.core.bench.profile``); the
     profiler slows Python-heavy parts, so time figures of such a run read
@@ -23,7 +55,15 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     # warm-up: one short request, so one-time costs are not counted
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True))
-    reqs = [eng.make_request(rng.integers(0, vocab, input_len).tolist(), sp) for _ in range(num_requests)]
+    if workload is not None:
+        pool = workload_prompts(llm, workload)
+        prompts = [pool[i % len(pool)] for i in range(num_requests)]
+    else:
+        prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(num_requests)]
+    spec = eng.speculation
+    if spec is not None and not speculation:
+        eng.resource_manager.speculation = None
+    reqs = [eng.make_request(p, sp) for p in prompts]
     for r in reqs:
         eng.add_request(r)
     steps = []
@@ -37,11 +77,12 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
             eng.step()
         steps.append(eng.last_stats)
     total = time.perf_counter() - t0
+    eng.resource_manager.speculation = spec
     prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
     decode_steps = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
     prefill_time = sum(s.step_time_s for s in prefill_steps)
     decode_time = sum(s.step_time_s for s in decode_steps)
-    prompt_tokens = num_requests * input_len
+    prompt_tokens = sum(len(p) for p in prompts)
     out_tokens = sum(r.num_output_tokens for r in reqs)
     result = {
         "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
@@ -62,6 +103,21 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         "recompute_tax": ((eng.num_recomputed_tokens - recomputed0) / (eng.num_computed_tokens - computed0)
                           if eng.num_computed_tokens > computed0 else 0.0),
     }
+    import hashlib
+    result["outputs_sha1"] = hashlib.sha1(json.dumps([r.output_token_ids for r in reqs]).encode()).hexdigest()
+    if workload is not None:
+        result["workload"] = workload
+    if spec is not None and speculation:       # vLLM's spec_decode figures, for this run's steps
+        drafts = sum(st.spec_num_drafts for st in steps)
+        proposed = sum(st.spec_num_draft_tokens for st in steps)
+        accepted = sum(st.spec_num_accepted_tokens for st in steps)
+        result["speculative"] = {
+            "method": spec.name, "num_speculative_tokens": spec.k, "num_drafts": drafts,
+            "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+            "proposals_per_step": drafts / max(len(steps), 1),
+            "gated_steps": sum(st.spec_gated for st in steps)}
     from fdx.core.memory import rss_bytes
     result["quantization"] = eng.config.model.quantization
     result["weight_bytes"] = eng.executor.weight_bytes()      # by kind ("q4_1", "f32", ...)
@@ -73,7 +129,9 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
 
 def format_throughput(r: dict) -> str:
     lines = [
-        f"fdx bench throughput: {r['num_requests']} requests x ({r['input_len']} prompt + {r['output_len']} output) tokens",
+        f"fdx bench throughput: {r['num_requests']} requests x ({r['input_len']} prompt + {r['output_len']} output) tokens"
+        if "workload" not in r else f"fdx bench throughput: {r['num_requests']} requests of workload {r['workload']} "
+        f"({r['prompt_tokens']} prompt tokens) x {r['output_len']} output tokens",
         f"  backend {r['backend']}, resource manager {r['resource_manager']}, "
         f"max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens {r['max_num_batched_tokens']}",
         f"  total            {r['total_time_s']:.2f} s over {r['steps']} steps (mean step {r['mean_step_time_ms']:.1f} ms)",
@@ -87,6 +145,16 @@ def format_throughput(r: dict) -> str:
         from fdx.core.checkpoint.model import format_bytes
         lines.append(f"  weights          {format_bytes(r['weight_bytes'])}, model.quantization "
                      f"{r['quantization']}; process resident {r['resident_bytes'] / 1e6:.1f} MB")
+    if "speculative" in r:
+        sp = r["speculative"]
+        lines.append(f"  speculative      {sp['method']} k={sp['num_speculative_tokens']}: acceptance rate "
+                     f"{100 * sp['acceptance_rate']:.1f}%, mean accepted length {sp['mean_accepted_length']:.2f}, "
+                     f"{sp['proposals_per_step']:.2f} proposals a step, {sp['gated_steps']} steps gated off")
+    if "baseline" in r:
+        b = r["baseline"]
+        lines.append(f"  without speculation (same run): output {b['output_tokens_per_s']:.1f} tok/s; "
+                     f"speculation {r['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x, outputs "
+                     f"{'equal' if r['outputs_equal'] else 'DIFFERENT'}")
     if "profile" in r:
         lines.append(format_profile(r["profile"]))
     return "\n".join(lines)
