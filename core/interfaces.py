@@ -84,6 +84,9 @@ class SchedulerOutput:
                                          # (speculative decoding): its last num_scheduled_tokens include
                                          # them, after its one pending token; the runner scores all and
                                          # keeps the accepted prefix (ModelRunnerOutput.accepted)
+    spec_draft_probs: dict[str, bytes] = field(default_factory=dict)   # of those, the ones whose proposer
+                                         # gave draft probabilities: float32 [drafts, vocab] bytes, row j the
+                                         # distribution draft j was drawn from (verified by rejection sampling)
 
     @property
     def is_empty(self) -> bool:

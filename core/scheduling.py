@@ -392,6 +392,9 @@ class SchedulingCore:
                 self.schedule_request(req, num_new + len(drafts))
                 if drafts:
                     self.out.spec_token_ids[req.request_id] = drafts
+                    probs = self.speculation.draft_probs.get(req.request_id)
+                    if probs is not None:
+                        self.out.spec_draft_probs[req.request_id] = probs.tobytes()
                 i += 1
 
     def drafts(self, request: Request, num_new: int) -> list[int]:

@@ -256,6 +256,7 @@ class Speculation:
         """Drafts for a decoding request (at most ``room`` and this step's
         k); [] when it does not speculate."""
         k = min(self.step_k, room)
+        self.draft_probs.pop(request.request_id, None)
         if k <= 0 or not self.eligible(request):
             return []
         tokens = [*request.prompt_token_ids, *request.output_token_ids]

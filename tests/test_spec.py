@@ -14,7 +14,7 @@ import pytest
 from fdx import LLM, SamplingParams
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import Proposer
+from fdx.core.interfaces import Proposal, Proposer
 from fdx.core.plugins import PluginManager
 from fdx.core.spec import CostGate, ProposerError, accept_sampled, rejection_sample
 from fdx.core.testing import check_proposer
@@ -206,10 +206,29 @@ class Oracle(Proposer):
         return draft
 
 
+class Drafted(Oracle):
+    """Drafts drawn from a distribution it returns (``Proposal.draft_probs``):
+    half the mass on the known answer, half spread over the vocabulary, so
+    drafts are kept by min(1, p/q) and replaced from max(0, p - q)."""
+
+    def propose(self, request_id, token_ids, k, hidden_states=None):
+        prompt = self.prompts[request_id]
+        answer = self.ANSWERS.get(prompt, [])
+        done = len(token_ids) - len(prompt)
+        ids, probs = [], []
+        for j in range(k):
+            q = np.full(self.vocab_size, 0.5 / self.vocab_size, dtype=np.float32)
+            q[answer[done + j] if done + j < len(answer) else 0] += 0.5
+            q /= q.sum()
+            ids.append(int(self.rng.choice(self.vocab_size, p=q)))
+            probs.append(q)
+        return Proposal(ids, np.stack(probs))
+
+
 def _oracle_plugins():
     pm = PluginManager(load_entry_points=False)
     pm.add_plugin(types.SimpleNamespace(fdx_register_proposers=hookimpl(
-        lambda register: register("oracle", Oracle))), name="oracle-proposer")
+        lambda register: (register("oracle", Oracle), register("drafted", Drafted)))), name="oracle-proposer")
     return pm
 
 
@@ -234,6 +253,7 @@ CASES = [
     ("suffix", dict(num_kv_blocks=34), "paged", 2),
     ("oracle", dict(max_num_batched_tokens=16, num_kv_blocks=34), "prefix", 1),
     ("oracle", dict(), "paged", 2),
+    ("drafted", dict(max_num_batched_tokens=16), "paged", 2),
 ]
 
 
@@ -246,7 +266,8 @@ def test_greedy_outputs_equal_without_speculation(tiny, method, engine, kv_cache
     Oracle.ANSWERS = {tuple(p["prompt_token_ids"]): r[0][0] for p, r in zip(prompts, ref)}
     got, lps, counters = _run(tiny, prompts, sp, spec={"method": method, "prompt_lookup_min": 1,
                                                         "prompt_lookup_max": 4},
-                              plugins=_oracle_plugins() if method == "oracle" else None, kv_cache=kv_cache, **engine)
+                              plugins=_oracle_plugins() if method in ("oracle", "drafted") else None,
+                              kv_cache=kv_cache, **engine)
     assert got == ref
     assert _ranked(lps) == _ranked(ref_lps)            # each accepted token's logprob entries: ids and ranks
     assert counters.num_drafts > 0
@@ -280,7 +301,8 @@ def test_seeded_sampling_is_unchanged_token_for_token(tiny):
     assert got == ref and counters.num_accepted_tokens > 0
 
 
-def test_sampled_distribution_matches_speculation_off(tiny):
+@pytest.mark.parametrize("method", ["oracle", "drafted"])
+def test_sampled_distribution_matches_speculation_off(tiny, method):
     """Unseeded sampling: the tokens at the first three output positions of
     many runs, with speculation (drafts that are often wrong) and without,
     are one distribution (chi-square); a verifier that kept every draft
@@ -289,10 +311,11 @@ def test_sampled_distribution_matches_speculation_off(tiny):
     prompt = {"prompt_token_ids": [7, 8, 9, 10] * 4}
     sp = SamplingParams(temperature=1.5, top_k=4, max_tokens=3, ignore_eos=True)
     N = 300
-    Oracle.ANSWERS = {tuple(prompt["prompt_token_ids"]): [0, 0, 0]}
     off, _, _ = _run(tiny, [prompt] * N, sp)
-    on, _, counters = _run(tiny, [prompt] * N, sp, spec={"method": "oracle"}, plugins=_oracle_plugins())
-    assert counters.num_drafts > 0
+    modes = [max(set(col), key=col.count) for col in zip(*(o[0][0] for o in off))]
+    Oracle.ANSWERS = {tuple(prompt["prompt_token_ids"]): modes}     # drafts often right, often not
+    on, _, counters = _run(tiny, [prompt] * N, sp, spec={"method": method}, plugins=_oracle_plugins())
+    assert counters.num_drafts > 0 and 0 < counters.num_accepted_tokens < counters.num_draft_tokens
     for pos in range(3):
         a = [o[0][0][pos] for o in off]
         b = [o[0][0][pos] for o in on]
@@ -366,3 +389,35 @@ def test_default_model_greedy_equal(quantization):
         llm.close()
         assert got == ref, method
         assert accepted > 0, method
+
+
+def test_metrics_serve_the_spec_decode_counters():
+    from prometheus_client import generate_latest
+
+    from fdx.core.serving.metrics import ServerMetrics
+    m = ServerMetrics("m")
+    for drafts, proposed, accepted in ((2, 8, 3), (5, 20, 12)):
+        m._observe_spec({"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": proposed,
+                         "spec_decode_num_accepted_tokens": accepted})
+    text = generate_latest(m.registry).decode()
+    assert 'fdx:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'fdx:spec_decode_num_draft_tokens_total{model_name="m"} 20.0' in text
+    assert 'fdx:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0' in text
+    assert 'fdx:spec_decode_acceptance_rate{model_name="m"} 0.6' in text
+
+
+def test_step_stats_count_the_steps_drafts(tiny):
+    prompts = _prompts(seed=9)[:2]
+    llm = LLM(tiny, speculative_config={"method": "ngram", "prompt_lookup_min": 1, "cost_gate": False}, **ENGINE)
+    seen = []
+
+    def fdx_step_finished(step_stats):
+        seen.append(step_stats)
+
+    llm.engine.observers.append(types.SimpleNamespace(name="t", close=lambda: None,
+                                                      fdx_step_finished=fdx_step_finished))
+    llm.generate(prompts, GREEDY)
+    c = llm.engine.speculation.counters
+    assert sum(s.spec_num_drafts for s in seen) == c.num_drafts > 0
+    assert sum(s.spec_num_accepted_tokens for s in seen) == c.num_accepted_tokens
+    assert sum(s.spec_num_draft_tokens for s in seen) == c.num_draft_tokens

@@ -71,6 +71,7 @@ class DefaultModelRunner(ModelRunner):
         self.step_activations: activations.StepActivations | None = None   # this step's hooks, if any
         self.guided = None                         # this step's guided bitmask (SchedulerOutput.guided)
         self.drafts: dict[str, list[int]] = {}     # this step's speculative drafts (SchedulerOutput.spec_token_ids)
+        self.draft_probs: dict[str, bytes] = {}    # of those, SchedulerOutput.spec_draft_probs
         if ctx.connector is not None:
             ctx.connector.register_kv_caches(ctx.kv_caches, ctx.kv_spec)
 
@@ -126,7 +127,7 @@ class DefaultModelRunner(ModelRunner):
         sample_rows, samplers = [], []
         prompt_rows: list[tuple[RequestState, int, int, int]] = []   # (state, first row, count, start)
         row_starts, model_args = [], []
-        self.drafts = {}                       # this step's speculative drafts of the requests that sample
+        self.drafts, self.draft_probs = {}, {}  # this step's speculative drafts (and their probabilities)
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
             start, p = st.num_computed_tokens, len(st.prompt_token_ids)
@@ -142,6 +143,8 @@ class DefaultModelRunner(ModelRunner):
             if drafts:
                 input_ids += drafts
                 self.drafts[rid] = list(drafts)
+                if rid in so.spec_draft_probs:
+                    self.draft_probs[rid] = so.spec_draft_probs[rid]
                 n = n_real                     # below: the rows up to the pending token's
             if st.params.prompt_logprobs is not None and start < p - 1:
                 count = min(start + n, p - 1) - start
@@ -239,13 +242,7 @@ class DefaultModelRunner(ModelRunner):
                 st.output_token_ids.append(int(token))
             self.taps = {}
             return
-        rows = [st.request_id for st in samplers]
-        added = [st.row for st in samplers if st.request_id not in self.in_processors]
-        self.in_processors.update(rows)
-        update = BatchUpdate(added, removed, rows, rows != self.rows)
-        self.rows = rows
-        for processor in ctx.logits_processors:
-            processor.update_state(update)
+        rows = self._update_processors(samplers, removed)
         on_host = isinstance(raw, np.ndarray)
         busy = self.guided is not None or any(getattr(p, "active", True) for p in ctx.logits_processors)
         if not on_host and busy:
@@ -257,10 +254,7 @@ class DefaultModelRunner(ModelRunner):
         if on_host:
             if keep_raw:
                 x = raw.copy()
-            for processor in ctx.logits_processors:
-                x = processor.apply(x)
-            if self.guided is not None:            # the grammar's mask, after every other processor
-                x = apply_guided(x, self.guided, {rid: i for i, rid in enumerate(rows)}, ctx.eos_token_ids)
+            x = self._processed(x, rows)
         batch = SamplingBatch(
             params=[st.params for st in samplers], prompt_token_ids=[st.prompt_token_ids for st in samplers],
             output_token_ids=[st.output_token_ids for st in samplers], eos_token_ids=ctx.eos_token_ids,
@@ -280,6 +274,48 @@ class DefaultModelRunner(ModelRunner):
         if self.capture_hidden and self.model.last_hidden_states is not None:
             self.taps["hidden_states"] = self.model.last_hidden_states.numpy()[:len(rows)]
 
+    def _rejection_sample(self, st: RequestState, x, raw, batch: SamplingBatch, first: int, count: int,
+                          tokens: list[int], logprobs: list) -> None:
+        """Drafts proposed with probabilities: rows ``first .. first+count``
+        of ``tokens`` (and their logprobs) become what rejection sampling
+        keeps (``fdx.core.spec.rejection_sample``), so ``accept_sampled``
+        over them gives the same prefix on every rank."""
+        from fdx.core.spec import rejection_sample
+        drafts = self.drafts[st.request_id]
+        q = np.frombuffer(self.draft_probs[st.request_id], dtype=np.float32).reshape(len(drafts), -1)
+        rows = slice(first, first + count)
+        sub = SamplingBatch(params=batch.params[rows], prompt_token_ids=batch.prompt_token_ids[rows],
+                            output_token_ids=batch.output_token_ids[rows], eos_token_ids=batch.eos_token_ids)
+        target = self.ctx.sampler.probs(x[rows], sub)
+        seed = st.params.seed
+        rng = (np.random.default_rng([seed, len(st.output_token_ids), 1]) if seed is not None
+               else getattr(self.ctx.sampler, "rng", None) or np.random.default_rng())
+        kept = rejection_sample(target, drafts, q, rng.random((count, 2)))
+        tokens[first:first + len(kept)] = kept
+        if st.params.logprobs is not None:
+            logprobs[first:first + len(kept)] = logprobs_of(raw[first:first + len(kept)], np.asarray(kept),
+                                                            st.params.logprobs)
+
+    def _update_processors(self, samplers: list[RequestState], removed: list[str]) -> list[str]:
+        """Tell the logits processors the step's rows (one per sampling
+        request: who joined, who left); returns the rows' request ids."""
+        rows = [st.request_id for st in samplers]
+        added = [st.row for st in samplers if st.request_id not in self.in_processors]
+        self.in_processors.update(rows)
+        update = BatchUpdate(added, removed, rows, rows != self.rows)
+        self.rows = rows
+        for processor in self.ctx.logits_processors:
+            processor.update_state(update)
+        return rows
+
+    def _processed(self, x: np.ndarray, rows: list[str]) -> np.ndarray:
+        """The logits processors, then the grammar's mask, over one row per request."""
+        for processor in self.ctx.logits_processors:
+            x = processor.apply(x)
+        if self.guided is not None:            # the grammar's mask, after every other processor
+            x = apply_guided(x, self.guided, {rid: i for i, rid in enumerate(rows)}, self.ctx.eos_token_ids)
+        return x
+
     def _verify(self, samplers: list[RequestState], raw, removed: list[str], out: ModelRunnerOutput) -> None:
         """A step with speculative drafts: ``raw`` holds, per request, its
         pending token's row and then one row per draft. Each row j is
@@ -298,23 +334,11 @@ class DefaultModelRunner(ModelRunner):
         firsts = np.cumsum([0] + counts[:-1])
         if ctx.rank != 0:
             tokens = ctx.share_sampled(np.zeros(sum(counts), dtype=np.int64)).tolist()
-            probs_rows = None
         else:
             raw = raw if isinstance(raw, np.ndarray) else _host_float32(raw)
-            rows = [st.request_id for st in samplers]
-            added = [st.row for st in samplers if st.request_id not in self.in_processors]
-            self.in_processors.update(rows)
-            update = BatchUpdate(added, removed, rows, rows != self.rows)
-            self.rows = rows
-            for processor in ctx.logits_processors:
-                processor.update_state(update)
-            x0 = raw[firsts]                       # a copy: the processors may edit it
-            for processor in ctx.logits_processors:
-                x0 = processor.apply(x0)
-            if self.guided is not None:
-                x0 = apply_guided(x0, self.guided, {rid: i for i, rid in enumerate(rows)}, ctx.eos_token_ids)
+            rows = self._update_processors(samplers, removed)
             x = raw.copy()
-            x[firsts] = x0
+            x[firsts] = self._processed(raw[firsts], rows)     # raw[firsts]: a copy the processors may edit
             params, prompts, outputs, ids = [], [], [], []
             for st, c in zip(samplers, counts):
                 drafts = self.drafts.get(st.request_id, [])
@@ -327,7 +351,10 @@ class DefaultModelRunner(ModelRunner):
                                   eos_token_ids=ctx.eos_token_ids, request_ids=ids)
             result = ctx.sampler.sample(x, batch, raw_logits=raw)
             tokens = [int(t) for t in result.token_ids]
-            probs_rows = (x, batch, result)
+            logprobs = list(result.logprobs)
+            for st, c, first in zip(samplers, counts, firsts.tolist()):
+                if st.request_id in self.draft_probs:
+                    self._rejection_sample(st, x, raw, batch, first, c, tokens, logprobs)
             if ctx.share_sampled is not None:
                 ctx.share_sampled(np.asarray(tokens, dtype=np.int64))
         for st, c, first in zip(samplers, counts, firsts.tolist()):
@@ -339,7 +366,7 @@ class DefaultModelRunner(ModelRunner):
             if ctx.rank != 0:
                 continue
             out.sampled[rid] = accepted[0]
-            lps = probs_rows[2].logprobs[first:first + len(accepted)]
+            lps = logprobs[first:first + len(accepted)]
             if lps[0] is not None:
                 out.logprobs[rid] = lps[0]
             if drafts:
