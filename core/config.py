@@ -157,6 +157,15 @@ class ServerConfig(_Section):
         return self
 
 
+class LoRAConfig(_Section):
+    enable_lora: bool = False                  # requests may name LoRA adapters (docs/lora.md)
+    max_loras: int = Field(1, gt=0)            # adapters loaded at once; one more evicts the least recently
+                                               # used idle one (all in use: the request is refused)
+    max_lora_rank: int = Field(16, gt=0)       # an adapter of a higher rank is refused at load
+    lora_modules: dict[str, str] = {}          # name -> adapter path, loaded at start (--lora-modules)
+    lora_loader: str = "peft"                  # adapter file format (fdx_register_lora_loaders)
+
+
 class ObservabilityConfig(_Section):
     observers: list[str] = []                  # observer plugins each engine builds (fdx_register_observers;
                                                # built-in: otel, settings plugins.observer.otel)
@@ -171,6 +180,7 @@ class FdxConfig(_Section):
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
+    lora: LoRAConfig = LoRAConfig()
     seed: int | None = 0
     # plugin settings: {kind: {name: {key: value}}}, validated by the plugin's Settings schema (when it
     # declares one) and handed to its constructor (core/assembly.py)
@@ -239,7 +249,7 @@ class FdxConfig(_Section):
                 for k, (s, f) in FLAT_KEYS.items()}
 
 
-SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "observability")
+SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "observability", "lora")
 
 # flat key -> (section, field); section "" means top level
 FLAT_KEYS: dict[str, tuple[str, str]] = {"seed": ("", "seed")}
