@@ -255,7 +255,8 @@ class EngineCore:
                 raise ConfigError("config key 'lora.lora_modules': adapters are given but lora.enable_lora "
                                   "is off (--enable-lora)")
             return None
-        from fdx.core.lora import LoRAManager, LoRARequest
+        from fdx.core.lora import LoRAManager, LoRARequest, make_loader
+        make_loader(self.config, self.plugins)     # a bad lora.lora_loader fails the start, naming the key
         manager = LoRAManager(self.config, self.executor.load_lora, self.executor.unload_lora)
         if len(lc.lora_modules) > lc.max_loras:
             log.info("%d LoRA modules for %d slots (lora.max_loras): the first %d are loaded now, the rest "

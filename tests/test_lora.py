@@ -200,33 +200,46 @@ def test_slots_evict_the_least_recently_used_idle_adapter(tiny):
         LLM(str(path), **ENGINE).generate([{"prompt_token_ids": PROMPTS[0]}], greedy(), lora_request=ra)
 
 
-def test_outside_loader_is_selected_by_config(tiny):
-    """A loader registered by a plugin (fdx_register_lora_loaders) reads the
-    adapters when lora.lora_loader names it: here one that serves a PEFT
-    folder with its B halved, so its delta is half adapter a's."""
-    from fdx.core.interfaces import LoRALoader
+@pytest.mark.slow
+def test_outside_loader_is_selected_by_config(tiny, tmp_path, monkeypatch):
+    """``lora.lora_loader`` names a loader an outside package registers
+    (tests/plugin_pkg's ``example-npz``): adapter a written in its format
+    runs bit for bit as the peft folder does; an unknown loader name is a
+    config error naming the key."""
+    from conftest import PLUGIN_PKG
+    from fdx.core.config import ConfigError
+    from fdx.core.plugins import BUILTIN_PLUGINS
     from fdx.plugins.lora.peft_loader import PeftLoader
-
-    class Halved(LoRALoader):
-        name = "halved"
-
-        def load(self, path):
-            w = PeftLoader().load(path)
-            w.scale /= 2
-            return w
-
-    class Plugin:
-        @hookimpl
-        def fdx_register_lora_loaders(self, register):
-            register("halved", Halved)
-    pm = PluginManager()
-    pm.add_plugin(Plugin(), name="halved-loader")
+    monkeypatch.syspath_prepend(str(PLUGIN_PKG))
+    from fdx_example_plugin.lora_loader import save_npz
+    path, a, _ = tiny
+    w = PeftLoader().load(a)
+    save_npz(str(tmp_path / "a-npz"), w.rank, w.scale, w.modules)
+    pm = PluginManager(builtins=BUILTIN_PLUGINS + ("fdx_example_plugin.lora_loader",), load_entry_points=False)
     tap = LogitsTap()
     pm.add_plugin(tap, name="tap")
-    path, a, _ = tiny
-    llm = LLM(str(path), plugins=pm, capture_logits=True, lora_loader="halved", **{**ENGINE, **LORA})
-    _, got = run(llm, tap, [PROMPTS[0]], [LoRARequest("a", 1, a)], n=1)
-    base = peft_logits(path, None, PROMPTS[0])[-1]
-    full = peft_logits(path, a, PROMPTS[0])[-1]
-    # not linear in the scale through the layers, but clearly between
-    assert np.abs(got[0][0] - full).max() > 1e-3 and np.abs(got[0][0] - base).max() > 1e-3
+    llm = LLM(str(path), plugins=pm, capture_logits=True, lora_loader="example-npz", **{**ENGINE, **LORA})
+    _, got = run(llm, tap, [PROMPTS[0]], [LoRARequest("a", 1, str(tmp_path / "a-npz"))])
+    ref, ref_tap = tapped(path, **LORA)
+    _, want = run(ref, ref_tap, [PROMPTS[0]], [LoRARequest("a", 1, a)])
+    assert np.array_equal(got[0], want[0])
+    with pytest.raises(ConfigError, match="lora.lora_loader"):
+        LLM(str(path), plugins=pm, lora_loader="no-such-loader", **{**ENGINE, **LORA})
+
+
+@pytest.mark.slow
+def test_tp2_gives_the_same_greedy_tokens(tiny):
+    """Two ranks, each holding its shard of both adapters (A of o_proj and
+    down_proj split by input, B of q/k/v and gate/up by output): the mixed
+    batch's greedy tokens equal TP 1's; a bad adapter is refused on every
+    rank with the reason."""
+    path, a, b = tiny
+    loras = [LoRARequest("a", 1, a), None, LoRARequest("b", 2, b)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **{**ENGINE, **LORA}).generate(prompts, greedy(6),
+                                                                                          lora_request=loras)]
+    with LLM(str(path), tensor_parallel_size=2, **{**ENGINE, **LORA}) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(6), lora_request=loras)]
+        with pytest.raises(ValueError, match="no such folder"):
+            llm.engine.load_lora_adapter(LoRARequest("gone", 3, a + "-gone"))
+    assert got == want
