@@ -220,6 +220,10 @@ class LoRAManager:
             self.acquire(req, use=False)
         self.known[req.lora_name] = req
 
+    def next_id(self) -> int:
+        """An id no known adapter has."""
+        return max((r.lora_int_id for r in self.known.values()), default=0) + 1
+
     def unregister(self, name: str) -> None:
         """Forget ``name`` and drop it from the ranks (KeyError when unknown,
         ValueError while a request uses it)."""

@@ -243,3 +243,79 @@ def test_tp2_gives_the_same_greedy_tokens(tiny):
         with pytest.raises(ValueError, match="no such folder"):
             llm.engine.load_lora_adapter(LoRARequest("gone", 3, a + "-gone"))
     assert got == want
+
+
+@pytest.mark.slow
+def test_http_model_field_load_and_unload(tiny, tmp_path):
+    """A real ``fdx serve --enable-lora --lora-modules`` (name=path and vLLM's
+    JSON form): /v1/models lists the adapters with their parent; the model
+    field picks the adapter (the same text as LLM.generate with it); load and
+    unload need the API key; a bad adapter is a 400 with the reason; an
+    unknown model name is a 404 as OpenAI's."""
+    import subprocess
+    import sys
+
+    import httpx
+    from serve_utils import API_KEY, free_port, terminate
+    path, a, b = tiny
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fdx.core.cli", "serve", "--model", str(path), "--port", str(port),
+         "--enable-lora", "--lora-modules", f"a={a}", json.dumps({"name": "b", "path": b}),
+         "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "128", "--num-kv-blocks", "64",
+         "--block-size", "4", "--set", f"server.api_key={API_KEY}", "--set", "server.log_level=warning"],
+        stdout=log, stderr=subprocess.STDOUT)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        for _ in range(360):
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            import time
+            time.sleep(0.5)
+        models = httpx.get(url + "/v1/models", headers=auth).json()["data"]
+        base = models[0]["id"]
+        assert [(m["id"], m["parent"]) for m in models] == [(base, None), ("a", base), ("b", base)]
+        assert models[1]["root"] == a
+
+        def complete(model):
+            r = httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={
+                "model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+            return r.status_code, r.json()
+        llm = LLM(str(path), **{**ENGINE, **LORA})
+        want = {lr: llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy(),
+                                 lora_request=None if lr is None else LoRARequest(lr, i + 1, (a, b)[i]))[0]
+                .outputs[0].text for i, lr in enumerate(["a", "b", None])}
+        for model, lr in (("a", "a"), ("b", "b"), (base, None)):
+            status, body = complete(model)
+            assert status == 200 and body["choices"][0]["text"] == want[lr], body
+        assert want["a"] != want[None]
+        status, body = complete("nope")
+        assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+
+        assert httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": a}).status_code == 401
+        r = httpx.post(url + "/v1/load_lora_adapter", headers=auth,
+                       json={"lora_name": "c", "lora_path": str(tmp_path / "missing")})
+        assert r.status_code == 400 and "no such folder" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/load_lora_adapter", headers=auth, json={"lora_name": "c"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+        r = httpx.post(url + "/v1/load_lora_adapter", headers=auth, json={"lora_name": "c", "lora_path": a},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert complete("c")[1]["choices"][0]["text"] == want["a"]      # a third adapter: one evicted, reloaded
+        assert complete("b")[1]["choices"][0]["text"] == want["b"]
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "c"}).status_code == 401
+        assert httpx.post(url + "/v1/unload_lora_adapter", headers=auth,
+                          json={"lora_name": "c"}).status_code == 200
+        assert complete("c")[0] == 404
+        assert httpx.post(url + "/v1/unload_lora_adapter", headers=auth,
+                          json={"lora_name": "c"}).status_code == 404
+        assert [m["id"] for m in httpx.get(url + "/v1/models", headers=auth).json()["data"]] == [base, "a", "b"]
+    finally:
+        terminate(proc, 30)
+        log.close()
