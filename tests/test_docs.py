@@ -43,7 +43,8 @@ def test_the_page_has_every_contract(doc_plugins):
                        ("kv_cache", "my-blocks"), ("logits_processor", "my-ban"), ("backend", "my-device"),
                        ("attention_backend", "my-dense"), ("connector", "my-counter"),
                        ("backend", "my-probing-device"), ("weight_format", "my-int8"), ("observer", "my-latency"),
-                       ("activation_function", "my-scale"), ("moe_router", "my-drop-last")]:
+                       ("activation_function", "my-scale"), ("moe_router", "my-drop-last"),
+                       ("lora_loader", "my-npz")]:
         assert name in pm.names(kind), (kind, name)
         assert pm.registries[kind][name].package == "local"
 
