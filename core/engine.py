@@ -257,6 +257,10 @@ class EngineCore:
             return None
         from fdx.core.lora import LoRAManager, LoRARequest, make_loader
         make_loader(self.config, self.plugins)     # a bad lora.lora_loader fails the start, naming the key
+        model = self.executor.model                # None under tensor parallel: the ranks' loads say it
+        if model is not None and not getattr(model, "supports_lora", False):
+            raise ConfigError(f"config key 'lora.enable_lora': {type(model).__name__} does not apply LoRA "
+                              "adapters (Model.supports_lora)")
         manager = LoRAManager(self.config, self.executor.load_lora, self.executor.unload_lora)
         if len(lc.lora_modules) > lc.max_loras:
             log.info("%d LoRA modules for %d slots (lora.max_loras): the first %d are loaded now, the rest "

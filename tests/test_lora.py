@@ -124,19 +124,21 @@ def test_mixed_batch_equals_peft_and_each_solo_run(tiny):
             assert np.abs(solo[0] - got).max() <= 4 * base_drift, (np.abs(solo[0] - got).max(), base_drift)
 
 
-def test_quantized_base_keeps_base_rows_bitwise(tiny):
-    """wint8 base weights with adapter a beside a base request: the base
-    request's logits equal an engine without LoRA bit for bit, and the
-    adapter's delta (float32, beside the int8 product) moves its request."""
+@pytest.mark.parametrize("quantization", ["wint8", "wint4", "q8_0"])
+def test_quantized_base_keeps_base_rows_bitwise(tiny, quantization):
+    """Quantized base weights (wint8/4; q8_0: GGUF blocks) with adapter a
+    beside a base request: the base request's logits equal an engine without
+    LoRA bit for bit, and the adapter's delta (float32, beside the quantized
+    product) moves its request to peft's within the quantization's error."""
     path, a, _ = tiny
-    plain, tap0 = tapped(path, quantization="wint8")
-    lora, tap1 = tapped(path, quantization="wint8", **LORA)
+    plain, tap0 = tapped(path, quantization=quantization)
+    lora, tap1 = tapped(path, quantization=quantization, **LORA)
     _, want = run(plain, tap0, PROMPTS[:2], [None, None])
     _, got = run(lora, tap1, PROMPTS[:2], [None, LoRARequest("a", 1, a)])
     assert np.array_equal(got[0], want[0])
     assert np.abs(got[1][0] - want[1][0]).max() > 1e-2
     ref = peft_logits(path, a, PROMPTS[1])[-1]
-    assert np.abs(got[1][0] - ref).max() < 0.1 * np.abs(ref).max()   # int8 rounding only
+    assert np.abs(got[1][0] - ref).max() < 0.15 * np.abs(ref).max()   # the base's rounding only
 
 
 def test_bad_adapters_are_refused_with_the_reason(tiny, tmp_path):
