@@ -18,8 +18,8 @@ import torch
 import transformers
 
 from fdx import LLM, LoRARequest, SamplingParams
-from fdx.core.hookspecs import hookimpl
 from fdx.core.plugins import PluginManager
+from test_activations import LogitsTap, tapped_llm
 from tiny_models import TinyLlama
 
 TINY = TinyLlama(vocab=64, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, max_len=128, seed=5,
@@ -69,20 +69,9 @@ def peft_logits(path, adapter: str | None, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-class LogitsTap:
-    def __init__(self):
-        self.rows: dict[str, list[np.ndarray]] = {}
-
-    @hookimpl
-    def fdx_step_finished(self, context):
-        for i, rid in enumerate(context.sampled_request_ids):
-            self.rows.setdefault(rid, []).append(np.array(context.logits[i]))
-
-
 def tapped(path, **kw):
-    tap, pm = LogitsTap(), PluginManager()
-    pm.add_plugin(tap, name="logits-tap")
-    return LLM(str(path), plugins=pm, capture_logits=True, **{**ENGINE, **kw}), tap
+    """An engine whose tap keeps each request's raw logits (test_activations')."""
+    return tapped_llm(path, **{**ENGINE, **kw})
 
 
 def greedy(n: int = 4) -> SamplingParams:
@@ -258,7 +247,7 @@ def test_http_model_field_load_and_unload(tiny, tmp_path):
     import sys
 
     import httpx
-    from serve_utils import API_KEY, free_port, terminate
+    from serve_utils import API_KEY, free_port, terminate, wait_for
     path, a, b = tiny
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -270,16 +259,15 @@ def test_http_model_field_load_and_unload(tiny, tmp_path):
          "--block-size", "4", "--set", f"server.api_key={API_KEY}", "--set", "server.log_level=warning"],
         stdout=log, stderr=subprocess.STDOUT)
     auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def healthy() -> bool:
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
     try:
-        for _ in range(360):
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            import time
-            time.sleep(0.5)
+        wait_for(healthy, 240, "fdx serve to answer /health")
         models = httpx.get(url + "/v1/models", headers=auth).json()["data"]
         base = models[0]["id"]
         assert [(m["id"], m["parent"]) for m in models] == [(base, None), ("a", base), ("b", base)]

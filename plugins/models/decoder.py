@@ -195,15 +195,12 @@ class DecoderForCausalLM(Model):
         shapes, m, s = self.lora_shapes(), adapter.modules, adapter.scale
         for i, layer in enumerate(self.layers):
             a, f = layer.attn, layer.mlp
-
-            def parts(names):
-                return [m.get((i, n)) for n in names], [shapes[n][0] for n in names]
             for held, names, rows, cols in (
                     (a.lora_qkv, ("q_proj", "k_proj", "v_proj"), a.qkv_rows, None),
                     (a.lora_o, ("o_proj",), None, a.o_cols),
                     (f.lora_gate_up, ("gate_proj", "up_proj"), f.gate_up_rows, None),
                     (f.lora_down, ("down_proj",), None, f.down_cols)):
-                slot = lora_slot(*parts(names), s, rows, cols)
+                slot = lora_slot([m.get((i, n)) for n in names], [shapes[n][0] for n in names], s, rows, cols)
                 if slot is not None:
                     held[name] = slot
 

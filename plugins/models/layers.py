@@ -392,7 +392,7 @@ def lora_slot(parts: list[tuple[np.ndarray, np.ndarray] | None], outs: list[int]
     ``cols`` of the input (row parallel). None when no part is targeted."""
     if all(p is None for p in parts):
         return None
-    a_t = np.concatenate([a.T for p in parts if p is not None for a in p[:1]], axis=1)
+    a_t = np.concatenate([p[0].T for p in parts if p is not None], axis=1)
     b_t = np.zeros((a_t.shape[1], sum(outs)), dtype=np.float32)
     r0, o0 = 0, 0
     for p, out in zip(parts, outs):
