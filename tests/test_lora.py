@@ -309,3 +309,17 @@ def test_http_model_field_load_and_unload(tiny, tmp_path):
     finally:
         terminate(proc, 30)
         log.close()
+
+
+def test_prefix_cache_keeps_adapters_apart(tiny):
+    """kv_cache prefix: the base model's blocks of a prompt are not reused for
+    the same prompt under an adapter (its KV differs): the adapter's run after
+    the base's equals its run on a fresh engine, bit for bit."""
+    path, a, _ = tiny
+    prompt, ra = list(range(3, 30)), LoRARequest("a", 1, a)
+    llm, tap = tapped(path, kv_cache="prefix", **LORA)
+    base_tokens, _ = run(llm, tap, [prompt], [None])
+    tokens, got = run(llm, tap, [prompt], [ra])
+    fresh, fresh_tap = tapped(path, kv_cache="prefix", **LORA)
+    want_tokens, want = run(fresh, fresh_tap, [prompt], [ra])
+    assert tokens == want_tokens != base_tokens and np.array_equal(got[0], want[0])
