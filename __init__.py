@@ -68,7 +68,7 @@ _warnings.filterwarnings("ignore", message="No ccache found", category=UserWarni
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
-           "__version__"]
+           "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):
@@ -83,4 +83,7 @@ def __getattr__(name: str):
     if name == "BeamSearchParams":
         from fdx.core.beam_search import BeamSearchParams
         return BeamSearchParams
+    if name == "LoRARequest":
+        from fdx.core.lora import LoRARequest
+        return LoRARequest
     raise AttributeError(name)

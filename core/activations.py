@@ -242,8 +242,9 @@ class StepActivations:
         self.spans: dict[tuple[str, int], list[_Span]] = {}
         self.request_spans: dict[int, list[tuple[int, int]]] = {}   # layer -> rows of requests hooked
                                                                      # at attn_out / mlp_out there
-        for rid, r0, n, p0, spec in zip(layout.request_ids, layout.row_starts, layout.num_rows,
+        for rid, r0, n, p0, args in zip(layout.request_ids, layout.row_starts, layout.num_rows,
                                         layout.start_positions, layout.model_args):
+            spec = getattr(args, "activations", None)       # a ModelArgs entry (core/interfaces.py)
             if not isinstance(spec, ActivationSpec):
                 continue
             for h in spec.hooks:

@@ -195,6 +195,15 @@ class SpeculativeConfig(_Section):
         return (lo or hi), (hi or lo)
 
 
+class LoRAConfig(_Section):
+    enable_lora: bool = False                  # requests may name LoRA adapters (docs/lora.md)
+    max_loras: int = Field(1, gt=0)            # adapters loaded at once; one more evicts the least recently
+                                               # used idle one (all in use: the request is refused)
+    max_lora_rank: int = Field(16, gt=0)       # an adapter of a higher rank is refused at load
+    lora_modules: dict[str, str] = {}          # name -> adapter path, loaded at start (--lora-modules)
+    lora_loader: str = "peft"                  # adapter file format (fdx_register_lora_loaders)
+
+
 class ObservabilityConfig(_Section):
     observers: list[str] = []                  # observer plugins each engine builds (fdx_register_observers;
                                                # built-in: otel, settings plugins.observer.otel)
@@ -210,6 +219,7 @@ class FdxConfig(_Section):
     server: ServerConfig = ServerConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    lora: LoRAConfig = LoRAConfig()
     seed: int | None = 0
     # plugin settings: {kind: {name: {key: value}}}, validated by the plugin's Settings schema (when it
     # declares one) and handed to its constructor (core/assembly.py)
@@ -281,7 +291,7 @@ class FdxConfig(_Section):
 SPECULATIVE_ALIASES = {"max_ngram_size": "prompt_lookup_max", "min_ngram_size": "prompt_lookup_min"}
 
 SECTIONS = ("model", "cache", "scheduler", "backend", "decoding", "parallel", "server", "observability",
-            "speculative")
+            "speculative", "lora")
 
 # flat key -> (section, field); section "" means top level
 FLAT_KEYS: dict[str, tuple[str, str]] = {"seed": ("", "seed")}

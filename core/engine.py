@@ -126,6 +126,8 @@ class EngineCore:
         self.last_stats: StepStats | None = None
         self.last_schedule = None                  # the last step's SchedulerOutput
         self._ids = itertools.count()
+        self.lora = self._lora_manager()           # None unless lora.enable_lora
+        self._lora_users: dict[str, str] = {}      # request id -> the adapter it holds (LoRAManager.acquire)
 
     def build_parts(self, config: FdxConfig, num_blocks: int) -> dict:
         """The KV cache, connector and scheduling core for ``config`` (with
@@ -249,6 +251,50 @@ class EngineCore:
                 f"{need_per_seq} or lower max_model_len")
         return cc.num_kv_blocks
 
+    def _lora_manager(self):
+        """lora.enable_lora: the adapter manager over the executor, with
+        ``lora.lora_modules`` loaded (a bad one fails the start, saying why)."""
+        lc = self.config.lora
+        if not lc.enable_lora:
+            if lc.lora_modules:
+                raise ConfigError("config key 'lora.lora_modules': adapters are given but lora.enable_lora "
+                                  "is off (--enable-lora)")
+            return None
+        from fdx.core.lora import LoRAManager, LoRARequest, make_loader
+        make_loader(self.config, self.plugins)     # a bad lora.lora_loader fails the start, naming the key
+        model = self.executor.model                # None under tensor parallel: the ranks' loads say it
+        if model is not None and not getattr(model, "supports_lora", False):
+            raise ConfigError(f"config key 'lora.enable_lora': {type(model).__name__} does not apply LoRA "
+                              "adapters (Model.supports_lora)")
+        manager = LoRAManager(self.config, self.executor.load_lora, self.executor.unload_lora)
+        if len(lc.lora_modules) > lc.max_loras:
+            log.info("%d LoRA modules for %d slots (lora.max_loras): the first %d are loaded now, the rest "
+                     "on first use", len(lc.lora_modules), lc.max_loras, lc.max_loras)
+        for i, (name, path) in enumerate(lc.lora_modules.items()):
+            try:
+                manager.register(LoRARequest(name, i + 1, path), load_now=i < lc.max_loras)
+            except ValueError as e:
+                raise ConfigError(f"config key 'lora.lora_modules': {name}: {e}") from None
+        return manager
+
+    def load_lora_adapter(self, request: "LoRARequest") -> None:
+        """Know and load ``request``'s adapter now (/v1/load_lora_adapter):
+        ValueError saying why a bad one is refused."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need lora.enable_lora (--enable-lora)")
+        self.lora.register(request, load_now=True)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` (KeyError: unknown; ValueError: in use)."""
+        if self.lora is None:
+            raise KeyError(name)
+        self.lora.unregister(name)
+
+    def _release_lora(self, req: Request) -> None:
+        name = self._lora_users.pop(req.request_id, None)
+        if name is not None:
+            self.lora.release(name)
+
     # -- requests -------------------------------------------------------------
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -256,8 +302,10 @@ class EngineCore:
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None, prompt: str | None = None,
                      priority: int = 0, cache_salt: str | None = None,
-                     trace_headers: dict[str, str] | None = None) -> Request:
-        """Validate and build a request (raises ValueError naming the problem)."""
+                     trace_headers: dict[str, str] | None = None, lora_request: Any = None) -> Request:
+        """Validate and build a request (raises ValueError naming the problem).
+        ``lora_request``: a fdx.core.lora.LoRARequest, or the name of an adapter
+        the engine knows (its KV blocks are shared only with the same adapter's)."""
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
         if self.task == "embed":        # a pooling request: one prefill, its pooled hidden state, done
@@ -276,10 +324,29 @@ class EngineCore:
         activations.check(activations.parse(params.activations), self.model if self.model is not None else self.shape,
                           lambda name: self.plugins.get("activation_function", name))
         prompt_token_ids = [int(t) for t in prompt_token_ids]
-        return Request(request_id or self.new_request_id(), prompt_token_ids, params,
-                       prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len, cache_salt=cache_salt, pooling=self.task == "embed",
-                       trace_headers=trace_headers)
+        if lora_request is not None:
+            lora_request = self._lora_request(lora_request)
+            cache_salt = f"lora:{lora_request.lora_name}" + ("" if cache_salt is None else f":{cache_salt}")
+        req = Request(request_id or self.new_request_id(), prompt_token_ids, params,
+                      prompt=prompt, priority=priority, eos_token_ids=self.eos_token_ids,
+                      max_model_len=self.max_model_len, cache_salt=cache_salt, pooling=self.task == "embed",
+                      trace_headers=trace_headers)
+        req.lora_request = lora_request
+        return req
+
+    def _lora_request(self, lora_request: Any):
+        """A LoRARequest, or the one the engine knows by that name."""
+        from fdx.core.lora import LoRARequest
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA adapters need lora.enable_lora (--enable-lora)")
+        if isinstance(lora_request, str):
+            known = self.lora.known.get(lora_request)
+            if known is None:
+                raise ValueError(f"lora_request: no LoRA adapter named {lora_request!r} is loaded")
+            return known
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError("lora_request must be a LoRARequest or an adapter name")
+        return lora_request
 
     def add_request(self, request: Request) -> Request:
         """Queue a request from make_request; a constrained one starts its
@@ -291,6 +358,9 @@ class EngineCore:
         rid = request.request_id
         if any(r.request_id == rid for r in self.resource_manager.requests()):
             raise ValueError(f"request id {rid!r} is already in the engine")
+        if request.lora_request is not None:     # loaded (or refused) before anything else holds it
+            self.lora.acquire(request.lora_request)
+            self._lora_users[rid] = request.lora_name
         self.guided.add(rid, request.sampling_params)
         self.token_processor.start(request)
         if self.speculation is not None:
@@ -305,6 +375,7 @@ class EngineCore:
         self.guided.remove(request_id)          # a compile it alone waits for is cancelled
         req = self.resource_manager.abort_request(request_id)
         if req is not None:
+            self._release_lora(req)
             self._finished(req)
         return req
 
@@ -323,6 +394,7 @@ class EngineCore:
         self.guided.remove(request_id)
         req = self.resource_manager.abort_request(request_id)
         if req is not None:
+            self._release_lora(req)
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_reason
             if num_output_tokens is not None:
                 del req.output_token_ids[num_output_tokens:]
@@ -411,6 +483,7 @@ class EngineCore:
         finished = [r for r in changed if r.is_finished]
         for req in finished:
             self.guided.remove(req.request_id)
+            self._release_lora(req)
         stats = StepStats(
             step=self.step_count, num_running=rm.num_running, num_waiting=rm.num_waiting,
             num_scheduled_tokens=sched.total_num_scheduled_tokens,

@@ -74,13 +74,10 @@ FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "--download-dir": ((), "fdx loads local files only and downloads nothing"),
     "--max-num-partial-prefills": ((), "fdx has no partial-prefill limit; --max-num-batched-tokens bounds the "
                                        "prompt tokens of one step"),
-    "--enable-lora": ((), "fdx serves no LoRA adapters"),
     "--engine-worker-queue-port": ((), "fdx's engine talks to its API process over private ipc:// sockets"),
     "--cache-queue-port": ((), "fdx's engine talks to its API process over private ipc:// sockets"),
     "--metrics-port": ((), "fdx serves /metrics on --port"),
     "--enable-mm": ((), "fdx serves text models only"),
-    "--lora-modules": ((), "fdx serves no LoRA adapters yet; merge the adapter into the weights and serve that "
-                           "folder"),
     "--max-logprobs": (("20",), "fdx bounds logprobs and prompt_logprobs at 20 per token, fixed"),
     "--enable-log-requests": (("",), "fdx logs no request contents; each request's id, status and timings are "
                                      "in its trace (observability.observers: [otel], docs/observability.md)"),
@@ -103,7 +100,7 @@ FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-_SWITCHES = {"--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--enable-lora", "--enable-mm",
+_SWITCHES = {"--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--enable-mm",
              "--enable-log-requests", "--enable-request-id-headers", "--return-tokens-as-token-ids",
              "--enable-logprob", "--enable-expert-parallel"}
 
@@ -172,6 +169,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="vLLM: trace each request to this OTLP/HTTP collector (= observability.observers: [otel] "
                         "and plugins.observer.otel.endpoint: URL; needs fdx[otel]; default: no tracing)")
+    p.add_argument("--enable-lora", dest="enable_lora", action="store_const", const=True, default=None,
+                   help="vLLM: requests may name LoRA adapters (lora.enable_lora; default: off; docs/lora.md)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="vLLM: LoRA adapters loaded at start, as name=path or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ...}' (lora.lora_modules; needs --enable-lora; default: none)")
+    p.add_argument("--max-loras", type=int, default=None, dest="max_loras",
+                   help="vLLM: LoRA adapters loaded at once (lora.max_loras; default: 1)")
+    p.add_argument("--max-lora-rank", type=int, default=None, dest="max_lora_rank",
+                   help="vLLM: the highest adapter rank accepted (lora.max_lora_rank; default: 16)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="vLLM/FastDeploy: accepted and ignored: fdx runs no code from a model's folder "
                         "(default: off, and on changes nothing)")
@@ -219,11 +225,38 @@ def _structured_outputs_backend(text: str) -> str:
     return _guided_backend(backend)
 
 
+def _lora_modules(items: list[str]) -> dict[str, str]:
+    """vLLM's --lora-modules entries, ``name=path`` or a JSON object with
+    ``name`` and ``path`` (``base_model_name`` accepted): {name: path}."""
+    import json
+    out: dict[str, str] = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                value = json.loads(item)
+            except ValueError as e:
+                raise ConfigError(f"--lora-modules {item}: not JSON ({e})") from None
+            unknown = sorted(set(value) - {"name", "path", "base_model_name"}) if isinstance(value, dict) else []
+            if not isinstance(value, dict) or unknown or not isinstance(value.get("name"), str) \
+                    or not isinstance(value.get("path"), str):
+                raise ConfigError(f"--lora-modules {item}: a JSON entry is an object with 'name' and 'path' "
+                                  f"(and 'base_model_name'){f'; {unknown[0]!r} is not one' if unknown else ''}")
+            name, path = value["name"], value["path"]
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules {item}: expected name=path or a JSON object")
+        if name in out:
+            raise ConfigError(f"--lora-modules: {name!r} is given twice")
+        out[name] = path
+    return out
+
+
 def _overrides(args) -> dict:
     check_foreign_flags(args)
     out = {}
     keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "enable_chunked_prefill", "model_runner",
-            *(key for key, _, _ in _ALIAS_FLAGS.values()))
+            "enable_lora", "max_loras", "max_lora_rank", *(key for key, _, _ in _ALIAS_FLAGS.values()))
     for key in keys:
         v = getattr(args, key, None)
         if v is not None:
@@ -236,6 +269,8 @@ def _overrides(args) -> dict:
         out["guided_backend"] = _structured_outputs_backend(args.structured_outputs_config)
     if getattr(args, "speculative_config", None) is not None:
         out["speculative_config"] = args.speculative_config     # JSON text: checked by FdxConfig.build
+    if getattr(args, "lora_modules", None):
+        out["lora.lora_modules"] = _lora_modules(args.lora_modules)
     if getattr(args, "otlp_traces_endpoint", None) is not None:
         out["observability.observers"] = ["otel"]
         out["plugins.observer.otel.endpoint"] = args.otlp_traces_endpoint

@@ -59,6 +59,16 @@ class UniProcExecutor(Executor):
     def last_step_taps(self) -> dict[str, Any]:
         return self.runner.last_step_taps()
 
+    def load_lora(self, name: str, path: str) -> None:
+        from fdx.core.lora import make_loader, read_adapter
+        config = self.assembly.config
+        adapter = read_adapter(make_loader(config, self.assembly.plugins), path, self.model,
+                               config.lora.max_lora_rank)
+        self.model.load_lora(name, adapter)
+
+    def unload_lora(self, name: str) -> None:
+        self.model.unload_lora(name)
+
     def weight_bytes(self) -> dict[str, int]:
         from fdx.core.checkpoint.model import held_weight_bytes
         return held_weight_bytes(self.model)

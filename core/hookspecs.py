@@ -140,6 +140,15 @@ def fdx_register_weight_formats(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_lora_loaders(register: Register) -> None:
+    """Register LoRA adapter loaders (``LoRALoader`` subclasses) by name:
+    a file format for adapters. ``config.lora.lora_loader`` picks one
+    (built-in: ``peft``, a PEFT safetensors folder); it runs on every rank
+    where the model runs, and what it returns is checked against the model
+    by the engine (docs/lora.md)."""
+
+
+@hookspec
 def fdx_register_moe_routers(register: Register) -> None:
     """Register mixture-of-experts routers: classes constructed once per
     model as ``cls(moe_config, settings)`` (the model's ``MoeConfig``:

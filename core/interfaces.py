@@ -45,6 +45,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]                 # the whole block table, in token order
     num_computed_tokens: int             # tokens whose KV is already in those blocks (a prefix hit)
+    lora_name: str | None = None         # the LoRA adapter it runs with (loaded on every rank), None: the base
 
 
 @dataclass(slots=True)
@@ -949,6 +950,31 @@ class WeightFormat(abc.ABC):
         return self.name
 
 
+class LoRALoader(abc.ABC):
+    """Reads a LoRA adapter in one file format (``fdx_register_lora_loaders``;
+    ``lora.lora_loader`` picks one, built-in ``peft``: a PEFT folder with
+    adapter_config.json and adapter_model.safetensors). Constructed as
+    ``cls(settings)``; runs wherever the model runs (every tensor parallel
+    rank), never in the API process.
+
+    ``load`` returns a ``fdx.core.lora.LoRAWeights``: per (layer, module)
+    float32 ``A [r, in]`` and ``B [out, r]`` and the adapter's scale, module
+    names as Hugging Face's (``q_proj`` ... ``down_proj``). The engine then
+    checks it against the model (shapes, known modules, layers, rank at most
+    ``lora.max_lora_rank``) whatever the loader; a file the loader cannot
+    read (missing, malformed, an option it does not support) is a
+    ``ValueError`` saying which file and why."""
+
+    name: str = ""
+
+    def __init__(self, settings: Any = None):
+        self.settings = settings if settings is not None else {}
+
+    @abc.abstractmethod
+    def load(self, path: str) -> Any:
+        """The adapter at ``path`` (a folder or file, as the format has it)."""
+
+
 # =============================================================================
 # Model: a causal language model the runner drives
 # =============================================================================
@@ -1007,6 +1033,27 @@ class Model(abc.ABC):
     #: as (layer output, residual)). A request that asks a model which says False
     #: is refused with an error naming the field.
     supports_activation_hooks: bool = False
+    #: True when the model applies LoRA adapters (``load_lora`` / ``unload_lora``
+    #: and ``lora_shapes``; in forward, ``meta.lora``, a fdx.core.lora.StepLoRA, adds
+    #: each adapter's delta to its requests' rows of every linear it targets). A
+    #: config with ``lora.enable_lora`` over a model that says False is a ConfigError.
+    supports_lora: bool = False
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """The unsharded ``(out_features, in_features)`` of each module an
+        adapter may target (``q_proj``, ``k_proj``, ... ``down_proj``), the
+        same in every layer: what a loaded adapter is checked against."""
+        raise NotImplementedError(f"{type(self).__name__} does not apply LoRA adapters")
+
+    def load_lora(self, name: str, adapter: Any) -> None:
+        """Hold ``adapter`` (a checked fdx.core.lora.LoRAWeights) as ``name``,
+        this rank's shard of it (A of a row-parallel module split by input,
+        B of a column-parallel one by output, as the base weights)."""
+        raise NotImplementedError(f"{type(self).__name__} does not apply LoRA adapters")
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name`` (no request of a step uses it any more)."""
+        raise NotImplementedError(f"{type(self).__name__} does not apply LoRA adapters")
 
     @classmethod
     def parse_config(cls, config: dict) -> Any:
@@ -1213,12 +1260,24 @@ class BatchLayout:
     num_rows: tuple[int, ...]           # request i's rows this step
     start_positions: tuple[int, ...]    # position of request i's first row this step
     sample_rows: tuple[int, ...]        # the rows whose logits are computed, in logits order
-    model_args: tuple[Any, ...]         # per request: its model arguments (``ActivationSpec`` when it
-                                        # asked for activation hooks: fdx.core.activations), None when none
+    model_args: tuple[Any, ...]         # per request: its ``ModelArgs`` (activation hooks, LoRA adapter),
+                                        # None when it has neither
 
     def rows_of(self, request_id: str) -> range:
         i = self.request_ids.index(request_id)
         return range(self.row_starts[i], self.row_starts[i] + self.num_rows[i])
+
+
+@dataclass(slots=True, frozen=True)
+class ModelArgs:
+    """One request's model arguments (a ``BatchLayout.model_args`` entry):
+    what the forward does for its rows only."""
+    activations: Any = None             # fdx.core.activations.ActivationSpec, or None
+    lora: str | None = None             # the name of its LoRA adapter (Model.load_lora), or None
+
+    @staticmethod
+    def of(activations: Any = None, lora: str | None = None) -> "ModelArgs | None":
+        return None if activations is None and lora is None else ModelArgs(activations, lora)
 
 
 @dataclass(slots=True)
@@ -1241,6 +1300,9 @@ class AttentionContext:
     # fdx.core.activations.StepActivations built from ``layout`` when a request of the step has activation
     # hooks (a model with ``supports_activation_hooks`` calls its ``apply`` at the named points)
     activations: Any = None
+    # fdx.core.lora.StepLoRA when a request of the step runs with a LoRA adapter (else None): the rows of
+    # each adapter, grouped (a model with ``supports_lora`` calls its ``delta`` after each targeted linear)
+    lora: Any = None
 
     @property
     def positions(self) -> Any:
@@ -1492,6 +1554,17 @@ class Executor(abc.ABC):
     def last_step_taps(self) -> dict[str, Any]:
         """Rank 0's runner's ``last_step_taps`` for the last step."""
         return {}
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the LoRA adapter at ``path`` as ``name`` on every rank
+        (``lora.lora_loader`` reads it, fdx.core.lora checks it against the
+        model and ``lora.max_lora_rank``, each rank keeps its shard). A bad
+        adapter is a ValueError saying why, and no rank keeps any of it."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name`` on every rank."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of weights held, by kind, summed over the ranks."""

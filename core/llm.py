@@ -76,7 +76,9 @@ class LLM:
     # -- generate ------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: Any = None) -> list[RequestOutput]:
+        """``lora_request``: a fdx.core.lora.LoRARequest for every prompt, or a
+        list of them (None entries: the base model), as vLLM's (docs/lora.md)."""
         if self.engine.task == "embed":
             raise ValueError("this LLM runs model.task=embed: it embeds (LLM.embed), it does not generate; "
                              "build it with task='generate' to generate")
@@ -86,8 +88,11 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params(chat=False)
         params = self._params_list(sampling_params, len(prompts))
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request entries for {len(prompts)} prompts")
         # validate everything before queueing anything
-        staged = [self._stage(p, sp) for p, sp in zip(prompts, params)]
+        staged = [self._stage(p, sp, lr) for p, sp, lr in zip(prompts, params, loras)]
         return self._run(staged, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -176,7 +181,7 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
         return sp
 
-    def _stage(self, prompt: PromptType, sp: SamplingParams) -> list[Request]:
+    def _stage(self, prompt: PromptType, sp: SamplingParams, lora_request: Any = None) -> list[Request]:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict):
@@ -198,16 +203,24 @@ class LLM:
         eng.guided.validate(sp)
         base = eng.new_request_id()
         children = split_n(sp)                  # the one n / seed rule (core/output.py), as the server's
-        return [eng.make_request(ids, child, request_id=base if sp.n == 1 else f"{base}-{i}", prompt=text)
+        return [eng.make_request(ids, child, request_id=base if sp.n == 1 else f"{base}-{i}", prompt=text,
+                                 lora_request=lora_request)
                 for i, child in enumerate(children)]
 
     def _run(self, staged: list[list[Request]], use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine
         outputs = OutputProcessor(eng)          # text, stop strings, logprob text: not the engine's
-        for group in staged:
-            for i, req in enumerate(group):
-                eng.add_request(req)
-                outputs.add(req, index=i)
+        added = []
+        try:
+            for group in staged:
+                for i, req in enumerate(group):
+                    eng.add_request(req)        # a LoRA adapter that cannot load is refused here
+                    added.append(req.request_id)
+                    outputs.add(req, index=i)
+        except BaseException:
+            for rid in added:
+                eng.abort_request(rid)
+            raise
         pending = {req.request_id for group in staged for req in group}
         bar = None
         if use_tqdm:

@@ -21,6 +21,7 @@ class EngineAdd(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: dict[str, Any]                   # SamplingParams fields (stop strings stay in the API)
     trace: dict[str, str] = {}               # x-request-id, W3C traceparent / tracestate (Request.trace_headers)
+    lora: str | None = None                  # the LoRA adapter it runs with (the request's model field), by name
 
 
 class EngineAbort(msgspec.Struct, tag="abort"):
@@ -36,6 +37,20 @@ class EngineAbort(msgspec.Struct, tag="abort"):
 
 class EngineShutdown(msgspec.Struct, tag="shutdown"):
     pass
+
+
+class EngineLoRA(msgspec.Struct, tag="lora"):
+    """Load (``path`` set) or unload a LoRA adapter (/v1/load_lora_adapter,
+    /v1/unload_lora_adapter): answered with ``EngineLoRADone``, or
+    ``EngineRejected`` (400: a bad adapter, with the reason; 404: unknown)
+    under the same ``call_id``."""
+    call_id: str
+    name: str
+    path: str | None = None
+
+
+class EngineLoRADone(msgspec.Struct, tag="lora_done"):
+    call_id: str
 
 
 class SeqDelta(msgspec.Struct, array_like=True):
@@ -114,8 +129,8 @@ class EngineHeartbeat(msgspec.Struct, tag="beat"):
     step_s: float = 0.0                      # how long the step now running has run (0: none running)
 
 
-ToEngine = EngineAdd | EngineAbort | EngineShutdown
-FromEngine = EngineOutputs | EngineRejected | EngineReady | EngineFailed | EngineHeartbeat
+ToEngine = EngineAdd | EngineAbort | EngineShutdown | EngineLoRA
+FromEngine = EngineOutputs | EngineRejected | EngineReady | EngineFailed | EngineHeartbeat | EngineLoRADone
 
 _encoder = msgspec.msgpack.Encoder()
 

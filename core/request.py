@@ -77,6 +77,11 @@ class Request:
     pooled: object | None = None                 # a pooling request's embedding: float32 numpy [hidden]
     activations: dict | None = None              # what its activation hooks captured: {"point.layer":
                                                  # {position: float32 row}} (fdx.core.activations.keep)
+    lora_request: object | None = None           # its fdx.core.lora.LoRARequest (EngineCore.lora), None: base
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -357,7 +357,7 @@ class SchedulingCore:
         if sent is None:
             out.new_requests.append(NewRequestData(
                 rid, list(request.prompt_token_ids), list(request.output_token_ids), request.sampling_params,
-                list(table), request.num_computed_tokens))
+                list(table), request.num_computed_tokens, request.lora_name))
         else:
             out.cached_requests.append(CachedRequestData(rid, list(table[sent:]), request.num_computed_tokens))
         self.in_runner[rid] = len(table)

@@ -44,7 +44,7 @@ def test_the_page_has_every_contract(doc_plugins):
                        ("attention_backend", "my-dense"), ("connector", "my-counter"),
                        ("backend", "my-probing-device"), ("weight_format", "my-int8"), ("observer", "my-latency"),
                        ("activation_function", "my-scale"), ("moe_router", "my-drop-last"),
-                       ("proposer", "my-repeat")]:
+                       ("proposer", "my-repeat"), ("lora_loader", "my-npz")]:
         assert name in pm.names(kind), (kind, name)
         assert pm.registries[kind][name].package == "local"
 

@@ -88,8 +88,10 @@ def rejection(msg: EngineRejected) -> APIError:
 
 class RequestGroup:
     def __init__(self, server: "Server", seqs: list[SequenceState], engine_params: list[dict],
-                 prefix: str = "", trace: dict[str, str] | None = None, log: dict | None = None):
+                 prefix: str = "", trace: dict[str, str] | None = None, log: dict | None = None,
+                 lora: str | None = None):
         self.server = server
+        self.lora = lora                          # the LoRA adapter the request's model field named
         self.seqs = seqs
         self.engine_params = engine_params
         self.prefix = prefix                      # the engine ids' stem: the request id (unique in flight)
@@ -108,9 +110,10 @@ class RequestGroup:
         srv.num_queued += len(self.seqs)
         srv.metrics.api_in_flight.set(len(srv.groups))
         try:
+            extra = {} if self.lora is None else {"lora": self.lora}
             for seq, params in zip(self.seqs, self.engine_params):
                 srv.engine.add(seq.request_id, seq.prompt_token_ids, params,
-                               lambda msg, seq=seq: self.queue.put_nowait((seq, msg)), trace=self.trace)
+                               lambda msg, seq=seq: self.queue.put_nowait((seq, msg)), trace=self.trace, **extra)
         except Exception:
             self.close()
             raise
@@ -221,6 +224,16 @@ class Server:
         self.sc = config.server
         self.names = model_names(config)
         self.model_name = self.names[0]
+        # LoRA adapters a request's model field may name: name -> path (lora.lora_modules, then
+        # /v1/load_lora_adapter; the engine loads them, up to lora.max_loras at a time)
+        self.loras: dict[str, str] = dict(config.lora.lora_modules)
+        if config.lora.enable_lora and config.scheduler.request_scheduler != "local":
+            raise ConfigError("config key 'lora.enable_lora': LoRA adapters run with scheduler.request_scheduler "
+                              "local only")
+        for name in self.loras:
+            if name in self.names:
+                raise ConfigError(f"config key 'lora.lora_modules': adapter name {name!r} is the served "
+                                  "model's name")
         self.metrics = ServerMetrics(self.model_name)
         # the plugins this process looks up (no Paddle here: docs/serving.md), loaded
         # now, before uvicorn installs its signal handlers
@@ -307,10 +320,16 @@ class Server:
             self.uvicorn.should_exit = True
 
     # -- admission ------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.names:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter the request's model field names, None for the base
+        model; 404 (OpenAI's model_not_found) for a name this server does not serve."""
+        if name is None or name in self.names:
+            return None
+        if name in self.loras:
+            return name
+        served = ", ".join(repr(n) for n in [self.model_name, *self.loras])
+        raise APIError(404, f"the model '{name}' does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
 
     def admit(self, num_seqs: int) -> None:
         if self.engine.dead:
@@ -362,7 +381,7 @@ class Server:
             raise APIError(400, str(e), param=param, code=e.code) from None
 
     def make_group(self, prompts: list[tuple[str | None, list[int]]], sp: SamplingParams,
-                   prefix: str, http_request: Request | None = None) -> RequestGroup:
+                   prefix: str, http_request: Request | None = None, lora: str | None = None) -> RequestGroup:
         """The engine requests of one HTTP request: ids ``<request id>-<choice
         index>``; ``<request id>.<6 hex>-<index>`` for an id already in flight
         here, and always under a shared request scheduler (its queue holds the
@@ -380,7 +399,7 @@ class Server:
                 engine_side.update(stop=[], detokenize=False)   # text and stop strings: this process
                 params.append(engine_side)
         scope = http_request.scope if http_request is not None else {}
-        return RequestGroup(self, seqs, params, prefix, scope.get("fdx.trace"), scope.get("fdx.log"))
+        return RequestGroup(self, seqs, params, prefix, scope.get("fdx.trace"), scope.get("fdx.log"), lora)
 
     def content_as_text(self, req) -> bool:
         """Whether special-token text in the messages' content is tokenized as
@@ -410,7 +429,7 @@ class Server:
                            "/v1/embeddings, not generation requests", param="model", code="wrong_task")
 
     async def completions(self, req: CompletionRequest, http_request: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_generates()
         bad = req.unsupported()
         if bad:
@@ -427,10 +446,10 @@ class Server:
         for _, ids in prompts:
             self.check_prompt(ids)
         sp = await self.tokenize_bad_words(sp)
-        return await self._serve(req, http_request, prompts, sp, "cmpl", chat=False)
+        return await self._serve(req, http_request, prompts, sp, "cmpl", chat=False, lora=lora)
 
     async def chat_completions(self, req: ChatCompletionRequest, http_request: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_generates()
         bad = req.unsupported()
         if bad:
@@ -450,7 +469,8 @@ class Server:
         sp = self.sampling_params(kwargs)
         self.check_prompt(ids, param="messages")
         sp = await self.tokenize_bad_words(sp)
-        return await self._serve(req, http_request, [(text, ids)], sp, "chatcmpl", chat=True, outputs=outputs)
+        return await self._serve(req, http_request, [(text, ids)], sp, "chatcmpl", chat=True, outputs=outputs,
+                                 lora=lora)
 
     def chat_outputs(self, req, plan, prompt: str, kwargs: dict[str, Any]):
         """core/chat_output.py's choice_outputs over this server's parsers (a 400 naming the field)."""
@@ -461,7 +481,7 @@ class Server:
             raise APIError(400, e.message, param=e.param) from None
 
     async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, kind: str, chat: bool,
-                     outputs=None):
+                     outputs=None, lora: str | None = None):
         # the request id (X-Request-Id, or the one edge.GuardMiddleware made): the response's id is
         # <kind>-<id>, as vLLM's; the engine's ids <id>-<choice index>; the log line names it
         request_id = http_request.scope.get("fdx.request_id") or secrets.token_hex(16)
@@ -476,7 +496,7 @@ class Server:
                 sp = dataclasses.replace(sp, max_tokens=room)
         sp = security.check_token_budget(sp, [len(ids) for _, ids in prompts], self.max_model_len,
                                          self.sc.max_tokens_per_request)
-        group = self.make_group(prompts, sp, request_id, http_request)
+        group = self.make_group(prompts, sp, request_id, http_request, lora)
         if outputs is not None:
             for s in group.seqs:
                 s.chat_output = outputs()
@@ -635,9 +655,59 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "fdx",
-            "root": server.config.model.model or DEFAULT_MODEL_NAME, "max_model_len": server.max_model_len}]}
+        base = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "fdx",
+                "root": server.config.model.model or DEFAULT_MODEL_NAME, "parent": None,
+                "max_model_len": server.max_model_len}
+        adapters = [{"id": name, "object": "model", "created": server.created, "owned_by": "fdx", "root": path,
+                     "parent": server.model_name, "max_model_len": server.max_model_len}
+                    for name, path in server.loras.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(http_request: Request):
+        body = await lora_body(http_request, ("lora_name", "lora_path"))
+        name, path = body["lora_name"], body["lora_path"]
+        if name in server.names:
+            raise APIError(400, f"the LoRA adapter name {name!r} is the served model's name", param="lora_name")
+        if name in server.loras:
+            raise APIError(400, f"the LoRA adapter {name!r} is already loaded", param="lora_name")
+        refused = await server.engine.lora(name, path)
+        if refused is not None:
+            raise APIError(refused.status, refused.message, param="lora_path" if refused.status == 400 else None)
+        server.loras[name] = path
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(http_request: Request):
+        body = await lora_body(http_request, ("lora_name",), optional=("lora_int_id",))
+        name = body["lora_name"]
+        if name not in server.loras:
+            raise APIError(404, f"the LoRA adapter {name!r} does not exist", param="lora_name",
+                           code="model_not_found")
+        refused = await server.engine.lora(name, None)
+        if refused is not None:
+            raise APIError(refused.status, refused.message, param="lora_name")
+        del server.loras[name]
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+    async def lora_body(http_request: Request, required: tuple[str, ...], optional: tuple[str, ...] = ()):
+        """vLLM's load/unload body: string fields, a 400 naming a missing or unknown one."""
+        if not server.config.lora.enable_lora:
+            raise APIError(400, "this server runs without LoRA adapters (start it with --enable-lora)",
+                           code="lora_disabled")
+        try:
+            body = json.loads(await http_request.body() or b"null")
+        except ValueError:
+            raise APIError(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        unknown = sorted(set(body) - set(required) - set(optional))
+        if unknown:
+            raise APIError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
+        for key in required:
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise APIError(400, f"{key} must be a non-empty string", param=key)
+        return body
 
     # the bodies are read, size-checked and validated by edge.read_request (large ones off the event
     # loop), not by FastAPI's body parameter; /openapi.json still describes them (openapi_bodies)

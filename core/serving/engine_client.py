@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -25,8 +26,8 @@ import zmq
 
 from fdx.core.host import signal_name
 from fdx.core.messages import (EngineAbort, EngineAdd, EngineDeadError, EngineFailed, EngineHeartbeat,
-                               EngineOutputs, EngineReady, EngineRejected, EngineShutdown, EngineStats,
-                               FromEngine)
+                               EngineLoRA, EngineLoRADone, EngineOutputs, EngineReady, EngineRejected,
+                               EngineShutdown, EngineStats, FromEngine)
 from fdx.core.messages import encoder as _encoder
 
 log = logging.getLogger("fdx.engine_client")
@@ -178,14 +179,31 @@ class EngineClient:
             return None
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
-            callback: Callable[[Any], None], trace: dict[str, str] | None = None) -> None:
+            callback: Callable[[Any], None], trace: dict[str, str] | None = None, lora: str | None = None) -> None:
         """``trace``: the request's X-Request-Id and W3C trace context, for the
-        engine's observers (``Request.trace_headers``)."""
+        engine's observers (``Request.trace_headers``); ``lora``: its adapter's name."""
         if self.dead or self.stopping:
             raise EngineDeadError("the engine is not running")
         self.callbacks[request_id] = callback
-        self._push.send(_encoder.encode(EngineAdd(request_id, prompt_token_ids, params, dict(trace or {}))),
+        self._push.send(_encoder.encode(EngineAdd(request_id, prompt_token_ids, params, dict(trace or {}), lora)),
                         zmq.NOBLOCK)
+
+    async def lora(self, name: str, path: str | None) -> EngineRejected | None:
+        """Load (``path``) or unload LoRA adapter ``name`` in the engine, between
+        its steps: None when done, else the engine's refusal (reason, status)."""
+        if self.dead or self.stopping:
+            raise EngineDeadError("the engine is not running")
+        call_id = f"lora-{secrets.token_hex(8)}"
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.callbacks[call_id] = lambda msg: done.done() or done.set_result(msg)
+        self._push.send(_encoder.encode(EngineLoRA(call_id, name, path)), zmq.NOBLOCK)
+        try:
+            msg = await done
+        finally:
+            self.callbacks.pop(call_id, None)
+        if isinstance(msg, BaseException):        # the engine died meanwhile
+            raise msg
+        return msg if isinstance(msg, EngineRejected) else None
 
     def abort(self, request_ids: list[str], reason: str = "abort", stop_reason: int | str | None = None,
               num_output_tokens: int | None = None) -> None:
@@ -225,6 +243,10 @@ class EngineClient:
                     self.on_stats(msg.stats)
             elif isinstance(msg, EngineRejected):
                 cb = self.callbacks.pop(msg.request_id, None)
+                if cb is not None:
+                    cb(msg)
+            elif isinstance(msg, EngineLoRADone):
+                cb = self.callbacks.pop(msg.call_id, None)
                 if cb is not None:
                     cb(msg)
             elif isinstance(msg, EngineFailed):

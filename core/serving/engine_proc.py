@@ -26,8 +26,8 @@ import msgspec
 import zmq
 
 from fdx.core.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeartbeat, EngineOutputs,
-                               EngineReady, EngineRejected, EngineShutdown, EngineStats, SeqDelta,
-                               ToEngine)
+                               EngineLoRA, EngineLoRADone, EngineReady, EngineRejected, EngineShutdown,
+                               EngineStats, SeqDelta, ToEngine)
 from fdx.core.messages import encoder as _encoder
 
 log = logging.getLogger("fdx.engine_proc")
@@ -148,7 +148,7 @@ class EngineLoop:
             try:
                 params = SamplingParams(**msg.params)
                 req = eng.make_request(msg.prompt_token_ids, params, request_id=msg.request_id,
-                                       trace_headers=dict(msg.trace) or None)
+                                       trace_headers=dict(msg.trace) or None, lora_request=msg.lora)
                 eng.add_request(req)            # a constrained one starts its compile (or is refused)
             except (TypeError, ValueError) as e:
                 log.debug("request %s refused: %s", msg.request_id, e)
@@ -163,8 +163,28 @@ class EngineLoop:
                 else:
                     eng.abort_request(rid)
                 self.num_sent.pop(rid, None)
+        elif isinstance(msg, EngineLoRA):
+            self._push(_encoder.encode(self._lora(msg)))
         elif isinstance(msg, EngineShutdown):
             self.running = False
+
+    def _lora(self, msg: EngineLoRA):
+        """Load or unload an adapter between steps: EngineLoRADone, or EngineRejected saying why."""
+        from fdx.core.lora import LoRARequest
+        eng = self.engine
+        try:
+            if msg.path is None:
+                eng.unload_lora_adapter(msg.name)
+            else:
+                if eng.lora is not None and msg.name in eng.lora.known:
+                    return EngineRejected(msg.call_id, f"the LoRA adapter {msg.name!r} is already loaded")
+                eng.load_lora_adapter(LoRARequest(msg.name, eng.lora.next_id() if eng.lora else 1, msg.path))
+        except KeyError:
+            return EngineRejected(msg.call_id, f"the LoRA adapter {msg.name!r} does not exist", 404)
+        except ValueError as e:
+            return EngineRejected(msg.call_id, str(e), 400)
+        log.info("LoRA adapter %s %s", msg.name, "unloaded" if msg.path is None else f"loaded from {msg.path}")
+        return EngineLoRADone(msg.call_id)
 
     def _send(self, changed: list, num_preempted: int, step=None) -> None:
         eng = self.engine

@@ -142,7 +142,8 @@ class CudaGraphRunner(DefaultModelRunner):
         size = bucket_for(n, self.sizes)
         if (size is None or any(q != 1 for q in query_lens) or not all(context_lens) or rows != list(range(n))
                 or self.ctx.connector is not None       # a graph cannot call the per-layer connector hooks
-                or self.step_activations is not None):  # nor a request's activation hooks (eager: it sees them)
+                or self.step_activations is not None    # nor a request's activation hooks (eager: it sees them)
+                or self.step_lora is not None):         # nor LoRA adapters' deltas
             return super()._logits(input_ids, query_lens, context_lens, tables, rows)
         g = self.graphs.get(size) or self._buffers(size)
         ids = np.zeros(size, dtype=np.int64)

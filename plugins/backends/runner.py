@@ -22,10 +22,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from fdx.core import activations, kernels
+from fdx.core.lora import StepLoRA
 from fdx.core.guided import apply_guided
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import (AttentionContext, BatchLayout, BatchUpdate, ModelRunner, ModelRunnerOutput,
-                                 RowState, SamplingBatch, SchedulerOutput)
+from fdx.core.interfaces import (AttentionContext, BatchLayout, BatchUpdate, ModelArgs, ModelRunner,
+                                 ModelRunnerOutput, RowState, SamplingBatch, SchedulerOutput)
 from fdx.core.sampling_params import SamplingParams
 from fdx.plugins.decoding.sampler import logprobs_of
 
@@ -40,7 +41,7 @@ class RequestState:
     num_computed_tokens: int
     row: RowState
     pooled_sum: np.ndarray | None = None       # model.task embed, mean pooling: the prompt rows so far
-    model_args: object = None                  # its BatchLayout.model_args entry (activation hooks)
+    model_args: ModelArgs | None = None        # its BatchLayout.model_args entry (activation hooks, LoRA)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +70,7 @@ class DefaultModelRunner(ModelRunner):
         self.taps: dict = {}
         self.layout: BatchLayout | None = None     # this step's, built by _forward for the model
         self.step_activations: activations.StepActivations | None = None   # this step's hooks, if any
+        self.step_lora: StepLoRA | None = None     # this step's adapter groups, if a request has one
         self.guided = None                         # this step's guided bitmask (SchedulerOutput.guided)
         self.drafts: dict[str, list[int]] = {}     # this step's speculative drafts (SchedulerOutput.spec_token_ids)
         self.draft_probs: dict[str, bytes] = {}    # of those, SchedulerOutput.spec_draft_probs
@@ -92,7 +94,7 @@ class DefaultModelRunner(ModelRunner):
             self.requests[nr.request_id] = RequestState(
                 nr.request_id, prompt, outputs, params, list(nr.block_ids), nr.num_computed_tokens,
                 RowState(nr.request_id, params, prompt, outputs),
-                model_args=activations.parse(nr.sampling_params.activations))
+                model_args=ModelArgs.of(activations.parse(nr.sampling_params.activations), nr.lora_name))
         for cr in so.cached_requests:
             st = self.requests[cr.request_id]
             st.block_ids.extend(cr.new_block_ids)
@@ -161,11 +163,13 @@ class DefaultModelRunner(ModelRunner):
         self.layout = BatchLayout(tuple(so.num_scheduled_tokens), tuple(row_starts), tuple(query_lens),
                                   tuple(context_lens), tuple(sample_rows + extra), tuple(model_args))
         self.step_activations = None
-        if any(a is not None for a in model_args):
+        if any(a is not None and a.activations is not None for a in model_args):
             from fdx.core.plugins import get_plugin_manager
             plugins = ctx.plugins if ctx.plugins is not None else get_plugin_manager()
             self.step_activations = activations.StepActivations(
                 self.layout, lambda name: plugins.get("activation_function", name)) or None
+        self.step_lora = StepLoRA(self.layout) or None if any(
+            a is not None and a.lora is not None for a in model_args) else None
         logits = self._logits(input_ids, query_lens, context_lens, tables, sample_rows + extra)
         if self.step_activations is not None and self.step_activations.captured:
             out.activations = self.step_activations.captured
@@ -222,7 +226,8 @@ class DefaultModelRunner(ModelRunner):
         ctx = self.ctx
         meta = ctx.attention.build_metadata(query_lens, context_lens, tables, self.spec,
                                             getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
-        attn = AttentionContext(ctx.attention, meta, ctx.connector, self.layout, self.step_activations)
+        attn = AttentionContext(ctx.attention, meta, ctx.connector, self.layout, self.step_activations,
+                                self.step_lora)
         import paddle                      # here, not at import: a tensor parallel engine process never loads it
         with paddle.no_grad():
             return self.model.forward(paddle.to_tensor(np.asarray(input_ids, dtype=np.int64)), attn.positions,

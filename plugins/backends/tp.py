@@ -98,6 +98,16 @@ class WorkerReconfigure(msgspec.Struct, tag="reconfigure"):
     config: str                        # the new config, as JSON (FdxConfig.model_dump)
 
 
+class WorkerLoRA(msgspec.Struct, tag="lora"):
+    name: str
+    path: str | None                   # None: unload ``name``
+
+
+class WorkerLoRADone(msgspec.Struct, tag="lora_done"):
+    rank: int
+    error: str | None = None           # why this rank refused the adapter (a ValueError's message)
+
+
 class BackendSetup(msgspec.Struct):
     """A rank's backend after its ``setup``, for the engine process, which
     sets none up (it never loads Paddle): the probed kernel table and the
@@ -142,8 +152,8 @@ class WorkerFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
-ToWorker = WorkerStep | WorkerStop | WorkerProfile | WorkerAllocate | WorkerReconfigure
-FromWorker = WorkerLoaded | WorkerBudget | WorkerReady | WorkerResult | WorkerFailed
+ToWorker = WorkerStep | WorkerStop | WorkerProfile | WorkerAllocate | WorkerReconfigure | WorkerLoRA
+FromWorker = WorkerLoaded | WorkerBudget | WorkerReady | WorkerResult | WorkerFailed | WorkerLoRADone
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -336,6 +346,22 @@ class TensorParallelExecutor(Executor):
     def last_step_taps(self) -> dict:
         return self.taps
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Every rank reads the adapter and keeps its shard; when one refuses
+        it, every rank drops it and the first reason is raised."""
+        errors = self._lora(WorkerLoRA(name, path))
+        if errors:
+            self._lora(WorkerLoRA(name, None))
+            raise ValueError(errors[0])
+
+    def unload_lora(self, name: str) -> None:
+        self._lora(WorkerLoRA(name, None))
+
+    def _lora(self, msg: WorkerLoRA) -> list[str]:
+        self._send(msg)
+        done = self._gather(WorkerLoRADone, "loading a LoRA adapter", time.monotonic() + READY_TIMEOUT_S)
+        return [m.error for _, m in sorted(done.items()) if m.error]
+
     def weight_bytes(self) -> dict[str, int]:
         return dict(self.held)
 
@@ -473,6 +499,22 @@ class Worker:
         self._build(self.assembly)
         return spec
 
+    def lora(self, msg: WorkerLoRA) -> str | None:
+        """Load (or, with no path, drop) a LoRA adapter: this rank's shard. A
+        refused adapter's reason, or None."""
+        if msg.path is None:
+            if getattr(self.model, "supports_lora", False):
+                self.model.unload_lora(msg.name)
+            return None
+        from fdx.core.lora import make_loader, read_adapter
+        try:
+            adapter = read_adapter(make_loader(self.config, self.plugins), msg.path, self.model,
+                                   self.config.lora.max_lora_rank)
+            self.model.load_lora(msg.name, adapter)
+        except ValueError as e:
+            return str(e)
+        return None
+
     def reconfigure(self, config) -> None:
         from fdx.core.assembly import Assembly
         config.backend.num_threads = self.config.backend.num_threads
@@ -541,6 +583,9 @@ def worker_main(argv: list[str] | None = None) -> int:
                 except ConfigError as e:       # this rank keeps its runner; the engine raises it
                     error = str(e)
                 results.send(_encoder.encode(WorkerReady(args.rank, worker.kv_spec.num_kv_heads, error)))
+                continue
+            if isinstance(msg, WorkerLoRA):
+                results.send(_encoder.encode(WorkerLoRADone(args.rank, worker.lora(msg))))
                 continue
             if isinstance(msg, WorkerAllocate):
                 spec = worker.allocate(msg.num_blocks)

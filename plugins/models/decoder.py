@@ -122,6 +122,7 @@ class DecoderForCausalLM(Model):
     supports_hidden_states = True
     supports_pooling = True
     supports_activation_hooks = True
+    supports_lora = True
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
@@ -180,6 +181,34 @@ class DecoderForCausalLM(Model):
             layer.weights_changed()
         self.num_heads, self.num_kv_heads = cfg.num_heads // world, cfg.num_kv_heads // world
 
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        cfg = self.cfg
+        h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+            cfg.intermediate_size
+        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+    def load_lora(self, name: str, adapter) -> None:
+        """Each layer's share of ``adapter`` (fdx.core.lora.LoRAWeights, checked):
+        q/k/v and gate/up fused as their base weights, sharded as they are."""
+        from fdx.plugins.models.layers import lora_slot
+        shapes, m, s = self.lora_shapes(), adapter.modules, adapter.scale
+        for i, layer in enumerate(self.layers):
+            a, f = layer.attn, layer.mlp
+            for held, names, rows, cols in (
+                    (a.lora_qkv, ("q_proj", "k_proj", "v_proj"), a.qkv_rows, None),
+                    (a.lora_o, ("o_proj",), None, a.o_cols),
+                    (f.lora_gate_up, ("gate_proj", "up_proj"), f.gate_up_rows, None),
+                    (f.lora_down, ("down_proj",), None, f.down_cols)):
+                slot = lora_slot([m.get((i, n)) for n in names], [shapes[n][0] for n in names], s, rows, cols)
+                if slot is not None:
+                    held[name] = slot
+
+    def unload_lora(self, name: str) -> None:
+        for layer in self.layers:
+            for held in (layer.attn.lora_qkv, layer.attn.lora_o, layer.mlp.lora_gate_up, layer.mlp.lora_down):
+                held.pop(name, None)
+
     def drop_lm_head(self) -> None:
         """A rank that never reads logits (tensor parallel ranks above 0):
         a 1-wide float32 head in place of the vocabulary."""
@@ -235,9 +264,11 @@ class DecoderForCausalLM(Model):
         residual = None
         hooks = meta.connector              # the KV connector's per-layer calls, only when one runs
         act = meta.activations              # the step's activation hooks, only when a request has some
+        lora = meta.lora                    # the step's LoRA adapter groups, only when a request has one
         # the backend's one call for the layers before the first hooked one (all of them without
-        # activation hooks), when it has one (none with a connector's per-layer hooks)
-        first = self.num_layers if act is None else act.layers[0]
+        # activation hooks), when it has one (none with a connector's per-layer hooks). A step with a
+        # LoRA adapter runs every layer composed, for every row (the fused kernels take no adapter).
+        first = 0 if lora is not None else self.num_layers if act is None else act.layers[0]
         got = None
         if hooks is None and first > 0:
             got = meta.decoder_stack(x, [layer.fused for layer in self.layers[:first]], kv_caches[:first])
@@ -249,7 +280,11 @@ class DecoderForCausalLM(Model):
             layer, kv_cache = self.layers[i], kv_caches[i]
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
-            if act is not None and act.hooked(i):
+            if lora is not None:
+                x, residual = layer.composed(x, residual, positions, kv_cache, meta, act, i)
+                if act is not None:
+                    x = act.apply_residual(i, x, residual)
+            elif act is not None and act.hooked(i):
                 x, residual = layer.hooked(i, x, residual, positions, kv_cache, meta, act)
             else:
                 x, residual = layer(x, residual, positions, kv_cache, meta)

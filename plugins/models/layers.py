@@ -106,11 +106,14 @@ def linear(x: Tensor, weight: LinearWeight, bias: Tensor | None) -> Tensor:
 
 
 def row_parallel(x: Tensor, weight: LinearWeight, bias: Tensor | None,
-                 reduce: Callable[[Tensor], Tensor] | None) -> Tensor:
+                 reduce: Callable[[Tensor], Tensor] | None, lora: tuple[Any, dict] | None = None) -> Tensor:
     """``linear`` whose input rows are split over tensor-parallel ranks: each
     rank's partial product is summed (``reduce``) before the bias, which is
-    added once."""
+    added once. ``lora``: (the step's StepLoRA, the layer's adapters): each
+    rank adds its partial delta (its columns of A) before the sum."""
     y = weight.matmul(x)
+    if lora is not None:
+        y = lora[0].add(y, x, lora[1])
     if reduce is not None:
         y = reduce(y)
     return y if bias is None else y + bias
@@ -135,11 +138,19 @@ class Attention:
         self.q_norm = w.vector(f"{p}.q_norm.weight", cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = w.vector(f"{p}.k_norm.weight", cfg.head_dim) if cfg.qk_norm else None
         self.reduce: Callable[[Tensor], Tensor] | None = None   # tensor parallel: sum over ranks
+        # LoRA adapters (DecoderForCausalLM.load_lora): name -> (A^T [in, r], B^T [r, out], scale) of the
+        # fused q/k/v (B block-diagonal over q, k, v) and of o_proj, this rank's shard
+        self.lora_qkv: dict[str, tuple[Tensor, Tensor, float]] = {}
+        self.lora_o: dict[str, tuple[Tensor, Tensor, float]] = {}
+        self.qkv_rows: np.ndarray | None = None      # tensor parallel: this rank's rows of q/k/v (shard)
+        self.o_cols: tuple[int, int] | None = None   # ... and its columns of o_proj
 
     def __call__(self, x: Tensor, positions: Tensor, kv_cache: KVCache,
                  meta: AttentionContext) -> Tensor:
         n = x.shape[0]
         qkv = linear(x, self.wqkv, self.bqkv)
+        if meta.lora is not None:
+            qkv = meta.lora.add(qkv, x, self.lora_qkv)
         k_cache, v_cache = kv_cache
         # The attention backend's fused kernel when it has one (cpu: compiled), else the composed ops.
         q = meta.rope_write_kv(qkv, positions, k_cache, v_cache, num_heads=self.num_heads,
@@ -156,7 +167,8 @@ class Attention:
             q, k = self.rope(positions, q, k)
             meta.write_kv(k_cache, v_cache, k, v)
         out = meta.attention(q, k_cache, v_cache, self.scale)
-        return row_parallel(out.reshape([n, self.q_size]), self.wo, self.bo, self.reduce)
+        return row_parallel(out.reshape([n, self.q_size]), self.wo, self.bo, self.reduce,
+                            None if meta.lora is None else (meta.lora, self.lora_o))
 
     def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
         """Keep this rank's query heads and their KV heads: its rows (output
@@ -172,6 +184,7 @@ class Attention:
         self.num_heads, self.num_kv_heads = h, kvh
         self.q_size, self.kv_size = h * d, kvh * d
         self.reduce = reduce
+        self.qkv_rows, self.o_cols = cols, (int(q_cols[0]), int(q_cols[-1]) + 1)
 
 
 class FeedForward:
@@ -183,10 +196,19 @@ class FeedForward:
         self.w_down, self.b_down = w.fused([f"{p}.down_proj"], i, [cfg.hidden_size], cfg.mlp_bias)
         self.intermediate_size = i
         self.reduce: Callable[[Tensor], Tensor] | None = None   # tensor parallel: sum over ranks
+        # LoRA adapters, as Attention's: the fused gate/up (B block-diagonal) and down_proj
+        self.lora_gate_up: dict[str, tuple[Tensor, Tensor, float]] = {}
+        self.lora_down: dict[str, tuple[Tensor, Tensor, float]] = {}
+        self.gate_up_rows: np.ndarray | None = None    # tensor parallel: this rank's rows of gate/up
+        self.down_cols: tuple[int, int] | None = None  # ... and its columns of down_proj
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return row_parallel(silu_and_mul(linear(x, self.w_gate_up, self.b_gate_up)),
-                            self.w_down, self.b_down, self.reduce)
+    def __call__(self, x: Tensor, lora: Any = None) -> Tensor:
+        """``lora``: the step's fdx.core.lora.StepLoRA, when a request has an adapter."""
+        if lora is None:
+            return row_parallel(silu_and_mul(linear(x, self.w_gate_up, self.b_gate_up)),
+                                self.w_down, self.b_down, self.reduce)
+        h = silu_and_mul(lora.add(linear(x, self.w_gate_up, self.b_gate_up), x, self.lora_gate_up))
+        return row_parallel(h, self.w_down, self.b_down, self.reduce, (lora, self.lora_down))
 
     def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
         """Keep this rank's intermediate rows of gate and up (the fused
@@ -200,6 +222,7 @@ class FeedForward:
                                           rank * n, (rank + 1) * n)
         self.intermediate_size = n
         self.reduce = reduce
+        self.gate_up_rows, self.down_cols = cols, (rank * n, (rank + 1) * n)
 
 
 @dataclass(slots=True, frozen=True)
@@ -321,7 +344,7 @@ class DecoderLayer:
         if act is not None:
             x = act.apply("attn_out", index, x)
         x, residual = add_rms_norm(x, residual, self.post_norm, self.eps)
-        x = self.mlp(x)
+        x = self.mlp(x) if meta.lora is None else self.mlp(x, meta.lora)
         if act is not None:
             x = act.apply("mlp_out", index, x)
         return x, residual
@@ -355,3 +378,32 @@ def allocate_kv_caches(num_layers: int, num_kv_heads: int, head_dim: int,
     shape = [num_kv_heads * num_blocks * block_size, head_dim]
     return [(paddle.zeros(shape, "float32"), paddle.zeros(shape, "float32"))
             for _ in range(num_layers)]
+
+
+# --- LoRA adapters ---------------------------------------------------------------------------
+
+def lora_slot(parts: list[tuple[np.ndarray, np.ndarray] | None], outs: list[int], scale: float,
+              rows: np.ndarray | None = None, cols: tuple[int, int] | None = None
+              ) -> tuple[Tensor, Tensor, float] | None:
+    """One fused linear's adapter: ``parts`` the (A [r, in], B [out, r]) of
+    each stacked module (None where the adapter does not target it; ``outs``
+    their widths) as (A^T [in, sum r], B^T [sum r, sum out] block-diagonal,
+    scale), this rank's shard: ``rows`` of the output (column parallel),
+    ``cols`` of the input (row parallel). None when no part is targeted."""
+    if all(p is None for p in parts):
+        return None
+    a_t = np.concatenate([p[0].T for p in parts if p is not None], axis=1)
+    b_t = np.zeros((a_t.shape[1], sum(outs)), dtype=np.float32)
+    r0, o0 = 0, 0
+    for p, out in zip(parts, outs):
+        if p is not None:
+            r = p[0].shape[0]
+            b_t[r0:r0 + r, o0:o0 + out] = p[1].T
+            r0 += r
+        o0 += out
+    if rows is not None:
+        b_t = b_t[:, rows]
+    if cols is not None:
+        a_t = a_t[cols[0]:cols[1]]
+    return (paddle.to_tensor(np.ascontiguousarray(a_t, dtype=np.float32)),
+            paddle.to_tensor(np.ascontiguousarray(b_t, dtype=np.float32)), float(scale))

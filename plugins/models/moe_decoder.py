@@ -48,6 +48,7 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     architecture: ClassVar[str] = "MoeDecoderForCausalLM"
     supports_pooling = True
+    supports_lora = False           # the experts take no adapter (LoRA on MoE layers is not built)
 
     @classmethod
     def parse_moe_config(cls, config: dict[str, Any]) -> MoeConfig:

@@ -18,6 +18,8 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
   LM head) as int8 with one float32 scale for the whole tensor.
 - an observer of every step, through the ``StepContext``, and of every
   request added and finished (with its output), as module-level hooks.
+- ``example-npz`` LoRA adapter loader (lora_loader.py): adapters as one
+  numpy file, selected by ``lora.lora_loader``.
 - ``example-recorder`` observer (an ``Observer`` class, selected by
   ``observability.observers``): writes each request it sees added and
   finished as a JSON line to the file its ``path`` setting names.
