@@ -151,11 +151,13 @@ class Assembly:
         return built
 
     # -- the scheduler side ---------------------------------------------------------------
-    def token_processor(self):
-        """The token processor, built with its settings only: it sees token
-        ids, never a tokenizer (text is the output processor's, core/output.py)."""
+    def token_processor(self, tokenizer=None):
+        """The token processor, with the engine's tokenizer (for stop
+        strings; None where no request has any: the conformance kit) and its
+        settings."""
         name = self.config.decoding.token_processor
-        return self.classes["token_processor"](settings=self.settings("token_processor", name))
+        return self.make("token_processor", name, self.classes["token_processor"], tokenizer,
+                         self.settings("token_processor", name))
 
     def extensions(self, kv_cache, connector=None, extra_rules=()) -> SchedulingExtensions:
         config, c, s, make = self.config, self.classes, self.settings, self.make

@@ -18,14 +18,11 @@ from fdx.core.config import ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import Backend, KVCacheSpec, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus, check_prompt, request_output
-from fdx.core.sampling_params import SamplingParams
+from fdx.core.sampling_params import POOLING_PARAMS, SamplingParams
 
 log = logging.getLogger("fdx.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192
-# what a pooling request (model.task embed) runs with: its prompt's prefill and one (unused) token,
-# after which the scheduler finishes it ("length") and frees its blocks like any other request
-POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
 
 def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
@@ -110,7 +107,7 @@ class EngineCore:
         from fdx.core.guided import GuidedDecoding
         self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
                                                  self.eos_token_ids)
-        self.token_processor = assembly.token_processor()
+        self.token_processor = assembly.token_processor(self.tokenizer)
         parts = self.build_parts(config, num_blocks)
         self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank
         self._install(parts)
@@ -302,27 +299,6 @@ class EngineCore:
         return req
 
     abort = abort_request
-
-    def stop_request(self, request_id: str, stop_reason: int | str | None = None,
-                     num_output_tokens: int | None = None) -> Request | None:
-        """End a running or waiting request as stopped (``finish_reason``
-        "stop"): what the output processor calls when a stop string ends a
-        sequence (core/output.py), in process or, for ``fdx serve``, in the
-        API process (an ``EngineAbort`` with reason "stop"). Its blocks are
-        freed now, as on an abort; observers see it finished with
-        ``stop_reason`` and its first ``num_output_tokens`` output tokens
-        (the ones the caller kept: the engine may have computed one or two
-        more before the stop reached it). None if unknown or done."""
-        self.guided.remove(request_id)
-        req = self.resource_manager.abort_request(request_id)
-        if req is not None:
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_reason
-            if num_output_tokens is not None:
-                del req.output_token_ids[num_output_tokens:]
-                if req.logprobs is not None:
-                    del req.logprobs[num_output_tokens:]
-            self._finished(req)
-        return req
 
     def notify(self, hook_name: str, **kwargs) -> None:
         """Call an observer hook: the plugins' module-level implementations,

@@ -568,18 +568,25 @@ class TokenProcessor(abc.ABC):
     """Turns sampled token ids into request state on the engine side:
     appends the token, records its logprob ids and values
     (``request.logprobs``: one ``{token id: TokenLogprob}`` per token,
-    ``decoded`` left None), and decides whether the request is finished by
-    token ids and counts (eos, stop token ids, min_tokens, max_tokens,
-    context length), setting ``request.status`` and ``stop_reason``.
+    ``decoded`` left None), and decides whether the request is finished
+    (eos, stop token ids, stop strings, min_tokens, max_tokens, context
+    length), setting ``request.status`` and ``stop_reason`` (the stop token
+    id or the stop string).
 
-    It makes no text and is given no tokenizer: detokenizing, stop strings
-    and logprob text are the output processor's (core/output.py), which
-    serves ``LLM`` and the server alike; a stop string it finds ends the
-    request through the engine (``EngineCore.stop_request`` in-process, an
-    abort from the API process). Built as ``cls(settings=...)``
-    (``plugins.token_processor.<name>``)."""
+    Stop strings are matched here, where the tokens are made, so no token
+    past one is computed: a request with ``stop`` strings is detokenized
+    incrementally with ``tokenizer`` (``fdx.core.output.TextOutput`` holds
+    the rule: the earliest stop ending in the newest token's text, once
+    ``min_tokens`` are out; eos and stop token ids are checked first, the
+    length last). The text callers get, cut at the stop string, and
+    logprob text are the output processor's (core/output.py), which serves
+    ``LLM`` and the server alike. Built as ``cls(tokenizer, settings)``
+    (``plugins.token_processor.<name>``); the serving engine's tokenizer is
+    built on first use (a ``DeferredTokenizer``: the first request with
+    stop strings builds it)."""
 
-    def __init__(self, settings: dict | None = None):
+    def __init__(self, tokenizer: Any = None, settings: dict | None = None):
+        self.tokenizer = tokenizer
         self.settings = settings or {}
 
     def start(self, request: "Request") -> None:

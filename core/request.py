@@ -77,6 +77,8 @@ class Request:
     pooled: object | None = None                 # a pooling request's embedding: float32 numpy [hidden]
     activations: dict | None = None              # what its activation hooks captured: {"point.layer":
                                                  # {position: float32 row}} (fdx.core.activations.keep)
+    stop_text: object | None = None              # with stop strings: the token processor's TextOutput
+                                                 # (core/output.py), matching them as tokens are made
 
     @property
     def all_token_ids(self) -> list[int]:

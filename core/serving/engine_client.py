@@ -28,6 +28,7 @@ from fdx.core.messages import (EngineAbort, EngineAdd, EngineDeadError, EngineFa
                                EngineOutputs, EngineReady, EngineRejected, EngineShutdown, EngineStats,
                                FromEngine)
 from fdx.core.messages import encoder as _encoder
+from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.engine_client")
 
@@ -177,7 +178,7 @@ class EngineClient:
                             "message (%d bytes): %s", len(raw), e)
             return None
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             callback: Callable[[Any], None], trace: dict[str, str] | None = None) -> None:
         """``trace``: the request's X-Request-Id and W3C trace context, for the
         engine's observers (``Request.trace_headers``)."""
@@ -187,15 +188,12 @@ class EngineClient:
         self._push.send(_encoder.encode(EngineAdd(request_id, prompt_token_ids, params, dict(trace or {}))),
                         zmq.NOBLOCK)
 
-    def abort(self, request_ids: list[str], reason: str = "abort", stop_reason: int | str | None = None,
-              num_output_tokens: int | None = None) -> None:
-        """End requests in the engine: ``reason`` "abort", or "stop" when a
-        stop string (``stop_reason``) ended them here after
-        ``num_output_tokens`` tokens (EngineAbort)."""
+    def abort(self, request_ids: list[str]) -> None:
+        """End requests in the engine (the client went away; EngineAbort)."""
         live = [rid for rid in request_ids if self.callbacks.pop(rid, None) is not None]
         if live and not self.dead:
             try:
-                self._push.send(_encoder.encode(EngineAbort(live, reason, stop_reason, num_output_tokens)),
+                self._push.send(_encoder.encode(EngineAbort(live)),
                                 zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass

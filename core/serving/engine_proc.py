@@ -5,9 +5,11 @@
                  <-- EngineOutputs (per step) ----             step(), send deltas
 
 Two ZMQ PUSH/PULL pipes over ipc:// sockets; every message is a msgspec
-struct encoded as msgpack (never pickle). The engine process sends token
-ids only: the API process detokenizes and checks stop strings (see
-docs/serving.md). The engine process dies with its parent (PR_SET_PDEATHSIG
+struct encoded as msgpack (never pickle); ``SamplingParams`` crosses as
+itself (a msgspec-encoded dataclass, validated again on decoding). The
+engine process sends token ids and finish reasons (its token processor
+matches stop strings, so no token past one is computed); the API process
+detokenizes (see docs/serving.md). The engine process dies with its parent (PR_SET_PDEATHSIG
 on Linux, and a parent-pid check while idle).
 """
 from __future__ import annotations
@@ -144,10 +146,8 @@ class EngineLoop:
     def _handle(self, msg: ToEngine) -> None:
         eng = self.engine
         if isinstance(msg, EngineAdd):
-            from fdx.core.sampling_params import SamplingParams
             try:
-                params = SamplingParams(**msg.params)
-                req = eng.make_request(msg.prompt_token_ids, params, request_id=msg.request_id,
+                req = eng.make_request(msg.prompt_token_ids, msg.params, request_id=msg.request_id,
                                        trace_headers=dict(msg.trace) or None)
                 eng.add_request(req)            # a constrained one starts its compile (or is refused)
             except (TypeError, ValueError) as e:
@@ -158,10 +158,7 @@ class EngineLoop:
             self.num_sent[req.request_id] = 0
         elif isinstance(msg, EngineAbort):
             for rid in msg.request_ids:
-                if msg.reason == "stop":            # a stop string, found in the API process
-                    eng.stop_request(rid, msg.stop_reason, msg.num_output_tokens)
-                else:
-                    eng.abort_request(rid)
+                eng.abort_request(rid)
                 self.num_sent.pop(rid, None)
         elif isinstance(msg, EngineShutdown):
             self.running = False
