@@ -111,8 +111,6 @@ class EngineCore:
         parts = self.build_parts(config, num_blocks)
         self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank
         self._install(parts)
-        self.guided_ready: list[str] = []          # this step's guided verdicts (_guided_verdicts)
-        self.guided_rejected: dict[str, tuple[str, int]] = {}
         self.step_count = 0
         self.num_computed_tokens = 0
         self.num_recomputed_tokens = 0
@@ -336,19 +334,20 @@ class EngineCore:
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step: schedule, one batched forward, update. Returns the
-        requests whose output changed in it (a new token, finished, or
-        ended without running: rejected on arrival, a failed guided
-        compile); ``req.is_finished`` tells which ended. The step's decision
+        requests whose output changed in it: a new token, finished, ended
+        without running (rejected on arrival; a failed guided compile, with
+        ``error_status``), or a constrained request whose compile is done
+        (no token yet: it may run now); ``req.is_finished`` tells which ended. The step's decision
         (a ``SchedulerOutput``) is then ``last_schedule``, its figures
         (``StepStats``) ``last_stats``. An idle engine's step schedules
         nothing and runs no forward."""
         t0 = time.perf_counter()
         rm = self.resource_manager
-        rejected = self._guided_verdicts()
+        changed = self._guided_verdicts()
         sched = rm.schedule()
         if self.guided.entries:
             sched.guided = self._guided_step(sched)
-        changed = rejected + rm.pop_finished()
+        changed += rm.pop_finished()
         context = None
         num_recomputed = 0
         if not sched.is_empty or sched.kv_connector_metadata is not None:
@@ -385,19 +384,19 @@ class EngineCore:
         return changed
 
     def _guided_verdicts(self) -> list[Request]:
-        """Poll the guided compiles: ``guided_ready`` (request ids that may
-        now run) and ``guided_rejected`` ({request id: (message, HTTP
-        status)}) for this step; the rejected requests, finished."""
-        self.guided_ready, self.guided_rejected = [], {}
+        """Poll the guided compiles: the requests whose compile finished
+        (they may run now) and those whose compile failed or timed out
+        (rejected: finished, ``stop_reason`` the message, ``error_status``
+        the HTTP status)."""
         if not self.guided.entries:
             return []
-        self.guided_ready, failed = self.guided.poll()
-        out = []
+        ready, failed = self.guided.poll()
+        by_id = {r.request_id: r for r in self.resource_manager.requests()}
+        out = [by_id[rid] for rid in ready if rid in by_id]
         for rid, message, status in failed:
             req = self.resource_manager.abort_request(rid)
             if req is not None:
-                req.status, req.stop_reason = RequestStatus.FINISHED_REJECTED, message
-                self.guided_rejected[rid] = (message, status)
+                req.status, req.stop_reason, req.error_status = RequestStatus.FINISHED_REJECTED, message, status
                 out.append(req)
         return out
 

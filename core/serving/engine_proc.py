@@ -109,7 +109,7 @@ class EngineLoop:
                     changed = eng.step()
                 finally:
                     self.step_started = None
-                if (changed or eng.last_stats.num_scheduled_tokens or touched or eng.guided_ready
+                if (changed or eng.last_stats.num_scheduled_tokens or touched
                         or eng.kv_cache.num_free_blocks != self.last_free):
                     self._send(changed, eng.last_stats.num_preempted, eng.last_stats)
                 else:                             # only waiting on a KV transfer: do not spin
@@ -165,20 +165,19 @@ class EngineLoop:
 
     def _send(self, changed: list, num_preempted: int, step=None) -> None:
         eng = self.engine
-        # a constrained request compiled: an empty first delta, before any of its tokens
-        deltas = [SeqDelta(rid, []) for rid in eng.guided_ready if rid in self.num_sent]
+        deltas = []
         for req in changed:
             sent = self.num_sent.get(req.request_id)
             if sent is None:                      # aborted by the API: it knows already
                 continue
-            refused = eng.guided_rejected.get(req.request_id)
-            if refused is not None:               # its compile failed or timed out
+            if req.error_status is not None:      # its guided compile failed or timed out
                 del self.num_sent[req.request_id]
-                self._push(_encoder.encode(EngineRejected(req.request_id, *refused)))
+                self._push(_encoder.encode(EngineRejected(req.request_id, req.stop_reason, req.error_status)))
                 continue
             new = req.output_token_ids[sent:]
             finished = req.is_finished
-            if not new and not finished:
+            if not new and not finished:          # a constrained request compiled: an empty first delta
+                deltas.append(SeqDelta(req.request_id, []))
                 continue
             lps = None
             if req.logprobs is not None:
