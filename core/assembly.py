@@ -72,13 +72,12 @@ class Assembly:
             raise ConfigError(f"config key '{key}': {self.runner_name!r} is an executor (parallel.runner picks "
                               "it under tensor parallel), not a model runner")
         world = self.config.parallel.tensor_parallel_size
-        if world > 1 and not getattr(runner, "tensor_parallel", False):
+        if world > 1 and not runner.tensor_parallel:
             raise ConfigError(f"config key '{key}': the model runner {self.runner_name!r} does not run under "
                               f"tensor parallel (parallel.tensor_parallel_size={world}): it does not follow "
                               "rank 0's sampling (ModelRunner.tensor_parallel)")
-        check = getattr(runner, "check_backend", None) if chosen else None
-        if check is not None:                               # it may refuse this backend (ConfigError)
-            check(self.config, backend)
+        if chosen:                                          # it may refuse this backend (ConfigError)
+            runner.check_backend(self.config, backend)
 
     def executor_class(self) -> type[Executor]:
         """Where the model runs: ``UniProcExecutor`` (core/executor.py) at

@@ -95,7 +95,7 @@ class EngineCore:
         self.shape = m = self.executor.shape       # what the engine reads of the model
         self.task = config.model.task               # generate, or embed: every request is a pooling one
         self.max_model_len = self._resolve_lengths()
-        layout = getattr(assembly.classes["attention"], "layout", "head_major")  # the kernel's
+        layout = assembly.classes["attention"].layout            # the kernel's
         spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, config.cache.block_size,
                            self.backend.kv_cache_dtype(dtype), layout)
         num_blocks = self._resolve_num_blocks(spec)

@@ -220,7 +220,7 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
             refused.add(request.request_id)
         return ok
     rm.may_admit = recording_may_admit
-    bounded = getattr(rm.policy, "bounded_wait", True)
+    bounded = rm.policy.bounded_wait
     step = 0
     while step <= last_event or rm.has_unfinished():
         assert step < bound, f"no progress after {step} steps: {rm.num_running} running, {rm.num_waiting} waiting"

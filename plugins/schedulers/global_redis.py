@@ -59,6 +59,7 @@ import time
 import msgspec
 
 from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import RequestScheduler
 from fdx.core.messages import EngineDeadError, EngineRejected, SeqDelta
 from fdx.core.sampling_params import SamplingParams
 
@@ -157,9 +158,15 @@ def redis_options(url: str, settings: dict) -> tuple[str, dict]:
     return url, opts
 
 
-class LocalScheduler:
-    """The default: requests run in this server's engine (no wrapping)."""
-    local = True
+class LocalScheduler(RequestScheduler):
+    """The default: requests run in this server's engine (never built: no wrapping)."""
+    wraps = False
+
+    def add(self, request_id, prompt_token_ids, params, callback, trace=None) -> None:
+        self.engine.add(request_id, prompt_token_ids, params, callback, trace)
+
+    def abort(self, request_ids) -> None:
+        self.engine.abort(request_ids)
 
 
 class _Pending:
@@ -201,8 +208,9 @@ class _Running:
         self.seq = 0                         # results published
 
 
-class GlobalScheduler:
+class GlobalScheduler(RequestScheduler):
     def __init__(self, config, engine, metrics, settings: dict):
+        super().__init__(config, engine, metrics, settings)
         bad = set(settings) - SETTINGS
         if bad:
             raise ValueError(f"unknown setting {sorted(bad)[0]!r}; known: {', '.join(sorted(SETTINGS))}")
@@ -259,9 +267,6 @@ class GlobalScheduler:
 
     def k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
-
-    def __getattr__(self, name):
-        return getattr(self.local, name)
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self):
