@@ -43,7 +43,9 @@ def test_the_page_has_every_contract(doc_plugins):
                        ("kv_cache", "my-blocks"), ("logits_processor", "my-ban"), ("backend", "my-device"),
                        ("attention_backend", "my-dense"), ("connector", "my-counter"),
                        ("backend", "my-probing-device"), ("weight_format", "my-int8"), ("observer", "my-latency"),
-                       ("activation_function", "my-scale"), ("moe_router", "my-drop-last")]:
+                       ("activation_function", "my-scale"), ("moe_router", "my-drop-last"),
+                       ("token_processor", "my-limit"), ("sampler", "my-greedy"), ("model_runner", "my-counting"),
+                       ("scheduler", "my-counted")]:
         assert name in pm.names(kind), (kind, name)
         assert pm.registries[kind][name].package == "local"
 

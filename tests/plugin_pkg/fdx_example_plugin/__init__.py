@@ -21,6 +21,10 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
 - ``example-recorder`` observer (an ``Observer`` class, selected by
   ``observability.observers``): writes each request it sees added and
   finished as a JSON line to the file its ``path`` setting names.
+
+engine_parts.py has the token processor, sampler, model runner, request
+scheduler and activation function; guided.py, model.py, parsers.py and
+moe_router.py one kind each.
 """
 from __future__ import annotations
 
