@@ -13,8 +13,6 @@ import asyncio
 import logging
 import os
 import shutil
-import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,11 +21,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from fdx.core.host import signal_name
 from fdx.core.messages import (EngineAbort, EngineAdd, EngineDeadError, EngineFailed, EngineHeartbeat,
                                EngineOutputs, EngineReady, EngineRejected, EngineShutdown, EngineStats,
                                FromEngine)
 from fdx.core.messages import encoder as _encoder
+from fdx.core.procs import child_command, exit_message
 from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.engine_client")
@@ -42,21 +40,6 @@ class EngineHungError(EngineDeadError):
 class EngineStartError(EngineDeadError):
     """The engine could not load the model or config; the message says why,
     worded as ``fdx generate`` words it."""
-
-
-def exit_message(who: str, returncode: int, when: str) -> str:
-    """How a child's end reads to a user: ``who`` "exited with status N"
-    ``when``, or, for a negative status (killed by a signal), the signal by
-    name; SIGILL with what it means and where to look."""
-    if returncode >= 0:
-        return f"{who} exited with status {returncode} {when} (see its messages above)"
-    name = signal_name(returncode)
-    if -returncode == signal.SIGILL:
-        return (f"{who} was killed by SIGILL (status {returncode}) {when}: an illegal instruction, from a kernel "
-                "built for an instruction set this CPU lacks (such as AVX-512); Paddle's C++ traceback above "
-                "names the kernel, `fdx env` shows the CPU and its kernels, and docs/backends.md says what to "
-                "turn off")
-    return f"{who} was killed by {name} (status {returncode}) {when} (see its messages above)"
 
 
 class EngineClient:
@@ -121,8 +104,8 @@ class EngineClient:
             os.chmod(os.path.join(self._dir, name), 0o600)
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fdx.core.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
-            "--parent-pid", str(os.getpid()), "--heartbeat-s", str(self.heartbeat_s), stdin=asyncio.subprocess.PIPE)
+            *child_command("fdx.core.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
+                           "--heartbeat-s", str(self.heartbeat_s)), stdin=asyncio.subprocess.PIPE)
         self.proc.stdin.write(self.config.model_dump_json().encode())
         self.proc.stdin.close()
         exited = asyncio.ensure_future(self.proc.wait())

@@ -9,8 +9,9 @@ struct encoded as msgpack (never pickle); ``SamplingParams`` crosses as
 itself (a msgspec-encoded dataclass, validated again on decoding). The
 engine process sends token ids and finish reasons (its token processor
 matches stop strings, so no token past one is computed); the API process
-detokenizes (see docs/serving.md). The engine process dies with its parent (PR_SET_PDEATHSIG
-on Linux, and a parent-pid check while idle).
+detokenizes (see docs/serving.md). The engine process is a child as
+core/procs.py makes them: it dies with its parent (PR_SET_PDEATHSIG on
+Linux, and a parent-pid check while idle).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from fdx.core.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeart
                                EngineReady, EngineRejected, EngineShutdown, EngineStats, SeqDelta,
                                ToEngine)
 from fdx.core.messages import encoder as _encoder
+from fdx.core.procs import orphaned, start_child
 
 log = logging.getLogger("fdx.engine_proc")
 
@@ -65,7 +67,7 @@ class EngineLoop:
         only if it does not, or if it is gone. No traceback, no core dump.
         A send already blocked on an API process that reads nothing (its
         queue full) gives up at the deadline too (SNDTIMEO)."""
-        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+        if orphaned(self.parent_pid):
             self.running = False
         elif self.stop_by is None:
             self.stop_by = time.monotonic() + self.TERM_GRACE_S
@@ -121,8 +123,8 @@ class EngineLoop:
         touched = False
         if block:
             while not self.inbox.poll(self.IDLE_POLL_MS):
-                if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                    self.running = False          # orphaned: the API process is gone
+                if orphaned(self.parent_pid):
+                    self.running = False          # the API process is gone
                     return False
                 if not self.running or (self.stop_by is not None and time.monotonic() >= self.stop_by):
                     return False
@@ -299,7 +301,7 @@ def remove_orphaned_sockets(parent_pid: int | None, *addrs: str) -> None:
     """When the API process that bound these ipc:// sockets is gone (killed
     outright, it could not clean up), remove the socket files and their
     folder (only if nothing else is in it)."""
-    if parent_pid is None or os.getppid() == parent_pid:
+    if not orphaned(parent_pid):
         return
     paths = [a[len("ipc://"):] for a in addrs if a.startswith("ipc://")]
     for path in paths:
@@ -310,16 +312,6 @@ def remove_orphaned_sockets(parent_pid: int | None, *addrs: str) -> None:
             os.rmdir(folder)
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def engine_main(argv: list[str] | None = None) -> int:
     """Entry point of the engine process: ``python -m fdx.core.serving.engine_proc``."""
     p = argparse.ArgumentParser(prog="fdx-engine")
@@ -328,9 +320,7 @@ def engine_main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
     args = p.parse_args(argv)
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server; it stops us
-    if args.parent_pid is not None and os.getppid() != args.parent_pid:
+    if not start_child(args.parent_pid):          # dies with the API process; Ctrl-C is the server's
         remove_orphaned_sockets(args.parent_pid, args.inbox, args.outbox)
         return 1
     from fdx.core.logs import configure

@@ -67,6 +67,7 @@ import zmq
 from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import Executor, Model, ModelRunnerOutput, ModelShape, SchedulerOutput
+from fdx.core.procs import child_command, exit_message, orphaned, start_child
 
 log = logging.getLogger("fdx.backends.tp")
 
@@ -239,8 +240,8 @@ class TensorParallelExecutor(Executor):
                    "PADDLE_DISTRI_BACKEND": "gloo", "OMP_NUM_THREADS": str(threads),
                    "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}
             proc = subprocess.Popen(
-                [sys.executable, "-m", "fdx.plugins.backends.tp", "--rank", str(rank), "--world", str(world),
-                 "--dir", self._dir, "--threads", str(threads), "--parent-pid", str(os.getpid())],
+                child_command("fdx.plugins.backends.tp", "--rank", str(rank), "--world", str(world),
+                              "--dir", self._dir, "--threads", str(threads)),
                 stdin=subprocess.PIPE, env=env)
             self.procs.append(proc)
             proc.stdin.write(payload.encode())
@@ -363,7 +364,7 @@ class TensorParallelExecutor(Executor):
         while True:
             for rank, proc in enumerate(self.procs):
                 if rank != besides and proc.poll() is not None:
-                    return f"tensor parallel worker rank {rank} exited with code {proc.returncode}"
+                    return exit_message(f"tensor parallel worker rank {rank}", proc.returncode, "")
             if time.monotonic() >= deadline:
                 return ""
             time.sleep(0.05)
@@ -504,9 +505,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     args = p.parse_args(argv)
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C goes to the server; it stops us
-    if os.getppid() != args.parent_pid:
+    # SIGKILL when the engine dies: a rank blocked in a collective would never run a handler
+    if not start_child(args.parent_pid, signal.SIGKILL):
         return 1
     from fdx.core.logs import configure
     configure(os.environ.get("FDX_ENGINE_LOG_LEVEL", "WARNING"), tag=f"[tp{args.rank}]")
@@ -526,8 +526,8 @@ def worker_main(argv: list[str] | None = None) -> int:
                                                   backend_setup(worker.backend) if args.rank == 0 else None)))
         while True:
             while not steps.poll(500):
-                if os.getppid() != args.parent_pid:
-                    return 1                       # orphaned: the engine is gone
+                if orphaned(args.parent_pid):
+                    return 1                       # the engine is gone
             msg = decoder.decode(steps.recv())
             if isinstance(msg, WorkerStop):
                 break
@@ -563,16 +563,6 @@ def worker_main(argv: list[str] | None = None) -> int:
     results.close(linger=1000)
     steps.close(linger=0)
     return 0
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG: a hung collective cannot outlive us
-        except OSError:
-            pass
 
 
 @hookimpl
