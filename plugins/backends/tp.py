@@ -346,25 +346,26 @@ class TensorParallelExecutor(Executor):
                 msg = self._decoder.decode(self._results.recv())
                 if isinstance(msg, WorkerFailed):
                     # a peer that died makes the others' collectives fail: name the dead one first
-                    dead = self._dead(wait_s=1.0, besides=msg.rank)
+                    dead = self._dead(f"while {doing}", wait_s=1.0, besides=msg.rank)
                     cause = f"; then rank {msg.rank} failed: {msg.message}"
                     self._fail((dead + cause) if dead else
                                f"tensor parallel worker rank {msg.rank} failed while {doing}: {msg.message}")
                 return msg
-            dead = self._dead()
+            dead = self._dead(f"while {doing}")
             if dead:
-                self._fail(f"{dead} while {doing}")
+                self._fail(dead)
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"tensor parallel workers did not answer in {READY_TIMEOUT_S:.0f} s while {doing}")
 
-    def _dead(self, wait_s: float = 0.0, besides: int | None = None) -> str:
-        """'tensor parallel worker rank R exited with code C' for the first
-        worker that exited (waiting up to ``wait_s``), or ''."""
+    def _dead(self, when: str, wait_s: float = 0.0, besides: int | None = None) -> str:
+        """How the first worker that exited ended ('tensor parallel worker
+        rank R exited with status C <when>', or the signal that killed it;
+        core/procs.py), waiting up to ``wait_s``; '' when none did."""
         deadline = time.monotonic() + wait_s
         while True:
             for rank, proc in enumerate(self.procs):
                 if rank != besides and proc.poll() is not None:
-                    return exit_message(f"tensor parallel worker rank {rank}", proc.returncode, "")
+                    return exit_message(f"tensor parallel worker rank {rank}", proc.returncode, when)
             if time.monotonic() >= deadline:
                 return ""
             time.sleep(0.05)
