@@ -41,7 +41,7 @@ class Assembly:
         pick = self.pick
         self.classes = {
             "kv_cache": pick("kv_cache", "cache.kv_cache", cc.kv_cache),
-            "resource_manager": pick("resource_manager", "scheduler.resource_manager", sc.resource_manager),
+            "resource_manager": pick("resource_manager", "scheduler.kv_scheduler", sc.kv_scheduler),
             "queue_policy": pick("queue_policy", "scheduler.policy", sc.policy),
             "admission": [(n, pick("admission_rule", "scheduler.admission", n)) for n in sc.admission],
             "preemption": pick("preemption_policy", "scheduler.preemption", sc.preemption),
@@ -182,8 +182,8 @@ class Assembly:
             name = self.connector_name
             connector = make("connector", name, c["connector"], config, cc.block_size,
                              settings=s("connector", name))
-        policy = make("resource_manager", sc.resource_manager, c["resource_manager"], config,
-                      settings=s("resource_manager", sc.resource_manager))
+        policy = make("resource_manager", sc.kv_scheduler, c["resource_manager"], config,
+                      settings=s("resource_manager", sc.kv_scheduler))
         # the engine's scheduling core, running the policy (engine.resource_manager)
         resource_manager = SchedulingCore(config, kv_cache, max_model_len,
                                           self.extensions(kv_cache, connector, extra_rules), policy, token_processor)

@@ -131,7 +131,7 @@ class EngineCore:
         """Swap the scheduling parts (and the logits processors) of an idle
         engine, keeping the model and the KV tensors: ``changes`` are config
         keys (``policy="priority"``, ``preemption=...``, ``admission=[...]``,
-        ``resource_manager=...``, ``kv_cache="prefix"``, ``max_num_seqs``,
+        ``kv_scheduler=...``, ``kv_cache="prefix"``, ``max_num_seqs``,
         ``logits_processors=[...]``, ``num_kv_blocks`` up to what the
         tensors hold, ``plugins.<kind>.<name>`` settings); ``config``, a
         config whose explicitly set keys apply (a fresh ``FdxConfig.build``).
@@ -159,6 +159,13 @@ class EngineCore:
         for k, v in parts.items():
             setattr(self, k, v)
         return old
+
+    @property
+    def scheduling(self):
+        """The scheduling core (``fdx.core.scheduling.SchedulingCore``),
+        running the KV scheduler ``scheduler.kv_scheduler`` names; its older
+        name ``resource_manager`` is kept as an alias."""
+        return self.resource_manager
 
     # what runs in this process: rank 0's parts under UniProcExecutor, None (or []) under tensor parallel
     @property

@@ -361,7 +361,7 @@ class SchedulingExtensions:
 
 
 class SchedulerPolicy(abc.ABC):
-    """A KV scheduler (``scheduler.resource_manager``, registered with
+    """A KV scheduler (``scheduler.kv_scheduler``, registered with
     ``fdx_register_resource_managers``): each step, which requests run and
     how many of their tokens. It is a policy only: the engine owns the
     scheduling core (``fdx.core.scheduling.SchedulingCore``, passed to

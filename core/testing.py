@@ -183,7 +183,7 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
     KV cache, the resource manager)."""
     import paddle
     pm = plugin_manager or get_plugin_manager()
-    cfg = FdxConfig.build(resource_manager=resource_manager, kv_cache=kv_cache, policy=policy,
+    cfg = FdxConfig.build(kv_scheduler=resource_manager, kv_cache=kv_cache, policy=policy,
                           preemption=preemption, admission=list(admission), block_size=w["bs"],
                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                           enable_chunked_prefill=w["chunked"], plugins=plugins or {},

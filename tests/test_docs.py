@@ -55,7 +55,7 @@ def test_the_yaml_example_is_a_valid_config(tmp_path):
     path = tmp_path / "fdx.yaml"
     path.write_text(yml)
     cfg = FdxConfig.build(str(path))
-    assert cfg.scheduler.resource_manager == "my-fifo" and cfg.plugins["admission_rule"]["my-cap"] == {"max_running": 2}
+    assert cfg.scheduler.kv_scheduler == "my-fifo" and cfg.plugins["admission_rule"]["my-cap"] == {"max_running": 2}
     assert yaml.safe_load(yml)["decoding"]["logits_processors"] == ["my-ban"]
 
 
