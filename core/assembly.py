@@ -41,7 +41,7 @@ class Assembly:
         pick = self.pick
         self.classes = {
             "kv_cache": pick("kv_cache", "cache.kv_cache", cc.kv_cache),
-            "resource_manager": pick("resource_manager", "scheduler.resource_manager", sc.resource_manager),
+            "resource_manager": pick("resource_manager", "scheduler.kv_scheduler", sc.kv_scheduler),
             "queue_policy": pick("queue_policy", "scheduler.policy", sc.policy),
             "admission": [(n, pick("admission_rule", "scheduler.admission", n)) for n in sc.admission],
             "preemption": pick("preemption_policy", "scheduler.preemption", sc.preemption),
@@ -72,13 +72,12 @@ class Assembly:
             raise ConfigError(f"config key '{key}': {self.runner_name!r} is an executor (parallel.runner picks "
                               "it under tensor parallel), not a model runner")
         world = self.config.parallel.tensor_parallel_size
-        if world > 1 and not getattr(runner, "tensor_parallel", False):
+        if world > 1 and not runner.tensor_parallel:
             raise ConfigError(f"config key '{key}': the model runner {self.runner_name!r} does not run under "
                               f"tensor parallel (parallel.tensor_parallel_size={world}): it does not follow "
                               "rank 0's sampling (ModelRunner.tensor_parallel)")
-        check = getattr(runner, "check_backend", None) if chosen else None
-        if check is not None:                               # it may refuse this backend (ConfigError)
-            check(self.config, backend)
+        if chosen:                                          # it may refuse this backend (ConfigError)
+            runner.check_backend(self.config, backend)
 
     def executor_class(self) -> type[Executor]:
         """Where the model runs: ``UniProcExecutor`` (core/executor.py) at
@@ -151,11 +150,13 @@ class Assembly:
         return built
 
     # -- the scheduler side ---------------------------------------------------------------
-    def token_processor(self):
-        """The token processor, built with its settings only: it sees token
-        ids, never a tokenizer (text is the output processor's, core/output.py)."""
+    def token_processor(self, tokenizer=None):
+        """The token processor, with the engine's tokenizer (for stop
+        strings; None where no request has any: the conformance kit) and its
+        settings."""
         name = self.config.decoding.token_processor
-        return self.classes["token_processor"](settings=self.settings("token_processor", name))
+        return self.make("token_processor", name, self.classes["token_processor"], tokenizer,
+                         self.settings("token_processor", name))
 
     def extensions(self, kv_cache, connector=None, extra_rules=()) -> SchedulingExtensions:
         config, c, s, make = self.config, self.classes, self.settings, self.make
@@ -181,8 +182,8 @@ class Assembly:
             name = self.connector_name
             connector = make("connector", name, c["connector"], config, cc.block_size,
                              settings=s("connector", name))
-        policy = make("resource_manager", sc.resource_manager, c["resource_manager"], config,
-                      settings=s("resource_manager", sc.resource_manager))
+        policy = make("resource_manager", sc.kv_scheduler, c["resource_manager"], config,
+                      settings=s("resource_manager", sc.kv_scheduler))
         # the engine's scheduling core, running the policy (engine.resource_manager)
         resource_manager = SchedulingCore(config, kv_cache, max_model_len,
                                           self.extensions(kv_cache, connector, extra_rules), policy, token_processor)

@@ -52,7 +52,7 @@ class CacheConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    resource_manager: str = "v1"               # KV scheduler plugin name
+    kv_scheduler: str = "v1"                   # KV scheduler (policy) plugin name: what each step runs
     policy: str = "fcfs"                       # waiting-queue order (queue policy plugin name)
     admission: list[str] = []                  # admission rule plugin names, all must agree
     preemption: str = "newest"                 # preemption victim policy plugin name
@@ -317,6 +317,7 @@ DEPRECATED: dict[str, str] = {
     "cache.swap_max_blocks": "plugins.connector.swap.max_blocks",
     "backend.cuda_graph": "backend.model_runner",
     "backend.cuda_graph_batch_sizes": "plugins.model_runner.cuda-graph.batch_sizes",
+    "scheduler.resource_manager": "scheduler.kv_scheduler",
 }
 DEPRECATED_FLAT = {"splitwise_role": "splitwise.role", **{
     k.split(".", 1)[1]: k for k in DEPRECATED if k.split(".", 1)[1] not in FLAT_KEYS and k != "splitwise.role"}}

@@ -18,14 +18,11 @@ from fdx.core.config import ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import Backend, KVCacheSpec, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus, check_prompt, request_output
-from fdx.core.sampling_params import SamplingParams
+from fdx.core.sampling_params import POOLING_PARAMS, SamplingParams
 
 log = logging.getLogger("fdx.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192
-# what a pooling request (model.task embed) runs with: its prompt's prefill and one (unused) token,
-# after which the scheduler finishes it ("length") and frees its blocks like any other request
-POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
 
 def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
@@ -98,7 +95,7 @@ class EngineCore:
         self.shape = m = self.executor.shape       # what the engine reads of the model
         self.task = config.model.task               # generate, or embed: every request is a pooling one
         self.max_model_len = self._resolve_lengths()
-        layout = getattr(assembly.classes["attention"], "layout", "head_major")  # the kernel's
+        layout = assembly.classes["attention"].layout            # the kernel's
         spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, config.cache.block_size,
                            self.backend.kv_cache_dtype(dtype), layout)
         num_blocks = self._resolve_num_blocks(spec)
@@ -110,7 +107,7 @@ class EngineCore:
         from fdx.core.guided import GuidedDecoding
         self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
                                                  self.eos_token_ids)
-        self.token_processor = assembly.token_processor()
+        self.token_processor = assembly.token_processor(self.tokenizer)
         self.speculation = None            # speculative decoding (core/spec.py), when speculative.method is set
         if config.speculative.method is not None:
             from fdx.core.spec import Speculation
@@ -118,8 +115,6 @@ class EngineCore:
         parts = self.build_parts(config, num_blocks)
         self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank
         self._install(parts)
-        self.guided_ready: list[str] = []          # this step's guided verdicts (_guided_verdicts)
-        self.guided_rejected: dict[str, tuple[str, int]] = {}
         self.step_count = 0
         self.num_computed_tokens = 0
         self.num_recomputed_tokens = 0
@@ -142,7 +137,7 @@ class EngineCore:
         """Swap the scheduling parts (and the logits processors) of an idle
         engine, keeping the model and the KV tensors: ``changes`` are config
         keys (``policy="priority"``, ``preemption=...``, ``admission=[...]``,
-        ``resource_manager=...``, ``kv_cache="prefix"``, ``max_num_seqs``,
+        ``kv_scheduler=...``, ``kv_cache="prefix"``, ``max_num_seqs``,
         ``logits_processors=[...]``, ``num_kv_blocks`` up to what the
         tensors hold, ``plugins.<kind>.<name>`` settings); ``config``, a
         config whose explicitly set keys apply (a fresh ``FdxConfig.build``).
@@ -171,6 +166,13 @@ class EngineCore:
             setattr(self, k, v)
         self.resource_manager.speculation = getattr(self, "speculation", None)
         return old
+
+    @property
+    def scheduling(self):
+        """The scheduling core (``fdx.core.scheduling.SchedulingCore``),
+        running the KV scheduler ``scheduler.kv_scheduler`` names; its older
+        name ``resource_manager`` is kept as an alias."""
+        return self.resource_manager
 
     # what runs in this process: rank 0's parts under UniProcExecutor, None (or []) under tensor parallel
     @property
@@ -381,28 +383,6 @@ class EngineCore:
 
     abort = abort_request
 
-    def stop_request(self, request_id: str, stop_reason: int | str | None = None,
-                     num_output_tokens: int | None = None) -> Request | None:
-        """End a running or waiting request as stopped (``finish_reason``
-        "stop"): what the output processor calls when a stop string ends a
-        sequence (core/output.py), in process or, for ``fdx serve``, in the
-        API process (an ``EngineAbort`` with reason "stop"). Its blocks are
-        freed now, as on an abort; observers see it finished with
-        ``stop_reason`` and its first ``num_output_tokens`` output tokens
-        (the ones the caller kept: the engine may have computed one or two
-        more before the stop reached it). None if unknown or done."""
-        self.guided.remove(request_id)
-        req = self.resource_manager.abort_request(request_id)
-        if req is not None:
-            self._release_lora(req)
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_reason
-            if num_output_tokens is not None:
-                del req.output_token_ids[num_output_tokens:]
-                if req.logprobs is not None:
-                    del req.logprobs[num_output_tokens:]
-            self._finished(req)
-        return req
-
     def notify(self, hook_name: str, **kwargs) -> None:
         """Call an observer hook: the plugins' module-level implementations,
         then this engine's observers (observability.observers)."""
@@ -443,22 +423,23 @@ class EngineCore:
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step: schedule, one batched forward, update. Returns the
-        requests whose output changed in it (a new token, finished, or
-        ended without running: rejected on arrival, a failed guided
-        compile); ``req.is_finished`` tells which ended. The step's decision
+        requests whose output changed in it: a new token, finished, ended
+        without running (rejected on arrival; a failed guided compile, with
+        ``error_status``), or a constrained request whose compile is done
+        (no token yet: it may run now); ``req.is_finished`` tells which ended. The step's decision
         (a ``SchedulerOutput``) is then ``last_schedule``, its figures
         (``StepStats``) ``last_stats``. An idle engine's step schedules
         nothing and runs no forward."""
         t0 = time.perf_counter()
         rm = self.resource_manager
-        rejected = self._guided_verdicts()
+        changed = self._guided_verdicts()
         spec = self.speculation
         if spec is not None:               # this step's k, from how many requests decode (the cost gate)
             spec.begin_step(sum(r.num_tokens - r.num_computed_tokens == 1 for r in rm.running))
         sched = rm.schedule()
         if self.guided.entries:
             sched.guided = self._guided_step(sched)
-        changed = rejected + rm.pop_finished()
+        changed += rm.pop_finished()
         context = None
         num_recomputed = 0
         if not sched.is_empty or sched.kv_connector_metadata is not None:
@@ -503,19 +484,19 @@ class EngineCore:
         return changed
 
     def _guided_verdicts(self) -> list[Request]:
-        """Poll the guided compiles: ``guided_ready`` (request ids that may
-        now run) and ``guided_rejected`` ({request id: (message, HTTP
-        status)}) for this step; the rejected requests, finished."""
-        self.guided_ready, self.guided_rejected = [], {}
+        """Poll the guided compiles: the requests whose compile finished
+        (they may run now) and those whose compile failed or timed out
+        (rejected: finished, ``stop_reason`` the message, ``error_status``
+        the HTTP status)."""
         if not self.guided.entries:
             return []
-        self.guided_ready, failed = self.guided.poll()
-        out = []
+        ready, failed = self.guided.poll()
+        by_id = {r.request_id: r for r in self.resource_manager.requests()}
+        out = [by_id[rid] for rid in ready if rid in by_id]
         for rid, message, status in failed:
             req = self.resource_manager.abort_request(rid)
             if req is not None:
-                req.status, req.stop_reason = RequestStatus.FINISHED_REJECTED, message
-                self.guided_rejected[rid] = (message, status)
+                req.status, req.stop_reason, req.error_status = RequestStatus.FINISHED_REJECTED, message, status
                 out.append(req)
         return out
 

@@ -18,7 +18,7 @@ _ENGINE_INT_FLAGS = {  # flag -> help
     "seed": "the engine's sampling seed for requests without one (default: 0)",
 }
 _ENGINE_STR_FLAGS = {
-    "resource_manager": "KV scheduler plugin (default: v1; see fdx plugins)",
+    "kv_scheduler": "KV scheduler (policy) plugin: what each step runs (default: v1; see fdx plugins)",
     "kv_cache": "KV-cache plugin: paged or prefix (default: paged)",
     "backend": "device backend plugin (default: auto, the best available)",
     "quantization": "weight format: auto, none, q8_0, q4_0, q4_1, q4_k, q6_k, wint8, wint4, or a plugin's "
@@ -137,6 +137,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, dest=key, help=text)
     for key, text in _ENGINE_STR_FLAGS.items():
         p.add_argument(f"--{key.replace('_', '-')}", default=None, dest=key, help=text)
+    p.add_argument("--resource-manager", default=None, dest="resource_manager",
+                   help="deprecated: = --kv-scheduler (scheduler.kv_scheduler; logs a warning)")
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False,
                    default=None, help="run each prompt in one step (default: chunked prefill on)")
     # vLLM's and FastDeploy's names for the same settings (docs/migrating.md)
@@ -255,8 +257,9 @@ def _lora_modules(items: list[str]) -> dict[str, str]:
 def _overrides(args) -> dict:
     check_foreign_flags(args)
     out = {}
-    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "enable_chunked_prefill", "model_runner",
-            "enable_lora", "max_loras", "max_lora_rank", *(key for key, _, _ in _ALIAS_FLAGS.values()))
+    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "resource_manager", "enable_chunked_prefill", "model_runner",
+            "enable_lora", "max_loras", "max_lora_rank",
+            *(key for key, _, _ in _ALIAS_FLAGS.values()))
     for key in keys:
         v = getattr(args, key, None)
         if v is not None:

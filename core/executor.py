@@ -28,6 +28,7 @@ class UniProcExecutor(Executor):
         self.shape = ModelShape.of(self.model)
         self.attention = assembly.attention()
         self.kv_spec: KVCacheSpec | None = None
+        self.runner = None                   # built by allocate()
 
     def kv_budget(self, num_tokens: int, num_seqs: int, memory_fraction: float) -> int:
         from fdx.core.memory import kv_budget
@@ -74,6 +75,5 @@ class UniProcExecutor(Executor):
         return held_weight_bytes(self.model)
 
     def close(self) -> None:
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        if self.runner is not None:
+            self.runner.close()

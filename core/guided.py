@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from fdx.core.config import ConfigError
-from fdx.core.interfaces import GUIDED_KINDS, AdmissionRule, GuidedBackend, GuidedStep
+from fdx.core.interfaces import AdmissionRule, GuidedBackend, GuidedStep
 from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.guided")
@@ -113,7 +113,7 @@ def auto_backend(plugins) -> str | None:
         if name not in plugins.names("guided_backend"):
             continue
         cls = plugins.get("guided_backend", name)
-        if all(importlib.util.find_spec(m) is not None for m in getattr(cls, "requires", ())):
+        if all(importlib.util.find_spec(m) is not None for m in cls.requires):
             return name
     log.info("guided decoding off: decoding.guided_backend is auto and neither llguidance nor xgrammar is "
              "installed (%s)", INSTALL_HINT)
@@ -138,10 +138,11 @@ class GuidedDecoding:
         for key, value in (("compile_threads", threads), ("cache_size", cache_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"config key 'plugins.guided_backend.{name}.{key}' must be an integer >= 1")
-        unknown = sorted(set(settings) - set(getattr(backend_cls, "setting_keys", settings)))
+        known = backend_cls.setting_keys if backend_cls is not None else tuple(settings)   # off: nothing to check
+        unknown = sorted(set(settings) - set(known))
         if unknown:
             raise ConfigError(f"config key 'plugins.guided_backend.{name}.{unknown[0]}': unknown setting; "
-                              f"known: {', '.join([*getattr(backend_cls, 'setting_keys', ()), 'compile_threads', 'cache_size'])}")
+                              f"known: {', '.join([*known, 'compile_threads', 'cache_size'])}")
         self.settings = settings
         self.cache_size = cache_size
         self.compile_timeout_s = compile_timeout_s
@@ -164,7 +165,7 @@ class GuidedDecoding:
         if eos.size:
             np.bitwise_or.at(self._eos_row, eos // 32, (np.int64(1) << (eos % 32)).astype(np.uint32).view(np.int32))
         if backend_cls is not None:
-            missing = [m for m in getattr(backend_cls, "requires", ()) if importlib.util.find_spec(m) is None]
+            missing = [m for m in backend_cls.requires if importlib.util.find_spec(m) is None]
             if missing:
                 raise ConfigError(f"config key 'decoding.guided_backend': the {name} backend needs the "
                                   f"{', '.join(missing)} package; install it with {INSTALL_HINT} "
@@ -229,7 +230,7 @@ class GuidedDecoding:
             raise ValueError(f"invalid sampling parameter {field_name}: guided decoding is off on this "
                              "engine (decoding.guided_backend is null, or auto found no backend installed); set "
                              "decoding.guided_backend to llguidance or xgrammar")
-        kinds = getattr(self.backend_cls, "kinds", GUIDED_KINDS)
+        kinds = self.backend_cls.kinds
         if c[0] not in kinds:
             raise ValueError(f"invalid sampling parameter {field_name}: the {self.name} guided backend "
                              f"does not support {c[0]} constraints (it supports {', '.join(kinds)})"

@@ -32,7 +32,7 @@ Register = Callable[[str, Any], None]
 def fdx_register_resource_managers(register: Register) -> None:
     """Register KV schedulers (``SchedulerPolicy`` subclasses) by name.
 
-    Called once at start-up. ``config.scheduler.resource_manager`` picks one
+    Called once at start-up. ``config.scheduler.kv_scheduler`` picks one
     (built-ins: ``v1``, ``v0``)."""
 
 

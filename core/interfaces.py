@@ -381,7 +381,7 @@ class SchedulingExtensions:
 
 
 class SchedulerPolicy(abc.ABC):
-    """A KV scheduler (``scheduler.resource_manager``, registered with
+    """A KV scheduler (``scheduler.kv_scheduler``, registered with
     ``fdx_register_resource_managers``): each step, which requests run and
     how many of their tokens. It is a policy only: the engine owns the
     scheduling core (``fdx.core.scheduling.SchedulingCore``, passed to
@@ -425,6 +425,59 @@ class SchedulerPolicy(abc.ABC):
     def schedule(self, core: Any) -> None:
         """Fill this step through ``core``'s helpers (the core opens the
         step before and closes it after: ``core.schedule()``)."""
+
+
+class RequestScheduler(abc.ABC):
+    """A request-level scheduler (``scheduler.request_scheduler``,
+    registered with ``fdx_register_schedulers``): where a server's requests
+    run. ``local`` (the default) runs them in the server's own engine and
+    is never built (``wraps = False``); any other is built in the API
+    process as ``cls(config, engine, metrics, settings)`` around the
+    server's ``EngineClient`` (``engine``; ``metrics`` the server's
+    ``ServerMetrics``, whose ``registry`` takes its own series;
+    ``settings`` from ``plugins.scheduler.<name>``, validated into
+    ``cls.Settings`` when it declares one) and stands in for it, so it
+    keeps the client's interface as the server uses it. It must not import
+    Paddle (the API process never does).
+
+    Every other attribute the server reads (``dead``, ``pid``, ``ready``,
+    ``hung``, ...) is the client's: ``__getattr__`` hands it through."""
+
+    wraps: bool = True                   # False: requests run in the server's engine, unwrapped
+
+    def __init__(self, config: "FdxConfig", engine: Any, metrics: Any, settings: Any = None):
+        self.config, self.engine, self.metrics = config, engine, metrics
+        self.settings = settings if settings is not None else {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":                           # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    async def start(self) -> Any:
+        """Start the local engine (``await engine.start()``), then the
+        scheduler's own work; return the engine's ``EngineReady``."""
+        return await self.engine.start()
+
+    @abc.abstractmethod
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, callback: Any,
+            trace: dict[str, str] | None = None) -> None:
+        """Run a request somewhere: ``callback`` gets ``SeqDelta``s (only new
+        tokens, in order), an ``EngineRejected``, or an ``EngineDeadError``
+        when it cannot be served; ``trace`` (``x-request-id``, W3C
+        ``traceparent`` / ``tracestate``) goes to the engine that runs it."""
+
+    @abc.abstractmethod
+    def abort(self, request_ids: list[str]) -> None:
+        """End requests early, wherever they run (the client went away)."""
+
+    def finished(self, request_id: str) -> None:
+        """Forget a request whose last delta came. Default: the engine's."""
+        self.engine.finished(request_id)
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the scheduler's work, then the local engine."""
+        await self.engine.shutdown(timeout)
 
 
 class QueuePolicy(abc.ABC):
@@ -519,7 +572,14 @@ class LogitsProcessor(abc.ABC):
     allowed_token_ids, bad_words). Each step the runner calls
     ``update_state`` then ``apply`` on the logits of the requests that sample,
     one row each. Per-request arguments ride in ``SamplingParams.extra_args``
-    (over HTTP: the body's ``extra_args`` / ``vllm_xargs``)."""
+    (over HTTP: the body's ``extra_args`` / ``vllm_xargs``).
+
+    ``active`` (an attribute, True by default) says whether ``apply`` would
+    change anything this step: a processor no row asks for sets it False
+    after ``update_state``, and when none is active the runner may sample
+    on the device without moving the logits to the host."""
+
+    active: bool = True
 
     def __init__(self, config: "FdxConfig", tokenizer: Any, vocab_size: int, settings: dict | None = None):
         self.config = config
@@ -572,7 +632,14 @@ class SamplerOutput:
 class Sampler(abc.ABC):
     """Draws one token per row from processed logits (temperature, top-k,
     top-p, min-p, seeds) and computes logprobs from the raw logits. The
-    backend names the sampler (``Backend.sampler``)."""
+    backend names the sampler (``Backend.sampler``).
+
+    ``device_logits`` (False by default): the sampler takes the model's
+    logits tensor as it is (on the device), so a step with no active
+    logits processor, no guided bitmask and no prompt logprobs skips the
+    move to the host; False: ``sample`` gets host (numpy) logits."""
+
+    device_logits: bool = False
 
     def __init__(self, config: "FdxConfig | None" = None, settings: dict | None = None):
         self.config = config
@@ -664,18 +731,25 @@ class TokenProcessor(abc.ABC):
     """Turns sampled token ids into request state on the engine side:
     appends the token, records its logprob ids and values
     (``request.logprobs``: one ``{token id: TokenLogprob}`` per token,
-    ``decoded`` left None), and decides whether the request is finished by
-    token ids and counts (eos, stop token ids, min_tokens, max_tokens,
-    context length), setting ``request.status`` and ``stop_reason``.
+    ``decoded`` left None), and decides whether the request is finished
+    (eos, stop token ids, stop strings, min_tokens, max_tokens, context
+    length), setting ``request.status`` and ``stop_reason`` (the stop token
+    id or the stop string).
 
-    It makes no text and is given no tokenizer: detokenizing, stop strings
-    and logprob text are the output processor's (core/output.py), which
-    serves ``LLM`` and the server alike; a stop string it finds ends the
-    request through the engine (``EngineCore.stop_request`` in-process, an
-    abort from the API process). Built as ``cls(settings=...)``
-    (``plugins.token_processor.<name>``)."""
+    Stop strings are matched here, where the tokens are made, so no token
+    past one is computed: a request with ``stop`` strings is detokenized
+    incrementally with ``tokenizer`` (``fdx.core.output.TextOutput`` holds
+    the rule: the earliest stop ending in the newest token's text, once
+    ``min_tokens`` are out; eos and stop token ids are checked first, the
+    length last). The text callers get, cut at the stop string, and
+    logprob text are the output processor's (core/output.py), which serves
+    ``LLM`` and the server alike. Built as ``cls(tokenizer, settings)``
+    (``plugins.token_processor.<name>``); the serving engine's tokenizer is
+    built on first use (a ``DeferredTokenizer``: the first request with
+    stop strings builds it)."""
 
-    def __init__(self, settings: dict | None = None):
+    def __init__(self, tokenizer: Any = None, settings: dict | None = None):
+        self.tokenizer = tokenizer
         self.settings = settings or {}
 
     def start(self, request: "Request") -> None:
@@ -1440,10 +1514,9 @@ class ModelRunner(abc.ABC):
     ``ModelRunnerOutput.pooled`` (``model.pooling_type``, ``model.normalize``);
     the token it samples then is never shown.
 
-    ``backend.model_runner`` picks a runner over the backend's choice; such a
-    class may define ``check_backend(config, backend)`` (a classmethod,
-    called once when the backend is chosen) raising ``ConfigError`` when it
-    cannot run there.
+    ``backend.model_runner`` picks a runner over the backend's choice; its
+    ``check_backend(config, backend)`` (a classmethod, called once when the
+    backend is chosen) raises ``ConfigError`` when it cannot run there.
 
     The executor runs the same runner class on every rank (``Executor``).
     Under tensor parallel (``ctx.world_size`` above 1) each rank's runner
@@ -1466,10 +1539,20 @@ class ModelRunner(abc.ABC):
     @abc.abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    @classmethod
+    def check_backend(cls, config: "FdxConfig", backend: "Backend") -> None:
+        """Called once when ``backend.model_runner`` picks this class over
+        the backend's choice: raise ``ConfigError`` when it cannot run on
+        ``backend``. Default: it can."""
+
     def last_step_taps(self) -> dict[str, Any]:
         """The last step's ``sampled_request_ids``, ``logits`` and
         ``hidden_states`` for the StepContext (empty when not captured)."""
         return {}
+
+    def close(self) -> None:
+        """Release what the runner holds (device graphs, threads) when its
+        executor closes. Default: nothing."""
 
 
 @dataclass(slots=True, frozen=True)

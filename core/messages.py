@@ -4,9 +4,9 @@ msgpack, never pickle. Each message is tagged, so a decoder typed with a
 union rejects anything that is not one of them."""
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import msgspec
+
+from fdx.core.sampling_params import SamplingParams
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone (or hung, and was stopped): what a
@@ -19,20 +19,15 @@ class EngineDeadError(RuntimeError):
 class EngineAdd(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]                   # SamplingParams fields (stop strings stay in the API)
+    params: SamplingParams                   # as the caller made it: one form on both sides
     trace: dict[str, str] = {}               # x-request-id, W3C traceparent / tracestate (Request.trace_headers)
     lora: str | None = None                  # the LoRA adapter it runs with (the request's model field), by name
 
 
 class EngineAbort(msgspec.Struct, tag="abort"):
-    """End requests early: ``reason`` "abort" (the client went away, the
-    server stops) or "stop" (the API process's output processor found a
-    stop string: the engine ends them as ``EngineCore.stop_request`` does,
-    so its observers see "stop" with ``stop_reason``, as ``LLM``'s do)."""
+    """End requests early (the client went away, the server stops). Stop
+    strings end requests in the engine (its token processor), never here."""
     request_ids: list[str]
-    reason: Literal["abort", "stop"] = "abort"
-    stop_reason: int | str | None = None     # with "stop": the stop string that ended them
-    num_output_tokens: int | None = None     # with "stop": the output tokens they keep (the API's)
 
 
 class EngineShutdown(msgspec.Struct, tag="shutdown"):
@@ -57,7 +52,7 @@ class SeqDelta(msgspec.Struct, array_like=True):
     request_id: str
     token_ids: list[int]                     # new tokens since the last delta
     finish_reason: str | None = None         # "stop", "length", "abort" once finished
-    stop_reason: int | str | None = None     # the stop token id that ended it
+    stop_reason: int | str | None = None     # the stop token id or stop string that ended it
     logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob, rank], ...]
     num_cached_tokens: int = 0
     queue_time_s: float | None = None        # arrival to first scheduled, on the first delta

@@ -10,13 +10,15 @@ give the same text, logprob text and stop behaviour:
 - ``split_n``: the one place a request becomes its ``n`` children. The
   seed rule: with ``seed`` given, child ``i`` samples with
   ``(seed + i) % 2**63``; without one, every child draws its own;
-- ``TextOutput``: incremental detokenizing and stop strings. A stop string
-  counts only once ``min_tokens`` tokens are out, and only if it ends
-  inside the newest token's text; the earliest match wins; the text is cut
-  before it (or after it with include_stop_str_in_output); the token that
-  completed it is the last one counted. Only this side knows a stop string
-  ended the sequence: it finishes it and aborts the engine request, whose
-  KV blocks are then freed (in-process: at once, before the next step);
+- ``TextOutput``: incremental detokenizing and the stop-string rule. A stop
+  string counts only once ``min_tokens`` tokens are out, and only if it
+  ends inside the newest token's text; the earliest match wins; the text is
+  cut before it (or after it with include_stop_str_in_output); the token
+  that completed it is the last one counted. The engine's token processor
+  runs it where the tokens are made (plugins/decoding/token_processor.py),
+  so the engine finishes the request with that token ("stop", the string
+  as ``stop_reason``) and computes none past it; here the same rule cuts
+  the text of the sequence the engine stopped;
 - ``token_text``: a logprob's token as text (OpenAI's ``token``, vLLM's
   ``decoded_token``);
 - ``SequenceState``: one sequence's state (one choice of one prompt),
@@ -131,33 +133,29 @@ class SequenceState:
         return self.finish_reason is not None
 
     def add(self, token_ids: list[int], finish_reason: str | None = None, stop_reason=None,
-            logprobs: list | None = None) -> bool:
-        """Take the engine's new tokens. Returns True when a stop string ended
-        the sequence here (the engine does not know: abort it there)."""
+            logprobs: list | None = None) -> None:
+        """Take the engine's new tokens; with ``finish_reason``, the last one
+        ended the sequence (a stop string ``stop_reason``: the text is cut
+        there, by the rule the engine matched it with)."""
         if self.finished:
-            return False
+            return
         now = time.monotonic()
         if token_ids:
             if self.first_token_time is None:
                 self.first_token_time = now
             self.last_token_time = now
         last = len(token_ids) - 1
+        stopped_by_string = finish_reason == "stop" and isinstance(stop_reason, str)
         for i, tid in enumerate(token_ids):
             self.token_ids.append(tid)
             if self.logprobs is not None and logprobs is not None and i < len(logprobs):
                 self.logprobs.append(logprobs[i])
-            if self.out is None:
-                continue
-            engine_stopped_here = i == last and finish_reason == "stop"   # eos / stop token id: checked first
-            stop = self.out.add(tid, len(self.token_ids), check_stop=not engine_stopped_here)
-            if stop is not None:
-                self._finish("stop", stop, now)
-                return True
-        if finish_reason is not None:
             if self.out is not None:
+                self.out.add(tid, len(self.token_ids), check_stop=stopped_by_string and i == last)
+        if finish_reason is not None:
+            if self.out is not None and not stopped_by_string:
                 self.out.finish()
             self._finish(finish_reason, stop_reason, now)
-        return False
 
     @property
     def text(self) -> str:
@@ -200,9 +198,8 @@ class OutputProcessor:
     its RequestGroups, fed the same fields over the wire). ``add`` the
     requests ``make_request`` built from ``split_n``'s children; after each
     engine step ``process`` its changed requests: new token ids, logprobs
-    (their text decoded here), the finish reason. A stop string finishes
-    the sequence here and ends its engine request before the next step
-    (``EngineCore.stop_request``: blocks freed, observers told "stop")."""
+    (their text decoded here), the finish reason (a stop string's too: the
+    engine's token processor matched it)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -229,8 +226,7 @@ class OutputProcessor:
                 lps = req.logprobs[sent:sent + len(new)]
                 decode_logprobs(self.tokenizer, lps)
             done = req.is_finished
-            if seq.add(new, req.status.value if done else None, req.stop_reason if done else None, lps):
-                self.engine.stop_request(req.request_id, seq.stop_reason, len(seq.token_ids))
+            seq.add(new, req.status.value if done else None, req.stop_reason if done else None, lps)
             if seq.finished:
                 finished.append(seq)
         return finished

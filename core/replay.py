@@ -102,7 +102,7 @@ class Trace:
 def label_of(engine) -> str:
     sc, cc = engine.config.scheduler, engine.config.cache
     admission = f" admission={','.join(sc.admission)}" if sc.admission else ""
-    return (f"{sc.resource_manager} policy={sc.policy} preemption={sc.preemption} kv_cache={cc.kv_cache}"
+    return (f"{sc.kv_scheduler} policy={sc.policy} preemption={sc.preemption} kv_cache={cc.kv_cache}"
             f" max_num_seqs={sc.max_num_seqs} budget={engine.resource_manager.max_num_batched_tokens}{admission}")
 
 

@@ -77,6 +77,10 @@ class Request:
     pooled: object | None = None                 # a pooling request's embedding: float32 numpy [hidden]
     activations: dict | None = None              # what its activation hooks captured: {"point.layer":
                                                  # {position: float32 row}} (fdx.core.activations.keep)
+    error_status: int | None = None              # FINISHED_REJECTED by its guided compile: the HTTP status
+                                                 # (400, 408 timed out, 429 busy), stop_reason the message
+    stop_text: object | None = None              # with stop strings: the token processor's TextOutput
+                                                 # (core/output.py), matching them as tokens are made
     lora_request: object | None = None           # its fdx.core.lora.LoRARequest (EngineCore.lora), None: base
 
     @property

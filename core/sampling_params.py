@@ -268,6 +268,11 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
+# what a pooling request (model.task embed) runs with: its prompt's prefill and one (unused) token,
+# after which the scheduler finishes it ("length") and frees its blocks like any other request
+POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+
+
 def bad_word_sequences(encode, words: list[str]) -> list[list[int]]:
     """The token sequences a bad_words list bans: each word as written and
     with a leading space (vLLM's semantics); ``encode(text)`` tokenizes

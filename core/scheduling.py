@@ -3,7 +3,7 @@ preemption, freeing, building the plain-data step, and the two loops every
 scheduler policy shares.
 
 The engine holds one ``SchedulingCore`` (``engine.resource_manager``) and
-asks it for each step; the scheduler plugin (``scheduler.resource_manager``,
+asks it for each step; the scheduler plugin (``scheduler.kv_scheduler``,
 a ``SchedulerPolicy`` from core/interfaces.py) only decides which requests
 run and how many tokens each gets, through the helpers here. The core keeps
 the correctness-critical rules whatever the policy does:

@@ -187,7 +187,7 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
     KV cache, the resource manager)."""
     import paddle
     pm = plugin_manager or get_plugin_manager()
-    cfg = FdxConfig.build(resource_manager=resource_manager, kv_cache=kv_cache, policy=policy,
+    cfg = FdxConfig.build(kv_scheduler=resource_manager, kv_cache=kv_cache, policy=policy,
                           preemption=preemption, admission=list(admission), block_size=w["bs"],
                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                           enable_chunked_prefill=w["chunked"], plugins=plugins or {},
@@ -224,7 +224,7 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
             refused.add(request.request_id)
         return ok
     rm.may_admit = recording_may_admit
-    bounded = getattr(rm.policy, "bounded_wait", True)
+    bounded = rm.policy.bounded_wait
     step = 0
     while step <= last_event or rm.has_unfinished():
         assert step < bound, f"no progress after {step} steps: {rm.num_running} running, {rm.num_waiting} waiting"

@@ -53,6 +53,9 @@ OLD_TO_NEW = [   # (old key as given, value, the new place, the plugin it also s
     (dict(cuda_graph=True), None, ("backend", "model_runner", "cuda-graph")),
     (dict(cuda_graph=False), None, ("backend", "model_runner", None)),
     ({"backend.cuda_graph_batch_sizes": [1, 2]}, ("model_runner", "cuda-graph", "batch_sizes", [1, 2]), None),
+    # names (issue 36 item 3): the KV scheduler's key
+    (dict(resource_manager="v0"), None, ("scheduler", "kv_scheduler", "v0")),
+    (dict(scheduler={"resource_manager": "v0"}), None, ("scheduler", "kv_scheduler", "v0")),
 ]
 
 

@@ -331,6 +331,85 @@ def test_outside_admission_rule_caps_a_tenant_with_settings(tiny, ex, pm):
         make_llm(tiny, plugins=pm, **{"plugins.admission_rule.nope": {"x": 1}})
 
 
+def first_repeat_cut(ids: list[int], n: int) -> tuple[list[int], bool]:
+    """Brute force: ``ids`` up to the first ``n`` equal tokens in a row, and whether there were any."""
+    for k in range(n, len(ids) + 1):
+        if len(set(ids[k - n:k])) == 1:
+            return ids[:k], True
+    return ids, False
+
+
+def test_outside_token_processor_sampler_and_runner(tiny, ex, pm):
+    """example-no-repeat (token processor), example-argmax (sampler, named by
+    the fakedev-argmax backend) and example-counting (model runner), selected
+    by config: the default parts' greedy tokens, cut where a brute-force scan
+    finds two equal tokens in a row ("stop", "repeat"); the default sampler's
+    logprobs; the runner was given every token the engine computed, and
+    closed with it."""
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    ref = make_llm(tiny).generate(prompts(), sp)
+    llm = make_llm(tiny, plugins=pm, backend="fakedev-argmax", model_runner="example-counting",
+                   token_processor="example-no-repeat",
+                   **{"plugins.token_processor.example-no-repeat": {"max_repeats": 2}})
+    eng = llm.engine
+    assert [type(p) for p in (eng.sampler, eng.runner, eng.token_processor)] == \
+        [pm.get("sampler", "example-argmax"), pm.get("model_runner", "example-counting"),
+         pm.get("token_processor", "example-no-repeat")]
+    cuts = 0
+    for got, want in zip(llm.generate(prompts(), sp), ref):
+        got, want = got.outputs[0], want.outputs[0]
+        ids, cut = first_repeat_cut(want.token_ids, 2)
+        cuts += cut
+        assert got.token_ids == ids
+        assert (got.finish_reason, got.stop_reason) == (("stop", "repeat") if cut else ("length", None))
+        for mine, theirs in zip(got.logprobs, want.logprobs):
+            assert {t: lp.rank for t, lp in mine.items()} == {t: lp.rank for t, lp in theirs.items()}
+            assert all(lp.logprob == pytest.approx(theirs[t].logprob, abs=1e-4) for t, lp in mine.items())
+    assert cuts                                        # the rule ended at least one request
+    assert eng.runner.num_tokens == eng.num_computed_tokens > 0
+    with pytest.raises(ConfigError, match="plugins.token_processor.example-no-repeat.max_repeats"):
+        make_llm(tiny, plugins=pm, token_processor="example-no-repeat",
+                 **{"plugins.token_processor.example-no-repeat": {"max_repeats": 1}})
+    llm.close()
+    assert eng.runner.closed
+
+
+def test_outside_activation_function_equals_a_transformers_hook(tiny_checkpoints, pm):
+    from test_llm import hf_greedy
+    path, hf = tiny_checkpoints["LlamaForCausalLM"]
+    llm = make_llm(str(path), plugins=pm)
+    acts = {"add": [{"point": "mlp_out", "layer": 1, "function": "example-scale", "args": {"factor": -1.5}}]}
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, activations=acts)
+    got = llm.generate([{"prompt_token_ids": PROMPTS[0]}], sp)[0].outputs[0].token_ids
+    handle = hf.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * -1.5)
+    try:
+        assert got == hf_greedy(hf, PROMPTS[0], 6, follow=got)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.slow
+def test_outside_request_scheduler_serves_through_a_real_server(tmp_path, tiny_model, example_plugin_installed):
+    """scheduler.request_scheduler example-tally: the server's requests go
+    through it (its counter on /metrics) and are answered."""
+    import openai
+
+    from serve_utils import API_KEY, ready_server
+    srv = ready_server(tmp_path, model={"model": tiny_model, "max_model_len": 256},
+                       scheduler={"request_scheduler": "example-tally"})
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY, max_retries=0)
+        model = client.models.list().data[0].id
+        resp = client.completions.create(model=model, prompt="Hello there", max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 4
+        m = srv.metrics()
+        assert m['example_tally_requests_total{event="added"}'] == 1
+        assert m['example_tally_requests_total{event="finished"}'] == 1
+    finally:
+        srv.stop()
+
+
 def test_outside_logits_processor_with_extra_args(tiny, pm):
     llm = make_llm(tiny, plugins=pm, logits_processors=["stop-after"])
     eos = min(llm.tokenizer.eos_token_ids)

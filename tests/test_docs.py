@@ -44,7 +44,9 @@ def test_the_page_has_every_contract(doc_plugins):
                        ("attention_backend", "my-dense"), ("connector", "my-counter"),
                        ("backend", "my-probing-device"), ("weight_format", "my-int8"), ("observer", "my-latency"),
                        ("activation_function", "my-scale"), ("moe_router", "my-drop-last"),
-                       ("proposer", "my-repeat"), ("lora_loader", "my-npz")]:
+                       ("proposer", "my-repeat"), ("lora_loader", "my-npz"),
+                       ("token_processor", "my-limit"), ("sampler", "my-greedy"), ("model_runner", "my-counting"),
+                       ("scheduler", "my-counted")]:
         assert name in pm.names(kind), (kind, name)
         assert pm.registries[kind][name].package == "local"
 
@@ -54,7 +56,7 @@ def test_the_yaml_example_is_a_valid_config(tmp_path):
     path = tmp_path / "fdx.yaml"
     path.write_text(yml)
     cfg = FdxConfig.build(str(path))
-    assert cfg.scheduler.resource_manager == "my-fifo" and cfg.plugins["admission_rule"]["my-cap"] == {"max_running": 2}
+    assert cfg.scheduler.kv_scheduler == "my-fifo" and cfg.plugins["admission_rule"]["my-cap"] == {"max_running": 2}
     assert yaml.safe_load(yml)["decoding"]["logits_processors"] == ["my-ban"]
 
 

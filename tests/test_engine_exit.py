@@ -9,7 +9,7 @@ import pytest
 
 
 def test_exit_message_names_the_signal_and_explains_sigill():
-    from fdx.core.serving.engine_client import exit_message
+    from fdx.core.procs import exit_message
     assert exit_message("the engine process", 1, "while loading") == (
         "the engine process exited with status 1 while loading (see its messages above)")
     ill = exit_message("the engine process", -4, "while loading")

@@ -414,21 +414,6 @@ def test_the_global_scheduler_over_tls_and_a_client_without_the_ca_refused(tiny_
         srv.stop()
 
 
-def test_an_abort_flag_carries_a_stop_only_in_its_own_shape():
-    """The origin sets an abort flag of "1", or ["stop", stop string, tokens
-    kept] when a stop string ended the request there; the executor reads
-    anything else (a value someone else wrote) as a plain abort."""
-    import json
-    from fdx.plugins.schedulers.global_redis import abort_reason
-    assert abort_reason(b"1") == ("abort", None, None)
-    assert abort_reason(json.dumps(["stop", "The", 7]).encode()) == ("stop", "The", 7)
-    assert abort_reason(json.dumps(["stop", None, None]).encode()) == ("stop", None, None)
-    for bad in (b"", b"garbage", b"[1, 2]", json.dumps(["stop", ["x"], 3]).encode(),
-                json.dumps(["stop", "x", -1]).encode(), json.dumps(["stop", "x", True]).encode(),
-                json.dumps(["length", "x", 3]).encode()):
-        assert abort_reason(bad) == ("abort", None, None), bad
-
-
 # -- a queue is not a loss (issue 35 item 3) ------------------------------------------------------
 def long_request(url: str) -> cf.Future:
     """A request that holds a max_num_seqs=1 instance for its whole length (no early EOS)."""

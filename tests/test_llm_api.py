@@ -141,7 +141,7 @@ def test_bad_config_is_named():
         LLM(max_num_sequences=4)
     with pytest.raises(ConfigError, match="cache.num_kv_blocks"):
         LLM(max_model_len=512, num_kv_blocks=2, block_size=16, progress=False)
-    with pytest.raises(ConfigError, match="scheduler.resource_manager.*no resource_manager named 'v9'; available: .*v1"):
+    with pytest.raises(ConfigError, match="scheduler.kv_scheduler.*no resource_manager named 'v9'; available: .*v1"):
         LLM(resource_manager="v9", progress=False)
     with pytest.raises(ConfigError, match="backend.name.*no backend named 'tpu'"):
         LLM(backend="tpu", progress=False)

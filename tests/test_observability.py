@@ -153,8 +153,8 @@ def _request_span(server, request_id: str) -> dict:
 
 
 def test_a_stop_string_ends_the_engine_request_as_stop_and_a_disconnect_as_abort(server):
-    """The API process finds stop strings (core/output.py); the engine must
-    then end the request as stopped, as ``LLM`` does, so its observers (the
+    """The engine process's token processor finds stop strings and ends the
+    request as stopped, as ``LLM``'s does, so its observers (the
     recorder, the otel span) see finish reason "stop" and the tokens the
     client got, not an "abort" with a token or two more. A client that goes
     away is still an abort there, and in fdx:request_success."""

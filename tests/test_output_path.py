@@ -1,6 +1,8 @@
 """One output path (core/output.py): the engine emits token ids and logprob
-ids/values only; the output processor makes the text, the stop strings,
-the logprob text and the n children, for LLM and the server alike.
+ids/values only, and matches stop strings where it makes the tokens (so it
+computes none past one); the output processor makes the text, its cut at
+the stop string, the logprob text and the n children, for LLM and the
+server alike.
 
 References: the Hugging Face tokenizer of the same checkpoint (text and
 token strings), a brute-force stop-string search over the unstopped
@@ -66,11 +68,10 @@ def test_split_n_seed_rule():
 
 @pytest.mark.slow
 def test_engine_makes_no_text(tiny_llm, hf_tok):
-    """The token processor has no tokenizer and leaves the engine's requests
-    without text or logprob text; the output processor makes both, equal
-    to the HF tokenizer's."""
+    """The token processor leaves the engine's requests without text or
+    logprob text (it detokenizes only to match stop strings); the output
+    processor makes both, equal to the HF tokenizer's."""
     eng = tiny_llm.engine
-    assert not hasattr(eng.token_processor, "tokenizer")
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     req = eng.make_request(hf_tok.encode(PROMPT), sp)
     eng.add_request(req)
@@ -109,13 +110,19 @@ def test_stop_string_ends_the_engine_request_at_once(tiny_llm, hf_tok):
     eng.add_request(req)
     outputs = OutputProcessor(eng)
     seq = outputs.add(req)
-    steps = 0
+    steps, computed = 0, eng.num_computed_tokens
     while not seq.finished:
-        outputs.process(eng.step())
+        changed = eng.step()
         steps += 1
-    # ended in the step that produced the stop token: nothing left, every block back
+        if changed and changed[0].is_finished:    # the engine ended it: no output processor told it to
+            assert (req.status.value, req.stop_reason, req.output_token_ids) == ("stop", stop, want_ids)
+        outputs.process(changed)
+    # ended in the step that produced the stop token: nothing left, every block back, and no token
+    # past the stop computed (the last sampled token is never computed)
     assert not eng.has_unfinished() and eng.kv_cache.num_free_blocks == free
     assert steps == len(want_ids) and req.status.value == "stop" and req.stop_reason == stop
+    assert eng.num_computed_tokens - computed == req.num_prompt_tokens - req.num_cached_tokens + len(want_ids) - 1
+    assert req.num_computed_tokens == req.num_tokens - 1
     assert (seq.text, seq.token_ids, seq.finish_reason, seq.stop_reason) == (want_text, want_ids, "stop", stop)
 
     out = tiny_llm.generate(PROMPT, sp)[0].outputs[0]
@@ -178,3 +185,31 @@ def test_llm_and_server_give_the_same_outputs(tiny_llm, tiny_server, hf_tok):
     while tiny_server.metrics()["fdx:kv_cache_free_blocks"] != free and time.monotonic() < deadline:
         time.sleep(0.1)
     assert tiny_server.metrics()["fdx:kv_cache_free_blocks"] == free
+
+
+@pytest.mark.slow
+def test_server_computes_no_token_past_a_stop_string(tiny_llm, tiny_server, hf_tok):
+    """The server's engine process finishes a request with the token that
+    completes a stop string: its count of computed tokens grows by the
+    prompt and the kept tokens less one (the last sampled token is never
+    computed), and not a token more once the request is gone. The prompt
+    is shorter than a KV block, so no prefix hit changes the count."""
+    prompt = "Once upon a time there was a fox"
+    base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = tiny_llm.generate(prompt, base)[0].outputs[0]
+    stop = pick_stop(ref.text, 3)
+    want_ids, want_text = first_stop_cut(hf_tok, ref.token_ids, stop)
+    assert len(want_ids) < 40
+    before = tiny_server.metrics()["fdx:engine_computed_tokens"]
+    client = openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    resp = client.completions.create(model=model, prompt=prompt, temperature=0.0, max_tokens=40, stop=[stop],
+                                     extra_body={"ignore_eos": True})
+    c = resp.choices[0]
+    assert (c.text, c.finish_reason, resp.usage.completion_tokens) == (want_text, "stop", len(want_ids))
+    n_prompt = resp.usage.prompt_tokens
+    assert n_prompt < 16                          # the default block_size
+    deadline = time.monotonic() + 10              # the request has left the engine (nothing more can run)
+    while tiny_server.metrics()["fdx:num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tiny_server.metrics()["fdx:engine_computed_tokens"] - before == n_prompt + len(want_ids) - 1

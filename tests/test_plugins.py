@@ -1,6 +1,8 @@
-"""The plugin manager: built-ins, entry points, clashes, broken and disabled plugins."""
+"""The plugin manager: built-ins, entry points, clashes, broken and disabled plugins; every hook
+documented and implemented from outside."""
 from __future__ import annotations
 
+import pathlib
 import sys
 import types
 
@@ -8,6 +10,8 @@ import pytest
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.plugins import BUILTIN_PLUGINS, PluginError, PluginManager
+
+PLUGINS_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 
 
 def _module(name: str, **attrs) -> types.ModuleType:
@@ -127,6 +131,28 @@ def test_every_hook_is_documented():
     assert len(hooks) == 27                 # 25, fdx_register_proposers and fdx_register_lora_loaders
     missing = [h for h in hooks if f"`{h}" not in doc]
     assert not missing, missing
+
+
+def test_every_hook_has_a_section_and_an_outside_implementation_a_test_runs(example_plugin_installed):
+    """datasette's rule: every hook spec in core/hookspecs.py has a section
+    of this page (a ``###`` heading naming it in backticks) and an
+    implementation in tests/plugin_pkg (the outside package, installed with
+    pip); every name a registration hook of that package registers is
+    selected by some test (quoted in a tests/test_*.py other than this one),
+    so each outside implementation runs end to end."""
+    from fdx.core import hookspecs
+    from fdx.core.plugins import KINDS, PluginManager
+    hooks = sorted(n for n in dir(hookspecs) if n.startswith("fdx_"))
+    headings = [line for line in PLUGINS_DOC.read_text().splitlines() if line.startswith("### ")]
+    undocumented = [h for h in hooks if not any(f"`{h}`" in line for line in headings)]
+    pm = PluginManager()
+    outside = [h for h in hooks if any(getattr(impl.plugin, "__name__", "").startswith("fdx_example_plugin")
+                                       for impl in getattr(pm.pm.hook, h).get_hookimpls())]
+    not_outside = [h for h in hooks if h not in outside]
+    tests = "".join(p.read_text() for p in PLUGINS_DOC.parent.parent.glob("tests/test_*.py") if p.name != "test_plugins.py")
+    untested = [(h, kind) for h, kind in KINDS.items() if h in outside and not any(
+        f'"{name}"' in tests for name, reg in pm.registries[kind].items() if reg.package == "fdx-example-plugin")]
+    assert not undocumented and not not_outside and not untested, (undocumented, not_outside, untested)
 
 
 def _two_entry_point_dist(site) -> None:

@@ -90,17 +90,24 @@ def idle(server) -> bool:
 # -- the output processor, without a server -------------------------------------------------
 
 def test_stop_string_is_held_back_while_streaming(smollm_llm):
+    """The API side streams nothing a stop string later cuts: it holds back
+    what may begin one until the engine says which token completed it (the
+    engine's token processor runs TextOutput's rule, as here)."""
+    from fdx.core.output import TextOutput
     tok = smollm_llm.tokenizer
     text = " Paris.\n\nThe answer is: 2018"
     ids = tok.encode(text, add_special_tokens=False)
-    seq = SequenceState("r-0", 0, 0, [1], SamplingParams(stop=["answer is"], max_tokens=50), tok)
+    sp = SamplingParams(stop=["answer is"], max_tokens=50)
+    engine_side = TextOutput(tok, sp)
+    seq = SequenceState("r-0", 0, 0, [1], sp, tok)
     streamed, hit_at = "", None
     for i, t in enumerate(ids):
-        if seq.add([t]):
-            hit_at = i
+        stop = engine_side.add(t, i + 1)
+        seq.add([t], "stop" if stop else None, stop)
         streamed += seq.take_text()
         assert " Paris.\n\nThe ".startswith(streamed), streamed     # never streams what gets cut
         if seq.finished:
+            hit_at = i
             break
     assert streamed == seq.text == " Paris.\n\nThe "
     assert seq.finish_reason == "stop" and seq.stop_reason == "answer is"

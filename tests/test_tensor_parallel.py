@@ -146,7 +146,7 @@ def test_killed_worker_fails_generate_and_leaves_no_process(tiny_checkpoints):
     pids = worker_pids(llm)
     llm.engine.plugins.pm.register(KillRankAt(llm, rank=1, step=3))
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="tensor parallel worker rank 1 exited"):
+    with pytest.raises(RuntimeError, match="tensor parallel worker rank 1 (exited|was killed by SIG)"):
         llm.generate([{"prompt_token_ids": prompts()[1]}], SamplingParams(temperature=0, max_tokens=50))
     assert time.monotonic() - t0 < 60                        # no hang on the survivor's all_reduce
     for pid in pids:

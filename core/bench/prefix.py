@@ -25,7 +25,7 @@ from fdx.core.sampling_params import SamplingParams
 def use_scheduling(engine, num_kv_blocks: int | None = None, **overrides):
     """Run ``engine`` with a fresh KV-cache plugin and resource manager built
     from its config plus ``overrides`` (config keys: ``kv_cache``,
-    ``resource_manager``, ``policy``, ``kv_connector``, ``plugins``, ...),
+    ``kv_scheduler``, ``policy``, ``kv_connector``, ``plugins``, ...),
     over the KV tensors it already has; ``num_kv_blocks`` may shrink the
     pool; ``kv_connector=False``: none. Restores the old ones on exit. The
     engine must be idle."""
@@ -111,7 +111,7 @@ def shared_prompt_throughput(llm, num_requests: int = 32, system_len: int = 512,
     prompts = [system + rng.integers(0, vocab, question_len).tolist() for _ in range(num_requests)]
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     out = {"num_requests": num_requests, "system_len": system_len, "question_len": question_len,
-           "output_len": output_len, "resource_manager": eng.config.scheduler.resource_manager,
+           "output_len": output_len, "kv_scheduler": eng.config.scheduler.kv_scheduler,
            "max_num_seqs": eng.config.scheduler.max_num_seqs,
            "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens}
     outputs = {}
@@ -139,7 +139,7 @@ def format_result(r: dict) -> str:
         f"    cold {t['cold_ttft_ms']:.1f} ms, prefix cached {t['warm_ttft_ms']:.1f} ms "
         f"({t['cached_tokens']} tokens hit): ratio {t['ratio']:.3f}",
         f"  shared system prompt: {s['num_requests']} requests x ({s['system_len']} shared + "
-        f"{s['question_len']} own prompt, {s['output_len']} output) tokens, {s['resource_manager']}, "
+        f"{s['question_len']} own prompt, {s['output_len']} output) tokens, {s['kv_scheduler']}, "
         f"max_num_seqs {s['max_num_seqs']}",
         f"    paged  {s['paged']['total_s']:.2f} s, {s['paged']['output_tokens_per_s']:.1f} output tok/s, "
         f"mean TTFT {s['paged']['mean_ttft_ms']:.0f} ms",

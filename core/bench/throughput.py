@@ -86,7 +86,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     out_tokens = sum(r.num_output_tokens for r in reqs)
     result = {
         "num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-        "backend": eng.backend.describe(), "resource_manager": eng.config.scheduler.resource_manager,
+        "backend": eng.backend.describe(), "kv_scheduler": eng.config.scheduler.kv_scheduler,
         "max_num_seqs": eng.config.scheduler.max_num_seqs,
         "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens,
         "total_time_s": total, "steps": len(steps),
@@ -132,7 +132,7 @@ def format_throughput(r: dict) -> str:
         f"fdx bench throughput: {r['num_requests']} requests x ({r['input_len']} prompt + {r['output_len']} output) tokens"
         if "workload" not in r else f"fdx bench throughput: {r['num_requests']} requests of workload {r['workload']} "
         f"({r['prompt_tokens']} prompt tokens) x {r['output_len']} output tokens",
-        f"  backend {r['backend']}, resource manager {r['resource_manager']}, "
+        f"  backend {r['backend']}, KV scheduler {r['kv_scheduler']}, "
         f"max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens {r['max_num_batched_tokens']}",
         f"  total            {r['total_time_s']:.2f} s over {r['steps']} steps (mean step {r['mean_step_time_ms']:.1f} ms)",
         f"  prompt           {r['prompt_tokens_per_s']:.1f} tok/s (steps with prefill)",

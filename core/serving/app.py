@@ -87,7 +87,7 @@ def rejection(msg: EngineRejected) -> APIError:
 # -- one HTTP generation request: its sequences in the engine -----------------------
 
 class RequestGroup:
-    def __init__(self, server: "Server", seqs: list[SequenceState], engine_params: list[dict],
+    def __init__(self, server: "Server", seqs: list[SequenceState], engine_params: list[SamplingParams],
                  prefix: str = "", trace: dict[str, str] | None = None, log: dict | None = None,
                  lora: str | None = None):
         self.server = server
@@ -151,11 +151,8 @@ class RequestGroup:
         if msg.prompt_logprobs is not None:
             seq.prompt_logprobs = msg.prompt_logprobs
         before, last = len(seq.token_ids), seq.last_token_time
-        hit_stop = seq.add(msg.token_ids, msg.finish_reason, msg.stop_reason, msg.logprobs)
+        seq.add(msg.token_ids, msg.finish_reason, msg.stop_reason, msg.logprobs)
         self.server.metrics.tokens_arrived(seq, len(seq.token_ids) - before, last)
-        if hit_stop:                             # the engine ends it as stopped, not aborted
-            self.server.engine.abort([seq.request_id], reason="stop", stop_reason=seq.stop_reason,
-                                     num_output_tokens=len(seq.token_ids))
         if seq.request_id in self.queued and (seq.token_ids or seq.finished):
             self.queued.discard(seq.request_id)
             self.server.num_queued -= 1
@@ -395,9 +392,7 @@ class Server:
             for i, child in enumerate(children):
                 idx = p_idx * sp.n + i
                 seqs.append(SequenceState(f"{prefix}-{idx}", idx, p_idx, ids, child, self.tokenizer, arrival))
-                engine_side = child.to_dict()
-                engine_side.update(stop=[], detokenize=False)   # text and stop strings: this process
-                params.append(engine_side)
+                params.append(child)            # as it is: the engine matches its stop strings
         scope = http_request.scope if http_request is not None else {}
         return RequestGroup(self, seqs, params, prefix, scope.get("fdx.trace"), scope.get("fdx.log"), lora)
 

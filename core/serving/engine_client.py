@@ -14,8 +14,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,11 +22,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from fdx.core.host import signal_name
 from fdx.core.messages import (EngineAbort, EngineAdd, EngineDeadError, EngineFailed, EngineHeartbeat,
                                EngineLoRA, EngineLoRADone, EngineOutputs, EngineReady, EngineRejected,
                                EngineShutdown, EngineStats, FromEngine)
 from fdx.core.messages import encoder as _encoder
+from fdx.core.procs import child_command, exit_message
+from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.engine_client")
 
@@ -42,21 +41,6 @@ class EngineHungError(EngineDeadError):
 class EngineStartError(EngineDeadError):
     """The engine could not load the model or config; the message says why,
     worded as ``fdx generate`` words it."""
-
-
-def exit_message(who: str, returncode: int, when: str) -> str:
-    """How a child's end reads to a user: ``who`` "exited with status N"
-    ``when``, or, for a negative status (killed by a signal), the signal by
-    name; SIGILL with what it means and where to look."""
-    if returncode >= 0:
-        return f"{who} exited with status {returncode} {when} (see its messages above)"
-    name = signal_name(returncode)
-    if -returncode == signal.SIGILL:
-        return (f"{who} was killed by SIGILL (status {returncode}) {when}: an illegal instruction, from a kernel "
-                "built for an instruction set this CPU lacks (such as AVX-512); Paddle's C++ traceback above "
-                "names the kernel, `fdx env` shows the CPU and its kernels, and docs/backends.md says what to "
-                "turn off")
-    return f"{who} was killed by {name} (status {returncode}) {when} (see its messages above)"
 
 
 class EngineClient:
@@ -121,8 +105,8 @@ class EngineClient:
             os.chmod(os.path.join(self._dir, name), 0o600)
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fdx.core.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
-            "--parent-pid", str(os.getpid()), "--heartbeat-s", str(self.heartbeat_s), stdin=asyncio.subprocess.PIPE)
+            *child_command("fdx.core.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
+                           "--heartbeat-s", str(self.heartbeat_s)), stdin=asyncio.subprocess.PIPE)
         self.proc.stdin.write(self.config.model_dump_json().encode())
         self.proc.stdin.close()
         exited = asyncio.ensure_future(self.proc.wait())
@@ -178,7 +162,7 @@ class EngineClient:
                             "message (%d bytes): %s", len(raw), e)
             return None
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             callback: Callable[[Any], None], trace: dict[str, str] | None = None, lora: str | None = None) -> None:
         """``trace``: the request's X-Request-Id and W3C trace context, for the
         engine's observers (``Request.trace_headers``); ``lora``: its adapter's name."""
@@ -205,15 +189,12 @@ class EngineClient:
             raise msg
         return msg if isinstance(msg, EngineRejected) else None
 
-    def abort(self, request_ids: list[str], reason: str = "abort", stop_reason: int | str | None = None,
-              num_output_tokens: int | None = None) -> None:
-        """End requests in the engine: ``reason`` "abort", or "stop" when a
-        stop string (``stop_reason``) ended them here after
-        ``num_output_tokens`` tokens (EngineAbort)."""
+    def abort(self, request_ids: list[str]) -> None:
+        """End requests in the engine (the client went away; EngineAbort)."""
         live = [rid for rid in request_ids if self.callbacks.pop(rid, None) is not None]
         if live and not self.dead:
             try:
-                self._push.send(_encoder.encode(EngineAbort(live, reason, stop_reason, num_output_tokens)),
+                self._push.send(_encoder.encode(EngineAbort(live)),
                                 zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass

@@ -5,10 +5,13 @@
                  <-- EngineOutputs (per step) ----             step(), send deltas
 
 Two ZMQ PUSH/PULL pipes over ipc:// sockets; every message is a msgspec
-struct encoded as msgpack (never pickle). The engine process sends token
-ids only: the API process detokenizes and checks stop strings (see
-docs/serving.md). The engine process dies with its parent (PR_SET_PDEATHSIG
-on Linux, and a parent-pid check while idle).
+struct encoded as msgpack (never pickle); ``SamplingParams`` crosses as
+itself (a msgspec-encoded dataclass, validated again on decoding). The
+engine process sends token ids and finish reasons (its token processor
+matches stop strings, so no token past one is computed); the API process
+detokenizes (see docs/serving.md). The engine process is a child as
+core/procs.py makes them: it dies with its parent (PR_SET_PDEATHSIG on
+Linux, and a parent-pid check while idle).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from fdx.core.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeart
                                EngineLoRA, EngineLoRADone, EngineReady, EngineRejected, EngineShutdown,
                                EngineStats, SeqDelta, ToEngine)
 from fdx.core.messages import encoder as _encoder
+from fdx.core.procs import orphaned, start_child
 
 log = logging.getLogger("fdx.engine_proc")
 
@@ -63,7 +67,7 @@ class EngineLoop:
         only if it does not, or if it is gone. No traceback, no core dump.
         A send already blocked on an API process that reads nothing (its
         queue full) gives up at the deadline too (SNDTIMEO)."""
-        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+        if orphaned(self.parent_pid):
             self.running = False
         elif self.stop_by is None:
             self.stop_by = time.monotonic() + self.TERM_GRACE_S
@@ -107,7 +111,7 @@ class EngineLoop:
                     changed = eng.step()
                 finally:
                     self.step_started = None
-                if (changed or eng.last_stats.num_scheduled_tokens or touched or eng.guided_ready
+                if (changed or eng.last_stats.num_scheduled_tokens or touched
                         or eng.kv_cache.num_free_blocks != self.last_free):
                     self._send(changed, eng.last_stats.num_preempted, eng.last_stats)
                 else:                             # only waiting on a KV transfer: do not spin
@@ -119,8 +123,8 @@ class EngineLoop:
         touched = False
         if block:
             while not self.inbox.poll(self.IDLE_POLL_MS):
-                if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                    self.running = False          # orphaned: the API process is gone
+                if orphaned(self.parent_pid):
+                    self.running = False          # the API process is gone
                     return False
                 if not self.running or (self.stop_by is not None and time.monotonic() >= self.stop_by):
                     return False
@@ -144,10 +148,8 @@ class EngineLoop:
     def _handle(self, msg: ToEngine) -> None:
         eng = self.engine
         if isinstance(msg, EngineAdd):
-            from fdx.core.sampling_params import SamplingParams
             try:
-                params = SamplingParams(**msg.params)
-                req = eng.make_request(msg.prompt_token_ids, params, request_id=msg.request_id,
+                req = eng.make_request(msg.prompt_token_ids, msg.params, request_id=msg.request_id,
                                        trace_headers=dict(msg.trace) or None, lora_request=msg.lora)
                 eng.add_request(req)            # a constrained one starts its compile (or is refused)
             except (TypeError, ValueError) as e:
@@ -158,10 +160,7 @@ class EngineLoop:
             self.num_sent[req.request_id] = 0
         elif isinstance(msg, EngineAbort):
             for rid in msg.request_ids:
-                if msg.reason == "stop":            # a stop string, found in the API process
-                    eng.stop_request(rid, msg.stop_reason, msg.num_output_tokens)
-                else:
-                    eng.abort_request(rid)
+                eng.abort_request(rid)
                 self.num_sent.pop(rid, None)
         elif isinstance(msg, EngineLoRA):
             self._push(_encoder.encode(self._lora(msg)))
@@ -188,20 +187,19 @@ class EngineLoop:
 
     def _send(self, changed: list, num_preempted: int, step=None) -> None:
         eng = self.engine
-        # a constrained request compiled: an empty first delta, before any of its tokens
-        deltas = [SeqDelta(rid, []) for rid in eng.guided_ready if rid in self.num_sent]
+        deltas = []
         for req in changed:
             sent = self.num_sent.get(req.request_id)
             if sent is None:                      # aborted by the API: it knows already
                 continue
-            refused = eng.guided_rejected.get(req.request_id)
-            if refused is not None:               # its compile failed or timed out
+            if req.error_status is not None:      # its guided compile failed or timed out
                 del self.num_sent[req.request_id]
-                self._push(_encoder.encode(EngineRejected(req.request_id, *refused)))
+                self._push(_encoder.encode(EngineRejected(req.request_id, req.stop_reason, req.error_status)))
                 continue
             new = req.output_token_ids[sent:]
             finished = req.is_finished
-            if not new and not finished:
+            if not new and not finished:          # a constrained request compiled: an empty first delta
+                deltas.append(SeqDelta(req.request_id, []))
                 continue
             lps = None
             if req.logprobs is not None:
@@ -327,7 +325,7 @@ def remove_orphaned_sockets(parent_pid: int | None, *addrs: str) -> None:
     """When the API process that bound these ipc:// sockets is gone (killed
     outright, it could not clean up), remove the socket files and their
     folder (only if nothing else is in it)."""
-    if parent_pid is None or os.getppid() == parent_pid:
+    if not orphaned(parent_pid):
         return
     paths = [a[len("ipc://"):] for a in addrs if a.startswith("ipc://")]
     for path in paths:
@@ -338,16 +336,6 @@ def remove_orphaned_sockets(parent_pid: int | None, *addrs: str) -> None:
             os.rmdir(folder)
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def engine_main(argv: list[str] | None = None) -> int:
     """Entry point of the engine process: ``python -m fdx.core.serving.engine_proc``."""
     p = argparse.ArgumentParser(prog="fdx-engine")
@@ -356,9 +344,7 @@ def engine_main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
     args = p.parse_args(argv)
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server; it stops us
-    if args.parent_pid is not None and os.getppid() != args.parent_pid:
+    if not start_child(args.parent_pid):          # dies with the API process; Ctrl-C is the server's
         remove_orphaned_sockets(args.parent_pid, args.inbox, args.outbox)
         return 1
     from fdx.core.logs import configure

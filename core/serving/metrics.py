@@ -43,6 +43,8 @@ class ServerMetrics:
         self.preemptions = Counter("fdx:num_preemptions", "Sequences preempted.", lab, registry=r).labels(**self.labels)
         self.recompute_tax = gauge("fdx:recompute_tax",
                                    "Tokens computed again after a preemption / all tokens computed, since start.")
+        self.computed_tokens = gauge("fdx:engine_computed_tokens", "Tokens the engine has computed (prefill "
+                                     "and decode, recomputed ones too), since it started.")
         self.prompt_tokens = Counter("fdx:prompt_tokens", "Prompt tokens of sequences prefilled (counted "
                                      "when the first token arrives).", lab, registry=r).labels(**self.labels)
         self.generation_tokens = Counter("fdx:generation_tokens", "Tokens generated (counted as they arrive).",
@@ -89,6 +91,7 @@ class ServerMetrics:
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
         if stats.num_computed_tokens:
+            self.computed_tokens.set(stats.num_computed_tokens)
             self.recompute_tax.set(stats.num_recomputed_tokens / stats.num_computed_tokens)
         cs = stats.cache_stats
         for key, value in cs.items():

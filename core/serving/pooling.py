@@ -1,6 +1,6 @@
 """``POST /v1/embeddings`` (OpenAI's shape) on a server with ``model.task:
 embed``: each input runs as one pooling request in the engine (its prompt's
-prefill; core/engine.py ``POOLING_PARAMS``), which sends back the pooled,
+prefill; core/sampling_params.py ``POOLING_PARAMS``), which sends back the pooled,
 optionally normalized final hidden state with its one finished delta."""
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ from fastapi import Request
 
 from fdx.core.serving.engine_client import EngineDeadError
 from fdx.core.messages import EngineRejected, SeqDelta
+from fdx.core.sampling_params import POOLING_PARAMS
 from fdx.core.serving.protocol import APIError, Int, TokenId, _Model
 
 MAX_INPUTS = 2048                      # OpenAI's limit on inputs in one request
-# what the engine is sent for each input (it runs every request of an embed engine this way anyway)
-POOLING_REQUEST = {"temperature": 0.0, "max_tokens": 1, "detokenize": False}
 
 
 class EmbeddingRequest(_Model):
@@ -47,7 +46,7 @@ class EmbedGroup:
         srv.metrics.api_in_flight.set(len(srv.groups))
         try:
             for i, (rid, ids) in enumerate(zip(self.ids, self.prompts)):
-                srv.engine.add(rid, ids, POOLING_REQUEST, lambda msg, i=i: self.queue.put_nowait((i, msg)))
+                srv.engine.add(rid, ids, POOLING_PARAMS, lambda msg, i=i: self.queue.put_nowait((i, msg)))
                 srv.metrics.pooling_started(len(ids))
         except Exception:
             self.close()

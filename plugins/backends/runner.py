@@ -175,7 +175,7 @@ class DefaultModelRunner(ModelRunner):
             out.activations = self.step_activations.captured
         if self.pooling:
             self._pool(so, query_lens, out)
-        if (getattr(ctx.sampler, "device_logits", False) and not prompt_rows and not self.capture_logits
+        if (ctx.sampler.device_logits and not prompt_rows and not self.capture_logits
                 and not self.drafts):
             if samplers:                # a device sampler: the logits stay where they are (see _sample)
                 self._sample(samplers, logits, removed, out)
@@ -249,7 +249,7 @@ class DefaultModelRunner(ModelRunner):
             return
         rows = self._update_processors(samplers, removed)
         on_host = isinstance(raw, np.ndarray)
-        busy = self.guided is not None or any(getattr(p, "active", True) for p in ctx.logits_processors)
+        busy = self.guided is not None or any(p.active for p in ctx.logits_processors)
         if not on_host and busy:
             raw, on_host = _host_float32(raw), True
         # The processors may edit in place; keep the raw logits apart only when

@@ -67,6 +67,7 @@ import zmq
 from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import Executor, Model, ModelRunnerOutput, ModelShape, SchedulerOutput
+from fdx.core.procs import child_command, exit_message, orphaned, start_child
 
 log = logging.getLogger("fdx.backends.tp")
 
@@ -249,8 +250,8 @@ class TensorParallelExecutor(Executor):
                    "PADDLE_DISTRI_BACKEND": "gloo", "OMP_NUM_THREADS": str(threads),
                    "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}
             proc = subprocess.Popen(
-                [sys.executable, "-m", "fdx.plugins.backends.tp", "--rank", str(rank), "--world", str(world),
-                 "--dir", self._dir, "--threads", str(threads), "--parent-pid", str(os.getpid())],
+                child_command("fdx.plugins.backends.tp", "--rank", str(rank), "--world", str(world),
+                              "--dir", self._dir, "--threads", str(threads)),
                 stdin=subprocess.PIPE, env=env)
             self.procs.append(proc)
             proc.stdin.write(payload.encode())
@@ -371,25 +372,26 @@ class TensorParallelExecutor(Executor):
                 msg = self._decoder.decode(self._results.recv())
                 if isinstance(msg, WorkerFailed):
                     # a peer that died makes the others' collectives fail: name the dead one first
-                    dead = self._dead(wait_s=1.0, besides=msg.rank)
+                    dead = self._dead(f"while {doing}", wait_s=1.0, besides=msg.rank)
                     cause = f"; then rank {msg.rank} failed: {msg.message}"
                     self._fail((dead + cause) if dead else
                                f"tensor parallel worker rank {msg.rank} failed while {doing}: {msg.message}")
                 return msg
-            dead = self._dead()
+            dead = self._dead(f"while {doing}")
             if dead:
-                self._fail(f"{dead} while {doing}")
+                self._fail(dead)
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"tensor parallel workers did not answer in {READY_TIMEOUT_S:.0f} s while {doing}")
 
-    def _dead(self, wait_s: float = 0.0, besides: int | None = None) -> str:
-        """'tensor parallel worker rank R exited with code C' for the first
-        worker that exited (waiting up to ``wait_s``), or ''."""
+    def _dead(self, when: str, wait_s: float = 0.0, besides: int | None = None) -> str:
+        """How the first worker that exited ended ('tensor parallel worker
+        rank R exited with status C <when>', or the signal that killed it;
+        core/procs.py), waiting up to ``wait_s``; '' when none did."""
         deadline = time.monotonic() + wait_s
         while True:
             for rank, proc in enumerate(self.procs):
                 if rank != besides and proc.poll() is not None:
-                    return f"tensor parallel worker rank {rank} exited with code {proc.returncode}"
+                    return exit_message(f"tensor parallel worker rank {rank}", proc.returncode, when)
             if time.monotonic() >= deadline:
                 return ""
             time.sleep(0.05)
@@ -546,9 +548,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     args = p.parse_args(argv)
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C goes to the server; it stops us
-    if os.getppid() != args.parent_pid:
+    # SIGKILL when the engine dies: a rank blocked in a collective would never run a handler
+    if not start_child(args.parent_pid, signal.SIGKILL):
         return 1
     from fdx.core.logs import configure
     configure(os.environ.get("FDX_ENGINE_LOG_LEVEL", "WARNING"), tag=f"[tp{args.rank}]")
@@ -568,8 +569,8 @@ def worker_main(argv: list[str] | None = None) -> int:
                                                   backend_setup(worker.backend) if args.rank == 0 else None)))
         while True:
             while not steps.poll(500):
-                if os.getppid() != args.parent_pid:
-                    return 1                       # orphaned: the engine is gone
+                if orphaned(args.parent_pid):
+                    return 1                       # the engine is gone
             msg = decoder.decode(steps.recv())
             if isinstance(msg, WorkerStop):
                 break
@@ -608,16 +609,6 @@ def worker_main(argv: list[str] | None = None) -> int:
     results.close(linger=1000)
     steps.close(linger=0)
     return 0
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG: a hung collective cannot outlive us
-        except OSError:
-            pass
 
 
 @hookimpl

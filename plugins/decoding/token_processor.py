@@ -1,21 +1,26 @@
 """The default token processor: append, record logprob ids/values, stop.
 
-Text is not its business: the output processor (core/output.py)
-detokenizes, checks stop strings and decodes logprob tokens, for ``LLM``
-and the server alike."""
+Stop strings are matched here, where the tokens are made: a request with
+``stop`` strings is detokenized incrementally (core/output.py's
+``TextOutput``, over the engine's tokenizer), so the token that completes
+a stop string is the last one the engine computes. The text callers get is
+the output processor's (core/output.py), for ``LLM`` and the server alike."""
 from __future__ import annotations
 
 import time
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import TokenProcessor
+from fdx.core.output import TextOutput
 from fdx.core.request import Request, RequestStatus, TokenLogprob
 
 
 class DefaultTokenProcessor(TokenProcessor):
     def start(self, request: Request) -> None:
         """Attach per-request state (called when the engine accepts it)."""
-        request.logprobs = [] if request.sampling_params.logprobs is not None else None
+        sp = request.sampling_params
+        request.logprobs = [] if sp.logprobs is not None else None
+        request.stop_text = TextOutput(self.tokenizer, sp) if sp.stop else None
 
     def process(self, request: Request, token_id: int, logprobs=None) -> bool:
         sp = request.sampling_params
@@ -33,12 +38,17 @@ class DefaultTokenProcessor(TokenProcessor):
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in sp.stop_token_ids:
                 status, reason = RequestStatus.FINISHED_STOPPED, token_id
+        if status is None and request.stop_text is not None:
+            stop = request.stop_text.add(token_id, n_out)   # min_tokens is its to check
+            if stop is not None:
+                status, reason = RequestStatus.FINISHED_STOPPED, stop
         if status is None and (n_out >= request.max_tokens or request.num_tokens >= request.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             request.status = status
             request.stop_reason = reason
             request.finished_time = now
+            request.stop_text = None
             return True
         return False
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import os
 import re
@@ -60,7 +59,9 @@ import time
 import msgspec
 
 from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import RequestScheduler
 from fdx.core.messages import EngineDeadError, EngineRejected, SeqDelta
+from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.scheduler.global")
 
@@ -75,7 +76,7 @@ class Job(msgspec.Struct, tag="job"):
     request_id: str
     origin: str                          # the instance whose client waits for it
     prompt_token_ids: list[int]
-    params: dict
+    params: SamplingParams               # as the origin made it (EngineClient.add)
     trace: dict = {}                     # x-request-id, traceparent, tracestate (EngineClient.add)
 
 
@@ -157,23 +158,15 @@ def redis_options(url: str, settings: dict) -> tuple[str, dict]:
     return url, opts
 
 
-def abort_reason(flag) -> tuple[str, int | str | None, int | None]:
-    """An abort flag's (reason, stop_reason, num_output_tokens): "1" (an
-    abort), or the JSON ["stop", stop string, tokens kept] that
-    ``GlobalScheduler.abort`` sets; anything else is an abort."""
-    try:
-        reason, stop_reason, n = json.loads(flag)
-    except (ValueError, TypeError):
-        return "abort", None, None
-    if reason != "stop" or not (stop_reason is None or isinstance(stop_reason, (int, str))) \
-            or not (n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 0)):
-        return "abort", None, None
-    return "stop", stop_reason, n
+class LocalScheduler(RequestScheduler):
+    """The default: requests run in this server's engine (never built: no wrapping)."""
+    wraps = False
 
+    def add(self, request_id, prompt_token_ids, params, callback, trace=None) -> None:
+        self.engine.add(request_id, prompt_token_ids, params, callback, trace)
 
-class LocalScheduler:
-    """The default: requests run in this server's engine (no wrapping)."""
-    local = True
+    def abort(self, request_ids) -> None:
+        self.engine.abort(request_ids)
 
 
 class _Pending:
@@ -215,8 +208,9 @@ class _Running:
         self.seq = 0                         # results published
 
 
-class GlobalScheduler:
+class GlobalScheduler(RequestScheduler):
     def __init__(self, config, engine, metrics, settings: dict):
+        super().__init__(config, engine, metrics, settings)
         bad = set(settings) - SETTINGS
         if bad:
             raise ValueError(f"unknown setting {sorted(bad)[0]!r}; known: {', '.join(sorted(SETTINGS))}")
@@ -273,9 +267,6 @@ class GlobalScheduler:
 
     def k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
-
-    def __getattr__(self, name):
-        return getattr(self.local, name)
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self):
@@ -339,20 +330,16 @@ class GlobalScheduler:
             if p is not None:
                 p.callback(EngineDeadError(f"the global scheduler cannot reach Redis: {e}"))
 
-    def abort(self, request_ids, reason: str = "abort", stop_reason=None, num_output_tokens=None) -> None:
-        """``reason`` "stop": a stop string (``stop_reason``) ended them here
-        after ``num_output_tokens``; the flag carries both, so the executing
-        engine ends them as stopped."""
+    def abort(self, request_ids) -> None:
         live = [rid for rid in request_ids if self.pending.pop(rid, None) is not None]
         if live:
-            flag = json.dumps([reason, stop_reason, num_output_tokens]) if reason == "stop" else 1
-            asyncio.get_running_loop().create_task(self._abort(live, flag))
+            asyncio.get_running_loop().create_task(self._abort(live))
 
-    async def _abort(self, ids: list[str], flag: str | int = 1) -> None:
+    async def _abort(self, ids: list[str]) -> None:
         try:
             pipe = self.r.pipeline()
             for rid in ids:
-                pipe.set(self.k("abort", rid), flag, ex=int(self.ttl) + 1)
+                pipe.set(self.k("abort", rid), 1, ex=int(self.ttl) + 1)
             await pipe.execute()
         except Exception as e:
             log.warning("global scheduler: abort not recorded: %s", e)
@@ -572,7 +559,7 @@ class GlobalScheduler:
             if f is None:
                 continue
             raw = self.running.pop(rid).raw
-            self.local.abort([rid], *abort_reason(f))
+            self.local.abort([rid])
             await self.r.lrem(self.k("processing", self.id), 1, raw)
 
     async def _watch(self) -> None:

@@ -25,6 +25,10 @@ found through the ``fdx`` entry-point group. fdx knows nothing about it.
   finished as a JSON line to the file its ``path`` setting names.
 - ``example-lookback`` speculative-decoding proposer (proposer.py, its own
   entry point): a one-token lookup with a ``max_draft`` setting.
+
+engine_parts.py has the token processor, sampler, model runner, request
+scheduler and activation function; guided.py, model.py, parsers.py and
+moe_router.py one kind each.
 """
 from __future__ import annotations
 

@@ -1,0 +1,69 @@
+"""Child processes, one way: the serving engine process
+(core/serving/engine_proc.py, started by engine_client.py) and the tensor
+parallel workers (plugins/backends/tp.py) are each started as
+``python -m <module> ... --parent-pid <pid>`` (``child_command``) with their
+config as JSON on stdin, and each begins with ``start_child``: it dies with
+its parent (``die_with_parent``), ignores Ctrl-C (the parent stops it), and
+gives up at once when the parent is already gone. While idle they poll
+``orphaned``. The parent names a child that died with ``exit_message``.
+Messages between them are tagged msgspec structs in msgpack, never pickle
+(core/messages.py, tp.py's ``Worker*``): a decoder typed with their union
+rejects anything else, and the first message back is the handshake
+(``EngineReady`` / ``WorkerLoaded``) or the failure that replaces it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from fdx.core.host import signal_name
+
+
+def child_command(module: str, *args: str) -> list[str]:
+    """The command line of a child running ``module``, told this process's pid."""
+    return [sys.executable, "-m", module, *args, "--parent-pid", str(os.getpid())]
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies
+    (Linux PR_SET_PDEATHSIG; elsewhere ``orphaned`` polling alone).
+    SIGTERM lets a child end cleanly (the engine process flushes its KV
+    connector and removes its sockets); a TP worker asks for SIGKILL, since
+    a rank blocked in a collective would never run a handler."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, sig)                     # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def orphaned(parent_pid: int | None) -> bool:
+    """Whether the parent that started us (``--parent-pid``) is gone."""
+    return parent_pid is not None and os.getppid() != parent_pid
+
+
+def start_child(parent_pid: int | None, sig: signal.Signals = signal.SIGTERM) -> bool:
+    """What a child does first: die with its parent, leave Ctrl-C to it
+    (the parent stops its children), and return False when the parent is
+    already gone (the child then exits at once)."""
+    die_with_parent(sig)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return not orphaned(parent_pid)
+
+
+def exit_message(who: str, returncode: int, when: str) -> str:
+    """How a child's end reads to a user: ``who`` "exited with status N"
+    ``when``, or, for a negative status (killed by a signal), the signal by
+    name; SIGILL with what it means and where to look."""
+    if returncode >= 0:
+        return f"{who} exited with status {returncode} {when} (see its messages above)"
+    name = signal_name(returncode)
+    if -returncode == signal.SIGILL:
+        return (f"{who} was killed by SIGILL (status {returncode}) {when}: an illegal instruction, from a kernel "
+                "built for an instruction set this CPU lacks (such as AVX-512); Paddle's C++ traceback above "
+                "names the kernel, `fdx env` shows the CPU and its kernels, and docs/backends.md says what to "
+                "turn off")
+    return f"{who} was killed by {name} (status {returncode}) {when} (see its messages above)"
