@@ -412,6 +412,7 @@ class Server:
     async def completions(self, req: CompletionRequest, http_request: Request):
         self.check_model(req.model)
         self.check_generates()
+        self.admit(0)                 # a 503 while loading, before the prompt is rendered (as /v1/embeddings)
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
@@ -432,6 +433,7 @@ class Server:
     async def chat_completions(self, req: ChatCompletionRequest, http_request: Request):
         self.check_model(req.model)
         self.check_generates()
+        self.admit(0)
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
