@@ -163,3 +163,10 @@ def test_openai_agents_function_tool(server):
                   tool_use_behavior="stop_on_first_tool")
     result = Runner.run_sync(agent, ASK, max_turns=2)
     assert len(calls) == 1 and result.final_output == f"sunny in {calls[0][0]}"
+
+
+def test_suffix_without_fim_tokens_is_a_400_naming_it(client):
+    """SmolLM2's tokenizer has no fill-in-the-middle tokens."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="def f():", suffix="\nreturn 1", max_tokens=4)
+    assert e.value.body["param"] == "suffix" and "FIM" in e.value.body["message"]
