@@ -54,7 +54,7 @@ def fim_server(tmp_path_factory, tiny_checkpoints):
     renamed to StarCoder's FIM tokens (the same weights as ``tiny``)."""
     import shutil
 
-    from serve_utils import ready_server
+    from serve_utils import serving
     src, _ = tiny_checkpoints["LlamaForCausalLM"]
     d = tmp_path_factory.mktemp("tiny_fim")
     for f in src.iterdir():
@@ -64,13 +64,10 @@ def fim_server(tmp_path_factory, tiny_checkpoints):
         for old, new in FIM.items():
             text = text.replace(f'"{old}"', f'"{new}"')
         (d / name).write_text(text)
-    srv = ready_server(tmp_path_factory.mktemp("serve_fim"), model={"model": str(d), "max_model_len": 128,
-                                                                    "quantization": "none"},
-                       server={"served_model_name": "tiny"})
-    try:
+    with serving(tmp_path_factory.mktemp("serve_fim"), model={"model": str(d), "max_model_len": 128,
+                                                              "quantization": "none"},
+                 server={"served_model_name": "tiny"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def post(srv, body: dict):

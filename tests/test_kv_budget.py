@@ -21,7 +21,7 @@ def kv_line(srv) -> tuple[int, int, int, int, str]:
 
 @pytest.mark.slow
 def test_two_starts_report_the_same_kv_size_and_the_flags_change_it(tmp_path, tiny_checkpoints):
-    from serve_utils import ready_server
+    from serve_utils import serving
     path, _ = tiny_checkpoints["LlamaForCausalLM"]
     model = {"model": str(path), "max_model_len": 256}
     bytes_per_block = 2 * 2 * 2 * 16 * 16 * 4        # k+v, 2 layers, 2 KV heads, 16 tokens, head_dim 16, fp32
@@ -29,13 +29,10 @@ def test_two_starts_report_the_same_kv_size_and_the_flags_change_it(tmp_path, ti
     for i, cache in enumerate(({"num_kv_blocks": None}, {"num_kv_blocks": None},
                                {"num_kv_blocks": None, "kv_cache_memory_bytes": 40 * bytes_per_block + 5})):
         (tmp_path / str(i)).mkdir()
-        srv = ready_server(tmp_path / str(i), model=model, cache=cache, scheduler={"max_num_seqs": 6},
-                           server={"log_level": "info"})
-        try:
+        with serving(tmp_path / str(i), model=model, cache=cache, scheduler={"max_num_seqs": 6},
+                     server={"log_level": "info"}) as srv:
             seen.append(kv_line(srv))
             assert srv.metrics()["fdx:kv_cache_total_blocks"] == seen[-1][0]
-        finally:
-            srv.stop()
     assert seen[0] == seen[1]                         # the same settings: the same KV cache
     blocks, block_size, tokens, nbytes, why = seen[0]
     assert (blocks, block_size, tokens) == (6 * 16, 16, 6 * 256) and nbytes == blocks * bytes_per_block

@@ -4,8 +4,9 @@ written for fdx) scored by loglikelihood, and loglikelihood_rolling over
 short texts. Each loglikelihood lm-eval reports equals the sum of the same
 tokens' logprobs from `LLM.generate(..., prompt_logprobs=...)` in-process on
 the same float32 weights (a tiny random Llama), and transformers' on those
-weights. lm-eval tokenizes with the checkpoint's own tokenizer folder (no
-hub download, no tiktoken)."""
+weights (whose tokenizer folder the test reads: the same tokens). lm-eval
+tokenizes through the server (its remote tokenizer: /tokenizer_info and
+/tokenize), so nothing is downloaded and tiktoken is not used."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from serve_utils import API_KEY, ready_server
+from serve_utils import API_KEY, serving
 
 from fdx import LLM, SamplingParams
 
@@ -32,12 +33,9 @@ def tiny(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny):
-    srv = ready_server(tmp_path_factory.mktemp("lm_eval"), model={"model": str(tiny[0]), "quantization": "none"},
-                       server={"served_model_name": "tiny"})
-    try:
+    with serving(tmp_path_factory.mktemp("lm_eval"), model={"model": str(tiny[0]), "quantization": "none"},
+                 server={"served_model_name": "tiny"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +53,7 @@ def evaluated(server, tiny, tmp_path_factory):
         out = lm_eval.simple_evaluate(
             model="local-completions",
             model_args={"model": "tiny", "base_url": server.base_url + "/v1/completions",
-                        "tokenizer_backend": "huggingface", "tokenizer": str(tiny[0]), "num_concurrent": 1,
+                        "tokenizer_backend": "remote", "auth_token": API_KEY, "num_concurrent": 1,
                         "max_retries": 1, "max_length": MAX_LENGTH, "batch_size": 3},
             tasks=["fdx_mc", "fdx_rolling"], task_manager=TaskManager(include_path=str(TASKS)),
             log_samples=True, cache_requests=False)
@@ -85,6 +83,12 @@ def reference(tiny):
             hf = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
             return fdx, hf
         yield run
+
+
+def test_lm_eval_finds_the_remote_tokenizer(server):
+    """What lm-eval's tokenizer_backend=auto checks before it would fall back to a hub download."""
+    from lm_eval.utils import check_remote_tokenizer_support
+    assert check_remote_tokenizer_support(server.base_url + "/v1/completions", auth_token=API_KEY)
 
 
 def test_multiple_choice_loglikelihoods_equal_the_engine(evaluated, reference, tiny):

@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from serve_utils import API_KEY, ready_server
+from serve_utils import API_KEY, openai_client, serving
 
 pytestmark = pytest.mark.slow
 
@@ -42,17 +42,14 @@ class Weather(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ready_server(tmp_path_factory.mktemp("real_clients"), model={"max_model_len": 1024},
-                       cache={"num_kv_blocks": 128})
-    try:
+    with serving(tmp_path_factory.mktemp("real_clients"), model={"max_model_len": 1024},
+                 cache={"num_kv_blocks": 128}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return openai_client(server)
 
 
 def streamed_call(stream) -> tuple[str, str, str, str]:

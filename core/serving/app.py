@@ -508,12 +508,7 @@ class Server:
                 group = self.make_group([(None, b) for b in batch], step, f"{request_id}.beam{k}", http_request)
                 self.admit(len(group.seqs))
                 group.start()
-                try:
-                    await group.wait_all(http_request)
-                except (EngineDeadError, ServerStopping) as e:
-                    raise APIError(503, str(e), type="service_unavailable") from None
-                finally:
-                    group.close()
+                await self.run_to_end(group, http_request)
                 for s in group.seqs:
                     if s.finish_reason == "abort" or not s.logprobs:
                         raise APIError(500, f"a beam's step ended with {s.finish_reason}", type="internal_error")
@@ -611,14 +606,20 @@ class Server:
                 self._stream(group, req, prompts, rid, created, chat, include_usage, continuous),
                 send_timeout=self.sc.stream_send_timeout_s,
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await self.run_to_end(group, http_request)
+        seqs = group.seqs if keep is None else keep(group.seqs)       # best_of: the n best
+        return JSONResponse(self.render.final_response(seqs, req, prompts, rid, created, chat))
+
+    @staticmethod
+    async def run_to_end(group: RequestGroup, http_request: Request) -> None:
+        """Wait for a started group's sequences to finish (a 503 when the
+        engine or the server stops first); the group is closed after."""
         try:
             await group.wait_all(http_request)
         except (EngineDeadError, ServerStopping) as e:
             raise APIError(503, str(e), type="service_unavailable") from None
         finally:
             group.close()
-        seqs = group.seqs if keep is None else keep(group.seqs)       # best_of: the n best
-        return JSONResponse(self.render.final_response(seqs, req, prompts, rid, created, chat))
 
     async def _stream(self, group: RequestGroup, req, prompts, rid: str, created: int, chat: bool,
                       include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
