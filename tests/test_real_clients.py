@@ -167,3 +167,28 @@ def test_suffix_without_fim_tokens_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="def f():", suffix="\nreturn 1", max_tokens=4)
     assert e.value.body["param"] == "suffix" and "FIM" in e.value.body["message"]
+
+
+def test_requests_while_loading_are_503_not_500(tmp_path, tiny_checkpoints):
+    """A client that calls before /health is ready gets the 503 'loading'
+    (which the SDKs retry), not a 500 from a prompt rendered with no tokenizer."""
+    from serve_utils import ServerProcess, wait_for
+    path, _ = tiny_checkpoints["LlamaForCausalLM"]
+    srv = ServerProcess(tmp_path, model={"model": str(path)})
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def health() -> int | None:
+        try:
+            return httpx.get(srv.base_url + "/health", timeout=2).status_code
+        except httpx.HTTPError:
+            return None
+    try:
+        wait_for(lambda: health() is not None, timeout=120, what="the server's port")
+        answers = [httpx.post(srv.base_url + path, headers=headers, timeout=30, json=body).status_code
+                   for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                      ("/v1/completions", {"prompt": "hi"}))]
+        loaded = health() == 200
+        assert all(code == 503 for code in answers) or loaded, answers
+        assert 500 not in answers
+    finally:
+        srv.stop()
