@@ -8,7 +8,7 @@ prompt's finished and live beams, best first by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generator
 
 from fdx.core.sampling_params import SamplingParams
 
@@ -53,27 +53,34 @@ def beam_score(seq: BeamSearchSequence, eos_token_ids, length_penalty: float) ->
     return seq.cum_logprob / (max(n, 1) ** length_penalty)
 
 
-def beam_search(llm, prompts: list[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """``prompts``: strings or ``{"prompt_token_ids": [...]}`` dicts."""
-    tok = llm.tokenizer
-    eos = frozenset(llm.engine.eos_token_ids)
-    step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+Scores = list[dict[int, float]]     # per sequence scored: {token id: logprob} of its next token's top ones
+
+
+def step_params(params: BeamSearchParams) -> SamplingParams:
+    """The one-token request each live beam runs per step."""
+    return SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
                           ignore_eos=True, detokenize=False)
-    beams: list[list[BeamSearchSequence]] = []
-    for p in prompts:
-        ids = tok.encode(p) if isinstance(p, str) else list(p["prompt_token_ids"])
-        beams.append([BeamSearchSequence(tokens=ids)])
+
+
+def search(prompts: list[list[int]], params: BeamSearchParams, eos_token_ids
+           ) -> Generator[list[list[int]], Scores, list[list[BeamSearchSequence]]]:
+    """The search, apart from how a step runs: yields the token ids of every
+    live beam (all prompts in one batch), is sent back each one's next-token
+    top logprobs (``step_params``), and returns each prompt's best beams
+    (``text`` unset). ``LLM.beam_search`` drives it with ``LLM.generate``,
+    the server (``use_beam_search``) with engine requests."""
+    eos = frozenset(eos_token_ids)
+    beams = [[BeamSearchSequence(tokens=list(ids))] for ids in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     for _ in range(params.max_tokens):
         live = [(i, b) for i, bs in enumerate(beams) for b in bs]
         if not live:
             break
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], step)
+        scores = yield [b.tokens for _, b in live]
         grown: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (i, beam), out in zip(live, outs):
-            for token_id, lp in out.outputs[0].logprobs[0].items():
-                new = BeamSearchSequence([*beam.tokens, token_id], beam.cum_logprob + lp.logprob,
-                                         [*beam.logprobs, lp.logprob])
+        for (i, beam), top in zip(live, scores):
+            for token_id, lp in top.items():
+                new = BeamSearchSequence([*beam.tokens, token_id], beam.cum_logprob + lp, [*beam.logprobs, lp])
                 if token_id in eos and not params.ignore_eos:
                     new.finish_reason = "stop"
                     done[i].append(new)
@@ -86,8 +93,23 @@ def beam_search(llm, prompts: list[Any], params: BeamSearchParams) -> list[BeamS
         for b in beams[i]:
             b.finish_reason = "length"
         best = sorted(done[i] + beams[i], key=lambda s: -beam_score(s, eos, params.length_penalty))
-        best = best[:params.beam_width]
+        answers.append(best[:params.beam_width])
+    return answers
+
+
+def beam_search(llm, prompts: list[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """``prompts``: strings or ``{"prompt_token_ids": [...]}`` dicts."""
+    tok = llm.tokenizer
+    ids = [tok.encode(p) if isinstance(p, str) else list(p["prompt_token_ids"]) for p in prompts]
+    run, step = search(ids, params, llm.engine.eos_token_ids), step_params(params)
+    try:
+        batch = next(run)
+        while True:
+            outs = llm.generate([{"prompt_token_ids": b} for b in batch], step)
+            batch = run.send([{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs])
+    except StopIteration as end:
+        answers = end.value
+    for best in answers:
         for s in best:
             s.text = tok.decode(s.tokens, skip_special_tokens=True)
-        answers.append(BeamSearchOutput(best))
-    return answers
+    return [BeamSearchOutput(best) for best in answers]

@@ -46,8 +46,13 @@ class ModelConfig(_Section):
 class CacheConfig(_Section):
     kv_cache: str = "paged"                    # KV-cache plugin name
     block_size: int = Field(16, gt=0, le=1024)
-    num_kv_blocks: int | None = Field(None, gt=0)   # None: sized by memory_fraction
-    memory_fraction: float = Field(0.1, gt=0, le=0.95)  # of free device memory, for KV
+    num_kv_blocks: int | None = Field(None, gt=0)   # None: kv_cache_memory_bytes, else sized from the settings
+    # the KV cache's bytes (vLLM's name; all ranks of this host together): num_kv_blocks from it
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    # the default KV cache holds max_num_seqs x max_model_len tokens, capped at this share of the host's
+    # TOTAL memory (CPU; the same on every start) or of the device memory free after the weights and
+    # one largest-batch forward (GPU backends without a total_memory_bytes)
+    memory_fraction: float = Field(0.1, gt=0, le=0.95)
     kv_connector: str | None = None            # KV connector plugin name; None: none
 
 

@@ -240,17 +240,33 @@ class EngineCore:
                 f"max_model_len ({max_len}) with chunked prefill off; a long prompt could never run")
 
     def _resolve_num_blocks(self, spec: KVCacheSpec) -> int:
+        """cache.num_kv_blocks, else cache.kv_cache_memory_bytes' worth, else
+        what max_num_seqs sequences of max_model_len need, capped by
+        cache.memory_fraction (core/memory.py); logged with what it holds."""
         cc, sc = self.config.cache, self.config.scheduler
         need_per_seq = -(-self.max_model_len // cc.block_size)
-        if cc.num_kv_blocks is None:       # memory_fraction of what one largest-batch forward leaves
+        demand = need_per_seq * sc.max_num_seqs
+        # under tensor parallel a block's bytes over all ranks: the ranks of one host share its memory
+        key = "cache.num_kv_blocks"
+        if cc.num_kv_blocks is not None:
+            why = "cache.num_kv_blocks"
+        elif cc.kv_cache_memory_bytes is not None:
+            key = why = "cache.kv_cache_memory_bytes"
+            cc.num_kv_blocks = cc.kv_cache_memory_bytes // spec.bytes_per_block
+        else:
             kv_bytes = self.executor.kv_budget(sc.max_num_batched_tokens, sc.max_num_seqs, cc.memory_fraction)
-            # under tensor parallel a block's bytes over all ranks: the ranks of one host share its memory
-            cc.num_kv_blocks = max(1, min(kv_bytes // spec.bytes_per_block, need_per_seq * sc.max_num_seqs))
+            cc.num_kv_blocks = max(1, min(kv_bytes // spec.bytes_per_block, demand))
+            why = (f"max_num_seqs {sc.max_num_seqs} x max_model_len {self.max_model_len}"
+                   if cc.num_kv_blocks == demand else f"capped at cache.memory_fraction {cc.memory_fraction}")
         if cc.num_kv_blocks < need_per_seq:
             raise ConfigError(
-                f"config key 'cache.num_kv_blocks': {cc.num_kv_blocks} blocks of {cc.block_size} tokens "
-                f"cannot hold one sequence of max_model_len={self.max_model_len}; raise it to at least "
-                f"{need_per_seq} or lower max_model_len")
+                f"config key '{key}': {cc.num_kv_blocks} blocks of {cc.block_size} tokens "
+                f"({spec.bytes_per_block} bytes each) cannot hold one sequence of max_model_len="
+                f"{self.max_model_len}; raise it to at least {need_per_seq} blocks or lower max_model_len")
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f sequences of max_model_len %d), %d bytes "
+                 "(%.1f MiB); from %s", cc.num_kv_blocks, cc.block_size, cc.num_kv_blocks * cc.block_size,
+                 cc.num_kv_blocks / need_per_seq, self.max_model_len, cc.num_kv_blocks * spec.bytes_per_block,
+                 cc.num_kv_blocks * spec.bytes_per_block / (1 << 20), why)
         return cc.num_kv_blocks
 
     def _lora_manager(self):

@@ -13,7 +13,8 @@ _ENGINE_INT_FLAGS = {  # flag -> help
     "max_num_seqs": "sequences in one engine step (default: 64)",
     "max_num_batched_tokens": "tokens in one engine step (default: 2048 with chunked prefill)",
     "block_size": "tokens per KV-cache block (default: 16)",
-    "num_kv_blocks": "KV-cache blocks (default: sized by cache.memory_fraction of free memory)",
+    "num_kv_blocks": "KV-cache blocks (default: max_num_seqs x max_model_len tokens, capped at "
+                     "cache.memory_fraction of the host's memory)",
     "num_threads": "CPU threads (default: the cores this process may use)",
     "seed": "the engine's sampling seed for requests without one (default: 0)",
 }
@@ -32,12 +33,18 @@ _ALIAS_FLAGS = {
                                "vLLM/FastDeploy: worker processes sharing each layer (parallel.tensor_parallel_size; "
                                "default: 1)"),
     "--gpu-memory-utilization": ("memory_fraction", float,
-                                 "vLLM/FastDeploy: in fdx, the share of the memory left free after the weights and "
-                                 "one largest-batch forward that the KV cache may take, capped by what "
-                                 "max_num_seqs x max_model_len can use (cache.memory_fraction; default: 0.1)"),
+                                 "vLLM/FastDeploy: in fdx, the most the default KV cache may take, as a share of "
+                                 "the host's total memory (CPU; of the memory free after the weights and one "
+                                 "largest-batch forward on a GPU); it holds max_num_seqs x max_model_len tokens "
+                                 "below that (cache.memory_fraction; default: 0.1)"),
     "--kv-cache-ratio": ("plugins.resource_manager.v0.kv_cache_ratio", float,
                          "FastDeploy: the v0 scheduler's share of KV blocks prompts may take "
-                         "(plugins.resource_manager.v0.kv_cache_ratio; default: 0.75)"),
+                         "(plugins.resource_manager.v0.kv_cache_ratio; default: 0.75); v0 only: refused "
+                         "under another --resource-manager"),
+    "--kv-cache-memory-bytes": ("kv_cache_memory_bytes", int,
+                                "vLLM: the KV cache's size in bytes, whatever the memory (cache.kv_cache_memory_bytes; "
+                                "default: max_num_seqs x max_model_len tokens, capped at cache.memory_fraction of "
+                                "the host's memory)"),
     "--num-gpu-blocks-override": ("num_kv_blocks", int, "vLLM/FastDeploy: = --num-kv-blocks (default: sized by "
                                                          "cache.memory_fraction)"),
     "--splitwise-role": ("splitwise_role", str,

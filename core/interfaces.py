@@ -1452,6 +1452,14 @@ class Backend(abc.ABC):
     def free_memory_bytes(self) -> int:
         """Memory the KV cache may draw from, before applying memory_fraction."""
 
+    def total_memory_bytes(self) -> int | None:
+        """The memory ``cache.memory_fraction`` is a share of, for the
+        default KV cache's cap: a fixed figure (the host's or device's
+        whole memory), so that the same settings give the same KV cache on
+        every start. Default None: the share is of ``free_memory_bytes()``
+        after the profile forward instead (what free memory there is)."""
+        return None
+
     def prepare_model(self, model: Any, dtype: str) -> None:
         """The model is loaded (float32 weights): put it in ``dtype`` (one of
         ``dtypes``) and on this device. Default: nothing (float32 only)."""

@@ -1,6 +1,9 @@
-"""KV sizing by profiling: one forward at the largest batch the config
-allows, its peak memory measured, and the KV cache given
-``cache.memory_fraction`` of what remains free after it.
+"""KV sizing: the most the default KV cache may take (the engine gives it
+what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, up to
+that). With a backend's ``total_memory_bytes`` (the CPU's: the host's
+memory) it is ``cache.memory_fraction`` of that, the same on every start;
+without one, of what remains free after one forward at the largest batch
+the config allows, its peak memory measured.
 
 The forward runs over a throwaway KV cache just large enough for the
 batch (allocated before the measurement, so it does not count). The
@@ -71,9 +74,21 @@ def kv_budget(backend, model, attention, spec: KVCacheSpec, num_tokens: int, num
     peak = int(backend.profile_peak_bytes(run))
     del run                                     # the throwaway cache goes with it
     free = int(backend.free_memory_bytes())
-    kv = int(max(0, free - peak) * memory_fraction)
-    log.info("KV sizing: a forward of %d tokens in %d sequences peaked %.1f MiB above the loaded model; "
-             "%.1f MiB free; the KV cache gets %.0f%% of the %.1f MiB left: %.1f MiB",
-             num_tokens, min(num_seqs, num_tokens), peak / MiB, free / MiB, memory_fraction * 100,
-             max(0, free - peak) / MiB, kv / MiB)
+    total = backend.total_memory_bytes()
+    if total is None:                           # the share is of what is free now
+        kv = int(max(0, free - peak) * memory_fraction)
+        log.info("KV sizing: a forward of %d tokens in %d sequences peaked %.1f MiB above the loaded model; "
+                 "%.1f MiB free; the KV cache may take %.0f%% of the %.1f MiB left: %.1f MiB",
+                 num_tokens, min(num_seqs, num_tokens), peak / MiB, free / MiB, memory_fraction * 100,
+                 max(0, free - peak) / MiB, kv / MiB)
+    else:                                       # a share of the whole memory: the same on every start
+        kv = int(total * memory_fraction)
+        log.info("KV sizing: the KV cache may take %.0f%% of the %.1f MiB of memory: %.1f MiB (a forward of %d "
+                 "tokens in %d sequences peaked %.1f MiB above the loaded model; %.1f MiB free now)",
+                 memory_fraction * 100, total / MiB, kv / MiB, num_tokens, min(num_seqs, num_tokens),
+                 peak / MiB, free / MiB)
+        if kv > free - peak:
+            log.warning("KV sizing: %.1f MiB for the KV cache is more than the %.1f MiB free after the profile "
+                        "forward; lower cache.memory_fraction or set cache.kv_cache_memory_bytes",
+                        kv / MiB, max(0, free - peak) / MiB)
     return KVBudget(free, peak, kv, num_tokens, min(num_seqs, num_tokens))

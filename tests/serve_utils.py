@@ -1,6 +1,7 @@
 """Start a real ``fdx serve`` subprocess on a free loopback port, for tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -198,3 +199,19 @@ def max_gap(stamps: list[float], t0: float, t1: float) -> float:
     """The longest gap between stamps within [t0, t1] (inf with fewer than two)."""
     inside = [t for t in stamps if t0 <= t <= t1]
     return max((b - a for a, b in zip(inside, inside[1:])), default=float("inf"))
+
+
+@contextlib.contextmanager
+def serving(tmp: pathlib.Path, server: dict | None = None, **sections):
+    """A ready ``fdx serve`` (``ready_server``'s arguments), stopped on leaving."""
+    srv = ready_server(tmp, server, **sections)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def openai_client(srv: ServerProcess, **kw):
+    """The openai SDK's client for ``srv`` (no retries: a failure shows)."""
+    import openai
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300, **kw)

@@ -150,10 +150,14 @@ def test_cpu_kv_sizing_profiles_one_largest_batch_forward(tiny, caplog):
                   memory_fraction=0.001, progress=False)
     eng, b = llm.engine, llm.engine.kv_budget
     assert (b.num_tokens, b.num_seqs) == (256, 8)           # the largest step the config allows
-    assert b.free_bytes > 0 and b.kv_bytes == int(max(0, b.free_bytes - b.peak_bytes) * 0.001)
+    total = int(pathlib.Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
+    limit = pathlib.Path("/sys/fs/cgroup/memory.max")
+    if limit.exists() and limit.read_text().strip().isdigit():
+        total = min(total, int(limit.read_text()))
+    assert b.free_bytes > 0 and b.kv_bytes == int(total * 0.001)      # of the total: the same on every start
     by_demand = 16 * 8
     assert eng.kv_cache.num_blocks == min(by_demand, b.kv_bytes // eng.kv_spec.bytes_per_block)
-    assert "KV sizing: a forward of 256 tokens in 8 sequences peaked" in caplog.text
+    assert "a forward of 256 tokens in 8 sequences peaked" in caplog.text
 
 
 def test_host_peak_sees_a_big_allocation():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -66,6 +67,37 @@ def model_names(config: FdxConfig) -> list[str]:
     served = config.server.served_model_name
     names = ([served] if served else []) + natural
     return list(dict.fromkeys(names))
+
+
+# fill-in-the-middle tokens by family: (prefix, suffix, middle), the first a tokenizer has all of is used
+FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),             # StarCoder, SantaCoder
+              ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),       # Qwen2.5-Coder
+              ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))             # DeepSeek-Coder
+
+
+def fim_token_ids(tokenizer) -> tuple[int, int, int] | None:
+    for names in FIM_TOKENS:
+        ids = tokenizer.convert_tokens_to_ids(list(names))
+        if all(i is not None for i in ids):
+            return tuple(ids)
+    return None
+
+
+def best_of(seqs: list[SequenceState], n: int, logprobs: bool) -> list[SequenceState]:
+    """Each prompt's ``n`` candidates of the highest cumulative logprob (of
+    their sampled tokens), best first, numbered again; their logprobs
+    dropped unless the request asked for them."""
+    kept = []
+    for p in sorted({s.prompt_index for s in seqs}):
+        mine = [s for s in seqs if s.prompt_index == p]
+        mine.sort(key=lambda s: -sum(e[1] for tid, lps in zip(s.token_ids, s.logprobs)
+                                     for e in lps if int(e[0]) == tid))
+        for j, s in enumerate(mine[:n]):
+            s.index = p * n + j
+            if not logprobs:
+                s.logprobs = None
+            kept.append(s)
+    return kept
 
 
 class ServerStopping(Exception):
@@ -426,26 +458,96 @@ class Server:
     async def completions(self, req: CompletionRequest, http_request: Request):
         lora = self.check_model(req.model)
         self.check_generates()
+        self.admit(0)                 # a 503 while loading, before the prompt is rendered (as /v1/embeddings)
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
         edge.check_limits(req, self.sc, self.vocab_size)
         prompts = await self.off_loop_if_large(http_request, self.render.completion_prompts, req.prompt)
+        if req.suffix:
+            prompts = [(None, self.fim_prompt(ids, req.suffix)) for _, ids in prompts]
         # echo with max_tokens 0 scores the prompt (lm-eval's loglikelihood): one token is computed, never shown
         max_tokens = 1 if req.scores_only() else req.max_tokens if req.max_tokens is not None else 16
+        for _, ids in prompts:
+            self.check_prompt(ids)
+        if req.use_beam_search:
+            return await self.beam_search(req, http_request, prompts, max_tokens, lora)
         kwargs = self.with_defaults(req, req.sampling_kwargs(max_tokens), chat=False)
         kwargs["logprobs"] = req.logprobs
         if req.echo and req.logprobs is not None:      # the echoed prompt's tokens with their logprobs
             kwargs["prompt_logprobs"] = max(req.logprobs, kwargs.get("prompt_logprobs") or 0)
+        keep = None
+        if req.best_of is not None and req.best_of > req.n:   # best_of candidates, the n best returned
+            kwargs["n"] = req.best_of
+            kwargs["logprobs"] = req.logprobs or 0     # each sampled token's logprob, for the ranking
+            keep = functools.partial(best_of, n=req.n, logprobs=req.logprobs is not None)
         sp = self.sampling_params(kwargs)
-        for _, ids in prompts:
-            self.check_prompt(ids)
         sp = await self.tokenize_bad_words(sp)
-        return await self._serve(req, http_request, prompts, sp, "cmpl", chat=False, lora=lora)
+        return await self._serve(req, http_request, prompts, sp, "cmpl", chat=False, keep=keep, lora=lora)
+
+    def fim_prompt(self, ids: list[int], suffix: str) -> list[int]:
+        """``suffix`` as fill in the middle: the prompt between the tokenizer's
+        FIM prefix and suffix tokens, the model writes the middle (PSM order,
+        as StarCoder, SantaCoder, Qwen2.5-Coder and DeepSeek-Coder were trained)."""
+        fim = fim_token_ids(self.tokenizer)
+        if fim is None:
+            raise APIError(400, "suffix (fill in the middle) needs a tokenizer with FIM tokens ("
+                           + "; ".join(" ".join(names) for names in FIM_TOKENS) + "); this model's has none",
+                           param="suffix")
+        pre, suf, mid = fim
+        return [pre, *ids, suf, *self.render._encode(suffix, "suffix", add_special_tokens=False), mid]
+
+    async def beam_search(self, req: CompletionRequest, http_request: Request, prompts, max_tokens: int,
+                          lora: str | None = None):
+        """vLLM's ``use_beam_search``: core/beam_search.py's search, each step's
+        live beams run as one-token engine requests; n beams per prompt, best first."""
+        from fdx.core.beam_search import BeamSearchParams, search, step_params
+        try:
+            params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                      temperature=req.temperature or 0.0, length_penalty=req.length_penalty)
+        except ValueError as e:
+            raise APIError(400, str(e).replace("beam_width", "n"),
+                           param="n" if "beam_width" in str(e) else "max_tokens") from None
+        longest = max(len(ids) for _, ids in prompts)
+        if longest + max_tokens > self.max_model_len:
+            raise APIError(400, f"the prompt ({longest} tokens) and max_tokens ({max_tokens}) exceed max_model_len "
+                           f"({self.max_model_len})", param="max_tokens")
+        if req.n * len(prompts) > MAX_SEQS_PER_REQUEST:
+            raise APIError(400, f"n x prompts = {req.n * len(prompts)} beams in one request; the limit is "
+                           f"{MAX_SEQS_PER_REQUEST}", param="n")
+        request_id = http_request.scope.get("fdx.request_id") or secrets.token_hex(16)
+        run, step = search([ids for _, ids in prompts], params, self.tokenizer.eos_token_ids), step_params(params)
+        try:
+            batch, k = next(run), 0
+            while True:
+                group = self.make_group([(None, b) for b in batch], step, f"{request_id}.beam{k}", http_request, lora)
+                self.admit(len(group.seqs))
+                group.start()
+                await self.run_to_end(group, http_request)
+                for s in group.seqs:
+                    if s.finish_reason == "abort" or not s.logprobs:
+                        raise APIError(500, f"a beam's step ended with {s.finish_reason}", type="internal_error")
+                batch, k = run.send([{int(e[0]): e[1] for e in s.logprobs[0]} for s in group.seqs]), k + 1
+        except StopIteration as end:
+            answers = end.value
+        choices, completion = [], 0
+        for p, best in enumerate(answers):
+            start = len(prompts[p][1])
+            for j, beam in enumerate(best):
+                completion += len(beam.tokens) - start
+                choices.append({"index": p * req.n + j, "logprobs": None, "finish_reason": beam.finish_reason,
+                                "stop_reason": None, "cumulative_logprob": beam.cum_logprob,
+                                "text": self.tokenizer.decode(beam.tokens[start:], skip_special_tokens=True)})
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return JSONResponse({"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
+                             "model": self.model_name, "choices": choices,
+                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                       "total_tokens": prompt_tokens + completion}})
 
     async def chat_completions(self, req: ChatCompletionRequest, http_request: Request):
         lora = self.check_model(req.model)
         self.check_generates()
+        self.admit(0)
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
@@ -476,7 +578,7 @@ class Server:
             raise APIError(400, e.message, param=e.param) from None
 
     async def _serve(self, req, http_request: Request, prompts, sp: SamplingParams, kind: str, chat: bool,
-                     outputs=None, lora: str | None = None):
+                     outputs=None, keep=None, lora: str | None = None):
         # the request id (X-Request-Id, or the one edge.GuardMiddleware made): the response's id is
         # <kind>-<id>, as vLLM's; the engine's ids <id>-<choice index>; the log line names it
         request_id = http_request.scope.get("fdx.request_id") or secrets.token_hex(16)
@@ -520,13 +622,20 @@ class Server:
                 self._stream(group, req, prompts, rid, created, chat, include_usage, continuous),
                 send_timeout=self.sc.stream_send_timeout_s,
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await self.run_to_end(group, http_request)
+        seqs = group.seqs if keep is None else keep(group.seqs)       # best_of: the n best
+        return JSONResponse(self.render.final_response(seqs, req, prompts, rid, created, chat))
+
+    @staticmethod
+    async def run_to_end(group: RequestGroup, http_request: Request) -> None:
+        """Wait for a started group's sequences to finish (a 503 when the
+        engine or the server stops first); the group is closed after."""
         try:
             await group.wait_all(http_request)
         except (EngineDeadError, ServerStopping) as e:
             raise APIError(503, str(e), type="service_unavailable") from None
         finally:
             group.close()
-        return JSONResponse(self.render.final_response(group.seqs, req, prompts, rid, created, chat))
 
     async def _stream(self, group: RequestGroup, req, prompts, rid: str, created: int, chat: bool,
                       include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:

@@ -77,7 +77,7 @@ def request_context(headers: dict[bytes, bytes]) -> tuple[str, str | None, dict[
     return rid, bad, carrier
 
 
-API_PATHS = ("/tokenize", "/detokenize")         # beside /v1: request ids, refusal budget, reasons logged
+API_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")   # beside /v1: request ids, refusal budget, reasons logged
 
 
 def is_api_path(path: str) -> bool:

@@ -239,8 +239,10 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[AnyInt] | list[list[AnyInt]]
     echo: bool = False
     logprobs: Int | None = None
-    suffix: str | None = None
-    best_of: Int | None = None
+    suffix: str | None = None          # fill-in-the-middle, for tokenizers with FIM tokens (app.fim_prompt)
+    best_of: Int | None = None         # best_of candidates, the n best by cumulative logprob returned
+    use_beam_search: bool = False      # vLLM's: n beams (core/beam_search.py), best first
+    length_penalty: Num = 1.0          # vLLM's: beam search's ranking exponent on the length
 
     @field_validator("prompt")
     @classmethod
@@ -250,10 +252,22 @@ class CompletionRequest(_SamplingRequest):
         return v
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.suffix:
-            return ("suffix", "suffix (insertion) is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            return ("best_of", "best_of is not supported (use n)")
+        if self.suffix and self.echo:
+            return ("suffix", "suffix (fill in the middle) cannot be combined with echo")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                return ("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
+            if self.best_of > self.n and self.stream:
+                return ("best_of", "best_of greater than n cannot be streamed (as in OpenAI)")
+            if self.best_of > self.n and self.use_beam_search:
+                return ("best_of", "with use_beam_search, n is the beam width: leave best_of out")
+        if self.use_beam_search:
+            for name, bad in (("stream", self.stream), ("echo", self.echo), ("logprobs", self.logprobs is not None),
+                              ("prompt_logprobs", self.prompt_logprobs is not None), ("suffix", bool(self.suffix))):
+                if bad:
+                    return (name, f"{name} is not supported with use_beam_search")
+        elif self.length_penalty != 1.0:
+            return ("length_penalty", "length_penalty ranks beams: it needs use_beam_search=true")
         if self.max_tokens == 0 and not self.echo:
             return ("max_tokens", "max_tokens 0 scores the prompt without generating: it needs echo=true")
         return super().unsupported()

@@ -1,6 +1,8 @@
-"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes (behind the
-API key, like /v1): a prompt, or chat messages through the model's template,
-into token ids with their count and ``max_model_len``; token ids back into text."""
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``, in
+vLLM's shapes (behind the API key, like /v1): a prompt, or chat messages
+through the model's template, into token ids with their count and
+``max_model_len``; token ids back into text; the special tokens and chat
+template."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -63,6 +65,16 @@ def install(app, server) -> None:
             ids = render._encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         strs = render.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: the special tokens and chat template (lm-eval's remote
+        tokenizer reads them, then tokenizes through /tokenize: no tokenizer
+        download on the client's side)."""
+        tok = _ready(server).tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "chat_template": tok.chat_template,
+                "model_max_length": server.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

@@ -39,6 +39,19 @@ def host_free_memory_bytes() -> int:
     return 4 << 30 if free is None else free
 
 
+def host_total_memory_bytes() -> int:
+    """The host's memory (MemTotal), or this cgroup's limit when lower."""
+    total = proc_kib_field("/proc/meminfo", "MemTotal") or 4 << 30
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
 def op_choices(table: kernels.KernelTable) -> dict[str, str]:
     """op -> what runs for it under ``table``, in words (the ops' own rules,
     fdx.ops.norm / activation / rotary / attention)."""
@@ -154,6 +167,9 @@ class CpuBackend(Backend):
 
     def free_memory_bytes(self) -> int:
         return host_free_memory_bytes()
+
+    def total_memory_bytes(self) -> int:
+        return host_total_memory_bytes()
 
     def describe(self) -> str:
         return f"cpu ({getattr(self, 'num_threads', '?')} threads, fp32)"
