@@ -192,6 +192,52 @@ def _cli_environment_restored():
             os.environ[k] = v
 
 
+# -- what the suite costs ------------------------------------------------------------------
+
+def pytest_collection_finish(session):
+    """Every engine load runs a full garbage collection (fdx.core.host.
+    release_free_heap), and in this process it walks every object torch,
+    transformers, Paddle and the collected test modules made: move those
+    into the permanent generation once collected, so that a collection
+    looks only at what the tests made since."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
+_MEASURE = pytest.StashKey[object]()
+
+
+def _proc_status_mib(*keys: str) -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {k: int(line.split()[1]) // 1024 for line in f for k in keys if line.startswith(k + ":")}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """FDX_TEST_MEASURE=file: one JSON line a test (wall and CPU seconds,
+    this process's and its waited children's, resident MiB now and at its
+    peak) so that a contributor sees what a new test costs (tests/README.md)."""
+    path = os.environ.get("FDX_TEST_MEASURE")
+    if not path or not os.path.exists("/proc/self/status"):
+        yield
+        return
+    import json
+    import time
+    out = item.config.stash.get(_MEASURE, None)
+    if out is None:
+        out = item.config.stash[_MEASURE] = open(path, "a", buffering=1)
+    t0, c0 = time.monotonic(), os.times()
+    yield
+    c1 = os.times()
+    mem = _proc_status_mib("VmRSS", "VmHWM")
+    out.write(json.dumps({
+        "test": item.nodeid, "wall_s": round(time.monotonic() - t0, 3),
+        "cpu_s": round(c1.user - c0.user + c1.system - c0.system, 3),
+        "children_cpu_s": round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 3),
+        "rss_mib": mem.get("VmRSS"), "peak_rss_mib": mem.get("VmHWM")}) + "\n")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _memory_released_after_each_module():
     """Engines a module built (and dropped) hold their weights, KV tensors

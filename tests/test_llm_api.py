@@ -153,7 +153,7 @@ def test_third_party_resource_manager_selected_by_config(example_plugin_installe
     llm = LLM(max_model_len=256, num_kv_blocks=64, block_size=16, resource_manager="example-fifo",
               policy="shortest-first", plugins=pm, quantization="none", progress=False)   # smollm_llm's
     assert type(llm.engine.resource_manager.policy).__name__ == "FifoScheduler"
-    assert ex.STARTED and ex.STARTED[-1] is llm.engine
+    assert ex.STARTED and ex.STARTED[-1]() is llm.engine
     before, added = len(ex.STEPS), len(ex.ADDED)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = ["A much longer prompt that has quite a few more tokens in it than the other", "Hi"]

@@ -32,6 +32,7 @@ moe_router.py one kind each.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -47,7 +48,8 @@ from fdx.core.kernels import KernelTable
 # what the observer saw, for tests to read
 STEPS: list[tuple[int, int]] = []        # (step, num_scheduled_tokens)
 CONTEXTS: list[tuple[int, int, int, int]] = []   # (step, prefill tokens, decode tokens, kv blocks used)
-STARTED: list[object] = []
+STARTED: list[weakref.ref] = []         # each engine started, weakly: a plugin that kept the engines it saw
+                                        # would keep every engine's model and KV cache alive with them
 ROPE_CALLS: list[int] = []               # tokens per call of NaiveAttention.rope_write_kv
 FINISHED: list[str] = []
 ADDED: list[str] = []                    # request ids, from fdx_request_added
@@ -578,7 +580,7 @@ def fdx_register_weight_formats(register):
 
 @hookimpl
 def fdx_engine_started(engine):
-    STARTED.append(engine)
+    STARTED.append(weakref.ref(engine))
 
 
 @hookimpl
