@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdx.core.bench import peers
+from fdx.core.bench import load_peers
+
+peers = load_peers()                    # scripts/bench_peers/fdx_bench_peers.py, outside the runtime package
 
 DATA = Path(__file__).parent / "data"
 
@@ -138,10 +140,7 @@ def test_help_lists_every_default():
     out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    from fdx.core.cli import build_parser
-    bench = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
-                 if a.dest == "bench_cmd")
-    p = bench.choices["peers"]
+    p = peers.build_parser()
     flags = [a for a in p._actions if a.option_strings and a.dest != "help"]
     assert len(flags) >= 12
     for a in flags:
