@@ -164,6 +164,7 @@ def _run_logged(cmd: list[str], log, what: str, progress: bool) -> None:
     try:
         for line in proc.stdout:
             log.write(line)
+            log.flush()                     # the log shows where a long build is
             m = _NINJA_STEP.match(line)
             pct = 100 * int(m[1]) // max(int(m[2]), 1) if m else None
             if m is None and (m := _MAKE_STEP.match(line)):
@@ -191,19 +192,26 @@ def _need_build_tools(what: str) -> None:
                         f"(for example: apt-get install cmake g++)")
 
 
+def _built(d: Path) -> set[str]:
+    """The targets a finished build of d made (its build.ok stamp lists them)."""
+    try:
+        return set((d / "build.ok").read_text().split("\n")[0].split())
+    except OSError:
+        return set()
+
+
 def _build(d: Path, src: Path, flags: tuple[str, ...], targets: tuple[str, ...], what: str,
            jobs: int | None, progress: bool) -> dict[str, Path]:
-    """cmake configure (once) and build of targets in d/build; their paths. A
-    build.ok stamp beside it skips even the up-to-date check next time."""
+    """cmake configure (once) and build of targets in d/build; their paths. The
+    build.ok stamp names the targets built, so a cached build skips even ninja's check."""
     bins = {t: d / "build" / "bin" / t for t in targets}
-    stamp = d / "build.ok"
-    if stamp.is_file() and all(p.is_file() for p in bins.values()):
+    if set(targets) <= _built(d) and all(p.is_file() for p in bins.values()):
         return bins
     _need_build_tools(what)
     d.mkdir(parents=True, exist_ok=True)
     jobs = jobs or available_cores()
     log_path = d / "build.log"
-    _say(f"building {what} from {src} with -j{jobs} (once, minutes; log: {log_path})")
+    _say(f"building {', '.join(targets)} of {what} from {src} with -j{jobs} (once, minutes; log: {log_path})")
     t0 = time.perf_counter()
     with open(log_path, "a") as log:
         if not (d / "build" / "CMakeCache.txt").is_file():
@@ -215,20 +223,21 @@ def _build(d: Path, src: Path, flags: tuple[str, ...], targets: tuple[str, ...],
     absent = [t for t, p in bins.items() if not p.is_file()]
     if absent:
         raise PeerError(f"the {what} build finished without {', '.join(absent)}; the log is {log_path}")
-    stamp.write_text(f"{' '.join(targets)} built by fdx bench peers\n")
+    done = sorted(_built(d) | set(targets))
+    (d / "build.ok").write_text(f"{' '.join(done)}\nbuilt by fdx bench peers\n")
     _say(f"{what} built in {time.perf_counter() - t0:.0f} s")
     return bins
 
 
 def build_llama_cpp(sdist: str | None = None, root: Path | None = None, jobs: int | None = None,
-                    progress: bool = True) -> dict[str, Path]:
-    """Build llama.cpp's TARGETS once from the llama-cpp-python sdist; their paths."""
+                    progress: bool = True, targets: tuple[str, ...] = TARGETS) -> dict[str, Path]:
+    """Build llama.cpp's targets (default: all of TARGETS) once from the llama-cpp-python sdist; their paths."""
     d = peer_dir(root)
-    if not ((d / "build.ok").is_file() and all((d / "build" / "bin" / t).is_file() for t in TARGETS)):
+    if not (set(targets) <= _built(d) and all((d / "build" / "bin" / t).is_file() for t in targets)):
         _need_build_tools("llama.cpp")          # before the sdist is fetched
         if not (d / "src" / "CMakeLists.txt").is_file():
             extract_llama_cpp(obtain_sdist(sdist, peers_root(root)), d / "src")
-    return _build(d, d / "src", CMAKE_FLAGS, TARGETS, "llama.cpp", jobs, progress)
+    return _build(d, d / "src", CMAKE_FLAGS, targets, "llama.cpp", jobs, progress)
 
 
 def llama_cpp_src(root: Path | None = None) -> Path:
@@ -354,8 +363,11 @@ def make_shape_gguf(name: str, src: Path, tokenizer_gguf: Path, seed: int = 0, d
     _say(f"converting it with {script.name} --outtype {dtype}")
     tmp = out.with_name(out.name + ".partial")
     log = d / "convert.log"
+    stub = peer_models.sentencepiece_stub(d / "stub")
+    if stub:
+        _say(f"sentencepiece is not installed: a stand-in in {stub} lets the converter reach the tokenizer.json")
     rc, _, err, rss = run_measured(peer_models.convert_command(src, hf, tmp, dtype), log,
-                                   env=peer_models.convert_env())
+                                   env=peer_models.convert_env(stub))
     if rc != 0 or not tmp.is_file():
         raise PeerError(f"convert_hf_to_gguf.py failed on the {name} checkpoint (exit code {rc}): {_tail(err)}; "
                         f"the log is {log}")
@@ -1048,7 +1060,8 @@ def _run(args, sizes: list[int], model: Path) -> dict:
     threads = args.threads or available_cores()
     kinds = quant_types(args.quant)
     ik_src = ik_source(args.ik_llama_src)
-    bins = build_llama_cpp(args.llama_sdist, jobs=args.jobs)
+    needed = ("llama-quantize", "llama-bench", "llama-batched-bench") + (() if args.skip_serve else ("llama-server",))
+    bins = build_llama_cpp(args.llama_sdist, jobs=args.jobs, targets=needed)
     ik_bins = build_ik_llama(ik_src, jobs=args.jobs) if ik_src else None
     files = _files(args, bins, model, kinds)
     log_dir = peer_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")

@@ -230,8 +230,23 @@ def _special_ids(gguf_path: Path) -> dict:
 
 # --- converting it -----------------------------------------------------------------------
 
-# what convert_hf_to_gguf.py imports beyond the standard library (gguf-py comes with the sources)
+# what convert_hf_to_gguf.py imports beyond the standard library (gguf-py comes with the sources);
+# it also imports sentencepiece for a Llama checkpoint before it looks for a tokenizer.model: see
+# sentencepiece_stub
 CONVERT_DEPS = ("torch", "numpy", "transformers", "safetensors")
+
+_STUB = '''"""Stand-in written by fdx bench peers: sentencepiece is not installed.
+
+convert_hf_to_gguf.py imports SentencePieceProcessor for a Llama checkpoint
+before it checks for a tokenizer.model; fdx's random checkpoints have none
+(their tokenizer.json is byte-level BPE), so the converter moves on to it.
+Installing sentencepiece makes this stub unused."""
+
+
+class SentencePieceProcessor:
+    def __init__(self, *args, **kwargs):
+        raise ImportError("sentencepiece is not installed (fdx bench peers' stand-in)")
+'''
 
 
 def missing_convert_deps(python: str = sys.executable) -> list[str]:
@@ -249,8 +264,21 @@ def convert_command(src_dir: Path, hf_dir: Path, out: Path, outtype: str = "f16"
             "--outtype", outtype]
 
 
-def convert_env() -> dict:
+def sentencepiece_stub(where: Path, python: str = sys.executable) -> Path | None:
+    """A folder holding a stand-in sentencepiece module when python has none (else None)."""
+    r = subprocess.run([python, "-c", "import importlib.util as u; print(u.find_spec('sentencepiece') is None)"],
+                       capture_output=True, text=True)
+    if r.stdout.strip() != "True":
+        return None
+    (where / "sentencepiece").mkdir(parents=True, exist_ok=True)
+    (where / "sentencepiece" / "__init__.py").write_text(_STUB)
+    return where
+
+
+def convert_env(stub: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    if stub is not None:
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (str(stub), env.get("PYTHONPATH")) if x)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["HF_HUB_OFFLINE"] = "1"                     # nothing is downloaded
     env["TRANSFORMERS_OFFLINE"] = "1"
