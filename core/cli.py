@@ -253,10 +253,21 @@ def _bench_peers(argv: list[str]) -> int:
     return tool.main(argv)
 
 
+def _peers_argv(argv: list[str]) -> list[str] | None:
+    """The tool's arguments when the command is ``fdx [-q] [--log-level L] bench peers ...``, else None."""
+    for i in range(len(argv) - 1):
+        if argv[i:i + 2] == ["bench", "peers"]:
+            lead = argv[:i]
+            if all(a.startswith("-") or (j and lead[j - 1] == "--log-level") for j, a in enumerate(lead)):
+                return lead + argv[i + 2:]
+            return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:2] == ["bench", "peers"]:
-        return _bench_peers(argv[2:])
+    if (peers_argv := _peers_argv(argv)) is not None:
+        return _bench_peers(peers_argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     level = log_level(args)

@@ -548,3 +548,14 @@ def test_end_to_end_on_the_135m_shape_in_q4_0(tmp_path):
         assert t["prefill"][side]["prompt_tps"] > 0 and t["prefill"][side]["peak_rss_mb"] > 0
         assert t["batches"][0][side]["decode_tps"] > 0
     assert "random weights of the smollm2-135m shape" in report["source"]
+
+
+def test_the_cli_hands_fdx_bench_peers_its_own_arguments():
+    from fdx.core.cli import _peers_argv
+    assert _peers_argv(["bench", "peers", "--quant", "Q4_0"]) == ["--quant", "Q4_0"]
+    assert _peers_argv(["-q", "bench", "peers", "-m", "x.gguf"]) == ["-q", "-m", "x.gguf"]
+    assert _peers_argv(["--log-level", "debug", "bench", "peers"]) == ["--log-level", "debug"]
+    assert _peers_argv(["generate", "bench", "peers"]) is None          # a prompt that says "bench peers"
+    assert _peers_argv(["bench", "throughput"]) is None
+    args = peers.build_parser().parse_args(["-q", "--log-level", "debug", "--shape", "qwen2.5-0.5b"])
+    assert args.quiet and args.log_level == "debug" and args.shape == "qwen2.5-0.5b"
