@@ -500,10 +500,17 @@ def test_tables_with_ik_and_prefill_against_a_recompute():
 
 @pytest.mark.slow
 def test_peak_resident_memory_of_a_run_is_the_childs(tmp_path):
+    """The child's own peak, not this process's memory (which a forked child
+    counts until its exec): 300 MB held here, a child that holds nothing."""
+    held = np.ones(300 * 2 ** 20 // 8)
+    rc, out, err, rss = peers.run_measured([sys.executable, "-c", "print(1)"], tmp_path / "y.log")
+    assert rc == 0 and out.strip() == "1" and rss < 100 and held[-1] == 1.0
     code = "import numpy as np; a = np.ones(300 * 2**20 // 8); print(a.sum())"
     rc, out, err, rss = peers.run_measured([sys.executable, "-c", code], tmp_path / "x.log")
     assert rc == 0 and float(out) == 300 * 2 ** 20 // 8
     assert 300 < rss < 2000
+    rc, _, err, _ = peers.run_measured([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "z.log")
+    assert rc == 3
     assert (tmp_path / "x.log").read_text().startswith(f"$ {sys.executable} -c ")
 
 

@@ -517,26 +517,48 @@ def _tail(text: str) -> str:
     return (said or lines or ["no output"])[-1]
 
 
+# Runs the command given after it and writes its peak resident KiB to the file
+# given first. A child forked from this tool would count the tool's own memory
+# (Paddle, from the sgemm probe) until its exec; this small interpreter spawns
+# it with posix_spawn (vfork: the child shares the wrapper's ~10 MB until exec).
+_RSS_WRAPPER = """import os, sys
+out, cmd = sys.argv[1], sys.argv[2:]
+pid = os.posix_spawnp(cmd[0], cmd, os.environ)
+_, status, usage = os.wait4(pid, 0)
+with open(out, "w") as f:
+    f.write(str(usage.ru_maxrss))
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
 def run_measured(cmd: list[str], log_path: Path, env: dict | None = None) -> tuple[int, str, str, float]:
     """Run cmd to completion: (exit code, stdout, stderr, peak resident MB of
-    the process, from wait4's rusage); the command and its output go to log_path."""
+    its process, from wait4's rusage in a small wrapper); the command and its
+    output go to log_path."""
     out_path, err_path = log_path.with_suffix(".stdout"), log_path.with_suffix(".stderr")
+    rss_path = log_path.with_suffix(".maxrss")
+    rss_path.unlink(missing_ok=True)
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _RSS_WRAPPER, str(rss_path), *cmd],
+                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            rc = proc.wait()
         except BaseException:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
-        proc.returncode = os.waitstatus_to_exitcode(status)
     stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
     log_path.write_text(f"$ {' '.join(cmd)}\n{stdout}\n{stderr}")
     out_path.unlink()
     err_path.unlink()
-    return proc.returncode, stdout, stderr, usage.ru_maxrss / 1024       # Linux: ru_maxrss in KiB
+    try:
+        kib = float(rss_path.read_text())                      # Linux: ru_maxrss in KiB
+        rss_path.unlink()
+    except (OSError, ValueError):
+        kib = float("nan")
+    return rc, stdout, stderr, kib / 1024
 
 
 def parse_llama_bench_json(text: str, n_prompt: int) -> float:
