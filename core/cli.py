@@ -13,7 +13,6 @@ from fdx.core.bench import guided as bench_guided
 from fdx.core.serving import router as router_cli
 from fdx.core.bench import prefix as bench_prefix
 from fdx.core.bench import soak as bench_soak
-from fdx.core.bench import peers as bench_peers
 from fdx.core.bench import defaults as bench_defaults
 from fdx.core.bench import perplexity as bench_perplexity
 from fdx.core.config import FLAT_KEYS, ConfigError
@@ -226,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_guided.add_parser(bsub)
     bench_serve.add_parser(bsub)
     bench_soak.add_parser(bsub)
-    bench_peers.add_parser(bsub)
+    bsub.add_parser("peers", add_help=False, help="fdx side by side with llama.cpp and ik_llama.cpp on this "
+                    "machine (a developer tool in scripts/bench_peers/; builds them once)"
+                    ).set_defaults(func=lambda args: _bench_peers([]))
     bench_defaults.add_parser(bsub)
     bench_perplexity.add_parser(bsub)
     for sp in _leaf_parsers(parser):          # every command takes --quiet and --log-level (README)
@@ -256,7 +257,32 @@ def log_level(args) -> str:
     return (level or ("warning" if quiet else "info")).upper()
 
 
+def _bench_peers(argv: list[str]) -> int:
+    """``fdx bench peers``: the tool in scripts/bench_peers/ parses its own arguments."""
+    from fdx.core.bench import PeersToolMissing, load_peers
+    try:
+        tool = load_peers()
+    except PeersToolMissing as e:
+        print(f"fdx bench peers: error: {e}", file=sys.stderr)
+        return 2
+    return tool.main(argv)
+
+
+def _peers_argv(argv: list[str]) -> list[str] | None:
+    """The tool's arguments when the command is ``fdx [-q] [--log-level L] bench peers ...``, else None."""
+    for i in range(len(argv) - 1):
+        if argv[i:i + 2] == ["bench", "peers"]:
+            lead = argv[:i]
+            if all(a.startswith("-") or (j and lead[j - 1] == "--log-level") for j, a in enumerate(lead)):
+                return lead + argv[i + 2:]
+            return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if (peers_argv := _peers_argv(argv)) is not None:
+        return _bench_peers(peers_argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     level = log_level(args)

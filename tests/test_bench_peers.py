@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdx.core.bench import peers
+from fdx.core.bench import load_peers
+
+peers = load_peers()                    # scripts/bench_peers/fdx_bench_peers.py, outside the runtime package
 
 DATA = Path(__file__).parent / "data"
 
@@ -138,10 +140,7 @@ def test_help_lists_every_default():
     out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    from fdx.core.cli import build_parser
-    bench = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
-                 if a.dest == "bench_cmd")
-    p = bench.choices["peers"]
+    p = peers.build_parser()
     flags = [a for a in p._actions if a.option_strings and a.dest != "help"]
     assert len(flags) >= 12
     for a in flags:
@@ -341,3 +340,229 @@ def test_the_table_has_a_section_per_type():
     for t, line in zip(types, rows):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[4]) == pytest.approx(t["batches"][1]["llama"]["decode_tps"], abs=0.05)
+
+
+# -- --shape: random-weight checkpoints of named real shapes ------------------------------------
+
+models = peers.peer_models
+
+# the parameter counts the models' cards publish
+PUBLISHED = {"smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "smollm2-1.7b": 1_711_376_384,
+             "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
+             "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824}
+
+
+def test_every_shape_has_the_published_parameter_count():
+    assert set(PUBLISHED) == set(models.SHAPES)
+    for name, sh in models.SHAPES.items():
+        assert sh.num_parameters() == PUBLISHED[name], name
+    with pytest.raises(ValueError, match="--shape 'gpt-5'.*smollm2-135m"):
+        models.shape("gpt-5")
+
+
+@pytest.mark.slow
+def test_every_shape_is_the_model_transformers_builds_from_its_config():
+    """Each shape's tensors (names and [out, in] shapes) are the parameters of the
+    model transformers builds from the written config.json (on the meta device:
+    no memory)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    for name, sh in models.SHAPES.items():
+        cfg = transformers.AutoConfig.for_model(**sh.config())
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        assert type(model).__name__ == sh.architecture
+        assert {k: tuple(v.shape) for k, v in model.named_parameters()} == dict(sh.tensors()), name
+
+
+def _tiny(**kw) -> "models.Shape":
+    return models.Shape("Qwen2ForCausalLM", "qwen2", 64, 96, 2, 4, 2, 300, 1e6, 1e-6, 128,
+                        attention_bias=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_the_safetensors_file_holds_the_seeded_values(tmp_path, dtype, monkeypatch):
+    """Written in pieces (a piece smaller than a tensor here), read back with
+    safetensors, equal to the values rounded by torch (bf16) or numpy (f16)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+    monkeypatch.setattr(models, "_CHUNK", 1000)
+    sh = _tiny()
+    path = models.write_safetensors(tmp_path / "model.safetensors", sh, seed=3, dtype=dtype)
+    got = load_file(str(path))
+    assert set(got) == {n for n, _ in sh.tensors()}
+    for name, s in sh.tensors():
+        ref = torch.from_numpy(models.tensor_values(3, name, s).reshape(s))
+        want = ref.to(torch.bfloat16) if dtype == "bf16" else torch.from_numpy(ref.numpy().astype(np.float16))
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    norms = [n for n, _ in sh.tensors() if n.endswith("norm.weight")]
+    assert all(bool((got[n] == 1).all()) for n in norms)
+    w = got["model.layers.1.mlp.down_proj.weight"].float()
+    assert abs(float(w.std()) - 0.02) < 0.002                  # normal(0, 0.02)
+    other = models.tensor_values(4, "model.layers.1.mlp.down_proj.weight", (64, 96))
+    assert not np.array_equal(other, models.tensor_values(3, "model.layers.1.mlp.down_proj.weight", (64, 96)))
+    with pytest.raises(ValueError, match="--shape-dtype"):
+        models.write_safetensors(tmp_path / "x.safetensors", sh, dtype="f32")
+
+
+# -- the command lines each side runs ------------------------------------------------------------
+
+def test_command_lines_of_each_side():
+    m, b = Path("/m/x.Q4_0.gguf"), Path("/b/llama-bench")
+    assert peers.llama_bench_command(b, m, 512, 2, 3) == [
+        "/b/llama-bench", "-m", "/m/x.Q4_0.gguf", "-p", "512", "-n", "0", "-t", "2", "-r", "3", "-o", "json"]
+    assert peers.llama_bench_command(b, m, 512, 2, 3, ik=True)[-2:] == ["-rtr", "1"]
+    bb = peers.batched_bench_command(Path("/b/llama-batched-bench"), m, 8, 128, 128, 2)
+    assert bb == ["/b/llama-batched-bench", "-m", "/m/x.Q4_0.gguf", "-npp", "128", "-ntg", "128", "-npl", "8",
+                  "-t", "2", "-tb", "2", "-c", str(8 * 256)]
+    assert peers.batched_bench_command(Path("/b/x"), m, 1, 128, 128, 2, ik=True)[-1] == "-rtr"
+    fx = peers.fdx_throughput_command(m, 1, 512, 1, 2, ["--quantization", "auto"])
+    assert fx[:3] == [sys.executable, "-m", "fdx.core.cli"]
+    i = fx.index("throughput")
+    assert fx[i + 1:] == ["--model", "/m/x.Q4_0.gguf", "--num-requests", "1", "--input-len", "512",
+                          "--output-len", "1", "--json", "--quiet", "--num-threads", "2", "--quantization", "auto"]
+    assert peers.fdx_throughput_command(m, 65, 8, 8, 2, [])[-2:] == ["--max-num-seqs", "65"]
+    src, hf, out = Path("/s"), Path("/h"), Path("/o.gguf")
+    assert models.convert_command(src, hf, out, "bf16")[1:] == ["/s/convert_hf_to_gguf.py", "/h", "--outfile",
+                                                                  "/o.gguf", "--outtype", "bf16"]
+    env = models.convert_env(Path("/stub"))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == "/stub" and env["HF_HUB_OFFLINE"] == "1"
+    assert "NO_LOCAL_GGUF" not in env                             # the sources' own gguf-py
+
+
+def test_the_rotation_runs_each_side_first_in_turn():
+    sides = ["llama.cpp", "fdx", "ik"]
+    firsts = [peers._alternate(i, sides)[0] for i in range(6)]
+    assert firsts == sides + sides
+    assert all(sorted(peers._alternate(i, sides)) == sorted(sides) for i in range(6))
+
+
+def test_ik_source_is_checked_and_never_cloned(tmp_path, monkeypatch):
+    monkeypatch.delenv(peers.IK_ENV, raising=False)
+    assert peers.ik_source(None) is None
+    with pytest.raises(peers.PeerError, match="--ik-llama-src .*not an ik_llama.cpp source tree"):
+        peers.ik_source(str(tmp_path))
+    (tmp_path / "ggml" / "src").mkdir(parents=True)
+    (tmp_path / "CMakeLists.txt").write_text("")
+    monkeypatch.setenv(peers.IK_ENV, str(tmp_path))
+    assert peers.ik_source(None) == tmp_path
+    assert peers.ik_dir(tmp_path, tmp_path).parent == tmp_path / "peers"
+    assert peers.ik_dir(tmp_path, tmp_path) != peers.ik_dir(tmp_path / "ggml", tmp_path)
+
+
+def test_llama_bench_json_is_read_for_its_prompt_test():
+    """tests/data/llama_bench_pp64.json is what llama-bench -p 64 -n 0 -r 2 -o json
+    printed here; its avg_ts agrees with its own samples."""
+    text = (DATA / "llama_bench_pp64.json").read_text()
+    rows = json.loads(text)
+    row = next(r for r in rows if r["n_prompt"] == 64 and r["n_gen"] == 0)
+    got = peers.parse_llama_bench_json("noise before\n" + text, 64)
+    assert got == row["avg_ts"]
+    assert got == pytest.approx(sum(row["samples_ts"]) / len(row["samples_ts"]), rel=1e-6)
+    with pytest.raises(peers.PeerError, match="no pp512 result"):
+        peers.parse_llama_bench_json(text, 512)
+    with pytest.raises(peers.PeerError, match="no pp64 result"):
+        peers.parse_llama_bench_json("error: failed to load model", 64)
+
+
+def test_tables_with_ik_and_prefill_against_a_recompute():
+    rng = np.random.default_rng(11)
+
+    def side():
+        return {**_figures(rng), "peak_rss_mb": float(rng.uniform(100, 900))}
+    rows = [peers.batch_row(b, side(), side(), side()) for b in (1, 32)]
+    pre = peers.prefill_row(512, side(), side(), side())
+    assert pre["ratio"] == pytest.approx(pre["fdx"]["prompt_tps"] / pre["llama"]["prompt_tps"])
+    assert pre["ratio_ik"] == pytest.approx(pre["fdx"]["prompt_tps"] / pre["ik"]["prompt_tps"])
+    machine = {"cpu": "c", "cores": 2, "threads": 2, "sgemm_gflops": 1.0, "memory_read_gbps": 1.0,
+               "simd": ["avx2", "fma"]}
+    table = peers.format_table({"input_len": 8, "output_len": 8, "machine": machine, "ik_llama_cpp": "/ik",
+                                "types": [{"type": "Q4_0", "model": "m", "prefill": pre, "batches": rows}],
+                                "source": "random weights"})
+    assert "machine: c [avx2 fma], 2 cores" in table and "files: random weights" in table
+    lines = table.splitlines()
+    ik_line = next(x for x in lines if x.startswith("| ik_llama.cpp -rtr |"))
+    cells = [c.strip() for c in ik_line.strip("|").split("|")]
+    assert float(cells[1]) == pytest.approx(pre["ik"]["prompt_tps"], abs=0.05)
+    assert float(cells[2].rstrip("x")) == pytest.approx(pre["ratio_ik"], abs=0.005)
+    assert float(cells[3]) == pytest.approx(pre["ik"]["peak_rss_mb"], abs=0.5)
+    for row in rows:
+        line = next(x for x in lines if x.startswith(f"| {row['batch']} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for j, k in ((1, "prompt_tps"), (6, "decode_tps"), (11, "all_tps")):
+            assert float(cells[j]) == pytest.approx(row["llama"][k], abs=0.05)
+            assert float(cells[j + 1]) == pytest.approx(row["ik"][k], abs=0.05)
+            assert float(cells[j + 2]) == pytest.approx(row["fdx"][k], abs=0.05)
+            assert float(cells[j + 3].rstrip("x")) == pytest.approx(row["fdx"][k] / row["llama"][k], abs=0.005)
+            assert float(cells[j + 4].rstrip("x")) == pytest.approx(row["fdx"][k] / row["ik"][k], abs=0.005)
+        assert cells[16] == " / ".join(f"{row[s]['peak_rss_mb']:.0f}" for s in ("llama", "ik", "fdx"))
+
+
+@pytest.mark.slow
+def test_peak_resident_memory_of_a_run_is_the_childs(tmp_path):
+    """The child's own peak, not this process's memory (which a forked child
+    counts until its exec): 300 MB held here, a child that holds nothing."""
+    held = np.ones(300 * 2 ** 20 // 8)
+    rc, out, err, rss = peers.run_measured([sys.executable, "-c", "print(1)"], tmp_path / "y.log")
+    assert rc == 0 and out.strip() == "1" and rss < 100 and held[-1] == 1.0
+    code = "import numpy as np; a = np.ones(300 * 2**20 // 8); print(a.sum())"
+    rc, out, err, rss = peers.run_measured([sys.executable, "-c", code], tmp_path / "x.log")
+    assert rc == 0 and float(out) == 300 * 2 ** 20 // 8
+    assert 300 < rss < 2000
+    rc, _, err, _ = peers.run_measured([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "z.log")
+    assert rc == 3
+    assert (tmp_path / "x.log").read_text().startswith(f"$ {sys.executable} -c ")
+
+
+@pytest.mark.slow
+def test_the_tool_missing_is_one_line_saying_where_to_get_it(tmp_path):
+    env = dict(os.environ, FDX_PEERS_TOOL=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--help"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("fdx bench peers: error: fdx bench peers is a developer tool kept in the "
+                                 "source tree (scripts/bench_peers/)")
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def _built_peers() -> Path | None:
+    """The cached llama.cpp build of this machine, if one was made (FDX_PEERS_CACHE, else the default)."""
+    d = peers.peer_dir()
+    return d if (d / "build.ok").is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_built_peers() is None, reason="llama.cpp is not built in the peers cache "
+                                                  "(fdx bench peers builds it; set FDX_PEERS_CACHE)")
+def test_end_to_end_on_the_135m_shape_in_q4_0(tmp_path):
+    """The whole command on the smallest shape, Q4_0, tiny lengths: the
+    checkpoint is written, converted by convert_hf_to_gguf.py (its tokenizer
+    recognized as SmolLM2's), quantized, and both sides report figures."""
+    cache = os.environ.get("FDX_PEERS_CACHE") or str(peers.peers_root())
+    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--shape", "smollm2-135m",
+                          "--quant", "Q4_0", "--batch-sizes", "1", "--input-len", "16", "--output-len", "4",
+                          "--prefill-len", "32", "--skip-serve", "--json", "--quiet", "--cache-dir", cache],
+                         capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    (t,) = report["types"]
+    assert t["type"] == "Q4_0" and peers.gguf_file_type(Path(t["model"])) == peers._FILE_TYPES["Q4_0"]
+    from fdx.core.checkpoint.gguf_file import read_gguf
+    fields = read_gguf(Path(t["model"])).fields
+    assert fields["tokenizer.ggml.pre"].contents() == "smollm"
+    assert fields["llama.block_count"].contents() == 30
+    for side in ("llama", "fdx"):
+        assert t["prefill"][side]["prompt_tps"] > 0 and t["prefill"][side]["peak_rss_mb"] > 0
+        assert t["batches"][0][side]["decode_tps"] > 0
+    assert "random weights of the smollm2-135m shape" in report["source"]
+
+
+def test_the_cli_hands_fdx_bench_peers_its_own_arguments():
+    from fdx.core.cli import _peers_argv
+    assert _peers_argv(["bench", "peers", "--quant", "Q4_0"]) == ["--quant", "Q4_0"]
+    assert _peers_argv(["-q", "bench", "peers", "-m", "x.gguf"]) == ["-q", "-m", "x.gguf"]
+    assert _peers_argv(["--log-level", "debug", "bench", "peers"]) == ["--log-level", "debug"]
+    assert _peers_argv(["generate", "bench", "peers"]) is None          # a prompt that says "bench peers"
+    assert _peers_argv(["bench", "throughput"]) is None
+    args = peers.build_parser().parse_args(["-q", "--log-level", "debug", "--shape", "qwen2.5-0.5b"])
+    assert args.quiet and args.log_level == "debug" and args.shape == "qwen2.5-0.5b"

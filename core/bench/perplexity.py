@@ -132,9 +132,10 @@ def cmd(args) -> int:
     r = perplexity(llm, ids, args.ctx, args.chunks, bos)
     r["text"] = text_path
     if args.llama_cpp:                     # the same file, text and chunking through llama.cpp
-        from fdx.core.bench.peers import build_llama_cpp
+        from fdx.core.bench import load_peers
         from fdx.core.checkpoint.loader import check_model_path
-        binary = build_llama_cpp(args.llama_sdist)["llama-perplexity"]
+        binary = load_peers().build_llama_cpp(args.llama_sdist, targets=("llama-perplexity",))
+        binary = binary["llama-perplexity"]
         r["llama.cpp"] = llama_perplexity(str(binary), str(check_model_path(args.model)), text_path, args.ctx,
                                           r["chunks"], args.num_threads)
     print(json.dumps(r, indent=2) if args.json else format_perplexity(r))
