@@ -130,13 +130,13 @@ class Assembly:
                     raise ConfigError(f"config key 'plugins.{kind}.{name}' must be a mapping of settings")
                 self._settings.setdefault(kind, {})[name] = plugin_settings(
                     kind, name, kinds[kind][name].obj, value)
-                rm = self.config.scheduler.resource_manager
+                rm = self.config.scheduler.kv_scheduler
                 if kind == "resource_manager" and value and name != rm:   # e.g. --kv-cache-ratio under v1
                     raise ConfigError(f"config key 'plugins.{kind}.{name}.{next(iter(value))}': a setting of the "
-                                      f"{name} KV scheduler, but scheduler.resource_manager is {rm}: it would do "
+                                      f"{name} KV scheduler, but scheduler.kv_scheduler is {rm}: it would do "
                                       f"nothing (--kv-cache-ratio is v0's: its prefill-first steps split the "
                                       f"blocks between prompts and decodes; v1 mixes them in one step and has "
-                                      f"no such share); set --resource-manager {name} or drop it")
+                                      f"no such share); set --kv-scheduler {name} or drop it")
 
     @staticmethod
     def make(kind: str, name: str, cls, *args, **kwargs):
