@@ -11,6 +11,8 @@ dispatch (fdx.ops.dense.matmul): the compiled product below f32_blas_min_rows
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import paddle
 import pytest
@@ -118,9 +120,15 @@ def test_the_dense_product_takes_the_compiled_kernel_below_the_threshold(monkeyp
     with kernels.using(kernels.REFERENCE):
         assert_product(dense.matmul(paddle.to_tensor(x[:1]), wt).numpy(), x[:1], w, "reference table")
     assert ran == [1, limit - 1]
+    # backend.batch_invariant: the compiled product at every row count (MKL's order depends on the rows)
+    with kernels.using(dataclasses.replace(table, batch_invariant=True)):
+        for m in (limit, limit + 1):
+            assert_product(dense.matmul(paddle.to_tensor(x[:m]), wt).numpy(), x[:m], w, f"{m} rows, invariant")
+    assert ran == [1, limit - 1, limit, limit + 1]
 
 
 @pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads(variant):
     """Issue 40 item 4: a row of a product of M rows is, bitwise, the row computed alone
     on one thread, at every M (one-row passes, 4-row passes, register tiles, copied
     panels) and on 1, 2 and 3 threads, for a narrow, a wide (LM-head-like) and a tall weight."""
