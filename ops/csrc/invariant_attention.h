@@ -111,8 +111,10 @@ struct Kernel {
   // One part [k0, k0 + kPartKeys) for tokens [t0, t0 + tq) of sequence s, kv head h, whose
   // scaled queries are qs (row r = t * G + g): for each row that sees key k0, from row r0
   // (returned), its maximum pm[r - r0], sum pl[r - r0] and unnormalized P.V pacc + (r - r0) * D.
+  // chained: the parts of these rows run in order in this call's thread (Tile), so each
+  // part fetches the next one's K and V rows ahead while it computes.
   static int64_t Part(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, int64_t k0, const float* qs,
-                      Scratch& w, float* pm, float* pl, float* pacc) {
+                      Scratch& w, float* pm, float* pl, float* pacc, bool chained) {
     const int64_t G = a.group, D = a.head_dim;
     const int64_t first_pos = a.seq_info[s * 4 + 2] + t0;  // the tile's first token's position
     const int64_t last = first_pos + tq - 1;
@@ -120,10 +122,20 @@ struct Kernel {
     const int64_t t_first = std::max<int64_t>(0, k0 - first_pos);
     const float* kbase = a.k + h * a.num_slots * D;
     const float* vbase = a.v + h * a.num_slots * D;
-    w.keys.resize(kPartKeys);
+    w.keys.resize(2 * kPartKeys);
     int64_t* keys = w.keys.data();
-    KeyRows(a, s, k0, nk, keys);
-    for (int64_t j = 0; j < nk; ++j) PrefetchRow(vbase + keys[j] * D, D);
+    if (!chained || k0 == 0) {  // else the previous part of this decode row fetched them (below)
+      KeyRows(a, s, k0, nk, keys);
+      for (int64_t j = 0; j < nk; ++j) PrefetchRow(kbase + keys[j] * D, D), PrefetchRow(vbase + keys[j] * D, D);
+    } else {
+      std::memcpy(keys, keys + kPartKeys, nk * sizeof(int64_t));
+    }
+    if (chained && k0 + kPartKeys <= last) {  // the next part, fetched while this one computes
+      int64_t* ahead = keys + kPartKeys;
+      const int64_t na = std::min(kPartKeys, last + 1 - k0 - kPartKeys);
+      KeyRows(a, s, k0 + kPartKeys, na, ahead);
+      for (int64_t j = 0; j < na; ++j) PrefetchRow(kbase + ahead[j] * D, D), PrefetchRow(vbase + ahead[j] * D, D);
+    }
     w.p.resize(tq * G * kPartKeys);
     float* p = w.p.data();
     for (int64_t t = t_first; t < tq; ++t) {
@@ -169,7 +181,7 @@ struct Kernel {
     float* sl = sm + rows;
     float* so = sl + rows;
     for (int64_t k0 = 0; k0 < num_keys; k0 += kPartKeys) {
-      const int64_t r0 = Part(a, s, h, t0, tq, k0, w.q.data(), w, pm, pl, pacc);
+      const int64_t r0 = Part(a, s, h, t0, tq, k0, w.q.data(), w, pm, pl, pacc, true);
       for (int64_t r = r0; r < rows; ++r) {
         const int64_t i = r - r0;
         if (k0 == 0) {
@@ -190,7 +202,7 @@ struct Kernel {
     const int64_t G = a.group, D = a.head_dim;
     w.q.resize(G * D);
     ScaledRows(a, s, h, 0, 1, w.q.data());
-    Part(a, s, h, 0, 1, p * kPartKeys, w.q.data(), w, out + G * D, out + G * D + G, out);
+    Part(a, s, h, 0, 1, p * kPartKeys, w.q.data(), w, out + G * D, out + G * D + G, out, false);
   }
 
   static void Run(const Args& a, int64_t S, int64_t KVH, int threads) {
