@@ -79,6 +79,8 @@ class BackendConfig(_Section):
     name: str = "auto"                         # device backend plugin name, or auto
     num_threads: int | None = Field(None, gt=0)   # CPU threads; None: cores available
     model_runner: str | None = None            # model runner plugin name; None: the backend's choice
+    batch_invariant: bool = False              # a row's bits independent of the rest of the step
+                                               # (compiled kernels; docs/backends.md "Batch invariance")
 
 
 class ParallelConfig(_Section):

@@ -148,6 +148,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="deprecated: = --kv-scheduler (scheduler.kv_scheduler; logs a warning)")
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False,
                    default=None, help="run each prompt in one step (default: chunked prefill on)")
+    p.add_argument("--batch-invariant", dest="batch_invariant", action="store_const", const=True, default=None,
+                   help="a request's logits bitwise the same whatever shares its steps, at a measured cost "
+                        "(backend.batch_invariant; docs/backends.md; default: off)")
     # vLLM's and FastDeploy's names for the same settings (docs/migrating.md)
     p.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=True,
                    help="vLLM/FastDeploy: chunked prefill on (default: on)")
@@ -264,7 +267,7 @@ def _lora_modules(items: list[str]) -> dict[str, str]:
 def _overrides(args) -> dict:
     check_foreign_flags(args)
     out = {}
-    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "resource_manager", "enable_chunked_prefill", "model_runner",
+    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "resource_manager", "enable_chunked_prefill", "batch_invariant", "model_runner",
             "enable_lora", "max_loras", "max_lora_rank",
             *(key for key, _, _ in _ALIAS_FLAGS.values()))
     for key in keys:

@@ -45,6 +45,8 @@ class KernelTable:
     source: str = "none"
     seconds: float = 0.0
     location: str = ""                 # where the findings are cached, if anywhere
+    batch_invariant: bool = False      # backend.batch_invariant: the ops take the kernels whose
+                                       # per-row bits do not depend on the batch (docs/backends.md)
 
     def __iter__(self):
         return iter(self.findings)

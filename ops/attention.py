@@ -444,5 +444,5 @@ def _cpp_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -
     group = meta.cpp
     return cpp.paged_attention(
         q, k_cache, v_cache, group.seq_info, group.block_tables, scale, meta.num_kv_heads, meta.block_size,
-        group.num_tokens,
+        group.num_tokens, kernels.active().batch_invariant,
     )

@@ -56,11 +56,13 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
-            _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h"]
+            _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h",
+            _CSRC / "invariant_attention.h", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _CFLAGS = [
     "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
-    # let dot-product reductions reassociate (vector horizontal sums); no -ffinite-math-only
-    "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+    # no -fassociative-math: every sum keeps the order the source writes, so a row's bits
+    # do not depend on the code an inlined kernel lands in (issue 40 item 4); no -ffinite-math-only
+    "-fno-signed-zeros", "-fno-trapping-math",
 ]
 
 
@@ -285,14 +287,16 @@ def paged_attention(
     num_kv_heads: int,
     block_size: int,
     num_out_tokens: int,
+    invariant: bool = False,
 ) -> paddle.Tensor:
-    """The kernel behind fdx.ops.attention's "cpp" path (see csrc/paged_attention_kernel.h)."""
+    """The kernel behind fdx.ops.attention's "cpp" path (see csrc/paged_attention_kernel.h);
+    ``invariant``: the batch-invariant kernel (csrc/invariant_attention.h)."""
     module = _module_or_raise()
     if not q.is_contiguous():
         q = q.contiguous()
     return module.fdx_paged_attention(
         q, k_cache, v_cache, seq_info, block_tables, float(scale), int(num_kv_heads), int(block_size),
-        int(num_out_tokens),
+        int(num_out_tokens), bool(invariant),
     )
 
 
@@ -550,6 +554,7 @@ def decoder_layer(
     biases: tuple = (None, None, None, None),
     q_norm: paddle.Tensor | None = None,
     k_norm: paddle.Tensor | None = None,
+    invariant: bool = False,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(MLP output, residual) of one pre-norm Llama layer: x [N, hidden]
     (plus ``residual``, or None for the first layer) through norm, q/k/v
@@ -562,7 +567,7 @@ def decoder_layer(
     fdx.ops.quant.QuantizedTensor of DECODER_LAYER_KINDS or a float32
     [in, out] tensor; ``variants``: the build ("avx2", ...) of each part, in
     the same nesting; ``biases``: each weight's [rows] bias or None. Float
-    tensors float32."""
+    tensors float32. ``invariant``: the batch-invariant attention."""
     module = _module_or_raise()
     counts: list[int] = []
     info: list[int] = []
@@ -578,7 +583,7 @@ def decoder_layer(
     return module.fdx_decoder_layer(
         _rows(x), residual, input_norm, post_norm, tensors, positions, slots,
         k_cache, v_cache, cos, sin, seq_info, block_tables, counts + info + flags, int(num_heads), int(num_kv_heads),
-        int(rotary_dim), int(block_size), bool(neox), float(eps), float(scale))
+        int(rotary_dim), int(block_size), bool(neox), float(eps), float(scale), bool(invariant))
 
 
 def _part_info(w, variant: str) -> list[int]:
@@ -614,10 +619,33 @@ class _StackStep(ctypes.Structure):
                [(n, ctypes.c_int64) for n in ("num_layers", "N", "hidden", "num_seqs", "table_width", "num_heads",
                                               "num_kv_heads", "head_dim", "rotary_dim", "block_size", "num_slots",
                                               "max_pos", "neox")] + \
-               [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("invariant", ctypes.c_int64)]
 
 
 _stack_fn = None
+
+
+def _layout(struct) -> list[str]:
+    """``struct``'s size and each field's offset and size, as ctypes lays them out, in the
+    lines fdx_stack_layout (csrc/fdx_ops.cc) writes for the C struct of the same name."""
+    name = "Fdx" + struct.__name__.lstrip("_")
+    return [f"{name} {ctypes.sizeof(struct)}"] + [
+        f"{name}.{field} {getattr(struct, field).offset} {getattr(struct, field).size}" for field, _ in struct._fields_]
+
+
+def check_stack_layout(library) -> None:
+    """Fail loudly when the ctypes mirrors _StackLayer / _StackStep differ from the C
+    structs FdxStackLayer / FdxStackStep: the library reports their sizes and every
+    field's name, offset and size (fdx_stack_layout), compared here with ctypes' own."""
+    fn = library.fdx_stack_layout
+    fn.argtypes = []
+    fn.restype = ctypes.c_char_p
+    got = fn().decode().splitlines()
+    want = _layout(_StackLayer) + _layout(_StackStep)
+    if got != want:
+        diff = sorted(set(got) ^ set(want))
+        raise RuntimeError("fdx compiled CPU ops: decoder_stack's struct layout differs between csrc/fdx_ops.cc "
+                           f"and ops/cpp.py's ctypes mirrors: {diff}")
 
 
 def _stack_function():
@@ -626,7 +654,9 @@ def _stack_function():
         _module_or_raise()
         if _library is None:
             raise RuntimeError("fdx compiled CPU ops: the extension's shared library was not found")
-        fn = ctypes.CDLL(str(_library)).fdx_decoder_stack
+        library = ctypes.CDLL(str(_library))
+        check_stack_layout(library)
+        fn = library.fdx_decoder_stack
         fn.argtypes = [ctypes.POINTER(_StackStep), ctypes.c_char_p, ctypes.c_int64]
         fn.restype = ctypes.c_int
         _stack_fn = fn
@@ -687,7 +717,7 @@ def stack_layers(layers: list, variants: list[list[list[str]]], kv_caches: list)
 
 @kernels.implements("cpp.decoder_layer")
 def decoder_stack(x: paddle.Tensor, table: StackLayers, positions: paddle.Tensor, slots: paddle.Tensor,
-                  seq_info: paddle.Tensor, block_tables: paddle.Tensor, block_size: int
+                  seq_info: paddle.Tensor, block_tables: paddle.Tensor, block_size: int, invariant: bool = False
                   ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(last MLP output, residual) of every layer in ``table`` over x [N,
     hidden] (the embedding), as ``decoder_layer`` one layer after the other
@@ -714,7 +744,8 @@ def decoder_stack(x: paddle.Tensor, table: StackLayers, positions: paddle.Tensor
         seq_info.data_ptr(), block_tables.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         ctypes.addressof(table.table), len(table.table), n, hidden, seq_info.shape[0], block_tables.shape[1],
         table.num_heads, table.num_kv_heads, table.head_dim, getattr(rope, "rotary_dim", table.head_dim),
-        int(block_size), table.num_slots, cos.shape[0], int(rope.is_neox_style), table.eps, table.scale)
+        int(block_size), table.num_slots, cos.shape[0], int(rope.is_neox_style), table.eps, table.scale,
+        int(invariant))
     err = ctypes.create_string_buffer(256)
     if fn(ctypes.byref(step), err, len(err)) != 0:
         raise ValueError(f"decoder_stack: {err.value.decode()}")

@@ -18,7 +18,9 @@ def matmul(x: Tensor, w: Tensor) -> Tensor:
     """``x [..., in] @ w [in, out]``."""
     rows = x.shape[0] if len(x.shape) == 2 else int(x.numel()) // x.shape[-1]
     if x.dtype == paddle.float32 and w.dtype == paddle.float32 and cpp.loaded() and rows >= cpp.F32_MIN_ROWS:
-        variant = cpp.f32_build(kernels.active())
-        if variant is not None and rows < cpp.f32_blas_min_rows(variant):
+        table = kernels.active()
+        variant = cpp.f32_build(table)
+        # backend.batch_invariant: the compiled product at every row count (MKL's order depends on the rows)
+        if variant is not None and (table.batch_invariant or rows < cpp.f32_blas_min_rows(variant)):
             return cpp.F32_MATMULS[variant](x, w)
     return paddle.matmul(x, w)

@@ -29,7 +29,9 @@ def _impl(x: paddle.Tensor, impl: str | None, cpp_name: str) -> str:
     if impl is None:
         table = kernels.active()
         fused = table.usable("fused_rms_norm")
-        if ((x.shape[0] >= CPP_MIN_ROWS or not fused) and table.usable(cpp_name) and cpp.loaded()
+        # backend.batch_invariant: the compiled kernel at every row count (the decoder layer's)
+        if ((x.shape[0] >= CPP_MIN_ROWS or not fused or table.batch_invariant) and table.usable(cpp_name)
+                and cpp.loaded()
                 and x.dtype == paddle.float32 and x.place.is_cpu_place()):
             return "cpp"
         return "fused" if fused else "reference"

@@ -282,3 +282,78 @@ def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkey
     assert all(len(set(v)) > 3 for v in on_tokens.values())       # real trajectories
     for a, b in zip(on_logits, off_logits):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_stack_structs_layout_is_checked_at_load(monkeypatch):
+    """decoder_stack's ctypes mirrors of FdxStackLayer / FdxStackStep are checked against
+    the names, sizes and offsets the library reports (fdx_stack_layout): equal as built,
+    and a mirror missing a field fails loudly instead of passing garbage to C."""
+    import ctypes
+    if not cpp.available():
+        pytest.skip(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    library = ctypes.CDLL(str(cpp._library))
+    cpp.check_stack_layout(library)
+
+    class _StackStep(ctypes.Structure):
+        _fields_ = cpp._StackStep._fields_[:-1]
+    monkeypatch.setattr(cpp, "_StackStep", _StackStep)
+    with pytest.raises(RuntimeError, match="struct layout differs"):
+        cpp.check_stack_layout(library)
+
+
+def _attention_case(specs, h=9, kvh=3, d=64, bs=16, num_blocks=240, seed=11):
+    """q for the rows of ``specs`` [(query_len, context_len)], caches, seq_info, tables (disjoint blocks)."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((kvh * num_blocks * bs, d)).astype(np.float32)
+    v = rng.standard_normal((kvh * num_blocks * bs, d)).astype(np.float32)
+    width = num_blocks // len(specs)
+    tables = rng.permutation(num_blocks)[:len(specs) * width].reshape(len(specs), width).astype(np.int32)
+    return k, v, tables
+
+
+def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16):
+    info, at = [], 0
+    for ql, cl in specs:
+        info.append([at, ql, cl, at])
+        at += ql
+    paddle.base.core.set_num_threads(threads)
+    try:
+        return cpp.paged_attention(t(q), t(k), t(v), paddle.to_tensor(np.array(info, np.int32)),
+                                   paddle.to_tensor(np.ascontiguousarray(tables)), 0.125, kvh, bs, at,
+                                   invariant=True).numpy()
+    finally:
+        paddle.base.core.set_num_threads(2)
+
+
+@pytest.mark.slow
+def test_invariant_attention_rows_do_not_depend_on_the_batch(impl):
+    """Issue 40 item 4: the batch-invariant attention (backend.batch_invariant) gives a
+    query row the same bits as a decode row, in a prefill of 64 tokens, in chunks of 7, in
+    a batch with other decodes and prefills, on 1 and 2 threads; and numpy's numbers."""
+    h, kvh, d, ctx = 9, 3, 64, 200
+    k, v, tables = _attention_case([None] * 4)
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((64, h, d)).astype(np.float32)
+    full = _invariant_attention(q, k, v, [(64, ctx)], tables[:1])
+    slots = np.array([tables[0][p // 16] * 16 + p % 16 for p in range(ctx + 64)])
+    g = h // kvh
+    for tok in (0, 31, 63):                  # numpy in float64, causal
+        for head in range(h):
+            kk = k[(head // g) * (k.shape[0] // kvh) + slots]
+            vv = v[(head // g) * (v.shape[0] // kvh) + slots]
+            sc = kk[:ctx + tok + 1].astype(np.float64) @ q[tok, head].astype(np.float64) * 0.125
+            p = np.exp(sc - sc.max())
+            np.testing.assert_allclose(full[tok, head], (p / p.sum()) @ vv[:ctx + tok + 1], rtol=1e-4, atol=1e-5)
+    for threads in (1, 2):
+        chunks = np.concatenate([_invariant_attention(q[i:i + 7], k, v, [(min(7, 64 - i), ctx + i)], tables[:1],
+                                                      threads) for i in range(0, 64, 7)])
+        assert np.array_equal(chunks, full), f"chunks of 7 on {threads} threads"
+        for tok in (0, 40, 63):
+            alone = _invariant_attention(q[tok:tok + 1], k, v, [(1, ctx + tok)], tables[:1], threads)
+            assert np.array_equal(alone[0], full[tok]), f"decode row {tok} on {threads} threads"
+            other = rng.standard_normal((1 + 1 + 30, h, d)).astype(np.float32)
+            batch = np.concatenate([other[:1], q[tok:tok + 1], other[1:]])
+            got = _invariant_attention(batch, k, v, [(1, 50), (1, ctx + tok), (1, 700), (30, 10)],
+                                       tables[[1, 0, 2, 3]], threads)
+            assert np.array_equal(got[1], full[tok]), f"row {tok} in a batch on {threads} threads"

@@ -11,6 +11,8 @@ dispatch (fdx.ops.dense.matmul): the compiled product below f32_blas_min_rows
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import paddle
 import pytest
@@ -118,3 +120,36 @@ def test_the_dense_product_takes_the_compiled_kernel_below_the_threshold(monkeyp
     with kernels.using(kernels.REFERENCE):
         assert_product(dense.matmul(paddle.to_tensor(x[:1]), wt).numpy(), x[:1], w, "reference table")
     assert ran == [1, limit - 1]
+    # backend.batch_invariant: the compiled product at every row count (MKL's order depends on the rows)
+    with kernels.using(dataclasses.replace(table, batch_invariant=True)):
+        for m in (limit, limit + 1):
+            assert_product(dense.matmul(paddle.to_tensor(x[:m]), wt).numpy(), x[:m], w, f"{m} rows, invariant")
+    assert ran == [1, limit - 1, limit, limit + 1]
+
+
+@pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads(variant):
+    """Issue 40 item 4: a row of a product of M rows is, bitwise, the row computed alone
+    on one thread, at every M (one-row passes, 4-row passes, register tiles, copied
+    panels) and on 1, 2 and 3 threads, for a narrow, a wide (LM-head-like) and a tall weight."""
+    import ctypes
+    fn = f32_fn(variant)
+    omp_threads = ctypes.CDLL(str(cpp._library)).omp_get_max_threads
+    before = omp_threads()
+    try:
+        for k, n in ((576, 576), (576, 5000), (1536, 200), (40, 100)):
+            x, w = numpy_case(k, n, 512, seed=40)
+            wt = paddle.to_tensor(w)
+            paddle.base.core.set_num_threads(1)
+            alone = {i: fn(paddle.to_tensor(x[i:i + 1]), wt).numpy()[0] for i in (0, 5, 17, 129, 511)}
+            for threads in (1, 2, 3):
+                paddle.base.core.set_num_threads(threads)
+                for m in (1, 2, 7, 8, 16, 33, 130, 512):
+                    got = fn(paddle.to_tensor(x[:m]), wt).numpy()
+                    for i in alone:
+                        if i < m:
+                            assert np.array_equal(got[i], alone[i]), (
+                                f"{variant} {k}x{n}: row {i} of {m} on {threads} threads differs from it alone")
+            assert_product(got, x, w, f"{variant} {k}x{n} 512 rows")
+    finally:
+        paddle.base.core.set_num_threads(before)

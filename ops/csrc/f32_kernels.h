@@ -9,10 +9,11 @@
 // sits in L1, the output columns split over the OpenMP threads. For many rows a
 // BLAS sgemm wins (it blocks for registers and caches); the caller picks by M.
 //
-// Three builds of one source (f32_kernels.inc under #pragma GCC target, each in
-// a namespace of its own): `portable` (the compiler's flags), `avx2` (AVX2 +
-// FMA), `avx512` (AVX-512 F). Which runs is the caller's choice (the probed
-// kernel table), as for quant_kernels.h: a build this CPU lacks is never called.
+// Three builds of one source (f32_kernels.inc, each in a namespace of its own):
+// `portable` (the compiler's flags), included here; `avx2` (AVX2 + FMA) and `avx512`
+// (AVX-512 F), in the x86 translation units (isa_avx2.cc, isa_avx512.cc), declared
+// here, as for quant_kernels.h. Which runs is the caller's choice (the probed kernel
+// table): a build this CPU lacks is never called.
 #pragma once
 
 #include <omp.h>
@@ -31,39 +32,31 @@ constexpr int64_t kMinParallel = 1 << 16;
 
 }  // namespace fdx::f32
 
-#pragma GCC push_options
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(FDX_NO_X86)
+#define FDX_X86_BUILDS 1
+#endif
+
 #define FDX_F_NS portable
 #define FDX_F_SIMD 0
 #include "f32_kernels.inc"
 #undef FDX_F_NS
 #undef FDX_F_SIMD
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#define FDX_F_NS avx2
-#define FDX_F_SIMD 2
-#include "f32_kernels.inc"
-#undef FDX_F_NS
-#undef FDX_F_SIMD
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f")
-#define FDX_F_NS avx512
-#define FDX_F_SIMD 3
-#include "f32_kernels.inc"
-#undef FDX_F_NS
-#undef FDX_F_SIMD
-#pragma GCC pop_options
 
 namespace fdx::f32 {
+
+#ifdef FDX_X86_BUILDS
+// The x86 builds (isa_avx2.cc, isa_avx512.cc).
+void Avx2Matmul(const float* w, int64_t K, int64_t N, const float* x, int64_t M, float* out, int64_t ldo);
+void Avx512Matmul(const float* w, int64_t K, int64_t N, const float* x, int64_t M, float* out, int64_t ldo);
+#endif
 
 inline void Matmul(int variant, const float* w, int64_t K, int64_t N, const float* x, int64_t M, float* out,
                    int64_t ldo) {
   switch (variant) {
-    case kAvx512: avx512::Matmul(w, K, N, x, M, out, ldo); break;
-    case kAvx2: avx2::Matmul(w, K, N, x, M, out, ldo); break;
+#ifdef FDX_X86_BUILDS
+    case kAvx512: Avx512Matmul(w, K, N, x, M, out, ldo); break;
+    case kAvx2: Avx2Matmul(w, K, N, x, M, out, ldo); break;
+#endif
     default: portable::Matmul(w, K, N, x, M, out, ldo); break;
   }
 }

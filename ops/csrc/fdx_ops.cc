@@ -22,6 +22,7 @@
 // fdx_decoder_stack (a plain C function, called through ctypes): every layer of a step
 //   in one call, as fdx_decoder_layer one after another.
 // All inputs are contiguous float32 / int32 / int64 CPU tensors.
+#include <cstddef>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -50,7 +51,8 @@ std::vector<paddle::Tensor> PagedAttentionForward(const paddle::Tensor& q,
                                                   float scale,
                                                   int64_t num_kv_heads,
                                                   int64_t block_size,
-                                                  int64_t num_out_tokens) {
+                                                  int64_t num_out_tokens,
+                                                  bool invariant) {
   CheckFloat2d(q, "q");
   CheckFloat2d(k_cache, "k_cache");
   CheckFloat2d(v_cache, "v_cache");
@@ -77,7 +79,8 @@ std::vector<paddle::Tensor> PagedAttentionForward(const paddle::Tensor& q,
                     D,                        // head_dim
                     block_size,
                     k_cache.shape()[0] / num_kv_heads,  // num_slots
-                    scale};
+                    scale,
+                    invariant};
   fdx::PagedAttention(a, seq_info.shape()[0], num_kv_heads);
   return {out};
 }
@@ -90,7 +93,8 @@ std::vector<std::vector<int64_t>> PagedAttentionInferShape(const std::vector<int
                                                            float,
                                                            int64_t,
                                                            int64_t,
-                                                           int64_t num_out_tokens) {
+                                                           int64_t num_out_tokens,
+                                                           bool) {
   return {{num_out_tokens, q_shape[1], q_shape[2]}};
 }
 
@@ -105,7 +109,8 @@ std::vector<paddle::DataType> PagedAttentionInferDtype(const paddle::DataType& q
 PD_BUILD_OP(fdx_paged_attention)
     .Inputs({"Q", "KCache", "VCache", "SeqInfo", "BlockTables"})
     .Outputs({"Out"})
-    .Attrs({"scale: float", "num_kv_heads: int64_t", "block_size: int64_t", "num_out_tokens: int64_t"})
+    .Attrs({"scale: float", "num_kv_heads: int64_t", "block_size: int64_t", "num_out_tokens: int64_t",
+            "invariant: bool"})
     .SetKernelFn(PD_KERNEL(PagedAttentionForward))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionInferDtype));
@@ -472,7 +477,8 @@ std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
                                                 int64_t block_size,
                                                 bool neox,
                                                 float eps,
-                                                float scale) {
+                                                float scale,
+                                                bool invariant) {
   using namespace fdx::quant;
   for (auto [t, name] : {std::pair{&x, "x"}, {&input_norm, "input_norm"}, {&post_norm, "post_norm"},
                          {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&cos, "cos"}, {&sin, "sin"}})
@@ -597,7 +603,8 @@ std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
   a.attn = fdx::Args{nullptr,        k_cache.data<float>(),      v_cache.data<float>(), nullptr,
                      info,           block_tables.data<int32_t>(), block_tables.shape()[1],
                      num_heads,      num_heads / num_kv_heads,   D,
-                     block_size,     num_slots,                  scale};
+                     block_size,     num_slots,                  scale,
+                     invariant};
   a.num_seqs = S;
   a.hidden = hidden;
   a.intermediate = intermediate;
@@ -614,7 +621,7 @@ std::vector<std::vector<int64_t>> DecoderLayerInferShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t, int64_t,
-    int64_t, int64_t, bool, float, float) {
+    int64_t, int64_t, bool, float, float, bool) {
   return {x_shape, x_shape};
 }
 
@@ -631,7 +638,8 @@ PD_BUILD_OP(fdx_decoder_layer)
              "Slots", "KCache", "VCache", "Cos", "Sin", "SeqInfo", "BlockTables"})
     .Outputs({"Out", "ResidualOut"})
     .Attrs({"weight_info: std::vector<int64_t>", "num_heads: int64_t", "num_kv_heads: int64_t",
-            "rotary_dim: int64_t", "block_size: int64_t", "neox: bool", "eps: float", "scale: float"})
+            "rotary_dim: int64_t", "block_size: int64_t", "neox: bool", "eps: float", "scale: float",
+            "invariant: bool"})
     .SetKernelFn(PD_KERNEL(DecoderLayerForward))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayerInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderLayerInferDtype));
@@ -674,7 +682,41 @@ struct FdxStackStep {
   int64_t num_layers, N, hidden, num_seqs, table_width, num_heads, num_kv_heads, head_dim, rotary_dim,
       block_size, num_slots, max_pos, neox;
   float eps, scale;
+  int64_t invariant;  // the batch-invariant attention (backend.batch_invariant)
 };
+
+// The layout of the two structs above, for ops/cpp.py's check when it loads the library:
+// its ctypes mirrors must match field for field (a field added, moved or resized on one
+// side only fails loudly there, never reads garbage). One line a struct ("Name size") and
+// one a field ("Name.field offset size").
+const char* fdx_stack_layout() {
+  static const std::string text = [] {
+    std::string out;
+    auto line = [&out](const char* name, size_t a, size_t b) {
+      out += name;
+      out += " " + std::to_string(a) + (b ? " " + std::to_string(b) : std::string()) + "\n";
+    };
+#define FDX_FIELD(T, f) line(#T "." #f, offsetof(T, f), sizeof(static_cast<T*>(nullptr)->f))
+    line("FdxStackLayer", sizeof(FdxStackLayer), 0);
+    FDX_FIELD(FdxStackLayer, input_norm); FDX_FIELD(FdxStackLayer, post_norm); FDX_FIELD(FdxStackLayer, weights);
+    FDX_FIELD(FdxStackLayer, biases); FDX_FIELD(FdxStackLayer, q_norm); FDX_FIELD(FdxStackLayer, k_norm);
+    FDX_FIELD(FdxStackLayer, k_cache); FDX_FIELD(FdxStackLayer, v_cache); FDX_FIELD(FdxStackLayer, num_parts);
+    FDX_FIELD(FdxStackLayer, info);
+    line("FdxStackStep", sizeof(FdxStackStep), 0);
+    FDX_FIELD(FdxStackStep, x); FDX_FIELD(FdxStackStep, out); FDX_FIELD(FdxStackStep, residual);
+    FDX_FIELD(FdxStackStep, positions); FDX_FIELD(FdxStackStep, slots); FDX_FIELD(FdxStackStep, seq_info);
+    FDX_FIELD(FdxStackStep, tables); FDX_FIELD(FdxStackStep, cos); FDX_FIELD(FdxStackStep, sin);
+    FDX_FIELD(FdxStackStep, layers); FDX_FIELD(FdxStackStep, num_layers); FDX_FIELD(FdxStackStep, N);
+    FDX_FIELD(FdxStackStep, hidden); FDX_FIELD(FdxStackStep, num_seqs); FDX_FIELD(FdxStackStep, table_width);
+    FDX_FIELD(FdxStackStep, num_heads); FDX_FIELD(FdxStackStep, num_kv_heads); FDX_FIELD(FdxStackStep, head_dim);
+    FDX_FIELD(FdxStackStep, rotary_dim); FDX_FIELD(FdxStackStep, block_size); FDX_FIELD(FdxStackStep, num_slots);
+    FDX_FIELD(FdxStackStep, max_pos); FDX_FIELD(FdxStackStep, neox); FDX_FIELD(FdxStackStep, eps);
+    FDX_FIELD(FdxStackStep, scale); FDX_FIELD(FdxStackStep, invariant);
+#undef FDX_FIELD
+    return out;
+  }();
+  return text.c_str();
+}
 
 // 0, or -1 with a message in err (nothing was computed then).
 int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
@@ -727,7 +769,7 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
   a.rope = fdx::RopeArgs{nullptr, s->positions, s->slots, s->cos, s->sin, nullptr, nullptr, nullptr, nullptr,
                          nullptr, H, KVH, D, s->rotary_dim, s->num_slots, s->neox != 0, s->eps};
   a.attn = fdx::Args{nullptr, nullptr, nullptr, nullptr, s->seq_info, s->tables, s->table_width, H, H / KVH, D,
-                     s->block_size, s->num_slots, s->scale};
+                     s->block_size, s->num_slots, s->scale, s->invariant != 0};
   a.num_seqs = s->num_seqs;
   a.hidden = hidden;
   a.intermediate = intermediate;
@@ -774,3 +816,8 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
 }
 
 }  // extern "C"
+
+// The x86 builds (AVX2, AVX-512) of inv's kernels: files of their own, empty off x86 or
+// with FDX_NO_X86. Included here so that the extension links one source (ops/cpp.py).
+#include "isa_avx2.cc"
+#include "isa_avx512.cc"

@@ -57,24 +57,32 @@ inline void SiluAndMul(const float* x, float* out, int64_t N, int64_t I) {
   }
 }
 
+// sum of x[i]^2: 8 lanes (x[i] in lane i % 8, a multiply-add chain each), the lanes
+// summed ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), the n % 8 tail after in order: one
+// order for a row wherever it lies and however many rows share the call (issue 40 item 4).
+inline float SumSquares(const float* x, int64_t n) {
+  typedef float V8 __attribute__((vector_size(32), aligned(4), may_alias));
+  V8 lanes = {};
+  const int64_t body = n / 8 * 8;
+  for (int64_t i = 0; i < body; i += 8) {
+    const V8 v = *reinterpret_cast<const V8*>(x + i);
+    lanes = lanes + v * v;
+  }
+  float ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (int64_t i = body; i < n; ++i) ss = ss + x[i] * x[i];
+  return ss;
+}
+
 // RMS norm of rows [N, H]: out = x * rsqrt(mean(x^2) + eps) * w; with `residual`,
 // x + residual is normalized and also written to `summed`.
 inline void RmsNormRow(const float* x, const float* residual, const float* w, float eps, int64_t H, float* out,
                        float* summed) {
-  float ss = 0.f;
   if (residual) {
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < H; ++i) {
-      const float v = x[i] + residual[i];
-      summed[i] = v;
-      ss += v * v;
-    }
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) summed[i] = x[i] + residual[i];
     x = summed;
-  } else {
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
   }
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const float inv = 1.f / std::sqrt(SumSquares(x, H) / static_cast<float>(H) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < H; ++i) out[i] = x[i] * inv * w[i];
 }
@@ -115,10 +123,7 @@ inline void NormRopeHead(const RopeArgs& a, const float* src, const float* weigh
   float buf[kD > 0 ? kD : 1024];
   const float* x = src;
   if (weight) {
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < D; ++i) ss += src[i] * src[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + a.eps);
+    const float inv = 1.f / std::sqrt(SumSquares(src, D) / static_cast<float>(D) + a.eps);
 #pragma omp simd
     for (int64_t i = 0; i < D; ++i) buf[i] = src[i] * inv * weight[i];
     x = buf;

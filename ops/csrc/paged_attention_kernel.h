@@ -31,6 +31,10 @@
 #define FDX_ATTEND_ONE 1
 #endif
 
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(FDX_NO_X86) && !defined(FDX_X86_BUILDS)
+#define FDX_X86_BUILDS 1  // the x86 translation units (isa_avx2.cc, isa_avx512.cc) are built
+#endif
+
 namespace fdx {
 
 constexpr int64_t kQueryTile = 16;          // query tokens per item (bounds the score buffer)
@@ -54,11 +58,14 @@ struct Args {
   const int32_t* tables;
   int64_t table_width, num_heads, group, head_dim, block_size, num_slots;
   float scale;
+  bool invariant = false;  // the batch-invariant kernel (invariant_attention.h): backend.batch_invariant
 };
 
 struct Scratch {
   std::vector<float> q, scores, acc, inv_sum, kt;
   std::vector<int64_t> rows;  // AttendOne: each key's row within its head
+  std::vector<float> p, state;  // invariant_attention.h
+  std::vector<int64_t> keys;
 };
 
 // The calling thread's scratch, kept across calls: no allocation per call once grown.
@@ -620,8 +627,26 @@ inline bool AttendSplit(const Args& a, int64_t S, int64_t num_kv_heads, int64_t 
 }
 #endif
 
+}  // namespace fdx
+
+#include "invariant_attention.h"
+
+namespace fdx {
+
+namespace inv {
+#ifdef FDX_X86_BUILDS
+void Avx2Attention(const Args& a, int64_t S, int64_t num_kv_heads, int threads);  // isa_avx2.cc
+#endif
+}  // namespace inv
+
 // Runs every (sequence, kv head, query tile) item of a batch of S sequences.
 inline void PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
+  if (a.invariant) {
+#if defined(FDX_X86_BUILDS) && defined(__AVX2__) && defined(__FMA__)
+    if (a.head_dim % 32 == 0) return inv::Avx2Attention(a, S, num_kv_heads, omp_get_max_threads());
+#endif
+    return inv::Kernel<inv::PortableOps>::Run(a, S, num_kv_heads, omp_get_max_threads());
+  }
 #ifdef FDX_ATTEND_ONE
   if (AttendSplit(a, S, num_kv_heads, omp_get_max_threads())) return;
 #endif

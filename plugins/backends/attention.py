@@ -119,8 +119,11 @@ class CpuAttention(PaddleAttention):
 
     def _f32_rows(self, rows: int) -> bool:
         """Whether a float32 weight's product is the compiled one at ``rows`` rows
-        (fdx.ops.cpp.f32_blas_min_rows of the passed build; from there MKL's)."""
+        (fdx.ops.cpp.f32_blas_min_rows of the passed build; from there MKL's; every
+        row count under backend.batch_invariant: MKL's order depends on the rows)."""
         cpp = _cpp()
+        if kernels.active().batch_invariant:
+            return True
         return cpp.F32_MIN_ROWS <= rows < cpp.f32_blas_min_rows(self._variant("f32"))
 
     def _fits(self, x, metadata) -> bool:
@@ -150,7 +153,7 @@ class CpuAttention(PaddleAttention):
             return None
         group = metadata.cpp
         return cpp.decoder_stack(x, table, metadata.positions, metadata.slot_mapping, group.seq_info,
-                                 group.block_tables, metadata.block_size)
+                                 group.block_tables, metadata.block_size, kernels.active().batch_invariant)
 
     def _parts_variants(self, layer) -> list[list[str | None]]:
         """The passed build of each of the layer's weight parts ("f32" for a float32 one)."""
@@ -202,7 +205,7 @@ class CpuAttention(PaddleAttention):
                                  rope.sin_cache, group.seq_info, group.block_tables, layer.num_heads,
                                  layer.num_kv_heads, getattr(rope, "rotary_dim", layer.head_dim),
                                  metadata.block_size, rope.is_neox_style, layer.eps, layer.scale,
-                                 layer.biases, layer.q_norm, layer.k_norm)
+                                 layer.biases, layer.q_norm, layer.k_norm, kernels.active().batch_invariant)
 
 
 @hookimpl

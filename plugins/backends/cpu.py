@@ -9,6 +9,7 @@ one log line says what was chosen and why.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -144,6 +145,8 @@ class CpuBackend(Backend):
         paddle.base.core.set_num_threads(threads)
         self.num_threads = threads
         self.kernels = probe_kernels(threads)
+        if config.backend.batch_invariant:      # the table carries it to the ops (fdx.core.kernels)
+            self.kernels = dataclasses.replace(self.kernels, batch_invariant=True)
         from fdx.ops import cpp
         self.build_status = cpp.status()        # what the compiled-kernel build did
         line = self.kernel_line()
