@@ -267,8 +267,8 @@ def _lora_modules(items: list[str]) -> dict[str, str]:
 def _overrides(args) -> dict:
     check_foreign_flags(args)
     out = {}
-    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "resource_manager", "enable_chunked_prefill", "batch_invariant", "model_runner",
-            "enable_lora", "max_loras", "max_lora_rank",
+    keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "resource_manager", "enable_chunked_prefill", "batch_invariant",
+            "model_runner", "enable_lora", "max_loras", "max_lora_rank",
             *(key for key, _, _ in _ALIAS_FLAGS.values()))
     for key in keys:
         v = getattr(args, key, None)
