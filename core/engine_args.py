@@ -145,7 +145,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     for key, text in _ENGINE_STR_FLAGS.items():
         p.add_argument(f"--{key.replace('_', '-')}", default=None, dest=key, help=text)
     p.add_argument("--resource-manager", default=None, dest="resource_manager",
-                   help="deprecated: = --kv-scheduler (scheduler.kv_scheduler; logs a warning)")
+                   help="deprecated: = --kv-scheduler (scheduler.kv_scheduler; logs a warning; default: unset)")
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False,
                    default=None, help="run each prompt in one step (default: chunked prefill on)")
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_const", const=True, default=None,
