@@ -101,8 +101,14 @@ def test_tp2_greedy_equals_tp1_and_transformers(arch, tiny_checkpoints, request)
         assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         assert two.engine.kv_caches == []                    # the KV cache lives in the workers
         tp2 = [o.outputs[0].token_ids for o in two.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
-    assert tp2 == tp1
+    # equal, except where the two part at a near tie (the biased checkpoint's third prompt has one at its
+    # fifth token, 7e-7 apart in float64: test_the_near_tie_rule_...): each run is then the reference's
+    # greedy path following that run's side of the tie, and nothing else
+    for p, a, b in zip(ps, tp1, tp2):
+        if a != b:
+            assert a == hf_greedy(hf, p, GREEDY.max_tokens, follow=a), (p, a, b)
     assert tp2 == [hf_greedy(hf, p, GREEDY.max_tokens, follow=t) for p, t in zip(ps, tp2)]   # near-ties aside
+    assert sum(a != b for a, b in zip(tp1, tp2)) <= 1                   # only the one prompt with a tie
     assert not any(pid_alive(p) for p in pids)               # close() stopped them
 
 
@@ -302,13 +308,21 @@ def test_tp2_engine_process_holds_no_weights(wide_checkpoint):
     """At TP > 1 the workers hold the model: the engine keeps the tokenizer
     and the model's shape, no weights (it used to load a whole model of its
     own before the workers each loaded theirs)."""
+    import gc
+    from fdx.core.host import release_free_heap
     from fdx.core.memory import rss_bytes
-    before = rss_bytes()
+
+    def baseline() -> int:              # the heap compacted first: a model load releases the free heap
+        gc.collect()                    # itself, which made a delta taken over earlier tests' garbage
+        release_free_heap()             # come out negative
+        return rss_bytes()
+
+    before = baseline()
     with LLM(str(wide_checkpoint), tensor_parallel_size=2, **TINY) as two:
         tp2_rss = rss_bytes() - before
         tp2_bytes = tensor_bytes(two.engine.model)
         ref2 = two.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY)
-    before = rss_bytes()
+    before = baseline()
     with LLM(str(wide_checkpoint), **TINY) as one:
         tp1_rss = rss_bytes() - before
         tp1_bytes = tensor_bytes(one.engine.model)
@@ -452,4 +466,5 @@ def test_default_model_guided_regex_at_tp3_parts_from_tp1_only_at_a_near_tie():
         rounding = float(np.abs(l1[r][k] - nudged[r][k]).max())   # what a 2-ulp nudge does at TP 1
         assert l3[r][k][y] >= l3[r][k][x]                         # TP 3 took its own best allowed token
         assert 0 <= margin < min(drift, rounding) / 4, (r, k, x, y, margin, drift, rounding)
-        assert drift < 2.0 and rounding < 2.0
+        assert drift < 2.0              # TP 3's logits close to TP 1's; the nudged run may take another
+                                        # token before k (a near tie of its own), so its distance is no bound

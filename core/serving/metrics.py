@@ -78,7 +78,9 @@ class ServerMetrics:
                             "event (started, cancelled, timed_out, refused).", lab + ["event"], registry=r)
         self._prefix = None                     # created when the KV cache reports prefix counters
         self._splitwise = None                  # created when the splitwise connector reports
-        self._spec = None                       # created when the engine speculates
+        self._spec = None
+        self._observe_spec({})                  # spec_decode_* series exported from the start (0 without
+                                                # speculation), as the migration table promises
         self._prefix_last = (0.0, 0.0)
 
     def observe_engine(self, stats) -> None:
@@ -135,6 +137,8 @@ class ServerMetrics:
             self._spec["rate"] = Gauge("fdx:spec_decode_acceptance_rate", "Accepted / proposed speculative "
                                        "tokens since start, 0 to 1.", lab, registry=r).labels(**self.labels)
             self._spec_last = dict.fromkeys(names, 0.0)
+        if not cs:
+            return
         for n in names:
             self._spec[n].inc(max(0.0, cs[f"spec_decode_{n}"] - self._spec_last[n]))
             self._spec_last[n] = cs[f"spec_decode_{n}"]

@@ -11,7 +11,6 @@ import time
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import TokenProcessor
-from fdx.core.output import TextOutput
 from fdx.core.request import Request, RequestStatus, TokenLogprob
 
 
@@ -20,7 +19,13 @@ class DefaultTokenProcessor(TokenProcessor):
         """Attach per-request state (called when the engine accepts it)."""
         sp = request.sampling_params
         request.logprobs = [] if sp.logprobs is not None else None
-        request.stop_text = TextOutput(self.tokenizer, sp) if sp.stop else None
+        if sp.stop:
+            # imported here: fdx.core.output pulls in the tokenizer module, which the serving engine
+            # process never imports for a request without stop strings (tests/test_tokenizer.py)
+            from fdx.core.output import TextOutput
+            request.stop_text = TextOutput(self.tokenizer, sp)
+        else:
+            request.stop_text = None
 
     def process(self, request: Request, token_id: int, logprobs=None) -> bool:
         sp = request.sampling_params
