@@ -164,7 +164,7 @@ class EngineCore:
         old = {k: getattr(self, k, None) for k in parts}
         for k, v in parts.items():
             setattr(self, k, v)
-        self.resource_manager.speculation = getattr(self, "speculation", None)
+        self.resource_manager.speculation = self.speculation
         return old
 
     @property
