@@ -87,6 +87,9 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, le=64)   # worker processes sharing each layer's heads and
                                                # MLP columns (the runner below); 1: in-process
     runner: str = "tp"                         # the executor under tensor_parallel_size > 1 (core Executor)
+    data_parallel_size: int = Field(1, gt=0, le=64)   # fdx serve: engine processes (each with its own KV
+                                               # cache and TP group) behind one API server; the threads
+                                               # split between them (core/serving/data_parallel.py)
 
 
 class DecodingConfig(_Section):

@@ -55,6 +55,11 @@ class EngineCore:
         rest built on first use): the serving engine process, whose API
         process tokenizes and detokenizes (core/serving/engine_proc.py)."""
         self.config = config = config.model_copy(deep=True)
+        if config.parallel.data_parallel_size > 1:   # the API server starts one engine per rank
+            raise ConfigError(f"config key 'parallel.data_parallel_size' ({config.parallel.data_parallel_size}): "
+                              "data parallel is a server feature: `fdx serve --data-parallel-size N` runs N "
+                              "engine processes behind one API server; LLM and fdx generate / chat / bench run one "
+                              "engine (use --tensor-parallel-size to spread one engine over more processes)")
         self.plugins = plugins = plugins or get_plugin_manager()
         # every plugin name resolved before the (slow) model load, so a typo fails at once
         self.assembly = assembly = Assembly(config, plugins)

@@ -56,6 +56,10 @@ _ALIAS_FLAGS = {
     "--generation-config": ("generation_config", str,
                             "vLLM: sampling defaults from 'auto' (the model's), 'vllm' (none: fdx's own) or a "
                             "folder with a generation_config.json (model.generation_config; default: auto)"),
+    "--data-parallel-size": ("data_parallel_size", int,
+                             "vLLM/FastDeploy: fdx serve only: engine processes (each with its own KV cache) "
+                             "behind one API server, requests balanced by load and prompt prefix; the CPU threads "
+                             "split between them (parallel.data_parallel_size; default: 1; docs/serving.md)"),
     "--task": ("task", str, "generate or embed (a pooling runner for /v1/embeddings; model.task; default: generate)"),
 }
 _DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32", "float16": "float16",
@@ -66,8 +70,6 @@ _GUIDED = {"xgrammar": "xgrammar", "llguidance": "llguidance", "guidance": "llgu
 FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "--pipeline-parallel-size": (("1",), "fdx has no pipeline parallelism; use --tensor-parallel-size (one host) "
                                          "or several servers behind fdx router (docs/deployment.md)"),
-    "--data-parallel-size": (("1",), "fdx has no data-parallel engine; run one server per replica behind "
-                                     "fdx router or a load balancer (docs/deployment.md)"),
     "--enforce-eager": (("",), "fdx always runs eagerly unless backend.model_runner is cuda-graph"),
     "--disable-log-requests": (("",), "fdx logs no request contents"),
     "--disable-log-stats": (("",), "fdx logs no periodic stats; they are at /metrics"),
@@ -161,7 +163,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="kv_cache", action="store_const", const="paged",
                    help="vLLM: = --kv-cache paged (default: paged)")
     for flag, (key, kind, text) in _ALIAS_FLAGS.items():
-        names = [flag, "-tp"] if flag == "--tensor-parallel-size" else [flag]
+        names = [flag, {"--tensor-parallel-size": "-tp", "--data-parallel-size": "-dp"}[flag]] \
+            if flag in ("--tensor-parallel-size", "--data-parallel-size") else [flag]
         p.add_argument(*names, dest=key, type=kind, default=None, help=text,
                        metavar=flag[2:].replace("-", "_").upper() if "." in key else None)
     p.add_argument("--dtype", default=None, type=str.lower, choices=sorted(_DTYPES), metavar="DTYPE",

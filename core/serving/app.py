@@ -272,7 +272,13 @@ class Server:
         if self.sc.enable_auto_tool_choice and self.tool_parser is None:
             raise ConfigError("config key 'server.enable_auto_tool_choice' needs server.tool_call_parser "
                               "(--tool-call-parser) to name a tool-call parser")
-        self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
+        if config.parallel.data_parallel_size > 1:       # N engine processes behind this server
+            from fdx.core.serving.data_parallel import DataParallelClient, DataParallelCollector
+            self.engine = DataParallelClient(config, on_stats=self.metrics.observe_engine,
+                                             on_death=self._on_engine_death)
+            self.metrics.registry.register(DataParallelCollector(self.metrics.labels, self.engine))
+        else:
+            self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
         if config.scheduler.request_scheduler != "local":     # requests go through a shared queue
             from fdx.core.serving.request_scheduler import wrap_engine
             self.engine = wrap_engine(config, self.engine, self.metrics, self.plugins)
@@ -744,7 +750,8 @@ def build_app(server: Server) -> FastAPI:
         sw = cfg.plugins.get("connector", {}).get(cfg.cache.kv_connector or "", {}) or {}
         role = sw.get("role", "mixed")
         return {"role": role, "connector": f"tcp://{sw.get('host', '127.0.0.1')}:{sw.get('port', 0)}"
-                if role == "decode" else None, "in_flight": len(server.groups), "queued": server.num_queued}
+                if role == "decode" else None, "in_flight": len(server.groups), "queued": server.num_queued,
+                **({"data_parallel": server.engine.describe()} if cfg.parallel.data_parallel_size > 1 else {})}
 
     @app.get("/version")
     async def version():
@@ -918,7 +925,9 @@ def run_server(config: FdxConfig) -> int:
             await asyncio.gather(serving, return_exceptions=True)
             return 1
         try:
-            print(f"fdx serve: {server.model_name} at {url}/v1 (engine pid {server.engine.pid})", flush=True)
+            pids = getattr(server.engine, "pids", None) if config.parallel.data_parallel_size > 1 else None
+            print(f"fdx serve: {server.model_name} at {url}/v1 (engine pid"
+                  f"{'s ' + ', '.join(map(str, pids)) if pids else ' ' + str(server.engine.pid)})", flush=True)
             await serving
         finally:
             await server.shutdown()
