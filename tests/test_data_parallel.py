@@ -221,3 +221,4 @@ def test_killed_rank_fails_its_own_requests_then_restarts(server, reference):
     final = settle(server, lambda rs: all(r["kv_free_blocks"] == r["kv_total_blocks"] for r in rs))
     assert final[0]["routed"] - back[0]["routed"] >= 1             # the restarted rank serves again
     assert [r["kv_free_blocks"] for r in final] == [400, 400]
+    assert "Traceback" not in server.log_path.read_text()
