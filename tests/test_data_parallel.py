@@ -160,7 +160,7 @@ def test_killed_rank_fails_its_own_requests_then_restarts(server, reference):
     outcome: dict[int, str] = {}
 
     async def stream(http, i, first):
-        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 600, "temperature": 0, "ignore_eos": True}
         if i >= 4:                                # two of them not streamed
             first.set()                           # (in flight once /load counts six)
             r = await http.post("/v1/completions", json=body)
