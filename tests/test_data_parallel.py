@@ -45,6 +45,9 @@ def test_flag_and_key_and_llm_refusal(tmp_path):
     cfg = FdxConfig.build(data_parallel_size=2, num_threads=5)
     assert [rank_config(cfg, r).backend.num_threads for r in range(2)] == [2, 2]
     assert rank_config(FdxConfig.build(data_parallel_size=4, num_threads=2), 3).backend.num_threads == 1
+    one = rank_config(FdxConfig.build(data_parallel_size=2, kv_cache_memory_bytes=1 << 30, num_kv_blocks=64), 1)
+    assert (one.cache.kv_cache_memory_bytes, one.cache.memory_fraction, one.cache.num_kv_blocks) == (1 << 29, 0.05, 64)
+    assert one.parallel.data_parallel_size == 1
     with pytest.raises(ConfigError, match="kv_connector"):
         check_config(FdxConfig.build(data_parallel_size=2, kv_connector="swap"))
 

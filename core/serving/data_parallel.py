@@ -56,13 +56,20 @@ MAX_ROUTES = 1 << 16          # prompt-block hashes remembered (rank that served
 
 def rank_config(config: FdxConfig, rank: int) -> FdxConfig:
     """The config of rank ``rank``'s engine process: one engine
-    (``data_parallel_size`` 1) with its share of the threads."""
+    (``data_parallel_size`` 1) with its share of the threads and of the
+    host's KV memory (``cache.kv_cache_memory_bytes`` and
+    ``cache.memory_fraction`` are the host's; ``cache.num_kv_blocks`` is
+    each rank's)."""
     from fdx.core.host import available_cores
     size = config.parallel.data_parallel_size
     data = config.model_dump()
     data["parallel"]["data_parallel_size"] = 1
     total = config.backend.num_threads or available_cores()
     data["backend"]["num_threads"] = max(1, total // size)
+    cache = data["cache"]
+    if cache["kv_cache_memory_bytes"] is not None:
+        cache["kv_cache_memory_bytes"] = max(1, cache["kv_cache_memory_bytes"] // size)
+    cache["memory_fraction"] = cache["memory_fraction"] / size
     return FdxConfig.model_validate(data)
 
 
