@@ -124,6 +124,8 @@ def test_64_concurrent_equal_the_llm_and_free_every_block(server, reference):
     routed = [a["routed"] - b["routed"] for a, b in zip(after, before)]
     assert sum(routed) == 64 and min(routed) >= 16, routed      # both ranks served, by load
     assert all(r["in_flight"] == 0 for r in after)
+    with open(f"/proc/{server.proc.pid}/maps") as f:        # the API process still holds no Paddle
+        assert "libpaddle" not in f.read()
     metrics = server.metrics()
     assert metrics['fdx:kv_cache_free_blocks{model_name="tiny"}'] == 800          # the ranks summed
     assert metrics['fdx:dp_rank_kv_cache_free_blocks{dp_rank="1",model_name="tiny"}'] == 400
