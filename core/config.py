@@ -180,6 +180,8 @@ class SpeculativeConfig(_Section):
     suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)  # suffix: draft at most factor x match length
     suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)  # suffix: stop a draft where the next
                                                # token's share of the continuations falls below this
+    model: str | None = None                   # draft_model: the draft's HF folder or .gguf (the target's
+                                               # tokenizer; vLLM's key); "self": the target's own path
     disable_by_batch_size: int | None = Field(None, ge=1)   # vLLM's: no speculation on a step with at least
                                                # this many decoding requests
     cost_gate: bool = True                     # measure a forward of 1 against k+1 rows per request and

@@ -1,0 +1,206 @@
+"""The ``draft_model`` proposer (vLLM's ``draft_model``, llama.cpp's
+``--model-draft``): a second, smaller model sharing the target's tokenizer
+drafts k tokens greedily, one forward a token, in the engine's process.
+
+The draft is loaded as the target is (any checkpoint fdx loads: an HF
+folder or a GGUF file, ``speculative.model``; ``"self"`` drafts with the
+target's own checkpoint) on a backend of its own kind set up here, with
+its own paged KV cache of ``cache.num_kv_blocks`` blocks (plus room for
+each request's drafts) and its own block tables. Per request it keeps the
+tokens whose KV its cache holds: each ``propose`` first computes the
+tokens the target added since (the accepted drafts and the target's own
+token; the whole prompt, in chunks, the first time), then drafts. A
+rejected draft's KV is dropped by ``on_accepted`` (the positions past the
+kept prefix are overwritten next time), a preempted or finished request's
+blocks are freed. Whatever the bookkeeping says, a position is reused only
+while its token equals the request's token there, so the draft's KV never
+disagrees with the request.
+
+Drafts are the draft's argmax, proposed as deterministic (no
+``draft_probs``): the engine's verification keeps the target's output
+distribution exactly (for a seeded request, its tokens) whatever the
+draft proposes. Self-drafting with the target accepts every draft of a
+greedy request (float32: the draft's and the target's rows are the same
+numbers up to the order of the batched products).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fdx.core.config import ConfigError
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import AttentionContext, BatchLayout, KVCacheSpec, Proposer
+
+log = logging.getLogger("fdx.spec")
+
+KEY = "speculative.model"
+
+
+@dataclass(slots=True)
+class _Seq:
+    tokens: list[int] = field(default_factory=list)      # the tokens whose KV the draft's cache holds
+    blocks: list[int] = field(default_factory=list)
+    proposed_from: int = 0                               # len(token_ids) at the last propose
+    num_drafts: int = 0                                  # drafts of the last propose
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config, vocab_size, settings=None):
+        super().__init__(config, vocab_size, settings)
+        sc = config.speculative
+        path = sc.model
+        if path is None:
+            raise ConfigError(f"config key '{KEY}': method draft_model needs the draft model's path (a Hugging "
+                              "Face folder or a .gguf file sharing the target's tokenizer), or \"self\"")
+        if path == "self":
+            path = config.model.model            # None: the embedded default model, as the target
+        elif not Path(path).exists():
+            raise ConfigError(f"config key '{KEY}': {path!r} does not exist")
+        dconf = config.model_copy(deep=True)
+        dconf.model.model = path
+        dconf.model.moe_router = None
+        dconf.parallel.tensor_parallel_size = 1   # the draft runs in the engine process, whole
+        self._load(dconf, path, vocab_size)
+        cc = config.cache
+        bs = cc.block_size
+        # the target's KV capacity in tokens, and for each request its drafts' room
+        per_seq = -(-(sc.num_speculative_tokens + 1) // bs) + 1
+        num_blocks = (cc.num_kv_blocks or 0) + config.scheduler.max_num_seqs * per_seq
+        m = self.model
+        self.spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, num_blocks, bs,
+                                self.backend.kv_cache_dtype(self.dtype), self.attention.layout)
+        self.kv_caches = self.backend.allocate_kv_cache(self.spec)
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.seqs: dict[str, _Seq] = {}
+        self.chunk = max(1, config.scheduler.max_num_batched_tokens or 2048)
+        self.max_positions = m.max_position_embeddings
+        log.info("draft model %s: %d layers, KV cache of %d blocks of %d tokens (%.1f MiB)", path or "(default)",
+                 m.num_layers, num_blocks, bs, num_blocks * self.spec.bytes_per_block / (1 << 20))
+
+    def _load(self, dconf, path, vocab_size: int) -> None:
+        from fdx.core.assembly import Assembly
+        from fdx.core.checkpoint.model import load_model
+        from fdx.core.engine import select_backend
+        from fdx.core.plugins import get_plugin_manager
+        plugins = get_plugin_manager()
+        self.backend = backend = select_backend(dconf, plugins)
+        backend.setup(dconf)
+        assembly = Assembly(dconf, plugins, backend)
+        want = dconf.model.dtype
+        self.dtype = backend.dtypes[0] if want == "auto" else want
+        try:
+            model, ckpt = load_model(dconf, plugins, backend.kernels, progress=False, defer_tokenizer=True)
+        except ConfigError as e:
+            raise ConfigError(f"config key '{KEY}': the draft model: {e}") from None
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"config key '{KEY}': the draft model {path!r} does not load: "
+                              f"{type(e).__name__}: {e}") from None
+        if model.vocab_size != vocab_size:
+            raise ConfigError(f"config key '{KEY}': the draft model's vocabulary has {model.vocab_size} tokens, "
+                              f"the target's {vocab_size}; a draft model must share the target's tokenizer")
+        del ckpt
+        backend.prepare_model(model, self.dtype)
+        self.model = model
+        self.attention = assembly.attention()
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request_id, prompt_token_ids):
+        self.seqs[request_id] = _Seq()
+
+    def on_preempted(self, request_id):
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self._truncate(seq, 0)
+
+    def remove_request(self, request_id, output_token_ids):
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self._truncate(seq, 0)
+
+    def on_accepted(self, request_id, num_proposed, num_accepted):
+        """Keep the KV of the request's tokens and of the drafts kept (the
+        last draft was never computed); the rejected positions are dropped."""
+        seq = self.seqs.get(request_id)
+        if seq is not None and seq.num_drafts:
+            kept = min(num_accepted, num_proposed, seq.num_drafts - 1)
+            del seq.tokens[seq.proposed_from + kept:]
+            seq.num_drafts = 0
+
+    def _truncate(self, seq: _Seq, n: int) -> None:
+        del seq.tokens[n:]
+        keep = -(-n // self.spec.block_size)
+        self.free.extend(reversed(seq.blocks[keep:]))
+        del seq.blocks[keep:]
+
+    def _reserve(self, seq: _Seq, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.spec.block_size) - len(seq.blocks)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            seq.blocks.append(self.free.pop())
+        return True
+
+    # -- drafting ----------------------------------------------------------------------------
+    def propose(self, request_id, token_ids, k, hidden_states=None):
+        seq = self.seqs.setdefault(request_id, _Seq())
+        n = len(token_ids)
+        k = min(k, self.max_positions - n)
+        if k <= 0:
+            return []
+        # the KV positions still valid: the longest common prefix, leaving the last token to compute
+        have = seq.tokens
+        valid = min(len(have), n - 1)
+        if have[:valid] != list(token_ids[:valid]):
+            valid = next(i for i, (a, b) in enumerate(zip(have, token_ids)) if a != b)
+        self._truncate(seq, valid)
+        if not self._reserve(seq, n + k - 1):
+            self._truncate(seq, 0)               # the pool is short: no drafts, and no KV held
+            return []
+        seq.tokens.extend(int(t) for t in token_ids[valid:])
+        drafts = []
+        import paddle
+        from fdx.core import kernels
+        with kernels.using(self.backend.kernels), paddle.no_grad():
+            start = valid
+            while n - start > self.chunk:        # a long catch-up (the prompt) in chunks, no logits
+                self._forward(request_id, seq, start, start + self.chunk, logits=False)
+                start += self.chunk
+            for j in range(k):
+                token = self._forward(request_id, seq, start, len(seq.tokens), logits=True)
+                drafts.append(token)
+                if j == k - 1:
+                    break
+                start = len(seq.tokens)
+                seq.tokens.append(token)
+        seq.proposed_from, seq.num_drafts = n, len(drafts)
+        return drafts
+
+    def _forward(self, request_id: str, seq: _Seq, start: int, end: int, logits: bool) -> int | None:
+        """Compute positions ``start .. end`` of the request (KV written); the
+        argmax of the last one's logits when ``logits``."""
+        import paddle
+        q = end - start
+        rows = [q - 1] if logits else []
+        layout = BatchLayout((request_id,), (0,), (q,), (start,), tuple(rows), (None,))
+        meta = self.attention.build_metadata([q], [start], [seq.blocks], self.spec,
+                                             getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
+        attn = AttentionContext(self.attention, meta, None, layout)
+        ids = paddle.to_tensor(np.asarray(seq.tokens[start:end], dtype=np.int64))
+        out = self.model.forward(ids, attn.positions, self.kv_caches, attn,
+                                 paddle.to_tensor(np.asarray(rows or [q - 1], dtype=np.int64)))
+        if not logits:
+            return None
+        return int(paddle.argmax(out[0]).item())
+
+    def close(self):
+        self.kv_caches = []
+        self.seqs.clear()
+
+
+@hookimpl
+def fdx_register_proposers(register):
+    register("draft_model", DraftModelProposer)
