@@ -18,13 +18,19 @@ VOCAB = 256
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, block_size=8, progress=False)
 
 
+class Perturbed(TinyLlama):
+    """The target's weights plus noise: a different model that often agrees with it, and not always."""
+    def weights(self):
+        rng = np.random.default_rng(99)
+        return {k: (v + 0.15 * rng.standard_normal(v.shape) * v.std()).astype(np.float32) if v.std() else v
+                for k, v in super().weights().items()}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft")
     target = TinyLlama(vocab=VOCAB, hidden=64, intermediate=128, heads=4, kv_heads=2, max_len=128, seed=1)
-    # the draft: the target's first layer, and the target's embedding (so it often agrees, and not always)
-    draft = TinyLlama(vocab=VOCAB, hidden=64, intermediate=128, heads=4, kv_heads=2, layers=1, max_len=128,
-                      seed=1)
+    draft = Perturbed(vocab=VOCAB, hidden=64, intermediate=128, heads=4, kv_heads=2, max_len=128, seed=1)
     other = TinyLlama(vocab=VOCAB + 8, hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1, max_len=128)
     return {"target": str(target.hf_dir(root / "target")), "draft": str(draft.hf_dir(root / "draft")),
             "other": str(other.hf_dir(root / "other")), "gguf": str(draft.gguf_file(root / "draft.gguf"))}
@@ -38,12 +44,12 @@ def _prompts(seed=3, lens=(5, 12, 30, 8)):
 def _run(path, prompts, sp, spec=None, **engine):
     llm = LLM(path, **{**ENGINE, **engine},
               **({"speculative_config": {"num_speculative_tokens": 4, "cost_gate": False, **spec}} if spec else {}))
-    stats = []
     outs = llm.generate(prompts, sp)
     got = [[c.token_ids for c in o.outputs] for o in outs]
     counters = llm.engine.speculation.counters if spec else None
+    recomputed = llm.engine.num_recomputed_tokens
     llm.close()
-    return got, counters
+    return got, counters, recomputed
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -51,22 +57,31 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 def test_self_draft_keeps_every_draft(models):
     prompts = _prompts()
-    ref, _ = _run(models["target"], prompts, GREEDY)
-    got, c = _run(models["target"], prompts, GREEDY, spec={"method": "draft_model", "model": "self"})
+    ref, _, _ = _run(models["target"], prompts, GREEDY)
+    got, c, _ = _run(models["target"], prompts, GREEDY, spec={"method": "draft_model", "model": "self"})
     assert got == ref
     assert c.num_draft_tokens > 0 and c.num_accepted_tokens == c.num_draft_tokens
     assert c.mean_accepted_length > 4
 
 
-@pytest.mark.parametrize("engine", [dict(max_num_batched_tokens=16, num_kv_blocks=20), dict(max_num_seqs=2)],
-                         ids=["chunked-preempted", "plain"])
-def test_draft_model_greedy_equals_no_speculation(models, engine):
+SEEDED = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True, seed=5)
+CASES = [("draft", dict(max_num_batched_tokens=16, num_kv_blocks=12, max_model_len=64), GREEDY),   # chunked prefill, preemption
+         ("gguf", dict(max_num_seqs=3), GREEDY),
+         ("draft", dict(num_kv_blocks=12, max_model_len=64), SEEDED)]
+
+
+@pytest.mark.parametrize("draft,engine,sp", CASES, ids=["chunked-preempted", "gguf-draft", "seeded-preempted"])
+def test_draft_model_outputs_equal_no_speculation(models, draft, engine, sp):
     prompts = _prompts(lens=(5, 12, 30, 8, 3, 20))
-    ref, _ = _run(models["target"], prompts, GREEDY, **engine)
-    got, c = _run(models["target"], prompts, GREEDY, spec={"method": "draft_model", "model": models["draft"]},
-                  **engine)
+    ref, _, _ = _run(models["target"], prompts, sp, **engine)
+    got, c, recomputed = _run(models["target"], prompts, sp,
+                              spec={"method": "draft_model", "model": models[draft]}, **engine)
     assert got == ref
     assert 0 < c.num_accepted_tokens < c.num_draft_tokens      # drafts kept and rejected
+    if sp is GREEDY:
+        assert c.accepted_per_pos[2] > 0                        # deep drafts kept too
+    if engine.get("num_kv_blocks") == 12:
+        assert recomputed > 0                                   # requests were preempted and resumed
 
 
 def test_bad_draft_is_a_config_error(models, tmp_path):
