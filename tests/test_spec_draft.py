@@ -92,3 +92,24 @@ def test_bad_draft_is_a_config_error(models, tmp_path):
             **ENGINE)
     with pytest.raises(ConfigError, match="speculative.model.*needs the draft model's path"):
         LLM(models["target"], speculative_config={"method": "draft_model"}, **ENGINE)
+
+
+def test_sampled_distribution_matches_speculation_off(models):
+    """Unseeded sampling: the tokens at the first three output positions of
+    many runs with the draft model and without are one distribution
+    (chi-square, the pattern of test_spec.py); a verifier that kept every
+    draft would put the mass on the draft's argmax."""
+    from scipy.stats import chi2_contingency
+    prompt = {"prompt_token_ids": [7, 8, 9, 10] * 4}
+    sp = SamplingParams(temperature=1.5, top_k=4, max_tokens=3, ignore_eos=True)
+    N = 200
+    off, _, _ = _run(models["target"], [prompt] * N, sp, max_num_seqs=N)
+    on, c, _ = _run(models["target"], [prompt] * N, sp, spec={"method": "draft_model", "model": models["draft"]},
+                    max_num_seqs=N)
+    for pos in range(3):
+        a = [o[0][pos] for o in off]
+        b = [o[0][pos] for o in on]
+        keys = sorted(set(a) | set(b))
+        table = np.array([[a.count(t) for t in keys], [b.count(t) for t in keys]])
+        assert chi2_contingency(table).pvalue > 1e-3, (pos, table)
+    assert c.num_drafts > 0 and 0 < c.num_accepted_tokens < c.num_draft_tokens
