@@ -169,7 +169,7 @@ class SpeculativeConfig(_Section):
     one forward of the model verifies them; the output never changes. Keys
     are vLLM's ``--speculative-config`` names; FastDeploy's ``max_ngram_size``
     / ``min_ngram_size`` are taken for prompt_lookup_max / _min."""
-    method: str | None = None                  # a proposer (fdx_register_proposers: ngram, suffix, or a
+    method: str | None = None                  # a proposer (fdx_register_proposers: ngram, suffix, draft_model, or a
                                                # plugin's); None: off
     num_speculative_tokens: int = Field(4, ge=1, le=64)   # k: tokens proposed per request and step, at most
     prompt_lookup_min: int | None = Field(None, ge=1)     # ngram: shortest / longest n-gram of the tokens'

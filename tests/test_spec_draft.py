@@ -65,7 +65,8 @@ def test_self_draft_keeps_every_draft(models):
 
 
 SEEDED = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True, seed=5)
-CASES = [("draft", dict(max_num_batched_tokens=16, num_kv_blocks=12, max_model_len=64), GREEDY),   # chunked prefill, preemption
+# chunked prefill and preemption (12 blocks: 1.5 sequences); a GGUF draft; seeded sampling, preempted
+CASES = [("draft", dict(max_num_batched_tokens=16, num_kv_blocks=12, max_model_len=64), GREEDY),
          ("gguf", dict(max_num_seqs=3), GREEDY),
          ("draft", dict(num_kv_blocks=12, max_model_len=64), SEEDED)]
 
