@@ -88,6 +88,14 @@ def test_draft_model_outputs_equal_no_speculation(models, draft, engine, sp):
 def test_bad_draft_is_a_config_error(models, tmp_path):
     with pytest.raises(ConfigError, match="speculative.model.*vocabulary has 264 tokens, the target's 256"):
         LLM(models["target"], speculative_config={"method": "draft_model", "model": models["other"]}, **ENGINE)
+    import json
+    import shutil
+    swapped = shutil.copytree(models["draft"], tmp_path / "swapped")     # the same size, two ids swapped
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    tok["model"]["vocab"].update({"w5": 6, "w6": 5})
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match="speculative.model.*tokenizer differs.*token 'w5': id 6 in the draft"):
+        LLM(models["target"], speculative_config={"method": "draft_model", "model": str(swapped)}, **ENGINE)
     with pytest.raises(ConfigError, match="speculative.model.*does not exist"):
         LLM(models["target"], speculative_config={"method": "draft_model", "model": str(tmp_path / "nope")},
             **ENGINE)

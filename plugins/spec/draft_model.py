@@ -103,6 +103,7 @@ class DraftModelProposer(Proposer):
             raise ConfigError(f"config key '{KEY}': the draft model's vocabulary has {model.vocab_size} tokens, "
                               f"the target's {vocab_size}; a draft model must share the target's tokenizer")
         del ckpt
+        _check_tokenizers(self.config.model.model, path)
         backend.prepare_model(model, self.dtype)
         self.model = model
         self.attention = assembly.attention()
@@ -199,6 +200,35 @@ class DraftModelProposer(Proposer):
     def close(self):
         self.kv_caches = []
         self.seqs.clear()
+
+
+def _vocab_of(path) -> dict | None:
+    """A Hugging Face folder's token -> id map (tokenizer.json's model
+    vocabulary and added tokens), or None where there is none to read."""
+    import json
+    if path is None or not (Path(path) / "tokenizer.json").is_file():
+        return None
+    data = json.loads((Path(path) / "tokenizer.json").read_text())
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, list):                  # unigram: [token, score] pairs
+        vocab = {t[0]: i for i, t in enumerate(vocab)}
+    if not isinstance(vocab, dict):
+        return None
+    return {**vocab, **{t["content"]: t["id"] for t in data.get("added_tokens") or []}}
+
+
+def _check_tokenizers(target, draft) -> None:
+    """Where both are Hugging Face folders, the draft's tokens must have the
+    target's ids (a GGUF file's vocabulary is checked by size alone)."""
+    if target is None or draft is None or Path(target).resolve() == Path(draft).resolve():
+        return
+    a, b = _vocab_of(target), _vocab_of(draft)
+    if a is None or b is None or a == b:
+        return
+    diff = next((t for t in sorted(set(a) | set(b), key=lambda t: (a.get(t, -1), t)) if a.get(t) != b.get(t)), None)
+    raise ConfigError(f"config key '{KEY}': the draft model's tokenizer differs from the target's (token "
+                      f"{diff!r}: id {b.get(diff)} in the draft, {a.get(diff)} in the target); a draft model must "
+                      "share the target's tokenizer")
 
 
 @hookimpl
