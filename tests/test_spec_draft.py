@@ -47,6 +47,9 @@ def _run(path, prompts, sp, spec=None, **engine):
     outs = llm.generate(prompts, sp)
     got = [[c.token_ids for c in o.outputs] for o in outs]
     counters = llm.engine.speculation.counters if spec else None
+    if spec:                                     # every request done: the draft's KV blocks are all free again
+        draft = llm.engine.speculation.proposer
+        assert sorted(draft.free) == list(range(draft.spec.num_blocks)) and not draft.seqs
     recomputed = llm.engine.num_recomputed_tokens
     llm.close()
     return got, counters, recomputed
@@ -122,3 +125,16 @@ def test_sampled_distribution_matches_speculation_off(models):
         table = np.array([[a.count(t) for t in keys], [b.count(t) for t in keys]])
         assert chi2_contingency(table).pvalue > 1e-3, (pos, table)
     assert c.num_drafts > 0 and 0 < c.num_accepted_tokens < c.num_draft_tokens
+
+
+def test_conformance_kit_drives_the_draft_model(tmp_path):
+    """The kit's random requests, preempted at random: every proposal within
+    the contract, every output the kit's model's own."""
+    from fdx.core.config import FdxConfig
+    from fdx.core.testing import VOCAB as KIT_VOCAB, check_proposer
+    path = TinyLlama(vocab=KIT_VOCAB, hidden=32, intermediate=64, heads=2, kv_heads=1, max_len=512).hf_dir(
+        tmp_path / "kit")
+    cfg = FdxConfig.build(speculative={"method": "draft_model", "model": str(path), "num_speculative_tokens": 4,
+                                       "cost_gate": False}, cache={"block_size": 8})
+    figures = check_proposer("draft_model", config=cfg, num_requests=4, max_tokens=20)
+    assert figures["mean_accepted_length"] >= 1         # it proposed
