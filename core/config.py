@@ -194,6 +194,12 @@ class SpeculativeConfig(_Section):
             raise ValueError(f"prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})")
         return self
 
+    @model_validator(mode="after")
+    def _draft_model_by_default(self):
+        if self.method is None and self.model is not None:      # vLLM's: a model alone is a draft model
+            self.method = "draft_model"
+        return self
+
     @property
     def lookup_bounds(self) -> tuple[int, int]:
         """(min, max) n of the n-gram lookup, filled in as vLLM does: both 5

@@ -7,6 +7,8 @@ against speculation off); a draft that cannot serve is a config error
 naming ``speculative.model``."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -88,10 +90,16 @@ def test_draft_model_outputs_equal_no_speculation(models, draft, engine, sp):
         assert recomputed > 0                                   # requests were preempted and resumed
 
 
+def test_config_takes_vllms_draft_model_json():
+    from fdx.core.config import FdxConfig
+    for spec in ({"method": "draft_model", "model": "d.gguf"}, {"model": "d.gguf"}):   # a model alone: vLLM's too
+        sc = FdxConfig.build(speculative_config=json.dumps({**spec, "num_speculative_tokens": 3})).speculative
+        assert (sc.method, sc.model, sc.num_speculative_tokens) == ("draft_model", "d.gguf", 3)
+
+
 def test_bad_draft_is_a_config_error(models, tmp_path):
     with pytest.raises(ConfigError, match="speculative.model.*vocabulary has 264 tokens, the target's 256"):
         LLM(models["target"], speculative_config={"method": "draft_model", "model": models["other"]}, **ENGINE)
-    import json
     import shutil
     swapped = shutil.copytree(models["draft"], tmp_path / "swapped")     # the same size, two ids swapped
     tok = json.loads((swapped / "tokenizer.json").read_text())
