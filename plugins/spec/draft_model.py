@@ -20,8 +20,9 @@ Drafts are the draft's argmax, proposed as deterministic (no
 ``draft_probs``): the engine's verification keeps the target's output
 distribution exactly (for a seeded request, its tokens) whatever the
 draft proposes. Self-drafting with the target accepts every draft of a
-greedy request (float32: the draft's and the target's rows are the same
-numbers up to the order of the batched products).
+greedy request wherever a row's logits do not depend on the rows beside it
+(float32; the embedded Q4_1 model's kernels are not yet batch-invariant:
+99.5% there, docs/benchmarks.md).
 """
 from __future__ import annotations
 
