@@ -29,12 +29,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import AttentionContext, BatchLayout, KVCacheSpec, Proposer
+from fdx.core.interfaces import AttentionContext, BatchLayout, KVCacheSpec, Proposal, Proposer, SamplingBatch
 
 log = logging.getLogger("fdx.spec")
 
@@ -47,9 +48,12 @@ class _Seq:
     blocks: list[int] = field(default_factory=list)
     proposed_from: int = 0                               # len(token_ids) at the last propose
     num_drafts: int = 0                                  # drafts of the last propose
+    params: Any = None                                   # its SamplingParams when it samples unseeded
 
 
 class DraftModelProposer(Proposer):
+    uses_sampling_params = True
+
     def __init__(self, config, vocab_size, settings=None):
         super().__init__(config, vocab_size, settings)
         sc = config.speculative
@@ -108,10 +112,18 @@ class DraftModelProposer(Proposer):
         backend.prepare_model(model, self.dtype)
         self.model = model
         self.attention = assembly.attention()
+        # the distribution a sampled request draws from (temperature, top-k/p, min-p), as the target's
+        # verification computes it (Sampler.probs); drafts drawn with the engine's seed
+        self.sampler = plugins.get("sampler", "host")(config=dconf)
+        self.rng = np.random.default_rng([dconf.seed, 37])
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, request_id, prompt_token_ids):
-        self.seqs[request_id] = _Seq()
+    def add_request(self, request_id, prompt_token_ids, sampling_params=None):
+        p = sampling_params
+        # unseeded sampled requests get drafts drawn from the draft's distribution, with it (exact rejection
+        # sampling, more kept than an argmax); greedy and seeded ones the argmax (a seeded request's tokens
+        # then stay those without speculation)
+        self.seqs[request_id] = _Seq(params=p if p is not None and not p.greedy and p.seed is None else None)
 
     def on_preempted(self, request_id):
         seq = self.seqs.get(request_id)
@@ -163,7 +175,7 @@ class DraftModelProposer(Proposer):
             self._truncate(seq, 0)               # the pool is short: no drafts, and no KV held
             return []
         seq.tokens.extend(int(t) for t in token_ids[valid:])
-        drafts = []
+        drafts, probs = [], []
         import paddle
         from fdx.core import kernels
         with kernels.using(self.backend.kernels), paddle.no_grad():
@@ -172,18 +184,25 @@ class DraftModelProposer(Proposer):
                 self._forward(request_id, seq, start, start + self.chunk, logits=False)
                 start += self.chunk
             for j in range(k):
-                token = self._forward(request_id, seq, start, len(seq.tokens), logits=True)
+                logits = self._forward(request_id, seq, start, len(seq.tokens), logits=True)
+                if seq.params is None:
+                    token = int(logits.argmax())
+                else:
+                    q = self.sampler.probs(logits[None], SamplingBatch([seq.params], [()], [()]))[0]
+                    cum = np.cumsum(q)
+                    token = int(min(np.searchsorted(cum, self.rng.random() * cum[-1], side="right"), len(q) - 1))
+                    probs.append(q)
                 drafts.append(token)
                 if j == k - 1:
                     break
                 start = len(seq.tokens)
                 seq.tokens.append(token)
         seq.proposed_from, seq.num_drafts = n, len(drafts)
-        return drafts
+        return Proposal(drafts, np.stack(probs).astype(np.float32)) if probs else drafts
 
-    def _forward(self, request_id: str, seq: _Seq, start: int, end: int, logits: bool) -> int | None:
+    def _forward(self, request_id: str, seq: _Seq, start: int, end: int, logits: bool) -> np.ndarray | None:
         """Compute positions ``start .. end`` of the request (KV written); the
-        argmax of the last one's logits when ``logits``."""
+        last one's logits (float32 numpy [vocab]) when ``logits``."""
         import paddle
         q = end - start
         rows = [q - 1] if logits else []
@@ -196,7 +215,8 @@ class DraftModelProposer(Proposer):
                                  paddle.to_tensor(np.asarray(rows or [q - 1], dtype=np.int64)))
         if not logits:
             return None
-        return int(paddle.argmax(out[0]).item())
+        row = out[0]
+        return (row if row.dtype == paddle.float32 else row.astype("float32")).numpy()
 
     def close(self):
         self.kv_caches = []
