@@ -172,7 +172,7 @@ class SpeculativeConfig(_Section):
     one forward of the model verifies them; the output never changes. Keys
     are vLLM's ``--speculative-config`` names; FastDeploy's ``max_ngram_size``
     / ``min_ngram_size`` are taken for prompt_lookup_max / _min."""
-    method: str | None = None                  # a proposer (fdx_register_proposers: ngram, suffix, or a
+    method: str | None = None                  # a proposer (fdx_register_proposers: ngram, suffix, draft_model, or a
                                                # plugin's); None: off
     num_speculative_tokens: int = Field(4, ge=1, le=64)   # k: tokens proposed per request and step, at most
     prompt_lookup_min: int | None = Field(None, ge=1)     # ngram: shortest / longest n-gram of the tokens'
@@ -183,6 +183,8 @@ class SpeculativeConfig(_Section):
     suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)  # suffix: draft at most factor x match length
     suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)  # suffix: stop a draft where the next
                                                # token's share of the continuations falls below this
+    model: str | None = None                   # draft_model: the draft's HF folder or .gguf (the target's
+                                               # tokenizer; vLLM's key); "self": the target's own path
     disable_by_batch_size: int | None = Field(None, ge=1)   # vLLM's: no speculation on a step with at least
                                                # this many decoding requests
     cost_gate: bool = True                     # measure a forward of 1 against k+1 rows per request and
@@ -193,6 +195,12 @@ class SpeculativeConfig(_Section):
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})")
+        return self
+
+    @model_validator(mode="after")
+    def _draft_model_by_default(self):
+        if self.method is None and self.model is not None:      # vLLM's: a model alone is a draft model
+            self.method = "draft_model"
         return self
 
     @property

@@ -180,7 +180,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM/FastDeploy: speculative decoding, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (methods: ngram, suffix, "
-                        "or a plugin's; the speculative section, docs/speculative.md; default: off)")
+                        "draft_model with \"model\", or a plugin's; the speculative section, docs/speculative.md; "
+                        "default: off)")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="vLLM: trace each request to this OTLP/HTTP collector (= observability.observers: [otel] "
                         "and plugins.observer.otel.endpoint: URL; needs fdx[otel]; default: no tracing)")

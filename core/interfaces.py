@@ -693,6 +693,8 @@ class Proposer(abc.ABC):
     them on a step the cost gate skips (docs/speculative.md)."""
 
     uses_hidden_states: bool = False     # room for MTP-style heads: not delivered yet (propose gets None)
+    uses_sampling_params: bool = False   # True: add_request also gets ``sampling_params=`` (the request's
+                                         # SamplingParams), so drafts can be drawn as the request samples
 
     def __init__(self, config: "FdxConfig", vocab_size: int, settings: Any = None):
         self.config = config

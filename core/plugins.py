@@ -58,6 +58,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "fdx.plugins.observers.otel",
     "fdx.plugins.spec.ngram",
     "fdx.plugins.spec.suffix",
+    "fdx.plugins.spec.draft_model",
 )
 
 # The built-ins the API process of ``fdx serve`` loads: what it looks up is a

@@ -233,7 +233,11 @@ class Speculation:
                     or p.reasoning_max_tokens is not None)
 
     def add_request(self, request) -> None:
-        self.proposer.add_request(request.request_id, list(request.prompt_token_ids))
+        if self.proposer.uses_sampling_params:     # it draws its drafts as the request samples (Proposal.draft_probs)
+            self.proposer.add_request(request.request_id, list(request.prompt_token_ids),
+                                      sampling_params=request.sampling_params)
+        else:
+            self.proposer.add_request(request.request_id, list(request.prompt_token_ids))
 
     def remove_request(self, request) -> None:
         self.draft_probs.pop(request.request_id, None)
