@@ -13,11 +13,13 @@ In the forward, ``StepLoRA`` (built by the runner from the step's
 ``BatchLayout``) groups the rows of each adapter; after each linear an
 adapter targets, the model adds ``x_rows @ A^T @ B^T * scale`` to those rows
 only (shrink, then expand, per adapter group, as vLLM's punica_cpu); the
-other rows keep their bits. Both products go through
-``fdx.ops.dense.row_fixed_matmul`` (the compiled float32 product at every
-row count), so a row's delta has the same bits whichever rows and adapters
-share its step: with backend.batch_invariant, a request's logits with an
-adapter are the same alone or in any batch.
+other rows keep their bits. Under backend.batch_invariant both products
+go through ``fdx.ops.dense.row_fixed_matmul`` (the compiled float32 product
+at every row count, as the base model's own products then are), so a row's
+delta has the same bits whichever rows and adapters share its step: a
+request's logits with an adapter are the same alone or in any batch.
+Otherwise they are Paddle's matmul (MKL: faster on a long prompt's rows,
+its order depending on the row count, as the base products' is then).
 """
 from __future__ import annotations
 
@@ -167,7 +169,10 @@ class StepLoRA:
             return y
         import paddle
 
+        from fdx.core import kernels
         from fdx.ops.dense import row_fixed_matmul
+        # backend.batch_invariant: a row's delta independent of the step's other rows
+        mm = row_fixed_matmul if kernels.active().batch_invariant else paddle.matmul
         pieces: list[tuple[int, int, Any]] = []
         for name, spans in self.groups:
             ab = held.get(name)
@@ -177,7 +182,7 @@ class StepLoRA:
             xs = x[spans[0][0]:spans[0][1]] if len(spans) == 1 else paddle.concat([x[a:b] for a, b in spans])
             if xs.dtype != a_t.dtype:              # the adapter stays float32 beside any base dtype
                 xs = xs.astype(a_t.dtype)
-            d = row_fixed_matmul(row_fixed_matmul(xs, a_t), b_t) * scale
+            d = mm(mm(xs, a_t), b_t) * scale
             at = 0
             for a, b in spans:
                 pieces.append((a, b, d[at:at + b - a]))

@@ -4,7 +4,8 @@ f32_blas_min_rows(build) activation rows the compiled product (csrc/f32_kernels.
 the threads) in the widest build the active kernel table passed, else
 Paddle's matmul (MKL sgemm), which is also the probes' reference.
 ``row_fixed_matmul``: the compiled product at every row count (a row's bits
-independent of the other rows), for the LoRA adapters' shrink and expand."""
+independent of the other rows), for the LoRA adapters' shrink and expand
+under backend.batch_invariant."""
 from __future__ import annotations
 
 import paddle
@@ -33,7 +34,8 @@ def row_fixed_matmul(x: Tensor, w: Tensor) -> Tensor:
     other rows: the compiled product (test_f32_kernels: a row of M equals it alone, at every
     M and thread count) at every row count, whatever backend.batch_invariant says; without a
     compiled build, one 1-row product per row (a 1-row sgemm's order does not depend on the
-    rest of the batch). The LoRA shrink and expand (fdx.core.lora.StepLoRA)."""
+    rest of the batch). The LoRA shrink and expand under backend.batch_invariant
+    (fdx.core.lora.StepLoRA)."""
     if cpp.loaded():
         variant = cpp.f32_build(kernels.active())
         if variant is not None:
