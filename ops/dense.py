@@ -3,9 +3,9 @@ and tied LM head): from fdx.ops.cpp.F32_MIN_ROWS to fewer than
 f32_blas_min_rows(build) activation rows the compiled product (csrc/f32_kernels.h: the weight streamed once over
 the threads) in the widest build the active kernel table passed, else
 Paddle's matmul (MKL sgemm), which is also the probes' reference.
-``row_fixed_matmul``: the compiled product at every row count (a row's bits
-independent of the other rows), for the LoRA adapters' shrink and expand
-under backend.batch_invariant."""
+``lora_matmul``: the LoRA adapters' shrink and expand; under
+backend.batch_invariant the compiled product at every row count (a row's
+bits independent of the other rows)."""
 from __future__ import annotations
 
 import paddle
@@ -14,7 +14,7 @@ from paddle import Tensor
 from fdx.core import kernels
 from fdx.ops import cpp
 
-__all__ = ["matmul", "row_fixed_matmul"]
+__all__ = ["lora_matmul", "matmul"]
 
 
 def matmul(x: Tensor, w: Tensor) -> Tensor:
@@ -29,15 +29,21 @@ def matmul(x: Tensor, w: Tensor) -> Tensor:
     return paddle.matmul(x, w)
 
 
-def row_fixed_matmul(x: Tensor, w: Tensor) -> Tensor:
-    """``x [rows, in] @ w [in, out]`` (float32) whose every row's bits do not depend on the
-    other rows: the compiled product (test_f32_kernels: a row of M equals it alone, at every
-    M and thread count) at every row count, whatever backend.batch_invariant says; without a
-    compiled build, one 1-row product per row (a 1-row sgemm's order does not depend on the
-    rest of the batch). The LoRA shrink and expand under backend.batch_invariant
-    (fdx.core.lora.StepLoRA)."""
+
+def lora_matmul(x: Tensor, w: Tensor) -> Tensor:
+    """``x [rows, in] @ w [in, out]`` (float32), the LoRA shrink and expand
+    (fdx.core.lora.StepLoRA). Under backend.batch_invariant every row's bits do
+    not depend on the other rows: the compiled product (test_f32_kernels: a row
+    of M equals it alone, at every M and thread count) at every row count, or
+    without a compiled build one 1-row product per row. Otherwise Paddle's
+    matmul: MKL, several times faster on a long prompt's rows at an adapter's
+    thin shapes, its order depending on the row count (as the base products'
+    is then)."""
+    table = kernels.active()
+    if not table.batch_invariant:
+        return paddle.matmul(x, w)
     if cpp.loaded():
-        variant = cpp.f32_build(kernels.active())
+        variant = cpp.f32_build(table)
         if variant is not None:
             return cpp.F32_MATMULS[variant](x, w)
     if x.shape[0] <= 1:

@@ -110,7 +110,7 @@ def test_mixed_batch_equals_peft_and_each_solo_run(tiny):
     transformers + peft over the same tokens (max abs diff < 1e-4), and
     with backend.batch_invariant equal, bit for bit, its own run alone and
     in the batch reversed (the adapter's shrink and expand are the compiled
-    row-fixed product: fdx.ops.dense.row_fixed_matmul)."""
+    row-fixed product: fdx.ops.dense.lora_matmul)."""
     path, a, b = tiny
     ra, rb = LoRARequest("a", 1, a), LoRARequest("b", 2, b)
     llm, tap = tapped(path, batch_invariant=True, **LORA)
@@ -182,17 +182,20 @@ def test_default_model_quantized_solo_and_batched_bitwise(tmp_path):
     assert go([prompts[0]], [None])[0][1] != together[0][1]        # the adapter changes the output
 
 
-def test_row_fixed_product_rows_do_not_depend_on_the_others():
-    """fdx.ops.dense.row_fixed_matmul, the LoRA shrink and expand: in the
-    cpu backend's table (the compiled product) and in the reference table
-    (1-row products), each row of a 100-row product is bitwise the row
-    computed alone and within float32 rounding of numpy's float64 product,
-    at the shapes a shrink ([in, r]) and an expand ([r, out]) have."""
+def test_lora_product_rows_do_not_depend_on_the_others():
+    """fdx.ops.dense.lora_matmul, the LoRA shrink and expand, under
+    backend.batch_invariant: in the cpu backend's table (the compiled
+    product) and in the reference table (1-row products), each row of a
+    100-row product is bitwise the row computed alone and within float32
+    rounding of numpy's float64 product, at the shapes a shrink ([in, r])
+    and an expand ([r, out]) have."""
+    import dataclasses
+
     import paddle
 
     from fdx.core import kernels
     from fdx.ops import cpp
-    from fdx.ops.dense import row_fixed_matmul
+    from fdx.ops.dense import lora_matmul
     from test_contracts import cpu_kernel_table
     rng = np.random.default_rng(3)
     tables = [kernels.REFERENCE] + ([cpu_kernel_table()] if cpp.available() else [])
@@ -200,10 +203,10 @@ def test_row_fixed_product_rows_do_not_depend_on_the_others():
         for k, n in ((576, 4), (24, 1536), (32, 96)):
             x = rng.standard_normal((100, k)).astype(np.float32)
             w = rng.standard_normal((k, n)).astype(np.float32)
-            with kernels.using(table):
-                whole = row_fixed_matmul(paddle.to_tensor(x), paddle.to_tensor(w)).numpy()
+            with kernels.using(dataclasses.replace(table, batch_invariant=True)):
+                whole = lora_matmul(paddle.to_tensor(x), paddle.to_tensor(w)).numpy()
                 for rows in ((3, 4), (0, 13), (40, 90)):
-                    part = row_fixed_matmul(paddle.to_tensor(x[rows[0]:rows[1]]), paddle.to_tensor(w)).numpy()
+                    part = lora_matmul(paddle.to_tensor(x[rows[0]:rows[1]]), paddle.to_tensor(w)).numpy()
                     assert np.array_equal(part, whole[rows[0]:rows[1]]), (table.source, k, n, rows)
             want = x.astype(np.float64) @ w.astype(np.float64)
             assert np.abs(whole - want).max() < 1e-5 * np.abs(want).max(), (table.source, k, n)
