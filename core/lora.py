@@ -16,11 +16,10 @@ only (shrink, then expand, per adapter group, as vLLM's punica_cpu); the
 other rows keep their bits. Both products are the runner's
 ``fdx.ops.dense.lora_matmul``: under backend.batch_invariant the compiled
 float32 product at every row count (as the base model's own products then
-are), so a row's
-delta has the same bits whichever rows and adapters share its step: a
-request's logits with an adapter are the same alone or in any batch.
-Otherwise they are Paddle's matmul (MKL: faster on a long prompt's rows,
-its order depending on the row count, as the base products' is then).
+are), so a row's delta has the same bits whichever rows and adapters share
+its step: a request's logits with an adapter are the same alone or in any
+batch. Otherwise Paddle's matmul (MKL: faster on a long prompt's rows, its
+order depending on the row count, as the base products' is then).
 """
 from __future__ import annotations
 

@@ -29,7 +29,6 @@ def matmul(x: Tensor, w: Tensor) -> Tensor:
     return paddle.matmul(x, w)
 
 
-
 def lora_matmul(x: Tensor, w: Tensor) -> Tensor:
     """``x [rows, in] @ w [in, out]`` (float32), the LoRA shrink and expand
     (fdx.core.lora.StepLoRA). Under backend.batch_invariant every row's bits do
