@@ -499,9 +499,8 @@ class EngineCore:
         self.last_schedule = sched
         self.notify("fdx_step_finished", scheduler_output=sched, step_stats=stats,
                     context=context or self._context(sched))
-        for req in finished:
-            if req.status is not RequestStatus.FINISHED_ABORTED:   # abort_request told them already
-                self._finished(req)
+        for req in finished:     # aborted ones too: the connector's failures (abort_request's never come here)
+            self._finished(req)
         return changed
 
     def _guided_verdicts(self) -> list[Request]:

@@ -13,7 +13,13 @@ In the forward, ``StepLoRA`` (built by the runner from the step's
 ``BatchLayout``) groups the rows of each adapter; after each linear an
 adapter targets, the model adds ``x_rows @ A^T @ B^T * scale`` to those rows
 only (shrink, then expand, per adapter group, as vLLM's punica_cpu); the
-other rows keep their bits.
+other rows keep their bits. Both products are the runner's
+``fdx.ops.dense.lora_matmul``: under backend.batch_invariant the compiled
+float32 product at every row count (as the base model's own products then
+are), so a row's delta has the same bits whichever rows and adapters share
+its step: a request's logits with an adapter are the same alone or in any
+batch. Otherwise Paddle's matmul (MKL: faster on a long prompt's rows, its
+order depending on the row count, as the base products' is then).
 """
 from __future__ import annotations
 
@@ -141,9 +147,12 @@ def make_loader(config: Any, plugins: Any) -> Any:
 
 class StepLoRA:
     """The step's adapter groups, from the layout: ``groups`` is a list of
-    (adapter name, its requests' row spans), in first-row order."""
+    (adapter name, its requests' row spans), in first-row order.
+    ``matmul``: the float32 product of the shrink and expand (the runner
+    passes fdx.ops.dense.lora_matmul; default Paddle's matmul)."""
 
-    def __init__(self, layout: "BatchLayout"):
+    def __init__(self, layout: "BatchLayout", matmul: Callable[[Any, Any], Any] | None = None):
+        self.matmul = matmul
         by_name: dict[str, list[tuple[int, int]]] = {}
         for r0, n, args in zip(layout.row_starts, layout.num_rows, layout.model_args):
             name = getattr(args, "lora", None)
@@ -162,6 +171,7 @@ class StepLoRA:
         if not held:
             return y
         import paddle
+        mm = self.matmul or paddle.matmul
         pieces: list[tuple[int, int, Any]] = []
         for name, spans in self.groups:
             ab = held.get(name)
@@ -171,7 +181,7 @@ class StepLoRA:
             xs = x[spans[0][0]:spans[0][1]] if len(spans) == 1 else paddle.concat([x[a:b] for a, b in spans])
             if xs.dtype != a_t.dtype:              # the adapter stays float32 beside any base dtype
                 xs = xs.astype(a_t.dtype)
-            d = paddle.matmul(paddle.matmul(xs, a_t), b_t) * scale
+            d = mm(mm(xs, a_t), b_t) * scale
             at = 0
             for a, b in spans:
                 pieces.append((a, b, d[at:at + b - a]))

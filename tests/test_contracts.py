@@ -255,6 +255,59 @@ def test_outside_connector_loads_what_it_saved(tiny, reference, pm):
     assert stats["loaded_blocks"] >= sum((len(p) - 1) // 4 for p in PROMPTS), stats
 
 
+def test_a_request_the_connector_fails_is_reported_finished(tiny):
+    """A connector's take_failed ends a request inside the scheduling core
+    (its KV never came): the request comes back aborted with the reason,
+    and observers hear fdx_request_finished for it, as for any abort."""
+    from fdx.core.hookspecs import hookimpl
+    from fdx.core.interfaces import KVConnector
+
+    class NeverArrives(KVConnector):
+        """Every request's KV "comes from elsewhere" and never does."""
+        def __init__(self, config, block_size, settings=None):
+            super().__init__(config, block_size, settings)
+            self.deferred: set[str] = set()
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0
+
+        def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+            pass
+
+        def build_connector_meta(self):
+            return None
+
+        def start_load_kv(self, metadata):
+            pass
+
+        def defer_request(self, request):
+            self.deferred.add(request.request_id)
+            return True
+
+        def take_failed(self):
+            out, self.deferred = {rid: "the KV never came" for rid in self.deferred}, set()
+            return out
+
+    finished = []
+
+    class Plugin:
+        @hookimpl
+        def fdx_register_connectors(self, register):
+            register("never-arrives", NeverArrives)
+
+        @hookimpl
+        def fdx_request_finished(self, request, output):
+            finished.append((request.request_id, output.outputs[0].finish_reason))
+
+    pm = PluginManager()
+    pm.add_plugin(Plugin(), name="never-arrives")
+    llm = make_llm(tiny, plugins=pm, kv_connector="never-arrives")
+    outs = llm.generate(prompts()[:2], GREEDY)
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort", "abort"]
+    assert sorted(finished) == sorted((o.request_id, "abort") for o in outs)
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
 def _layer_groups(calls):
     """LAYER_CALLS cut at each step's ("start", n): [(n, the calls of that step's forward)]."""
     groups = []

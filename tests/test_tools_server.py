@@ -185,6 +185,23 @@ def test_tool_round_trip_renders_the_history(server, client, qwen3_dir):
     assert r.usage.prompt_tokens == len(tok(text, add_special_tokens=False).input_ids)
 
 
+def test_tokenize_renders_the_tools(server, qwen3_dir):
+    """/tokenize with messages and tools (vLLM's field): the template renders
+    the tools as chat completions do, transformers' token ids; a bad tool is
+    a 400 naming tools."""
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(str(qwen3_dir))
+    url, auth = server.base_url + "/tokenize", {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(url, headers=auth, json={"messages": ASK, "tools": TOOLS}, timeout=30)
+    assert r.status_code == 200, r.text
+    text = tok.apply_chat_template(ASK, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "get_weather" in text and r.json()["tokens"] == tok(text, add_special_tokens=False).input_ids
+    plain = httpx.post(url, headers=auth, json={"messages": ASK}, timeout=30).json()["tokens"]
+    assert len(plain) < len(r.json()["tokens"])
+    r = httpx.post(url, headers=auth, json={"messages": ASK, "tools": [{"type": "function"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
 def test_reasoning_content_streamed_and_not(client):
     out = "<think>\nThe user wants weather. Paris is sunny.\n</think>\n\nSunny in Paris."
     r = client.chat.completions.create(model=None, messages=ASK, max_tokens=80, extra_body={"guided_choice": [out]})

@@ -1,6 +1,7 @@
 """``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``, in
 vLLM's shapes (behind the API key, like /v1): a prompt, or chat messages
-through the model's template, into token ids with their count and
+through the model's template (with the ``tools`` it renders, as chat
+completions), into token ids with their count and
 ``max_model_len``; token ids back into text; the special tokens and chat
 template."""
 from __future__ import annotations
@@ -26,6 +27,7 @@ class TokenizeChatRequest(_Model):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False          # the template holds them already (vLLM's default)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the template, as chat completions do (vLLM's)
     return_token_strs: bool = False
     content_special_tokens: Literal["parse", "text"] | None = None   # as in chat completions
 
@@ -58,6 +60,15 @@ def install(app, server) -> None:
         server.check_model(req.model)
         render = _ready(server)
         if isinstance(req, TokenizeChatRequest):
+            if req.tools:                 # the chat completions' checks of each tool (a 400 naming tools)
+                from types import SimpleNamespace
+
+                from fdx.core.chat_output import ChatRequestError, tool_plan
+                try:
+                    tool_plan(SimpleNamespace(tools=req.tools, tool_choice="none", parallel_tool_calls=None),
+                              server.sc)
+                except ChatRequestError as e:
+                    raise APIError(400, e.message, param=e.param) from None
             text, ids = render.chat_prompt(req, server.content_as_text(req))
             if req.add_special_tokens:
                 ids = render._encode(text, "messages", add_special_tokens=True)
