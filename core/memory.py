@@ -10,10 +10,18 @@ batch (allocated before the measurement, so it does not count). The
 peak is the backend's to measure (``Backend.profile_peak_bytes``): the
 device allocator's high-water mark on a GPU, the process's resident set
 on the host (``host_peak_bytes`` here).
+
+On the host the KV cache is reserved, not committed (``host_zeros``): its
+tensors lie over anonymous memory the kernel maps on first write, so a
+block's pages become resident when a sequence first writes it, and the
+process holds what the running sequences use, not the whole cap (at the
+1.7B size, 64 sequences of 1024 tokens capped at a tenth of 24 GB is
+2.4 GB, of which one 1024-token sequence writes 384 MB).
 """
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -35,6 +43,27 @@ class KVBudget:
     kv_bytes: int              # memory_fraction of what remains for the KV cache
     num_tokens: int            # the profiled batch
     num_seqs: int
+
+
+_LAZY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def host_zeros(shape, dtype: str = "float32"):
+    """A zeroed host (CPU) Paddle tensor whose pages become resident only
+    when written: numpy over an anonymous private mapping (zero-filled by
+    the kernel on first touch), shared with Paddle through DLPack (no copy;
+    the tensor keeps the mapping alive). ``paddle.zeros`` writes every page
+    at once. A dtype numpy has no type for (bfloat16) falls back to it."""
+    import paddle
+    if dtype not in _LAZY_DTYPES:
+        return paddle.zeros(shape, dtype=dtype)
+    from paddle.utils.dlpack import from_dlpack
+    n = int(np.prod(shape, dtype=np.int64))
+    if n == 0:
+        return paddle.zeros(shape, dtype=dtype)
+    dt = np.dtype(_LAZY_DTYPES[dtype])
+    buf = mmap.mmap(-1, n * dt.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return from_dlpack(np.frombuffer(buf, dtype=dt).reshape(shape))
 
 
 def profile_forward(model, attention, backend, spec: KVCacheSpec, num_tokens: int, num_seqs: int
