@@ -102,6 +102,8 @@ def kv_budget(backend, model, attention, spec: KVCacheSpec, num_tokens: int, num
     run = profile_forward(model, attention, backend, spec, num_tokens, num_seqs)
     peak = int(backend.profile_peak_bytes(run))
     del run                                     # the throwaway cache goes with it
+    from fdx.core.host import release_free_heap
+    release_free_heap()                         # the forward's freed activations, not kept resident
     free = int(backend.free_memory_bytes())
     total = backend.total_memory_bytes()
     if total is None:                           # the share is of what is free now
