@@ -1,9 +1,9 @@
 """KV sizing: the most the default KV cache may take (the engine gives it
 what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, up to
 that). With a backend's ``total_memory_bytes`` (the CPU's: the host's
-memory) it is ``cache.memory_fraction`` of that, the same on every start;
-without one, of what remains free after one forward at the largest batch
-the config allows, its peak memory measured.
+memory) it is ``cache.memory_fraction`` of that, the same on every start,
+and nothing runs; without one, of what remains free after one forward at
+the largest batch the config allows, its peak memory measured.
 
 The forward runs over a throwaway KV cache just large enough for the
 batch (allocated before the measurement, so it does not count). The
@@ -97,29 +97,34 @@ def profile_forward(model, attention, backend, spec: KVCacheSpec, num_tokens: in
 
 def kv_budget(backend, model, attention, spec: KVCacheSpec, num_tokens: int, num_seqs: int,
               memory_fraction: float) -> KVBudget:
-    """Profile one forward at the given batch (KV laid out as ``spec``; its
-    block count is ignored) and size the KV cache's memory."""
+    """Size the KV cache's memory: ``memory_fraction`` of the backend's total
+    memory when it reports one (no forward: ``peak_bytes`` 0), else of what
+    is free after one profiled forward at the given batch (KV laid out as
+    ``spec``; its block count is ignored), less that forward's peak."""
+    total = backend.total_memory_bytes()
+    if total is not None:                       # a share of the whole memory: the same on every start
+        # no profile forward: its figures changed nothing here, and at the largest batch it was the
+        # load's high-water mark (1.1 GB above a 1.7B model for 2048 tokens: its throwaway KV cache
+        # and the activations) and a minute and more of start-up
+        free = int(backend.free_memory_bytes())
+        kv = int(total * memory_fraction)
+        log.info("KV sizing: the KV cache may take %.0f%% of the %.1f MiB of memory: %.1f MiB (reserved; "
+                 "resident as sequences write it; %.1f MiB free now)",
+                 memory_fraction * 100, total / MiB, kv / MiB, free / MiB)
+        if kv > free:
+            log.warning("KV sizing: %.1f MiB for the KV cache is more than the %.1f MiB free now; a full "
+                        "cache would not fit: lower cache.memory_fraction or set cache.kv_cache_memory_bytes",
+                        kv / MiB, free / MiB)
+        return KVBudget(free, 0, kv, num_tokens, min(num_seqs, num_tokens))
     run = profile_forward(model, attention, backend, spec, num_tokens, num_seqs)
     peak = int(backend.profile_peak_bytes(run))
     del run                                     # the throwaway cache goes with it
     from fdx.core.host import release_free_heap
     release_free_heap()                         # the forward's freed activations, not kept resident
     free = int(backend.free_memory_bytes())
-    total = backend.total_memory_bytes()
-    if total is None:                           # the share is of what is free now
-        kv = int(max(0, free - peak) * memory_fraction)
-        log.info("KV sizing: a forward of %d tokens in %d sequences peaked %.1f MiB above the loaded model; "
-                 "%.1f MiB free; the KV cache may take %.0f%% of the %.1f MiB left: %.1f MiB",
-                 num_tokens, min(num_seqs, num_tokens), peak / MiB, free / MiB, memory_fraction * 100,
-                 max(0, free - peak) / MiB, kv / MiB)
-    else:                                       # a share of the whole memory: the same on every start
-        kv = int(total * memory_fraction)
-        log.info("KV sizing: the KV cache may take %.0f%% of the %.1f MiB of memory: %.1f MiB (a forward of %d "
-                 "tokens in %d sequences peaked %.1f MiB above the loaded model; %.1f MiB free now)",
-                 memory_fraction * 100, total / MiB, kv / MiB, num_tokens, min(num_seqs, num_tokens),
-                 peak / MiB, free / MiB)
-        if kv > free - peak:
-            log.warning("KV sizing: %.1f MiB for the KV cache is more than the %.1f MiB free after the profile "
-                        "forward; lower cache.memory_fraction or set cache.kv_cache_memory_bytes",
-                        kv / MiB, max(0, free - peak) / MiB)
+    kv = int(max(0, free - peak) * memory_fraction)     # the share is of what is free now
+    log.info("KV sizing: a forward of %d tokens in %d sequences peaked %.1f MiB above the loaded model; "
+             "%.1f MiB free; the KV cache may take %.0f%% of the %.1f MiB left: %.1f MiB",
+             num_tokens, min(num_seqs, num_tokens), peak / MiB, free / MiB, memory_fraction * 100,
+             max(0, free - peak) / MiB, kv / MiB)
     return KVBudget(free, peak, kv, num_tokens, min(num_seqs, num_tokens))
