@@ -1,19 +1,27 @@
 """KV sizing: the most the default KV cache may take (the engine gives it
 what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, up to
 that). With a backend's ``total_memory_bytes`` (the CPU's: the host's
-memory) it is ``cache.memory_fraction`` of that, the same on every start;
-without one, of what remains free after one forward at the largest batch
-the config allows, its peak memory measured.
+memory) it is ``cache.memory_fraction`` of that, the same on every start,
+and nothing runs; without one, of what remains free after one forward at
+the largest batch the config allows, its peak memory measured.
 
 The forward runs over a throwaway KV cache just large enough for the
 batch (allocated before the measurement, so it does not count). The
 peak is the backend's to measure (``Backend.profile_peak_bytes``): the
 device allocator's high-water mark on a GPU, the process's resident set
 on the host (``host_peak_bytes`` here).
+
+On the host the KV cache is reserved, not committed (``host_zeros``): its
+tensors lie over anonymous memory the kernel maps on first write, so a
+block's pages become resident when a sequence first writes it, and the
+process holds what the running sequences use, not the whole cap (at the
+1.7B size, 64 sequences of 1024 tokens capped at a tenth of 24 GB is
+2.4 GB, of which one 1024-token sequence writes 384 MB).
 """
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -35,6 +43,27 @@ class KVBudget:
     kv_bytes: int              # memory_fraction of what remains for the KV cache
     num_tokens: int            # the profiled batch
     num_seqs: int
+
+
+_LAZY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def host_zeros(shape, dtype: str = "float32"):
+    """A zeroed host (CPU) Paddle tensor whose pages become resident only
+    when written: numpy over an anonymous private mapping (zero-filled by
+    the kernel on first touch), shared with Paddle through DLPack (no copy;
+    the tensor keeps the mapping alive). ``paddle.zeros`` writes every page
+    at once. A dtype numpy has no type for (bfloat16) falls back to it."""
+    import paddle
+    if dtype not in _LAZY_DTYPES:
+        return paddle.zeros(shape, dtype=dtype)
+    from paddle.utils.dlpack import from_dlpack
+    n = int(np.prod(shape, dtype=np.int64))
+    if n == 0:
+        return paddle.zeros(shape, dtype=dtype)
+    dt = np.dtype(_LAZY_DTYPES[dtype])
+    buf = mmap.mmap(-1, n * dt.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return from_dlpack(np.frombuffer(buf, dtype=dt).reshape(shape))
 
 
 def profile_forward(model, attention, backend, spec: KVCacheSpec, num_tokens: int, num_seqs: int
@@ -68,27 +97,34 @@ def profile_forward(model, attention, backend, spec: KVCacheSpec, num_tokens: in
 
 def kv_budget(backend, model, attention, spec: KVCacheSpec, num_tokens: int, num_seqs: int,
               memory_fraction: float) -> KVBudget:
-    """Profile one forward at the given batch (KV laid out as ``spec``; its
-    block count is ignored) and size the KV cache's memory."""
+    """Size the KV cache's memory: ``memory_fraction`` of the backend's total
+    memory when it reports one (no forward: ``peak_bytes`` 0), else of what
+    is free after one profiled forward at the given batch (KV laid out as
+    ``spec``; its block count is ignored), less that forward's peak."""
+    total = backend.total_memory_bytes()
+    if total is not None:                       # a share of the whole memory: the same on every start
+        # no profile forward: its figures changed nothing here, and at the largest batch it was the
+        # load's high-water mark (1.1 GB above a 1.7B model for 2048 tokens: its throwaway KV cache
+        # and the activations) and a minute and more of start-up
+        free = int(backend.free_memory_bytes())
+        kv = int(total * memory_fraction)
+        log.info("KV sizing: the KV cache may take %.0f%% of the %.1f MiB of memory: %.1f MiB (reserved; "
+                 "resident as sequences write it; %.1f MiB free now)",
+                 memory_fraction * 100, total / MiB, kv / MiB, free / MiB)
+        if kv > free:
+            log.warning("KV sizing: %.1f MiB for the KV cache is more than the %.1f MiB free now; a full "
+                        "cache would not fit: lower cache.memory_fraction or set cache.kv_cache_memory_bytes",
+                        kv / MiB, free / MiB)
+        return KVBudget(free, 0, kv, num_tokens, min(num_seqs, num_tokens))
     run = profile_forward(model, attention, backend, spec, num_tokens, num_seqs)
     peak = int(backend.profile_peak_bytes(run))
     del run                                     # the throwaway cache goes with it
+    from fdx.core.host import release_free_heap
+    release_free_heap()                         # the forward's freed activations, not kept resident
     free = int(backend.free_memory_bytes())
-    total = backend.total_memory_bytes()
-    if total is None:                           # the share is of what is free now
-        kv = int(max(0, free - peak) * memory_fraction)
-        log.info("KV sizing: a forward of %d tokens in %d sequences peaked %.1f MiB above the loaded model; "
-                 "%.1f MiB free; the KV cache may take %.0f%% of the %.1f MiB left: %.1f MiB",
-                 num_tokens, min(num_seqs, num_tokens), peak / MiB, free / MiB, memory_fraction * 100,
-                 max(0, free - peak) / MiB, kv / MiB)
-    else:                                       # a share of the whole memory: the same on every start
-        kv = int(total * memory_fraction)
-        log.info("KV sizing: the KV cache may take %.0f%% of the %.1f MiB of memory: %.1f MiB (a forward of %d "
-                 "tokens in %d sequences peaked %.1f MiB above the loaded model; %.1f MiB free now)",
-                 memory_fraction * 100, total / MiB, kv / MiB, num_tokens, min(num_seqs, num_tokens),
-                 peak / MiB, free / MiB)
-        if kv > free - peak:
-            log.warning("KV sizing: %.1f MiB for the KV cache is more than the %.1f MiB free after the profile "
-                        "forward; lower cache.memory_fraction or set cache.kv_cache_memory_bytes",
-                        kv / MiB, max(0, free - peak) / MiB)
+    kv = int(max(0, free - peak) * memory_fraction)     # the share is of what is free now
+    log.info("KV sizing: a forward of %d tokens in %d sequences peaked %.1f MiB above the loaded model; "
+             "%.1f MiB free; the KV cache may take %.0f%% of the %.1f MiB left: %.1f MiB",
+             num_tokens, min(num_seqs, num_tokens), peak / MiB, free / MiB, memory_fraction * 100,
+             max(0, free - peak) / MiB, kv / MiB)
     return KVBudget(free, peak, kv, num_tokens, min(num_seqs, num_tokens))

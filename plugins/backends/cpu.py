@@ -174,6 +174,14 @@ class CpuBackend(Backend):
     def total_memory_bytes(self) -> int:
         return host_total_memory_bytes()
 
+    def allocate_kv_cache(self, spec) -> list:
+        """Zeroed per-layer (k, v) tensors whose pages become resident when
+        first written (core/memory.py host_zeros): the KV cache reserved at
+        its cap, committed as sequences fill it."""
+        from fdx.core.memory import host_zeros
+        return [(host_zeros(spec.shape(), spec.dtype), host_zeros(spec.shape(), spec.dtype))
+                for _ in range(spec.num_layers)]
+
     def describe(self) -> str:
         return f"cpu ({getattr(self, 'num_threads', '?')} threads, fp32)"
 

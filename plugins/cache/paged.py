@@ -44,7 +44,9 @@ class BlockPool:
         return True
 
     def _became_free(self, block_id: int) -> None:
-        self.free_ids.append(block_id)
+        # reused first (last in, first out): the host KV cache's pages become resident when a block is
+        # first written (core/memory.py), so reusing written blocks keeps the process at its high-water mark
+        self.free_ids.appendleft(block_id)
 
 
 class PagedKVCache(KVCacheManager):

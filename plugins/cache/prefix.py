@@ -71,7 +71,7 @@ class CachingBlockPool(BlockPool):
         if self.cached[block_id]:
             self.evictable[block_id] = None
         else:
-            self.free_ids.append(block_id)
+            self.free_ids.appendleft(block_id)     # reused first, as BlockPool's (paged.py)
 
 
 class PrefixKVCache(PagedKVCache):
