@@ -352,7 +352,7 @@ class TLSRedisServer(RedisServer):
         self.url = f"rediss://127.0.0.1:{port}/0"
 
     def client(self, ca: str | None = "default") -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, ssl=True, ssl_cert_reqs="required", socket_timeout=5,
+        return redis.Redis(host="127.0.0.1", port=self.port, ssl=True, ssl_cert_reqs="required", socket_timeout=30,
                            ssl_ca_certs=self.certs["ca.crt"] if ca == "default" else ca)
 
     def start(self) -> None:
@@ -362,7 +362,7 @@ class TLSRedisServer(RedisServer):
              "--tls-cert-file", c["server.crt"], "--tls-key-file", c["server.key"], "--tls-ca-cert-file",
              c["ca.crt"], "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(self.tmp)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
                 out = self.proc.stdout.read().decode(errors="replace")
@@ -399,10 +399,16 @@ def test_the_global_scheduler_over_tls_and_a_client_without_the_ca_refused(tiny_
         try:
             for s in servers:
                 s.wait_ready()
-            with cf.ThreadPoolExecutor(8) as pool:
-                got = dict(zip(range(8), pool.map(lambda i: ask(servers[i % 2].base_url, i), range(8))))
-            assert got == {i: reference[i] for i in range(8)}
-            assert sum(pulls(s) for s in servers) >= 8
+            # which instance pulls a job is a race: on a busy machine one may drain a whole burst
+            # before the other's pull loop runs. Bursts until both have pulled (one, nearly always),
+            # each answering as a lone instance does
+            for burst in range(1, 6):
+                with cf.ThreadPoolExecutor(8) as pool:
+                    got = dict(zip(range(8), pool.map(lambda i: ask(servers[i % 2].base_url, i), range(8))))
+                assert got == {i: reference[i] for i in range(8)}
+                if all(pulls(s) > 0 for s in servers):
+                    break
+            assert sum(pulls(s) for s in servers) >= 8 * burst
             assert all(pulls(s) > 0 for s in servers), [pulls(s) for s in servers]
         finally:
             for s in servers:
