@@ -19,7 +19,7 @@ import openai
 import pytest
 import redis
 
-from serve_utils import API_KEY, ServerProcess, free_port
+from serve_utils import API_KEY, ServerProcess, free_port, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -98,8 +98,7 @@ def start_pair(tmp_path_factory, model, redis_url: str, n: int = 2, max_num_seqs
         for s in servers:
             s.wait_ready()
     except Exception:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
         raise
     return servers
 
@@ -156,8 +155,7 @@ def test_two_instances_share_a_burst_and_survive_one_dying(tiny_checkpoints, tmp
         assert m["fdx:global_requeued_total"] >= 1
         assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"]
     finally:
-        a.stop()
-        b.stop()
+        stop_all([a, b])
 
 
 def test_a_redis_restart_mid_burst_ends_every_request(tiny_checkpoints, tmp_path_factory, redis_server, reference):
@@ -411,8 +409,7 @@ def test_the_global_scheduler_over_tls_and_a_client_without_the_ca_refused(tiny_
             assert sum(pulls(s) for s in servers) >= 8 * burst
             assert all(pulls(s) > 0 for s in servers), [pulls(s) for s in servers]
         finally:
-            for s in servers:
-                s.stop()
+            stop_all(servers)
         bare = global_server(tmp_path_factory, model, srv.url)
         with pytest.raises(RuntimeError, match=r"cannot be reached.*certificate verify failed"):
             bare.wait_ready()
@@ -550,9 +547,7 @@ def test_a_job_lost_with_redis_or_with_its_instance_says_so(tiny_checkpoints, tm
         status, message = lost[0]
         assert status == 503 and "lost the request: the instance running it (lost-b) is gone" in message
     finally:
-        a.stop()
-        if b is not None:
-            b.stop()
+        stop_all([a, b])
 
 
 def test_a_held_job_with_no_result_for_result_timeout_is_given_up(tiny_checkpoints, tmp_path_factory,

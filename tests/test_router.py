@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from serve_utils import API_KEY, RouterProcess, ServerProcess, free_port
+from serve_utils import API_KEY, RouterProcess, ServerProcess, free_port, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +67,7 @@ def cluster(tiny_checkpoints, tmp_path_factory):
             servers[name].spans_path = spans / f"{name}.jsonl"
         yield servers, routers
     finally:
-        for r in routers:
-            r.stop()
-        for s in servers.values():
-            s.stop()
+        stop_all([*routers, *servers.values()])
 
 
 def client(url: str) -> openai.OpenAI:
