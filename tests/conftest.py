@@ -24,11 +24,27 @@ SLOW_FIXTURES = {
 }
 
 
+def _direct_params(item) -> set[str]:
+    """The argument names a test's own ``parametrize`` fills (not fixtures):
+    test_chat_parsers' ``case`` is a recorded parser output, not
+    test_models' slow ``case`` fixture."""
+    names: set[str] = set()
+    for mark in item.iter_markers("parametrize"):
+        args = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        args = [a.strip() for a in args.split(",")] if isinstance(args, str) else list(args)
+        indirect = mark.kwargs.get("indirect", False)
+        if indirect is True:
+            continue
+        names.update(a for a in args if not (isinstance(indirect, (list, tuple)) and a in indirect))
+    return names
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         compiled = isinstance(params.get("impl"), (tuple, str)) and "cpp" in str(params.get("impl"))
-        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or compiled:
+        fixtures = set(getattr(item, "fixturenames", ())) - _direct_params(item)
+        if SLOW_FIXTURES.intersection(fixtures) or compiled:
             item.add_marker(pytest.mark.slow)
 
 

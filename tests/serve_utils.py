@@ -34,6 +34,18 @@ def terminate(proc: subprocess.Popen, timeout: float) -> None:
             proc.wait()
 
 
+def stop_all(procs) -> None:
+    """Stop servers and routers together: SIGTERM to each first, then wait
+    for each (a graceful shutdown is mostly waiting, so several in turn
+    cost their sum of wall time; together, about the longest one)."""
+    procs = [p for p in procs if p is not None]
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.stop()
+
+
 class ServerProcess:
     def __init__(self, tmp: pathlib.Path, server: dict | None = None, preexec_fn=None, **sections):
         self.port = free_port()

@@ -147,24 +147,23 @@ def _bound(baseline: float) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    sw = {"connector_secret": "router-test-secret", "transfer_timeout_s": 4.0}
-    from serve_utils import free_port
+    # the default transfer timeout (30 s): a busy machine can take over 4 s to offer a prefill's KV
+    sw = {"connector_secret": "router-test-secret"}
+    from serve_utils import ServerProcess, free_port, stop_all
     model = {"model": tiny_model, "max_model_len": 512}
-    p = ready_server(tmp_path_factory.mktemp("p"), {}, model=model, splitwise={**sw, "role": "prefill"})
-    servers = [p]
+    servers = [ServerProcess(tmp_path_factory.mktemp("p"), {}, model=model, splitwise={**sw, "role": "prefill"}),
+               ServerProcess(tmp_path_factory.mktemp("d"), {}, model=model, splitwise={
+                   **sw, "role": "decode", "connector_port": free_port()})]      # both start at once
+    router = None
     try:
-        servers.append(ready_server(tmp_path_factory.mktemp("d"), {}, model=model, splitwise={
-            **sw, "role": "decode", "connector_port": free_port()}))
+        for s in servers:
+            s.wait_ready()
         router = RouterProcess(tmp_path_factory.mktemp("router"), [servers[0].base_url], [servers[1].base_url],
                                "--api-key", API_KEY)
-        try:
-            router.wait_ready()
-            yield router, servers
-        finally:
-            router.stop()
+        router.wait_ready()
+        yield router, servers
     finally:
-        for s in servers:
-            s.stop()
+        stop_all([router, *servers])
 
 
 def _body(size: int, chunk: int = 1 << 20):

@@ -19,7 +19,7 @@ import openai
 import pytest
 import redis
 
-from serve_utils import API_KEY, ServerProcess, free_port
+from serve_utils import API_KEY, ServerProcess, free_port, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -98,8 +98,7 @@ def start_pair(tmp_path_factory, model, redis_url: str, n: int = 2, max_num_seqs
         for s in servers:
             s.wait_ready()
     except Exception:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
         raise
     return servers
 
@@ -156,8 +155,7 @@ def test_two_instances_share_a_burst_and_survive_one_dying(tiny_checkpoints, tmp
         assert m["fdx:global_requeued_total"] >= 1
         assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"]
     finally:
-        a.stop()
-        b.stop()
+        stop_all([a, b])
 
 
 def test_a_redis_restart_mid_burst_ends_every_request(tiny_checkpoints, tmp_path_factory, redis_server, reference):
@@ -352,7 +350,7 @@ class TLSRedisServer(RedisServer):
         self.url = f"rediss://127.0.0.1:{port}/0"
 
     def client(self, ca: str | None = "default") -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, ssl=True, ssl_cert_reqs="required", socket_timeout=5,
+        return redis.Redis(host="127.0.0.1", port=self.port, ssl=True, ssl_cert_reqs="required", socket_timeout=30,
                            ssl_ca_certs=self.certs["ca.crt"] if ca == "default" else ca)
 
     def start(self) -> None:
@@ -362,7 +360,7 @@ class TLSRedisServer(RedisServer):
              "--tls-cert-file", c["server.crt"], "--tls-key-file", c["server.key"], "--tls-ca-cert-file",
              c["ca.crt"], "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(self.tmp)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
                 out = self.proc.stdout.read().decode(errors="replace")
@@ -399,14 +397,19 @@ def test_the_global_scheduler_over_tls_and_a_client_without_the_ca_refused(tiny_
         try:
             for s in servers:
                 s.wait_ready()
-            with cf.ThreadPoolExecutor(8) as pool:
-                got = dict(zip(range(8), pool.map(lambda i: ask(servers[i % 2].base_url, i), range(8))))
-            assert got == {i: reference[i] for i in range(8)}
-            assert sum(pulls(s) for s in servers) >= 8
+            # which instance pulls a job is a race: on a busy machine one may drain a whole burst
+            # before the other's pull loop runs. Bursts until both have pulled (one, nearly always),
+            # each answering as a lone instance does
+            for burst in range(1, 6):
+                with cf.ThreadPoolExecutor(8) as pool:
+                    got = dict(zip(range(8), pool.map(lambda i: ask(servers[i % 2].base_url, i), range(8))))
+                assert got == {i: reference[i] for i in range(8)}
+                if all(pulls(s) > 0 for s in servers):
+                    break
+            assert sum(pulls(s) for s in servers) >= 8 * burst
             assert all(pulls(s) > 0 for s in servers), [pulls(s) for s in servers]
         finally:
-            for s in servers:
-                s.stop()
+            stop_all(servers)
         bare = global_server(tmp_path_factory, model, srv.url)
         with pytest.raises(RuntimeError, match=r"cannot be reached.*certificate verify failed"):
             bare.wait_ready()
@@ -544,9 +547,7 @@ def test_a_job_lost_with_redis_or_with_its_instance_says_so(tiny_checkpoints, tm
         status, message = lost[0]
         assert status == 503 and "lost the request: the instance running it (lost-b) is gone" in message
     finally:
-        a.stop()
-        if b is not None:
-            b.stop()
+        stop_all([a, b])
 
 
 def test_a_held_job_with_no_result_for_result_timeout_is_given_up(tiny_checkpoints, tmp_path_factory,

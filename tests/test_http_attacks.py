@@ -312,24 +312,23 @@ def test_slow_bodies_are_cut_like_slow_heads(tmp_path, tiny_model):
 def cluster(tmp_path_factory, tiny_model):
     """A prefill instance that holds each transfer 3 s (so a test can kill
     it mid-request), a decode instance, and a router."""
+    from serve_utils import ServerProcess, stop_all
     sw = {"transfer_timeout_s": 6.0, "connector_secret": "test-splitwise-secret"}
     model = {"model": tiny_model, "max_model_len": 512}
-    p = ready_server(tmp_path_factory.mktemp("p"), {}, model=model,
-                     splitwise={**sw, "role": "prefill", "debug_transfer_delay_s": 3.0})
-    servers = [p]
+    servers = [ServerProcess(tmp_path_factory.mktemp("p"), {}, model=model,
+                             splitwise={**sw, "role": "prefill", "debug_transfer_delay_s": 3.0}),
+               ServerProcess(tmp_path_factory.mktemp("d"), {}, model=model, splitwise={
+                   **sw, "role": "decode", "connector_port": free_port()})]      # both start at once
+    router = None
     try:
-        servers.append(ready_server(tmp_path_factory.mktemp("d"), {}, model=model, splitwise={
-            **sw, "role": "decode", "connector_port": free_port()}))
+        for s in servers:
+            s.wait_ready()
         router = RouterProcess(tmp_path_factory.mktemp("router"), [servers[0].base_url], [servers[1].base_url],
                                "--api-key", API_KEY)
-        try:
-            router.wait_ready()
-            yield router, servers
-        finally:
-            router.stop()
+        router.wait_ready()
+        yield router, servers
     finally:
-        for s in servers:
-            s.stop()
+        stop_all([router, *servers])
 
 
 def test_router_answers_big_integers_with_the_400_not_a_503(cluster):

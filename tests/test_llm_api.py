@@ -135,38 +135,44 @@ def test_an_id_already_in_the_engine_is_refused_and_the_first_goes_on(smollm_llm
     assert eng.kv_cache.num_free_blocks == eng.kv_cache.num_blocks
 
 
-@pytest.mark.slow                                   # loads SmolLM2 to reach the block check
-def test_bad_config_is_named():
+def test_bad_config_is_named(tmp_path):
+    from tiny_models import TinyLlama
+    model = str(TinyLlama(max_len=512).hf_dir(tmp_path / "tiny"))     # a model is loaded before the block check
     with pytest.raises(ConfigError, match="max_num_sequences"):
-        LLM(max_num_sequences=4)
+        LLM(model, max_num_sequences=4)
     with pytest.raises(ConfigError, match="cache.num_kv_blocks"):
-        LLM(max_model_len=512, num_kv_blocks=2, block_size=16, progress=False)
+        LLM(model, max_model_len=512, num_kv_blocks=2, block_size=16, progress=False)
     with pytest.raises(ConfigError, match="scheduler.kv_scheduler.*no resource_manager named 'v9'; available: .*v1"):
-        LLM(resource_manager="v9", progress=False)
+        LLM(model, resource_manager="v9", progress=False)
     with pytest.raises(ConfigError, match="backend.name.*no backend named 'tpu'"):
-        LLM(backend="tpu", progress=False)
+        LLM(model, backend="tpu", progress=False)
 
 
-def test_third_party_resource_manager_selected_by_config(example_plugin_installed, smollm_llm):
+PROMPTS_OF_TWO_LENGTHS = ["A much longer prompt that has quite a few more tokens in it than the other", "Hi"]
+
+
+def test_third_party_resource_manager_selected_by_config(example_plugin_installed, tiny_checkpoints):
     import fdx_example_plugin as ex
     pm = PluginManager()
-    llm = LLM(max_model_len=256, num_kv_blocks=64, block_size=16, resource_manager="example-fifo",
-              policy="shortest-first", plugins=pm, quantization="none", progress=False)   # smollm_llm's
-    assert type(llm.engine.resource_manager.policy).__name__ == "FifoScheduler"
-    assert ex.STARTED and ex.STARTED[-1]() is llm.engine
-    before, added = len(ex.STEPS), len(ex.ADDED)
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompts = ["A much longer prompt that has quite a few more tokens in it than the other", "Hi"]
-    outs = llm.generate(prompts, sp)
+    model = str(tiny_checkpoints["LlamaForCausalLM"][0])      # the order of work is the point, not the model
+    with LLM(model, max_model_len=256, num_kv_blocks=64, block_size=16, progress=False) as default:
+        ref = default.generate(PROMPTS_OF_TWO_LENGTHS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    with LLM(model, max_model_len=256, num_kv_blocks=64, block_size=16, resource_manager="example-fifo",
+             policy="shortest-first", plugins=pm, progress=False) as llm:
+        assert type(llm.engine.resource_manager.policy).__name__ == "FifoScheduler"
+        assert ex.STARTED and ex.STARTED[-1]() is llm.engine
+        before, added = len(ex.STEPS), len(ex.ADDED)
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outs = llm.generate(PROMPTS_OF_TWO_LENGTHS, sp)
+        step_count = llm.engine.step_count
     # the request hooks: each request seen joining, and finishing with the output the caller got
     assert sorted(ex.ADDED[added:]) == sorted(o.request_id for o in outs)
     assert [ex.OUTPUTS[o.request_id] for o in outs] == [(o.outputs[0].token_ids, "length") for o in outs]
     steps = ex.STEPS[before:]
-    assert [s for s, _ in steps] == list(range(steps[0][0], llm.engine.step_count + 1))  # every step seen
+    assert [s for s, _ in steps] == list(range(steps[0][0], step_count + 1))  # every step seen
     n_prompt = sum(len(o.prompt_token_ids) for o in outs)
     assert sum(t for _, t in steps) == n_prompt + 2 * (6 - 1)     # every token computed once
     # the swap changes the order of work, never what the model says
-    ref = smollm_llm.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 

@@ -432,7 +432,6 @@ def test_outputs_identical_across_caches_and_policies(smollm_llm, solo_outputs, 
 
 
 def test_second_tier_hit_equals_recompute_and_survives_restart(smollm_llm, tmp_path, caplog):
-    from fdx import LLM
     from fdx.core.bench.prefix import use_scheduling
     tok = smollm_llm.tokenizer
     a = tok.encode(SYSTEM * 2 + QUESTIONS[0])             # ~140 tokens: 8+ full blocks
@@ -451,12 +450,11 @@ def test_second_tier_hit_equals_recompute_and_survives_restart(smollm_llm, tmp_p
     keys = block_key_chain_of(a, 16)
     assert all((tmp_path / (k.hex() + ".kvb")).exists() for k in keys)
 
-    # a new engine on the same folder: a's whole prefix is a hit from the files
-    restarted = LLM(max_model_len=512, num_kv_blocks=32, block_size=16, kv_cache="prefix",
-                    swap_dir=str(tmp_path), quantization="none", progress=False)      # smollm_llm's
-    assert _generate(restarted, [a]) == [want_a]
-    assert restarted.engine.connector.stats()["swap_loaded_blocks"] == (len(a) - 1) // 16
-    del restarted
+    # a new KV cache and tier on the same folder (what a restarted engine builds; the session's
+    # engine, not a second float32 SmolLM2 load): a's whole prefix is a hit from the files
+    with use_scheduling(smollm_llm.engine, kv_cache="prefix", num_kv_blocks=32, swap_dir=str(tmp_path)) as eng:
+        assert _generate(smollm_llm, [a]) == [want_a]
+        assert eng.connector.stats()["swap_loaded_blocks"] == (len(a) - 1) // 16
 
     # corrupt every file but the first of a's chain, add a foreign one: ignored, output unchanged
     for key in keys[1:]:

@@ -80,6 +80,14 @@ def test_the_vllm_command_line_serves_a_completion(vllm_server):
 def test_each_metric_row_of_migrating_md_names_a_series_the_server_exports(vllm_server):
     from test_migrating import metric_rows
     base, _ = vllm_server
+    # series that appear only once a request has finished (success counts, prefix-cache hits): two
+    # completions of one prompt of its own, so that the test does not rely on another having run first
+    model = httpx.get(base + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
+    for _ in range(2):
+        r = httpx.post(base + "/v1/completions", headers=AUTH, timeout=120,
+                       json={"model": model, "prompt": "Names people already know, on real servers.",
+                             "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
     text = httpx.get(base + "/metrics").text
     series = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
     missing = [name for _, name in metric_rows() if name not in series and f"{name}_bucket" not in series]

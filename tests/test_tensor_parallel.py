@@ -166,29 +166,6 @@ def test_killed_worker_fails_generate_and_leaves_no_process(tiny_checkpoints):
     llm.close()
 
 
-@pytest.mark.slow
-def test_smollm2_tp3_llm_equals_tp1(smollm_llm):
-    """9 query heads, 3 KV heads, 1536 MLP columns: 3 ranks of 3 / 1 / 512.
-    Greedy and seeded sampling (drawn in rank 0) with logprobs."""
-    text = ["The capital of France is", "def fibonacci(n):"]
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=2,
-                            prompt_logprobs=1)
-    ref = smollm_llm.generate(text, GREEDY) + smollm_llm.generate(text[:1], seeded)
-    with LLM(max_model_len=256, num_kv_blocks=64, block_size=16, tensor_parallel_size=3, quantization="none",
-             progress=False) as tp:
-        assert len(tp.engine.executor.procs) == 3
-        out = tp.generate(text, GREEDY) + tp.generate(text[:1], seeded)
-    for a, b in zip(out, ref):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    la, lb = out[-1].outputs[0].logprobs, ref[-1].outputs[0].logprobs
-    pa, pb = out[-1].prompt_logprobs[1:], ref[-1].prompt_logprobs[1:]
-    assert len(pa) == len(pb) == len(out[-1].prompt_token_ids) - 1
-    for da, db in zip(la + pa, lb + pb):
-        assert da.keys() == db.keys()
-        for t in da:
-            assert abs(da[t].logprob - db[t].logprob) < 1e-3
-
-
 def tp_workers_of(engine_pid: int) -> list[int]:
     children = pathlib.Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
     return [int(p) for p in children
@@ -406,26 +383,81 @@ REGEX = "[A-Z][a-z]+"
 REGEX_PROMPTS = ["The capital of France is", "My name is", "Write a word:"]
 
 
-def regex_run(tp: int, quantization: str = "auto", nudge: float = 0.0):
+class Tapped:
+    """The default model in an engine that keeps each request's raw logits
+    rows (``rows[request_id]``, one a sampled token), as the regex tests
+    read them."""
+
+    def __init__(self, tp: int, quantization: str):
+        from fdx.core.plugins import PluginManager
+        pm = PluginManager(load_entry_points=False)
+        self.rows: dict[str, list] = {}
+        rows = self.rows
+
+        class Tap:
+            @hookimpl
+            def fdx_step_finished(self, context):
+                for i, rid in enumerate(context.sampled_request_ids or []):
+                    rows.setdefault(rid, []).append(np.array(context.logits[i], dtype=np.float64))
+
+        pm.add_plugin(Tap(), name="regex-tap")
+        self.llm = LLM(plugins=pm, max_model_len=256, num_kv_blocks=64, block_size=16, tensor_parallel_size=tp,
+                       quantization=quantization, capture_logits=True, guided_backend="llguidance",
+                       kv_cache="paged", progress=False)
+
+
+@pytest.fixture(scope="module")
+def smollm_tp3():
+    """quantization -> one TP 3 engine of the default model, shared by the
+    tests below (three worker processes a SmolLM2 each time: built once a
+    quantization, in file order none then auto; the other one is closed
+    first, so that one set of workers lives at a time)."""
+    held: dict[str, Tapped] = {}
+
+    def get(quantization: str) -> Tapped:
+        if quantization not in held:
+            for other in held.values():
+                other.llm.close()
+            held.clear()
+            held[quantization] = Tapped(3, quantization)
+        return held[quantization]
+    yield get
+    for t in held.values():
+        t.llm.close()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_llm_equals_tp1(smollm_llm, smollm_tp3):
+    """9 query heads, 3 KV heads, 1536 MLP columns: 3 ranks of 3 / 1 / 512.
+    Greedy and seeded sampling (drawn in rank 0) with logprobs."""
+    text = ["The capital of France is", "def fibonacci(n):"]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+    ref = smollm_llm.generate(text, GREEDY) + smollm_llm.generate(text[:1], seeded)
+    tp = smollm_tp3("none").llm
+    assert len(tp.engine.executor.procs) == 3
+    out = tp.generate(text, GREEDY) + tp.generate(text[:1], seeded)
+    for a, b in zip(out, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    la, lb = out[-1].outputs[0].logprobs, ref[-1].outputs[0].logprobs
+    pa, pb = out[-1].prompt_logprobs[1:], ref[-1].prompt_logprobs[1:]
+    assert len(pa) == len(pb) == len(out[-1].prompt_token_ids) - 1
+    for da, db in zip(la + pa, lb + pb):
+        assert da.keys() == db.keys()
+        for t in da:
+            assert abs(da[t].logprob - db[t].logprob) < 1e-3
+
+
+def regex_run(tp: int, quantization: str = "auto", nudge: float = 0.0, tp3=None):
     """The default model's greedy regex outputs at ``tp`` and each request's
     raw logits rows; with ``nudge`` (TP 1 only), the same again after every
-    post-attention norm is scaled by 1 + nudge."""
-    from fdx.core.plugins import PluginManager
-    pm = PluginManager(load_entry_points=False)
-    rows: dict[str, list] = {}
-
-    class Tap:
-        @hookimpl
-        def fdx_step_finished(self, context):
-            for i, rid in enumerate(context.sampled_request_ids or []):
-                rows.setdefault(rid, []).append(np.array(context.logits[i], dtype=np.float64))
-
-    pm.add_plugin(Tap(), name="regex-tap")
+    post-attention norm is scaled by 1 + nudge. TP 3 runs on the module's
+    shared engine (``tp3``: the smollm_tp3 fixture)."""
     params = SamplingParams(guided_regex=REGEX, temperature=0.0, max_tokens=8)
     runs = []
-    with LLM(plugins=pm, max_model_len=256, num_kv_blocks=64, block_size=16, tensor_parallel_size=tp,
-             quantization=quantization, capture_logits=True, guided_backend="llguidance", kv_cache="paged",
-             progress=False) as llm:
+    tapped = tp3(quantization) if tp == 3 else Tapped(tp, quantization)
+    llm = tapped.llm
+    try:
         for scale in ([0.0, nudge] if nudge else [0.0]):
             if scale:
                 for layer in llm.engine.model.layers:
@@ -433,12 +465,15 @@ def regex_run(tp: int, quantization: str = "auto", nudge: float = 0.0):
             outs = llm.generate(REGEX_PROMPTS, params)
             for o in outs:
                 assert re.fullmatch(REGEX, o.outputs[0].text), o.outputs[0].text   # the mask held where it sampled
-            runs.append(([o.outputs[0].token_ids for o in outs], [rows[o.request_id] for o in outs]))
+            runs.append(([o.outputs[0].token_ids for o in outs], [tapped.rows[o.request_id] for o in outs]))
+    finally:
+        if tp != 3:
+            llm.close()
     return runs
 
 
 @pytest.mark.slow
-def test_default_model_guided_regex_at_tp3_parts_from_tp1_only_at_a_near_tie():
+def test_default_model_guided_regex_at_tp3_parts_from_tp1_only_at_a_near_tie(smollm_tp3):
     """Issue 40: on the default (Q4_1) model the regex prompt "Write a word:"
     starts "The" at TP 1 and "A" at TP 3. Not the mask (each run's output
     matches the regex, and each token is its own run's best allowed one) and
@@ -449,12 +484,12 @@ def test_default_model_guided_regex_at_tp3_parts_from_tp1_only_at_a_near_tie():
     moves its logits about as far as TP 3's differ; TP 1's margin between
     the two tokens, computed from its logits, is well inside that: a near tie."""
     (f1, fl1), = regex_run(1, "none")
-    (f3, fl3), = regex_run(3, "none")
+    (f3, fl3), = regex_run(3, "none", tp3=smollm_tp3)
     assert f3 == f1
     for a, b in zip(fl1, fl3):
         assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) < 1e-3
     (one, l1), (_, nudged) = regex_run(1, nudge=2.0 ** -22)
-    (three, l3), = regex_run(3)
+    (three, l3), = regex_run(3, tp3=smollm_tp3)
     for r, (a, b) in enumerate(zip(one, three)):
         k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if k is None:
@@ -468,3 +503,20 @@ def test_default_model_guided_regex_at_tp3_parts_from_tp1_only_at_a_near_tie():
         assert 0 <= margin < min(drift, rounding) / 4, (r, k, x, y, margin, drift, rounding)
         assert drift < 2.0              # TP 3's logits close to TP 1's; the nudged run may take another
                                         # token before k (a near tie of its own), so its distance is no bound
+
+
+@pytest.mark.slow
+def test_default_model_auto_tp3_equals_transformers(hf_smollm_model, smollm_tp3):
+    """SmolLM2's Q4_1 blocks split three ways on whole blocks (o_proj 576 =
+    3 x 6 blocks of 32 columns, down_proj 1536 = 3 x 16), its Q8_0 table
+    whole on every rank: greedy tokens equal transformers on the file's
+    dequantized weights. (On the regex test's TP 3 engine: the guided
+    backend and the logits tap change nothing for an unconstrained request.)"""
+    from test_weight_formats import QUANT_TIE
+    llm = smollm_tp3("auto").llm
+    assert len(llm.engine.executor.procs) == 3
+    for text in ("The capital of France is", "def fibonacci(n):"):
+        ids = llm.tokenizer.encode(text)
+        got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                       ignore_eos=True))[0].outputs[0].token_ids
+        assert got == hf_greedy(hf_smollm_model, ids, 8, follow=got, rel_tie=QUANT_TIE), text
