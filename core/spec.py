@@ -214,6 +214,8 @@ class Speculation:
         self.step_batch = 0
         self.step_counts = [0, 0, 0]               # this step's drafts, draft tokens, accepted tokens
         self.draft_probs: dict[str, np.ndarray] = {}
+        self.guided = None                         # the engine's GuidedDecoding: guided requests speculate
+        self.guided_truncated = 0                  # draft tokens the grammar refused (never scored)
         self.plugin_processors = bool(config.decoding.logits_processors)
         if self.plugin_processors:
             log.warning("speculative decoding is off: decoding.logits_processors names plugin processors, "
@@ -223,13 +225,16 @@ class Speculation:
 
     # -- requests ----------------------------------------------------------------------------
     def eligible(self, request) -> bool:
-        """Whether a request may speculate: not guided, no logits processor
-        of its own, no activation hooks or reasoning budget, not opted out,
-        and no plugin logits processors configured (they may touch any row)."""
+        """Whether a request may speculate: no logits processor of its own,
+        no activation hooks or reasoning budget, not opted out, no plugin
+        logits processors configured (they may touch any row), and, guided,
+        tracked by the engine's guided service (its drafts are cut where the
+        grammar refuses them, and every verified row is masked)."""
         from fdx.core.guided import constraint_of
         p = request.sampling_params
+        guided_ok = self.guided is not None and request.request_id in self.guided.entries
         return not (self.plugin_processors or request.pooling or needs_processors(p) or opted_out(p)
-                    or constraint_of(p) is not None or p.activations is not None
+                    or (constraint_of(p) is not None and not guided_ok) or p.activations is not None
                     or p.reasoning_max_tokens is not None)
 
     def add_request(self, request) -> None:
@@ -262,6 +267,12 @@ class Speculation:
         tokens = [*request.prompt_token_ids, *request.output_token_ids]
         ids, probs = check_proposal(self.name, self.proposer.propose(request.request_id, tokens, k), k,
                                     self.vocab_size)
+        if ids and self.guided is not None and request.request_id in self.guided.entries:
+            kept = self.guided.check_drafts(request.request_id, request.output_token_ids, ids,
+                                            keep_refused=probs is not None)
+            self.guided_truncated += len(ids) - len(kept)
+            ids = kept
+            probs = None if probs is None or not ids else probs[:len(ids)]
         if probs is not None:
             self.draft_probs[request.request_id] = probs
         return ids

@@ -421,3 +421,107 @@ def test_step_stats_count_the_steps_drafts(tiny):
     assert sum(s.spec_num_drafts for s in seen) == c.num_drafts > 0
     assert sum(s.spec_num_accepted_tokens for s in seen) == c.num_accepted_tokens
     assert sum(s.spec_num_draft_tokens for s in seen) == c.num_draft_tokens
+
+
+# --- guided requests speculate: every verified row masked, drafts the grammar refuses cut -------
+
+class GrammarOracle(Oracle):
+    """Knows the answer; spoils a position with another token of the answer
+    (often one the grammar allows and the target does not take: a
+    rejection the matcher must roll back) or a random id (refused by the
+    grammar: cut before scoring)."""
+
+    def propose(self, request_id, token_ids, k, hidden_states=None):
+        prompt = self.prompts[request_id]
+        answer = self.ANSWERS.get(prompt, [])
+        done = len(token_ids) - len(prompt)
+        draft = list(answer[done:done + k])
+        if draft and self.rng.random() < 0.6:
+            i, u = int(self.rng.integers(len(draft))), self.rng.random()
+            # a neighbouring id (digits and letters are consecutive: often allowed), or any id
+            draft[i] = draft[i] + (1 if u < 0.35 else -1) if u < 0.7 else int(self.rng.integers(self.vocab_size))
+            draft[i] = min(max(draft[i], 0), self.vocab_size - 1)
+        return draft
+
+
+@pytest.fixture(scope="module")
+def tiny_smollm_vocab(tmp_path_factory):
+    """A tiny random Llama with the SmolLM2 tokenizer (the embedded
+    model's tokenizer.json), so that grammars see real tokens."""
+    import json
+
+    from fdx.core.checkpoint.loader import default_model_path, load_tokenizer
+    tok = load_tokenizer(default_model_path())
+    eos = min(tok.eos_token_ids)
+    path = TinyLlama(vocab=49152, hidden=32, intermediate=64, heads=2, kv_heads=1, max_len=256, seed=3).hf_dir(
+        tmp_path_factory.mktemp("spec_guided") / "m")
+    (path / "tokenizer.json").write_text(tok.backend.to_str())
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": tok.backend.id_to_token(eos)}))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 1, "eos_token_id": eos}))
+    return str(path)
+
+
+GUIDED_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                  "tag": {"enum": ["red", "green", "blue"]},
+                                                  "ok": {"type": "boolean"}},
+                 "required": ["id", "tag", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("backend", ["llguidance", pytest.param("xgrammar", marks=pytest.mark.slow)])
+def test_guided_greedy_equal_with_speculation_and_matchers_roll_back(tiny_smollm_vocab, backend):
+    """Greedy (and one seeded) guided requests of each kind, batched with a
+    free one: with speculation (drafts kept, rejected, and cut by the
+    grammar) the outputs equal those without, token for token; after every
+    step each matcher's mask equals a fresh matcher's fed the request's
+    output (rejected drafts left nothing behind)."""
+    prompts = ["a b", "x", "c d e", "the", "y z"]
+    g = dict(temperature=0.0, max_tokens=40)
+    sps = [SamplingParams(guided_regex=r"([0-9]{3}-){2}[A-Z]{2}", **g),
+           SamplingParams(guided_choice=["alpha beta", "gamma", "delta epsilon zeta"], **g),
+           SamplingParams(guided_json=GUIDED_SCHEMA, **g),
+           SamplingParams(temperature=0.8, seed=5, max_tokens=40, guided_json=GUIDED_SCHEMA),
+           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    kw = dict(guided_backend=backend, max_model_len=256, num_kv_blocks=64, block_size=8, progress=False)
+
+    def run(spec):
+        pm = PluginManager(load_entry_points=False)
+        pm.add_plugin(types.SimpleNamespace(fdx_register_proposers=hookimpl(
+            lambda register: register("grammar-oracle", GrammarOracle))), name="grammar-oracle")
+        llm = LLM(tiny_smollm_vocab, plugins=pm if spec else None, **kw, **(
+            {"speculative_config": {"method": "grammar-oracle", "num_speculative_tokens": 4, "cost_gate": False}}
+            if spec else {}))
+        checked = []
+
+        def fdx_step_finished(step_stats):
+            eng = llm.engine
+            outs = {r.request_id: r.output_token_ids for r in eng.resource_manager.requests()}
+            for rid, e in eng.guided.entries.items():
+                if not e.ready or e.done or rid not in outs:
+                    continue
+                eng.guided._advance(e, outs[rid])          # where the next step's mask starts
+                fresh = eng.guided.backend.matcher(e.future.result())
+                for t in outs[rid]:
+                    assert fresh.accept_token(t)
+                masks = np.zeros((2, eng.guided.words), dtype=np.int32)
+                e.matcher.fill_bitmask(masks, 0)
+                fresh.fill_bitmask(masks, 1)
+                assert (masks[0] == masks[1]).all(), (rid, len(outs[rid]))
+                checked.append(rid)
+
+        llm.engine.observers.append(types.SimpleNamespace(name="t", close=lambda: None,
+                                                          fdx_step_finished=fdx_step_finished))
+        outs = llm.generate(prompts, sps)
+        got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        spec_state = llm.engine.speculation
+        llm.close()
+        return got, outs, spec_state, checked
+
+    ref, ref_outs, _, _ = run(False)
+    GrammarOracle.ANSWERS = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref_outs}
+    got, _, spec, checked = run(True)
+    assert got == ref
+    assert [r[1] for r in ref[:4]] == ["stop"] * 4                 # the constrained outputs completed
+    c = spec.counters
+    assert c.num_drafts > 0 and c.num_accepted_tokens > c.num_drafts and 0 < c.acceptance_rate < 1
+    assert spec.guided_truncated > 0 and checked
