@@ -135,6 +135,7 @@ class SpecCounters:
     num_draft_tokens: int = 0              # tokens proposed and verified
     num_accepted_tokens: int = 0           # of those, kept
     accepted_per_pos: list[int] = field(default_factory=list)   # kept at draft position 0, 1, ...
+    proposed_per_pos: list[int] = field(default_factory=list)   # proposed at draft position 0, 1, ...
 
     @property
     def acceptance_rate(self) -> float:
@@ -147,46 +148,119 @@ class SpecCounters:
 
 
 class CostGate:
-    """Whether speculation pays at a batch size, from this machine's own
-    step times. Batch sizes fall in power-of-two buckets; in each, decode
-    steps with and without speculation are timed (output tokens per
-    second, an average over the last steps) and the better one runs; every
-    ``explore_every`` steps the other is tried once again, so a change in
-    acceptance is noticed. The first ``min_samples`` steps of a bucket
-    alternate. Each change of decision is logged."""
+    """How many drafts a step's requests may verify (0: none), from this
+    machine's own step times and the proposer's acceptance so far.
 
-    def __init__(self, enabled: bool = True, min_samples: int = 3, explore_every: int = 32, window: int = 8):
+    Batch sizes fall in power-of-two buckets. In each, decode-only steps are
+    timed per decoding request, with and without drafts (medians over the
+    last ``window`` of each kind): ``rho``, the cost of a speculated step
+    against a plain one, and from it the cost of one draft row per request
+    (``beta``; on a CPU small at batch 1, where a step reads the weights
+    once however many rows it scores, and about one row's worth at a
+    compute-bound batch). The proposer's record (per draft position: how
+    often it proposed a token there, how often that token was kept; and in
+    this bucket how many requests get drafts) gives, for each k' <= k, the
+    expected drafts ``D(k')`` and accepted tokens ``A(k')`` a request has in
+    a step. The gate runs the k' with the best expected gain
+    ``(1 + A(k')) / (1 + beta * D(k'))``, or none when that gain is under
+    ``1 + margin`` (``margin`` 0 at batch 1). Off, it tries again so that
+    the tries cost at most ``explore_cost`` of the steps (and at least every
+    ``explore_every`` steps); a bucket of 16 or more requests first tries
+    with k' = 1 (a try there costs about one plain step per draft). The
+    first steps of a bucket alternate until one of each kind was timed (up
+    to ``min_samples`` of each while the gain is within 20% of even). Each
+    change of decision is logged; on, every ``2 * explore_every``-th step
+    is a plain one, to keep the plain time current."""
+
+    def __init__(self, enabled: bool = True, min_samples: int = 3, explore_every: int = 32, window: int = 16,
+                 margin: float = 0.02, explore_cost: float = 0.01):
         self.enabled = enabled
         self.min_samples, self.explore_every, self.window = min_samples, explore_every, window
-        self.samples: dict[int, dict[bool, list[float]]] = {}
-        self.decided: dict[int, bool] = {}
-        self.steps: dict[int, int] = {}
+        self.margin, self.explore_cost = margin, explore_cost
+        self.plain: dict[int, list[float]] = {}                         # bucket -> seconds / request
+        self.spec: dict[int, list[tuple[float, float, float]]] = {}     # (seconds, drafts, draft tokens) / request
+        self.decided: dict[int, int] = {}                               # bucket -> k' (0: off)
+        self.since: dict[int, int] = {}                                 # bucket -> steps since the last try
+        self.steps: dict[int, int] = {}                                 # bucket -> steps decided
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(1, batch).bit_length()
 
-    def allow(self, batch: int) -> bool:
+    def allow(self, batch: int, k: int = 1, proposed_per_pos: Sequence[int] = (),
+              accepted_per_pos: Sequence[int] = (), num_drafts: int = 0) -> int:
+        """This step's k' (0: no drafts) at ``batch`` decoding requests,
+        ``k`` configured; the proposer's record so far: proposals with a
+        token at each position, tokens kept at each, proposals in all."""
         if not self.enabled:
-            return True
+            return k
         b = self.bucket(batch)
-        got = self.samples.setdefault(b, {True: [], False: []})
-        n = self.steps[b] = self.steps.get(b, 0) + 1
-        if len(got[True]) < self.min_samples or len(got[False]) < self.min_samples:
-            return len(got[True]) <= len(got[False])
-        on = np.mean(got[True]) >= np.mean(got[False])
-        if self.decided.get(b) != on:
-            self.decided[b] = on
+        plain, spec = self.plain.get(b, []), self.spec.get(b, [])
+        probe = k if batch < 16 else 1
+        if not plain or not spec:                   # one of each first (speculated first)
+            return 0 if spec else probe
+        n = self.since[b] = self.since.get(b, 0) + 1
+        total = self.steps[b] = self.steps.get(b, 0) + 1
+        best, gain, cost = self.expect(b, k, proposed_per_pos, accepted_per_pos, num_drafts)
+        unsure = abs(gain - 1) < 0.2 and min(len(plain), len(spec)) < self.min_samples
+        if unsure:
+            return 0 if len(spec) > len(plain) else probe
+        on = gain > 1 + (self.margin if batch > 1 else 0.0)
+        choice = best if on else 0
+        if self.decided.get(b) != choice:
+            self.decided[b] = choice
             lo, hi = 2 ** (b - 1), 2 ** b - 1
-            log.info("speculation cost gate: %s at %d-%d decoding requests (measured %.1f tok/s with, %.1f "
-                     "without)", "on" if on else "off", lo, hi, np.mean(got[True]), np.mean(got[False]))
-        return (not on) if n % self.explore_every == 0 else on
+            log.info("speculation cost gate: %s at %d-%d decoding requests (a speculated step costs %.2fx a "
+                     "plain one per request at k=%d; expected %.2f tokens a request a step: %.2fx)",
+                     f"k={choice}" if choice else "off", lo, hi, cost, max(best, 1), gain * cost, gain)
+        if choice:
+            self.since[b] = 0
+            # on: a plain step now and then keeps the plain time current (the load may change)
+            return 0 if total % (2 * self.explore_every) == 0 else choice
+        # off: try again now and then, so that the tries cost at most explore_cost of the steps
+        every = max(self.explore_every, int(np.ceil(max(0.0, cost - gain * cost) / self.explore_cost)))
+        if n >= every:
+            self.since[b] = 0
+            return max(best, 1)
+        return 0
 
-    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        if not self.enabled or seconds <= 0:
+    def expect(self, b: int, k: int, proposed_per_pos: Sequence[int], accepted_per_pos: Sequence[int],
+               num_drafts: int) -> tuple[int, float, float]:
+        """(the best k', its expected gain, its expected cost per request
+        against a plain step) in bucket ``b``."""
+        plain, spec = self.plain[b], self.spec[b]
+        t_plain = float(np.median(plain))
+        t_spec = float(np.median([s[0] for s in spec]))
+        drafts = float(np.mean([s[1] for s in spec]))      # requests with drafts / requests, in a speculated step
+        rows = float(np.mean([s[2] for s in spec]))        # draft tokens / requests
+        rho = t_spec / t_plain if t_plain > 0 else 1.0
+        beta = max(0.0, rho - 1) / rows if rows > 0 else 0.0
+        best, gain, cost = 0, 0.0, 1.0
+        if not num_drafts:
+            return best, gain, cost
+        d = a = 0.0
+        for j in range(min(k, len(proposed_per_pos), len(accepted_per_pos))):
+            d += drafts * proposed_per_pos[j] / num_drafts
+            a += drafts * accepted_per_pos[j] / num_drafts
+            c = 1 + beta * d
+            if (1 + a) / c > gain:
+                best, gain, cost = j + 1, (1 + a) / c, c
+        return best, gain, cost
+
+    def record(self, batch: int, k_used: int, seconds: float, num_drafts: int = 0,
+               num_draft_tokens: int = 0) -> None:
+        """A decode-only step at ``batch`` requests: plain (``k_used`` 0),
+        or speculated with ``num_drafts`` requests verifying
+        ``num_draft_tokens`` drafts."""
+        if not self.enabled or seconds <= 0 or batch <= 0:
             return
-        got = self.samples.setdefault(self.bucket(batch), {True: [], False: []})[speculated]
-        got.append(tokens / seconds)
+        b = self.bucket(batch)
+        if k_used == 0:
+            got = self.plain.setdefault(b, [])
+            got.append(seconds / batch)
+        else:
+            got = self.spec.setdefault(b, [])
+            got.append((seconds / batch, num_drafts / batch, num_draft_tokens / batch))
         del got[:-self.window]
 
 
@@ -209,7 +283,7 @@ class Speculation:
         self.vocab_size = vocab_size
         self.disable_by_batch_size = sc.disable_by_batch_size
         self.gate = CostGate(sc.cost_gate)
-        self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
+        self.counters = SpecCounters(accepted_per_pos=[0] * self.k, proposed_per_pos=[0] * self.k)
         self.step_k = self.k                       # this step's k (0: the step does not speculate)
         self.step_batch = 0
         self.step_counts = [0, 0, 0]               # this step's drafts, draft tokens, accepted tokens
@@ -255,7 +329,9 @@ class Speculation:
         if self.disable_by_batch_size is not None and num_decoding >= self.disable_by_batch_size:
             self.step_k = 0
         else:
-            self.step_k = self.k if self.gate.allow(num_decoding) else 0
+            c = self.counters
+            self.step_k = self.gate.allow(num_decoding, self.k, c.proposed_per_pos, c.accepted_per_pos,
+                                          c.num_drafts)
 
     def drafts(self, request, room: int) -> list[int]:
         """Drafts for a decoding request (at most ``room`` and this step's
@@ -285,15 +361,18 @@ class Speculation:
         c.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             c.accepted_per_pos[j] += 1
+        for j in range(num_proposed):
+            c.proposed_per_pos[j] += 1
         s = self.step_counts
         s[0], s[1], s[2] = s[0] + 1, s[1] + num_proposed, s[2] + num_accepted
         self.proposer.on_accepted(request.request_id, num_proposed, num_accepted)
 
     def end_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
-        """Time a decode-only step for the cost gate: ``num_tokens`` output tokens in ``seconds``."""
+        """Time a decode-only step for the cost gate (``seconds``; the gate
+        reads the step's drafts from ``step_counts``, not ``num_tokens``)."""
         if decode_only and self.step_batch and (self.step_k == 0 or self.step_counts[0]):
             # a step allowed to speculate in which nothing was proposed tells nothing about speculation
-            self.gate.record(self.step_batch, self.step_k > 0, num_tokens, seconds)
+            self.gate.record(self.step_batch, self.step_k, seconds, self.step_counts[0], self.step_counts[1])
 
     def close(self) -> None:
         self.proposer.close()
