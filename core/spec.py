@@ -136,6 +136,7 @@ class SpecCounters:
     num_accepted_tokens: int = 0           # of those, kept
     accepted_per_pos: list[int] = field(default_factory=list)   # kept at draft position 0, 1, ...
     proposed_per_pos: list[int] = field(default_factory=list)   # proposed at draft position 0, 1, ...
+    offered_per_pos: list[int] = field(default_factory=list)    # proposals that could reach position 0, 1, ...
 
     @property
     def acceptance_rate(self) -> float:
@@ -167,12 +168,15 @@ class CostGate:
     the tries cost at most ``explore_cost`` of the steps (and at least every
     ``explore_every`` steps); a bucket of 16 or more requests first tries
     with k' = 1 (a try there costs about one plain step per draft). The
-    first steps of a bucket alternate until one of each kind was timed (up
-    to ``min_samples`` of each while the gain is within 20% of even). Each
-    change of decision is logged; on, every ``2 * explore_every``-th step
-    is a plain one, to keep the plain time current."""
+    first steps of a bucket alternate until each kind was timed twice (or
+    once, for a gain under 0.6), and up to ``min_samples`` times while the
+    gain is within 25% of even. Each change of decision is logged. On,
+    every ``2 * explore_every``-th step is a plain one (the load may
+    change) and, at k' < k, one in ``explore_every`` runs at k, so the
+    positions past k' keep being measured (their rates are over the
+    proposals that could reach them)."""
 
-    def __init__(self, enabled: bool = True, min_samples: int = 3, explore_every: int = 32, window: int = 16,
+    def __init__(self, enabled: bool = True, min_samples: int = 4, explore_every: int = 32, window: int = 16,
                  margin: float = 0.02, explore_cost: float = 0.01):
         self.enabled = enabled
         self.min_samples, self.explore_every, self.window = min_samples, explore_every, window
@@ -188,10 +192,11 @@ class CostGate:
         return max(1, batch).bit_length()
 
     def allow(self, batch: int, k: int = 1, proposed_per_pos: Sequence[int] = (),
-              accepted_per_pos: Sequence[int] = (), num_drafts: int = 0) -> int:
+              accepted_per_pos: Sequence[int] = (), offered_per_pos: Sequence[int] = ()) -> int:
         """This step's k' (0: no drafts) at ``batch`` decoding requests,
-        ``k`` configured; the proposer's record so far: proposals with a
-        token at each position, tokens kept at each, proposals in all."""
+        ``k`` configured; the proposer's record so far, per draft position:
+        proposals with a token there, tokens kept there, and proposals that
+        could have had one (made at a k' past it)."""
         if not self.enabled:
             return k
         b = self.bucket(batch)
@@ -201,8 +206,9 @@ class CostGate:
             return 0 if spec else probe
         n = self.since[b] = self.since.get(b, 0) + 1
         total = self.steps[b] = self.steps.get(b, 0) + 1
-        best, gain, cost = self.expect(b, k, proposed_per_pos, accepted_per_pos, num_drafts)
-        unsure = abs(gain - 1) < 0.2 and min(len(plain), len(spec)) < self.min_samples
+        best, gain, cost = self.expect(b, k, proposed_per_pos, accepted_per_pos, offered_per_pos)
+        fewest = min(len(plain), len(spec))
+        unsure = fewest < self.min_samples and (abs(gain - 1) < 0.25 or (fewest < 2 and gain > 0.6))
         if unsure:
             return 0 if len(spec) > len(plain) else probe
         on = gain > 1 + (self.margin if batch > 1 else 0.0)
@@ -215,8 +221,11 @@ class CostGate:
                      f"k={choice}" if choice else "off", lo, hi, cost, max(best, 1), gain * cost, gain)
         if choice:
             self.since[b] = 0
-            # on: a plain step now and then keeps the plain time current (the load may change)
-            return 0 if total % (2 * self.explore_every) == 0 else choice
+            # on: now and then a plain step keeps the plain time current (the load may change), and
+            # below k a step at k measures the draft positions past k'
+            if total % (2 * self.explore_every) == 0:
+                return 0
+            return k if choice < k and total % self.explore_every == self.explore_every // 2 else choice
         # off: try again now and then, so that the tries cost at most explore_cost of the steps
         every = max(self.explore_every, int(np.ceil(max(0.0, cost - gain * cost) / self.explore_cost)))
         if n >= every:
@@ -225,7 +234,7 @@ class CostGate:
         return 0
 
     def expect(self, b: int, k: int, proposed_per_pos: Sequence[int], accepted_per_pos: Sequence[int],
-               num_drafts: int) -> tuple[int, float, float]:
+               offered_per_pos: Sequence[int]) -> tuple[int, float, float]:
         """(the best k', its expected gain, its expected cost per request
         against a plain step) in bucket ``b``."""
         plain, spec = self.plain[b], self.spec[b]
@@ -236,12 +245,12 @@ class CostGate:
         rho = t_spec / t_plain if t_plain > 0 else 1.0
         beta = max(0.0, rho - 1) / rows if rows > 0 else 0.0
         best, gain, cost = 0, 0.0, 1.0
-        if not num_drafts:
-            return best, gain, cost
         d = a = 0.0
-        for j in range(min(k, len(proposed_per_pos), len(accepted_per_pos))):
-            d += drafts * proposed_per_pos[j] / num_drafts
-            a += drafts * accepted_per_pos[j] / num_drafts
+        for j in range(min(k, len(proposed_per_pos), len(accepted_per_pos), len(offered_per_pos))):
+            if not offered_per_pos[j]:
+                break
+            d += drafts * proposed_per_pos[j] / offered_per_pos[j]
+            a += drafts * accepted_per_pos[j] / offered_per_pos[j]
             c = 1 + beta * d
             if (1 + a) / c > gain:
                 best, gain, cost = j + 1, (1 + a) / c, c
@@ -283,7 +292,8 @@ class Speculation:
         self.vocab_size = vocab_size
         self.disable_by_batch_size = sc.disable_by_batch_size
         self.gate = CostGate(sc.cost_gate)
-        self.counters = SpecCounters(accepted_per_pos=[0] * self.k, proposed_per_pos=[0] * self.k)
+        self.counters = SpecCounters(accepted_per_pos=[0] * self.k, proposed_per_pos=[0] * self.k,
+                                     offered_per_pos=[0] * self.k)
         self.step_k = self.k                       # this step's k (0: the step does not speculate)
         self.step_batch = 0
         self.step_counts = [0, 0, 0]               # this step's drafts, draft tokens, accepted tokens
@@ -331,7 +341,7 @@ class Speculation:
         else:
             c = self.counters
             self.step_k = self.gate.allow(num_decoding, self.k, c.proposed_per_pos, c.accepted_per_pos,
-                                          c.num_drafts)
+                                          c.offered_per_pos)
 
     def drafts(self, request, room: int) -> list[int]:
         """Drafts for a decoding request (at most ``room`` and this step's
@@ -363,6 +373,8 @@ class Speculation:
             c.accepted_per_pos[j] += 1
         for j in range(num_proposed):
             c.proposed_per_pos[j] += 1
+        for j in range(min(self.step_k, self.k)):       # this step's k' bounded the drafts
+            c.offered_per_pos[j] += 1
         s = self.step_counts
         s[0], s[1], s[2] = s[0] + 1, s[1] + num_proposed, s[2] + num_accepted
         self.proposer.on_accepted(request.request_id, num_proposed, num_accepted)

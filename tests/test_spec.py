@@ -107,16 +107,16 @@ def _gate_run(batch, row_cost, steps=300, gate=None):
     ks, time_spent, tokens = [], 0.0, 0.0
     for _ in range(steps):
         k = gate.allow(batch, 4, **ACC)
-        rows = sum(ACC["proposed_per_pos"][:k]) / ACC["num_drafts"]
+        rows = sum(ACC["proposed_per_pos"][:k]) / 100
         seconds = batch * (1 + row_cost * rows)
         gate.record(batch, k, seconds, batch if k else 0, round(batch * rows))
         ks.append(k)
         time_spent += seconds
-        tokens += batch * (1 + sum(ACC["accepted_per_pos"][:k]) / ACC["num_drafts"])
+        tokens += batch * (1 + sum(ACC["accepted_per_pos"][:k]) / 100)
     return gate, ks, time_spent / (tokens * 1.0)
 
 
-ACC = dict(proposed_per_pos=[100, 90, 80, 70], accepted_per_pos=[60, 40, 25, 15], num_drafts=100)
+ACC = dict(proposed_per_pos=[100, 90, 80, 70], accepted_per_pos=[60, 40, 25, 15], offered_per_pos=[100] * 4)
 
 
 def _true_gain(k, row_cost):
