@@ -338,6 +338,8 @@ class Speculation:
         self.step_batch = num_decoding
         if self.disable_by_batch_size is not None and num_decoding >= self.disable_by_batch_size:
             self.step_k = 0
+        elif num_decoding == 0:                    # nothing decodes: nothing for the gate to decide
+            self.step_k = self.k
         else:
             c = self.counters
             self.step_k = self.gate.allow(num_decoding, self.k, c.proposed_per_pos, c.accepted_per_pos,
