@@ -163,14 +163,17 @@ class CostGate:
     this bucket how many requests get drafts) gives, for each k' <= k, the
     expected drafts ``D(k')`` and accepted tokens ``A(k')`` a request has in
     a step. The gate runs the k' with the best expected gain
-    ``(1 + A(k')) / (1 + beta * D(k'))``, or none when that gain is under
-    ``1 + margin`` (``margin`` 0 at batch 1). Off, it tries again so that
+    ``(1 + A(k')) / (1 + beta * D(k'))``, or none: it turns on past
+    ``1 + margin`` (0 at batch 1, twice ``margin`` from 16 requests, where a
+    wrong guess costs most) and off under ``1 - margin / 2`` (0.98 at batch
+    1), so noise near even does not flip it each step. Off, it tries again so that
     the tries cost at most ``explore_cost`` of the steps (and at least every
     ``explore_every`` steps); a bucket of 16 or more requests first tries
     with k' = 1 (a try there costs about one plain step per draft). The
     first steps of a bucket alternate until each kind was timed twice (or
     once, for a gain under 0.6), and up to ``min_samples`` times while the
-    gain is within 25% of even. Each change of decision is logged. On,
+    gain is within 25% of even. Each change between on and off is logged
+(a change of k' at debug level). On,
     every ``2 * explore_every``-th step is a plain one (the load may
     change) and, at k' < k, one in ``explore_every`` runs at k, so the
     positions past k' keep being measured (their rates are over the
@@ -211,12 +214,16 @@ class CostGate:
         unsure = fewest < self.min_samples and (abs(gain - 1) < 0.25 or (fewest < 2 and gain > 0.6))
         if unsure:
             return 0 if len(spec) > len(plain) else probe
-        on = gain > 1 + (self.margin if batch > 1 else 0.0)
+        # hysteresis: on past 1 + margin (margin 0 at batch 1, doubled from 16 requests), off under 1 - the
+        # half margin (at batch 1: under 0.98), so that noise near even does not flip the decision each step
+        margin = 0.0 if batch == 1 else self.margin * (2 if batch >= 16 else 1)
+        was = self.decided.get(b)
+        on = gain > (1 - max(margin / 2, 0.02 if batch == 1 else 0.0) if was else 1 + margin)
         choice = best if on else 0
-        if self.decided.get(b) != choice:
+        if was != choice:
             self.decided[b] = choice
             lo, hi = 2 ** (b - 1), 2 ** b - 1
-            log.info("speculation cost gate: %s at %d-%d decoding requests (a speculated step costs %.2fx a "
+            (log.info if was is None or bool(was) != bool(choice) else log.debug)("speculation cost gate: %s at %d-%d decoding requests (a speculated step costs %.2fx a "
                      "plain one per request at k=%d; expected %.2f tokens a request a step: %.2fx)",
                      f"k={choice}" if choice else "off", lo, hi, cost, max(best, 1), gain * cost, gain)
         if choice:
