@@ -148,6 +148,9 @@ class SpecCounters:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+WEIGHT_BOUND_ROWS = 16     # rows a step up to which the cost gate takes a CPU forward as bound by reading weights
+
+
 class CostGate:
     """How many drafts a step's requests may verify (0: none), from this
     machine's own step times and the proposer's acceptance so far.
@@ -158,7 +161,9 @@ class CostGate:
     against a plain one, and from it the cost of one draft row per request
     (``beta``; on a CPU small at batch 1, where a step reads the weights
     once however many rows it scores, and about one row's worth at a
-    compute-bound batch). The proposer's record (per draft position: how
+    compute-bound batch; up to ``WEIGHT_BOUND_ROWS`` rows a step the
+    measured cost is taken for any k', past them extra rows cost in
+    proportion). The proposer's record (per draft position: how
     often it proposed a token there, how often that token was kept; and in
     this bucket how many requests get drafts) gives, for each k' <= k, the
     expected drafts ``D(k')`` and accepted tokens ``A(k')`` a request has in
@@ -251,6 +256,7 @@ class CostGate:
         rows = float(np.mean([s[2] for s in spec]))        # draft tokens / requests
         rho = t_spec / t_plain if t_plain > 0 else 1.0
         beta = max(0.0, rho - 1) / rows if rows > 0 else 0.0
+        batch = 2 ** (b - 1)
         best, gain, cost = 0, 0.0, 1.0
         d = a = 0.0
         for j in range(min(k, len(proposed_per_pos), len(accepted_per_pos), len(offered_per_pos))):
@@ -258,7 +264,10 @@ class CostGate:
                 break
             d += drafts * proposed_per_pos[j] / offered_per_pos[j]
             a += drafts * accepted_per_pos[j] / offered_per_pos[j]
-            c = 1 + beta * d
+            # up to WEIGHT_BOUND_ROWS rows a step a forward reads the weights once: the measured cost
+            # holds for any k' there; past it, the extra rows cost in proportion
+            small = batch * (1 + max(d, rows)) <= WEIGHT_BOUND_ROWS
+            c = max(rho, 1.0) if small else 1 + beta * d
             if (1 + a) / c > gain:
                 best, gain, cost = j + 1, (1 + a) / c, c
         return best, gain, cost
