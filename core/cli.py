@@ -157,14 +157,19 @@ def cmd_bench_throughput(args) -> int:
         run = lambda speculation: bench.throughput(llm, args.num_requests, args.input_len, args.output_len,
                                                    seed=args.bench_seed, profile=args.profile,
                                                    workload=args.workload, speculation=speculation)
-        baseline = run(False) if llm.engine.speculation is not None else None
-        result = run(True)
+        ratios = []                # speculation on / off, per round (the sides alternate: drifting load hits both)
+        for _ in range(max(1, args.rounds) if llm.engine.speculation is not None else 1):
+            baseline = run(False) if llm.engine.speculation is not None else None
+            result = run(True)
+            if baseline is not None:
+                ratios.append(result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
     except ValueError as e:
         print(f"fdx: error: {e}", file=sys.stderr)
         return 2
     if baseline is not None:       # speculation off, the same engine and prompts, first: the ratio's base
         result["baseline"] = {k: baseline[k] for k in ("output_tokens_per_s", "decode_tokens_per_s", "total_time_s")}
         result["outputs_equal"] = baseline["outputs_sha1"] == result["outputs_sha1"]
+        result["ratios"] = ratios
     print(json.dumps(result, indent=2) if args.json else bench.format_throughput(result))
     return 0
 
@@ -213,8 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--workload", default=None, metavar="FILE",
                    help="prompts from a JSON-lines file ({\"messages\": [...]} or {\"prompt\": ...}), cycled to "
                         "--num-requests, or 'grounded' (shipped: code to copy with one change, passages to quote, "
-                        "JSON to echo with edits); with --speculative-config the run is made without speculation "
+                        "JSON to echo with edits) or 'chat' (shipped: free-form questions); with --speculative-config the run is made without speculation "
                         "first and the ratio printed (default: random prompts of --input-len)")
+    t.add_argument("--rounds", type=int, default=1,
+                   help="with --speculative-config: rounds of (without, with) speculation, alternating; the "
+                        "ratio of each round is printed (default: 1)")
     t.add_argument("--json", action="store_true", help="print every figure as JSON (default: a table)")
     t.add_argument("--profile", action="store_true",
                    help="profile each step and break the full-batch decode steps down into GEMMs, attention "

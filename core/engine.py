@@ -117,6 +117,7 @@ class EngineCore:
         if config.speculative.method is not None:
             from fdx.core.spec import Speculation
             self.speculation = Speculation(config, self.plugins, m.vocab_size)
+            self.speculation.guided = self.guided          # guided requests speculate through its matchers
         parts = self.build_parts(config, num_blocks)
         self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank
         self._install(parts)
@@ -528,7 +529,7 @@ class EngineCore:
             req = by_id.get(rid)
             if rid in self.guided.entries and req is not None and req.num_computed_tokens + n >= req.num_tokens:
                 rows.append((rid, req.output_token_ids))
-        return self.guided.step_bitmask(rows)
+        return self.guided.step_bitmask(rows, sched.spec_token_ids)
 
     def _context(self, sched) -> StepContext:
         """The StepContext of a step that ran, before update(): counts from

@@ -401,26 +401,89 @@ class GuidedDecoding:
         e = self.entries.get(request_id)
         return e is None or e.ready
 
-    def step_bitmask(self, rows: list[tuple[str, list[int]]]) -> GuidedStep | None:
+    def step_bitmask(self, rows: list[tuple[str, list[int]]],
+                     drafts: dict[str, list[int]] | None = None) -> GuidedStep | None:
         """The step's bitmask for the constrained ``rows`` that sample this
         step ((request id, its output token ids so far)): each matcher first
         accepts the tokens sampled since it last looked; a terminated one
-        allows eos only (the request ends with "stop", or at max_tokens)."""
+        allows eos only (the request ends with "stop", or at max_tokens).
+
+        A request with speculative ``drafts`` (ids ``check_drafts`` let
+        through) gets one row per verified position, in order: the mask
+        after its output, then after each draft, the matcher advanced
+        through the drafts to fill them and rolled back after, so it has
+        accepted only the output (the tokens kept are accepted next step)."""
         rows = [(rid, out) for rid, out in rows if rid in self.entries and self.entries[rid].ready]
         if not rows:
             return None
-        bitmask = np.zeros((len(rows), self.words), dtype=np.int32)
-        for j, (rid, out) in enumerate(rows):
+        drafts = drafts or {}
+        ids = [rid for rid, _ in rows for _ in range(1 + len(drafts.get(rid, ())))]
+        bitmask = np.zeros((len(ids), self.words), dtype=np.int32)
+        j = 0
+        for rid, out in rows:
             e = self.entries[rid]
+            d = drafts.get(rid, ())
             if e.starts_after is not None and not self._started(e, out):
-                bitmask[j] = -1                # free text until the constraint starts
+                bitmask[j:j + 1 + len(d)] = -1  # free text until the constraint starts (check_drafts: no drafts)
+                j += 1 + len(d)
                 continue
             self._advance(e, out)
-            if e.done:
-                bitmask[j] = self._eos_row
-            else:
-                e.matcher.fill_bitmask(bitmask, j)
-        return GuidedStep([rid for rid, _ in rows], bitmask.tobytes())
+            done, taken = e.done, 0
+            valid = e.matcher.validate_tokens(d) if d and not done else 0
+            for i in range(len(d) + 1):
+                if done:
+                    bitmask[j] = self._eos_row
+                else:
+                    e.matcher.fill_bitmask(bitmask, j)
+                j += 1
+                if i < len(d):
+                    if done or i >= valid or not e.matcher.accept_token(int(d[i])):
+                        # the refused draft ``check_drafts`` keeps for drafts with probabilities: it is
+                        # rejected for sure (the mask gives it no mass), so the rows after it are never used
+                        bitmask[j:j + len(d) - i] = -1
+                        j += len(d) - i
+                        break
+                    taken += 1
+                    done = e.matcher.is_terminated()
+            if taken:
+                e.matcher.rollback(taken)
+        return GuidedStep(ids, bitmask.tobytes())
+
+    def check_drafts(self, request_id: str, out: list[int], drafts: list[int],
+                     keep_refused: bool = False) -> list[int]:
+        """The longest prefix of a constrained request's speculative
+        ``drafts`` its grammar allows after ``out`` (its output so far);
+        the rest is dropped before it is scored. The matcher ends where it
+        was (after ``out``): each draft it took is rolled back. No drafts
+        while the constraint waits for ``starts_after`` or has terminated,
+        and none past a draft that terminates it.
+
+        ``keep_refused`` (drafts drawn with probabilities): the first
+        refused draft stays, to be rejected by rejection sampling (the
+        masked target gives it no mass, and the replacement is drawn from
+        the residual): cutting a draft because of its own value would bias
+        the output distribution. Deterministic drafts are cut before it
+        (their replacement is the target's own sample either way)."""
+        e = self.entries.get(request_id)
+        if e is None:
+            return drafts
+        if not e.ready or not drafts or (e.starts_after is not None and not self._started(e, out)):
+            return []
+        self._advance(e, out)
+        if e.done:
+            return []
+        valid = e.matcher.validate_tokens(drafts)
+        taken = 0
+        for t in drafts[:valid]:                 # accepted again: a draft that terminates ends the drafts
+            if not e.matcher.accept_token(int(t)):
+                break
+            taken += 1
+            if e.matcher.is_terminated():
+                break
+        if taken:
+            e.matcher.rollback(taken)
+        refused = taken == valid < len(drafts)
+        return drafts[:taken + int(refused and keep_refused)]
 
     @staticmethod
     def _started(e: _Entry, out: list[int]) -> bool:
@@ -465,11 +528,24 @@ class GuidedAdmission(AdmissionRule):
         return fut is None or fut.done()
 
 
-def apply_guided(logits: np.ndarray, step: GuidedStep, row_of: dict[str, int], eos_token_ids) -> np.ndarray:
-    """Mask the sampling rows of ``logits`` (``row_of``: request id -> row)
-    with the step's bitmask; a row left with nothing (another processor
-    banned all the grammar allows) gets its eos ids back, so it can end."""
-    pairs = [(j, row_of[rid]) for j, rid in enumerate(step.request_ids) if rid in row_of]
+def apply_guided(logits: np.ndarray, step: GuidedStep, row_of: dict[str, int | list[int]],
+                 eos_token_ids) -> np.ndarray:
+    """Mask the sampling rows of ``logits`` (``row_of``: request id -> row,
+    or a speculated request's rows, one per verified position: the n-th
+    bitmask row of a request masks its n-th row) with the step's bitmask;
+    a row left with nothing (another processor banned all the grammar
+    allows) gets its eos ids back, so it can end."""
+    pairs, seen = [], {}
+    for j, rid in enumerate(step.request_ids):
+        r = row_of.get(rid)
+        if r is None:
+            continue
+        if isinstance(r, int):
+            pairs.append((j, r))
+            continue
+        n = seen[rid] = seen.get(rid, -1) + 1
+        if n < len(r):
+            pairs.append((j, r[n]))
     if not pairs:
         return logits
     words = np.frombuffer(step.bitmask, dtype=np.int32).reshape(len(step.request_ids), -1)

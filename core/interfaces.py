@@ -830,6 +830,20 @@ class GuidedMatcher(abc.ABC):
         """The match is complete (an eos id was accepted, or the grammar
         allows nothing more)."""
 
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, from the start, the grammar allows in a
+        row from here; the state is unchanged (speculative drafts are cut
+        there). By default accepted one by one and rolled back; a backend
+        whose refused token spoils its state overrides it."""
+        n = 0
+        for t in token_ids:
+            if not self.accept_token(int(t)):
+                break
+            n += 1
+        if n:
+            self.rollback(n)
+        return n
+
 
 class GuidedBackend(abc.ABC):
     """Compiles constraints for one model's tokenizer and makes matchers

@@ -135,6 +135,8 @@ class SpecCounters:
     num_draft_tokens: int = 0              # tokens proposed and verified
     num_accepted_tokens: int = 0           # of those, kept
     accepted_per_pos: list[int] = field(default_factory=list)   # kept at draft position 0, 1, ...
+    proposed_per_pos: list[int] = field(default_factory=list)   # proposed at draft position 0, 1, ...
+    offered_per_pos: list[int] = field(default_factory=list)    # proposals that could reach position 0, 1, ...
 
     @property
     def acceptance_rate(self) -> float:
@@ -146,47 +148,144 @@ class SpecCounters:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-class CostGate:
-    """Whether speculation pays at a batch size, from this machine's own
-    step times. Batch sizes fall in power-of-two buckets; in each, decode
-    steps with and without speculation are timed (output tokens per
-    second, an average over the last steps) and the better one runs; every
-    ``explore_every`` steps the other is tried once again, so a change in
-    acceptance is noticed. The first ``min_samples`` steps of a bucket
-    alternate. Each change of decision is logged."""
+WEIGHT_BOUND_ROWS = 16     # rows a step up to which the cost gate takes a CPU forward as bound by reading weights
 
-    def __init__(self, enabled: bool = True, min_samples: int = 3, explore_every: int = 32, window: int = 8):
+
+class CostGate:
+    """How many drafts a step's requests may verify (0: none), from this
+    machine's own step times and the proposer's acceptance so far.
+
+    Batch sizes fall in power-of-two buckets. In each, decode-only steps are
+    timed per decoding request, with and without drafts (medians over the
+    last ``window`` of each kind): ``rho``, the cost of a speculated step
+    against a plain one, and from it the cost of one draft row per request
+    (``beta``; on a CPU small at batch 1, where a step reads the weights
+    once however many rows it scores, and about one row's worth at a
+    compute-bound batch; up to ``WEIGHT_BOUND_ROWS`` rows a step the
+    measured cost is taken for any k', past them extra rows cost in
+    proportion). The proposer's record (per draft position: how
+    often it proposed a token there, how often that token was kept; and in
+    this bucket how many requests get drafts) gives, for each k' <= k, the
+    expected drafts ``D(k')`` and accepted tokens ``A(k')`` a request has in
+    a step. The gate runs the k' with the best expected gain
+    ``(1 + A(k')) / (1 + beta * D(k'))``, or none: it turns on past
+    ``1 + margin`` (0 at batch 1, twice ``margin`` from 16 requests, where a
+    wrong guess costs most) and off under ``1 - margin / 2`` (0.98 at batch
+    1), so noise near even does not flip it each step. Off, it tries again so that
+    the tries cost at most ``explore_cost`` of the steps (and at least every
+    ``explore_every`` steps); a bucket of 16 or more requests first tries
+    with k' = 1 (a try there costs about one plain step per draft). The
+    first steps of a bucket alternate until each kind was timed twice (or
+    once, for a gain under 0.6), and up to ``min_samples`` times while the
+    gain is within 25% of even. Each change between on and off is logged
+(a change of k' at debug level). On,
+    every ``2 * explore_every``-th step is a plain one (the load may
+    change) and, at k' < k, one in ``explore_every`` runs at k, so the
+    positions past k' keep being measured (their rates are over the
+    proposals that could reach them)."""
+
+    def __init__(self, enabled: bool = True, min_samples: int = 4, explore_every: int = 32, window: int = 16,
+                 margin: float = 0.02, explore_cost: float = 0.01):
         self.enabled = enabled
         self.min_samples, self.explore_every, self.window = min_samples, explore_every, window
-        self.samples: dict[int, dict[bool, list[float]]] = {}
-        self.decided: dict[int, bool] = {}
-        self.steps: dict[int, int] = {}
+        self.margin, self.explore_cost = margin, explore_cost
+        self.plain: dict[int, list[float]] = {}                         # bucket -> seconds / request
+        self.spec: dict[int, list[tuple[float, float, float]]] = {}     # (seconds, drafts, draft tokens) / request
+        self.decided: dict[int, int] = {}                               # bucket -> k' (0: off)
+        self.since: dict[int, int] = {}                                 # bucket -> steps since the last try
+        self.steps: dict[int, int] = {}                                 # bucket -> steps decided
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(1, batch).bit_length()
 
-    def allow(self, batch: int) -> bool:
+    def allow(self, batch: int, k: int = 1, proposed_per_pos: Sequence[int] = (),
+              accepted_per_pos: Sequence[int] = (), offered_per_pos: Sequence[int] = ()) -> int:
+        """This step's k' (0: no drafts) at ``batch`` decoding requests,
+        ``k`` configured; the proposer's record so far, per draft position:
+        proposals with a token there, tokens kept there, and proposals that
+        could have had one (made at a k' past it)."""
         if not self.enabled:
-            return True
+            return k
         b = self.bucket(batch)
-        got = self.samples.setdefault(b, {True: [], False: []})
-        n = self.steps[b] = self.steps.get(b, 0) + 1
-        if len(got[True]) < self.min_samples or len(got[False]) < self.min_samples:
-            return len(got[True]) <= len(got[False])
-        on = np.mean(got[True]) >= np.mean(got[False])
-        if self.decided.get(b) != on:
-            self.decided[b] = on
+        plain, spec = self.plain.get(b, []), self.spec.get(b, [])
+        probe = k if batch < 16 else 1
+        if not plain or not spec:                   # one of each first (speculated first)
+            return 0 if spec else probe
+        n = self.since[b] = self.since.get(b, 0) + 1
+        total = self.steps[b] = self.steps.get(b, 0) + 1
+        best, gain, cost = self.expect(b, k, proposed_per_pos, accepted_per_pos, offered_per_pos)
+        fewest = min(len(plain), len(spec))
+        unsure = fewest < self.min_samples and (abs(gain - 1) < 0.25 or (fewest < 2 and gain > 0.6))
+        if unsure:
+            return 0 if len(spec) > len(plain) else probe
+        # hysteresis: on past 1 + margin (margin 0 at batch 1, doubled from 16 requests), off under 1 - the
+        # half margin (at batch 1: under 0.98), so that noise near even does not flip the decision each step
+        margin = 0.0 if batch == 1 else self.margin * (2 if batch >= 16 else 1)
+        was = self.decided.get(b)
+        on = gain > (1 - max(margin / 2, 0.02 if batch == 1 else 0.0) if was else 1 + margin)
+        choice = best if on else 0
+        if was != choice:
+            self.decided[b] = choice
             lo, hi = 2 ** (b - 1), 2 ** b - 1
-            log.info("speculation cost gate: %s at %d-%d decoding requests (measured %.1f tok/s with, %.1f "
-                     "without)", "on" if on else "off", lo, hi, np.mean(got[True]), np.mean(got[False]))
-        return (not on) if n % self.explore_every == 0 else on
+            (log.info if was is None or bool(was) != bool(choice) else log.debug)("speculation cost gate: %s at %d-%d decoding requests (a speculated step costs %.2fx a "
+                     "plain one per request at k=%d; expected %.2f tokens a request a step: %.2fx)",
+                     f"k={choice}" if choice else "off", lo, hi, cost, max(best, 1), gain * cost, gain)
+        if choice:
+            self.since[b] = 0
+            # on: now and then a plain step keeps the plain time current (the load may change), and
+            # below k a step at k measures the draft positions past k'
+            if total % (2 * self.explore_every) == 0:
+                return 0
+            return k if choice < k and total % self.explore_every == self.explore_every // 2 else choice
+        # off: try again now and then, so that the tries cost at most explore_cost of the steps
+        every = max(self.explore_every, int(np.ceil(max(0.0, cost - gain * cost) / self.explore_cost)))
+        if n >= every:
+            self.since[b] = 0
+            return max(best, 1)
+        return 0
 
-    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        if not self.enabled or seconds <= 0:
+    def expect(self, b: int, k: int, proposed_per_pos: Sequence[int], accepted_per_pos: Sequence[int],
+               offered_per_pos: Sequence[int]) -> tuple[int, float, float]:
+        """(the best k', its expected gain, its expected cost per request
+        against a plain step) in bucket ``b``."""
+        plain, spec = self.plain[b], self.spec[b]
+        t_plain = float(np.median(plain))
+        t_spec = float(np.median([s[0] for s in spec]))
+        drafts = float(np.mean([s[1] for s in spec]))      # requests with drafts / requests, in a speculated step
+        rows = float(np.mean([s[2] for s in spec]))        # draft tokens / requests
+        rho = t_spec / t_plain if t_plain > 0 else 1.0
+        beta = max(0.0, rho - 1) / rows if rows > 0 else 0.0
+        batch = 2 ** (b - 1)
+        best, gain, cost = 0, 0.0, 1.0
+        d = a = 0.0
+        for j in range(min(k, len(proposed_per_pos), len(accepted_per_pos), len(offered_per_pos))):
+            if not offered_per_pos[j]:
+                break
+            d += drafts * proposed_per_pos[j] / offered_per_pos[j]
+            a += drafts * accepted_per_pos[j] / offered_per_pos[j]
+            # up to WEIGHT_BOUND_ROWS rows a step a forward reads the weights once: the measured cost
+            # holds for any k' there; past it, the extra rows cost in proportion
+            small = batch * (1 + max(d, rows)) <= WEIGHT_BOUND_ROWS
+            c = max(rho, 1.0) if small else 1 + beta * d
+            if (1 + a) / c > gain:
+                best, gain, cost = j + 1, (1 + a) / c, c
+        return best, gain, cost
+
+    def record(self, batch: int, k_used: int, seconds: float, num_drafts: int = 0,
+               num_draft_tokens: int = 0) -> None:
+        """A decode-only step at ``batch`` requests: plain (``k_used`` 0),
+        or speculated with ``num_drafts`` requests verifying
+        ``num_draft_tokens`` drafts."""
+        if not self.enabled or seconds <= 0 or batch <= 0:
             return
-        got = self.samples.setdefault(self.bucket(batch), {True: [], False: []})[speculated]
-        got.append(tokens / seconds)
+        b = self.bucket(batch)
+        if k_used == 0:
+            got = self.plain.setdefault(b, [])
+            got.append(seconds / batch)
+        else:
+            got = self.spec.setdefault(b, [])
+            got.append((seconds / batch, num_drafts / batch, num_draft_tokens / batch))
         del got[:-self.window]
 
 
@@ -209,11 +308,14 @@ class Speculation:
         self.vocab_size = vocab_size
         self.disable_by_batch_size = sc.disable_by_batch_size
         self.gate = CostGate(sc.cost_gate)
-        self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
+        self.counters = SpecCounters(accepted_per_pos=[0] * self.k, proposed_per_pos=[0] * self.k,
+                                     offered_per_pos=[0] * self.k)
         self.step_k = self.k                       # this step's k (0: the step does not speculate)
         self.step_batch = 0
         self.step_counts = [0, 0, 0]               # this step's drafts, draft tokens, accepted tokens
         self.draft_probs: dict[str, np.ndarray] = {}
+        self.guided = None                         # the engine's GuidedDecoding: guided requests speculate
+        self.guided_truncated = 0                  # draft tokens the grammar refused (never scored)
         self.plugin_processors = bool(config.decoding.logits_processors)
         if self.plugin_processors:
             log.warning("speculative decoding is off: decoding.logits_processors names plugin processors, "
@@ -223,13 +325,16 @@ class Speculation:
 
     # -- requests ----------------------------------------------------------------------------
     def eligible(self, request) -> bool:
-        """Whether a request may speculate: not guided, no logits processor
-        of its own, no activation hooks or reasoning budget, not opted out,
-        and no plugin logits processors configured (they may touch any row)."""
+        """Whether a request may speculate: no logits processor of its own,
+        no activation hooks or reasoning budget, not opted out, no plugin
+        logits processors configured (they may touch any row), and, guided,
+        tracked by the engine's guided service (its drafts are cut where the
+        grammar refuses them, and every verified row is masked)."""
         from fdx.core.guided import constraint_of
         p = request.sampling_params
+        guided_ok = self.guided is not None and request.request_id in self.guided.entries
         return not (self.plugin_processors or request.pooling or needs_processors(p) or opted_out(p)
-                    or constraint_of(p) is not None or p.activations is not None
+                    or (constraint_of(p) is not None and not guided_ok) or p.activations is not None
                     or p.reasoning_max_tokens is not None)
 
     def add_request(self, request) -> None:
@@ -253,8 +358,12 @@ class Speculation:
         self.step_batch = num_decoding
         if self.disable_by_batch_size is not None and num_decoding >= self.disable_by_batch_size:
             self.step_k = 0
+        elif num_decoding == 0:                    # nothing decodes: nothing for the gate to decide
+            self.step_k = self.k
         else:
-            self.step_k = self.k if self.gate.allow(num_decoding) else 0
+            c = self.counters
+            self.step_k = self.gate.allow(num_decoding, self.k, c.proposed_per_pos, c.accepted_per_pos,
+                                          c.offered_per_pos)
 
     def drafts(self, request, room: int) -> list[int]:
         """Drafts for a decoding request (at most ``room`` and this step's
@@ -266,6 +375,12 @@ class Speculation:
         tokens = [*request.prompt_token_ids, *request.output_token_ids]
         ids, probs = check_proposal(self.name, self.proposer.propose(request.request_id, tokens, k), k,
                                     self.vocab_size)
+        if ids and self.guided is not None and request.request_id in self.guided.entries:
+            kept = self.guided.check_drafts(request.request_id, request.output_token_ids, ids,
+                                            keep_refused=probs is not None)
+            self.guided_truncated += len(ids) - len(kept)
+            ids = kept
+            probs = None if probs is None or not ids else probs[:len(ids)]
         if probs is not None:
             self.draft_probs[request.request_id] = probs
         return ids
@@ -278,15 +393,20 @@ class Speculation:
         c.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             c.accepted_per_pos[j] += 1
+        for j in range(num_proposed):
+            c.proposed_per_pos[j] += 1
+        for j in range(min(self.step_k, self.k)):       # this step's k' bounded the drafts
+            c.offered_per_pos[j] += 1
         s = self.step_counts
         s[0], s[1], s[2] = s[0] + 1, s[1] + num_proposed, s[2] + num_accepted
         self.proposer.on_accepted(request.request_id, num_proposed, num_accepted)
 
     def end_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
-        """Time a decode-only step for the cost gate: ``num_tokens`` output tokens in ``seconds``."""
+        """Time a decode-only step for the cost gate (``seconds``; the gate
+        reads the step's drafts from ``step_counts``, not ``num_tokens``)."""
         if decode_only and self.step_batch and (self.step_k == 0 or self.step_counts[0]):
             # a step allowed to speculate in which nothing was proposed tells nothing about speculation
-            self.gate.record(self.step_batch, self.step_k > 0, num_tokens, seconds)
+            self.gate.record(self.step_batch, self.step_k, seconds, self.step_counts[0], self.step_counts[1])
 
     def close(self) -> None:
         self.proposer.close()

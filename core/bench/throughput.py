@@ -11,7 +11,8 @@ from fdx.core.bench.profile import StepProfiler, format_profile
 from fdx.core.sampling_params import SamplingParams
 
 
-WORKLOADS = {"grounded": Path(__file__).with_name("grounded.jsonl")}   # shipped workload files by name
+WORKLOADS = {"grounded": Path(__file__).with_name("grounded.jsonl"),   # shipped workload files by name
+             "chat": Path(__file__).with_name("chat.jsonl")}
 
 
 def workload_prompts(llm, workload: str) -> list[list[int]]:
@@ -155,6 +156,11 @@ def format_throughput(r: dict) -> str:
         lines.append(f"  without speculation (same run): output {b['output_tokens_per_s']:.1f} tok/s; "
                      f"speculation {r['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x, outputs "
                      f"{'equal' if r['outputs_equal'] else 'DIFFERENT'}")
+        if len(r.get("ratios", ())) > 1:
+            q = sorted(r["ratios"])
+            lines.append(f"  rounds           {len(q)} (off, on) alternating: speculation median "
+                         f"{float(np.median(q)):.2f}x, {q[0]:.2f}x .. {q[-1]:.2f}x "
+                         f"({', '.join(f'{x:.2f}' for x in r['ratios'])})")
     if "profile" in r:
         lines.append(format_profile(r["profile"]))
     return "\n".join(lines)

@@ -314,11 +314,11 @@ class DefaultModelRunner(ModelRunner):
             processor.update_state(update)
         return rows
 
-    def _processed(self, x: np.ndarray, rows: list[str]) -> np.ndarray:
-        """The logits processors, then the grammar's mask, over one row per request."""
+    def _processed(self, x: np.ndarray, rows: list[str], guided: bool = True) -> np.ndarray:
+        """The logits processors, then (``guided``) the grammar's mask, over one row per request."""
         for processor in self.ctx.logits_processors:
             x = processor.apply(x)
-        if self.guided is not None:            # the grammar's mask, after every other processor
+        if guided and self.guided is not None:     # the grammar's mask, after every other processor
             x = apply_guided(x, self.guided, {rid: i for i, rid in enumerate(rows)}, self.ctx.eos_token_ids)
         return x
 
@@ -327,8 +327,9 @@ class DefaultModelRunner(ModelRunner):
         pending token's row and then one row per draft. Each row j is
         sampled as the request would sample its token j without
         speculation: the first rows (one per request) go through the logits
-        processors and the guided mask as always (a speculated request has
-        none of its own: core/spec.py), every row through the sampler with
+        processors as always (a speculated request has none of its own:
+        core/spec.py), every row through the grammar's mask (a guided
+        request has one bitmask row per verified position) and the sampler with
         the request's seed at that output position. The drafts are kept
         while they equal those samples (``fdx.core.spec.accept_sampled``);
         drafts with probabilities go through rejection sampling. Under
@@ -344,7 +345,10 @@ class DefaultModelRunner(ModelRunner):
             raw = raw if isinstance(raw, np.ndarray) else _host_float32(raw)
             rows = self._update_processors(samplers, removed)
             x = raw.copy()
-            x[firsts] = self._processed(raw[firsts], rows)     # raw[firsts]: a copy the processors may edit
+            x[firsts] = self._processed(raw[firsts], rows, guided=False)   # raw[firsts]: a copy to edit
+            if self.guided is not None:    # the grammar's mask on every verified row (core/guided.py)
+                row_of = {st.request_id: list(range(f, f + c)) for st, c, f in zip(samplers, counts, firsts.tolist())}
+                x = apply_guided(x, self.guided, row_of, ctx.eos_token_ids)
             params, prompts, outputs, ids = [], [], [], []
             for st, c in zip(samplers, counts):
                 drafts = self.drafts.get(st.request_id, [])

@@ -43,6 +43,10 @@ class LLGuidanceMatcher(GuidedMatcher):
     def is_terminated(self):
         return self.m.is_stopped()
 
+    def validate_tokens(self, token_ids):
+        # llguidance's own check: a token consume_token refuses leaves the matcher in error
+        return self.m.validate_tokens([int(t) for t in token_ids])
+
 
 class LLGuidanceBackend(GuidedBackend):
     requires = ("llguidance",)
