@@ -11,17 +11,21 @@ line says what was built and how long it took. Without a C++ compiler, or
 if the build fails, one warning says so and callers use the Paddle path.
 FDX_DISABLE_CPP_OPS=1 turns the compiled kernels off.
 
-The kernels (one extension module, one translation unit, csrc/fdx_ops.cc):
+The kernels (one extension module: the bindings and portable builds in
+csrc/fdx_ops.cc, the x86 builds in csrc/isa_avx2.cc and csrc/isa_avx512.cc,
+translation units of their own linked with it; on a compiler or CPU without
+x86 those compile to nothing and only their builds are missing):
 paged attention over block tables (fdx.ops.attention's "cpp" path),
 SiLU-and-mul (fdx.ops.activation), RMS norm with the residual add
 (fdx.ops.norm) and the fused q/k/v split + q/k RMS norm
 + rotary + KV-cache write (``rope_write_kv``, which the ``cpu`` attention
 backend offers the model), and the products with quantized weights
 (``quant_matmul_*``, which fdx.ops.quant dispatches to: one build per
-instruction set, each its own kernel-table name), and a whole decoder
-layer over GGML-block or float32 weights in one call (``decoder_layer``,
-which the ``cpu`` attention backend offers the model), or every layer of a
-step in one (``decoder_stack``). Each has the Paddle ops as
+instruction set, each its own kernel-table name), and whole decoder layers
+over GGML-block or float32 weights (``decoder_layer``, one layer, and
+``decoder_stack``, every layer of a step: one plain C function called
+through ctypes, which the model-level kernel port fdx.ops.layer_port calls).
+Each has the Paddle ops as
 fallback and test oracle.
 """
 import contextlib
