@@ -137,9 +137,9 @@ class _Port:
                 else:
                     connector.save_kv_layer(i, kv_caches[i], meta)
         group = metadata.cpp
-        return cpp.decoder_stack(x, table, metadata.positions, metadata.slot_mapping, group.seq_info,
-                                 group.block_tables, metadata.block_size, kernels.active().batch_invariant,
-                                 between=between)
+        args = (x, table, metadata.positions, metadata.slot_mapping, group.seq_info, group.block_tables,
+                metadata.block_size, kernels.active().batch_invariant)
+        return cpp.decoder_stack(*args) if between is None else cpp.decoder_stack(*args, between=between)
 
     def decoder_layer(self, x, residual, layer, kv_cache, meta):
         metadata = meta.metadata
