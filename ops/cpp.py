@@ -74,8 +74,9 @@ def _cflags() -> list[str]:
     """-march=native (the build is keyed by this CPU's model and flags, so a
     cache folder copied from another CPU is never loaded), or with
     FDX_PORTABLE_KERNELS=1 the architecture's baseline instruction set
-    (x86-64: SSE2)."""
-    return (["-mtune=generic"] if portable_kernels() else ["-march=native"]) + _CFLAGS
+    (x86-64: SSE2) and no x86 unit (FDX_NO_X86: isa_avx2.cc and isa_avx512.cc
+    compile to nothing, every kernel runs its portable build)."""
+    return (["-mtune=generic", "-DFDX_NO_X86"] if portable_kernels() else ["-march=native"]) + _CFLAGS
 
 
 def _openmp_ldflags() -> list[str]:
