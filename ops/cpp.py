@@ -231,7 +231,8 @@ def _load() -> ModuleType | None:
                 _module, built = _build_or_load()
                 secs = time.perf_counter() - t0
                 if built:
-                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc: paged attention, SiLU-and-mul, RMS norm, "
+                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc, isa_avx2.cc, isa_avx512.cc: paged attention, "
+                               f"SiLU-and-mul, RMS norm, "
                                f"rotary + KV write) in {secs:.1f} s, "
                                f"cached in {build_dir()} (compiler output: build.log there)")
                     logger.info("%s", _status)
