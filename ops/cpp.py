@@ -231,8 +231,8 @@ def _load() -> ModuleType | None:
                 _module, built = _build_or_load()
                 secs = time.perf_counter() - t0
                 if built:
-                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc, isa_avx2.cc, isa_avx512.cc: paged attention, "
-                               f"SiLU-and-mul, RMS norm, "
+                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc, isa_avx2.cc, isa_avx512.cc: "
+                               f"paged attention, SiLU-and-mul, RMS norm, "
                                f"rotary + KV write) in {secs:.1f} s, "
                                f"cached in {build_dir()} (compiler output: build.log there)")
                     logger.info("%s", _status)
@@ -605,7 +605,8 @@ class _Stack:
         layout.restype = ctypes.c_char_p
         made = structs_from_layout(layout().decode())
         self.Layer, self.Step = made["FdxStackLayer"], made["FdxStackStep"]
-        self.max_parts = self.Layer.weights.size // ctypes.sizeof(ctypes.c_void_p) // 4   # = kMaxParts (decoder_layer.h)
+        # = kMaxParts (decoder_layer.h): the weights field is [4][kMaxParts] pointers
+        self.max_parts = self.Layer.weights.size // ctypes.sizeof(ctypes.c_void_p) // 4
         fn = library.fdx_decoder_stack
         fn.argtypes = [ctypes.POINTER(self.Step), ctypes.c_char_p, ctypes.c_int64]
         fn.restype = ctypes.c_int
