@@ -1308,33 +1308,8 @@ class AttentionBackend(abc.ABC):
         match."""
         return None
 
-    def decoder_layer(self, x: Any, residual: Any, layer: Any, k_cache: Any, v_cache: Any, metadata: Any
-                      ) -> tuple[Any, Any] | None:
-        """Optional: a whole pre-norm decoder layer in one call. ``layer``
-        (fdx.plugins.models.layers.FusedLayer) holds the layer's norm
-        weights, its four linear weights (q/k/v, o, gate/up, down, each one
-        to three parts stacked along rows: fdx.ops.quant.QuantizedTensor
-        blocks or float32 ``[in, out]`` tensors), their ``biases`` (float32
-        [rows] or None each), ``q_norm`` / ``k_norm`` ([head_dim] or None:
-        Qwen3), head counts, ``rope``, ``eps`` and ``scale``; the model
-        offers it only for a layer without a tensor-parallel split. ``residual`` is None for the first
-        layer (the residual is then ``x``). Return (MLP output, residual),
-        having written the step's k and v as ``write_kv`` would.
-
-        Return None (the default) when the backend has no kernel for this
-        layer or step: the model then runs the layer's composed ops, which
-        are the reference the fused kernel must match."""
-        return None
-
-    def decoder_stack(self, x: Any, layers: list[Any], kv_caches: list[Any], metadata: Any
-                      ) -> tuple[Any, Any] | None:
-        """Optional: every decoder layer of the step in one call, as
-        ``decoder_layer`` on each in turn (the first with no residual):
-        ``layers`` are the model's FusedLayer (all of them: the model does
-        not offer it when a layer has none), ``kv_caches`` their (k, v)
-        caches; it takes what ``decoder_layer`` takes. Return (the last layer's MLP output, residual), or None (the
-        default) to let the model call the layers one by one."""
-        return None
+    # Whole decoder layers in one compiled call are not an attention backend's: the model calls
+    # the model-level kernel port (fdx.ops.layer_port) for them.
 
 
 @dataclass(slots=True, frozen=True)
@@ -1383,7 +1358,8 @@ class AttentionContext:
     # The KV connector's per-layer hooks, when one runs (None: none, and a model calls nothing). A
     # model's forward, for decoder layer i:  if meta.connector is not None:
     # meta.connector.wait_for_layer_load(i) before the layer's attention, and
-    # meta.connector.save_kv_layer(i, kv_caches[i], meta) after it (KVConnector).
+    # meta.connector.save_kv_layer(i, kv_caches[i], meta) after it (KVConnector). The compiled
+    # layers (fdx.ops.layer_port) make these calls themselves, around each layer they run.
     connector: "KVConnector | None" = None
     layout: BatchLayout | None = None   # set by the runner every step (None only outside a step:
                                         # a memory profile, a kernel probe)
@@ -1408,16 +1384,6 @@ class AttentionContext:
         """The backend's fused q/k norm + rotary + KV write, or None (see
         ``AttentionBackend.rope_write_kv``): the caller then composes it."""
         return self.backend.rope_write_kv(qkv, positions, k_cache, v_cache, self.metadata, **layout)
-
-    def decoder_layer(self, x, residual, layer, kv_cache):
-        """The backend's whole-layer kernel, or None (see
-        ``AttentionBackend.decoder_layer``): the caller then composes the layer."""
-        return self.backend.decoder_layer(x, residual, layer, kv_cache[0], kv_cache[1], self.metadata)
-
-    def decoder_stack(self, x, layers, kv_caches):
-        """The backend's all-layers call, or None (see
-        ``AttentionBackend.decoder_stack``): the caller then runs the layers."""
-        return self.backend.decoder_stack(x, layers, kv_caches, self.metadata)
 
 
 class Backend(abc.ABC):

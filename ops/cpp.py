@@ -11,17 +11,21 @@ line says what was built and how long it took. Without a C++ compiler, or
 if the build fails, one warning says so and callers use the Paddle path.
 FDX_DISABLE_CPP_OPS=1 turns the compiled kernels off.
 
-The kernels (one extension module, one translation unit, csrc/fdx_ops.cc):
+The kernels (one extension module: the bindings and portable builds in
+csrc/fdx_ops.cc, the x86 builds in csrc/isa_avx2.cc and csrc/isa_avx512.cc,
+translation units of their own linked with it; on a compiler or CPU without
+x86 those compile to nothing and only their builds are missing):
 paged attention over block tables (fdx.ops.attention's "cpp" path),
 SiLU-and-mul (fdx.ops.activation), RMS norm with the residual add
 (fdx.ops.norm) and the fused q/k/v split + q/k RMS norm
 + rotary + KV-cache write (``rope_write_kv``, which the ``cpu`` attention
 backend offers the model), and the products with quantized weights
 (``quant_matmul_*``, which fdx.ops.quant dispatches to: one build per
-instruction set, each its own kernel-table name), and a whole decoder
-layer over GGML-block or float32 weights in one call (``decoder_layer``,
-which the ``cpu`` attention backend offers the model), or every layer of a
-step in one (``decoder_stack``). Each has the Paddle ops as
+instruction set, each its own kernel-table name), and whole decoder layers
+over GGML-block or float32 weights (``decoder_layer``, one layer, and
+``decoder_stack``, every layer of a step: one plain C function called
+through ctypes, which the model-level kernel port fdx.ops.layer_port calls).
+Each has the Paddle ops as
 fallback and test oracle.
 """
 import contextlib
@@ -54,10 +58,10 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "fdx_ops.cc"]
+_SOURCES = [_CSRC / "fdx_ops.cc", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
             _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h",
-            _CSRC / "invariant_attention.h", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
+            _CSRC / "invariant_attention.h"]
 _CFLAGS = [
     "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # no -fassociative-math: every sum keeps the order the source writes, so a row's bits
@@ -70,8 +74,9 @@ def _cflags() -> list[str]:
     """-march=native (the build is keyed by this CPU's model and flags, so a
     cache folder copied from another CPU is never loaded), or with
     FDX_PORTABLE_KERNELS=1 the architecture's baseline instruction set
-    (x86-64: SSE2)."""
-    return (["-mtune=generic"] if portable_kernels() else ["-march=native"]) + _CFLAGS
+    (x86-64: SSE2) and no x86 unit (FDX_NO_X86: isa_avx2.cc and isa_avx512.cc
+    compile to nothing, every kernel runs its portable build)."""
+    return (["-mtune=generic", "-DFDX_NO_X86"] if portable_kernels() else ["-march=native"]) + _CFLAGS
 
 
 def _openmp_ldflags() -> list[str]:
@@ -226,7 +231,8 @@ def _load() -> ModuleType | None:
                 _module, built = _build_or_load()
                 secs = time.perf_counter() - t0
                 if built:
-                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc: paged attention, SiLU-and-mul, RMS norm, "
+                    _status = (f"built the compiled CPU kernels (ops/csrc/fdx_ops.cc, isa_avx2.cc, isa_avx512.cc: "
+                               f"paged attention, SiLU-and-mul, RMS norm, "
                                f"rotary + KV write) in {secs:.1f} s, "
                                f"cached in {build_dir()} (compiler output: build.log there)")
                     logger.info("%s", _status)
@@ -240,9 +246,25 @@ def _load() -> ModuleType | None:
                     where = f"; compiler output in {log_hint}" if log_hint.exists() else ""
                 except OSError:
                     where = ""
+                first = _first_compiler_error(log_hint) if where else None
+                if first:
+                    _error += f" (the compiler: {first})"
                 _status = f"the compiled CPU kernels are unavailable ({_error}{where})"
                 logger.warning("%s: using the Paddle path, %s", _status, PADDLE_PATH_COST)
     return _module
+
+
+def _first_compiler_error(log: Path) -> str | None:
+    """The compiler's first error line in the build log. Paddle's load() compiles the sources
+    in threads and only prints a source's failure, so the build then stops at the link with
+    that source's object missing ("cannot find ...isa_avx2.o"): this names the cause."""
+    try:
+        for line in log.read_text(errors="replace").splitlines():
+            if " error: " in line or line.startswith("error: "):
+                return line.strip()[:400]
+    except OSError:
+        pass
+    return None
 
 
 def prepare() -> str:
@@ -523,9 +545,244 @@ def f32_matmul_avx512(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
 F32_MATMULS = {"portable": f32_matmul_portable, "avx2": f32_matmul_avx2, "avx512": f32_matmul_avx512}
 
 
-# --- one decoder layer in one call (csrc/decoder_layer.h) --------------------------------------
+# --- decoder layers in one call (csrc/decoder_layer.h; fdx_decoder_stack in csrc/fdx_ops.cc) ------
+# The model-level kernel port's one binding route (fdx.ops.layer_port): a plain C function
+# called through ctypes, no Paddle op dispatch and no Python between the layers (a layer
+# call through a Paddle op cost about 40 us of both, 30 a SmolLM2 step). Its two structs'
+# ctypes classes are built from the layout the library reports (fdx_stack_layout): no
+# mirror written by hand, so a field added to the C side reaches here with the build.
 
 DECODER_LAYER_KINDS = QUANT_KINDS[:8]        # the GGML block kinds (no separate scales tensor)
+
+_CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}
+
+
+def structs_from_layout(text: str) -> dict[str, type]:
+    """ctypes Structure classes from fdx_stack_layout's lines ("Name size", then
+    "Name.field offset size kind"; kind p, i, f: pointers, int64, float; an array
+    flattened, its size the whole array's): each field at the C offset, the struct
+    the C size. RuntimeError for a line it cannot place (overlap, unknown kind, size)."""
+    sizes: dict[str, int] = {}
+    fields: dict[str, list[tuple[str, int, int, str]]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and "." not in parts[0]:
+            sizes[parts[0]] = int(parts[1])
+            fields.setdefault(parts[0], [])
+        elif len(parts) == 4 and "." in parts[0]:
+            struct, field = parts[0].split(".", 1)
+            fields.setdefault(struct, []).append((field, int(parts[1]), int(parts[2]), parts[3]))
+        else:
+            raise RuntimeError(f"fdx compiled CPU ops: unreadable struct layout line {line!r}")
+    out = {}
+    for name, found in fields.items():
+        spec, at = [], 0
+        for field, offset, size, kind in sorted(found, key=lambda f: f[1]):
+            elem = _CTYPES.get(kind)
+            if elem is None or offset < at or size <= 0 or size % ctypes.sizeof(elem):
+                raise RuntimeError(f"fdx compiled CPU ops: cannot lay out {name}.{field} "
+                                   f"(offset {offset}, size {size}, kind {kind!r})")
+            if offset > at:
+                spec.append((f"_pad{at}", ctypes.c_char * (offset - at)))
+            count = size // ctypes.sizeof(elem)
+            spec.append((field, elem * count if count > 1 else elem))
+            at = offset + size
+        if name not in sizes or sizes[name] < at:
+            raise RuntimeError(f"fdx compiled CPU ops: {name}'s size is missing or below its fields'")
+        if sizes[name] > at:
+            spec.append((f"_pad{at}", ctypes.c_char * (sizes[name] - at)))
+        out[name] = type(name, (ctypes.Structure,), {"_pack_": 1, "_fields_": spec})
+        assert ctypes.sizeof(out[name]) == sizes[name]
+    return out
+
+
+class _Stack:
+    """The library's fdx_decoder_stack and the struct classes its layout gives."""
+
+    def __init__(self, library):
+        layout = library.fdx_stack_layout
+        layout.argtypes = []
+        layout.restype = ctypes.c_char_p
+        made = structs_from_layout(layout().decode())
+        self.Layer, self.Step = made["FdxStackLayer"], made["FdxStackStep"]
+        # = kMaxParts (decoder_layer.h): the weights field is [4][kMaxParts] pointers
+        self.max_parts = self.Layer.weights.size // ctypes.sizeof(ctypes.c_void_p) // 4
+        fn = library.fdx_decoder_stack
+        fn.argtypes = [ctypes.POINTER(self.Step), ctypes.c_char_p, ctypes.c_int64]
+        fn.restype = ctypes.c_int
+        self.fn = fn
+
+
+_stack: _Stack | None = None
+
+
+def _stack_binding() -> _Stack:
+    global _stack
+    if _stack is None:
+        _module_or_raise()
+        if _library is None:
+            raise RuntimeError("fdx compiled CPU ops: the extension's shared library was not found")
+        _stack = _Stack(ctypes.CDLL(str(_library)))
+    return _stack
+
+
+def _part_info(w, variant: str) -> list[int]:
+    """(kind, variant, rows, cols) of a fused layer's weight part (kind -1: float32 [in, out])."""
+    if isinstance(w, paddle.Tensor):
+        return [-1, _VARIANT_CODE[variant], int(w.shape[1]), int(w.shape[0])]
+    return [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1]]
+
+
+def _part_tensor(w) -> paddle.Tensor:
+    """The tensor a part's pointer is taken from: the float32 weight, or the blocks' bytes."""
+    return w if isinstance(w, paddle.Tensor) else w.tensors()[0]
+
+
+def _fill_layer(entry, binding: _Stack, keep: list, input_norm, post_norm, weights, variants, biases, q_norm,
+                k_norm, k_cache, v_cache) -> None:
+    """One FdxStackLayer: pointers to the layer's tensors (held in ``keep``), each part's (kind, build, rows, cols)."""
+    vectors = [input_norm, post_norm, k_cache, v_cache, *biases, q_norm, k_norm]
+    for t in vectors:
+        if t is not None and (t.dtype != paddle.float32 or not t.is_contiguous()):
+            raise ValueError("decoder_stack: norms, biases and caches must be contiguous float32")
+    keep += [t for t in vectors if t is not None]
+    entry.input_norm, entry.post_norm = input_norm.data_ptr(), post_norm.data_ptr()
+    entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    for i, b in enumerate(biases):
+        entry.biases[i] = None if b is None else b.data_ptr()
+    entry.q_norm = None if q_norm is None else q_norm.data_ptr()
+    entry.k_norm = None if k_norm is None else k_norm.data_ptr()
+    m = binding.max_parts
+    for i, (parts, builds) in enumerate(zip(weights, variants, strict=True)):
+        if not 1 <= len(parts) <= m:
+            raise ValueError(f"decoder_stack: 1 to {m} parts a weight, got {len(parts)}")
+        entry.num_parts[i] = len(parts)
+        for j, (w, variant) in enumerate(zip(parts, builds, strict=True)):
+            data = _part_tensor(w)
+            keep.append(data)
+            entry.weights[i * m + j] = data.data_ptr()
+            entry.info[(i * m + j) * 4:(i * m + j + 1) * 4] = _part_info(w, variant)
+
+
+class StackLayers:
+    """The fixed part of a step's fdx_decoder_stack call: each layer's norms,
+    weight parts (with their kind and build), biases, q/k norms and caches,
+    as pointers. Holds the tensors, so the pointers stay valid while it lives."""
+
+    def __init__(self, layers: list, variants: list[list[list[str]]], kv_caches: list):
+        binding = _stack_binding()
+        self.layers = list(layers)     # held: their ids key the caller's cache of this table
+        self.keep: list = []
+        self.table = (binding.Layer * len(layers))()
+        self.has_float = any(layer.has_float for layer in layers)
+        for entry, layer, vs, (k, v) in zip(self.table, layers, variants, kv_caches, strict=True):
+            _fill_layer(entry, binding, self.keep, layer.input_norm, layer.post_norm, layer.weights, vs,
+                        layer.biases, layer.q_norm, layer.k_norm, k, v)
+        first = layers[0]
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.rope, self.eps, self.scale = first.rope, first.eps, first.scale
+        self.rotary_dim = getattr(first.rope, "rotary_dim", first.head_dim)
+        self.cos, self.sin = first.rope.cos_cache, first.rope.sin_cache
+        self.neox = bool(first.rope.is_neox_style)
+        self.hidden = int(first.input_norm.shape[0])
+        self.num_slots = int(kv_caches[0][0].shape[0]) // first.num_kv_heads
+        self.first_cache = kv_caches[0][0]
+        self.cache_ptr = self.first_cache.data_ptr()
+
+    def valid_for(self, kv_caches: list) -> bool:
+        """Whether the caches are still the ones (and the memory) this table points at."""
+        return kv_caches[0][0] is self.first_cache and self.first_cache.data_ptr() == self.cache_ptr
+
+
+def stack_layers(layers: list, variants: list[list[list[str]]], kv_caches: list) -> StackLayers:
+    """The table ``decoder_stack`` takes: ``layers`` (FusedLayer, one shape
+    and one rope for all; each weight one to three parts, GGML blocks or
+    float32), the build ``variants[l][i][j]`` of layer l's weight i's part j,
+    and each layer's (k, v) cache."""
+    return StackLayers(layers, variants, kv_caches)
+
+
+def _check_step(n: int, positions, slots, seq_info, block_tables) -> None:
+    for t, dtype in ((positions, paddle.int64), (slots, paddle.int64), (seq_info, paddle.int32),
+                     (block_tables, paddle.int32)):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError("decoder_stack: positions and slots must be int64, seq_info and block_tables int32")
+    if positions.shape[0] != n or slots.shape[0] != n or len(seq_info.shape) != 2 or seq_info.shape[1] != 4 \
+            or len(block_tables.shape) != 2 or block_tables.shape[0] != seq_info.shape[0]:
+        raise ValueError("decoder_stack: positions, slots [N], seq_info [S, 4], block_tables [S, W]")
+
+
+def _run(binding: _Stack, table, first: int, count: int, x, out, residual, residual_in: bool, positions, slots,
+         seq_info, block_tables, block_size: int, invariant: bool, shape) -> None:
+    """One fdx_decoder_stack call over ``count`` layers of ``table`` from ``first``; ``shape``: the
+    StackLayers (or one-layer stand-in) with the heads, rope and cache fields."""
+    n = int(x.shape[0])
+    step = binding.Step()
+    step.x, step.out, step.residual = x.data_ptr(), out.data_ptr(), residual.data_ptr()
+    step.positions, step.slots = positions.data_ptr(), slots.data_ptr()
+    step.seq_info, step.tables = seq_info.data_ptr(), block_tables.data_ptr()
+    step.cos, step.sin = shape.cos.data_ptr(), shape.sin.data_ptr()
+    step.layers = ctypes.addressof(table) + first * ctypes.sizeof(binding.Layer)
+    step.num_layers, step.N, step.hidden = count, n, shape.hidden
+    step.num_seqs, step.table_width = seq_info.shape[0], block_tables.shape[1]
+    step.num_heads, step.num_kv_heads, step.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    step.rotary_dim, step.block_size, step.num_slots = shape.rotary_dim, int(block_size), shape.num_slots
+    step.max_pos, step.neox, step.eps, step.scale = shape.cos.shape[0], int(shape.neox), shape.eps, shape.scale
+    step.invariant, step.residual_in = int(invariant), int(residual_in)
+    err = ctypes.create_string_buffer(256)
+    if binding.fn(ctypes.byref(step), err, len(err)) != 0:
+        raise ValueError(f"decoder_stack: {err.value.decode()}")
+
+
+@kernels.implements("cpp.decoder_layer")
+def decoder_stack(x: paddle.Tensor, table: StackLayers, positions: paddle.Tensor, slots: paddle.Tensor,
+                  seq_info: paddle.Tensor, block_tables: paddle.Tensor, block_size: int, invariant: bool = False,
+                  between=None) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(last MLP output, residual) of every layer in ``table`` over x [N,
+    hidden] (the embedding), as ``decoder_layer`` one layer after the other
+    (the first with no residual): one C call through ctypes. ``between``
+    (a KV connector's hooks): called as ``between(i, "before")`` ahead of
+    layer i and ``between(i, "after")`` once its K/V are in the cache
+    blocks; the layers then run one C call each, the same kernels in the same
+    order (equal bits). The caller keeps float32 layers to the rows
+    ``decoder_layer`` takes them for."""
+    binding = _stack_binding()
+    x = _rows(x)
+    n, hidden = x.shape
+    if x.dtype != paddle.float32 or hidden != table.hidden:
+        raise ValueError(f"decoder_stack: x must be float32 [N, {table.hidden}]")
+    _check_step(n, positions, slots, seq_info, block_tables)
+    out = paddle.empty([n, hidden], dtype="float32")
+    residual = paddle.empty([n, hidden], dtype="float32")
+    args = (positions, slots, seq_info, block_tables, block_size, invariant, table)
+    if between is None:
+        _run(binding, table.table, 0, len(table.table), x, out, residual, False, *args)
+        return out, residual
+    for i in range(len(table.table)):
+        between(i, "before")
+        _run(binding, table.table, i, 1, x if i == 0 else out, out, residual, i > 0, *args)
+        between(i, "after")
+    return out, residual
+
+
+class _OneLayer:
+    """decoder_layer's one-entry table and the step shape fields ``_run`` reads."""
+
+    def __init__(self, binding, input_norm, post_norm, weights, variants, biases, q_norm, k_norm, k_cache, v_cache,
+                 cos, sin, num_heads, num_kv_heads, rotary_dim, neox, eps, scale):
+        self.keep: list = [cos, sin]
+        self.table = (binding.Layer * 1)()
+        _fill_layer(self.table[0], binding, self.keep, input_norm, post_norm, weights, variants, biases, q_norm,
+                    k_norm, k_cache, v_cache)
+        self.num_heads, self.num_kv_heads = int(num_heads), int(num_kv_heads)
+        self.head_dim = int(k_cache.shape[1])
+        self.rotary_dim, self.neox, self.eps, self.scale = int(rotary_dim), bool(neox), float(eps), float(scale)
+        self.cos, self.sin = cos, sin
+        self.hidden = int(input_norm.shape[0])
+        self.num_slots = int(k_cache.shape[0]) // self.num_kv_heads
+        for t in (cos, sin):
+            if t.dtype != paddle.float32 or not t.is_contiguous():
+                raise ValueError("decoder_layer: cos and sin must be contiguous float32")
 
 
 @kernels.implements("cpp.decoder_layer")
@@ -561,192 +818,30 @@ def decoder_layer(
     (+ bias), the per-head q/k RMS norms when given (Qwen3), rotary + KV
     write at ``slots``, attention over the block tables (``seq_info`` must
     list the N rows in order), o_proj (+ bias), residual add + norm, gate/up
-    (+ bias), SiLU-and-mul and down (+ bias) (csrc/decoder_layer.h).
+    (+ bias), SiLU-and-mul and down (+ bias) (csrc/decoder_layer.h), by the
+    same C call as ``decoder_stack`` over a one-layer table.
     ``weights``: the four linears (qkv, o, gate_up, down), each a sequence of
     one to three parts stacked along rows (output features), each part an
     fdx.ops.quant.QuantizedTensor of DECODER_LAYER_KINDS or a float32
     [in, out] tensor; ``variants``: the build ("avx2", ...) of each part, in
     the same nesting; ``biases``: each weight's [rows] bias or None. Float
     tensors float32. ``invariant``: the batch-invariant attention."""
-    module = _module_or_raise()
-    counts: list[int] = []
-    info: list[int] = []
-    tensors: list[paddle.Tensor] = []
-    for parts, builds in zip(weights, variants, strict=True):
-        counts.append(len(parts))
-        for w, variant in zip(parts, builds, strict=True):
-            info += _part_info(w, variant)
-            tensors.append(_part_tensor(w))
-    extras = list(biases) + [q_norm, k_norm]
-    flags = [int(t is not None) for t in extras]
-    tensors += [t for t in extras if t is not None]
-    return module.fdx_decoder_layer(
-        _rows(x), residual, input_norm, post_norm, tensors, positions, slots,
-        k_cache, v_cache, cos, sin, seq_info, block_tables, counts + info + flags, int(num_heads), int(num_kv_heads),
-        int(rotary_dim), int(block_size), bool(neox), float(eps), float(scale), bool(invariant))
-
-
-def _part_info(w, variant: str) -> list[int]:
-    """(kind, variant, rows, cols) of a fused layer's weight part (kind -1: float32 [in, out])."""
-    if isinstance(w, paddle.Tensor):
-        return [-1, _VARIANT_CODE[variant], int(w.shape[1]), int(w.shape[0])]
-    return [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1]]
-
-
-def _part_tensor(w) -> paddle.Tensor:
-    """The tensor a part's pointer is taken from: the float32 weight, or the blocks' bytes."""
-    return w if isinstance(w, paddle.Tensor) else w.tensors()[0]
-
-
-# --- every layer of a step in one call (fdx_decoder_stack in csrc/fdx_ops.cc) ------------------
-# A plain C function called through ctypes: no Paddle op dispatch and no Python between
-# the layers (a fdx_decoder_layer call costs about 40 us of both, 30 a SmolLM2 step).
-
-_MAX_PARTS = 3   # = kMaxParts of csrc/decoder_layer.h
-
-
-class _StackLayer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("weights", (ctypes.c_void_p * _MAX_PARTS) * 4), ("biases", ctypes.c_void_p * 4),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("num_parts", ctypes.c_int64 * 4), ("info", ((ctypes.c_int64 * 4) * _MAX_PARTS) * 4)]
-
-
-class _StackStep(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_void_p) for n in ("x", "out", "residual", "positions", "slots", "seq_info", "tables",
-                                                "cos", "sin", "layers")] + \
-               [(n, ctypes.c_int64) for n in ("num_layers", "N", "hidden", "num_seqs", "table_width", "num_heads",
-                                              "num_kv_heads", "head_dim", "rotary_dim", "block_size", "num_slots",
-                                              "max_pos", "neox")] + \
-               [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("invariant", ctypes.c_int64)]
-
-
-_stack_fn = None
-
-
-def _layout(struct) -> list[str]:
-    """``struct``'s size and each field's offset and size, as ctypes lays them out, in the
-    lines fdx_stack_layout (csrc/fdx_ops.cc) writes for the C struct of the same name."""
-    name = "Fdx" + struct.__name__.lstrip("_")
-    return [f"{name} {ctypes.sizeof(struct)}"] + [
-        f"{name}.{field} {getattr(struct, field).offset} {getattr(struct, field).size}" for field, _ in struct._fields_]
-
-
-def check_stack_layout(library) -> None:
-    """Fail loudly when the ctypes mirrors _StackLayer / _StackStep differ from the C
-    structs FdxStackLayer / FdxStackStep: the library reports their sizes and every
-    field's name, offset and size (fdx_stack_layout), compared here with ctypes' own."""
-    fn = library.fdx_stack_layout
-    fn.argtypes = []
-    fn.restype = ctypes.c_char_p
-    got = fn().decode().splitlines()
-    want = _layout(_StackLayer) + _layout(_StackStep)
-    if got != want:
-        diff = sorted(set(got) ^ set(want))
-        raise RuntimeError("fdx compiled CPU ops: decoder_stack's struct layout differs between csrc/fdx_ops.cc "
-                           f"and ops/cpp.py's ctypes mirrors: {diff}")
-
-
-def _stack_function():
-    global _stack_fn
-    if _stack_fn is None:
-        _module_or_raise()
-        if _library is None:
-            raise RuntimeError("fdx compiled CPU ops: the extension's shared library was not found")
-        library = ctypes.CDLL(str(_library))
-        check_stack_layout(library)
-        fn = library.fdx_decoder_stack
-        fn.argtypes = [ctypes.POINTER(_StackStep), ctypes.c_char_p, ctypes.c_int64]
-        fn.restype = ctypes.c_int
-        _stack_fn = fn
-    return _stack_fn
-
-
-class StackLayers:
-    """The fixed part of a step's fdx_decoder_stack call: each layer's norms,
-    weight parts (with their kind and build), biases, q/k norms and caches,
-    as pointers. Holds the tensors, so the pointers stay valid while it lives."""
-
-    def __init__(self, layers: list, variants: list[list[list[str]]], kv_caches: list):
-        self.layers = list(layers)     # held: their ids key the caller's cache of this table
-        self.keep = []
-        self.table = (_StackLayer * len(layers))()
-        self.has_float = any(layer.has_float for layer in layers)
-        for entry, layer, vs, (k, v) in zip(self.table, layers, variants, kv_caches, strict=True):
-            vectors = [layer.input_norm, layer.post_norm, k, v, *layer.biases, layer.q_norm, layer.k_norm]
-            for t in vectors:
-                if t is not None and (t.dtype != paddle.float32 or not t.is_contiguous()):
-                    raise ValueError("decoder_stack: norms, biases and caches must be contiguous float32")
-            self.keep += [t for t in vectors if t is not None]
-            entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-            entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
-            for i, b in enumerate(layer.biases):
-                entry.biases[i] = None if b is None else b.data_ptr()
-            entry.q_norm = None if layer.q_norm is None else layer.q_norm.data_ptr()
-            entry.k_norm = None if layer.k_norm is None else layer.k_norm.data_ptr()
-            for i, (parts, builds) in enumerate(zip(layer.weights, vs, strict=True)):
-                if not 1 <= len(parts) <= _MAX_PARTS:
-                    raise ValueError(f"decoder_stack: 1 to {_MAX_PARTS} parts a weight, got {len(parts)}")
-                entry.num_parts[i] = len(parts)
-                for j, (w, variant) in enumerate(zip(parts, builds, strict=True)):
-                    data = _part_tensor(w)
-                    self.keep.append(data)
-                    entry.weights[i][j] = data.data_ptr()
-                    entry.info[i][j][:] = _part_info(w, variant)
-        first = layers[0]
-        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        self.rope, self.eps, self.scale = first.rope, first.eps, first.scale
-        self.hidden = int(first.input_norm.shape[0])
-        self.num_slots = int(kv_caches[0][0].shape[0]) // first.num_kv_heads
-        self.first_cache = kv_caches[0][0]
-        self.cache_ptr = self.first_cache.data_ptr()
-
-    def valid_for(self, kv_caches: list) -> bool:
-        """Whether the caches are still the ones (and the memory) this table points at."""
-        return kv_caches[0][0] is self.first_cache and self.first_cache.data_ptr() == self.cache_ptr
-
-
-def stack_layers(layers: list, variants: list[list[list[str]]], kv_caches: list) -> StackLayers:
-    """The table ``decoder_stack`` takes: ``layers`` (FusedLayer, one shape
-    and one rope for all; each weight one to three parts, GGML blocks or
-    float32), the build ``variants[l][i][j]`` of layer l's weight i's part j,
-    and each layer's (k, v) cache."""
-    return StackLayers(layers, variants, kv_caches)
-
-
-@kernels.implements("cpp.decoder_layer")
-def decoder_stack(x: paddle.Tensor, table: StackLayers, positions: paddle.Tensor, slots: paddle.Tensor,
-                  seq_info: paddle.Tensor, block_tables: paddle.Tensor, block_size: int, invariant: bool = False
-                  ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """(last MLP output, residual) of every layer in ``table`` over x [N,
-    hidden] (the embedding), as ``decoder_layer`` one layer after the other
-    (the first with no residual): one C call through ctypes. The caller
-    keeps float32 layers to the rows ``decoder_layer`` takes them for."""
-    fn = _stack_function()
+    binding = _stack_binding()
+    one = _OneLayer(binding, input_norm, post_norm, weights, variants, biases, q_norm, k_norm, k_cache, v_cache,
+                    cos, sin, num_heads, num_kv_heads, rotary_dim, neox, eps, scale)
     x = _rows(x)
     n, hidden = x.shape
-    if x.dtype != paddle.float32 or hidden != table.hidden:
-        raise ValueError(f"decoder_stack: x must be float32 [N, {table.hidden}]")
-    for t, dtype in ((positions, paddle.int64), (slots, paddle.int64), (seq_info, paddle.int32),
-                     (block_tables, paddle.int32)):
-        if t.dtype != dtype or not t.is_contiguous():
-            raise ValueError("decoder_stack: positions and slots must be int64, seq_info and block_tables int32")
-    if positions.shape[0] != n or slots.shape[0] != n or len(seq_info.shape) != 2 or seq_info.shape[1] != 4 \
-            or len(block_tables.shape) != 2 or block_tables.shape[0] != seq_info.shape[0]:
-        raise ValueError("decoder_stack: positions, slots [N], seq_info [S, 4], block_tables [S, W]")
-    rope = table.rope
-    cos, sin = rope.cos_cache, rope.sin_cache
+    if x.dtype != paddle.float32 or hidden != one.hidden:
+        raise ValueError(f"decoder_layer: x must be float32 [N, {one.hidden}]")
+    _check_step(n, positions, slots, seq_info, block_tables)
     out = paddle.empty([n, hidden], dtype="float32")
-    residual = paddle.empty([n, hidden], dtype="float32")
-    step = _StackStep(
-        x.data_ptr(), out.data_ptr(), residual.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-        seq_info.data_ptr(), block_tables.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        ctypes.addressof(table.table), len(table.table), n, hidden, seq_info.shape[0], block_tables.shape[1],
-        table.num_heads, table.num_kv_heads, table.head_dim, getattr(rope, "rotary_dim", table.head_dim),
-        int(block_size), table.num_slots, cos.shape[0], int(rope.is_neox_style), table.eps, table.scale,
-        int(invariant))
-    err = ctypes.create_string_buffer(256)
-    if fn(ctypes.byref(step), err, len(err)) != 0:
-        raise ValueError(f"decoder_stack: {err.value.decode()}")
-    return out, residual
+    if residual is None:
+        res = paddle.empty([n, hidden], dtype="float32")
+    else:
+        residual = _rows(residual)
+        if residual.dtype != paddle.float32 or list(residual.shape) != [n, hidden]:
+            raise ValueError("decoder_layer: residual must be float32, x's shape")
+        res = residual.clone()          # the C call adds into it in place; the caller's stays as it was
+    _run(binding, one.table, 0, 1, x, out, res, residual is not None, positions, slots, seq_info, block_tables,
+         block_size, invariant, one)
+    return out, res

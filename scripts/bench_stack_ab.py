@@ -1,4 +1,4 @@
-"""The one call for all layers (``AttentionBackend.decoder_stack``) on and off
+"""The one call for all layers (fdx.ops.layer_port.decoder_stack) on and off
 every other batch-1 decode step, in one process: CPU time of the calling
 thread a step, as scripts/bench_decode_cpu.py measures it (one thread by
 default; with more, the wall time too), ``quantization auto``.
@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from fdx import LLM, SamplingParams
-from fdx.plugins.backends.attention import CpuAttention
+from fdx.ops import layer_port
 
 
 def main() -> None:
@@ -24,14 +24,14 @@ def main() -> None:
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 256
     threads = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     on = [True]
-    real = CpuAttention.decoder_stack
+    real = layer_port.decoder_stack
     taken = {True: 0, False: 0}
 
-    def switched(self, *args, **kw):
-        got = real(self, *args, **kw) if on[0] else None
+    def switched(*args, **kw):
+        got = real(*args, **kw) if on[0] else None
         taken[on[0]] += got is not None
         return got
-    CpuAttention.decoder_stack = switched
+    layer_port.decoder_stack = switched
     llm = LLM(model, quantization="auto", num_threads=threads, progress=False)
     eng = llm.engine
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -284,22 +284,34 @@ def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkey
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
-@pytest.mark.slow
-def test_the_stack_structs_layout_is_checked_at_load(monkeypatch):
-    """decoder_stack's ctypes mirrors of FdxStackLayer / FdxStackStep are checked against
-    the names, sizes and offsets the library reports (fdx_stack_layout): equal as built,
-    and a mirror missing a field fails loudly instead of passing garbage to C."""
+def test_the_stack_structs_are_laid_out_from_the_library():
+    """decoder_stack's ctypes structs are built from the layout the library reports
+    (fdx_stack_layout: each field's offset, size and kind), not mirrored by hand: each
+    field sits at the C offset with the C size, the structs have the C sizes; a layout
+    that cannot be placed fails loudly instead of passing garbage to C."""
     import ctypes
+    made = cpp.structs_from_layout("S 24\nS.a 0 4 f\nS.b 8 16 i\n")      # padding after a float
+    assert ctypes.sizeof(made["S"]) == 24 and made["S"].b.offset == 8 and made["S"].b.size == 16
+    for bad in ("S 16\nS.a 0 8 p\nS.b 4 8 i\n", "S 8\nS.a 0 8 q\n", "S 4\nS.a 0 8 p\n", "S.a 0\n"):
+        with pytest.raises(RuntimeError):
+            cpp.structs_from_layout(bad)
     if not cpp.available():
         pytest.skip(f"compiled ops unavailable: {cpp.unavailable_reason()}")
     library = ctypes.CDLL(str(cpp._library))
-    cpp.check_stack_layout(library)
-
-    class _StackStep(ctypes.Structure):
-        _fields_ = cpp._StackStep._fields_[:-1]
-    monkeypatch.setattr(cpp, "_StackStep", _StackStep)
-    with pytest.raises(RuntimeError, match="struct layout differs"):
-        cpp.check_stack_layout(library)
+    library.fdx_stack_layout.restype = ctypes.c_char_p
+    lines = library.fdx_stack_layout().decode().splitlines()
+    binding = cpp._stack_binding()
+    classes = {"FdxStackLayer": binding.Layer, "FdxStackStep": binding.Step}
+    assert "FdxStackStep.residual_in" in {line.split()[0] for line in lines}
+    for line in lines:
+        name, offset, *rest = line.split()
+        if "." not in name:
+            assert ctypes.sizeof(classes[name]) == int(offset)
+            continue
+        struct, field = name.split(".")
+        got = getattr(classes[struct], field)
+        assert (got.offset, got.size) == (int(offset), int(rest[0])), line
+    assert binding.max_parts == 3
 
 
 def _attention_case(specs, h=9, kvh=3, d=64, bs=16, num_blocks=240, seed=11):

@@ -1,4 +1,5 @@
-"""The compiled whole decoder layer (fdx.ops.cpp.decoder_layer, csrc/decoder_layer.h).
+"""The compiled whole decoder layer (fdx.ops.cpp.decoder_layer, csrc/decoder_layer.h),
+and the model-level kernel port that runs it (fdx.ops.layer_port), with a KV connector too.
 
 One layer on random Q4_1 and Q8_0 blocks, float32 weights, and parts of
 different kinds (a Q4_K_M-like q/k/v, gate/up; one with a float32 v beside
@@ -25,7 +26,7 @@ from fdx.plugins.backends.probe_child import (MIXED_LAYER, add_biases_and_qk_nor
 from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
 from test_contracts import cpu_kernel_table
 from test_llm import hf_greedy
-from test_weight_formats import QUANT_TIE, TINY, check_greedy, files, prompts  # noqa: F401 (files: a fixture)
+from test_weight_formats import GREEDY, QUANT_TIE, TINY, check_greedy, files, prompts  # noqa: F401 (files: a fixture)
 
 pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"compiled ops unavailable: {cpp.unavailable_reason()}")
 
@@ -227,7 +228,8 @@ def test_decoder_stack_matches_numpy_layer_after_layer(kind):
 
 @pytest.mark.parametrize("kind", STACK_KINDS)
 def test_decoder_stack_equals_the_layer_calls(kind):
-    """The same kernels in the same order as fdx_decoder_layer once a layer: equal bits."""
+    """The same kernels in the same order as decoder_layer once a layer (the same C call over
+    a one-layer table, the residual carried in): equal bits."""
     layers, cfg, caches, x, meta, kv = stack_case(kind, 6, num_layers=3)
     out, res = run_stack(layers, x, meta, kv)
     want_x, want_res = x, None
@@ -252,6 +254,81 @@ def test_decoder_stack_matches_the_composed_layers(kind):
             want_x, want_res, want_k, want_v = run_layer(layer, want_x, want_res, pair, "composed")
             assert_close((k.numpy(), v.numpy()), (want_k, want_v), f"{kind} caches", 1e-4)
     assert_close((out.numpy(), res.numpy()), (want_x, want_res), kind, 1e-4)
+
+
+class Recorder:
+    """A KV connector's runner-side hooks: the calls in order, and at each save every
+    layer's caches as they are then."""
+
+    def __init__(self, kv):
+        self.kv, self.calls, self.seen = kv, [], []
+
+    def wait_for_layer_load(self, layer):
+        self.calls.append(("wait", layer))
+
+    def save_kv_layer(self, layer, kv_layer, meta):
+        self.calls.append(("save", layer, kv_layer is self.kv[layer]))
+        self.seen.append([(k.numpy().copy(), v.numpy().copy()) for k, v in self.kv])
+
+
+def test_the_stack_runs_with_a_kv_connector_whose_hooks_see_each_layers_kv():
+    """The kernel port (fdx.ops.layer_port) with a connector configured: the layers still
+    run compiled, the connector's wait_for_layer_load(i) / save_kv_layer(i, layer i's KV)
+    around each in order; at layer i's save its K/V are in the cache blocks (as they end)
+    and the later layers' are not yet; outputs and caches bitwise those of the one call
+    without a connector, and the composed layers' to float32 rounding."""
+    import paddle
+    from fdx.core.interfaces import AttentionContext
+    from fdx.ops import layer_port
+    from fdx.plugins.backends.attention import CpuAttention
+    layers, cfg, caches, x, meta, kv = stack_case("q8_0", 9, num_layers=3)
+    plain_kv = [tuple(paddle.to_tensor(c.copy()) for c in pair) for pair in caches]
+    fused = [layer.fused for layer in layers]
+    rec = Recorder(kv)
+    with kernels.using(cpu_kernel_table()):
+        got = layer_port.decoder_stack(paddle.to_tensor(x), fused, kv, AttentionContext(CpuAttention(), meta, rec))
+        plain = layer_port.decoder_stack(paddle.to_tensor(x), fused, plain_kv, AttentionContext(CpuAttention(), meta))
+    assert got is not None and plain is not None
+    assert rec.calls == [c for i in range(3) for c in (("wait", i), ("save", i, True))]
+    for g, p in zip(got, plain):
+        np.testing.assert_array_equal(g.numpy(), p.numpy())
+    final = [(k.numpy(), v.numpy()) for k, v in kv]
+    for (k, v), (pk, pv) in zip(final, plain_kv):
+        np.testing.assert_array_equal(k, pk.numpy())
+        np.testing.assert_array_equal(v, pv.numpy())
+    for i, seen in enumerate(rec.seen):
+        for j, ((k, v), (fk, fv), (ck, cv)) in enumerate(zip(seen, final, caches)):
+            want = (fk, fv) if j <= i else (ck, cv)      # written up to layer i, the rest untouched
+            np.testing.assert_array_equal(k, want[0])
+            np.testing.assert_array_equal(v, want[1])
+    want_x, want_res = x, None
+    with kernels.using(cpu_kernel_table()):
+        for layer, pair in zip(layers, caches):
+            want_x, want_res, *_ = run_layer(layer, want_x, want_res, pair, "composed")
+    assert_close([t.numpy() for t in got], (want_x, want_res), "with a connector", 1e-4)
+
+
+@pytest.mark.slow
+def test_a_real_connector_reloads_what_the_compiled_layers_wrote(files, monkeypatch):  # noqa: F811
+    """End to end, Q8_0, fused layers on, the built-in swap connector (host memory tier)
+    and no prefix cache: the compiled stack runs with the connector configured; the
+    blocks it saves at each request's end are what the compiled layers wrote, since the
+    second run loads them instead of computing them and gives the same greedy tokens,
+    as the composed path (FDX_FUSED_LAYERS=0) does."""
+    path, model = files["q8_0"]
+    batch = [{"prompt_token_ids": p} for p in prompts(12, (21, 18, 9))]
+    swap = {"plugins.connector.swap": {"max_blocks": 64}}
+    monkeypatch.setenv(FUSED_LAYERS_ENV, "0")
+    want = [o.outputs[0].token_ids for o in LLM(str(path), quantization="auto", **TINY).generate(batch, GREEDY)]
+    monkeypatch.setenv(FUSED_LAYERS_ENV, "1")
+    spy = Spy(monkeypatch)
+    llm = LLM(str(path), quantization="auto", kv_cache="paged", kv_connector="swap", **swap, **TINY)
+    first = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
+    again = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
+    assert spy.by_name["decoder_stack"] > 0, spy.by_name
+    stats = llm.engine.connector.stats()
+    assert stats["swap_saved_blocks"] > 0 and stats["swap_loaded_blocks"] >= 4, stats
+    assert first == again == want
 
 
 def test_decoder_stack_refuses_a_bad_step():

@@ -1,5 +1,6 @@
-// Paddle custom op bindings of fdx's compiled CPU kernels, one translation unit
-// (paddle/extension.h is compiled once: it dominates the build time).
+// Paddle custom op bindings of fdx's compiled CPU kernels and their portable builds, one
+// translation unit (paddle/extension.h is compiled once: it dominates the build time); the
+// x86 builds are translation units of their own (isa_avx2.cc, isa_avx512.cc), linked with it.
 //
 // fdx_paged_attention(q [N, H, D], k_cache, v_cache [KVH * num_slots, D],
 //   seq_info int32 [S, 4], block_tables int32 [S, W]) -> [num_out_tokens, H, D]
@@ -16,15 +17,14 @@
 //   (quant_kernels.h).
 // fdx_f32_matmul(x [M, K], w float32 [K, N]) -> x @ w [M, N] by the instruction-set
 //   `variant` (f32_kernels.h).
-// fdx_decoder_layer(x, residual or None, norms, the four weights' parts, the step's
-//   attention metadata and the layer's caches) -> (mlp out, residual): a whole Llama-family
-//   layer by the kernels above in one call (decoder_layer.h).
-// fdx_decoder_stack (a plain C function, called through ctypes): every layer of a step
-//   in one call, as fdx_decoder_layer one after another.
+// fdx_decoder_stack (a plain C function, called through ctypes: the model-level kernel
+//   port, ops/cpp.py decoder_stack and decoder_layer): decoder layers of a step in one call,
+//   a whole Llama-family layer each by the kernels above (decoder_layer.h).
 // All inputs are contiguous float32 / int32 / int64 CPU tensors.
 #include <cstddef>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "decoder_layer.h"
@@ -442,214 +442,15 @@ PD_BUILD_OP(fdx_f32_matmul)
     .SetInferShapeFn(PD_INFER_SHAPE(F32MatmulInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(F32MatmulInferDtype));
 
-// --- one decoder layer in one call (decoder_layer.h) -------------------------------------
-
-namespace {
-constexpr int kNumExtras = 6;  // a layer's optional vectors: the four weights' biases, q_norm, k_norm
-}  // namespace
-
-// fdx_decoder_layer(x [N, hidden], residual [N, hidden] or None, input_norm, post_norm [hidden],
-//   weights: the parts of qkv, o, gate_up, down in that order (GGML block bytes, uint8
-//   [rows, row_bytes], or float32 [cols, rows]), positions, slots int64 [N], k_cache, v_cache,
-//   cos, sin, seq_info int32 [S, 4], block_tables int32 [S, W])
-//   -> (out, residual) [N, hidden]; writes k and v into the caches in place.
-// weight_info: the four weights' part counts (1 to 3: parts stack along rows), then
-//   (kind, variant, rows, cols) of each part; kind -1 is float32 (decoder_layer.h); then
-//   six flags: whether the biases of qkv, o, gate_up, down ([rows] float32) and q_norm,
-//   k_norm ([head_dim]) are given. The flagged ones follow the parts in `weights`, in that order.
-std::vector<paddle::Tensor> DecoderLayerForward(const paddle::Tensor& x,
-                                                const paddle::optional<paddle::Tensor>& residual,
-                                                const paddle::Tensor& input_norm,
-                                                const paddle::Tensor& post_norm,
-                                                const std::vector<paddle::Tensor>& weights,
-                                                const paddle::Tensor& positions,
-                                                const paddle::Tensor& slots,
-                                                const paddle::Tensor& k_cache,
-                                                const paddle::Tensor& v_cache,
-                                                const paddle::Tensor& cos,
-                                                const paddle::Tensor& sin,
-                                                const paddle::Tensor& seq_info,
-                                                const paddle::Tensor& block_tables,
-                                                const std::vector<int64_t>& weight_info,
-                                                int64_t num_heads,
-                                                int64_t num_kv_heads,
-                                                int64_t rotary_dim,
-                                                int64_t block_size,
-                                                bool neox,
-                                                float eps,
-                                                float scale,
-                                                bool invariant) {
-  using namespace fdx::quant;
-  for (auto [t, name] : {std::pair{&x, "x"}, {&input_norm, "input_norm"}, {&post_norm, "post_norm"},
-                         {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&cos, "cos"}, {&sin, "sin"}})
-    CheckFloat2d(*t, name);
-  PD_CHECK(x.shape().size() == 2, "x must be [N, hidden]");
-  const int64_t N = x.shape()[0], hidden = x.shape()[1];
-  if (residual) {
-    CheckFloat2d(*residual, "residual");
-    PD_CHECK(residual->shape() == x.shape(), "residual must have x's shape");
-  }
-  PD_CHECK(input_norm.numel() == hidden && post_norm.numel() == hidden, "norm weights must be [hidden]");
-  PD_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-           "num_heads must be a positive multiple of num_kv_heads");
-  PD_CHECK(k_cache.shape().size() == 2 && k_cache.shape() == v_cache.shape(),
-           "k_cache and v_cache must both be [KVH * num_slots, D]");
-  const int64_t D = k_cache.shape()[1];
-  PD_CHECK(D <= 1024, "head_dim above 1024 is not supported");
-  PD_CHECK(k_cache.shape()[0] % num_kv_heads == 0, "cache rows must be a multiple of num_kv_heads");
-  PD_CHECK(cos.shape().size() == 2 && cos.shape() == sin.shape() && cos.shape()[1] == D,
-           "cos and sin must both be [max_position, head_dim]");
-  PD_CHECK(rotary_dim > 0 && rotary_dim <= D && rotary_dim % 2 == 0, "rotary_dim must be even, in (0, head_dim]");
-  PD_CHECK(block_size > 0, "block_size must be positive");
-  PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
-           "positions and slots must be int64");
-  PD_CHECK(positions.numel() == N && slots.numel() == N, "positions and slots must have N elements");
-  PD_CHECK(seq_info.dtype() == paddle::DataType::INT32 && block_tables.dtype() == paddle::DataType::INT32,
-           "seq_info and block_tables must be int32");
-  PD_CHECK(seq_info.shape().size() == 2 && seq_info.shape()[1] == 4, "seq_info must be [S, 4]");
-  PD_CHECK(block_tables.shape().size() == 2 && block_tables.shape()[0] == seq_info.shape()[0],
-           "block_tables must be [S, W]");
-
-  const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
-  PD_CHECK(weight_info.size() >= 4, "weight_info starts with the four weights' part counts");
-  int64_t num_parts = 0;
-  for (int i = 0; i < 4; ++i) {
-    PD_CHECK(weight_info[i] >= 1 && weight_info[i] <= fdx::kMaxParts, "weight ", i, ": 1 to ", fdx::kMaxParts,
-             " parts, got ", weight_info[i]);
-    num_parts += weight_info[i];
-  }
-  PD_CHECK(static_cast<int64_t>(weight_info.size()) == 4 + 4 * num_parts + kNumExtras,
-           "(kind, variant, rows, cols) for each part, then ", kNumExtras, " flags (biases, q/k norms)");
-  const int64_t* flags = &weight_info[4 + 4 * num_parts];
-  int64_t num_extras = 0;
-  for (int i = 0; i < kNumExtras; ++i) num_extras += flags[i] != 0;
-  PD_CHECK(static_cast<int64_t>(weights.size()) == num_parts + num_extras,
-           "one tensor for each part, then each bias and q/k norm flagged present");
-  const int64_t intermediate = weight_info[4 + 4 * (num_parts - 1) + 3];  // the last part is down's
-  // (rows, cols) each weight must have: out features x in features
-  const int64_t want[4][2] = {{q_size + 2 * kv_size, hidden}, {hidden, q_size}, {2 * intermediate, hidden},
-                              {hidden, intermediate}};
-  fdx::LayerWeight lw[4];
-  for (int i = 0, part = 0; i < 4; ++i) {
-    lw[i].num_parts = static_cast<int>(weight_info[i]);
-    lw[i].rows = 0;
-    for (int j = 0; j < lw[i].num_parts; ++j, ++part) {
-      const int64_t* info = &weight_info[4 + 4 * part];
-      const int64_t kind = info[0], variant = info[1], rows = info[2], cols = info[3];
-      PD_CHECK(kind == fdx::kF32Weight || (kind >= 0 && kind < kWint8), "weight ", i,
-               ": only float32 and the GGML block kinds, got ", kind);
-      PD_CHECK(variant >= kPortable && variant <= kAvx512, "weight ", i, ": unknown variant ", variant);
-      PD_CHECK(cols == want[i][1] && rows > 0, "weight ", i, " part ", j, " is [", rows, ", ", cols,
-               "], expected ", want[i][1], " columns");
-      fdx::WeightPart& p = lw[i].parts[j];
-      p = fdx::WeightPart{static_cast<int>(kind), static_cast<int>(variant), {}, nullptr, rows, cols};
-      if (kind == fdx::kF32Weight) {
-        const auto& t = weights[part];
-        CheckFloat2d(t, "a float32 weight");
-        PD_CHECK(t.shape().size() == 2 && t.shape()[0] == cols && t.shape()[1] == rows, "weight ", i, " part ", j,
-                 " must be float32 [", cols, ", ", rows, "] (in x out)");
-        p.f32 = t.data<float>();
-      } else {
-        p.q = QuantWeights(weights[part], paddle::none, kind, rows, cols, 0);
-      }
-      lw[i].rows += rows;
-    }
-    PD_CHECK(lw[i].rows == want[i][0], "weight ", i, " has ", lw[i].rows, " rows, expected ", want[i][0]);
-  }
-  // the biases of the four weights ([rows] each), then q_norm and k_norm ([head_dim]), each when flagged
-  const float* extras[kNumExtras] = {};
-  for (int i = 0, next = static_cast<int>(num_parts); i < kNumExtras; ++i) {
-    if (!flags[i]) continue;
-    const auto& t = weights[next++];
-    CheckFloat2d(t, i < 4 ? "a bias" : "a q/k norm");
-    const int64_t len = i < 4 ? want[i][0] : D;
-    PD_CHECK(t.numel() == len, i < 4 ? "bias " : "q/k norm ", i, " must have ", len, " elements");
-    extras[i] = t.data<float>();
-  }
-  for (int i = 0; i < 4; ++i) lw[i].bias = extras[i];
-
-  const int64_t num_slots = k_cache.shape()[0] / num_kv_heads, max_pos = cos.shape()[0];
-  const int64_t* pos = positions.data<int64_t>();
-  const int64_t* slot = slots.data<int64_t>();
-  for (int64_t t = 0; t < N; ++t) {  // checked here: no error can leave the parallel regions
-    PD_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table [0, ", max_pos, ")");
-    PD_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache [0, ", num_slots, ")");
-  }
-  const int64_t S = seq_info.shape()[0];
-  const int32_t* info = seq_info.data<int32_t>();
-  int64_t covered = 0;
-  for (int64_t s = 0; s < S; ++s) {  // attention's output rows must be the batch's rows, in order
-    PD_CHECK(info[s * 4] == covered && info[s * 4 + 3] == covered && info[s * 4 + 1] > 0,
-             "seq_info must cover the N rows in order");
-    covered += info[s * 4 + 1];
-  }
-  PD_CHECK(covered == N, "seq_info covers ", covered, " rows, x has ", N);
-
-  auto out = paddle::empty({N, hidden}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  auto residual_out = paddle::empty({N, hidden}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  fdx::LayerArgs a{};
-  a.x = x.data<float>();
-  a.residual = residual ? residual->data<float>() : nullptr;
-  a.input_norm = input_norm.data<float>();
-  a.post_norm = post_norm.data<float>();
-  a.qkv = lw[0];
-  a.o = lw[1];
-  a.gate_up = lw[2];
-  a.down = lw[3];
-  a.rope = fdx::RopeArgs{nullptr, pos, slot, cos.data<float>(), sin.data<float>(), extras[4], extras[5], nullptr,
-                         const_cast<float*>(k_cache.data<float>()),  // written in place, as scatter_ does
-                         const_cast<float*>(v_cache.data<float>()), num_heads, num_kv_heads, D, rotary_dim,
-                         num_slots, neox, eps};
-  a.attn = fdx::Args{nullptr,        k_cache.data<float>(),      v_cache.data<float>(), nullptr,
-                     info,           block_tables.data<int32_t>(), block_tables.shape()[1],
-                     num_heads,      num_heads / num_kv_heads,   D,
-                     block_size,     num_slots,                  scale,
-                     invariant};
-  a.num_seqs = S;
-  a.hidden = hidden;
-  a.intermediate = intermediate;
-  a.eps = eps;
-  a.out = out.data<float>();
-  a.residual_out = residual_out.data<float>();
-  fdx::DecoderLayer(a, N);
-  return {out, residual_out};
-}
-
-std::vector<std::vector<int64_t>> DecoderLayerInferShape(
-    const std::vector<int64_t>& x_shape, const paddle::optional<std::vector<int64_t>>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<std::vector<int64_t>>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t, int64_t,
-    int64_t, int64_t, bool, float, float, bool) {
-  return {x_shape, x_shape};
-}
-
-std::vector<paddle::DataType> DecoderLayerInferDtype(
-    const paddle::DataType& x_dtype, const paddle::optional<paddle::DataType>&, const paddle::DataType&,
-    const paddle::DataType&, const std::vector<paddle::DataType>&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
-  return {x_dtype, x_dtype};
-}
-
-PD_BUILD_OP(fdx_decoder_layer)
-    .Inputs({"X", paddle::Optional("Residual"), "InputNorm", "PostNorm", paddle::Vec("Weights"), "Positions",
-             "Slots", "KCache", "VCache", "Cos", "Sin", "SeqInfo", "BlockTables"})
-    .Outputs({"Out", "ResidualOut"})
-    .Attrs({"weight_info: std::vector<int64_t>", "num_heads: int64_t", "num_kv_heads: int64_t",
-            "rotary_dim: int64_t", "block_size: int64_t", "neox: bool", "eps: float", "scale: float",
-            "invariant: bool"})
-    .SetKernelFn(PD_KERNEL(DecoderLayerForward))
-    .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayerInferShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(DecoderLayerInferDtype));
-
-// --- the whole layer stack in one plain C call (ops/cpp.py decoder_stack, through ctypes) ----------
-// One step's layers without Paddle's op dispatch: about 40 us of Python and custom-op
-// overhead a layer call goes (a batch-1 step of SmolLM2 is 30 of them). Every layer runs
-// DecoderLayer as fdx_decoder_layer does; the first reads x, the others read `out` and
-// write it in place (DecoderLayer reads its x only before its first product, and adds
-// into the residual elementwise), so a step needs no buffers beyond out and residual.
+// --- decoder layers in one plain C call (ops/cpp.py decoder_stack / decoder_layer, through ctypes) ---
+// The model-level kernel port's one binding route (fdx.ops.layer_port): a step's layers, or
+// one of them, without Paddle's op dispatch (about 40 us of Python and custom-op overhead a
+// layer call goes; a batch-1 step of SmolLM2 is 30 of them). Every layer runs DecoderLayer;
+// the first reads x (and adds it into `residual` in place when residual_in is set, else
+// residual = x), the others read `out` and write it in place (DecoderLayer reads its x
+// only before its first product, and adds into the residual elementwise), so a step needs
+// no buffers beyond out and residual. ops/cpp.py builds its ctypes structs from the layout
+// fdx_stack_layout reports (no mirror written by hand).
 
 extern "C" {
 
@@ -682,27 +483,41 @@ struct FdxStackStep {
   int64_t num_layers, N, hidden, num_seqs, table_width, num_heads, num_kv_heads, head_dim, rotary_dim,
       block_size, num_slots, max_pos, neox;
   float eps, scale;
-  int64_t invariant;  // the batch-invariant attention (backend.batch_invariant)
+  int64_t invariant;    // the batch-invariant attention (backend.batch_invariant)
+  int64_t residual_in;  // 1: `residual` holds the residual stream before the first layer (x is then
+                        // the previous layer's output, which may be `out` itself); 0: x is the embedding
 };
 
-// The layout of the two structs above, for ops/cpp.py's check when it loads the library:
-// its ctypes mirrors must match field for field (a field added, moved or resized on one
-// side only fails loudly there, never reads garbage). One line a struct ("Name size") and
-// one a field ("Name.field offset size").
+// The layout of the two structs above, from which ops/cpp.py builds its ctypes structs when
+// it loads the library: one line a struct ("Name size") and one a field ("Name.field offset
+// size kind", kind p: pointers, i: int64, f: float; an array's size is its whole size). A
+// field added, moved or resized here reaches Python with the build, never read as garbage.
+extern "C++" {
+template <class F>
+constexpr char FieldKind() {
+  using E = std::remove_all_extents_t<F>;
+  static_assert(std::is_pointer_v<E> || std::is_same_v<E, int64_t> || std::is_same_v<E, float>,
+                "fields are pointers, int64_t or float (ops/cpp.py's kinds)");
+  return std::is_pointer_v<E> ? 'p' : std::is_same_v<E, float> ? 'f' : 'i';
+}
+}  // extern "C++"
+
 const char* fdx_stack_layout() {
   static const std::string text = [] {
     std::string out;
-    auto line = [&out](const char* name, size_t a, size_t b) {
+    auto line = [&out](const char* name, size_t offset, size_t size, char kind) {
       out += name;
-      out += " " + std::to_string(a) + (b ? " " + std::to_string(b) : std::string()) + "\n";
+      out += " " + std::to_string(offset);
+      if (kind) out += " " + std::to_string(size) + " " + kind;
+      out += "\n";
     };
-#define FDX_FIELD(T, f) line(#T "." #f, offsetof(T, f), sizeof(static_cast<T*>(nullptr)->f))
-    line("FdxStackLayer", sizeof(FdxStackLayer), 0);
+#define FDX_FIELD(T, f) line(#T "." #f, offsetof(T, f), sizeof(T::f), FieldKind<decltype(T::f)>())
+    line("FdxStackLayer", sizeof(FdxStackLayer), 0, 0);
     FDX_FIELD(FdxStackLayer, input_norm); FDX_FIELD(FdxStackLayer, post_norm); FDX_FIELD(FdxStackLayer, weights);
     FDX_FIELD(FdxStackLayer, biases); FDX_FIELD(FdxStackLayer, q_norm); FDX_FIELD(FdxStackLayer, k_norm);
     FDX_FIELD(FdxStackLayer, k_cache); FDX_FIELD(FdxStackLayer, v_cache); FDX_FIELD(FdxStackLayer, num_parts);
     FDX_FIELD(FdxStackLayer, info);
-    line("FdxStackStep", sizeof(FdxStackStep), 0);
+    line("FdxStackStep", sizeof(FdxStackStep), 0, 0);
     FDX_FIELD(FdxStackStep, x); FDX_FIELD(FdxStackStep, out); FDX_FIELD(FdxStackStep, residual);
     FDX_FIELD(FdxStackStep, positions); FDX_FIELD(FdxStackStep, slots); FDX_FIELD(FdxStackStep, seq_info);
     FDX_FIELD(FdxStackStep, tables); FDX_FIELD(FdxStackStep, cos); FDX_FIELD(FdxStackStep, sin);
@@ -711,7 +526,7 @@ const char* fdx_stack_layout() {
     FDX_FIELD(FdxStackStep, num_heads); FDX_FIELD(FdxStackStep, num_kv_heads); FDX_FIELD(FdxStackStep, head_dim);
     FDX_FIELD(FdxStackStep, rotary_dim); FDX_FIELD(FdxStackStep, block_size); FDX_FIELD(FdxStackStep, num_slots);
     FDX_FIELD(FdxStackStep, max_pos); FDX_FIELD(FdxStackStep, neox); FDX_FIELD(FdxStackStep, eps);
-    FDX_FIELD(FdxStackStep, scale); FDX_FIELD(FdxStackStep, invariant);
+    FDX_FIELD(FdxStackStep, scale); FDX_FIELD(FdxStackStep, invariant); FDX_FIELD(FdxStackStep, residual_in);
 #undef FDX_FIELD
     return out;
   }();
@@ -803,7 +618,7 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
     a.rope.q_norm = L.q_norm;
     a.rope.k_norm = L.k_norm;
     a.x = l == 0 ? s->x : s->out;
-    a.residual = l == 0 ? nullptr : s->residual;
+    a.residual = l == 0 && !s->residual_in ? nullptr : s->residual;
     a.input_norm = L.input_norm;
     a.post_norm = L.post_norm;
     a.rope.k_cache = L.k_cache;
@@ -817,7 +632,3 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
 
 }  // extern "C"
 
-// The x86 builds (AVX2, AVX-512) of inv's kernels: files of their own, empty off x86 or
-// with FDX_NO_X86. Included here so that the extension links one source (ops/cpp.py).
-#include "isa_avx2.cc"
-#include "isa_avx512.cc"

@@ -168,8 +168,7 @@ def bench_layer(kinds: list[str], seqs_list: tuple[int, ...], iters: int, thread
 
     table = probe_kernels(threads)
     print(f"cpu: {cpu_model()}, {threads} threads, load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
-    composed_backend, fused_backend = CpuAttention(), CpuAttention()
-    composed_backend.fused_layers, fused_backend.fused_layers = False, True
+    backend = CpuAttention()
     rng = np.random.default_rng(0)
     block, kvh = 16, 3
     with kernels.using(table):
@@ -184,10 +183,11 @@ def bench_layer(kinds: list[str], seqs_list: tuple[int, ...], iters: int, thread
                 meta = build_attention_metadata([1] * n, [ctx] * n, tables, block, kvh, num_slots, impl="cpp")
                 x, res = paddle.randn([n, 576]), paddle.randn([n, 576])
 
-                def run(backend):
-                    return lambda: layer(x, res, meta.positions, caches, AttentionContext(backend, meta))
+                ctx_ = AttentionContext(backend, meta)
+                composed = lambda: layer.composed(x, res, meta.positions, caches, ctx_)   # noqa: E731
+                fused = lambda: layer(x, res, meta.positions, caches, ctx_)               # noqa: E731 (the port's)
                 _report(f"decoder layer {kind} {n} seqs x {ctx} ctx",
-                        _interleaved({"composed": run(composed_backend), "fused": run(fused_backend)}, iters))
+                        _interleaved({"composed": composed, "fused": fused}, iters))
 
 
 def main() -> None:

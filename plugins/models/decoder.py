@@ -265,13 +265,15 @@ class DecoderForCausalLM(Model):
         hooks = meta.connector              # the KV connector's per-layer calls, only when one runs
         act = meta.activations              # the step's activation hooks, only when a request has some
         lora = meta.lora                    # the step's LoRA adapter groups, only when a request has one
-        # the backend's one call for the layers before the first hooked one (all of them without
-        # activation hooks), when it has one (none with a connector's per-layer hooks). A step with a
-        # LoRA adapter runs every layer composed, for every row (the fused kernels take no adapter).
+        # the compiled layers before the first hooked one (all of them without activation hooks), when
+        # the kernel port takes the step (fdx.ops.layer_port; with a KV connector it calls the
+        # connector's per-layer hooks around each). A step with a LoRA adapter runs every layer
+        # composed, for every row (the fused kernels take no adapter).
         first = 0 if lora is not None else self.num_layers if act is None else act.layers[0]
         got = None
-        if hooks is None and first > 0:
-            got = meta.decoder_stack(x, [layer.fused for layer in self.layers[:first]], kv_caches[:first])
+        if first > 0:
+            from fdx.ops import layer_port
+            got = layer_port.decoder_stack(x, [layer.fused for layer in self.layers[:first]], kv_caches[:first], meta)
         done = 0
         if got is not None:
             x, residual = got

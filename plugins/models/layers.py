@@ -12,6 +12,7 @@ import numpy as np
 import paddle
 
 from fdx.core.interfaces import AttentionContext, LinearWeight, WeightFormat
+from fdx.ops import layer_port
 from fdx.ops.activation import silu_and_mul
 from fdx.ops.norm import add_rms_norm, rms_norm
 from fdx.ops.rotary import RotaryEmbedding
@@ -228,7 +229,7 @@ class FeedForward:
 @dataclass(slots=True, frozen=True)
 class FusedLayer:
     """What a backend's whole-layer kernel needs of one layer
-    (``AttentionBackend.decoder_layer``): its norms, its four linear weights,
+    (fdx.ops.layer_port, the model-level kernel port): its norms, its four linear weights,
     their biases, the per-head q/k norms and the attention shape. Each weight
     is one to three parts stacked along its output rows (a q/k/v or gate/up
     whose parts a file stores in different kinds), each part an
@@ -327,7 +328,7 @@ class DecoderLayer:
     def __call__(self, x: Tensor, residual: Tensor | None, positions: Tensor,
                  kv_cache: KVCache, meta: AttentionContext) -> tuple[Tensor, Tensor]:
         fused = self._fused if self._fused is not _UNSET else self.fused
-        if fused is not None and (got := meta.decoder_layer(x, residual, fused, kv_cache)) is not None:
+        if fused is not None and (got := layer_port.decoder_layer(x, residual, fused, kv_cache, meta)) is not None:
             return got
         return self.composed(x, residual, positions, kv_cache, meta)
 
@@ -361,7 +362,7 @@ class DecoderLayer:
         if inside:
             composed = self.composed(x, residual, positions, kv_cache, meta, act, index)
             fused = self._fused if self._fused is not _UNSET else self.fused
-            got = None if fused is None else meta.decoder_layer(x, residual, fused, kv_cache)
+            got = None if fused is None else layer_port.decoder_layer(x, residual, fused, kv_cache, meta)
             if got is None:
                 out, residual = composed
             else:
