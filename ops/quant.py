@@ -43,10 +43,11 @@ WINT_KINDS = ("wint8", "wint4")
 # place the first time the compiled kernels take it (``tensors()``, at load:
 # ``prepare()``); any other (rows not a multiple of 4, a read-only buffer, another
 # kind) keeps the plain layout. FDX_REPACK=0 turns it off (for benchmarks).
-# A kind is listed only where the interleaved tiles measured at least as fast as the
-# plain ones (docs/backends.md).
+# A kind is listed only where the interleaved tiles measured at least as fast as
+# main's plain ones (docs/benchmarks.md, Zen 4): not q4_0 (0.88-0.93x at one
+# 2048x2048 row, an L3-resident weight) nor wint4 (one noisy round only).
 INTERLEAVE = 4
-REPACK_KINDS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4")
+REPACK_KINDS = ("q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8")
 
 
 def ggml_type(kind: str):

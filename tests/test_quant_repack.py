@@ -52,7 +52,7 @@ def test_each_layout_and_row_count_against_numpy_and_rows_alone(module, kind, va
     cols = 512
     x = rng.standard_normal((max(ROW_COUNTS), cols)).astype(np.float32)
     xq = int8_blocks(x, act_block(kind)).astype(np.float64)
-    for rows, want_interleaved in ((36, True), (38, False)):       # 38: not a multiple of 4 -> plain
+    for rows, want_interleaved in ((36, kind in quant.REPACK_KINDS), (38, False)):   # 38 rows: plain
         w = random_quantized(kind, rows, cols, rng)
         values = w.dequantize().astype(np.float64)
         plain = w.data.copy()
@@ -75,7 +75,7 @@ def test_each_layout_and_row_count_against_numpy_and_rows_alone(module, kind, va
 
 def test_take_rows_and_embedding_read_the_interleaved_layout():
     rng = np.random.default_rng(3)
-    for kind in ("q8_0", "q4_k"):
+    for kind in ("q8_0", "q4_k"):                 # both in REPACK_KINDS
         w = random_quantized(kind, 16, 256, rng)
         ref = w.dequantize()
         w.prepare()
