@@ -14,8 +14,11 @@
 // threads. The kinds with blocks of 32 (q8_0, q4_0/1, q5_0/1, wint8/4) in the SIMD
 // builds multiply tiles of two weight rows x up to four activation rows (TileDot,
 // 256-bit, in the AVX-512 build too; there q8_0 from 12 rows takes 512-bit VNNI
-// tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); the k-quants, and every kind in
-// the portable build, one weight row against up to four activation rows (RowDot).
+// tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); every kind in the portable build
+// one weight row against one activation row (RowDot). The k-quants quantize the
+// activations per 256 instead (XBlockK) and sum each sub-block in int32 times its
+// integer scale (TileDotK). Weights repacked at load (kInterleave rows' blocks
+// side by side) take tiles of 4 weight rows from one stream.
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
 // Three builds of the same source (quant_kernels.inc, included once per
