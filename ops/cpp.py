@@ -433,8 +433,9 @@ def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) 
         return None
     data, scales = w.tensors()
     x2 = _rows(x)
-    args = (_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1], w.group_size)
-    if x2.shape[0] >= QUANT_BLAS_MIN_ROWS:
+    invariant = kernels.active().batch_invariant
+    args = (quant_code(w, invariant), _VARIANT_CODE[variant], w.shape[0], w.shape[1], w.group_size)
+    if x2.shape[0] >= QUANT_BLAS_MIN_ROWS and not invariant:    # BLAS's order depends on the rows
         out = paddle.matmul(x2, dequantize_op(data, scales, *args), transpose_y=True)
     else:
         out = matmul_op(x2, data, scales, *args)
@@ -442,6 +443,15 @@ def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) 
 
 
 _QUANT_KIND_CODE = {kind: code for code, kind in enumerate(QUANT_KINDS)}
+_CODE_INTERLEAVED, _CODE_INVARIANT = 1 << 8, 1 << 9       # = kCodeInterleaved, kCodeInvariant (quant_kernels.h)
+
+
+def quant_code(w, invariant: bool = False) -> int:
+    """The kind code the compiled products take for ``w``: its kind, whether its
+    rows are interleaved (repacked at load), and backend.batch_invariant (q8_0's
+    AVX-512 VNNI tiles from 12 rows are another order than the tiles below: off)."""
+    return (_QUANT_KIND_CODE[w.kind] | (_CODE_INTERLEAVED if w.interleaved else 0)
+            | (_CODE_INVARIANT if invariant else 0))
 
 
 @kernels.implements(*(quant_kernel_name(k, "portable") for k in QUANT_KINDS))
@@ -630,7 +640,8 @@ def _part_info(w, variant: str) -> list[int]:
     """(kind, variant, rows, cols) of a fused layer's weight part (kind -1: float32 [in, out])."""
     if isinstance(w, paddle.Tensor):
         return [-1, _VARIANT_CODE[variant], int(w.shape[1]), int(w.shape[0])]
-    return [_QUANT_KIND_CODE[w.kind], _VARIANT_CODE[variant], w.shape[0], w.shape[1]]
+    w.tensors()                                         # repacked (at load) before its layout is read
+    return [quant_code(w, kernels.active().batch_invariant), _VARIANT_CODE[variant], w.shape[0], w.shape[1]]
 
 
 def _part_tensor(w) -> paddle.Tensor:

@@ -178,14 +178,21 @@ def random_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
     return data
 
 
-def int8_blocks(x: np.ndarray) -> np.ndarray:
+def int8_blocks(x: np.ndarray, block: int = 32) -> np.ndarray:
     """x [M, cols] float32 as the compiled products see it: each block of 32
-    quantized to int8 with scale max|x| / 127 (round half to even), in fp32."""
+    (256 for the k-quants: ``act_block``) quantized to int8 with scale
+    max|x| / 127 (round half to even), in fp32."""
     x = np.asarray(x, np.float32)
-    b = x.reshape(x.shape[0], -1, 32)
+    b = x.reshape(x.shape[0], -1, block)
     amax = np.abs(b).max(axis=2, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     return (np.rint(b * inv) * (amax / np.float32(127))).astype(np.float32).reshape(x.shape)
+
+
+def act_block(kind: str) -> int:
+    """The block the compiled products quantize activations in for ``kind``:
+    256 for the k-quants (one scale per super-block: integer sub-block sums), else 32."""
+    return 256 if kind.endswith("_k") else 32
 
 
 def random_quantized(kind: str, rows: int, cols: int, rng):
@@ -215,7 +222,7 @@ def _probe_quant(kind: str, variant: str) -> Callable[[str], None]:
             w = random_quantized(kind, rows, cols, rng)
             x = rng.standard_normal((m, cols)).astype(np.float32)
             got = fn(_tensor(x), w).numpy()
-            xs = x if m >= cpp.QUANT_BLAS_MIN_ROWS else int8_blocks(x)
+            xs = x if m >= cpp.QUANT_BLAS_MIN_ROWS else int8_blocks(x, act_block(kind))
             want = xs.astype(np.float64) @ w.dequantize().astype(np.float64).T
             scale = float(np.abs(want).max()) or 1.0
             _close(got / scale, want / scale, f"{m}x{cols} @ {rows}x{cols}", atol=1e-4, rtol=0)

@@ -37,6 +37,18 @@ from fdx.core import kernels
 
 WINT_KINDS = ("wint8", "wint4")
 
+# Row-interleaved (repacked) layout: the kinds whose compiled products read their
+# blocks four rows at a time from one stream (csrc/quant_kernels.h, kInterleave).
+# A weight of these kinds whose rows are a multiple of INTERLEAVE is rewritten in
+# place the first time the compiled kernels take it (``tensors()``, at load:
+# ``prepare()``); any other (rows not a multiple of 4, a read-only buffer, another
+# kind) keeps the plain layout. FDX_REPACK=0 turns it off (for benchmarks).
+# A kind is listed only where the interleaved tiles measured at least as fast as
+# main's plain ones (docs/benchmarks.md, Zen 4): not q4_0 (0.88-0.93x at one
+# 2048x2048 row, an L3-resident weight) nor wint4 (one noisy round only).
+INTERLEAVE = 4
+REPACK_KINDS = ("q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8")
+
 
 def ggml_type(kind: str):
     """The gguf package's enum member for a lower-case GGML kind name."""
@@ -62,15 +74,58 @@ class QuantizedTensor:
     data: np.ndarray
     scales: np.ndarray | None = None
     group_size: int = 0
+    interleaved: bool = False          # data in the repacked layout (see REPACK_KINDS)
     _tensors: tuple | None = field(default=None, init=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes + (0 if self.scales is None else self.scales.nbytes))
 
+    def plain_data(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """``data`` (or its rows ``rows``) in the plain layout, one row after
+        another: ``data`` itself when not interleaved, else a copy."""
+        if not self.interleaved:
+            return self.data if rows is None else self.data[rows]
+        block = self._block_bytes()
+        n = self.data.shape[1] // block
+        groups = self.data.reshape(-1, n, INTERLEAVE, block)            # [row groups, blocks, 4, block bytes]
+        if rows is None:
+            return np.ascontiguousarray(groups.transpose(0, 2, 1, 3)).reshape(self.data.shape)
+        rows = np.asarray(rows).reshape(-1)
+        return np.ascontiguousarray(groups[rows // INTERLEAVE, :, rows % INTERLEAVE]).reshape(rows.size, -1)
+
+    def _block_bytes(self) -> int:
+        if self.kind == "wint8":
+            return 32
+        if self.kind == "wint4":
+            return 16
+        return block_shape(self.kind)[1]
+
+    def repack(self) -> bool:
+        """Rewrite ``data`` in place into the interleaved layout (blocks j of
+        rows 4g..4g+3 next to each other), a few row groups at a time (no second
+        copy of the weight); True if it is (now) interleaved. A weight whose
+        rows are not a multiple of INTERLEAVE, of another kind or in a read-only
+        buffer keeps the plain layout."""
+        if self.interleaved:
+            return True
+        data = self.data
+        if (self.kind not in REPACK_KINDS or self.shape[0] % INTERLEAVE or not data.flags.c_contiguous
+                or not data.flags.writeable or data.ndim != 2):
+            return False
+        block = self._block_bytes()
+        n = data.shape[1] // block
+        step = INTERLEAVE * max(1, (1 << 20) // max(1, INTERLEAVE * data.shape[1]))   # ~1 MiB of rows a pass
+        for r0 in range(0, data.shape[0], step):
+            part = data[r0:r0 + step]
+            g = part.reshape(-1, INTERLEAVE, n, block)
+            part.reshape(-1, n, INTERLEAVE, block)[...] = g.transpose(0, 2, 1, 3).copy()
+        self.interleaved = True
+        return True
+
     def dequantize(self, rows: np.ndarray | None = None) -> np.ndarray:
         """float32 ``[len(rows) or rows, cols]``: the reference values."""
-        data = self.data if rows is None else self.data[rows]
+        data = self.plain_data(rows)
         scales = None if self.scales is None else (self.scales if rows is None else self.scales[rows])
         if self.kind == "wint8":
             return data.astype(np.float32) * scales[:, None]
@@ -93,9 +148,13 @@ class QuantizedTensor:
         """(data, scales) as Paddle CPU tensors over this tensor's own memory
         (DLPack, no copy), made on first use and kept."""
         if self._tensors is None:
+            import os
+
             from paddle.utils.dlpack import from_dlpack
 
             self.data = np.ascontiguousarray(self.data)
+            if os.environ.get("FDX_REPACK", "1") != "0":
+                self.repack()
             scales = None
             if self.scales is not None:
                 self.scales = np.ascontiguousarray(self.scales, dtype=np.float32)
@@ -107,7 +166,7 @@ class QuantizedTensor:
         """The rows ``index`` (a permutation or a shard), still quantized."""
         index = np.asarray(index)
         return QuantizedTensor(self.kind, (int(index.size), self.shape[1]),
-                               np.ascontiguousarray(self.data[index]),
+                               self.plain_data(index) if self.interleaved else np.ascontiguousarray(self.data[index]),
                                None if self.scales is None else np.ascontiguousarray(self.scales[index]),
                                self.group_size)
 
@@ -162,7 +221,7 @@ def embedding(ids: np.ndarray, w: QuantizedTensor) -> Tensor:
     """Rows ``ids`` of a quantized table, as fp32 ``[len(ids), cols]``."""
     ids = np.asarray(ids).reshape(-1)
     if w.kind == "q8_0":        # the common tied table: its few rows without gguf's generic path (~10x)
-        return paddle.to_tensor(q8_0_rows(w.data, ids))
+        return paddle.to_tensor(q8_0_rows(w.plain_data(ids), np.arange(ids.size)))
     return paddle.to_tensor(w.dequantize(ids))
 
 

@@ -6,9 +6,10 @@ compare, bitwise, every generated token and its top logprobs across batch
 orders, chunk budgets, preemption, prefix-cache hits and the v0/v1 x
 paged/prefix combinations: in float32 (``quantization="none"``: inv's
 kernels, attention, float32 products, norms, the compiled layer) and in the
-checkpoint's Q4_1 (the quantized products too: helper ``repack``'s kernels;
-xfail until they are merged). The kernel-level tests are in
-test_f32_kernels.py and test_block_attention.py.
+checkpoint's Q4_1 (the quantized products too: under
+``backend.batch_invariant`` the int8 kernels at every row count, no
+dequantize + BLAS). The kernel-level tests are in test_f32_kernels.py,
+test_block_attention.py and test_quant_repack.py.
 """
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
 
 
-QUANT = [pytest.param("none", id="float32"),
-         pytest.param("auto", id="q4_1", marks=pytest.mark.xfail(strict=False, reason="needs repack branch"))]
+QUANT = [pytest.param("none", id="float32"), pytest.param("auto", id="q4_1")]
 
 
 @pytest.fixture(scope="module", params=QUANT)

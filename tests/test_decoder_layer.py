@@ -20,7 +20,7 @@ import pytest
 from fdx import LLM, SamplingParams
 from fdx.core import kernels
 from fdx.ops import cpp, probes
-from fdx.ops.probes import int8_blocks
+from fdx.ops.probes import act_block, int8_blocks
 from fdx.plugins.backends.probe_child import (MIXED_LAYER, add_biases_and_qk_norms, part_kind, random_layer,
                                                run_layer)
 from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
@@ -59,7 +59,8 @@ def numpy_layer(layer, cfg, x, residual, caches):
     f = layer.fused
     # each weight's parts, stacked along rows: (float32 or not, [rows, cols] float64)
     wqkv, wo, wgu, wd = ([(part_kind(p) == "f32", p.numpy().T.astype(np.float64) if part_kind(p) == "f32"
-                           else p.dequantize().astype(np.float64)) for p in parts] for parts in f.weights)
+                           else p.dequantize().astype(np.float64), act_block(part_kind(p))) for p in parts]
+                         for parts in f.weights)
     in_w, post_w = f.input_norm.numpy().astype(np.float64), f.post_norm.numpy().astype(np.float64)
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b_qkv, b_o, b_gu, b_d = (0.0 if b is None else b.numpy().astype(np.float64) for b in f.biases)
@@ -69,8 +70,8 @@ def numpy_layer(layer, cfg, x, residual, caches):
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
 
     def prod(v, w):   # a float32 part multiplies the activations as they are, a quantized one their int8 blocks
-        return np.concatenate([(v if dense else int8_blocks(v.astype(np.float32)).astype(np.float64)) @ part.T
-                               for dense, part in w], axis=1)
+        return np.concatenate([(v if dense else int8_blocks(v.astype(np.float32), blk).astype(np.float64)) @ part.T
+                               for dense, part, blk in w], axis=1)
 
     def rope(v, pos, w=None):   # v [heads, D] at position pos (RMS-normed per head by w first), halves rotated
         if w is not None:

@@ -7,7 +7,7 @@ the k-quants, which gguf-py cannot quantize to, as random valid blocks
 (fdx.ops.probes.random_blocks: random quants and sub-scales, sane fp16 scales).
 
 Tolerances: below ``QUANT_BLAS_MIN_ROWS`` rows the kernels quantize the
-activations to int8 in blocks of 32. Against x quantized the same way in
+activations to int8 in blocks of 32 (256 for the k-quants). Against x quantized the same way in
 numpy (``int8_blocks``) the error is float32 accumulation only: 1e-4 of the
 largest output. Against the unquantized x, each activation is off by at most
 half a step (max|block| / 254), so each output by at most the sum over blocks
@@ -32,7 +32,7 @@ from fdx.core import kernels
 from fdx.core.host import cpu_flags
 from fdx.core.kernels import KernelTable
 from fdx.ops import cpp, quant
-from fdx.ops.probes import int8_blocks, random_blocks
+from fdx.ops.probes import act_block, int8_blocks, random_blocks
 from fdx.plugins.backends import cpu, probing
 from test_contracts import cpu_kernel_table
 
@@ -98,10 +98,11 @@ def test_each_build_matches_the_gguf_dequantized_product(kind, variant):
         scale = np.abs(exact).max()
         what = f"{kind} {variant} M={m} {rows}x{cols}"
         if m < cpp.QUANT_BLAS_MIN_ROWS:
-            as_quantized = int8_blocks(x).astype(np.float64) @ values.T
+            blk = act_block(kind)
+            as_quantized = int8_blocks(x, blk).astype(np.float64) @ values.T
             assert np.abs(got - as_quantized).max() <= 1e-4 * scale, what
-            step = np.abs(x.reshape(m, -1, 32)).max(axis=2) / 254                      # [M, blocks]
-            bound = step.astype(np.float64) @ np.abs(values).reshape(rows, -1, 32).sum(axis=2).T
+            step = np.abs(x.reshape(m, -1, blk)).max(axis=2) / 254                     # [M, blocks]
+            bound = step.astype(np.float64) @ np.abs(values).reshape(rows, -1, blk).sum(axis=2).T
             assert (np.abs(got - exact) <= 1.001 * bound + 1e-4 * scale).all(), what
         else:
             assert np.abs(got - exact).max() <= 1e-4 * scale, what
@@ -114,11 +115,11 @@ def test_leading_dims_zero_rows_and_strided_input(kind):
     w, values = make_weight(kind, 24, 512, rng)
     x = rng.standard_normal((2, 3, 512)).astype(np.float32)
     got = fn(to_tensor(x), w).numpy()
-    want = int8_blocks(x.reshape(6, 512)).astype(np.float64) @ values.T
+    want = int8_blocks(x.reshape(6, 512), act_block(kind)).astype(np.float64) @ values.T
     assert got.shape == (2, 3, 24)
     assert np.abs(got.reshape(6, 24) - want).max() <= 1e-4 * np.abs(want).max()
     wide = to_tensor(rng.standard_normal((4, 1024)).astype(np.float32))[:, :512]     # a strided view
-    want = int8_blocks(wide.numpy()).astype(np.float64) @ values.T
+    want = int8_blocks(wide.numpy(), act_block(kind)).astype(np.float64) @ values.T
     assert np.abs(fn(wide, w).numpy() - want).max() <= 1e-4 * np.abs(want).max()
 
 

@@ -325,10 +325,12 @@ PD_BUILD_OP(fdx_rope_write_kv)
 
 namespace {
 
+// code: the Kind, plus kCodeInterleaved / kCodeInvariant (quant_kernels.h).
 fdx::quant::Weights QuantWeights(const paddle::Tensor& data, const paddle::optional<paddle::Tensor>& scales,
-                                 int64_t kind, int64_t rows, int64_t cols, int64_t group) {
+                                 int64_t code, int64_t rows, int64_t cols, int64_t group) {
   using namespace fdx::quant;
-  PD_CHECK(kind >= 0 && kind < kNumKinds, "unknown quantized kind ", kind);
+  const int64_t kind = CodeKind(code);
+  PD_CHECK(code >= 0 && kind < kNumKinds, "unknown quantized kind ", code);
   PD_CHECK(data.is_cpu() && (data.dtype() == paddle::DataType::UINT8 || data.dtype() == paddle::DataType::INT8),
            "data must be a uint8 or int8 CPU tensor");
   PD_CHECK(rows > 0 && cols > 0 && cols % kBlockElems[kind] == 0, "cols (", cols,
@@ -346,7 +348,9 @@ fdx::quant::Weights QuantWeights(const paddle::Tensor& data, const paddle::optio
     PD_CHECK(scales->numel() == rows * per_row, "scales must have ", rows * per_row, " elements");
     s = scales->data<float>();
   }
-  return Weights{static_cast<const uint8_t*>(data.data()), s, rows, cols, row_bytes, group, static_cast<int>(kind)};
+  PD_CHECK(!(code & kCodeInterleaved) || rows % kInterleave == 0, "interleaved rows must be a multiple of ",
+           kInterleave);
+  return MakeWeights(static_cast<const uint8_t*>(data.data()), s, rows, cols, group, code);
 }
 
 }  // namespace
@@ -572,9 +576,11 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
       for (int j = 0; j < L.num_parts[i]; ++j) {
         const int64_t* wi = L.info[i][j];
         const bool f32 = wi[0] == fdx::kF32Weight;
-        if ((!f32 && (wi[0] < 0 || wi[0] >= kWint8)) || wi[1] < kPortable || wi[1] > kAvx512 || !L.weights[i][j])
+        const int64_t kind = f32 ? wi[0] : CodeKind(wi[0]);  // quant: flags above the kind (quant_kernels.h)
+        if ((!f32 && (wi[0] < 0 || kind >= kWint8)) || wi[1] < kPortable || wi[1] > kAvx512 || !L.weights[i][j])
           return fail(what() + " has no kernel");
-        if (wi[2] <= 0 || wi[3] != want[i][1] || (!f32 && wi[3] % kBlockElems[wi[0]]))
+        if (wi[2] <= 0 || wi[3] != want[i][1] || (!f32 && wi[3] % kBlockElems[kind]) ||
+            (!f32 && (wi[0] & kCodeInterleaved) && wi[2] % kInterleave))
           return fail(what() + " has the wrong shape");
         rows += wi[2];
       }
@@ -601,15 +607,14 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
       w.bias = L.biases[i];
       for (int j = 0; j < w.num_parts; ++j) {
         const int64_t* wi = L.info[i][j];
-        const int kind = static_cast<int>(wi[0]), variant = static_cast<int>(wi[1]);
+        const int kind = static_cast<int>(wi[0] < 0 ? wi[0] : CodeKind(wi[0])), variant = static_cast<int>(wi[1]);
         fdx::WeightPart& p = w.parts[j];
         if (kind == fdx::kF32Weight) {
           p = fdx::WeightPart{kind, variant, {}, static_cast<const float*>(L.weights[i][j]), wi[2], wi[3]};
         } else {
-          const int64_t row_bytes = wi[3] / kBlockElems[kind] * kBlockBytes[kind];
           p = fdx::WeightPart{kind, variant,
-                              Weights{static_cast<const uint8_t*>(L.weights[i][j]), nullptr, wi[2], wi[3], row_bytes,
-                                      0, kind},
+                              MakeWeights(static_cast<const uint8_t*>(L.weights[i][j]), nullptr, wi[2], wi[3], 0,
+                                          wi[0]),
                               nullptr, wi[2], wi[3]};
         }
         w.rows += wi[2];

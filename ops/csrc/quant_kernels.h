@@ -14,8 +14,11 @@
 // threads. The kinds with blocks of 32 (q8_0, q4_0/1, q5_0/1, wint8/4) in the SIMD
 // builds multiply tiles of two weight rows x up to four activation rows (TileDot,
 // 256-bit, in the AVX-512 build too; there q8_0 from 12 rows takes 512-bit VNNI
-// tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); the k-quants, and every kind in
-// the portable build, one weight row against up to four activation rows (RowDot).
+// tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); every kind in the portable build
+// one weight row against one activation row (RowDot). The k-quants quantize the
+// activations per 256 instead (XBlockK) and sum each sub-block in int32 times its
+// integer scale (TileDotK). Weights repacked at load (kInterleave rows' blocks
+// side by side) take tiles of 4 weight rows from one stream.
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
 // Three builds of the same source (quant_kernels.inc, included once per
@@ -51,12 +54,52 @@ struct XBlock {  // one block of 32 activations as int8: x ~ d * q
   int8_t q[32];
 };
 
+struct XBlockK {  // one block of 256 activations as int8 (the k-quants'): x ~ d * q
+  float d;
+  int16_t bsum[16];  // the sum of each 16 quants
+  int8_t q[256];
+};
+
+// Row groups of the interleaved (repacked) layout: kInterleave rows' block j lie
+// next to each other, block j of row 4g + i at ((4g) * nb + 4j + i) * block bytes,
+// so that a tile of 4 rows reads one stream. Only a weight whose rows are a
+// multiple of kInterleave is repacked (fdx.ops.quant.QuantizedTensor.repack);
+// any other keeps the plain layout (row r at r * row_bytes).
+constexpr int64_t kInterleave = 4;
+
+// A weight's kind as the Python side passes it: the Kind in the low 8 bits, then flags.
+constexpr int64_t kCodeKindMask = 0xFF;
+constexpr int64_t kCodeInterleaved = 1 << 8;  // the rows are interleaved by kInterleave
+constexpr int64_t kCodeInvariant = 1 << 9;    // backend.batch_invariant: one path at every row count
+
 struct Weights {
   const uint8_t* data;  // [rows, row_bytes]
   const float* scales;  // wint8: [rows]; wint4: [rows, cols / group]; else unused
   int64_t rows, cols, row_bytes, group;
   int kind;
+  bool interleaved = false;  // kCodeInterleaved
+  bool invariant = false;    // kCodeInvariant
+
+  // Where row r's blocks start, and the distance from one of its blocks to the next.
+  const uint8_t* Row(int64_t r) const {
+    if (!interleaved) return data + r * row_bytes;
+    return data + (r - r % kInterleave) * row_bytes + (r % kInterleave) * BlockBytes();
+  }
+  int64_t Stride() const { return interleaved ? kInterleave * BlockBytes() : BlockBytes(); }
+  int64_t BlockBytes() const;
 };
+
+inline int64_t CodeKind(int64_t code) { return code & kCodeKindMask; }
+
+inline Weights MakeWeights(const uint8_t* data, const float* scales, int64_t rows, int64_t cols, int64_t group,
+                           int64_t code) {
+  const int kind = static_cast<int>(CodeKind(code));
+  const int64_t row_bytes = cols / kBlockElems[kind] * kBlockBytes[kind];
+  Weights w{data, scales, rows, cols, row_bytes, group, kind};
+  w.interleaved = (code & kCodeInterleaved) != 0 && rows % kInterleave == 0;
+  w.invariant = (code & kCodeInvariant) != 0;
+  return w;
+}
 
 // IEEE half -> float without F16C.
 inline float HalfToFloat(uint16_t h) {
@@ -102,6 +145,10 @@ inline void ScaleMinK4(int j, const uint8_t* q, int* sc, int* mn) {
     *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
     *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
+}
+
+inline int64_t Weights::BlockBytes() const {
+  return kind == kWint8 ? 32 : kind == kWint4 ? 16 : kBlockBytes[kind];
 }
 
 // How far ahead of a weight row the tiles prefetch, in bytes (TileDot's comment).

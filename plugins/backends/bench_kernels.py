@@ -141,8 +141,8 @@ def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, thread
                     continue
                 w = random_quantized(kind, rows, cols, rng).prepare()
                 data, scales = w.tensors()
-                args = (cpp.QUANT_KINDS.index(kind), cpp._VARIANT_CODE[variant], rows, cols,
-                        w.group_size)
+                code = cpp.quant_code(w) if hasattr(cpp, "quant_code") else cpp.QUANT_KINDS.index(kind)
+                args = (code, cpp._VARIANT_CODE[variant], rows, cols, w.group_size)
                 dense = paddle.to_tensor(np.ascontiguousarray(w.dequantize().T))       # [in, out]
                 for m in rows_list:
                     big = rows * cols * max(m, 8) > 4 << 20
