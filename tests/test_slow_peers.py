@@ -130,7 +130,7 @@ def test_a_step_past_its_timeout_turns_health_unhealthy_until_it_ends(tmp_path, 
               "(engine_step_timeout_s=1.5)")
         log = srv.log()
         assert "an engine step has run for" in log and "the long engine step ended" in log, log
-        assert srv.metrics()["fdx:engine_long_steps"] == 1
+        assert srv.metrics()["fdx:engine_long_steps"] >= 1       # a busy machine may make another step long too
     finally:
         srv.stop()
 
