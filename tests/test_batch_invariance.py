@@ -100,3 +100,21 @@ def test_schedulers_and_caches(in_order, quantization, rm, cache):
 def test_prefix_hit(in_order, quantization):
     """The shared system prompt's blocks are cached by the first request and hit by the later ones."""
     _same(_run(PROMPTS, kv_cache="prefix", max_num_seqs=1, quantization=quantization), in_order, "prefix hit, one at a time")
+
+
+@pytest.mark.slow
+def test_one_thread_equals_two(in_order, quantization):
+    """The thread split does not move a row's bits: one thread gives the two-thread run's tokens and logprobs."""
+    _same(_run(PROMPTS, quantization=quantization, num_threads=1), in_order, "one thread")
+
+
+@pytest.mark.slow
+def test_tp3_is_invariant_within_itself():
+    """TP 3 on the default path (Q4_1; SmolLM2-135M has 9 heads) is batch-invariant within itself: the prompts
+    reversed, and the first one alone, give bitwise the in-order run's tokens and
+    logprobs at TP 3. (TP 3 against TP 1 may part: the all-reduce sums the ranks'
+    partial products in another order than one rank does; test_tensor_parallel.py.)"""
+    prompts = PROMPTS[:3]
+    want = _run(prompts, quantization="auto", tensor_parallel_size=3)
+    _same(_run(prompts[::-1], quantization="auto", tensor_parallel_size=3)[::-1], want, "TP 3 reversed")
+    _same(_run(prompts[:1], quantization="auto", tensor_parallel_size=3), want[:1], "TP 3 solo")

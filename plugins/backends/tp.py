@@ -458,9 +458,22 @@ class Worker:
         import paddle.distributed as dist
         dist.init_parallel_env()
 
-        def all_reduce(t):
-            dist.all_reduce(t)
-            return t
+        if config.backend.batch_invariant:
+            # gloo's ring all-reduce sums an element in an order set by where it falls in the
+            # buffer's chunks, so by the step's row count: a row's bits would depend on the
+            # batch. Gathered and summed in rank order instead, the same on every rank.
+            def all_reduce(t):
+                parts: list = []
+                dist.all_gather(parts, t)
+                total = parts[0]
+                for part in parts[1:]:
+                    total = total + part
+                paddle.assign(total, output=t)
+                return t
+        else:
+            def all_reduce(t):
+                dist.all_reduce(t)
+                return t
 
         def share_sampled(ids: np.ndarray) -> np.ndarray:
             t = paddle.to_tensor(ids)
