@@ -28,7 +28,6 @@ from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AttentionContext, BatchLayout, BatchUpdate, ModelArgs, ModelRunner,
                                  ModelRunnerOutput, RowState, SamplingBatch, SchedulerOutput)
 from fdx.core.sampling_params import SamplingParams
-from fdx.ops.dense import lora_matmul
 from fdx.plugins.decoding.sampler import logprobs_of
 
 
@@ -169,8 +168,10 @@ class DefaultModelRunner(ModelRunner):
             plugins = ctx.plugins if ctx.plugins is not None else get_plugin_manager()
             self.step_activations = activations.StepActivations(
                 self.layout, lambda name: plugins.get("activation_function", name)) or None
-        self.step_lora = StepLoRA(self.layout, lora_matmul) or None if any(
-            a is not None and a.lora is not None for a in model_args) else None
+        self.step_lora = None
+        if any(a is not None and a.lora is not None for a in model_args):
+            from fdx.ops.dense import lora_matmul        # here: the module imports Paddle (a TP engine process may not)
+            self.step_lora = StepLoRA(self.layout, lora_matmul) or None
         logits = self._logits(input_ids, query_lens, context_lens, tables, sample_rows + extra)
         if self.step_activations is not None and self.step_activations.captured:
             out.activations = self.step_activations.captured
