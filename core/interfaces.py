@@ -311,6 +311,11 @@ class KVConnector(abc.ABC):
         return False
 
     # -- scheduler side, for KV that arrives from another instance (splitwise) ----
+    def request_added(self, request: "Request") -> None:
+        """A request joined this engine's queue (called when it is added, before
+        any step looks at it, and whether or not the next step reaches it in
+        the queue). Default: nothing."""
+
     def defer_request(self, request: "Request") -> bool:
         """True: leave this waiting request in the queue this step, because its
         KV will come from elsewhere and is not offered yet (asked before

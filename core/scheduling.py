@@ -190,6 +190,8 @@ class SchedulingCore:
             return
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        if self.connector is not None:
+            self.connector.request_added(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         for req in self.running:

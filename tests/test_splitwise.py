@@ -181,6 +181,87 @@ def test_bad_messages_are_refused_and_the_connector_keeps_working(engines):
                for r in got.values())
 
 
+def _prefill_until_sent(pre, prompt, peer, rid):
+    """Run the prefill side until it has sent its offer (its send thread is under way)."""
+    pre.add_request(pre.make_request(prompt, greedy(1, splitwise={"remote_decode": peer}), request_id=rid))
+    while pre.connector.counters["splitwise_transfers_sent"] == 0 and pre.has_unfinished():
+        pre.step()
+        if any(t.name == "splitwise-send" and t.is_alive() for t in pre.connector.threads):
+            return
+
+
+def test_an_offer_that_comes_while_the_decode_engine_is_in_a_long_step_is_taken(engines):
+    """Replays CI's failure: the router opens the decode request, then the
+    prefill; the decode engine, in a step that ran past ``unknown_grace_s``
+    (2 s) before it took the request in, refused the offer as "unknown
+    request id" and the request then waited for an offer that never came
+    (503 "no KV offer ... within 30 s")."""
+    mixed, pre, dec, peer = engines
+    prompt = PROMPTS[3]
+    _prefill_until_sent(pre, prompt, peer, "long0")
+    time.sleep(2.6)                                  # the decode engine is busy: no step, nothing taken in
+    dec.add_request(dec.make_request(prompt, greedy(splitwise={"remote_prefill": True}), request_id="long0"))
+    got = {rid: r for (eid, rid), r in run(pre, dec).items() if eid == id(dec)}
+    mixed.add_request(mixed.make_request(prompt, greedy(), request_id="m-long0"))
+    ref = run(mixed)[(id(mixed), "m-long0")]
+    assert got["long0"].status is RequestStatus.FINISHED_LENGTH, got["long0"].stop_reason
+    assert got["long0"].output_token_ids == ref.output_token_ids
+    assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
+    assert pre.kv_cache.num_free_blocks == pre.kv_cache.num_blocks
+
+
+def test_an_offer_refused_before_its_request_came_ends_the_request_at_once(engines):
+    """Replays CI's other failure: an offer from another model reached the
+    decode instance before the router's decode request did; the offer was
+    refused, and the request, queued a moment later, waited out the whole
+    transfer timeout for an offer that had come (503 after 30 s, where the
+    router should have retried another decode instance at once)."""
+    mixed, pre, dec, peer = engines
+    fp = {**dec.connector.fingerprint, "model": "another"}
+    reply = _ask(peer, seal(SECRET, _offer("early0", 17, fp)))
+    assert isinstance(reply, Refuse) and "another model" in reply.reason
+    t0 = time.monotonic()
+    dec.add_request(dec.make_request(PROMPTS[3], greedy(splitwise={"remote_prefill": True}), request_id="early0"))
+    r = run(dec)[(id(dec), "early0")]
+    assert r.status is RequestStatus.FINISHED_ABORTED and "another model" in r.stop_reason, r.stop_reason
+    assert time.monotonic() - t0 < dec.connector.timeout
+    assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
+
+
+@pytest.mark.slow
+def test_an_offer_for_a_request_queued_behind_a_full_batch_is_taken(tiny_checkpoints, engines):
+    """A decode instance whose batch is full (max_num_seqs 1 here) does not
+    reach a queued request in its admission loop; before the fix that
+    request was unknown to the connector and its offer was refused after
+    2 s, so it failed after the transfer timeout."""
+    mixed, pre, _, _ = engines
+    port = free_port()
+    dec = EngineCore(FdxConfig.build(model=str(tiny_checkpoints["LlamaForCausalLM"][0]), max_model_len=128,
+                                     block_size=16, num_kv_blocks=24, max_num_seqs=1,
+                                     splitwise={"connector_secret": SECRET, "transfer_timeout_s": 6.0,
+                                                "role": "decode", "connector_port": port}), progress=False)
+    try:
+        dec.add_request(dec.make_request(PROMPTS[1], greedy(100), request_id="busy"))
+        dec.step()                                   # running: the batch is full
+        prompt = PROMPTS[4]
+        dec.add_request(dec.make_request(prompt, greedy(splitwise={"remote_prefill": True}), request_id="q0"))
+        _prefill_until_sent(pre, prompt, f"tcp://127.0.0.1:{port}", "q0")
+        until = time.monotonic() + 2.6              # the busy request runs on, slowly, past the grace
+        while time.monotonic() < until:
+            assert dec.has_unfinished()
+            dec.step()
+            time.sleep(0.03)
+        dec.abort_request("busy")                    # the batch has room now
+        got = {rid: r for (eid, rid), r in run(pre, dec).items() if eid == id(dec)}
+        mixed.add_request(mixed.make_request(prompt, greedy(), request_id="m-q0"))
+        ref = run(mixed)[(id(mixed), "m-q0")]
+        assert got["q0"].status is RequestStatus.FINISHED_LENGTH, got["q0"].stop_reason
+        assert got["q0"].output_token_ids == ref.output_token_ids
+        assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
+    finally:
+        dec.shutdown()
+
+
 @pytest.mark.slow
 def test_a_dead_peer_frees_the_prefill_blocks_and_a_missing_offer_ends_the_request(engines):
     mixed, pre, dec, peer = engines

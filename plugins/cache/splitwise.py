@@ -155,6 +155,7 @@ class _OfferState:
     identity: bytes                          # the connection that made the Offer: its owner
     offer: Offer
     arrived: float
+    reached: float | None = None             # when a step first found its request (reserve_timeout counts from here)
 
 
 @dataclass(slots=True)
@@ -332,7 +333,12 @@ class SplitwiseConnector(KVConnector):
         self.pending_sends: list[SendJob] = []
         self.pending_loads: dict[str, tuple[list[int], int, int]] = {}
         self.pending_cancels: list[str] = []
-        self.expected: dict[str, tuple[float, str]] = {}   # decode: waiting requests -> (since, engine id)
+        self.expected: dict[str, tuple[float, str]] = {}   # decode: queued requests -> (since, engine id)
+        self.settled: set[str] = set()                # decode: queued requests whose offer was taken
+        # decode: offers refused before their request was queued here -> (when, why): the request,
+        # once it comes, ends at once with the reason instead of waiting for an offer that came
+        self.refused_early: dict[str, tuple[float, str]] = {}
+        self.step_began = 0.0                         # decode: when the engine last began a step
         self.offers: dict[str, _OfferState] = {}      # decode: offers received (socket thread writes)
         self.accepted: dict[str, _Reservation] = {}
         self.failed: dict[str, str] = {}
@@ -392,23 +398,40 @@ class SplitwiseConnector(KVConnector):
         return 2 * self.spec.num_kv_heads * tokens * self.spec.head_dim * self.dtype.itemsize + MAX_HEADER_BYTES
 
     # -- scheduler side: decode ----------------------------------------------------------
+    def request_added(self, request) -> None:
+        """A decode request is expected from the moment it is queued, not
+        from the first step that reaches it: a full batch or a long step
+        must not turn its offer into an "unknown request id"."""
+        if _splitwise_args(request).get("remote_prefill"):
+            key = wire_id(request)
+            with self.lock:
+                early = self.refused_early.pop(key, None)
+                if early is not None:
+                    self.failed[request.request_id] = early[1]
+                else:
+                    self.expected.setdefault(key, (time.monotonic(), request.request_id))
+
     def defer_request(self, request) -> bool:
         if not _splitwise_args(request).get("remote_prefill"):
             return False
         rid, key, now = request.request_id, wire_id(request), time.monotonic()
         with self.lock:
-            since = self.expected.setdefault(key, (now, rid))[0]
+            if key in self.settled:                     # its offer was taken: admitted like any request
+                return False
+            self.expected.setdefault(key, (now, rid))   # no offer in time: take_failed ends it
             st = self.offers.get(key)
+            if st is not None and st.reached is None:
+                st.reached = now
         if st is None:
-            if now - since > self.timeout:
-                self.failed[rid] = f"splitwise: no KV offer from a prefill instance within {self.timeout:g} s"
             return True
         if self._loadable(request, request.num_computed_tokens, st.offer) <= 0:
             with self.lock:                             # nothing worth loading: computed here
                 self.offers.pop(key, None)
+                self.expected.pop(key, None)
+                self.settled.add(key)
             self._reply(st.identity, Accept(PROTOCOL_VERSION, key, 0, st.offer.offer_nonce, "", [], 0, 0))
             return False
-        if now - st.arrived > self.reserve_timeout:     # offered, but no blocks freed up in time
+        if now - st.reached > self.reserve_timeout:     # offered, but no blocks freed up in time
             with self.lock:
                 self.offers.pop(key, None)
             self._refuse(st.identity, key, st.offer.offer_nonce, "no free KV blocks")
@@ -431,6 +454,9 @@ class SplitwiseConnector(KVConnector):
         rid, key = request.request_id, wire_id(request)
         with self.lock:
             st = self.offers.pop(key, None)
+            if st is not None:
+                self.expected.pop(key, None)
+                self.settled.add(key)
         if st is None:
             return
         start, offer = request.num_computed_tokens, st.offer
@@ -449,12 +475,20 @@ class SplitwiseConnector(KVConnector):
 
     def take_failed(self) -> dict[str, str]:
         now = time.monotonic()
+        self.step_began = now                       # the engine took in its queued requests just before
         for res in list(self.accepted.values()):
             if now - res.since > self.timeout:
                 self.failed[res.engine_id] = (f"splitwise: the KV transfer from the prefill instance did not "
                                               f"complete within {self.timeout:g} s")
                 self.counters["splitwise_transfers_failed"] += 1
         with self.lock:
+            for key, (since, rid) in list(self.expected.items()):
+                if now - since > self.timeout and key not in self.offers and key not in self.accepted:
+                    del self.expected[key]              # (an aborted request's entry goes too)
+                    self.failed[rid] = (f"splitwise: no KV offer from a prefill instance within "
+                                        f"{self.timeout:g} s")
+            if self.refused_early:                      # their requests never came
+                self.refused_early = {k: v for k, v in self.refused_early.items() if now - v[0] <= self.timeout}
             out, self.failed = self.failed, {}
         return out
 
@@ -463,6 +497,7 @@ class SplitwiseConnector(KVConnector):
         rid, key = request.request_id, wire_id(request)
         with self.lock:
             self.expected.pop(key, None)
+            self.settled.discard(key)
             st = self.offers.pop(key, None)
             res = self.accepted.pop(key, None)
         if st is not None:
@@ -816,23 +851,42 @@ class SplitwiseConnector(KVConnector):
             waiting = self.expected.get(msg.request_id)
             if waiting is not None and msg.request_id not in self.accepted:
                 self.failed[waiting[1]] = f"splitwise: refused: {why}"
+            elif waiting is None:
+                self._remember_refusal(msg.request_id, f"splitwise: refused: {why}")
         log.warning("splitwise: refused the offer for %r: %s", msg.request_id, why)
         self._refuse(identity, msg.request_id, msg.offer_nonce, why)
 
     def _sweep_unknown(self) -> None:
-        """Refuse offers for request ids this instance never saw (after a grace
-        period: the router opens the decode request first, but it may not
-        have reached the scheduler yet)."""
+        """Refuse offers for request ids this instance never saw. The router
+        opens the decode request first, but it may not have reached the
+        engine yet: an offer is unknown only once the engine began a step
+        (having taken in every request queued for it) ``unknown_grace_s``
+        after the offer came, so a step that runs long (a cold first
+        forward, a busy machine) does not count against it; and in any case
+        after ``transfer_timeout_s``."""
         now = time.monotonic()
         with self.lock:
-            stale = [(rid, st) for rid, st in self.offers.items()
-                     if rid not in self.expected and now - st.arrived > self.unknown_grace]
+            stale = [(rid, st) for rid, st in self.offers.items() if rid not in self.expected and (
+                self.step_began - st.arrived > self.unknown_grace or now - st.arrived > self.timeout)]
             for rid, _ in stale:
                 del self.offers[rid]
         for rid, st in stale:
             self._refuse(st.identity, rid, st.offer.offer_nonce, "unknown request id")
             with self.lock:
                 self.counters["splitwise_messages_rejected"] += 1
+                self._remember_refusal(rid, "splitwise: the KV offer came before this request reached the decode "
+                                            "instance and was refused as unknown (its KV will not come)")
+
+    def _remember_refusal(self, key: str, why: str) -> None:
+        """(Under the lock.) An offer refused before its request was queued
+        here: kept for ``transfer_timeout_s`` (at most 4096 of them), so the
+        request, when it comes, ends with the reason at once."""
+        now = time.monotonic()
+        if len(self.refused_early) >= 4096 or key in self.refused_early:
+            self.refused_early = {k: v for k, v in self.refused_early.items() if now - v[0] <= self.timeout}
+            while len(self.refused_early) >= 4096:
+                self.refused_early.pop(next(iter(self.refused_early)))
+        self.refused_early[key] = (now, why)
 
 
 TIME_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
