@@ -166,7 +166,16 @@ def test_killing_the_decode_instance_mid_transfer(cluster):
     victim, p_slow = servers["kill"], servers["p_slow"]
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(complete, router.base_url, PROMPTS[2], True)
-        time.sleep(1.5)                              # the transfer is held open for 3 s
+        # kill once the victim has accepted the offer (its blocks are reserved): p_slow then holds
+        # the transfer open 3 s. (A fixed sleep killed it before the router reached it on a busy
+        # machine, and the router rightly retried on the live instance.)
+        deadline = time.monotonic() + 60
+        while True:
+            m = victim.metrics()
+            if m["fdx:kv_cache_free_blocks"] < m["fdx:kv_cache_total_blocks"]:
+                break
+            assert time.monotonic() < deadline and not fut.done(), "the transfer never started"
+            time.sleep(0.05)
         os.kill(victim.engine_pid(), signal.SIGKILL)
         victim.proc.kill()
         with pytest.raises(openai.APIError):
