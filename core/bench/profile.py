@@ -155,9 +155,6 @@ class StepProfiler:
                         or (custom and caller[2] in _COMPILED_PRODUCTS):
                     out.gemm_s += t                    # a linear's product: Paddle's or a compiled kernel
                     out.part_calls["gemm"] += n
-                elif custom and caller[2] in _COMPILED_LAYERS:
-                    out.layers_s += t
-                    out.part_calls["compiled layers"] += n
                 else:
                     key = ("matmul (rotary)" if name == "matmul"
                            else f"compiled {caller[2]}" if custom     # a compiled kernel, by its Python wrapper
@@ -181,8 +178,6 @@ class StepProfiler:
 
 # the compiled ops that are a linear layer's product (fdx.ops.cpp): GEMMs as paddle.matmul is
 _COMPILED_PRODUCTS = frozenset({"fdx_f32_matmul", "fdx_quant_matmul"})
-# the compiled ops that are a whole decoder layer (products, attention and the rest in one call)
-_COMPILED_LAYERS = frozenset({"fdx_decoder_layer"})
 # the files whose paddle.matmul is no linear's product (attention's are under attention anyway)
 _NOT_PRODUCTS = ("ops/rotary.py",)
 _PARTS = ("gemm", "attention", "compiled layers")
