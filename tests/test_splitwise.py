@@ -190,6 +190,17 @@ def _prefill_until_sent(pre, prompt, peer, rid):
             return
 
 
+def _assert_equals_mixed(mixed, pre, dec, prompt, rid):
+    """Step the pair until done; the decode side's request equals the mixed engine's, every block back."""
+    got = {r_id: r for (eid, r_id), r in run(pre, dec).items() if eid == id(dec)}
+    mixed.add_request(mixed.make_request(prompt, greedy(), request_id="m-" + rid))
+    ref = run(mixed)[(id(mixed), "m-" + rid)]
+    assert got[rid].status is RequestStatus.FINISHED_LENGTH, got[rid].stop_reason
+    assert got[rid].output_token_ids == ref.output_token_ids
+    assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
+    assert pre.kv_cache.num_free_blocks == pre.kv_cache.num_blocks
+
+
 def test_an_offer_that_comes_while_the_decode_engine_is_in_a_long_step_is_taken(engines):
     """Replays CI's failure: the router opens the decode request, then the
     prefill; the decode engine, in a step that ran past ``unknown_grace_s``
@@ -201,13 +212,7 @@ def test_an_offer_that_comes_while_the_decode_engine_is_in_a_long_step_is_taken(
     _prefill_until_sent(pre, prompt, peer, "long0")
     time.sleep(2.6)                                  # the decode engine is busy: no step, nothing taken in
     dec.add_request(dec.make_request(prompt, greedy(splitwise={"remote_prefill": True}), request_id="long0"))
-    got = {rid: r for (eid, rid), r in run(pre, dec).items() if eid == id(dec)}
-    mixed.add_request(mixed.make_request(prompt, greedy(), request_id="m-long0"))
-    ref = run(mixed)[(id(mixed), "m-long0")]
-    assert got["long0"].status is RequestStatus.FINISHED_LENGTH, got["long0"].stop_reason
-    assert got["long0"].output_token_ids == ref.output_token_ids
-    assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
-    assert pre.kv_cache.num_free_blocks == pre.kv_cache.num_blocks
+    _assert_equals_mixed(mixed, pre, dec, prompt, "long0")
 
 
 def test_an_offer_refused_before_its_request_came_ends_the_request_at_once(engines):
@@ -252,12 +257,7 @@ def test_an_offer_for_a_request_queued_behind_a_full_batch_is_taken(tiny_checkpo
             dec.step()
             time.sleep(0.03)
         dec.abort_request("busy")                    # the batch has room now
-        got = {rid: r for (eid, rid), r in run(pre, dec).items() if eid == id(dec)}
-        mixed.add_request(mixed.make_request(prompt, greedy(), request_id="m-q0"))
-        ref = run(mixed)[(id(mixed), "m-q0")]
-        assert got["q0"].status is RequestStatus.FINISHED_LENGTH, got["q0"].stop_reason
-        assert got["q0"].output_token_ids == ref.output_token_ids
-        assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
+        _assert_equals_mixed(mixed, pre, dec, prompt, "q0")
     finally:
         dec.shutdown()
 
