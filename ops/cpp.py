@@ -409,12 +409,13 @@ QUANT_BLAS_MIN_ROWS = 128
 # dequantize + BLAS takes over (None: never; absent: QUANT_BLAS_MIN_ROWS). q8_0, q4_0,
 # q5_0, wint8 and wint4 take 512-bit vpdpbusd tiles from 12 rows (quant_kernels.inc,
 # Q8VnniMatmul); the others their 256-bit tiles. Measured on the Zen 4 of issue 34,
-# shared with 4 other jobs (load 6-9), 1 and 2 threads, alternating call by call, 7
-# rounds, 2048x2048 and 8192x2048 (python -m fdx.plugins.backends.bench_kernels
-# --prefill --iters 7 --threads 1|2): dequantize + BLAS / integer tiles at 128 rows
-# 1.06-2.8x for every kind but q5_1 (0.86-1.44x: it keeps 128) and q4_1 (0.98-1.84x);
-# at 512 rows q8_0 1.27-1.55x, q4_0 1.08-1.44x, wint8 1.06-1.96x, wint4 1.21-1.33x
-# (never dequantized), q4_k 0.89-1.11x, q6_k 0.78-1.03x, q5_k 0.80-1.02x, q5_0
+# shared with 4 other jobs (load 6-10: single ratios moved by 30%), 1 and 2 threads,
+# alternating call by call, 7 rounds, 2048x2048 and 8192x2048, two runs (python -m
+# fdx.plugins.backends.bench_kernels --prefill --iters 7 --threads 1|2): dequantize +
+# BLAS / integer tiles at 128 rows 0.87-2.9x, above 1 in all but 3 of 40 figures
+# (q5_1 0.86-1.44x keeps 128); at 512 rows q8_0 1.27-1.55x, q4_0 0.83-1.44x (1 of 8
+# below 1), wint8 1.06-1.96x, wint4 1.21-1.33x (never dequantized: no float32 copy of
+# the weight either), q4_k 0.87-1.11x, q6_k 0.78-1.25x, q5_k 0.80-1.02x, q5_0
 # 0.73-1.18x, q4_1 0.77-1.24x (BLAS from 512).
 QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
     "q8_0": None, "q4_0": None, "wint8": None, "wint4": None,
