@@ -31,6 +31,7 @@ fallback and test oracle.
 import contextlib
 import ctypes
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -53,7 +54,7 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
            "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
-           "build_dir", "prepare", "status"]
+           "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI"]
 
 logger = logging.getLogger(__name__)
 
@@ -404,6 +405,35 @@ _VARIANT_CODE = {"portable": 0, "avx2": 1, "avx512": 2}     # = C++ Variant
 # time of dequantize + BLAS (about 0.7x summed over a SmolLM2 layer, 0.45-0.5x for
 # the 49152x576 LM head), at 128 rows about 1.0x summed, at 512 rows 1.3-1.8x.
 QUANT_BLAS_MIN_ROWS = 128
+# On a CPU with AVX-512 VNNI (the avx512 build): per kind, the row count from which
+# dequantize + BLAS takes over (None: never; absent: QUANT_BLAS_MIN_ROWS). q8_0, q4_0,
+# q5_0, wint8 and wint4 take 512-bit vpdpbusd tiles from 12 rows (quant_kernels.inc,
+# Q8VnniMatmul); the others their 256-bit tiles. Measured on the Zen 4 of issue 34,
+# shared with 4 other jobs (load 6-10: single ratios moved by 30%), 1 and 2 threads,
+# alternating call by call, 7 rounds, 2048x2048 and 8192x2048, two runs (python -m
+# fdx.plugins.backends.bench_kernels --prefill --iters 7 --threads 1|2): dequantize +
+# BLAS / integer tiles at 128 rows 0.87-2.9x, above 1 in all but 3 of 40 figures
+# (q5_1 0.86-1.44x keeps 128); at 512 rows q8_0 1.27-1.55x, q4_0 0.83-1.44x (1 of 8
+# below 1), wint8 1.06-1.96x, wint4 1.21-1.33x (never dequantized: no float32 copy of
+# the weight either), q4_k 0.87-1.11x, q6_k 0.78-1.25x, q5_k 0.80-1.02x, q5_0
+# 0.73-1.18x, q4_1 0.77-1.24x (BLAS from 512).
+QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
+    "q8_0": None, "q4_0": None, "wint8": None, "wint4": None,
+    "q5_0": 512, "q4_1": 512, "q4_k": 512, "q5_k": 512, "q6_k": 512}
+
+
+def quant_blas_min_rows(kind: str, variant: str) -> int | None:
+    """From how many activation rows ``kind``'s product in build ``variant``
+    dequantizes + multiplies by BLAS (not under backend.batch_invariant); None: never."""
+    if variant == "avx512" and _has_vnni():
+        return QUANT_BLAS_MIN_ROWS_VNNI.get(kind, QUANT_BLAS_MIN_ROWS)
+    return QUANT_BLAS_MIN_ROWS
+
+
+@functools.cache
+def _has_vnni() -> bool:
+    from fdx.core.host import cpu_flags
+    return "avx512_vnni" in cpu_flags()
 
 
 def quant_kernel_name(kind: str, variant: str) -> str:
@@ -435,7 +465,8 @@ def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) 
     x2 = _rows(x)
     invariant = kernels.active().batch_invariant
     args = (quant_code(w, invariant), _VARIANT_CODE[variant], w.shape[0], w.shape[1], w.group_size)
-    if x2.shape[0] >= QUANT_BLAS_MIN_ROWS and not invariant:    # BLAS's order depends on the rows
+    min_rows = quant_blas_min_rows(w.kind, variant)
+    if min_rows is not None and x2.shape[0] >= min_rows and not invariant:    # BLAS's order depends on the rows
         out = paddle.matmul(x2, dequantize_op(data, scales, *args), transpose_y=True)
     else:
         out = matmul_op(x2, data, scales, *args)
@@ -444,6 +475,7 @@ def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) 
 
 _QUANT_KIND_CODE = {kind: code for code, kind in enumerate(QUANT_KINDS)}
 _CODE_INTERLEAVED, _CODE_INVARIANT = 1 << 8, 1 << 9       # = kCodeInterleaved, kCodeInvariant (quant_kernels.h)
+_CODE_ROW_TILES = 1 << 10       # = kCodeRowTiles: benchmarks only (bench_kernels --prefill): main's q4_0 tiles
 
 
 def quant_code(w, invariant: bool = False) -> int:

@@ -207,9 +207,10 @@ def random_quantized(kind: str, rows: int, cols: int, rng):
 def _probe_quant(kind: str, variant: str) -> Callable[[str], None]:
     """One build of ``kind``'s product against gguf's dequantized weights: one
     row over enough weights to use every thread, a small batch (a tile and a
-    tail), one past 12 rows over an odd count of blocks (q8_0's AVX-512 VNNI
-    tiles, on a CPU that has VNNI), and a prefill-sized one (the dequantize +
-    BLAS path). The int8 path
+    tail), one past 12 rows over an odd count of blocks (the AVX-512 VNNI
+    tiles of the kinds with blocks of 32, on a CPU that has VNNI), and a
+    prefill-sized one (the dequantize + BLAS path, or the int8 tiles where
+    cpp.quant_blas_min_rows says so). The int8 path
     is compared with x quantized as it quantizes it (int8_blocks), so the
     tolerance is float32 rounding."""
     def probe(dtype: str = "float32") -> None:
@@ -217,12 +218,13 @@ def _probe_quant(kind: str, variant: str) -> Callable[[str], None]:
         name = cpp.quant_kernel_name(kind, variant)
         fn = dict(quant.KERNELS[kind])[name]
         rng = _rng()
-        for rows, cols, m in ((129, 512, 1), (37, 512, 5), (37, 544 if kind == "q8_0" else 512, 13),
-                             (37, 512, cpp.QUANT_BLAS_MIN_ROWS + 1)):
+        odd = 512 if kind == "wint4" or kind.endswith("_k") else 544      # the VNNI tiles' last pair: one block
+        blas = cpp.quant_blas_min_rows(kind, variant)
+        for rows, cols, m in ((129, 512, 1), (37, 512, 5), (37, odd, 13), (37, 512, cpp.QUANT_BLAS_MIN_ROWS + 1)):
             w = random_quantized(kind, rows, cols, rng)
             x = rng.standard_normal((m, cols)).astype(np.float32)
             got = fn(_tensor(x), w).numpy()
-            xs = x if m >= cpp.QUANT_BLAS_MIN_ROWS else int8_blocks(x, act_block(kind))
+            xs = x if blas is not None and m >= blas else int8_blocks(x, act_block(kind))
             want = xs.astype(np.float64) @ w.dequantize().astype(np.float64).T
             scale = float(np.abs(want).max()) or 1.0
             _close(got / scale, want / scale, f"{m}x{cols} @ {rows}x{cols}", atol=1e-4, rtol=0)

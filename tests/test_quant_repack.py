@@ -73,6 +73,33 @@ def test_each_layout_and_row_count_against_numpy_and_rows_alone(module, kind, va
             assert bad.size == 0, f"{kind} {variant} {rows} rows: rows {bad[:5]} differ from alone at M={m}"
 
 
+@pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
+def test_default_path_at_many_rows_against_numpy(module, variant):
+    """The default (not batch-invariant) code at every row count: from 12 rows the
+    kinds with blocks of 32 take the AVX-512 VNNI tiles where the CPU has them
+    (issue 34 item 3: prefill without dequantizing), another order of the float
+    sums than below 12 rows, so the check is numpy's at 1e-4, and bitwise only
+    among the row counts on one side (a row's bits do not depend on its tile)."""
+    import paddle
+    _variant_ok("q8_0", variant)                            # one build for every kind
+    rng = np.random.default_rng(zlib.crc32(f"{variant}/many".encode()))
+    for kind in cpp.QUANT_KINDS:
+        n = 256 if kind.endswith("_k") else 384 if kind == "wint4" else 352   # 11 blocks: an odd last pair
+        x = rng.standard_normal((max(ROW_COUNTS), n)).astype(np.float32)
+        xq = int8_blocks(x, act_block(kind)).astype(np.float64)
+        for rows in (36, 38):                               # interleaved where repacked, plain
+            w = random_quantized(kind, rows, n, rng).prepare()
+            want = xq @ w.dequantize().astype(np.float64).T
+            data, scales = w.tensors()
+            got = {m: module.fdx_quant_matmul(paddle.to_tensor(x[:m]), data, scales, cpp.quant_code(w),
+                                              cpp._VARIANT_CODE[variant], rows, n, w.group_size).numpy()
+                   for m in ROW_COUNTS}
+            for m, g in got.items():
+                assert np.abs(g - want[:m]).max() <= 1e-4 * np.abs(want).max(), f"{kind} {variant} {rows} M={m}"
+            assert np.array_equal(got[33], got[512][:33]), f"{kind} {variant} {rows}: 33 rows vs 512"
+            assert np.array_equal(got[7], got[8][:7]) and np.array_equal(got[1], got[2][:1]), f"{kind} {variant}"
+
+
 def test_take_rows_and_embedding_read_the_interleaved_layout():
     rng = np.random.default_rng(3)
     for kind in ("q8_0", "q4_k"):                 # both in REPACK_KINDS

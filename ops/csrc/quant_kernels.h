@@ -13,8 +13,8 @@
 // dx * (d * sum(q * qx) + m * sum(qx)). Output rows are split over the OpenMP
 // threads. The kinds with blocks of 32 (q8_0, q4_0/1, q5_0/1, wint8/4) in the SIMD
 // builds multiply tiles of two weight rows x up to four activation rows (TileDot,
-// 256-bit, in the AVX-512 build too; there q8_0 from 12 rows takes 512-bit VNNI
-// tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); every kind in the portable build
+// 256-bit, in the AVX-512 build too; there q8_0, q4_0, q5_0, wint8/4 from 12 rows take
+// 512-bit VNNI tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); every kind in the portable build
 // one weight row against one activation row (RowDot). The k-quants quantize the
 // activations per 256 instead (XBlockK) and sum each sub-block in int32 times its
 // integer scale (TileDotK). Weights repacked at load (kInterleave rows' blocks
@@ -71,6 +71,7 @@ constexpr int64_t kInterleave = 4;
 constexpr int64_t kCodeKindMask = 0xFF;
 constexpr int64_t kCodeInterleaved = 1 << 8;  // the rows are interleaved by kInterleave
 constexpr int64_t kCodeInvariant = 1 << 9;    // backend.batch_invariant: one path at every row count
+constexpr int64_t kCodeRowTiles = 1 << 10;    // benchmarks only: q4_0 without the VNNI many-row tiles (main's)
 
 struct Weights {
   const uint8_t* data;  // [rows, row_bytes]
@@ -79,6 +80,7 @@ struct Weights {
   int kind;
   bool interleaved = false;  // kCodeInterleaved
   bool invariant = false;    // kCodeInvariant
+  bool row_tiles = false;    // kCodeRowTiles
 
   // Where row r's blocks start, and the distance from one of its blocks to the next.
   const uint8_t* Row(int64_t r) const {
@@ -98,6 +100,7 @@ inline Weights MakeWeights(const uint8_t* data, const float* scales, int64_t row
   Weights w{data, scales, rows, cols, row_bytes, group, kind};
   w.interleaved = (code & kCodeInterleaved) != 0 && rows % kInterleave == 0;
   w.invariant = (code & kCodeInvariant) != 0;
+  w.row_tiles = (code & kCodeRowTiles) != 0;
   return w;
 }
 

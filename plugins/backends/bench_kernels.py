@@ -3,6 +3,7 @@ ops they replace (ops/csrc/fused_kernels.h).
 
     python -m fdx.plugins.backends.bench_kernels
     python -m fdx.plugins.backends.bench_kernels --quant [q4_1,q8_0,...]
+    python -m fdx.plugins.backends.bench_kernels --prefill [q4_k,q6_k,...] --iters 7
 
 Not a test. For SmolLM2-135M's shapes (9/3 heads x 64, intermediate 1536)
 at 64 decode rows and a 512-token prefill, and a Qwen3-like layer (q/k RMS
@@ -126,8 +127,8 @@ def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, thread
     table = probe_kernels(threads)
     isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni") if f in cpu_flags()]
     print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}, load average {os.getloadavg()[0]:.1f}")
-    print(f"quant_matmul: {quant_choices(table)}; from {cpp.QUANT_BLAS_MIN_ROWS} rows quant.matmul takes "
-          "the dequantize + BLAS path")
+    print(f"quant_matmul: {quant_choices(table)}; from {cpp.QUANT_BLAS_MIN_ROWS} rows (per kind with AVX-512 "
+          "VNNI: cpp.quant_blas_min_rows) quant.matmul takes the dequantize + BLAS path")
     print(f"{'kind':<6} {'out x in':>10} {'M':>4} | {'int8 us':>9} {'GB/s':>6} | {'deq+BLAS us':>11} | "
           f"{'fp32 us':>9} {'GB/s':>6} | int8 vs fp32, deq+BLAS vs fp32")
     module = cpp._module_or_raise()
@@ -156,6 +157,41 @@ def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, thread
                     tq, td, tf = (np.median(times[k]) for k in ("int8", "deq", "fp32"))
                     print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>4} | {tq:9.1f} {w.nbytes / tq / 1e3:6.1f} | "
                           f"{td:11.1f} | {tf:9.1f} {rows * cols * 4 / tf / 1e3:6.1f} | {tf / tq:5.2f}x {tf / td:5.2f}x")
+
+
+def bench_prefill(kinds: list[str], rows_list: tuple[int, ...], rounds: int, threads: int) -> None:
+    """Many activation rows (prefill): the compiled product as it runs now, the tiles
+    before the many-row kernel (kCodeRowTiles: main's integer kernel) and dequantize +
+    BLAS, alternating call by call for ``rounds`` rounds; ratios of medians."""
+    from fdx.core.host import cpu_flags, cpu_model
+    from fdx.ops.probes import random_quantized
+    from fdx.plugins.backends.cpu import probe_kernels
+
+    table = probe_kernels(threads)
+    isa = [f for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni") if f in cpu_flags()]
+    print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}, load average "
+          f"{' '.join(open('/proc/loadavg').read().split()[:3])}")
+    print(f"{'kind':<6} {'out x in':>10} {'M':>4} | {'new ms':>8} {'old ms':>8} {'deq ms':>8} | "
+          f"{'old/new':>7} {'deq/new':>7}")
+    module = cpp._module_or_raise()
+    rng = np.random.default_rng(0)
+    for kind in kinds:
+        variant = next(v for v in cpp.QUANT_VARIANTS if table.usable(cpp.quant_kernel_name(kind, v)))
+        for rows, cols in ((2048, 2048), (8192, 2048)):
+            w = random_quantized(kind, rows, cols, rng).prepare()
+            data, scales = w.tensors()
+            args = (cpp.quant_code(w), cpp._VARIANT_CODE[variant], rows, cols, w.group_size)
+            old = (cpp.quant_code(w) | cpp._CODE_ROW_TILES,) + args[1:]
+            for m in rows_list:
+                x = paddle.randn([m, cols])
+                times = _interleaved({
+                    "new": lambda: module.fdx_quant_matmul(x, data, scales, *args),
+                    "old": lambda: module.fdx_quant_matmul(x, data, scales, *old),
+                    "deq": lambda: paddle.matmul(x, module.fdx_quant_dequantize(data, scales, *args),
+                                                 transpose_y=True)}, rounds)
+                tn, to, td = (np.median(times[k]) / 1e3 for k in ("new", "old", "deq"))
+                print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>4} | {tn:8.2f} {to:8.2f} {td:8.2f} | "
+                      f"{to / tn:6.2f}x {td / tn:6.2f}x", flush=True)
 
 
 def bench_layer(kinds: list[str], seqs_list: tuple[int, ...], iters: int, threads: int, ctx: int = 128) -> None:
@@ -201,6 +237,9 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by this thread's CPU time, not wall time (with --threads 1 only: the time "
                              "other jobs on the cores take is then not counted)")
+    parser.add_argument("--prefill", nargs="?", const="q4_k,q6_k,q8_0,q4_0,q4_1,q5_k",
+                        help="many-row products (--rows, default 32,128,512): now, before the many-row "
+                             "tiles, dequantize + BLAS")
     parser.add_argument("--layer", nargs="?", const="q4_1,q8_0",
                         help="time one whole decoder layer, composed and fused (comma-separated kinds)")
     args = parser.parse_args()
@@ -214,6 +253,10 @@ def main() -> None:
     paddle.set_grad_enabled(False)
     if not cpp.available():
         raise SystemExit(f"compiled ops unavailable: {cpp.unavailable_reason()}")
+    if args.prefill:
+        rows = "32,128,512" if args.rows == "1,8,64" else args.rows
+        bench_prefill(args.prefill.split(","), tuple(int(m) for m in rows.split(",")), args.iters, args.threads)
+        return
     if args.layer:
         bench_layer(args.layer.split(","), (1, 8, 32), args.iters, args.threads)
         return
