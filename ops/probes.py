@@ -266,6 +266,21 @@ PROBES: dict[str, Callable[[str], None]] = {
 }
 
 
+def _probe_moe(variant: str) -> Callable[[str], None]:    # the grouped expert products (fdx.ops.moe)
+    def probe(dtype: str = "float32") -> None:
+        from fdx.ops import moe
+        moe.probe(variant)(dtype)
+    return probe
+
+
+def _moe_probes() -> dict[str, Callable[[str], None]]:
+    return {"cpp.moe_experts" + ("" if v == "portable" else "." + v): _probe_moe(v) for v in ("avx512", "avx2", "portable")}
+
+
+PROBES.update(_moe_probes())
+
+
+
 def run(names, dtype: str = "float32", probes: dict[str, Callable[[str], None]] | None = None
         ) -> dict[str, str | None]:
     """Run the probes (default: PROBES) in this process: name -> None
