@@ -12,7 +12,8 @@ row_bytes]`` blocks (plus scales) or float32 ``[E, in, out]``; the model
 (fdx.plugins.models.moe_layers) builds it from its experts' weights.
 ``experts`` returns None where no build passed its probe (``cpp.moe_experts``,
 ``.avx2``, ``.avx512`` in the kernel table, and the format's dense kernel of
-the same build): the caller then runs its per-expert loop.
+the same build): the caller then runs its per-expert loop. The probe and
+the float64 reference are in fdx.ops.probes (``moe_reference``).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from paddle import Tensor
 from fdx.core import kernels
 from fdx.ops import cpp
 
-__all__ = ["ExpertStack", "MOE_KERNEL_NAMES", "experts", "moe_kernel_name", "reference_experts"]
+__all__ = ["ExpertStack", "MOE_KERNEL_NAMES", "experts", "moe_kernel_name", "stack_from_weights"]
 
 F32_CODE = -1                       # = fdx::moe::kF32Experts
 
@@ -113,79 +114,9 @@ def experts(x: Tensor, ids: np.ndarray, weights: np.ndarray, gate_up: ExpertStac
         down.shape[1], gate_up.group_size, down.group_size)
 
 
-def reference_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_up: ExpertStack,
-                      down: ExpertStack, as_kernels: bool = True) -> np.ndarray:
-    """The same in float64 numpy on the dequantized experts, one (row, slot)
-    at a time (the probes' and tests' reference). ``as_kernels``: each
-    quantized product's input rounded to int8 blocks first, as the compiled
-    products quantize their activations (fdx.ops.probes.int8_blocks), so the
-    remaining difference is float rounding."""
-    from fdx.ops.probes import act_block, int8_blocks
-
-    def acts(a: np.ndarray, stack: ExpertStack) -> np.ndarray:
-        if not as_kernels or stack.kind == "f32":
-            return np.asarray(a, np.float64)
-        return int8_blocks(np.asarray(a, np.float32), act_block(stack.kind)).astype(np.float64)
-
-    x = np.asarray(x, np.float32)
-    inter = down.shape[1]
-    out = np.zeros((x.shape[0], down.shape[0]))
-    for e in np.unique(ids):
-        rows, slots = np.nonzero(ids == e)
-        gu = acts(x[rows], gate_up) @ gate_up.expert(int(e)).astype(np.float64).T
-        g, u = gu[:, :inter], gu[:, inter:]
-        with np.errstate(over="ignore"):            # silu of a very negative gate: 0
-            y = acts(g / (1 + np.exp(-g)) * u, down) @ down.expert(int(e)).astype(np.float64).T
-        out[rows] += weights[rows, slots, None].astype(np.float64) * y
-    return out
-
-
 def stack_from_weights(kind: str, shape: tuple[int, int], datas: list[np.ndarray], scales: list | None,
                        group_size: int, interleaved: bool) -> ExpertStack:
     """An ExpertStack of per-expert arrays (one copy, np.stack)."""
     return ExpertStack(kind, shape, np.ascontiguousarray(np.stack(datas)),
                        None if scales is None else np.ascontiguousarray(np.stack(scales), dtype=np.float32),
                        group_size, interleaved)
-
-
-# --- the probe (fdx.ops.probes.PROBES takes these) -------------------------------------------------
-
-PROBE_KINDS = ("f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4")
-
-
-def random_stack(kind: str, experts: int, rows: int, cols: int, rng) -> ExpertStack:
-    """Random experts of ``kind`` (the probes' random weights), repacked where the dense path repacks."""
-    if kind == "f32":
-        return ExpertStack("f32", (rows, cols), (rng.standard_normal((experts, cols, rows)) * 0.1).astype(np.float32))
-    from fdx.ops.probes import random_quantized
-    qs = [random_quantized(kind, rows, cols, rng) for _ in range(experts)]
-    for q in qs:
-        q.repack()
-    return stack_from_weights(kind, (rows, cols), [q.data for q in qs],
-                              None if qs[0].scales is None else [q.scales for q in qs], qs[0].group_size,
-                              qs[0].interleaved)
-
-
-def probe(variant: str):
-    """``fdx_moe_experts`` of one build against the float64 reference, every
-    format, 8 experts, top-2, hidden 256, 5 rows (a k-quant needs 256 columns)."""
-    def run(dtype: str = "float32") -> None:
-        from fdx.ops.probes import WrongResult
-        rng = np.random.default_rng(0)
-        n, k, h, inter, e = 5, 2, 256, 256, 8
-        x = rng.standard_normal((n, h)).astype(np.float32)
-        ids = np.stack([rng.permutation(e)[:k] for _ in range(n)]).astype(np.int64)
-        w = rng.random((n, k)).astype(np.float32)
-        for kind in PROBE_KINDS:
-            gu, dn = random_stack(kind, e, 2 * inter, h, rng), random_stack(kind, e, h, inter, rng)
-            got = experts(paddle.to_tensor(x), ids, w, gu, dn, variant).numpy()
-            want = reference_experts(x, ids, w, gu, dn)
-            scale = np.abs(want).max()
-            err = float(np.abs(got - want).max() / scale)
-            if not err < 1e-4:
-                raise WrongResult(f"wrong result ({kind}: max relative error {err:.3g})")
-    return run
-
-
-def probes() -> dict:
-    return {moe_kernel_name(v): probe(v) for v in ("portable", "avx2", "avx512")}

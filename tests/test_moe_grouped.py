@@ -25,6 +25,7 @@ import pytest
 from fdx.core import kernels
 from fdx.core.kernels import KernelTable
 from fdx.ops import moe
+from fdx.ops.probes import MOE_PROBE_KINDS, moe_reference, random_stack
 from test_contracts import cpu_kernel_table
 
 E, K = 8, 2
@@ -41,7 +42,7 @@ def _case(kind: str, rows: int, seed: int):
     rng = np.random.default_rng(seed)
     h = 256 if kind.endswith("_k") else 64
     inter = 256 if kind.endswith("_k") else 64          # wint4: groups of 64
-    gu, dn = moe.random_stack(kind, E, 2 * inter, h, rng), moe.random_stack(kind, E, h, inter, rng)
+    gu, dn = random_stack(kind, E, 2 * inter, h, rng), random_stack(kind, E, h, inter, rng)
     x = rng.standard_normal((rows, h)).astype(np.float32)
     ids = np.stack([rng.permutation(E)[:K] for _ in range(rows)]).astype(np.int64)
     ids[0] = [3, 3 - 1]                      # expert 3 and 2 in slot order 0, 1 (not sorted by id)
@@ -49,10 +50,10 @@ def _case(kind: str, rows: int, seed: int):
     return x, ids, w, gu, dn
 
 
-@pytest.mark.parametrize("kind", moe.PROBE_KINDS)
+@pytest.mark.parametrize("kind", MOE_PROBE_KINDS)
 def test_grouped_op_equals_float64_reference(table, kind):
     x, ids, w, gu, dn = _case(kind, 9, 1)
-    want = moe.reference_experts(x, ids, w, gu, dn)
+    want = moe_reference(x, ids, w, gu, dn)
     builds = [v for v in ("portable", "avx2", "avx512") if table.usable(moe.moe_kernel_name(v))]
     for variant in builds:
         with kernels.using(table):
@@ -60,7 +61,7 @@ def test_grouped_op_equals_float64_reference(table, kind):
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 1e-5, f"{kind} {variant}: max relative error {err:.3g}"
     # against the unrounded activations too: only the format's own int8 rounding of x apart
-    plain = moe.reference_experts(x, ids, w, gu, dn, as_kernels=False)
+    plain = moe_reference(x, ids, w, gu, dn, as_kernels=False)
     assert np.abs(got - plain).max() < (1e-5 if kind == "f32" else 3e-2) * np.abs(plain).max()
 
 
