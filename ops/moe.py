@@ -95,8 +95,13 @@ def experts(x: Tensor, ids: np.ndarray, weights: np.ndarray, gate_up: ExpertStac
     """``sum_j weights[:, j] * down[ids[:, j]](silu(gate) * up)`` for x ``[N, H]``
     float32, ids int64 ``[N, k]``, weights float32 ``[N, k]``; gate_up's
     experts are ``[2I, H]`` (gate rows first), down's ``[H, I]``. None when
-    no build (or the named ``variant``) passed its probes for both formats."""
+    no build passed its probes for both formats, or (outside
+    backend.batch_invariant) when an expert has as many rows as the dense
+    products give to BLAS (QUANT_BLAS_MIN_ROWS; float32: f32_blas_min_rows):
+    the caller's per-expert loop then does. ``variant``: that build, unchecked
+    (the probes and tests)."""
     table = kernels.active()
+    variant_given = variant
     if variant is None:
         variant = next((v for v in cpp.QUANT_VARIANTS if table.usable(moe_kernel_name(v))
                         and table.usable(gate_up.dense_kernel(v)) and table.usable(down.dense_kernel(v))), None)
@@ -105,6 +110,12 @@ def experts(x: Tensor, ids: np.ndarray, weights: np.ndarray, gate_up: ExpertStac
     if x.dtype != paddle.float32 or not cpp.loaded():
         return None
     invariant = table.batch_invariant
+    if not invariant and variant_given is None:
+        # as the dense products: an expert with this many rows is faster dequantized (or float32) in BLAS
+        most = int(np.bincount(np.asarray(ids).reshape(-1)).max()) if np.size(ids) else 0
+        if any(most >= (cpp.f32_blas_min_rows(variant) if s.kind == "f32" else cpp.QUANT_BLAS_MIN_ROWS)
+               for s in (gate_up, down)):
+            return None
     gu_data, gu_scales = gate_up.tensors()
     d_data, d_scales = down.tensors()
     return cpp._module_or_raise().fdx_moe_experts(
