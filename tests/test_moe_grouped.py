@@ -180,3 +180,48 @@ def test_engine_q8_0_solo_equals_batched_bitwise(checkpoints):
     assert all(grouped)
     for p, want in zip(PROMPTS, batched):
         assert _generate(q8, [p], batch_invariant=True)[0] == [want]
+
+
+def test_engine_expert_load_is_the_routers_choice(checkpoints):
+    """Issue 39 item 5 through the engine: an observer of ``fdx_step_finished``
+    sees each step's ``expert_load``, which equals a count of what the router
+    (replaced by ``set_router``, the hook point a plugin's ``model.moe_router``
+    fills) chose in each MoE layer during that step."""
+    from fdx import LLM, SamplingParams
+    from fdx.core.hookspecs import hookimpl
+    from fdx.plugins.models.moe_layers import softmax_topk_router
+
+    folder, _ = checkpoints
+    chosen: list[np.ndarray] = []
+    top2 = softmax_topk_router(K, True)
+
+    def recording(logits, bias):
+        ids, weights = top2(logits, bias)
+        chosen.append(ids)
+        return ids, weights
+
+    class Observer:
+        def __init__(self):
+            self.steps = []
+
+        @hookimpl
+        def fdx_step_finished(self, scheduler_output, step_stats):
+            self.steps.append((step_stats.num_scheduled_tokens, step_stats.expert_load, list(chosen)))
+            chosen.clear()
+
+    llm = LLM(str(folder), max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, num_kv_blocks=40,
+              block_size=4, quantization="none", progress=False)
+    obs = Observer()
+    try:
+        llm.engine.model.set_router(recording)
+        llm.engine.plugins.pm.register(obs)
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0.0, max_tokens=4))
+    finally:
+        llm.engine.plugins.pm.unregister(obs)
+        llm.close()
+    ran = [s for s in obs.steps if s[0]]
+    assert len(ran) > 4 and any(s[0] == 8 for s in ran)          # chunked prefill and decode steps
+    for tokens, load, calls in ran:
+        assert len(calls) == 2 == len(load)                         # layers 0 and 2 route, layer 1 is dense
+        assert load == [np.bincount(c.reshape(-1), minlength=E).tolist() for c in calls]
+        assert all(sum(layer) == tokens * K for layer in load)
