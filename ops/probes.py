@@ -332,7 +332,8 @@ def _probe_moe(variant: str) -> Callable[[str], None]:
 
 
 def _moe_probes() -> dict[str, Callable[[str], None]]:
-    return {"cpp.moe_experts" + ("" if v == "portable" else "." + v): _probe_moe(v) for v in ("avx512", "avx2", "portable")}
+    return {"cpp.moe_experts" + ("" if v == "portable" else "." + v): _probe_moe(v)
+            for v in ("avx512", "avx2", "portable")}
 
 
 PROBES.update(_moe_probes())
