@@ -65,6 +65,20 @@ def test_grouped_op_equals_float64_reference(table, kind):
     assert np.abs(got - plain).max() < (1e-5 if kind == "f32" else 3e-2) * np.abs(plain).max()
 
 
+def test_mixed_kinds_as_a_q4_k_m_file_holds_them(table):
+    """gate+up in Q4_K and down in Q6_K (llama-quantize's Q4_K_M), float32 activations between."""
+    rng = np.random.default_rng(4)
+    gu, dn = random_stack("q4_k", E, 512, 256, rng), random_stack("q6_k", E, 256, 256, rng)
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(6)]).astype(np.int64)
+    w = rng.random((6, K)).astype(np.float32)
+    with kernels.using(table):
+        got = moe.experts(paddle.to_tensor(x), ids, w, gu, dn)
+    assert got is not None                                  # the widest build this CPU passed took it
+    want = moe_reference(x, ids, w, gu, dn)
+    assert np.abs(got.numpy() - want).max() < 1e-5 * np.abs(want).max()
+
+
 def test_wrong_expert_id_is_named(table):
     x, ids, w, gu, dn = _case("q8_0", 2, 2)
     ids[1, 0] = E
