@@ -888,3 +888,10 @@ def decoder_layer(
     _run(binding, one.table, 0, 1, x, out, res, residual is not None, positions, slots, seq_info, block_tables,
          block_size, invariant, one)
     return out, res
+
+
+# --- mixture-of-experts: a layer's routed experts in one call (csrc/moe_kernels.h) ---------------
+# fdx_moe_experts, bound in csrc/fdx_ops.cc; fdx.ops.moe drives it and holds its probes
+# (kernel-table names cpp.moe_experts, .avx2, .avx512).
+_HEADERS.append(_CSRC / "moe_kernels.h")
+# --- end of mixture-of-experts ---------------------------------------------------------------------

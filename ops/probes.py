@@ -268,6 +268,81 @@ PROBES: dict[str, Callable[[str], None]] = {
 }
 
 
+# --- the grouped expert products (fdx.ops.moe, csrc/moe_kernels.h) ------------------------------
+
+def moe_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_up, down,
+                  as_kernels: bool = True) -> np.ndarray:
+    """fdx.ops.moe.experts in float64 numpy on the dequantized experts, one (row, slot)
+    at a time (the probes' and tests' reference). ``as_kernels``: each
+    quantized product's input rounded to int8 blocks first, as the compiled
+    products quantize their activations (fdx.ops.probes.int8_blocks), so the
+    remaining difference is float rounding."""
+    def acts(a: np.ndarray, stack) -> np.ndarray:
+        if not as_kernels or stack.kind == "f32":
+            return np.asarray(a, np.float64)
+        return int8_blocks(np.asarray(a, np.float32), act_block(stack.kind)).astype(np.float64)
+
+    x = np.asarray(x, np.float32)
+    inter = down.shape[1]
+    out = np.zeros((x.shape[0], down.shape[0]))
+    for e in np.unique(ids):
+        rows, slots = np.nonzero(ids == e)
+        gu = acts(x[rows], gate_up) @ gate_up.expert(int(e)).astype(np.float64).T
+        g, u = gu[:, :inter], gu[:, inter:]
+        with np.errstate(over="ignore"):            # silu of a very negative gate: 0
+            y = acts(g / (1 + np.exp(-g)) * u, down) @ down.expert(int(e)).astype(np.float64).T
+        out[rows] += weights[rows, slots, None].astype(np.float64) * y
+    return out
+
+
+MOE_PROBE_KINDS = ("f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4")
+
+
+def random_stack(kind: str, experts: int, rows: int, cols: int, rng):
+    """Random experts of ``kind`` (the probes' random weights), repacked where the dense path repacks."""
+    from fdx.ops.moe import ExpertStack, stack_from_weights
+    if kind == "f32":
+        return ExpertStack("f32", (rows, cols), (rng.standard_normal((experts, cols, rows)) * 0.1).astype(np.float32))
+    qs = [random_quantized(kind, rows, cols, rng) for _ in range(experts)]
+    for q in qs:
+        q.repack()
+    return stack_from_weights(kind, (rows, cols), [q.data for q in qs],
+                              None if qs[0].scales is None else [q.scales for q in qs], qs[0].group_size,
+                              qs[0].interleaved)
+
+
+def _probe_moe(variant: str) -> Callable[[str], None]:
+    """``fdx_moe_experts`` of one build against the float64 reference, every
+    format, 8 experts, top-2, hidden 256, 5 rows (a k-quant needs 256 columns)."""
+    def run(dtype: str = "float32") -> None:
+        import paddle
+        from fdx.ops.moe import experts
+        rng = np.random.default_rng(0)
+        n, k, h, inter, e = 5, 2, 256, 256, 8
+        x = rng.standard_normal((n, h)).astype(np.float32)
+        ids = np.stack([rng.permutation(e)[:k] for _ in range(n)]).astype(np.int64)
+        w = rng.random((n, k)).astype(np.float32)
+        for kind in MOE_PROBE_KINDS:
+            gu, dn = random_stack(kind, e, 2 * inter, h, rng), random_stack(kind, e, h, inter, rng)
+            got = experts(paddle.to_tensor(x), ids, w, gu, dn, variant).numpy()
+            want = moe_reference(x, ids, w, gu, dn)
+            scale = np.abs(want).max()
+            err = float(np.abs(got - want).max() / scale)
+            if not err < 1e-4:
+                raise WrongResult(f"wrong result ({kind}: max relative error {err:.3g})")
+    return run
+
+
+def _moe_probes() -> dict[str, Callable[[str], None]]:
+    return {"cpp.moe_experts" + ("" if v == "portable" else "." + v): _probe_moe(v)
+            for v in ("avx512", "avx2", "portable")}
+
+
+PROBES.update(_moe_probes())
+# --- end of the grouped expert products ---------------------------------------------------------
+
+
+
 def run(names, dtype: str = "float32", probes: dict[str, Callable[[str], None]] | None = None
         ) -> dict[str, str | None]:
     """Run the probes (default: PROBES) in this process: name -> None

@@ -637,3 +637,103 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
 
 }  // extern "C"
 
+
+// --- mixture-of-experts: a layer's routed experts in one call (moe_kernels.h) ---------------
+// fdx_moe_experts(x [N, H], ids int64 [N, k], weights float32 [N, k], the stacked gate+up
+// and down weights and their scales) -> [N, H]; a stack's code is quant_kernels.h's kind
+// code, or -1 for float32 [E, in, out].
+
+#include "moe_kernels.h"
+
+namespace {
+
+fdx::moe::ExpertStack MoeStack(const paddle::Tensor& data, const paddle::optional<paddle::Tensor>& scales,
+                               int64_t code, int64_t experts, int64_t rows, int64_t cols, int64_t group,
+                               const char* name) {
+  using namespace fdx::quant;
+  PD_CHECK(data.is_cpu() && data.shape().size() == 3 && data.shape()[0] == experts, name,
+           " must be a CPU tensor [", experts, ", ...]");
+  fdx::moe::ExpertStack s{data.data(), nullptr, code, rows, cols, group};
+  if (code == fdx::moe::kF32Experts) {
+    PD_CHECK(data.dtype() == paddle::DataType::FLOAT32 && data.shape()[1] == cols && data.shape()[2] == rows, name,
+             " must be float32 [", experts, ", ", cols, ", ", rows, "]");
+    return s;
+  }
+  const int64_t kind = CodeKind(code);
+  PD_CHECK(code >= 0 && kind < kNumKinds, name, ": unknown quantized kind ", code);
+  PD_CHECK(data.dtype() == paddle::DataType::UINT8 || data.dtype() == paddle::DataType::INT8, name,
+           " must be uint8 or int8");
+  PD_CHECK(rows > 0 && cols > 0 && cols % kBlockElems[kind] == 0, name, ": cols (", cols,
+           ") must be a positive multiple of the block (", kBlockElems[kind], ")");
+  PD_CHECK(!(code & kCodeInterleaved) || rows % kInterleave == 0, name, ": interleaved rows must be a multiple of ",
+           kInterleave);
+  const int64_t row_bytes = cols / kBlockElems[kind] * kBlockBytes[kind];
+  PD_CHECK(data.shape()[1] == rows && data.shape()[2] == row_bytes, name, " must be [", experts, ", ", rows, ", ",
+           row_bytes, "]");
+  if (kind == kWint8 || kind == kWint4) {
+    PD_CHECK(kind == kWint8 || (group > 0 && group % 32 == 0 && cols % group == 0), name,
+             ": wint4 group size must be a multiple of 32 dividing cols");
+    PD_CHECK(scales && scales->is_cpu() && scales->dtype() == paddle::DataType::FLOAT32, name,
+             ": wint kinds need float32 scales");
+    s.scales = scales->data<float>();
+    PD_CHECK(scales->numel() == experts * s.ScalesPerExpert(), name, ": scales must have ",
+             experts * s.ScalesPerExpert(), " elements");
+  }
+  return s;
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> MoeExpertsForward(const paddle::Tensor& x, const paddle::Tensor& ids,
+                                              const paddle::Tensor& weights, const paddle::Tensor& gu_data,
+                                              const paddle::optional<paddle::Tensor>& gu_scales,
+                                              const paddle::Tensor& down_data,
+                                              const paddle::optional<paddle::Tensor>& down_scales, int64_t gu_code,
+                                              int64_t down_code, int64_t variant, int64_t experts, int64_t inter,
+                                              int64_t gu_group, int64_t down_group) {
+  CheckFloat2d(x, "x");
+  CheckFloat2d(weights, "weights");
+  PD_CHECK(x.shape().size() == 2, "x must be [N, H]");
+  const int64_t N = x.shape()[0], H = x.shape()[1];
+  PD_CHECK(ids.is_cpu() && ids.dtype() == paddle::DataType::INT64 && ids.shape().size() == 2 && ids.shape()[0] == N,
+           "ids must be int64 [", N, ", k]");
+  const int64_t k = ids.shape()[1];
+  PD_CHECK(k >= 1 && weights.shape() == ids.shape(), "weights must be [", N, ", ", k, "] as ids");
+  PD_CHECK(variant >= 0 && variant <= 2, "unknown variant ", variant);
+  PD_CHECK(experts >= 1 && inter >= 1, "experts and inter must be positive");
+  const int64_t* id = ids.data<int64_t>();
+  for (int64_t p = 0; p < N * k; ++p) PD_CHECK(id[p] >= 0 && id[p] < experts, "expert id ", id[p], " out of range");
+  const auto gu = MoeStack(gu_data, gu_scales, gu_code, experts, 2 * inter, H, gu_group, "gate_up");
+  const auto dn = MoeStack(down_data, down_scales, down_code, experts, H, inter, down_group, "down");
+  auto out = paddle::empty({N, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  if (N > 0)
+    fdx::moe::MoeExperts(static_cast<int>(variant), x.data<float>(), N, H, id, weights.data<float>(), k, experts,
+                         inter, gu, dn, out.data<float>());
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> MoeExpertsInferShape(
+    const std::vector<int64_t>& x_shape, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const paddle::optional<std::vector<int64_t>>&, const std::vector<int64_t>&,
+    const paddle::optional<std::vector<int64_t>>&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {
+  return {x_shape};
+}
+
+std::vector<paddle::DataType> MoeExpertsInferDtype(const paddle::DataType& x_dtype, const paddle::DataType&,
+                                                   const paddle::DataType&, const paddle::DataType&,
+                                                   const paddle::optional<paddle::DataType>&,
+                                                   const paddle::DataType&,
+                                                   const paddle::optional<paddle::DataType>&) {
+  return {x_dtype};
+}
+
+PD_BUILD_OP(fdx_moe_experts)
+    .Inputs({"X", "Ids", "Weights", "GateUp", paddle::Optional("GateUpScales"), "Down",
+             paddle::Optional("DownScales")})
+    .Outputs({"Out"})
+    .Attrs({"gu_code: int64_t", "down_code: int64_t", "variant: int64_t", "experts: int64_t", "inter: int64_t",
+            "gu_group: int64_t", "down_group: int64_t"})
+    .SetKernelFn(PD_KERNEL(MoeExpertsForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(MoeExpertsInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(MoeExpertsInferDtype));
+// --- end of mixture-of-experts ---------------------------------------------------------------

@@ -13,6 +13,7 @@ the weight format's own product does for a different number of rows.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -128,6 +129,7 @@ class SparseMoe:
                 np.ascontiguousarray(_float_matrix(w, f"{p}.shared_expert_gate.weight", (1, h)).T))
         self.reduce: Callable[[Tensor], Tensor] | None = None   # tensor parallel: sum over ranks
         self.last_load: np.ndarray = np.zeros(e, dtype=np.int64)
+        self._stacks: tuple[Any, Any] | bool | None = None      # grouped(): made on first use
 
     def route(self, x: Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The router's choice for the rows of x: (ids int64 [rows, k], weights float32 [rows, k])."""
@@ -143,6 +145,23 @@ class SparseMoe:
                              f"in [0, {self.num_experts}) and weights, both [{logits.shape[0]}, k]")
         return ids.astype(np.int64, copy=False), weights
 
+    def grouped(self) -> tuple[Any, Any] | None:
+        """The experts' weights stacked for ``fdx.ops.moe.experts`` (gate+up, down),
+        made on first use; None when they cannot be (a format or shape the
+        grouped kernel does not take, no build of it passed its probe,
+        FDX_MOE_GROUPED=0): the per-expert loop then runs."""
+        if self._stacks is None:
+            self._stacks = False
+            if os.environ.get("FDX_MOE_GROUPED", "1") != "0":
+                from fdx.core import kernels
+                from fdx.ops import moe
+                if moe.build(kernels.active()) is not None:
+                    gu = stack_experts(self.w_gate_up)
+                    dn = None if gu is None else stack_experts(self.w_down)
+                    if gu is not None and dn is not None:
+                        self._stacks = (gu, dn)
+        return self._stacks or None
+
     def __call__(self, x: Tensor) -> Tensor:
         n = x.shape[0]
         if n == 0:
@@ -150,9 +169,21 @@ class SparseMoe:
         ids, weights = self.route(x)
         k = ids.shape[1]
         flat = ids.reshape(-1)
-        order = np.argsort(flat, kind="stable")          # (row, slot) places grouped by expert
         counts = np.bincount(flat, minlength=self.num_experts)
         self.last_load = counts                          # the expert-load tap (tokens per expert)
+        stacks = self.grouped() if x.dtype == paddle.float32 else None
+        y = None
+        if stacks is not None:                           # one call: grouped by expert, weighted, summed in slot order
+            from fdx.ops import moe
+            y = moe.experts(x, ids, weights, *stacks)
+        if y is None:
+            y = self._expert_loop(x, ids, weights, counts)
+        return self._finish(x, y)
+
+    def _expert_loop(self, x: Tensor, ids: np.ndarray, weights: np.ndarray, counts: np.ndarray) -> Tensor:
+        """The experts one product call each (any weight format): the fallback of ``fdx.ops.moe.experts``."""
+        n, k = x.shape[0], ids.shape[1]
+        order = np.argsort(ids.reshape(-1), kind="stable")   # (row, slot) places grouped by expert
         rows = order // k
         outs, start = [], 0
         for e in np.flatnonzero(counts):
@@ -164,7 +195,10 @@ class SparseMoe:
         # back to (row, slot) order, scaled by the slot's weight, each row's k slots summed in order
         y = paddle.gather(y, paddle.to_tensor(np.argsort(order, kind="stable")))
         y = y * paddle.to_tensor(weights.reshape(-1, 1).astype(np.float32)).astype(y.dtype)
-        y = y.reshape([n, k, -1]).sum(axis=1) if k > 1 else y
+        return y.reshape([n, k, -1]).sum(axis=1) if k > 1 else y
+
+    def _finish(self, x: Tensor, y: Tensor) -> Tensor:
+        """The routed experts' sum y plus the shared experts, summed over the tensor-parallel ranks."""
         if self.shared is not None:
             shared = self.shared.partial(x)
             if self.w_shared_gate is not None:
@@ -186,6 +220,7 @@ class SparseMoe:
         self.w_down = [self.fmt.shard_cols(f"{self.prefix}.experts.{e}.down_proj.weight", wd, rank * n, (rank + 1) * n)
                        for e, wd in enumerate(self.w_down)]
         self.intermediate_size = n
+        self._stacks = None
         if self.shared is not None:
             self.shared.shard(rank, world)
         self.reduce = reduce
@@ -197,6 +232,42 @@ class SparseMoe:
             s = self.shared
             out += [s.w_gate_up, s.b_gate_up, s.w_down, s.b_down]
         return out
+
+
+def stack_experts(ws: list[LinearWeight]) -> Any:
+    """One matrix of every expert as a ``fdx.ops.moe.ExpertStack`` (float32
+    ``[E, in, out]``, or the same GGML / wint kind and shape: blocks ``[E, rows,
+    row_bytes]``), or None for what the grouped kernel does not take (a
+    RowStack, mixed kinds, blocks the compiled products cannot read). Each
+    expert's own weight then becomes a view of the stack (no second copy), its
+    rows repacked in place where the dense path repacks them (``prepare``)."""
+    from fdx.ops import cpp, moe
+    from fdx.plugins.models.weight_formats import BlockWeight, DenseWeight
+    first = ws[0]
+    if all(type(w) is DenseWeight and w.t.dtype == paddle.float32 and w.t.shape == first.t.shape for w in ws):
+        from paddle.utils.dlpack import from_dlpack
+        data = np.ascontiguousarray(np.stack([w.t.numpy() for w in ws]))        # [E, in, out]
+        for e, w in enumerate(ws):
+            w.t = from_dlpack(data[e])
+        return moe.ExpertStack("f32", (data.shape[2], data.shape[1]), data)
+    if not all(type(w) is BlockWeight for w in ws):
+        return None
+    qs = [w.q for w in ws]
+    q0 = qs[0]
+    if not cpp.quant_supported(q0) or any(
+            q.kind != q0.kind or q.shape != q0.shape or q.group_size != q0.group_size
+            or (q.scales is None) != (q0.scales is None) for q in qs):
+        return None
+    stack = moe.stack_from_weights(q0.kind, tuple(q0.shape), [q.plain_data() for q in qs],
+                                   None if q0.scales is None else [q.scales for q in qs], q0.group_size, False)
+    for e, q in enumerate(qs):
+        q.data, q.interleaved, q._tensors = stack.data[e], False, None
+        q.scales = None if stack.scales is None else stack.scales[e]
+        q.prepare()                                      # repacks the view in place (FDX_REPACK)
+    if len({q.interleaved for q in qs}) != 1:            # cannot be (one kind and shape); kept plain if it were
+        return None
+    stack.interleaved = q0.interleaved
+    return stack
 
 
 class SharedMlp:
