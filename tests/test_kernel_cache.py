@@ -2,7 +2,7 @@
 trusts (issue 35 item 2; fdx.ops.kernel_cache): the attack replayed (a
 planted ``fdx_ops_<key>.so`` whose constructor writes a marker, in a folder
 owned by another user with mode 0777; a tampered object in a trusted
-folder), with a real build in a child process each time."""
+folder), in child processes, with one real build for the module."""
 from __future__ import annotations
 
 import json
@@ -72,18 +72,20 @@ CHILD = textwrap.dedent("""
     from fdx.ops import cpp
     status = cpp.prepare()
     x = np.random.default_rng(0).standard_normal((3, 16)).astype("float32")
-    got = cpp.silu_and_mul(paddle.to_tensor(x)).numpy()
-    print(json.dumps({"status": status, "available": cpp.available(), "x": x.tolist(), "got": got.tolist()}))
+    got = cpp.silu_and_mul(paddle.to_tensor(x)).numpy().tolist() if cpp.available() else None
+    print(json.dumps({"status": status, "available": cpp.available(), "x": x.tolist(), "got": got}))
 """)
 
 
-def run_child(cache: Path, marker: Path) -> tuple[dict, str]:
-    env = {**os.environ, "FDX_CACHE_DIR": str(cache)}
+def run_child(cache: Path, marker: Path, **env_changes: str) -> tuple[dict, str]:
+    env = {**os.environ, "FDX_CACHE_DIR": str(cache), **env_changes}
     env.pop("FDX_DISABLE_CPP_OPS", None)
     env.pop(kernel_cache.PRIVATE_ENV, None)
     p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    if "PATH" in env_changes:                           # no compiler found: the Paddle path, nothing loaded
+        return out, p.stderr
     x = __import__("numpy").asarray(out["x"], dtype="float32")
     half = x.shape[1] // 2
     ref = x[:, :half] / (1 + __import__("numpy").exp(-x[:, :half])) * x[:, half:]    # numpy reference
@@ -157,11 +159,27 @@ def test_a_planted_object_in_a_foreign_world_writable_folder_is_not_loaded(forei
     assert "built the compiled CPU kernels" in out["status"]         # rebuilt privately, and they work
 
 
+def path_without_a_compiler(folder: Path) -> Path:
+    """A folder of links to every program on PATH but c++ and g++ (where
+    fdx looks for a compiler): the child finds the other tools (cpu_id and
+    Paddle's probes read /proc with cat and grep), and no compiler."""
+    folder.mkdir()
+    for d in os.environ["PATH"].split(os.pathsep):
+        if os.path.isdir(d):
+            for name in os.listdir(d):
+                if name not in ("c++", "g++") and not (folder / name).exists():
+                    (folder / name).symlink_to(Path(d, name))
+    return folder
+
+
 @pytest.mark.slow
-def test_a_tampered_object_in_a_trusted_folder_is_rebuilt_not_loaded(foreign_attack, planted, tmp_path):
+def test_a_tampered_object_in_a_trusted_folder_is_removed_not_loaded(foreign_attack, planted, tmp_path):
     """A trusted cache (this user's, 0700) seeded with a genuine build and its
-    record; the object is then replaced: rebuilt, not loaded; the rebuilt
-    cache is loaded on the next start without a build."""
+    record: loaded on the next start without a build. The object is then
+    replaced: removed and rebuilt, not loaded. The rebuild is the one the
+    foreign attack's test ran (a build in a refused folder's place); here no
+    compiler is on PATH, so the start ends on the Paddle path with the
+    tampered object gone (one extension build for the module, not two)."""
     evil, marker = planted
     _, key, out, log, _ = foreign_attack
     private = Path(next(line for line in log.splitlines() if "private folder" in line)
@@ -173,15 +191,15 @@ def test_a_tampered_object_in_a_trusted_folder_is_rebuilt_not_loaded(foreign_att
     shutil.copytree(private, folder)
     folder.chmod(0o700)
     name = f"fdx_ops_{key}"
-    assert kernel_cache.check_object(folder / name / f"{name}.so") is None    # the genuine build and its record
+    so = folder / name / f"{name}.so"
+    assert kernel_cache.check_object(so) is None    # the genuine build and its record
 
     again, log2 = run_child(cache, marker)
     assert "loaded the compiled CPU kernels" in again["status"] and "not loading" not in log2
 
-    shutil.copy(evil, folder / name / f"{name}.so")      # tampered after the build: the record no longer matches
-    out3, log3 = run_child(cache, marker)
+    shutil.copy(evil, so)                           # tampered after the build: the record no longer matches
+    out3, log3 = run_child(cache, marker, PATH=str(path_without_a_compiler(tmp_path / "bin")), CXX="c++")
     assert not marker.exists(), "the tampered object's constructor ran"
-    assert f"not loading {folder / name / (name + '.so')}: its sha256 does not match the record" in log3
-    assert "built the compiled CPU kernels" in out3["status"]
-    out4, log4 = run_child(cache, marker)                  # healed: loaded, not rebuilt
-    assert "loaded the compiled CPU kernels" in out4["status"] and "not loading" not in log4
+    assert f"not loading {so}: its sha256 does not match the record" in log3 and "rebuilding it" in log3
+    assert not so.exists() and not kernel_cache._record_path(so).exists()     # nothing left to load by mistake
+    assert not out3["available"] and "no C++ compiler" in out3["status"], out3["status"]

@@ -44,7 +44,13 @@ def _transformers_gguf_load(path: Path):
 
 
 @pytest.fixture(scope="module")
-def smollm_reference():
+def smollm_reference(request):
+    """(state dict, config) as transformers loads the GGUF: the session's
+    transformers SmolLM2 (conftest's hf_smollm_model, the same
+    from_pretrained call) when accelerate is installed, not a second copy."""
+    if importlib.util.find_spec("accelerate") is not None:
+        model = request.getfixturevalue("hf_smollm_model")
+        return {k: v.detach().numpy() for k, v in model.state_dict().items()}, model.config
     return _transformers_gguf_load(Path(default_model_path()))
 
 
