@@ -7,7 +7,7 @@ from typing import Any, Iterable, Sequence
 from fdx.core.activations import collect
 from fdx.core.config import FdxConfig
 from fdx.core.engine import EngineCore
-from fdx.core.output import OutputProcessor, SequenceState, decode_logprobs, split_n
+from fdx.core.output import OutputProcessor, SequenceState, logprob_dict, split_n
 from fdx.core.request import CompletionOutput, Request, RequestOutput
 from fdx.core.sampling_params import SamplingParams
 
@@ -247,15 +247,19 @@ class LLM:
 
     def _output(self, group: list[Request], seqs: list[SequenceState]) -> RequestOutput:
         first = group[0]
+        tok = self.tokenizer
         outs = [CompletionOutput(
             index=s.index, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason, logprobs=s.logprobs, activations=collect(req.activations))
+            stop_reason=s.stop_reason, activations=collect(req.activations),
+            logprobs=None if s.logprobs is None else [logprob_dict(tok, rows) for rows in s.logprobs])
             for req, s in zip(group, seqs)]
-        decode_logprobs(self.tokenizer, first.prompt_logprobs)
+        prompt_lps = seqs[0].prompt_logprobs
+        if prompt_lps is not None:
+            prompt_lps = [logprob_dict(tok, rows) for rows in prompt_lps]
         base_id = first.request_id.rsplit("-", 1)[0] if len(group) > 1 else first.request_id
         return RequestOutput(
             request_id=base_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=outs, finished=all(s.finished for s in seqs),
-            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=prompt_lps,
             metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
                      "finished_time": first.finished_time})

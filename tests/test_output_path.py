@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import openai
 import pytest
 import transformers
 
 from fdx import LLM
-from fdx.core.output import OutputProcessor, split_n
+from fdx.core.messages import EngineOutputs, EngineStats, FromEngine, encoder
+from fdx.core.output import DeltaTracker, OutputProcessor, SequenceState, split_n
 from fdx.core.request import request_output
 from fdx.core.sampling_params import SamplingParams
 
@@ -77,22 +79,42 @@ def test_engine_makes_no_text(tiny_llm, hf_tok):
     eng.add_request(req)
     outputs = OutputProcessor(eng)
     seq = outputs.add(req)
+    # the server's side of the one path: the same deltas through msgpack (the engine process's
+    # encoder, the API process's decoder) into a SequenceState, as RequestGroup applies them
+    tracker, wire = DeltaTracker(), SequenceState("w", 0, 0, req.prompt_token_ids, sp, tiny_llm.tokenizer)
+    tracker.track(req.request_id)
+    decoder = msgspec.msgpack.Decoder(FromEngine)
     raw = []
     while not seq.finished:
         changed = eng.step()
         # what the engine produced, before the output processor sees it
         raw += [lp.decoded for r in changed if r is req for lp in r.logprobs[-1].values()]
         assert all(getattr(r, "output_text", "") == "" for r in changed)
+        for r in changed:
+            msg = decoder.decode(encoder.encode(EngineOutputs([tracker.delta(r)], EngineStats(0, 0, 0.0, 0, 0))))
+            wire.apply(msg.outputs[0])
         outputs.process(changed)
     assert raw and all(d is None for d in raw)
     assert request_output(req).outputs[0].text == ""
     assert seq.text == hf_tok.decode(seq.token_ids, skip_special_tokens=True)
-    for tid, entry in zip(seq.token_ids, seq.logprobs):
-        assert entry[tid].decoded == hf_tok.decode([tid])
-        assert all(lp.decoded == hf_tok.decode([t]) for t, lp in entry.items())
+    assert len(seq.logprobs) == len(seq.token_ids) == 12
+    for tid, rows, engine_entry in zip(seq.token_ids, seq.logprobs, req.logprobs):
+        assert rows == [[t.token_id, t.logprob, t.rank] for t in engine_entry.values()]   # ids and values
+        assert tid in engine_entry and [r[2] for r in rows] == sorted(r[2] for r in rows)
+    assert (wire.text, wire.token_ids, wire.logprobs, wire.prompt_logprobs, wire.finish_reason) == \
+        (seq.text, seq.token_ids, seq.logprobs, seq.prompt_logprobs, seq.finish_reason)
     out = tiny_llm.generate({"prompt_token_ids": req.prompt_token_ids}, sp)[0]
     assert out.outputs[0].token_ids == seq.token_ids and out.outputs[0].text == seq.text
-    assert all(lp.decoded == hf_tok.decode([t]) for d in out.prompt_logprobs[1:] for t, lp in d.items())
+    for tid, entry, engine_entry in zip(seq.token_ids, out.outputs[0].logprobs, req.logprobs):
+        assert entry[tid].decoded == hf_tok.decode([tid])
+        assert all(lp.decoded == hf_tok.decode([t]) for t, lp in entry.items())
+        assert [(t, lp.logprob, lp.rank) for t, lp in entry.items()] == \
+            [(t, lp.logprob, lp.rank) for t, lp in engine_entry.items()]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(req.prompt_token_ids)
+    for t, d, engine_d in zip(req.prompt_token_ids[1:], out.prompt_logprobs[1:], req.prompt_logprobs[1:]):
+        assert t in d and all(lp.decoded == hf_tok.decode([k]) for k, lp in d.items())
+        assert [(k, lp.logprob, lp.rank) for k, lp in d.items()] == \
+            [(k, lp.logprob, lp.rank) for k, lp in engine_d.items()]
 
 
 @pytest.mark.slow
