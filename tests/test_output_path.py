@@ -10,8 +10,13 @@ output, n=1 requests with the seeds the rule gives, and a real server
 through the openai client."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import pathlib
+import shutil
 import time
 
+import jsonschema
 import msgspec
 import openai
 import pytest
@@ -235,3 +240,78 @@ def test_server_computes_no_token_past_a_stop_string(tiny_llm, tiny_server, hf_t
     while tiny_server.metrics()["fdx:num_requests_running"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert tiny_server.metrics()["fdx:engine_computed_tokens"] - before == n_prompt + len(want_ids) - 1
+
+
+# -- LLM.chat with tools and a reasoning parser: the server's answer ---------------------
+
+DATA = pathlib.Path(__file__).parent / "data"
+PARSERS = {"tool_call_parser": "hermes", "enable_auto_tool_choice": True, "reasoning_parser": "qwen3"}
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+             "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "Weather in Paris for 2 days, and the time?"}]
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair(tmp_path_factory, tiny_checkpoints):
+    """A tiny random Qwen3 with Qwen3's chat template, as an LLM and as a
+    server with the same parsers (hermes tool calls, qwen3 reasoning)."""
+    src, _ = tiny_checkpoints["Qwen3ForCausalLM"]
+    d = tmp_path_factory.mktemp("tiny_qwen3_chat")
+    for f in pathlib.Path(src).iterdir():
+        shutil.copy(f, d / f.name)
+    shutil.copy(DATA / "qwen3_chat_template.jinja", d / "chat_template.jinja")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1024                 # room for the tools' system prompt
+    (d / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(d), max_model_len=1024, num_kv_blocks=96, progress=False,
+              **{"decoding.guided_backend": "llguidance", **{f"server.{k}": v for k, v in PARSERS.items()}})
+    srv = ready_server(tmp_path_factory.mktemp("serve_qwen3_chat"), model={"model": str(d), "max_model_len": 1024},
+                       cache={"num_kv_blocks": 96}, decoding={"guided_backend": "llguidance"}, server=PARSERS)
+    try:
+        yield llm, openai.OpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    finally:
+        srv.stop()
+        llm.close()
+
+
+def same_message(msg: dict, server_msg) -> None:
+    """LLM.chat's message is the server's: reasoning, content, calls (their ids are random)."""
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"] or []]
+    assert calls == [(c.function.name, c.function.arguments) for c in server_msg.tool_calls or []]
+    assert (msg["content"], msg.get("reasoning_content")) == (server_msg.content, server_msg.reasoning_content)
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in msg["tool_calls"] or [])
+
+
+@pytest.mark.slow
+def test_llm_chat_reasoning_and_tool_calls_are_the_servers(qwen3_pair):
+    """LLM.chat(tools=...) with a reasoning parser: a think block then a
+    hermes call (forced by guided_choice, so the parsers read real engine
+    output) splits into reasoning_content and a tool call as the server
+    splits it; tool_choice="required" sampled with a seed gives the
+    server's calls, their arguments valid under the tool's schema."""
+    llm, client = qwen3_pair
+    out = ('<think>\nParis, two days.\n</think>\n\n<tool_call>\n'
+           + json.dumps({"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}) + "\n</tool_call>")
+    got = llm.chat(ASK, SamplingParams(max_tokens=120, guided_choice=[out]), tools=TOOLS)[0].outputs[0]
+    srv = client.chat.completions.create(model=None, messages=ASK, tools=TOOLS, max_tokens=120,
+                                         extra_body={"guided_choice": [out]}).choices[0]
+    assert got.message["reasoning_content"] == "\nParis, two days.\n" and not got.message["content"]
+    assert json.loads(got.message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "days": 2}
+    same_message(got.message, srv.message)
+    assert got.finish_reason == srv.finish_reason == "tool_calls"
+
+    # the server fills what the body leaves out with the chat defaults: LLM.chat gets them too
+    sp = dataclasses.replace(llm.get_default_sampling_params(chat=True), max_tokens=200, temperature=1.0, seed=11)
+    got = llm.chat(ASK, sp, tools=TOOLS, tool_choice="required")[0].outputs[0]
+    srv = client.chat.completions.create(model=None, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200,
+                                         temperature=1.0, seed=11).choices[0]
+    assert got.message["tool_calls"] and got.finish_reason == srv.finish_reason == "tool_calls"
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in got.message["tool_calls"]:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+    same_message(got.message, srv.message)
