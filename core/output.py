@@ -192,6 +192,18 @@ class SequenceState:
     def text(self) -> str:
         return self.out.text if self.out is not None else ""
 
+    def chat_message(self) -> dict | None:
+        """The finished chat choice's assistant message through its parsers
+        (content, tool_calls, reasoning_content; core/chat_output.py), or
+        None for a choice without parsers (its message is the text)."""
+        return self.chat_output.message(self.text) if self.chat_output is not None else None
+
+    def chat_finish_reason(self) -> str | None:
+        """The finish reason a chat answer gives: ``tool_calls`` for a choice
+        that called (auto, required), else the engine's. After ``chat_message``
+        (or the streamed deltas): the parsers count the calls there."""
+        return self.chat_output.finish_reason(self.finish_reason) if self.chat_output is not None else self.finish_reason
+
     def _finish(self, reason: str, stop_reason, now: float) -> None:
         self.finish_reason = reason
         self.stop_reason = stop_reason
@@ -291,9 +303,12 @@ class OutputProcessor:
         self.seqs: dict[str, SequenceState] = {}
         self.tracker = DeltaTracker()
 
-    def add(self, request, index: int = 0, prompt_index: int = 0) -> SequenceState:
+    def add(self, request, index: int = 0, prompt_index: int = 0, chat_output=None) -> SequenceState:
+        """``chat_output``: the choice's chat parsers (core/chat_output.py's
+        ChoiceOutput), as the server gives each chat choice."""
         seq = SequenceState(request.request_id, index, prompt_index, request.prompt_token_ids,
                             request.sampling_params, self.tokenizer, request.arrival_time)
+        seq.chat_output = chat_output
         self.seqs[request.request_id] = seq
         self.tracker.track(request.request_id)
         return seq
