@@ -2,12 +2,14 @@
 ids/values only, and matches stop strings where it makes the tokens (so it
 computes none past one); the output processor makes the text, its cut at
 the stop string, the logprob text and the n children, for LLM and the
-server alike.
+server alike: the same SeqDeltas (one DeltaTracker) applied to the same
+SequenceState in process and off the wire; LLM.chat's tool calls and
+reasoning are the server's.
 
 References: the Hugging Face tokenizer of the same checkpoint (text and
 token strings), a brute-force stop-string search over the unstopped
-output, n=1 requests with the seeds the rule gives, and a real server
-through the openai client."""
+output, n=1 requests with the seeds the rule gives, a real server
+through the openai client, and jsonschema for tool arguments."""
 from __future__ import annotations
 
 import dataclasses
