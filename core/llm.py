@@ -7,7 +7,7 @@ from typing import Any, Iterable, Sequence
 from fdx.core.activations import collect
 from fdx.core.config import FdxConfig
 from fdx.core.engine import EngineCore
-from fdx.core.output import OutputProcessor, SequenceState, decode_logprobs, split_n
+from fdx.core.output import OutputProcessor, SequenceState, logprob_dict, split_n
 from fdx.core.request import CompletionOutput, Request, RequestOutput
 from fdx.core.sampling_params import SamplingParams
 
@@ -79,6 +79,10 @@ class LLM:
                  use_tqdm: bool = False, lora_request: Any = None) -> list[RequestOutput]:
         """``lora_request``: a fdx.core.lora.LoRARequest for every prompt, or a
         list of them (None entries: the base model), as vLLM's (docs/lora.md)."""
+        return self._run(self._stage_all(prompts, sampling_params, lora_request), use_tqdm)
+
+    def _stage_all(self, prompts, sampling_params, lora_request=None) -> list[list[Request]]:
+        """generate's checks and each prompt's engine requests (not yet added)."""
         if self.engine.task == "embed":
             raise ValueError("this LLM runs model.task=embed: it embeds (LLM.embed), it does not generate; "
                              "build it with task='generate' to generate")
@@ -92,8 +96,7 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_request entries for {len(prompts)} prompts")
         # validate everything before queueing anything
-        staged = [self._stage(p, sp, lr) for p, sp, lr in zip(prompts, params, loras)]
-        return self._run(staged, use_tqdm)
+        return [self._stage(p, sp, lr) for p, sp, lr in zip(prompts, params, loras)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -132,15 +135,8 @@ class LLM:
             makers.append(choice_outputs(plan, p["prompt"], kwargs, self.tokenizer, tool_parser, reasoning,
                                          reasoning_max_tokens))
             params[i] = SamplingParams(**kwargs)
-        results = self.generate(prompts, params, use_tqdm=use_tqdm)
-        for make, result in zip(makers, results):
-            if make is None:
-                continue
-            for out in result.outputs:
-                parsed = make()
-                out.message = parsed.message(out.text)
-                out.finish_reason = parsed.finish_reason(out.finish_reason)
-        return results
+        # each choice gets its parsers, as the server's do (the output processor's SequenceState)
+        return self._run(self._stage_all(prompts, params), use_tqdm, makers)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params) -> list:
         """vLLM's ``LLM.beam_search``: ``params`` a ``BeamSearchParams``
@@ -207,16 +203,19 @@ class LLM:
                                  lora_request=lora_request)
                 for i, child in enumerate(children)]
 
-    def _run(self, staged: list[list[Request]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, staged: list[list[Request]], use_tqdm: bool, chat_outputs: list | None = None) -> list[RequestOutput]:
+        """``chat_outputs``: per prompt, the factory of a choice's chat parsers
+        (core/chat_output.py's choice_outputs) or None."""
         eng = self.engine
         outputs = OutputProcessor(eng)          # text, stop strings, logprob text: not the engine's
         added = []
         try:
-            for group in staged:
+            for g, group in enumerate(staged):
+                make = chat_outputs[g] if chat_outputs is not None else None
                 for i, req in enumerate(group):
                     eng.add_request(req)        # a LoRA adapter that cannot load is refused here
                     added.append(req.request_id)
-                    outputs.add(req, index=i)
+                    outputs.add(req, index=i, chat_output=make() if make is not None else None)
         except BaseException:
             for rid in added:
                 eng.abort_request(rid)
@@ -247,15 +246,21 @@ class LLM:
 
     def _output(self, group: list[Request], seqs: list[SequenceState]) -> RequestOutput:
         first = group[0]
-        outs = [CompletionOutput(
-            index=s.index, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason, logprobs=s.logprobs, activations=collect(req.activations))
-            for req, s in zip(group, seqs)]
-        decode_logprobs(self.tokenizer, first.prompt_logprobs)
+        tok = self.tokenizer
+        outs = []
+        for req, s in zip(group, seqs):
+            message = s.chat_message()          # first: the finish reason depends on the calls it found
+            outs.append(CompletionOutput(
+                index=s.index, text=s.text, token_ids=list(s.token_ids), finish_reason=s.chat_finish_reason(),
+                stop_reason=s.stop_reason, activations=collect(req.activations), message=message,
+                logprobs=None if s.logprobs is None else [logprob_dict(tok, rows) for rows in s.logprobs]))
+        prompt_lps = seqs[0].prompt_logprobs
+        if prompt_lps is not None:
+            prompt_lps = [logprob_dict(tok, rows) for rows in prompt_lps]
         base_id = first.request_id.rsplit("-", 1)[0] if len(group) > 1 else first.request_id
         return RequestOutput(
             request_id=base_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=outs, finished=all(s.finished for s in seqs),
-            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=prompt_lps,
             metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
                      "finished_time": first.finished_time})

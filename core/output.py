@@ -2,10 +2,18 @@
 
 The engine emits token ids, finish reasons and logprob ids/values only
 (its token processor checks eos, stop token ids, min/max_tokens and the
-context length). Everything made of text happens here, once, for
-``LLM.generate/chat`` (``OutputProcessor``, in-process) and for the
-server (one ``SequenceState`` per choice, in the API process), so the two
-give the same text, logprob text and stop behaviour:
+context length). One path carries them to callers, the same for
+``LLM.generate/chat`` (in-process) and the server (engine process -> API
+process), so the two give the same text, logprob text and stop behaviour:
+
+- ``DeltaTracker`` (the engine side): each changed engine request -> one
+  ``SeqDelta`` (core/messages.py), its new token ids since the last one,
+  their logprobs as ``[token_id, logprob, rank]`` rows, the finish and
+  stop reasons, the engine's timings. The serving engine process sends
+  these over the wire; ``OutputProcessor`` hands them over in-process;
+- ``SequenceState.apply`` (the caller side): a ``SeqDelta`` -> one
+  choice's state and text; ``LLM`` and the server's RequestGroup both
+  apply every delta through it;
 
 - ``split_n``: the one place a request becomes its ``n`` children. The
   seed rule: with ``seed`` given, child ``i`` samples with
@@ -36,8 +44,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from fdx.core.messages import SeqDelta
+from fdx.core.request import TokenLogprob
 from fdx.core.sampling_params import SamplingParams
-from fdx.core.checkpoint.tokenizer import IncrementalDetokenizer
 
 SEED_MODULUS = 2**63          # seeds are in [0, 2**63) (SamplingParams.validate)
 
@@ -62,6 +71,9 @@ class TextOutput:
     __slots__ = ("params", "detok", "text")
 
     def __init__(self, tokenizer, params: SamplingParams):
+        # imported here: the serving engine process imports this module (DeltaTracker) but no
+        # tokenizer module unless a request has stop strings (tests/test_tokenizer.py)
+        from fdx.core.checkpoint.tokenizer import IncrementalDetokenizer
         self.params = params
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.text = ""
@@ -132,6 +144,25 @@ class SequenceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def apply(self, delta: SeqDelta) -> None:
+        """Take one of the engine's deltas for this sequence (``DeltaTracker``'s,
+        in-process or off the wire): timings, prefix-cache hits, prompt
+        logprobs and activations as they come, then the new tokens."""
+        if self.finished:
+            return
+        if delta.queue_time_s is not None:
+            self.queue_time = delta.queue_time_s
+        if delta.prefill_time_s is not None:
+            self.prefill_time = delta.prefill_time_s
+        if delta.decode_time_s is not None:
+            self.decode_time = delta.decode_time_s
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.activations is not None:        # activation captures, with the finishing delta
+            self.activations = delta.activations
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.add(delta.token_ids, delta.finish_reason, delta.stop_reason, delta.logprobs)
+
     def add(self, token_ids: list[int], finish_reason: str | None = None, stop_reason=None,
             logprobs: list | None = None) -> None:
         """Take the engine's new tokens; with ``finish_reason``, the last one
@@ -161,6 +192,18 @@ class SequenceState:
     def text(self) -> str:
         return self.out.text if self.out is not None else ""
 
+    def chat_message(self) -> dict | None:
+        """The finished chat choice's assistant message through its parsers
+        (content, tool_calls, reasoning_content; core/chat_output.py), or
+        None for a choice without parsers (its message is the text)."""
+        return self.chat_output.message(self.text) if self.chat_output is not None else None
+
+    def chat_finish_reason(self) -> str | None:
+        """The finish reason a chat answer gives: ``tool_calls`` for a choice
+        that called (auto, required), else the engine's. After ``chat_message``
+        (or the streamed deltas): the parsers count the calls there."""
+        return self.chat_output.finish_reason(self.finish_reason) if self.chat_output is not None else self.finish_reason
+
     def _finish(self, reason: str, stop_reason, now: float) -> None:
         self.finish_reason = reason
         self.stop_reason = stop_reason
@@ -182,34 +225,92 @@ class SequenceState:
         return list(zip(self.token_ids[start:], self.logprobs[start:]))
 
 
-def decode_logprobs(tokenizer, entries: list | None) -> None:
-    """Fill ``decoded`` of engine logprob entries ({token id: TokenLogprob}
-    per token, None for a prompt's first) in place: the engine emits ids
-    and values only."""
-    for d in entries or ():
-        for lp in (d or {}).values():
-            if lp.decoded is None:
-                lp.decoded = token_text(tokenizer, lp.token_id)
+def wire_logprobs(entries: dict) -> list[list[float]]:
+    """One token's {token id: TokenLogprob} as a SeqDelta carries it:
+    [[token_id, logprob, rank], ...] by rank."""
+    return [[float(t.token_id), t.logprob, float(t.rank)] for t in sorted(entries.values(), key=lambda t: t.rank)]
+
+
+def logprob_dict(tokenizer, rows: list[list[float]] | None) -> dict[int, TokenLogprob] | None:
+    """A SeqDelta's logprob rows for one token -> ``{token id: TokenLogprob}``
+    (``LLM``'s form, vLLM's), each with its token's text (``decoded``)."""
+    if rows is None:
+        return None
+    return {int(t): TokenLogprob(int(t), lp, int(rank), token_text(tokenizer, int(t))) for t, lp, rank in rows}
+
+
+class DeltaTracker:
+    """The engine side of the output path: how many tokens of each request
+    were handed on, and the ``SeqDelta`` of a changed request. Used by the
+    serving engine process (core/serving/engine_proc.py, which adds a
+    pooling request's embedding and the activation captures to a finishing
+    delta, and sends refusals as EngineRejected) and by ``OutputProcessor``."""
+
+    def __init__(self):
+        self.num_sent: dict[str, int] = {}       # request id -> tokens already handed on
+
+    def track(self, request_id: str) -> None:
+        self.num_sent[request_id] = 0
+
+    def forget(self, request_id: str) -> None:
+        self.num_sent.pop(request_id, None)
+
+    def tracking(self, request_id: str) -> bool:
+        return request_id in self.num_sent
+
+    def delta(self, req) -> SeqDelta:
+        """The changed request's ``SeqDelta``: its new tokens since the last
+        one (none for a constrained request whose constraint just compiled),
+        with the finish reason once it is finished (then forgotten)."""
+        sent = self.num_sent[req.request_id]
+        new = req.output_token_ids[sent:]
+        finished = req.is_finished
+        lps = None
+        if req.logprobs is not None:
+            lps = [wire_logprobs(d) for d in req.logprobs[sent:sent + len(new)]]
+        prompt_lps = None
+        if sent == 0 and new and req.prompt_logprobs is not None:   # the whole prompt is computed by now
+            prompt_lps = [None if d is None else wire_logprobs(d) for d in req.prompt_logprobs]
+        queue_time = prefill_time = decode_time = None
+        if sent == 0 and req.first_scheduled_time is not None:
+            queue_time = req.first_scheduled_time - req.arrival_time
+            if req.first_token_time is not None:
+                prefill_time = req.first_token_time - req.first_scheduled_time
+        if finished and req.first_token_time is not None and req.finished_time is not None:
+            decode_time = req.finished_time - req.first_token_time
+        if finished:
+            del self.num_sent[req.request_id]
+        else:
+            self.num_sent[req.request_id] = sent + len(new)
+        return SeqDelta(req.request_id, list(new),
+                        finish_reason=req.status.value if finished else None,
+                        stop_reason=req.stop_reason if finished else None,
+                        logprobs=lps, num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time,
+                        prefill_time_s=prefill_time, decode_time_s=decode_time, prompt_logprobs=prompt_lps)
 
 
 class OutputProcessor:
     """The in-process engine's outputs -> one ``SequenceState`` per engine
-    request (``LLM``; the server's API process keeps its SequenceStates in
-    its RequestGroups, fed the same fields over the wire). ``add`` the
-    requests ``make_request`` built from ``split_n``'s children; after each
-    engine step ``process`` its changed requests: new token ids, logprobs
-    (their text decoded here), the finish reason (a stop string's too: the
-    engine's token processor matched it)."""
+    request (``LLM``): each step's changed requests become ``SeqDelta``s
+    (``DeltaTracker``, as in the serving engine process) applied to their
+    sequences (``SequenceState.apply``, as in the server's API process).
+    ``add`` the requests ``make_request`` built from ``split_n``'s children;
+    after each engine step ``process`` its changed requests."""
 
     def __init__(self, engine):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.seqs: dict[str, SequenceState] = {}
+        self.tracker = DeltaTracker()
 
-    def add(self, request, index: int = 0, prompt_index: int = 0) -> SequenceState:
+    def add(self, request, index: int = 0, prompt_index: int = 0, chat_output=None) -> SequenceState:
+        """``chat_output``: the choice's chat parsers (core/chat_output.py's
+        ChoiceOutput), as the server gives each chat choice."""
         seq = SequenceState(request.request_id, index, prompt_index, request.prompt_token_ids,
                             request.sampling_params, self.tokenizer, request.arrival_time)
+        seq.chat_output = chat_output
         self.seqs[request.request_id] = seq
+        self.tracker.track(request.request_id)
         return seq
 
     def process(self, changed) -> list[SequenceState]:
@@ -217,19 +318,13 @@ class OutputProcessor:
         finished = []
         for req in changed:
             seq = self.seqs.get(req.request_id)
-            if seq is None or seq.finished:
+            if seq is None or seq.finished or not self.tracker.tracking(req.request_id):
                 continue
-            sent = len(seq.token_ids)
-            new = req.output_token_ids[sent:]
-            lps = None
-            if req.logprobs is not None:
-                lps = req.logprobs[sent:sent + len(new)]
-                decode_logprobs(self.tokenizer, lps)
-            done = req.is_finished
-            seq.add(new, req.status.value if done else None, req.stop_reason if done else None, lps)
+            seq.apply(self.tracker.delta(req))
             if seq.finished:
                 finished.append(seq)
         return finished
 
     def pop(self, request_id: str) -> SequenceState | None:
+        self.tracker.forget(request_id)
         return self.seqs.pop(request_id, None)

@@ -171,19 +171,8 @@ class RequestGroup:
         assert isinstance(msg, SeqDelta)
         if seq.finished:
             return seq
-        if msg.queue_time_s is not None:
-            seq.queue_time = msg.queue_time_s
-        if msg.prefill_time_s is not None:
-            seq.prefill_time = msg.prefill_time_s
-        if msg.decode_time_s is not None:
-            seq.decode_time = msg.decode_time_s
-        seq.num_cached_tokens = msg.num_cached_tokens
-        if msg.activations is not None:          # activation captures, with the finishing delta
-            seq.activations = msg.activations
-        if msg.prompt_logprobs is not None:
-            seq.prompt_logprobs = msg.prompt_logprobs
         before, last = len(seq.token_ids), seq.last_token_time
-        seq.add(msg.token_ids, msg.finish_reason, msg.stop_reason, msg.logprobs)
+        seq.apply(msg)                            # as LLM's OutputProcessor does (core/output.py)
         self.server.metrics.tokens_arrived(seq, len(seq.token_ids) - before, last)
         if seq.request_id in self.queued and (seq.token_ids or seq.finished):
             self.queued.discard(seq.request_id)

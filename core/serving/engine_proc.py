@@ -32,6 +32,7 @@ from fdx.core.messages import (EngineAbort, EngineAdd, EngineFailed, EngineHeart
                                EngineLoRA, EngineLoRADone, EngineReady, EngineRejected, EngineShutdown,
                                EngineStats, SeqDelta, ToEngine)
 from fdx.core.messages import encoder as _encoder
+from fdx.core.output import DeltaTracker
 from fdx.core.procs import orphaned, start_child
 
 log = logging.getLogger("fdx.engine_proc")
@@ -52,7 +53,7 @@ class EngineLoop:
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
-        self.num_sent: dict[str, int] = {}       # request id -> tokens already sent
+        self.deltas = DeltaTracker()             # what each request has sent (core/output.py, as LLM's)
         self.last_free = -1                      # free KV blocks in the last stats sent
         self.running = True
         self.last_round = time.monotonic()       # read by the heartbeat thread
@@ -157,11 +158,11 @@ class EngineLoop:
                 self._push(_encoder.encode(EngineRejected(msg.request_id, str(e), getattr(e, "status", 400))))
                 return
             log.debug("request %s added: %d prompt tokens", req.request_id, req.num_prompt_tokens)
-            self.num_sent[req.request_id] = 0
+            self.deltas.track(req.request_id)
         elif isinstance(msg, EngineAbort):
             for rid in msg.request_ids:
                 eng.abort_request(rid)
-                self.num_sent.pop(rid, None)
+                self.deltas.forget(rid)
         elif isinstance(msg, EngineLoRA):
             self._push(_encoder.encode(self._lora(msg)))
         elif isinstance(msg, EngineShutdown):
@@ -186,46 +187,19 @@ class EngineLoop:
         return EngineLoRADone(msg.call_id)
 
     def _send(self, changed: list, num_preempted: int, step=None) -> None:
-        eng = self.engine
         deltas = []
         for req in changed:
-            sent = self.num_sent.get(req.request_id)
-            if sent is None:                      # aborted by the API: it knows already
+            if not self.deltas.tracking(req.request_id):     # aborted by the API: it knows already
                 continue
             if req.error_status is not None:      # its guided compile failed or timed out
-                del self.num_sent[req.request_id]
+                self.deltas.forget(req.request_id)
                 self._push(_encoder.encode(EngineRejected(req.request_id, req.stop_reason, req.error_status)))
                 continue
-            new = req.output_token_ids[sent:]
-            finished = req.is_finished
-            if not new and not finished:          # a constrained request compiled: an empty first delta
-                deltas.append(SeqDelta(req.request_id, []))
-                continue
-            lps = None
-            if req.logprobs is not None:
-                lps = [_wire_logprobs(d) for d in req.logprobs[sent:sent + len(new)]]
-            prompt_lps = None
-            if sent == 0 and new and req.prompt_logprobs is not None:   # the whole prompt is computed by now
-                prompt_lps = [None if d is None else _wire_logprobs(d) for d in req.prompt_logprobs]
-            queue_time = prefill_time = decode_time = None
-            if sent == 0 and req.first_scheduled_time is not None:
-                queue_time = req.first_scheduled_time - req.arrival_time
-                if req.first_token_time is not None:
-                    prefill_time = req.first_token_time - req.first_scheduled_time
-            if finished and req.first_token_time is not None and req.finished_time is not None:
-                decode_time = req.finished_time - req.first_token_time
-            deltas.append(SeqDelta(
-                req.request_id, list(new),
-                finish_reason=req.status.value if finished else None,
-                stop_reason=req.stop_reason if finished else None,
-                logprobs=lps, num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time,
-                embedding=req.pooled.tobytes() if finished and req.pooled is not None else None,
-                prefill_time_s=prefill_time, decode_time_s=decode_time,
-                activations=_captures(req) if finished else None, prompt_logprobs=prompt_lps))
-            if finished:
-                del self.num_sent[req.request_id]
-            else:
-                self.num_sent[req.request_id] = sent + len(new)
+            delta = self.deltas.delta(req)        # no token and not finished: a constraint compiled
+            if delta.finish_reason is not None:   # what only crosses the wire: bytes of float32 arrays
+                delta.embedding = req.pooled.tobytes() if req.pooled is not None else None
+                delta.activations = _captures(req)
+            deltas.append(delta)
         self._push(_encoder.encode(EngineOutputs(deltas, self._stats(num_preempted, step))))
 
     def _stats(self, num_preempted: int, step=None) -> EngineStats:
@@ -253,11 +227,6 @@ class EngineLoop:
                            step_time_s=float(step.step_time_s) if step else 0.0,
                            num_prefill_tokens=int(step.num_prefill_tokens) if step else 0,
                            num_decode_tokens=int(step.num_decode_tokens) if step else 0)
-
-
-def _wire_logprobs(entries: dict) -> list[list[float]]:
-    """One token's {token id: TokenLogprob} as SeqDelta carries it: [[token_id, logprob, rank], ...] by rank."""
-    return [[float(t.token_id), t.logprob, float(t.rank)] for t in sorted(entries.values(), key=lambda t: t.rank)]
 
 
 def warm_up(engine) -> float:

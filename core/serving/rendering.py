@@ -137,9 +137,8 @@ class Renderer:
         for s in seqs:
             lps = s.take_logprobs()
             if chat:
-                parsed = s.chat_output
-                message = parsed.message(s.text) if parsed is not None else {"role": "assistant", "content": s.text}
-                reason = parsed.finish_reason(s.finish_reason) if parsed is not None else s.finish_reason
+                message = s.chat_message() or {"role": "assistant", "content": s.text}   # as LLM.chat's
+                reason = s.chat_finish_reason()
                 choices.append({"index": s.index, "message": message,
                                 "logprobs": self.chat_logprobs(lps, s.params.logprobs) if s.logprobs is not None else None,
                                 "finish_reason": reason, "stop_reason": s.stop_reason})
