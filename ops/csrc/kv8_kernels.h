@@ -9,14 +9,15 @@
 // the value being q[d] * scale. scale = max |x| / 127 over the row (one token, one kv head),
 // q = round-half-even(x / scale), in [-127, 127]; an all-zero row has scale 0.
 // One scale per row (not llama.cpp's q8_0 blocks of 32 with an f16 scale each): the score
-// q . k is then one integer-valued dot product times one scale, and a V row one multiply
-// by p_j * scale_j, so the inner loops are a convert and an FMA per 16 values with no
-// per-32 scale shuffle; the bytes are the same as q8_0's at head_dim 64 (68 per row).
+// q . k is then one dot product over the converted int8 values times one scale (16 keys a
+// vector, from a transposed chunk), and a V row enters P.V as one FMA per 16 values with
+// p_j * scale_j folded in, no per-32 scale in the inner loops; the bytes are q8_0's at
+// head_dim 64 (68 per row).
 //
-// The attention is batch-invariant by construction: a work item is one query token of one
-// sequence against one kv head (its G query heads), whatever the batch, and each row's
-// reductions (the dot over D in 16 lanes summed in a fixed order, the softmax and the
-// P.V sum over keys in key order) depend on that row's keys alone. So
+// The attention is batch-invariant by construction: a work item is a tile of up to 16 query
+// tokens of one sequence against one kv head (their G query heads), and each row's
+// reductions (the score's FMA chain over d, the softmax and the P.V sum over keys in key
+// order) are the same operations whatever tile, item or thread the row falls in. So
 // backend.batch_invariant and the default path run the same code.
 #pragma once
 
@@ -102,132 +103,140 @@ inline float ExpNeg(float x) {  // exp(x) for x <= 0, as paged_attention_kernel.
   return x < -87.0f ? 0.f : p * s;
 }
 
-inline float Sum16(F16v a) {  // a fixed tree
-  float l[8];
-  for (int i = 0; i < 8; ++i) l[i] = a[i] + a[i + 8];
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
 struct Scratch {
-  std::vector<float> q, scores, acc;
+  std::vector<float> q, scores, acc, kt;
   std::vector<int64_t> rows;
 };
 
-// One query token t of sequence s (position ctx + t, keys 0..ctx + t) against kv head h:
-// its G query heads. kD > 0: head_dim fixed at compile time (a multiple of 16).
+constexpr int64_t kTile = 16;   // query tokens per work item
+constexpr int64_t kKeys = 16;   // keys per chunk: one vector of scores
+
+// Query tokens [t0, t0 + tq) of sequence s (token t at position ctx + t sees keys 0..ctx + t)
+// against kv head h: their G query heads each, row r = (t - t0) * G + g. Each key chunk is
+// dequantized and transposed once for all rows; a row's score for key j is the FMA chain
+// over d of q[d] * k_j[d] in d order, times k_j's scale; its softmax and its P.V sum run
+// over its own keys in key order. kD > 0: head_dim fixed at compile time (a multiple of 16).
 template <int64_t kD>
-void AttendToken(const Args& a, int64_t s, int64_t h, int64_t t, Scratch& w) {
+void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scratch& w) {
   const int64_t D = kD > 0 ? kD : a.head_dim, R = D + 4, G = a.group, bs = a.block_size;
   const int32_t* info = a.seq_info + s * 4;
-  const int64_t n = info[2] + t + 1;  // keys this token sees
+  const int64_t first = info[2] + t0;          // the tile's first token's position
+  const int64_t n = first + tq;                // keys the tile's last token sees
+  const int64_t rows = tq * G;
+  const int64_t width = (n + kKeys - 1) / kKeys * kKeys;
   const int32_t* table = a.tables + s * a.table_width;
   w.rows.resize(n);
-  int64_t* rows = w.rows.data();
+  int64_t* krow = w.rows.data();
   for (int64_t j = 0, block = 0, off = 0; j < n; ++j) {
-    rows[j] = (h * a.num_slots + static_cast<int64_t>(table[block]) * bs + off) * R;
+    krow[j] = (h * a.num_slots + static_cast<int64_t>(table[block]) * bs + off) * R;
     if (++off == bs) off = 0, ++block;
   }
-  w.q.resize(G * D);
+  w.q.resize(rows * D);
   float* qs = w.q.data();
-  const float* src = a.q + ((info[0] + t) * a.num_heads + h * G) * D;
-  for (int64_t i = 0; i < G * D; ++i) qs[i] = src[i] * a.scale;
-  w.scores.resize(G * n);
+  for (int64_t t = 0; t < tq; ++t) {
+    const float* src = a.q + ((info[0] + t0 + t) * a.num_heads + h * G) * D;
+    for (int64_t i = 0; i < G * D; ++i) qs[t * G * D + i] = src[i] * a.scale;
+  }
+  w.scores.resize(rows * width);
   float* sc = w.scores.data();
-  // scores[g, j] = (q_g . kq_j) * kscale_j
-  for (int64_t j = 0; j < n; ++j) {
-    const int8_t* kr = a.k + rows[j];
-    if (j + 4 < n) __builtin_prefetch(a.k + rows[j + 4]);
-    const float ks = RowScale(kr, D);
-    if constexpr (kD > 0) {
-      F16v kv[kD / 16];
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kD / 16; ++c) kv[c] = LoadI8(kr + 16 * c);
-      for (int64_t g = 0; g < G; ++g) {
-        F16v acc = kv[0] * LoadF(qs + g * kD);
-#pragma GCC unroll 8
-        for (int64_t c = 1; c < kD / 16; ++c) acc += kv[c] * LoadF(qs + g * kD + 16 * c);
-        sc[g * n + j] = Sum16(acc) * ks;
-      }
-    } else {
-      for (int64_t g = 0; g < G; ++g) {
-        float acc = 0.f;
-        for (int64_t d = 0; d < D; ++d) acc += qs[g * D + d] * static_cast<float>(kr[d]);
-        sc[g * n + j] = acc * ks;
+  w.kt.resize(D * kKeys);
+  float* kt = w.kt.data();
+  // scores[r, j] = (sum_d q_r[d] k_j[d]) * kscale_j, 16 keys per vector
+  for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
+    const int64_t m = std::min(kKeys, n - c0);
+    alignas(64) float ks[kKeys];
+    for (int64_t i = 0; i < kKeys; ++i) {
+      if (i < m) {
+        const int8_t* kr = a.k + krow[c0 + i];
+        ks[i] = RowScale(kr, D);
+        for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = static_cast<float>(kr[d]);
+      } else {
+        ks[i] = 0.f;
+        for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = 0.f;
       }
     }
+    if (c0 + kKeys < n) __builtin_prefetch(a.k + krow[c0 + kKeys]);
+    const F16v kscale = LoadF(ks);
+    for (int64_t r = std::max<int64_t>(0, c0 - first) * G; r < rows; ++r) {  // rows whose token sees key c0
+      const float* qr = qs + r * D;
+      F16v acc = qr[0] * LoadF(kt);
+      for (int64_t d = 1; d < D; ++d) acc += qr[d] * LoadF(kt + d * kKeys);
+      StoreF(sc + r * width + c0, acc * kscale);
+    }
   }
-  // softmax numerators, then p_j * vscale_j in place; inv[g] = 1 / sum
-  float inv[64];
-  float* invp = G <= 64 ? inv : nullptr;
-  std::vector<float> inv_big;
-  if (!invp) inv_big.resize(G), invp = inv_big.data();
-  for (int64_t g = 0; g < G; ++g) {
-    float* row = sc + g * n;
+  // softmax numerators times each key's V scale; inv[r] = 1 / the row's sum
+  w.acc.assign(rows * D + rows, 0.f);
+  float* acc = w.acc.data();
+  float* inv = acc + rows * D;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = sc + r * width;
+    const int64_t valid = first + r / G + 1;
     float mx = row[0];
-    for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
+    for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
     float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < valid; ++j) {
       row[j] = ExpNeg(row[j] - mx);
       sum += row[j];
     }
-    invp[g] = 1.f / sum;
+    inv[r] = 1.f / sum;
+    for (int64_t j = 0; j < valid; ++j) row[j] *= RowScale(a.v + krow[j], D);
   }
+  // acc[r] = sum_j p[r, j] v_j over the row's keys, in key order
   for (int64_t j = 0; j < n; ++j) {
-    const float vs = RowScale(a.v + rows[j], D);
-    for (int64_t g = 0; g < G; ++g) sc[g * n + j] *= vs;
+    const int8_t* vr = a.v + krow[j];
+    if (j + 2 < n) __builtin_prefetch(a.v + krow[j + 2]);
+    const int64_t r0 = std::max<int64_t>(0, j - first) * G;
+    if constexpr (kD > 0) {
+      F16v vv[kD / 16];
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kD / 16; ++c) vv[c] = LoadI8(vr + 16 * c);
+      for (int64_t r = r0; r < rows; ++r) {
+        const float p = sc[r * width + j];
+        float* o = acc + r * kD;
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < kD / 16; ++c) StoreF(o + 16 * c, LoadF(o + 16 * c) + p * vv[c]);
+      }
+    } else {
+      for (int64_t r = r0; r < rows; ++r) {
+        const float p = sc[r * width + j];
+        float* o = acc + r * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += p * static_cast<float>(vr[d]);
+      }
+    }
   }
-  float* out = a.out + ((info[3] + t) * a.num_heads + h * G) * D;
-  if constexpr (kD > 0) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* p = sc + g * n;
-      F16v acc[kD / 16] = {};
-      for (int64_t j = 0; j < n; ++j) {
-        const int8_t* vr = a.v + rows[j];
-        if (j + 4 < n) __builtin_prefetch(a.v + rows[j + 4]);
-        const float pj = p[j];
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kD / 16; ++c) acc[c] += pj * LoadI8(vr + 16 * c);
-      }
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kD / 16; ++c) StoreF(out + g * kD + 16 * c, acc[c] * invp[g]);
-    }
-  } else {
-    w.acc.assign(D, 0.f);
-    for (int64_t g = 0; g < G; ++g) {
-      std::fill(w.acc.begin(), w.acc.end(), 0.f);
-      const float* p = sc + g * n;
-      for (int64_t j = 0; j < n; ++j) {
-        const int8_t* vr = a.v + rows[j];
-        for (int64_t d = 0; d < D; ++d) w.acc[d] += p[j] * static_cast<float>(vr[d]);
-      }
-      for (int64_t d = 0; d < D; ++d) out[g * D + d] = w.acc[d] * invp[g];
-    }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = a.out + ((info[3] + t0 + r / G) * a.num_heads + h * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = acc[r * D + d] * inv[r];
   }
 }
 
-inline void AttendTokenDispatch(const Args& a, int64_t s, int64_t h, int64_t t, Scratch& w) {
+inline void AttendTileDispatch(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scratch& w) {
   switch (a.head_dim) {
-    case 64: return AttendToken<64>(a, s, h, t, w);
-    case 128: return AttendToken<128>(a, s, h, t, w);
-    case 256: return AttendToken<256>(a, s, h, t, w);
-    default: return AttendToken<0>(a, s, h, t, w);
+    case 64: return AttendTile<64>(a, s, h, t0, tq, w);
+    case 128: return AttendTile<128>(a, s, h, t0, tq, w);
+    case 256: return AttendTile<256>(a, s, h, t0, tq, w);
+    default: return AttendTile<0>(a, s, h, t0, tq, w);
   }
 }
 
-// Every (sequence, kv head, query token) item of S sequences, on the OpenMP threads.
+// Every (sequence, kv head, tile of query tokens) item of S sequences, on the OpenMP
+// threads, longest first.
 inline void PagedAttention(const Args& a, int64_t S, int64_t KVH) {
   struct Item {
-    int64_t s, h, t;
+    int64_t s, h, t0, tq;
   };
   std::vector<Item> items;
   int64_t work = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = a.seq_info[s * 4 + 1], ctx = a.seq_info[s * 4 + 2];
     work += (ctx + q_len) * q_len;
-    for (int64_t t = q_len - 1; t >= 0; --t)  // the longest rows first
-      for (int64_t h = 0; h < KVH; ++h) items.push_back({s, h, t});
+    for (int64_t t0 = 0; t0 < q_len; t0 += kTile)
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({s, h, t0, std::min(kTile, q_len - t0)});
   }
   work *= a.group * KVH;
+  const int32_t* info = a.seq_info;
+  auto cost = [info](const Item& it) { return (info[it.s * 4 + 2] + it.t0 + it.tq) * it.tq; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return cost(x) > cost(y); });
   const int64_t n = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
 #pragma omp parallel if (n > 1 && work >= 4096)
@@ -235,7 +244,7 @@ inline void PagedAttention(const Args& a, int64_t S, int64_t KVH) {
     thread_local Scratch w;
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
          i = next.fetch_add(1, std::memory_order_relaxed))
-      AttendTokenDispatch(a, items[i].s, items[i].h, items[i].t, w);
+      AttendTileDispatch(a, items[i].s, items[i].h, items[i].t0, items[i].tq, w);
   }
 }
 
