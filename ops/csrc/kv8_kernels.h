@@ -139,8 +139,9 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   }
   w.scores.resize(rows * width);
   float* sc = w.scores.data();
-  w.kt.resize(D * kKeys);
+  w.kt.resize(D * kKeys + width);
   float* kt = w.kt.data();
+  float* vscale = kt + D * kKeys;              // each key's V scale
   // scores[r, j] = (sum_d q_r[d] k_j[d]) * kscale_j, 16 keys per vector
   for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
     const int64_t m = std::min(kKeys, n - c0);
@@ -149,7 +150,16 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
       if (i < m) {
         const int8_t* kr = a.k + krow[c0 + i];
         ks[i] = RowScale(kr, D);
-        for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = static_cast<float>(kr[d]);
+        vscale[c0 + i] = RowScale(a.v + krow[c0 + i], D);
+        if constexpr (kD > 0) {
+          for (int64_t c = 0; c < kD / 16; ++c) {
+            const F16v x = LoadI8(kr + 16 * c);
+#pragma GCC unroll 16
+            for (int l = 0; l < 16; ++l) kt[(16 * c + l) * kKeys + i] = x[l];
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = static_cast<float>(kr[d]);
+        }
       } else {
         ks[i] = 0.f;
         for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = 0.f;
@@ -173,13 +183,11 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
     const int64_t valid = first + r / G + 1;
     float mx = row[0];
     for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
+    for (int64_t j = 0; j < valid; ++j) row[j] = ExpNeg(row[j] - mx);   // vectorized: no reduction
     float sum = 0.f;
-    for (int64_t j = 0; j < valid; ++j) {
-      row[j] = ExpNeg(row[j] - mx);
-      sum += row[j];
-    }
+    for (int64_t j = 0; j < valid; ++j) sum += row[j];                   // in key order
     inv[r] = 1.f / sum;
-    for (int64_t j = 0; j < valid; ++j) row[j] *= RowScale(a.v + krow[j], D);
+    for (int64_t j = 0; j < valid; ++j) row[j] *= vscale[j];
   }
   // acc[r] = sum_j p[r, j] v_j over the row's keys, in key order
   for (int64_t j = 0; j < n; ++j) {
