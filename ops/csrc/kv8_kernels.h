@@ -33,9 +33,16 @@
 namespace fdx::kv8 {
 
 typedef float F16v __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int8_t I16v __attribute__((vector_size(16), aligned(1), may_alias));
 
-inline F16v LoadI8(const int8_t* p) { return __builtin_convertvector(*reinterpret_cast<const I16v*>(p), F16v); }
+// 16 int8 values as floats. Written as a loop: GCC 12 lowers __builtin_convertvector from 16
+// bytes to 16 floats to scalar loads and converts, this loop to vpmovsx + vcvtdq2ps.
+inline F16v LoadI8(const int8_t* p) {
+  float r[16];
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
+  F16v v;
+  std::memcpy(&v, r, sizeof(v));
+  return v;
+}
 inline F16v LoadF(const float* p) { return *reinterpret_cast<const F16v*>(p); }
 inline void StoreF(float* p, F16v v) { *reinterpret_cast<F16v*>(p) = v; }
 
