@@ -54,6 +54,9 @@ class CacheConfig(_Section):
     # one largest-batch forward (GPU backends without a total_memory_bytes)
     memory_fraction: float = Field(0.1, gt=0, le=0.95)
     kv_connector: str | None = None            # KV connector plugin name; None: none
+    # the KV cache's element type: auto (the model's dtype) or int8 (CPU backend: per (token, kv head) row
+    # head_dim int8 values + one float32 scale, about 3.8x less than float32 at head_dim 64; docs/backends.md)
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
 
 
 class SchedulerConfig(_Section):

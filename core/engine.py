@@ -103,6 +103,7 @@ class EngineCore:
         layout = assembly.classes["attention"].layout            # the kernel's
         spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, config.cache.block_size,
                            self.backend.kv_cache_dtype(dtype), layout)
+        check_kv_cache_dtype(config, spec.dtype, getattr(self.backend, "name", "?"))
         num_blocks = self._resolve_num_blocks(spec)
         self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
                                    spec.block_size, spec.dtype, layout)
@@ -555,3 +556,23 @@ def _close_parts(parts: dict) -> None:
         parts["connector"].close()
     if parts.get("kv_cache") is not None:
         parts["kv_cache"].close()
+
+
+def check_kv_cache_dtype(config, kv_dtype: str, backend: str) -> None:
+    """cache.kv_cache_dtype other than auto: what the backend gave, and no KV connector
+    (they move float rows: splitwise, swap, offload). A ConfigError naming the key otherwise."""
+    want = config.cache.kv_cache_dtype
+    if want == "auto":
+        return
+    from fdx.core.config import ConfigError
+    if kv_dtype != want:
+        raise ConfigError(f"config key 'cache.kv_cache_dtype': {want} is not supported by the {backend} backend "
+                          f"here (the CPU backend in one process has it; tensor parallel and GPU backends do "
+                          f"not); use cache.kv_cache_dtype=auto")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ConfigError(f"config key 'cache.kv_cache_dtype': {want} with parallel.tensor_parallel_size > 1 "
+                          "is not supported; use cache.kv_cache_dtype=auto")
+    if config.cache.kv_connector is not None:
+        raise ConfigError(f"config key 'cache.kv_cache_dtype': {want} with cache.kv_connector="
+                          f"{config.cache.kv_connector!r} is not supported (connectors move float KV rows); "
+                          "use one or the other")

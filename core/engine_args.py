@@ -45,6 +45,10 @@ _ALIAS_FLAGS = {
                                 "vLLM: the KV cache's size in bytes, whatever the memory (cache.kv_cache_memory_bytes; "
                                 "default: max_num_seqs x max_model_len tokens, capped at cache.memory_fraction of "
                                 "the host's memory)"),
+    "--kv-cache-dtype": ("kv_cache_dtype", str,
+                         "vLLM: the KV cache's element type: auto (the model's dtype) or int8 (CPU backend: "
+                         "8-bit rows with a float32 scale each, about a quarter of float32's bytes; "
+                         "cache.kv_cache_dtype; default: auto)"),
     "--num-gpu-blocks-override": ("num_kv_blocks", int, "vLLM/FastDeploy: = --num-kv-blocks (default: sized by "
                                                          "cache.memory_fraction)"),
     "--splitwise-role": ("splitwise_role", str,
@@ -73,7 +77,6 @@ FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "--enforce-eager": (("",), "fdx always runs eagerly unless backend.model_runner is cuda-graph"),
     "--disable-log-requests": (("",), "fdx logs no request contents"),
     "--disable-log-stats": (("",), "fdx logs no periodic stats; they are at /metrics"),
-    "--kv-cache-dtype": (("auto",), "fdx keeps the KV cache in the model's dtype (model.dtype)"),
     "--load-format": (("auto",), "fdx reads safetensors folders and GGUF files as they are"),
     "--swap-space": ((), "fdx's second KV tier is counted in blocks: --set kv_connector=swap "
                               "--set plugins.connector.swap.max_blocks=N (docs/configuration.md)"),

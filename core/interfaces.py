@@ -1221,7 +1221,9 @@ class KVCacheSpec:
     head_dim: int
     num_blocks: int
     block_size: int
-    dtype: str                         # "float32", "float16", "bfloat16"
+    dtype: str                         # "float32", "float16", "bfloat16", or "int8" (cache.kv_cache_dtype;
+                                       # head_major only: rows of head_dim int8 values + a float32 scale,
+                                       # head_dim + 4 bytes, fdx/ops/csrc/kv8_kernels.h)
     layout: str = "head_major"         # the attention backend's (AttentionBackend.layout), one of:
     # "head_major": per layer (k, v), each [num_kv_heads * num_slots, head_dim]; the row of
     #     (kv head h, slot s) is h * num_slots + s, slot = block_id * block_size + offset.
@@ -1238,9 +1240,11 @@ class KVCacheSpec:
     def shape(self) -> list[int]:
         """The shape of one layer's k (and v) tensor in this layout."""
         if self.layout == "block_major":
+            if self.dtype == "int8":
+                raise ValueError("an int8 KV cache (cache.kv_cache_dtype) is laid out head_major only")
             return [self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim]
         if self.layout == "head_major":
-            return [self.num_kv_heads * self.num_slots, self.head_dim]
+            return [self.num_kv_heads * self.num_slots, self.row_width]
         raise ValueError(f"unknown KV cache layout {self.layout!r}; expected head_major or block_major")
 
     def kv_rows(self, slots: Any) -> Any:
@@ -1260,9 +1264,14 @@ class KVCacheSpec:
         return tensor if len(tensor.shape) == 2 else tensor.reshape([-1, self.head_dim])
 
     @property
+    def row_width(self) -> int:
+        """Elements of one (kv head, slot) row: head_dim, or head_dim + 4 for int8 (the scale's bytes)."""
+        return self.head_dim + 4 if self.dtype == "int8" else self.head_dim
+
+    @property
     def bytes_per_block(self) -> int:
-        itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size * itemsize
+        itemsize = {"float32": 4, "int8": 1}.get(self.dtype, 2)
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * self.block_size * itemsize
 
 
 class AttentionBackend(abc.ABC):

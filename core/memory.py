@@ -45,7 +45,7 @@ class KVBudget:
     num_seqs: int
 
 
-_LAZY_DTYPES = {"float32": np.float32, "float16": np.float16}
+_LAZY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
 
 def host_zeros(shape, dtype: str = "float32"):

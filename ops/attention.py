@@ -372,6 +372,9 @@ def write_kv(
     n, kvh, d = k.shape
     if n != meta.num_tokens or kvh != meta.num_kv_heads:
         raise ValueError(f"k has shape {list(k.shape)}, metadata expects [{meta.num_tokens}, {meta.num_kv_heads}, D]")
+    if k_cache.dtype == paddle.int8:        # cache.kv_cache_dtype int8: quantized by the compiled kernel
+        cpp.kv8_write(k, v, meta.slot_mapping, k_cache, v_cache)
+        return
     paddle.scatter_(k_cache, meta.kv_write_index, k.reshape([n * kvh, d]), overwrite=True)
     paddle.scatter_(v_cache, meta.kv_write_index, v.reshape([n * kvh, d]), overwrite=True)
 
@@ -388,6 +391,9 @@ def paged_attention(
     kvh = meta.num_kv_heads
     if n != meta.num_tokens or num_heads % kvh:
         raise ValueError(f"q has shape {list(q.shape)}: expected {meta.num_tokens} tokens and heads divisible by {kvh}")
+    if k_cache.dtype == paddle.int8 and meta.piece_order != [("cpp", 0)]:
+        raise ValueError("an int8 KV cache (cache.kv_cache_dtype int8) is read by the compiled attention "
+                         "kernel only; this step's metadata has Paddle-path pieces")
     outs = []
     for kind, j in meta.piece_order:
         if kind == "cpp":

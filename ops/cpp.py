@@ -50,7 +50,7 @@ from fdx.core.host import cache_root, cpu_id, portable_kernels
 from fdx.ops import kernel_cache
 
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
-           "add_rms_norm", "rope_write_kv", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
+           "add_rms_norm", "rope_write_kv", "kv8_write", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
            "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
            "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
@@ -62,7 +62,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
             _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h",
-            _CSRC / "invariant_attention.h"]
+            _CSRC / "invariant_attention.h", _CSRC / "kv8_kernels.h", _CSRC / "kv8_ops.inc"]
 _CFLAGS = [
     "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # no -fassociative-math: every sum keeps the order the source writes, so a row's bits
@@ -317,6 +317,9 @@ def paged_attention(
     module = _module_or_raise()
     if not q.is_contiguous():
         q = q.contiguous()
+    if k_cache.dtype == paddle.int8:        # cache.kv_cache_dtype int8 (csrc/kv8_kernels.h): invariant always
+        return module.fdx_kv8_attention(q, k_cache, v_cache, seq_info, block_tables, float(scale),
+                                        int(num_kv_heads), int(block_size), int(num_out_tokens))
     return module.fdx_paged_attention(
         q, k_cache, v_cache, seq_info, block_tables, float(scale), int(num_kv_heads), int(block_size),
         int(num_out_tokens), bool(invariant),
@@ -386,10 +389,22 @@ def rope_write_kv(
     module = _module_or_raise()
     if not qkv.is_contiguous():
         qkv = qkv.contiguous()
-    return module.fdx_rope_write_kv(
+    op = module.fdx_rope_write_kv8 if k_cache.dtype == paddle.int8 else module.fdx_rope_write_kv   # int8: kv8_ops.inc
+    return op(
         qkv, positions, slots, k_cache, v_cache, cos, sin, q_norm, k_norm, int(num_heads), int(num_kv_heads),
         int(rotary_dim), bool(neox), float(eps),
     )
+
+
+# --- the 8-bit KV cache (csrc/kv8_kernels.h; cache.kv_cache_dtype int8) ---------------------------
+
+def kv8_write(k: paddle.Tensor, v: paddle.Tensor, slots: paddle.Tensor, k_cache: paddle.Tensor,
+              v_cache: paddle.Tensor) -> None:
+    """k, v float32 [N, KVH, D] quantized into the int8 caches [KVH * num_slots, D + 4] at
+    ``slots`` (int64 [N]), in place: per row D int8 values and a float32 scale (max |x| / 127)."""
+    module = _module_or_raise()
+    module.fdx_kv8_write(k if k.is_contiguous() else k.contiguous(), v if v.is_contiguous() else v.contiguous(),
+                         slots, k_cache, v_cache)
 
 
 # --- products with quantized weights (csrc/quant_kernels.h) -----------------------------------

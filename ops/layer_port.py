@@ -119,7 +119,7 @@ class _Port:
 
     def decoder_stack(self, x, layers, kv_caches, meta):
         metadata = meta.metadata
-        if not layers or any(f is None for f in layers) or not self.fits(x, metadata):
+        if not layers or any(f is None for f in layers) or not self.fits(x, metadata) or _int8_kv(kv_caches[0]):
             return None
         key = (kernels.active(), [id(f) for f in layers])
         cached = self._stack
@@ -143,7 +143,7 @@ class _Port:
 
     def decoder_layer(self, x, residual, layer, kv_cache, meta):
         metadata = meta.metadata
-        if layer is None or not self.fits(x, metadata):
+        if layer is None or not self.fits(x, metadata) or _int8_kv(kv_cache):
             return None
         if layer.has_float and not self.f32_rows(metadata.num_tokens):
             return None
@@ -157,6 +157,13 @@ class _Port:
                                  layer.num_kv_heads, getattr(rope, "rotary_dim", layer.head_dim),
                                  metadata.block_size, rope.is_neox_style, layer.eps, layer.scale,
                                  layer.biases, layer.q_norm, layer.k_norm, kernels.active().batch_invariant)
+
+
+def _int8_kv(kv_cache) -> bool:
+    """An int8 KV cache (cache.kv_cache_dtype int8): the port's layers attend over float32
+    caches only (csrc/decoder_layer.h), so such a step runs its layers composed, where the
+    attention backend reads the int8 cache (csrc/kv8_kernels.h)."""
+    return kv_cache[0].dtype == paddle.int8
 
 
 _PORT = _Port()

@@ -30,6 +30,7 @@
 #include "decoder_layer.h"
 #include "f32_kernels.h"
 #include "fused_kernels.h"
+#include "kv8_kernels.h"
 #include "paddle/extension.h"
 #include "paged_attention_kernel.h"
 #include "quant_kernels.h"
@@ -320,6 +321,10 @@ PD_BUILD_OP(fdx_rope_write_kv)
     .SetKernelFn(PD_KERNEL(RopeWriteKvForward))
     .SetInferShapeFn(PD_INFER_SHAPE(RopeWriteKvInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RopeWriteKvInferDtype));
+
+// --- the 8-bit KV cache (kv8_kernels.h, bindings in kv8_ops.inc) -------------------
+
+#include "kv8_ops.inc"
 
 // --- products with quantized weights (quant_kernels.h) -----------------------------
 

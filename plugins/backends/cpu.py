@@ -151,6 +151,13 @@ class CpuBackend(Backend):
             self.kernels = dataclasses.replace(self.kernels, batch_invariant=True)
         from fdx.ops import cpp
         self.build_status = cpp.status()        # what the compiled-kernel build did
+        self.kv_cache_setting = config.cache.kv_cache_dtype
+        if self.kv_cache_setting == "int8" and not (self.kernels.usable("cpp.paged_attention") and cpp.loaded()):
+            from fdx.core.config import ConfigError
+            raise ConfigError(
+                "config key 'cache.kv_cache_dtype': int8 needs the compiled CPU attention kernel, which is not in "
+                f"use here ({self.kernels.why_not('cpp.paged_attention') or cpp.unavailable_reason() or 'off'}); "
+                "use cache.kv_cache_dtype=auto")
         line = self.kernel_line()
         if line not in _logged:                 # once per process (tests and TP ranks build many engines)
             _logged.add(line)
@@ -175,6 +182,10 @@ class CpuBackend(Backend):
 
     def total_memory_bytes(self) -> int:
         return host_total_memory_bytes()
+
+    def kv_cache_dtype(self, model_dtype: str) -> str:
+        """The model's dtype, or int8 under cache.kv_cache_dtype int8 (ops/csrc/kv8_kernels.h)."""
+        return "int8" if getattr(self, "kv_cache_setting", "auto") == "int8" else model_dtype
 
     def allocate_kv_cache(self, spec) -> list:
         """Zeroed per-layer (k, v) tensors whose pages become resident when

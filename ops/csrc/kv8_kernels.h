@@ -1,0 +1,266 @@
+// The 8-bit KV cache (cache.kv_cache_dtype: int8): the KV write that quantizes and the
+// paged attention that reads int8 rows and dequantizes them in registers. Free of Paddle
+// (bound in fdx_ops.cc), compiled with the build's flags (-march=native: AVX-512 or AVX2
+// vectors from the GCC vector types below; the baseline under FDX_PORTABLE_KERNELS).
+//
+// Row layout (fdx/core/interfaces.py KVCacheSpec, dtype "int8"): the cache tensors are int8
+// [KVH * num_slots, D + 4], the row of (kv head h, slot s) at h * num_slots + s as in the
+// float cache; a row holds D int8 values q[d] and then the row's float32 scale (its 4 bytes),
+// the value being q[d] * scale. scale = max |x| / 127 over the row (one token, one kv head),
+// q = round-half-even(x / scale), in [-127, 127]; an all-zero row has scale 0.
+// One scale per row (not llama.cpp's q8_0 blocks of 32 with an f16 scale each): the score
+// q . k is then one dot product over the converted int8 values times one scale (16 keys a
+// vector, from a transposed chunk), and a V row enters P.V as one FMA per 16 values with
+// p_j * scale_j folded in, no per-32 scale in the inner loops; the bytes are q8_0's at
+// head_dim 64 (68 per row).
+//
+// The attention is batch-invariant by construction: a work item is a tile of up to 16 query
+// tokens of one sequence against one kv head (their G query heads), and each row's
+// reductions (the score's FMA chain over d, the softmax and the P.V sum over keys in key
+// order) are the same operations whatever tile, item or thread the row falls in. So
+// backend.batch_invariant and the default path run the same code.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace fdx::kv8 {
+
+typedef float F16v __attribute__((vector_size(64), aligned(4), may_alias));
+
+// 16 int8 values as floats. Written as a loop: GCC 12 lowers __builtin_convertvector from 16
+// bytes to 16 floats to scalar loads and converts, this loop to vpmovsx + vcvtdq2ps.
+inline F16v LoadI8(const int8_t* p) {
+  float r[16];
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
+  F16v v;
+  std::memcpy(&v, r, sizeof(v));
+  return v;
+}
+inline F16v LoadF(const float* p) { return *reinterpret_cast<const F16v*>(p); }
+inline void StoreF(float* p, F16v v) { *reinterpret_cast<F16v*>(p) = v; }
+
+inline float RowScale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(s));
+  return s;
+}
+
+// One row of D floats into D int8 values and the scale (layout above).
+inline void QuantizeRow(const float* x, int64_t D, int8_t* row) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax / 127.f;
+  if (scale == 0.f) {
+    std::memset(row, 0, D);
+  } else {
+    for (int64_t d = 0; d < D; ++d) {
+      const float r = std::nearbyint(x[d] / scale);
+      row[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+    }
+  }
+  std::memcpy(row + D, &scale, sizeof(scale));
+}
+
+// Token t's head h of k and v (float32 rows at t * tok_stride + h * head_stride) -> the
+// caches' rows h * num_slots + slots[t] (slots checked by the caller).
+inline void WriteKv(const float* k, const float* v, int64_t tok_stride, int64_t head_stride, const int64_t* slots,
+                    int64_t N, int64_t KVH, int64_t D, int64_t num_slots, int8_t* k_cache, int8_t* v_cache) {
+  const int64_t R = D + 4;
+#pragma omp parallel for if (N * KVH >= 256)
+  for (int64_t i = 0; i < N * KVH; ++i) {
+    const int64_t t = i / KVH, h = i % KVH;
+    const int64_t row = h * num_slots + slots[t], src = t * tok_stride + h * head_stride;
+    QuantizeRow(k + src, D, k_cache + row * R);
+    QuantizeRow(v + src, D, v_cache + row * R);
+  }
+}
+
+struct Args {
+  const float* q;     // [N, H, D]
+  const int8_t* k;    // [KVH * num_slots, D + 4]
+  const int8_t* v;
+  float* out;         // [num_out_tokens, H, D]
+  const int32_t* seq_info;  // [S, 4]: q_start, query_len, context_len, out_start (paged_attention_kernel.h)
+  const int32_t* tables;    // [S, table_width]
+  int64_t table_width, num_heads, group, head_dim, block_size, num_slots;
+  float scale;
+};
+
+inline float ExpNeg(float x) {  // exp(x) for x <= 0, as paged_attention_kernel.h's ExpNonPositive
+  const float xc = std::max(x, -87.0f);
+  const float n = std::floor(xc * 1.44269504f + 0.5f);
+  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &bits, sizeof(s));
+  return x < -87.0f ? 0.f : p * s;
+}
+
+struct Scratch {
+  std::vector<float> q, scores, acc, kt;
+  std::vector<int64_t> rows;
+};
+
+constexpr int64_t kTile = 16;   // query tokens per work item
+constexpr int64_t kKeys = 16;   // keys per chunk: one vector of scores
+
+// Query tokens [t0, t0 + tq) of sequence s (token t at position ctx + t sees keys 0..ctx + t)
+// against kv head h: their G query heads each, row r = (t - t0) * G + g. Each key chunk is
+// dequantized and transposed once for all rows; a row's score for key j is the FMA chain
+// over d of q[d] * k_j[d] in d order, times k_j's scale; its softmax and its P.V sum run
+// over its own keys in key order. kD > 0: head_dim fixed at compile time (a multiple of 16).
+template <int64_t kD>
+void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scratch& w) {
+  const int64_t D = kD > 0 ? kD : a.head_dim, R = D + 4, G = a.group, bs = a.block_size;
+  const int32_t* info = a.seq_info + s * 4;
+  const int64_t first = info[2] + t0;          // the tile's first token's position
+  const int64_t n = first + tq;                // keys the tile's last token sees
+  const int64_t rows = tq * G;
+  const int64_t width = (n + kKeys - 1) / kKeys * kKeys;
+  const int32_t* table = a.tables + s * a.table_width;
+  w.rows.resize(n);
+  int64_t* krow = w.rows.data();
+  for (int64_t j = 0, block = 0, off = 0; j < n; ++j) {
+    krow[j] = (h * a.num_slots + static_cast<int64_t>(table[block]) * bs + off) * R;
+    if (++off == bs) off = 0, ++block;
+  }
+  w.q.resize(rows * D);
+  float* qs = w.q.data();
+  for (int64_t t = 0; t < tq; ++t) {
+    const float* src = a.q + ((info[0] + t0 + t) * a.num_heads + h * G) * D;
+    for (int64_t i = 0; i < G * D; ++i) qs[t * G * D + i] = src[i] * a.scale;
+  }
+  w.scores.resize(rows * width);
+  float* sc = w.scores.data();
+  w.kt.resize(D * kKeys + width);
+  float* kt = w.kt.data();
+  float* vscale = kt + D * kKeys;              // each key's V scale
+  // scores[r, j] = (sum_d q_r[d] k_j[d]) * kscale_j, 16 keys per vector
+  for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
+    const int64_t m = std::min(kKeys, n - c0);
+    alignas(64) float ks[kKeys];
+    for (int64_t i = 0; i < kKeys; ++i) {
+      if (i < m) {
+        const int8_t* kr = a.k + krow[c0 + i];
+        ks[i] = RowScale(kr, D);
+        vscale[c0 + i] = RowScale(a.v + krow[c0 + i], D);
+        if constexpr (kD > 0) {
+          for (int64_t c = 0; c < kD / 16; ++c) {
+            const F16v x = LoadI8(kr + 16 * c);
+#pragma GCC unroll 16
+            for (int l = 0; l < 16; ++l) kt[(16 * c + l) * kKeys + i] = x[l];
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = static_cast<float>(kr[d]);
+        }
+      } else {
+        ks[i] = 0.f;
+        for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = 0.f;
+      }
+    }
+    if (c0 + kKeys < n) __builtin_prefetch(a.k + krow[c0 + kKeys]);
+    const F16v kscale = LoadF(ks);
+    for (int64_t r = std::max<int64_t>(0, c0 - first) * G; r < rows; ++r) {  // rows whose token sees key c0
+      const float* qr = qs + r * D;
+      F16v acc = qr[0] * LoadF(kt);
+      for (int64_t d = 1; d < D; ++d) acc += qr[d] * LoadF(kt + d * kKeys);
+      StoreF(sc + r * width + c0, acc * kscale);
+    }
+  }
+  // softmax numerators times each key's V scale; inv[r] = 1 / the row's sum
+  w.acc.assign(rows * D + rows, 0.f);
+  float* acc = w.acc.data();
+  float* inv = acc + rows * D;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = sc + r * width;
+    const int64_t valid = first + r / G + 1;
+    float mx = row[0];
+    for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
+    for (int64_t j = 0; j < valid; ++j) row[j] = ExpNeg(row[j] - mx);   // vectorized: no reduction
+    float sum = 0.f;
+    for (int64_t j = 0; j < valid; ++j) sum += row[j];                   // in key order
+    inv[r] = 1.f / sum;
+    for (int64_t j = 0; j < valid; ++j) row[j] *= vscale[j];
+  }
+  // acc[r] = sum_j p[r, j] v_j over the row's keys, in key order
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* vr = a.v + krow[j];
+    if (j + 2 < n) __builtin_prefetch(a.v + krow[j + 2]);
+    const int64_t r0 = std::max<int64_t>(0, j - first) * G;
+    if constexpr (kD > 0) {
+      F16v vv[kD / 16];
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kD / 16; ++c) vv[c] = LoadI8(vr + 16 * c);
+      for (int64_t r = r0; r < rows; ++r) {
+        const float p = sc[r * width + j];
+        float* o = acc + r * kD;
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < kD / 16; ++c) StoreF(o + 16 * c, LoadF(o + 16 * c) + p * vv[c]);
+      }
+    } else {
+      for (int64_t r = r0; r < rows; ++r) {
+        const float p = sc[r * width + j];
+        float* o = acc + r * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += p * static_cast<float>(vr[d]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = a.out + ((info[3] + t0 + r / G) * a.num_heads + h * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = acc[r * D + d] * inv[r];
+  }
+}
+
+inline void AttendTileDispatch(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scratch& w) {
+  switch (a.head_dim) {
+    case 64: return AttendTile<64>(a, s, h, t0, tq, w);
+    case 128: return AttendTile<128>(a, s, h, t0, tq, w);
+    case 256: return AttendTile<256>(a, s, h, t0, tq, w);
+    default: return AttendTile<0>(a, s, h, t0, tq, w);
+  }
+}
+
+// Every (sequence, kv head, tile of query tokens) item of S sequences, on the OpenMP
+// threads, longest first.
+inline void PagedAttention(const Args& a, int64_t S, int64_t KVH) {
+  struct Item {
+    int64_t s, h, t0, tq;
+  };
+  std::vector<Item> items;
+  int64_t work = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = a.seq_info[s * 4 + 1], ctx = a.seq_info[s * 4 + 2];
+    work += (ctx + q_len) * q_len;
+    for (int64_t t0 = 0; t0 < q_len; t0 += kTile)
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({s, h, t0, std::min(kTile, q_len - t0)});
+  }
+  work *= a.group * KVH;
+  const int32_t* info = a.seq_info;
+  auto cost = [info](const Item& it) { return (info[it.s * 4 + 2] + it.t0 + it.tq) * it.tq; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return cost(x) > cost(y); });
+  const int64_t n = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+#pragma omp parallel if (n > 1 && work >= 4096)
+  {
+    thread_local Scratch w;
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      AttendTileDispatch(a, items[i].s, items[i].h, items[i].t0, items[i].tq, w);
+  }
+}
+
+}  // namespace fdx::kv8
