@@ -30,6 +30,8 @@
 
 #include <omp.h>
 
+#include "paged_attention_kernel.h"   // ExpNonPositive
+
 namespace fdx::kv8 {
 
 typedef float F16v __attribute__((vector_size(64), aligned(4), may_alias));
@@ -92,23 +94,6 @@ struct Args {
   int64_t table_width, num_heads, group, head_dim, block_size, num_slots;
   float scale;
 };
-
-inline float ExpNeg(float x) {  // exp(x) for x <= 0, as paged_attention_kernel.h's ExpNonPositive
-  const float xc = std::max(x, -87.0f);
-  const float n = std::floor(xc * 1.44269504f + 0.5f);
-  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float s;
-  std::memcpy(&s, &bits, sizeof(s));
-  return x < -87.0f ? 0.f : p * s;
-}
 
 struct Scratch {
   std::vector<float> q, scores, acc, kt;
@@ -190,7 +175,7 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
     const int64_t valid = first + r / G + 1;
     float mx = row[0];
     for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
-    for (int64_t j = 0; j < valid; ++j) row[j] = ExpNeg(row[j] - mx);   // vectorized: no reduction
+    for (int64_t j = 0; j < valid; ++j) row[j] = ExpNonPositive(row[j] - mx);   // vectorized: no reduction
     float sum = 0.f;
     for (int64_t j = 0; j < valid; ++j) sum += row[j];                   // in key order
     inv[r] = 1.f / sum;
