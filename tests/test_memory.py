@@ -25,15 +25,18 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_host_zeros_are_resident_only_where_written():
+@pytest.mark.parametrize("dtype,itemsize", [("float32", 4), ("int8", 1)])   # int8: cache.kv_cache_dtype int8
+def test_host_zeros_are_resident_only_where_written(dtype, itemsize):
     from fdx.core.memory import host_zeros
+    rows = 64 * MiB // itemsize // 64
     before = _rss()
-    t = host_zeros([64 * MiB // 4 // 64, 64], "float32")       # 64 MiB reserved
+    t = host_zeros([rows, 64], dtype)                           # 64 MiB reserved
+    assert str(t.dtype).endswith(dtype)
     assert _rss() - before < 8 * MiB
-    t[1000:1016] = 2.0                                          # one 4 KiB page written
+    t[1000:1016] = 2                                            # a page or two written
     assert _rss() - before < 8 * MiB
     a = t.numpy()
-    assert a.shape == (262144, 64) and a[1000:1016].min() == a[1000:1016].max() == 2.0
+    assert a.shape == (rows, 64) and a[1000:1016].min() == a[1000:1016].max() == 2
     assert not a[:1000].any() and not a[1016:].any()            # zeroed
 
 
