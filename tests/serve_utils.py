@@ -194,17 +194,40 @@ def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def stream_gaps(base_url: str, stop: threading.Event, stamps: list[float]) -> None:
-    """Read one long stream, stamping each chunk's arrival, until ``stop``."""
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=base_url, headers=headers, timeout=120) as http:
-        with http.stream("POST", "/v1/completions", json={"prompt": [100, 200, 300], "max_tokens": 4000,
-                                                           "ignore_eos": True, "stream": True}) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    stamps.append(time.monotonic())
-                if stop.is_set():
-                    return
+class StreamWatch:
+    """One long stream (4000 tokens) read in a thread, each chunk's arrival
+    stamped in ``stamps``; a context manager (the thread stops on leaving)."""
+
+    def __init__(self, base_url: str):
+        self.base_url, self.stamps, self._stop = base_url, [], threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+
+    def _read(self) -> None:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx.Client(base_url=self.base_url, headers=headers, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json={"prompt": [100, 200, 300], "max_tokens": 4000,
+                                                               "ignore_eos": True, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        self.stamps.append(time.monotonic())
+                    if self._stop.is_set():
+                        return
+
+    def wait_for(self, n: int, timeout: float = 60.0) -> None:
+        """Until ``n`` chunks have come (polled; a minute means a hang)."""
+        deadline = time.monotonic() + timeout
+        while len(self.stamps) < n and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        assert len(self.stamps) >= n, f"the stream stopped at {len(self.stamps)} chunks (waited for {n})"
+
+    def __enter__(self) -> "StreamWatch":
+        self._thread.start()
+        self.wait_for(20)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
 
 
 def max_gap(stamps: list[float], t0: float, t1: float) -> float:

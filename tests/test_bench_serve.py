@@ -98,7 +98,7 @@ def test_sigterm_ends_streams_and_leaves_no_child(server):
         server.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         rest = list(lines)                                            # ends, does not hang
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 60                                # no hang (a minute)
         assert any("shutting down" in line for line in rest)
     assert server.proc.wait(30) == 0
     assert not pid_alive(engine)

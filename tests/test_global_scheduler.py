@@ -92,8 +92,9 @@ def global_server(tmp_path_factory, model, redis_url: str, max_num_seqs: int = 2
                          scheduler={"request_scheduler": "global", "max_num_seqs": max_num_seqs}, plugins=plugins)
 
 
-def start_pair(tmp_path_factory, model, redis_url: str, n: int = 2, max_num_seqs: int = 2) -> list[ServerProcess]:
-    servers = [global_server(tmp_path_factory, model, redis_url, max_num_seqs) for _ in range(n)]
+def start_pair(tmp_path_factory, model, redis_url: str, n: int = 2, max_num_seqs: int = 2,
+               **settings) -> list[ServerProcess]:
+    servers = [global_server(tmp_path_factory, model, redis_url, max_num_seqs, **settings) for _ in range(n)]
     try:
         for s in servers:
             s.wait_ready()
@@ -161,14 +162,15 @@ def test_two_instances_share_a_burst_and_survive_one_dying(tiny_checkpoints, tmp
 def test_a_redis_restart_mid_burst_ends_every_request(tiny_checkpoints, tmp_path_factory, redis_server, reference):
     """Outcome stated in plugins/schedulers/global_redis.py: Redis keeps no
     data across the restart here, so queued jobs are lost; their requests
-    end with an error within ttl_s; those already in an engine complete.
-    Nothing hangs."""
+    end with an error within ttl_s (2 s here: the default 20 is a wait and
+    proves no more); those already in an engine complete. Nothing hangs."""
     model = tiny_checkpoints["LlamaForCausalLM"][0]
-    (a,) = start_pair(tmp_path_factory, model, redis_server.url, n=1)
+    (a,) = start_pair(tmp_path_factory, model, redis_server.url, n=1, ttl_s=2.0)
+    r = redis_server.client()
     try:
         with cf.ThreadPoolExecutor(10) as pool:
             futs = {i: pool.submit(ask, a.base_url, i) for i in range(10)}
-            time.sleep(0.3)
+            wait_for(lambda: r.llen("fdx:queue") > 0, "a job queued")          # mid-burst
             redis_server.stop()
             time.sleep(1.0)
             redis_server.start()
@@ -217,33 +219,42 @@ def queued_job(r: redis.Redis, timeout: float = 30.0) -> dict:
     raise AssertionError("no job showed up in the queue")
 
 
+@pytest.fixture(scope="module")
+def lone(tiny_checkpoints, tmp_path_factory, redis_server):
+    """One instance with max_num_seqs 1 (a second request waits in the
+    queue), shared by the attacker's tests: each counts its own rejections."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FDX_SCHEDULER_SECRET", SECRET)
+        (a,) = start_pair(tmp_path_factory, tiny_checkpoints["LlamaForCausalLM"][0], redis_server.url, 1, 1)
+    try:
+        yield a
+    finally:
+        a.stop()
+
+
 def rejected(srv: ServerProcess) -> float:
     return srv.metrics().get("fdx:global_messages_rejected_total", 0.0)
 
 
-def test_a_result_forged_in_redis_is_dropped_and_the_real_answer_arrives(tiny_checkpoints, tmp_path_factory,
-                                                                         redis_server, reference):
+def test_a_result_forged_in_redis_is_dropped_and_the_real_answer_arrives(lone, redis_server, reference):
     """The attacker reads the victim's queued job (request id, origin) and
     pushes a finished result for it, unsealed and with a made-up MAC."""
-    (a,) = start_pair(tmp_path_factory, tiny_checkpoints["LlamaForCausalLM"][0], redis_server.url, 1, 1)
-    r = redis_server.client()
-    try:
-        busy = occupy(a.base_url)
-        with cf.ThreadPoolExecutor(1) as pool:
-            victim = pool.submit(ask, a.base_url, 5)
-            job = queued_job(r)
-            forged = {"type": "result", "request_id": job["request_id"], "origin": job["origin"],
-                      "executor": job["origin"], "seq": 0, "attempt": 0, "offset": 0,
-                      "token_ids": [300, 301, 302, 303], "finish_reason": "stop"}
-            key = f"fdx:results:{job['origin']}"
-            r.rpush(key, msgspec.msgpack.encode(forged))
-            r.rpush(key, msgspec.msgpack.encode([b"\0" * 32, msgspec.msgpack.encode(forged)]))
-            assert victim.result() == reference[5]
-        busy.result()
-        assert rejected(a) == 2
-        assert a.log().count("dropped a result not sealed") == 1          # logged once
-    finally:
-        a.stop()
+    a, r = lone, redis_server.client()
+    before, logged = rejected(a), a.log().count("dropped a result not sealed")
+    busy = occupy(a.base_url)
+    with cf.ThreadPoolExecutor(1) as pool:
+        victim = pool.submit(ask, a.base_url, 5)
+        job = queued_job(r)
+        forged = {"type": "result", "request_id": job["request_id"], "origin": job["origin"],
+                  "executor": job["origin"], "seq": 0, "attempt": 0, "offset": 0,
+                  "token_ids": [300, 301, 302, 303], "finish_reason": "stop"}
+        key = f"fdx:results:{job['origin']}"
+        r.rpush(key, msgspec.msgpack.encode(forged))
+        r.rpush(key, msgspec.msgpack.encode([b"\0" * 32, msgspec.msgpack.encode(forged)]))
+        assert victim.result() == reference[5]
+    busy.result()
+    assert rejected(a) - before == 2
+    assert a.log().count("dropped a result not sealed") - logged == 1          # logged once
 
 
 class Monitor:
@@ -273,30 +284,26 @@ class Monitor:
         return self.pushes
 
 
-def test_a_genuine_result_replayed_for_another_request_is_dropped(tiny_checkpoints, tmp_path_factory,
-                                                                   redis_server, reference):
+def test_a_genuine_result_replayed_for_another_request_is_dropped(lone, redis_server, reference):
     """The attacker records the genuine results of one request (MONITOR) and
     replays them, as they are and relabelled, while another one waits."""
     assert reference[1] != reference[2]
-    (a,) = start_pair(tmp_path_factory, tiny_checkpoints["LlamaForCausalLM"][0], redis_server.url, 1, 1)
-    r = redis_server.client()
-    try:
-        monitor = Monitor(r)
-        assert ask(a.base_url, 1) == reference[1]
-        recorded = [(key, value) for key, value in monitor.close() if key.startswith(b"fdx:results:")]
-        assert recorded
-        busy = occupy(a.base_url)
-        with cf.ThreadPoolExecutor(1) as pool:
-            victim = pool.submit(ask, a.base_url, 2)
-            job = queued_job(r)
-            for key, value in recorded:
-                r.rpush(key, value)                                  # for a finished request: ignored
-                r.rpush(key, relabel(value, job["request_id"]))      # for the victim: the MAC does not fit
-            assert victim.result() == reference[2]
-        busy.result()
-        assert rejected(a) == len(recorded)
-    finally:
-        a.stop()
+    a, r = lone, redis_server.client()
+    before = rejected(a)
+    monitor = Monitor(r)
+    assert ask(a.base_url, 1) == reference[1]
+    recorded = [(key, value) for key, value in monitor.close() if key.startswith(b"fdx:results:")]
+    assert recorded
+    busy = occupy(a.base_url)
+    with cf.ThreadPoolExecutor(1) as pool:
+        victim = pool.submit(ask, a.base_url, 2)
+        job = queued_job(r)
+        for key, value in recorded:
+            r.rpush(key, value)                                  # for a finished request: ignored
+            r.rpush(key, relabel(value, job["request_id"]))      # for the victim: the MAC does not fit
+        assert victim.result() == reference[2]
+    busy.result()
+    assert rejected(a) - before == len(recorded)
 
 
 def test_a_redis_password_is_used_and_its_absence_named(tiny_checkpoints, tmp_path_factory, monkeypatch,

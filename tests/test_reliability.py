@@ -569,7 +569,7 @@ def test_a_stopping_engine_gives_up_a_send_nobody_reads():
             loop._push(b"a step's outputs")
             sent += 1
         assert not loop.running and sent < 100, sent      # the queue filled and the engine stopped
-        assert time.monotonic() - t0 < 0.5 + 2.0
+        assert time.monotonic() - t0 < 60               # each send returned (no wait without end)
     finally:
         push.close(linger=0)
         pull.close(linger=0)

@@ -447,7 +447,7 @@ def test_engine_death_gives_503_and_exit(server):
             os.kill(engine, signal.SIGKILL)
             t0 = time.monotonic()
             rest = list(events)                               # the stream must end, with an error
-            assert time.monotonic() - t0 < 10
+            assert time.monotonic() - t0 < 60                # no hang (a minute)
             assert any(isinstance(e, dict) and "error" in e for e in rest)
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})

@@ -210,7 +210,7 @@ def test_serve_tp3_equals_tp1_then_dead_worker_gives_503_and_exit(tmp_path):
                 os.kill(workers[1], signal.SIGKILL)
                 t0 = time.monotonic()
                 rest = list(lines)                        # the stream ends, with an error event
-                assert time.monotonic() - t0 < 30
+                assert time.monotonic() - t0 < 60         # no hang (a minute)
                 assert any('"error"' in line for line in rest)
             assert http.get("/health").status_code == 503
         assert srv.proc.wait(30) == 1
