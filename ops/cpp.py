@@ -398,6 +398,9 @@ def rope_write_kv(
 
 # --- the 8-bit KV cache (csrc/kv8_kernels.h; cache.kv_cache_dtype int8) ---------------------------
 
+# an int8 cache exists only where cpp.paged_attention passed its probe (the backend refuses
+# cache.kv_cache_dtype int8 otherwise): the write belongs to that kernel
+@kernels.implements("cpp.paged_attention")
 def kv8_write(k: paddle.Tensor, v: paddle.Tensor, slots: paddle.Tensor, k_cache: paddle.Tensor,
               v_cache: paddle.Tensor) -> None:
     """k, v float32 [N, KVH, D] quantized into the int8 caches [KVH * num_slots, D + 4] at
