@@ -76,6 +76,40 @@ BODY = {"prompt": [101, 202, 303, 404], "max_tokens": 6, "ignore_eos": True, "te
 
 # -- X-Request-Id ---------------------------------------------------------------------------
 
+def _refused_with_its_body_sent(server, headers: dict) -> bytes:
+    """A POST whose headers are refused, its small body sent a moment after them (as a client
+    that writes headers and body apart: httpx does), the answer read after that: everything the
+    socket gives, or the error it raised."""
+    import socket
+    body = json.dumps({**BODY, "prompt": "x" * 2000}).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    raw = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}"
+           f"Content-Length: {len(body)}\r\n\r\n").encode()
+    got = b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        try:
+            s.sendall(raw)
+            time.sleep(0.3)                 # the old server had answered and closed by now
+            s.sendall(body)
+            time.sleep(0.3)
+            while chunk := s.recv(65536):
+                got += chunk
+        except OSError as e:                # a reset: the answer is lost
+            return got + f" [{type(e).__name__}: {e}]".encode()
+    return got
+
+
+def test_a_bad_request_id_refusal_reaches_a_client_that_sends_its_body_late(server):
+    """CI once read "connection reset by peer" instead of this 400 in the request-id test: the
+    400 was sent and the connection closed with the request's body unread, and a reset can take
+    the refusal's bytes with it. The body (within the limit) is now read first. (This replay did
+    not fail on the old code on the machine it was written on: Linux delivered the answer before
+    the reset there.)"""
+    got = _refused_with_its_body_sent(server, {"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "has space"})
+    assert got.startswith(b"HTTP/1.1 400 "), got[:200]
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "invalid_request_id"
+
+
 def test_request_id_is_echoed_used_by_the_engine_and_logged(server):
     with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60) as http:
         r = http.post("/v1/completions", json=BODY, headers={"X-Request-Id": "trace-abc.1"})

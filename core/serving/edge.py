@@ -209,11 +209,12 @@ class GuardMiddleware:
         if self.key is not None and security.needs_key(self.sc, scope["path"]):
             auth = headers.get(b"authorization", b"")
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
+            if not hmac.compare_digest(token, self.key):     # (no body byte read for a stranger)
                 return await send_json(send, 401, error_body(
                     "invalid or missing API key: send 'Authorization: Bearer <key>'",
                     "authentication_error", code="invalid_api_key"))
         if bad_request_id is not None:
+            await self._drain_small(receive, headers)
             return await send_json(send, 400, error_body(bad_request_id, param=REQUEST_ID_HEADER,
                                                          code="invalid_request_id"))
         length = headers.get(b"content-length")
@@ -237,6 +238,20 @@ class GuardMiddleware:
                     raise BodyTooLarge()
             return message
         return await self.app(scope, limited_receive, send)
+
+
+    async def _drain_small(self, receive, headers) -> None:
+        """Before a refusal decided on the headers: read and drop a body within
+        the body limit. Closing the connection with its bytes unread makes the
+        kernel send a reset, which can take the refusal's own bytes with it
+        (a keep-alive client read "connection reset" instead of a 400). A
+        larger body is not read: the refusal is sent and the connection closed."""
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) == 0 or int(length) > self.max_body):
+            return
+        if length is None and b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return
+        await drain(receive, self.max_body)
 
 
 DRAIN_FACTOR = 4          # a refused body up to this many times the body limit is read (and dropped) first
