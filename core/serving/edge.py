@@ -119,6 +119,17 @@ class RefusalBudget:
             self.buckets = {k: v for k, v in self.buckets.items() if self._level(k, now) < self.burst}
 
 
+async def drain_refused(receive, headers: dict, limit: int) -> None:
+    """Before a refusal decided without the body: read and drop it unless its
+    declared length is past ``limit``. Closing a connection with its bytes
+    unread makes the kernel send a reset, which can take the refusal with it;
+    a body declared longer is not read (the refusal goes out, the connection
+    closes)."""
+    length = headers.get(b"content-length", b"0")
+    if not length.isdigit() or int(length) <= limit:
+        await drain(receive, limit)
+
+
 async def drain(receive, limit: int) -> bool:
     """Read and drop a request body (at most ``limit`` bytes), so the client,
     still sending, reads the answer instead of a reset. False: the body is
@@ -185,9 +196,7 @@ class GuardMiddleware:
         try:
             wait = self.budget.wait_s(who) if self.budget is not None else 0.0
             if wait:
-                length = headers.get(b"content-length", b"0")
-                if not length.isdigit() or int(length) <= DRAIN_FACTOR * self.max_body:
-                    await drain(receive, DRAIN_FACTOR * self.max_body)
+                await drain_refused(receive, headers, DRAIN_FACTOR * self.max_body)
                 await send_json(send_with_id, 429, error_body(
                     f"too many refused requests from this client ({client}); retry in {math.ceil(wait)} s "
                     "(server.refused_bytes_per_s)", "rate_limit_error", code="too_many_refusals"),
@@ -214,7 +223,7 @@ class GuardMiddleware:
                     "invalid or missing API key: send 'Authorization: Bearer <key>'",
                     "authentication_error", code="invalid_api_key"))
         if bad_request_id is not None:
-            await self._drain_small(receive, headers)
+            await drain_refused(receive, headers, self.max_body)    # (a small one: see drain_refused)
             return await send_json(send, 400, error_body(bad_request_id, param=REQUEST_ID_HEADER,
                                                          code="invalid_request_id"))
         length = headers.get(b"content-length")
@@ -222,8 +231,7 @@ class GuardMiddleware:
             # read and drop a body up to DRAIN_FACTOR x the limit, so its client reads the 413 (an 8 MB
             # body was answered by a reset); a larger one is answered at once and the connection closed
             scope["fdx.unparsed"] = True          # the refusal budget charges its minimum only
-            if int(length) <= DRAIN_FACTOR * self.max_body:
-                await drain(receive, DRAIN_FACTOR * self.max_body)
+            await drain_refused(receive, headers, DRAIN_FACTOR * self.max_body)
             return await send_json(send, 413, error_body(
                 f"the request body is {int(length)} bytes; the limit is {self.max_body}",
                 code="request_too_large"))
@@ -238,20 +246,6 @@ class GuardMiddleware:
                     raise BodyTooLarge()
             return message
         return await self.app(scope, limited_receive, send)
-
-
-    async def _drain_small(self, receive, headers) -> None:
-        """Before a refusal decided on the headers: read and drop a body within
-        the body limit. Closing the connection with its bytes unread makes the
-        kernel send a reset, which can take the refusal's own bytes with it
-        (a keep-alive client read "connection reset" instead of a 400). A
-        larger body is not read: the refusal is sent and the connection closed."""
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) == 0 or int(length) > self.max_body):
-            return
-        if length is None and b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
-            return
-        await drain(receive, self.max_body)
 
 
 DRAIN_FACTOR = 4          # a refused body up to this many times the body limit is read (and dropped) first
