@@ -487,8 +487,7 @@ class SplitwiseConnector(KVConnector):
                     del self.expected[key]              # (an aborted request's entry goes too)
                     self.failed[rid] = (f"splitwise: no KV offer from a prefill instance within "
                                         f"{self.timeout:g} s")
-            if self.refused_early:                      # their requests never came
-                self.refused_early = {k: v for k, v in self.refused_early.items() if now - v[0] <= self.timeout}
+            self._forget_old_refusals(now)              # their requests never came
             out, self.failed = self.failed, {}
         return out
 
@@ -882,11 +881,16 @@ class SplitwiseConnector(KVConnector):
         here: kept for ``transfer_timeout_s`` (at most 4096 of them), so the
         request, when it comes, ends with the reason at once."""
         now = time.monotonic()
-        if len(self.refused_early) >= 4096 or key in self.refused_early:
-            self.refused_early = {k: v for k, v in self.refused_early.items() if now - v[0] <= self.timeout}
-            while len(self.refused_early) >= 4096:
+        if len(self.refused_early) >= 4096:
+            self._forget_old_refusals(now)
+            while len(self.refused_early) >= 4096:          # the oldest first
                 self.refused_early.pop(next(iter(self.refused_early)))
         self.refused_early[key] = (now, why)
+
+    def _forget_old_refusals(self, now: float) -> None:
+        """(Under the lock.) Drop remembered refusals older than ``transfer_timeout_s``."""
+        if self.refused_early:
+            self.refused_early = {k: v for k, v in self.refused_early.items() if now - v[0] <= self.timeout}
 
 
 TIME_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
