@@ -253,6 +253,7 @@ def test_outside_connector_loads_what_it_saved(tiny, reference, pm):
     assert first == again == reference
     stats = llm.engine.connector.stats()
     assert stats["loaded_blocks"] >= sum((len(p) - 1) // 4 for p in PROMPTS), stats
+    assert stats["queued_requests"] == 2 * len(PROMPTS), stats      # KVConnector.request_added, from outside
 
 
 def test_a_request_the_connector_fails_is_reported_finished(tiny):

@@ -378,6 +378,10 @@ class MemoryStore(KVConnector):
         self.store: dict[tuple[int, ...], np.ndarray] = {}
         self.loads, self.saves, self.done = [], [], set()
         self.loaded_blocks = 0
+        self.queued = 0
+
+    def request_added(self, request):            # optional: told of every request the engine queues
+        self.queued += 1
 
     def _prefixes(self, request, first, last):
         toks = request.all_token_ids
@@ -439,7 +443,7 @@ class MemoryStore(KVConnector):
         return done, set()
 
     def stats(self):
-        return {"loaded_blocks": self.loaded_blocks, "stored_blocks": len(self.store)}
+        return {"loaded_blocks": self.loaded_blocks, "stored_blocks": len(self.store), "queued_requests": self.queued}
 
 
 # --- registration --------------------------------------------------------------------------
