@@ -60,8 +60,7 @@ class ExpertStack:
     def code(self, invariant: bool) -> int:
         if self.kind == "f32":
             return F32_CODE
-        return (cpp._QUANT_KIND_CODE[self.kind] | (cpp._CODE_INTERLEAVED if self.interleaved else 0)
-                | (cpp._CODE_INVARIANT if invariant else 0))
+        return cpp.quant_code(self, invariant)       # its kind, interleaved rows, invariant
 
     def dense_kernel(self, variant: str) -> str:
         """The kernel-table name of the dense product this stack's experts multiply by."""
