@@ -493,7 +493,8 @@ def _quant_product(x: paddle.Tensor, w, variant: str, matmul_op, dequantize_op) 
 
 _QUANT_KIND_CODE = {kind: code for code, kind in enumerate(QUANT_KINDS)}
 _CODE_INTERLEAVED, _CODE_INVARIANT = 1 << 8, 1 << 9       # = kCodeInterleaved, kCodeInvariant (quant_kernels.h)
-_CODE_ROW_TILES = 1 << 10       # = kCodeRowTiles: benchmarks only (bench_kernels --prefill): main's q4_0 tiles
+_CODE_ROW_TILES = 1 << 10       # = kCodeRowTiles: benchmarks only (bench_kernels --prefill/--decode): main's
+#                                 q4_0 tiles, the k-quants' 256-bit path
 
 
 def quant_code(w, invariant: bool = False) -> int:

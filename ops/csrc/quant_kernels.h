@@ -17,7 +17,8 @@
 // 512-bit VNNI tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); every kind in the portable build
 // one weight row against one activation row (RowDot). The k-quants quantize the
 // activations per 256 instead (XBlockK) and sum each sub-block in int32 times its
-// integer scale (TileDotK). Weights repacked at load (kInterleave rows' blocks
+// integer scale (TileDotK; with AVX-512 VNNI, vpdpbusd then vpdpwssd by the scales,
+// TileKVnni). Weights repacked at load (kInterleave rows' blocks
 // side by side) take tiles of 4 weight rows from one stream.
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
@@ -71,7 +72,8 @@ constexpr int64_t kInterleave = 4;
 constexpr int64_t kCodeKindMask = 0xFF;
 constexpr int64_t kCodeInterleaved = 1 << 8;  // the rows are interleaved by kInterleave
 constexpr int64_t kCodeInvariant = 1 << 9;    // backend.batch_invariant: one path at every row count
-constexpr int64_t kCodeRowTiles = 1 << 10;    // benchmarks only: q4_0 without the VNNI many-row tiles (main's)
+constexpr int64_t kCodeRowTiles = 1 << 10;    // benchmarks only: main's kernels (q4_0 without the VNNI
+                                              // many-row tiles, the k-quants without VNNI)
 
 struct Weights {
   const uint8_t* data;  // [rows, row_bytes]

@@ -4,6 +4,7 @@ ops they replace (ops/csrc/fused_kernels.h).
     python -m fdx.plugins.backends.bench_kernels
     python -m fdx.plugins.backends.bench_kernels --quant [q4_1,q8_0,...]
     python -m fdx.plugins.backends.bench_kernels --prefill [q4_k,q6_k,...] --iters 7
+    python -m fdx.plugins.backends.bench_kernels --decode [q4_k,q5_k,q6_k] --iters 21
 
 Not a test. For SmolLM2-135M's shapes (9/3 heads x 64, intermediate 1536)
 at 64 decode rows and a 512-token prefill, and a Qwen3-like layer (q/k RMS
@@ -194,6 +195,56 @@ def bench_prefill(kinds: list[str], rows_list: tuple[int, ...], rounds: int, thr
                       f"{to / tn:6.2f}x {td / tn:6.2f}x", flush=True)
 
 
+def bench_decode(kinds: list[str], rows_list: tuple[int, ...], rounds: int, threads: int) -> None:
+    """Few activation rows (decode): the compiled product as it runs now against the
+    kernel before (kCodeRowTiles: the k-quants' 256-bit maddubs path, main's), with no
+    third call between them (a dequantize + BLAS call evicts the weight, so the side
+    after it would read it cold and the other warm). Each round runs the two once cold
+    (caches flushed first: in a decode step a layer's weight streams from memory) and
+    then once warm, in the order new/old on even rounds and old/new on odd ones;
+    medians and their ratios."""
+    from fdx.core.host import cpu_flags, cpu_model
+    from fdx.ops.probes import random_quantized
+    from fdx.plugins.backends.cpu import probe_kernels
+
+    table = probe_kernels(threads)
+    isa = [f for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni") if f in cpu_flags()]
+    print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}, load average "
+          f"{' '.join(open('/proc/loadavg').read().split()[:3])}")
+    print(f"{'kind':<6} {'out x in':>10} {'M':>4} | {'cold new':>8} {'old ms':>8} {'old/new':>7} | "
+          f"{'warm new':>8} {'old ms':>8} {'old/new':>7}")
+    module = cpp._module_or_raise()
+    rng = np.random.default_rng(0)
+    flush = np.empty(64 << 18, np.float32)              # 64 MiB: more than the L3
+    for kind in kinds:
+        variant = next(v for v in cpp.QUANT_VARIANTS if table.usable(cpp.quant_kernel_name(kind, v)))
+        for rows, cols in ((2048, 2048), (8192, 2048)):
+            w = random_quantized(kind, rows, cols, rng).prepare()
+            data, scales = w.tensors()
+            args = (cpp.quant_code(w), cpp._VARIANT_CODE[variant], rows, cols, w.group_size)
+            old = (cpp.quant_code(w) | cpp._CODE_ROW_TILES,) + args[1:]
+            for m in rows_list:
+                x = paddle.randn([m, cols])
+                fns = {"new": lambda: module.fdx_quant_matmul(x, data, scales, *args),
+                       "old": lambda: module.fdx_quant_matmul(x, data, scales, *old)}
+                times = {(k, c): [] for k in fns for c in ("cold", "warm")}
+                for fn in fns.values():
+                    fn()
+                for i in range(rounds):
+                    for k in (("new", "old") if i % 2 == 0 else ("old", "new")):
+                        for cond in ("cold", "warm"):
+                            if cond == "cold":
+                                flush.fill(i)
+                            t0 = CLOCK()
+                            fns[k]()
+                            times[k, cond].append(CLOCK() - t0)
+                med = {key: 1e3 * np.median(v) for key, v in times.items()}
+                print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>4} | {med['new', 'cold']:8.3f} "
+                      f"{med['old', 'cold']:8.3f} {med['old', 'cold'] / med['new', 'cold']:6.2f}x | "
+                      f"{med['new', 'warm']:8.3f} {med['old', 'warm']:8.3f} "
+                      f"{med['old', 'warm'] / med['new', 'warm']:6.2f}x", flush=True)
+
+
 def bench_layer(kinds: list[str], seqs_list: tuple[int, ...], iters: int, threads: int, ctx: int = 128) -> None:
     from fdx.core import kernels
     from fdx.core.host import cpu_model
@@ -240,6 +291,9 @@ def main() -> None:
     parser.add_argument("--prefill", nargs="?", const="q4_k,q6_k,q8_0,q4_0,q4_1,q5_k",
                         help="many-row products (--rows, default 32,128,512): now, before the many-row "
                              "tiles, dequantize + BLAS")
+    parser.add_argument("--decode", nargs="?", const="q4_k,q5_k,q6_k",
+                        help="few-row products (--rows, default 1,2,4,8), cold and warm: now against the "
+                             "kernel before (the k-quants' 256-bit path)")
     parser.add_argument("--layer", nargs="?", const="q4_1,q8_0",
                         help="time one whole decoder layer, composed and fused (comma-separated kinds)")
     args = parser.parse_args()
@@ -256,6 +310,10 @@ def main() -> None:
     if args.prefill:
         rows = "32,128,512" if args.rows == "1,8,64" else args.rows
         bench_prefill(args.prefill.split(","), tuple(int(m) for m in rows.split(",")), args.iters, args.threads)
+        return
+    if args.decode:
+        rows = "1,2,4,8" if args.rows == "1,8,64" else args.rows
+        bench_decode(args.decode.split(","), tuple(int(m) for m in rows.split(",")), args.iters, args.threads)
         return
     if args.layer:
         bench_layer(args.layer.split(","), (1, 8, 32), args.iters, args.threads)
