@@ -434,10 +434,15 @@ QUANT_BLAS_MIN_ROWS = 128
 # (q5_1 0.86-1.44x keeps 128); at 512 rows q8_0 1.27-1.55x, q4_0 0.83-1.44x (1 of 8
 # below 1), wint8 1.06-1.96x, wint4 1.21-1.33x (never dequantized: no float32 copy of
 # the weight either), q4_k 0.87-1.11x, q6_k 0.78-1.25x, q5_k 0.80-1.02x, q5_0
-# 0.73-1.18x, q4_1 0.77-1.24x (BLAS from 512).
+# 0.73-1.18x, q4_1 0.77-1.24x (BLAS from 512). The k-quants take vpdpbusd tiles
+# (TileKVnni) at every row count: dequantize + BLAS / their tiles, same run, 2048x2048
+# and 8192x2048, load 14-17 (bench_kernels --prefill q4_k,q5_k,q6_k --rows 32,128,512
+# --iters 5, --threads 1 --cpu-time and --threads 2): 1 thread 5.2-6.8x at 32 rows,
+# 2.2-2.6x at 128, 1.31-1.51x at 512; 2 threads 1.9-2.6x at 128, 1.45-2.09x at 512:
+# never dequantized (no float32 copy of a Q4_K_M file's gate/up in a prefill).
 QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
-    "q8_0": None, "q4_0": None, "wint8": None, "wint4": None,
-    "q5_0": 512, "q4_1": 512, "q4_k": 512, "q5_k": 512, "q6_k": 512}
+    "q8_0": None, "q4_0": None, "wint8": None, "wint4": None, "q4_k": None, "q5_k": None, "q6_k": None,
+    "q5_0": 512, "q4_1": 512}
 
 
 def quant_blas_min_rows(kind: str, variant: str) -> int | None:

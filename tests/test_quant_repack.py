@@ -79,7 +79,9 @@ def test_default_path_at_many_rows_against_numpy(module, variant):
     kinds with blocks of 32 take the AVX-512 VNNI tiles where the CPU has them
     (issue 34 item 3: prefill without dequantizing), another order of the float
     sums than below 12 rows, so the check is numpy's at 1e-4, and bitwise only
-    among the row counts on one side (a row's bits do not depend on its tile)."""
+    among the row counts on one side (a row's bits do not depend on its tile).
+    The k-quants take their VNNI tiles at every row count there; their 256-bit
+    path (an AVX-512 CPU without VNNI) is checked too (kCodeRowTiles)."""
     import paddle
     _variant_ok("q8_0", variant)                            # one build for every kind
     rng = np.random.default_rng(zlib.crc32(f"{variant}/many".encode()))
@@ -98,6 +100,15 @@ def test_default_path_at_many_rows_against_numpy(module, variant):
                 assert np.abs(g - want[:m]).max() <= 1e-4 * np.abs(want).max(), f"{kind} {variant} {rows} M={m}"
             assert np.array_equal(got[33], got[512][:33]), f"{kind} {variant} {rows}: 33 rows vs 512"
             assert np.array_equal(got[7], got[8][:7]) and np.array_equal(got[1], got[2][:1]), f"{kind} {variant}"
+            if kind.endswith("_k") and variant == "avx512":
+                # the 256-bit path, which an AVX-512 CPU without VNNI takes (here: the VNNI tiles)
+                code = cpp.quant_code(w) | cpp._CODE_ROW_TILES
+                old = {m: module.fdx_quant_matmul(paddle.to_tensor(x[:m]), data, scales, code,
+                                                  cpp._VARIANT_CODE[variant], rows, n, w.group_size).numpy()
+                       for m in (1, 7, 33)}
+                for m, g in old.items():
+                    assert np.abs(g - want[:m]).max() <= 1e-4 * np.abs(want).max(), f"{kind} 256-bit {rows} M={m}"
+                assert np.array_equal(old[1], old[7][:1]) and np.array_equal(old[7], old[33][:7]), kind
 
 
 def test_take_rows_and_embedding_read_the_interleaved_layout():
