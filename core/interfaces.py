@@ -395,17 +395,21 @@ class SchedulerPolicy(abc.ABC):
     does (preempted requests first, no block held while waiting, rejection
     of what can never fit, freeing, the plain-data step).
 
-    ``schedule(core)`` builds the step through the core's helpers:
-    ``core.schedule_running()`` (running requests, preempting the victim
-    policy's pick when blocks run out), ``core.admit_waiting(grant)`` (the
-    admission loop: queue order, admission rules, ``max_num_seqs``, the
-    budget; ``grant`` sizes each admitted request's tokens) and, for a
-    policy that orders the step itself, ``core.schedule_request(request,
-    n)`` after ``core.kv_cache.allocate_slots(request, n)``. What it may
-    read: ``core.running`` (run order, oldest first), ``core.waiting``
-    (queue order), ``core.budget`` (tokens left this step),
-    ``core.max_num_seqs``, ``core.chunked_prefill``, ``core.preempted_ids``
-    (this step's preemptions).
+    ``schedule(core)`` builds the step through ``core``, a
+    ``fdx.core.scheduling.SchedulingView``: the core's documented surface
+    and nothing else. ``core.schedule_running()`` (running requests,
+    preempting the victim policy's pick when blocks run out),
+    ``core.admit_waiting(grant)`` (the admission loop: queue order,
+    admission rules, ``max_num_seqs``, the budget; ``grant`` sizes each
+    admitted request's tokens) and, for a policy that orders the step
+    itself, ``core.schedule_request(request, n)`` after
+    ``core.kv_cache.allocate_slots(request, n)``, ``core.rotate_running(n)``,
+    ``core.preempt(request)``. What it may read: ``core.running`` (run
+    order, oldest first), ``core.waiting`` (queue order), ``core.loading``
+    (admitted, KV still loading), ``core.budget`` (tokens left this step),
+    ``core.max_num_seqs``, ``core.max_num_batched_tokens``,
+    ``core.max_model_len``, ``core.chunked_prefill``, ``core.preempted_ids``
+    (this step's preemptions), ``core.kv_cache``, ``core.step``.
 
     Rules every policy keeps (``fdx.core.testing.check_scheduler`` checks
     them): never more than ``max_num_batched_tokens`` tokens or

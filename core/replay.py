@@ -126,7 +126,7 @@ class RecordedPolicy(SchedulerPolicy):
     def schedule(self, core) -> None:
         if self.index >= len(self.steps):
             raise ReplayMismatch(f"the recording has {len(self.steps)} steps; the run needs more "
-                                 f"({core.num_running} running, {core.num_waiting} waiting)")
+                                 f"({len(core.running)} running, {len(core.waiting)} waiting)")
         d = self.steps[self.index]
         self.index += 1
         victims = list(d.preempted)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import pathlib
+import re
 
 import msgspec
 import numpy as np
@@ -543,6 +544,47 @@ def test_every_registered_scheduler_and_extension_keeps_the_rules(ex):
         check_scheduler("v1", "paged", preemption=name, max_examples=8)
     for name in pm.names("admission_rule"):
         check_scheduler("v1", "paged", admission=[name], max_examples=8)
+
+
+def test_a_policy_sees_only_the_documented_view_of_the_scheduling_core():
+    """schedule(core) is handed a SchedulingView: every name docs/plugins.md
+    lists works, and reaching past it (the core's own bookkeeping, a list to
+    rewrite) is an AttributeError naming the view, in the conformance kit
+    as in the engine; v0 runs on the view alone."""
+    from fdx.core.hookspecs import hookimpl
+    from fdx.core.interfaces import SchedulerPolicy
+    from fdx.core.scheduling import SchedulingView
+    doc = (ROOT / "docs" / "plugins.md").read_text()
+    section = doc[doc.index("### A KV scheduler"):doc.index("```python", doc.index("### A KV scheduler"))]
+    listed = set(re.findall(r"`core\.([a-z_]+)", section))
+    surface = {n for n, v in vars(SchedulingView).items() if not n.startswith("_")}
+    assert listed == surface, (listed ^ surface)
+    seen = {}
+
+    class Reaching(SchedulerPolicy):
+        def schedule(self, core):
+            for name in ("recving", "held", "out", "policy"):
+                try:
+                    getattr(core, name)
+                    seen[name] = "reached"
+                except AttributeError as e:
+                    seen[name] = str(e)
+            seen["lists"] = (type(core.running), type(core.waiting), type(core.loading))
+            core.schedule_running()
+            core.admit_waiting()
+
+    class Plugin:
+        @hookimpl
+        def fdx_register_resource_managers(self, register):
+            register("kit-reaching", Reaching)
+
+    pm = PluginManager()
+    pm.add_plugin(Plugin(), name="kit-reaching")
+    check_scheduler("kit-reaching", "paged", max_examples=2, plugin_manager=pm)
+    assert seen["lists"] == (tuple, tuple, tuple)
+    for name in ("recving", "held", "out", "policy"):
+        assert "SchedulingView" in seen[name], (name, seen[name])
+    check_scheduler("v0", "prefix", max_examples=8)
 
 
 def test_conformance_kit_on_the_outside_plugins(ex):

@@ -193,3 +193,52 @@ def test_a_distribution_disabled_by_name_imports_nothing(tmp_path):
 
     _fdx_plugins(site, marker, "")                   # enabled, the same package is imported
     assert marker.read_text() == "imported"
+
+
+def test_kinds_built_outside_the_assembly_get_their_validated_settings():
+    """A weight format, a MoE router and a chat parser that declare
+    ``Settings`` are built with the validated instance (not the raw dict),
+    and a bad value is a ConfigError naming the full key."""
+    from dataclasses import dataclass
+
+    from fdx.core.chat_output import chat_parser
+    from fdx.core.checkpoint.model import weight_format
+    from fdx.core.config import ConfigError, FdxConfig
+    from fdx.core.interfaces import ToolParser, ToolParseResult, WeightFormat
+
+    @dataclass
+    class Bits:
+        bits: int = 8
+
+    class MyFormat(WeightFormat):
+        Settings = Bits
+
+        def load(self, name, tensor, role):
+            return tensor
+
+    class MyTools(ToolParser):
+        Settings = Bits
+
+        def extract(self, text):
+            return ToolParseResult(text, [])
+
+    class Plugin:
+        @hookimpl
+        def fdx_register_weight_formats(self, register):
+            register("settings-format", MyFormat)
+
+        @hookimpl
+        def fdx_register_tool_parsers(self, register):
+            register("settings-tools", MyTools)
+
+    pm = PluginManager(load_entry_points=False)
+    pm.add_plugin(Plugin(), name="settings-plugin")
+    cfg = FdxConfig.build(quantization="settings-format", tool_call_parser="settings-tools",
+                          **{"plugins.weight_format.settings-format": {"bits": 4},
+                             "plugins.tool_parser.settings-tools": {"bits": 2}})
+    assert weight_format(cfg, pm).settings == Bits(4)
+    cls, settings = chat_parser(pm, cfg, "tool_parser", "tool_call_parser")
+    assert cls is MyTools and settings == Bits(2)
+    bad = FdxConfig.build(quantization="settings-format", **{"plugins.weight_format.settings-format": {"bitz": 4}})
+    with pytest.raises(ConfigError, match="plugins.weight_format.settings-format.bitz"):
+        weight_format(bad, pm)

@@ -71,7 +71,7 @@ class V0Policy(SchedulerPolicy):
         else:
             batch = [(r, 1) for r in core.running[:core.max_num_batched_tokens]]
             # when the budget is below the running count, the rest go first next step
-            core.running[:] = core.running[len(batch):] + core.running[:len(batch)]
+            core.rotate_running(len(batch))
         for req, n in batch:
             if not core.kv_cache.allocate_slots(req, n):
                 raise RuntimeError(f"v0: the decode reserve of {req.request_id} did not hold "
@@ -84,16 +84,16 @@ class V0Policy(SchedulerPolicy):
         unless chunked, and the decode reserve of everyone running."""
         kv = core.kv_cache
         max_prompt_blocks = self.settings.kv_cache_ratio * kv.num_blocks
-        # requests whose KV a connector is still loading (core.recving) hold blocks and will run:
+        # requests whose KV a connector is still loading (core.loading) hold blocks and will run:
         # their reserve counts as a running one's (a decode found no block when it did not)
-        admitted = [*core.running, *core.recving.values()]
+        admitted = [*core.running, *core.loading]
         acc = dict(reserved=sum(self.reserve(core, r) for r in admitted),
                    prompt_blocks=sum(self._blocks(core, r.num_prompt_tokens) for r in admitted),
                    pending=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in admitted))
 
         def grant(req, hit, external):
             own_prompt_blocks = self._blocks(core, req.num_prompt_tokens)
-            if (core.running or core.recving) and acc["prompt_blocks"] + own_prompt_blocks > max_prompt_blocks:
+            if (core.running or core.loading) and acc["prompt_blocks"] + own_prompt_blocks > max_prompt_blocks:
                 return None
             num_new = req.num_prompt_tokens - hit.num_tokens - external
             fits_budget = core.chunked_prefill or acc["pending"] + num_new <= core.max_num_batched_tokens
