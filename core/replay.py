@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from fdx.core.interfaces import SchedulerPolicy
+from fdx.core.interfaces import KVScheduler
 from fdx.core.sampling_params import SamplingParams
 
 
@@ -103,14 +103,14 @@ def label_of(engine) -> str:
     sc, cc = engine.config.scheduler, engine.config.cache
     admission = f" admission={','.join(sc.admission)}" if sc.admission else ""
     return (f"{sc.kv_scheduler} policy={sc.policy} preemption={sc.preemption} kv_cache={cc.kv_cache}"
-            f" max_num_seqs={sc.max_num_seqs} budget={engine.resource_manager.max_num_batched_tokens}{admission}")
+            f" max_num_seqs={sc.max_num_seqs} budget={engine.scheduling.max_num_batched_tokens}{admission}")
 
 
 def kv_shape(engine) -> dict[str, int]:
-    return dict(num_blocks=engine.resource_manager.kv_cache.num_blocks, block_size=engine.config.cache.block_size)
+    return dict(num_blocks=engine.scheduling.kv_cache.num_blocks, block_size=engine.config.cache.block_size)
 
 
-class RecordedPolicy(SchedulerPolicy):
+class RecordedPolicy(KVScheduler):
     """Makes the recorded decisions again, one step of ``steps`` per engine
     step: the recorded victims are preempted when a scheduled request's
     blocks do not fit (in the recorded order, the rest at the end of the
@@ -173,7 +173,7 @@ class ReplayMismatch(RuntimeError):
 
 
 def record(engine, arrivals: list[Arrival], label: str | None = None, max_steps: int = 100_000,
-           policy: SchedulerPolicy | None = None) -> Trace:
+           policy: KVScheduler | None = None) -> Trace:
     """Run ``arrivals`` on an idle engine, each added just before its step,
     until every request has ended; the trace of what the scheduler decided.
     The run starts from fresh scheduling parts (``engine.reconfigure()``):
@@ -184,7 +184,7 @@ def record(engine, arrivals: list[Arrival], label: str | None = None, max_steps:
         raise RuntimeError("record needs an idle engine")
     engine.reconfigure()
     if policy is not None:
-        engine.resource_manager.policy = policy       # these fresh parts only: the next reconfigure drops it
+        engine.scheduling.policy = policy       # these fresh parts only: the next reconfigure drops it
     names = [a.name or f"a{i}" for i, a in enumerate(arrivals)]
     if len(set(names)) != len(names):
         raise ValueError("arrival names must be unique")
@@ -217,7 +217,7 @@ def record(engine, arrivals: list[Arrival], label: str | None = None, max_steps:
                     t.finished_step, t.finish_reason = step, req.status.value
                     t.num_preemptions, t.output_token_ids = req.num_preemptions, list(req.output_token_ids)
                     del live[name]
-            rm = engine.resource_manager
+            rm = engine.scheduling
             steps.append(StepDecision(step, dict(sched.num_scheduled_tokens), list(sched.preempted_req_ids),
                                       rm.num_running, rm.num_waiting))
             step += 1

@@ -2,9 +2,9 @@
 preemption, freeing, building the plain-data step, and the two loops every
 scheduler policy shares.
 
-The engine holds one ``SchedulingCore`` (``engine.resource_manager``) and
+The engine holds one ``SchedulingCore`` (``engine.scheduling``) and
 asks it for each step; the scheduler plugin (``scheduler.kv_scheduler``,
-a ``SchedulerPolicy`` from core/interfaces.py) only decides which requests
+a ``KVScheduler`` from core/interfaces.py) only decides which requests
 run and how many tokens each gets, through the helpers here. The core keeps
 the correctness-critical rules whatever the policy does:
 
@@ -37,8 +37,8 @@ import time
 from typing import Callable, Iterator
 
 from fdx.core import activations
-from fdx.core.interfaces import (CachedRequestData, KVCacheManager, ModelRunnerOutput, NewRequestData,
-                                 PrefixHit, QueuePolicy, SchedulerOutput, SchedulerPolicy, SchedulerState,
+from fdx.core.interfaces import (CachedRequestData, KVCacheManager, KVScheduler, ModelRunnerOutput,
+                                 NewRequestData, PrefixHit, QueuePolicy, SchedulerOutput, SchedulerState,
                                  SchedulingExtensions)
 from fdx.core.request import Request, RequestStatus
 
@@ -129,7 +129,7 @@ def unservable_reason(request: Request, kv_cache: KVCacheManager, max_model_len:
 
 
 class SchedulingView:
-    """What a KV scheduler (``SchedulerPolicy.schedule(core)``) works
+    """What a KV scheduler (``KVScheduler.schedule(core)``) works
     through: the scheduling core's documented surface, and nothing else (an
     attribute not listed here is an AttributeError naming this list).
 
@@ -244,7 +244,7 @@ class SchedulingCore:
     the step's helpers; ``policy`` decides what each step runs."""
 
     def __init__(self, config, kv_cache: KVCacheManager, max_model_len: int, extensions: SchedulingExtensions,
-                 policy: SchedulerPolicy, token_processor=None):
+                 policy: KVScheduler, token_processor=None):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len

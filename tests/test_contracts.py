@@ -201,23 +201,24 @@ def pm(example_plugin_installed):
 def test_outside_scheduler_queue_order_and_victim_keep_outputs(tiny, reference, ex, pm):
     """The outside scheduler policy runs on the engine's scheduling core;
     its setting (a cap on each new prompt's first chunk) shapes the steps."""
-    llm = make_llm(tiny, plugins=pm, resource_manager="example-fifo", policy="shortest-first",
+    llm = make_llm(tiny, plugins=pm, kv_scheduler="example-fifo", policy="shortest-first",
                    preemption="most-output", num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=3,
-                   **{"plugins.resource_manager.example-fifo": {"max_first_chunk": 5}})
+                   **{"plugins.kv_scheduler.example-fifo": {"max_first_chunk": 5}})
     eng = llm.engine
-    assert type(eng.resource_manager.policy).__name__ == "FifoScheduler"
+    assert type(eng.scheduling.policy).__name__ == "FifoScheduler"
+    assert eng.resource_manager is eng.scheduling                  # the old name, an alias
     firsts = []
-    real = eng.resource_manager.schedule
+    real = eng.scheduling.schedule
 
     def schedule():
         out = real()
         firsts.extend(out.num_scheduled_tokens[d.request_id] for d in out.new_requests)
         return out
-    eng.resource_manager.schedule = schedule
+    eng.scheduling.schedule = schedule
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference
     assert firsts and max(firsts) <= 5
-    with pytest.raises(ConfigError, match="plugins.resource_manager.example-fifo.*max_first_chunk"):
-        make_llm(tiny, plugins=pm, resource_manager="example-fifo",
+    with pytest.raises(ConfigError, match="plugins.kv_scheduler.example-fifo.*max_first_chunk"):
+        make_llm(tiny, plugins=pm, resource_manager="example-fifo",              # the old names, aliases
                  **{"plugins.resource_manager.example-fifo": {"max_first_chunk": 0}})
 
 
@@ -575,7 +576,7 @@ def test_a_policy_sees_only_the_documented_view_of_the_scheduling_core():
 
     class Plugin:
         @hookimpl
-        def fdx_register_resource_managers(self, register):
+        def fdx_register_kv_schedulers(self, register):
             register("kit-reaching", Reaching)
 
     pm = PluginManager()

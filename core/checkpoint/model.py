@@ -87,7 +87,7 @@ def _set_moe_router(model: Any, arch: str, config: FdxConfig, plugins: PluginMan
     """Put the router ``model.moe_router`` names in every MoE layer (here,
     where every tensor parallel rank builds its model too)."""
     name = config.model.moe_router
-    if not hasattr(model, "set_router"):
+    if model.moe is None:
         raise ConfigError(f"config key 'model.moe_router': {arch} has no mixture-of-experts layers to route")
     try:
         cls = plugins.get("moe_router", name)

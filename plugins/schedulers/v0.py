@@ -11,7 +11,7 @@ whole prompts admitted at once, never a preemption.
   its own end, so a decode step always finds a block, nothing is ever
   preempted, and every admitted request finishes. The prompt's blocks are
   allocated at admission; output blocks one by one as decoding needs them.
-- ``plugins.resource_manager.v0.kv_cache_ratio`` (``V0Settings``) bounds the share of the pool that the prompts of
+- ``plugins.kv_scheduler.v0.kv_cache_ratio`` (``V0Settings``) bounds the share of the pool that the prompts of
   running requests may take, leaving the rest to their outputs. A request
   admitted into an empty engine is exempt, so a long prompt always runs.
 - A step either prefills or decodes: while any running request has prompt
@@ -32,17 +32,17 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import SchedulerPolicy
+from fdx.core.interfaces import KVScheduler
 from fdx.core.request import Request
 
 
 class V0Settings(BaseModel):
-    """``plugins.resource_manager.v0``."""
+    """``plugins.kv_scheduler.v0``."""
     model_config = ConfigDict(extra="forbid")
     kv_cache_ratio: float = Field(0.75, gt=0, le=1)   # share of the blocks running prompts may take
 
 
-class V0Policy(SchedulerPolicy):
+class V0Policy(KVScheduler):
     """FastDeploy v0's step, on the engine's scheduling core."""
     Settings = V0Settings
 
@@ -128,5 +128,5 @@ class V0Policy(SchedulerPolicy):
 
 
 @hookimpl
-def fdx_register_resource_managers(register):
+def fdx_register_kv_schedulers(register):
     register("v0", V0Policy)
