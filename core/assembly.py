@@ -180,7 +180,7 @@ class Assembly:
 
     def scheduler_side(self, num_blocks: int, token_processor, max_model_len: int, extra_rules=()) -> dict:
         """The KV cache manager (``num_blocks``), the connector and the
-        scheduling core running the scheduler policy, with its extensions (``extra_rules``: admission
+        scheduling core running the KV scheduler, with its extensions (``extra_rules``: admission
         rules the engine adds, e.g. guided decoding's)."""
         config, c, s, make = self.config, self.classes, self.settings, self.make
         sc, cc = config.scheduler, config.cache

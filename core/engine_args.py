@@ -40,7 +40,7 @@ _ALIAS_FLAGS = {
     "--kv-cache-ratio": ("plugins.kv_scheduler.v0.kv_cache_ratio", float,
                          "FastDeploy: the v0 scheduler's share of KV blocks prompts may take "
                          "(plugins.kv_scheduler.v0.kv_cache_ratio; default: 0.75); v0 only: refused "
-                         "under another --resource-manager"),
+                         "under another --kv-scheduler"),
     "--kv-cache-memory-bytes": ("kv_cache_memory_bytes", int,
                                 "vLLM: the KV cache's size in bytes, whatever the memory (cache.kv_cache_memory_bytes; "
                                 "default: max_num_seqs x max_model_len tokens, capped at cache.memory_fraction of "

@@ -17,7 +17,7 @@ parts as every recording starts; only the scheduling differs. Each step's decisi
 and which were preempted) is recorded as the scheduler made it.
 
 ``replay(engine, trace, exact=True)`` re-makes the recorded decisions
-instead: a ``RecordedPolicy`` in place of the engine's scheduler policy
+instead: a ``RecordedPolicy`` in place of the engine's KV scheduler
 hands the scheduling core each step's recorded batch (preempting the
 recorded victims when blocks run out, as v1 does), so the run is the
 recording step for step and greedy tokens equal it. A recording that does
@@ -179,7 +179,7 @@ def record(engine, arrivals: list[Arrival], label: str | None = None, max_steps:
     The run starts from fresh scheduling parts (``engine.reconfigure()``):
     an empty KV cache manager (no prefix hit left from an earlier run) and
     a fresh sampler, so two recordings start alike. ``policy``: in place of
-    the engine's scheduler policy for this run (``RecordedPolicy``)."""
+    the engine's KV scheduler for this run (``RecordedPolicy``)."""
     if engine.has_unfinished():
         raise RuntimeError("record needs an idle engine")
     engine.reconfigure()

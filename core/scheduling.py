@@ -1,6 +1,6 @@
 """The scheduling core the engine owns: the waiting queue, admission,
 preemption, freeing, building the plain-data step, and the two loops every
-scheduler policy shares.
+KV scheduler (policy) shares.
 
 The engine holds one ``SchedulingCore`` (``engine.scheduling``) and
 asks it for each step; the scheduler plugin (``scheduler.kv_scheduler``,
@@ -159,7 +159,7 @@ class SchedulingView:
         self._core = core
 
     def __getattr__(self, name: str):
-        raise AttributeError(f"a scheduler policy's view of the scheduling core has no {name!r}; what it has: "
+        raise AttributeError(f"a KV scheduler's view of the scheduling core has no {name!r}; what it has: "
                              "fdx.core.scheduling.SchedulingView (docs/plugins.md, 'A KV scheduler')")
 
     # -- read --------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 against ``fdx.core`` only (never ``fdx.plugins``), installed with pip and
 found through the ``fdx`` entry-point group. fdx knows nothing about it.
 
-- ``example-fifo`` scheduler policy: the engine's scheduling core's two
+- ``example-fifo`` KV scheduler: the engine's scheduling core's two
   loops, with a cap of its own on each new prompt's first chunk.
 - ``shortest-first`` queue policy, ``tenant-cap`` admission rule (its
   settings declared as a ``Settings`` dataclass), ``most-output``
