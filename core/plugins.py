@@ -116,6 +116,9 @@ class Registries(dict):
     def __contains__(self, kind: object) -> bool:
         return super().__contains__(KIND_ALIASES.get(kind, kind) if isinstance(kind, str) else kind)
 
+    def get(self, kind: str, default: Any = None) -> Any:
+        return super().get(KIND_ALIASES.get(kind, kind), default)
+
 
 OBSERVER_HOOKS = ("fdx_engine_started", "fdx_request_added", "fdx_step_finished", "fdx_request_finished")
 
