@@ -8,8 +8,8 @@ backend-chosen attention backend, sampler and runner once a backend is
 given) and reads each one's settings (``plugins.<kind>.<name>``) once.
 Then:
 
-    scheduler side   kv_cache, connector, resource_manager   (what schedules: the
-                     scheduling core, running the scheduler policy config names)
+    scheduler side   kv_cache, connector, scheduling   (what schedules: the
+                     scheduling core, running the KV scheduler config names)
     executor         where the model runs (executor_class: in-process at TP 1,
                      parallel.runner's worker processes above)
     runner side      logits processors, attention, sampler, runner (what computes:
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 
-from fdx.core.config import ConfigError, FdxConfig, plugin_settings
+from fdx.core.config import KIND_ALIASES, ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import Executor, RunnerContext, SchedulingExtensions
 from fdx.core.plugins import PluginError, PluginManager
 from fdx.core.scheduling import SchedulingCore
@@ -41,7 +41,7 @@ class Assembly:
         pick = self.pick
         self.classes = {
             "kv_cache": pick("kv_cache", "cache.kv_cache", cc.kv_cache),
-            "resource_manager": pick("resource_manager", "scheduler.kv_scheduler", sc.kv_scheduler),
+            "kv_scheduler": pick("kv_scheduler", "scheduler.kv_scheduler", sc.kv_scheduler),
             "queue_policy": pick("queue_policy", "scheduler.policy", sc.policy),
             "admission": [(n, pick("admission_rule", "scheduler.admission", n)) for n in sc.admission],
             "preemption": pick("preemption_policy", "scheduler.preemption", sc.preemption),
@@ -104,7 +104,9 @@ class Assembly:
     def settings(self, kind: str, name: str | None):
         """What the plugin ``kind``/``name`` is constructed with: its
         ``Settings`` instance when the class declares one (validated once,
-        here), else the ``plugins.<kind>.<name>`` dict; a fresh copy each call."""
+        here), else the ``plugins.<kind>.<name>`` dict; a fresh copy each call.
+        An old kind name (``resource_manager``, ``scheduler``) reads the new kind's."""
+        kind = KIND_ALIASES.get(kind, kind)
         by_name = self._settings.setdefault(kind, {})
         if name not in by_name:
             try:
@@ -131,7 +133,7 @@ class Assembly:
                 self._settings.setdefault(kind, {})[name] = plugin_settings(
                     kind, name, kinds[kind][name].obj, value)
                 rm = self.config.scheduler.kv_scheduler
-                if kind == "resource_manager" and value and name != rm:   # e.g. --kv-cache-ratio under v1
+                if kind == "kv_scheduler" and value and name != rm:   # e.g. --kv-cache-ratio under v1
                     raise ConfigError(f"config key 'plugins.{kind}.{name}.{next(iter(value))}': a setting of the "
                                       f"{name} KV scheduler, but scheduler.kv_scheduler is {rm}: it would do "
                                       f"nothing (--kv-cache-ratio is v0's: its prefill-first steps split the "
@@ -178,7 +180,7 @@ class Assembly:
 
     def scheduler_side(self, num_blocks: int, token_processor, max_model_len: int, extra_rules=()) -> dict:
         """The KV cache manager (``num_blocks``), the connector and the
-        scheduling core running the scheduler policy, with its extensions (``extra_rules``: admission
+        scheduling core running the KV scheduler, with its extensions (``extra_rules``: admission
         rules the engine adds, e.g. guided decoding's)."""
         config, c, s, make = self.config, self.classes, self.settings, self.make
         sc, cc = config.scheduler, config.cache
@@ -189,12 +191,12 @@ class Assembly:
             name = self.connector_name
             connector = make("connector", name, c["connector"], config, cc.block_size,
                              settings=s("connector", name))
-        policy = make("resource_manager", sc.kv_scheduler, c["resource_manager"], config,
-                      settings=s("resource_manager", sc.kv_scheduler))
-        # the engine's scheduling core, running the policy (engine.resource_manager)
-        resource_manager = SchedulingCore(config, kv_cache, max_model_len,
-                                          self.extensions(kv_cache, connector, extra_rules), policy, token_processor)
-        return dict(kv_cache=kv_cache, connector=connector, resource_manager=resource_manager)
+        policy = make("kv_scheduler", sc.kv_scheduler, c["kv_scheduler"], config,
+                      settings=s("kv_scheduler", sc.kv_scheduler))
+        # the engine's scheduling core, running the policy (engine.scheduling)
+        scheduling = SchedulingCore(config, kv_cache, max_model_len,
+                                    self.extensions(kv_cache, connector, extra_rules), policy, token_processor)
+        return dict(kv_cache=kv_cache, connector=connector, scheduling=scheduling)
 
     # -- the runner side ------------------------------------------------------------------
     def attention(self):

@@ -333,7 +333,7 @@ DEPRECATED: dict[str, str] = {
     "splitwise.connector_secret": "plugins.connector.splitwise.secret",
     "splitwise.transfer_timeout_s": "plugins.connector.splitwise.transfer_timeout_s",
     "splitwise.debug_transfer_delay_s": "plugins.connector.splitwise.debug_transfer_delay_s",
-    "cache.kv_cache_ratio": "plugins.resource_manager.v0.kv_cache_ratio",
+    "cache.kv_cache_ratio": "plugins.kv_scheduler.v0.kv_cache_ratio",
     "cache.swap_dir": "plugins.connector.swap.dir",
     "cache.swap_max_blocks": "plugins.connector.swap.max_blocks",
     "backend.cuda_graph": "backend.model_runner",
@@ -344,6 +344,10 @@ DEPRECATED_FLAT = {"splitwise_role": "splitwise.role", **{
     k.split(".", 1)[1]: k for k in DEPRECATED if k.split(".", 1)[1] not in FLAT_KEYS and k != "splitwise.role"}}
 DEPRECATED_SECTIONS = ("splitwise",)
 _warned: set[str] = set()
+# Plugin kinds renamed (issue 36: one name each for the KV scheduler and the request-level scheduler): the old
+# kind under ``plugins.`` is an alias of the new one (settings move, one warning), and the plugin manager finds
+# the old kind name too (core/plugins.py). docs/configuration.md "Deprecated keys".
+KIND_ALIASES: dict[str, str] = {"resource_manager": "kv_scheduler", "scheduler": "request_scheduler"}
 
 
 def _implied(old: str, value: Any) -> tuple[str, Any] | None | bool:
@@ -405,6 +409,13 @@ def _merge(data: dict[str, Any], key: str, value: Any) -> None:
             return
         if len(path) < 2 and not isinstance(value, dict):
             raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        if path[0] in KIND_ALIASES:
+            old, path[0] = path[0], KIND_ALIASES[path[0]]
+            if f"plugins.{old}" not in _warned:
+                _warned.add(f"plugins.{old}")
+                log.warning("config key 'plugins.%s' is deprecated: use 'plugins.%s' (docs/configuration.md)",
+                            old, path[0])
+            key = ".".join(["plugins", *path])
         node = data.setdefault("plugins", {})
         for part in path[:-1]:
             node = node.setdefault(part, {})

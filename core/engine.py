@@ -1,9 +1,9 @@
 """EngineCore: builds every part from the plugins config names, and steps.
 
-    sched = resource_manager.schedule()          # plain data: which requests, how many tokens
+    sched = scheduling.schedule()                # plain data: which requests, how many tokens
     out   = executor.execute(sched)              # one batched forward + logits processors + sampling,
                                                  # on rank 0 in process or on every TP rank
-    done  = resource_manager.update(sched, out)  # append tokens, stop checks, free blocks
+    done  = scheduling.update(sched, out)        # append tokens, stop checks, free blocks
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class EngineCore:
         layout = assembly.classes["attention"].layout            # the kernel's
         spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, config.cache.block_size,
                            self.backend.kv_cache_dtype(dtype), layout)
-        check_kv_cache_dtype(config, spec.dtype, getattr(self.backend, "name", "?"))
+        check_kv_cache_dtype(config, spec.dtype, self.backend.name or "?")
         num_blocks = self._resolve_num_blocks(spec)
         self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
                                    spec.block_size, spec.dtype, layout)
@@ -154,7 +154,7 @@ class EngineCore:
         The executor rebuilds the runner side on every rank."""
         from fdx.core.reconfigure import reconfigured
         if self.has_unfinished():
-            raise RuntimeError(f"reconfigure needs an idle engine: {len(self.resource_manager.requests())} "
+            raise RuntimeError(f"reconfigure needs an idle engine: {len(self.scheduling.requests())} "
                                "requests are unfinished (let them finish or abort them)")
         new = reconfigured(self.config, config, changes, kv_blocks=self.kv_spec.num_blocks)
         self._check_batch_budget(new)
@@ -171,15 +171,15 @@ class EngineCore:
         old = {k: getattr(self, k, None) for k in parts}
         for k, v in parts.items():
             setattr(self, k, v)
-        self.resource_manager.speculation = self.speculation
+        self.scheduling.speculation = self.speculation
         return old
 
     @property
-    def scheduling(self):
-        """The scheduling core (``fdx.core.scheduling.SchedulingCore``),
-        running the KV scheduler ``scheduler.kv_scheduler`` names; its older
-        name ``resource_manager`` is kept as an alias."""
-        return self.resource_manager
+    def resource_manager(self):
+        """Deprecated name of ``scheduling`` (kept one release): the
+        scheduling core (``fdx.core.scheduling.SchedulingCore``) running the
+        KV scheduler ``scheduler.kv_scheduler`` names."""
+        return self.scheduling
 
     # what runs in this process: rank 0's parts under UniProcExecutor, None (or []) under tensor parallel
     @property
@@ -288,7 +288,7 @@ class EngineCore:
         from fdx.core.lora import LoRAManager, LoRARequest, make_loader
         make_loader(self.config, self.plugins)     # a bad lora.lora_loader fails the start, naming the key
         model = self.executor.model                # None under tensor parallel: the ranks' loads say it
-        if model is not None and not getattr(model, "supports_lora", False):
+        if model is not None and not model.supports_lora:
             raise ConfigError(f"config key 'lora.enable_lora': {type(model).__name__} does not apply LoRA "
                               "adapters (Model.supports_lora)")
         manager = LoRAManager(self.config, self.executor.load_lora, self.executor.unload_lora)
@@ -381,7 +381,7 @@ class EngineCore:
         its runner state (a global scheduler's retry of a job still running
         here once crashed the engine that way)."""
         rid = request.request_id
-        if any(r.request_id == rid for r in self.resource_manager.requests()):
+        if any(r.request_id == rid for r in self.scheduling.requests()):
             raise ValueError(f"request id {rid!r} is already in the engine")
         if request.lora_request is not None:     # loaded (or refused) before anything else holds it
             self.lora.acquire(request.lora_request)
@@ -390,7 +390,7 @@ class EngineCore:
         self.token_processor.start(request)
         if self.speculation is not None:
             self.speculation.add_request(request)
-        self.resource_manager.add_request(request)
+        self.scheduling.add_request(request)
         self.notify("fdx_request_added", request=request)
         return request
 
@@ -398,7 +398,7 @@ class EngineCore:
         """Abort a waiting or running request (its blocks freed, the request
         returned with status FINISHED_ABORTED); None if unknown or done."""
         self.guided.remove(request_id)          # a compile it alone waits for is cancelled
-        req = self.resource_manager.abort_request(request_id)
+        req = self.scheduling.abort_request(request_id)
         if req is not None:
             self._release_lora(req)
             self._finished(req)
@@ -418,12 +418,12 @@ class EngineCore:
             self.notify("fdx_request_finished", request=req, output=request_output(req))
 
     def has_unfinished(self) -> bool:
-        return self.resource_manager.has_unfinished()
+        return self.scheduling.has_unfinished()
 
     def shutdown(self) -> None:
         """Abort what is left, let the KV cache and connector flush, and
         close the executor (its worker processes, under tensor parallel)."""
-        for req in self.resource_manager.requests():
+        for req in self.scheduling.requests():
             self.abort_request(req.request_id)
         if self.connector is not None:
             self.connector.close()
@@ -454,7 +454,7 @@ class EngineCore:
         (``StepStats``) ``last_stats``. An idle engine's step schedules
         nothing and runs no forward."""
         t0 = time.perf_counter()
-        rm = self.resource_manager
+        rm = self.scheduling
         changed = self._guided_verdicts()
         spec = self.speculation
         if spec is not None:               # this step's k, from how many requests decode (the cost gate)
@@ -513,10 +513,10 @@ class EngineCore:
         if not self.guided.entries:
             return []
         ready, failed = self.guided.poll()
-        by_id = {r.request_id: r for r in self.resource_manager.requests()}
+        by_id = {r.request_id: r for r in self.scheduling.requests()}
         out = [by_id[rid] for rid in ready if rid in by_id]
         for rid, message, status in failed:
-            req = self.resource_manager.abort_request(rid)
+            req = self.scheduling.abort_request(rid)
             if req is not None:
                 req.status, req.stop_reason, req.error_status = RequestStatus.FINISHED_REJECTED, message, status
                 out.append(req)
@@ -524,7 +524,7 @@ class EngineCore:
 
     def _guided_step(self, sched):
         """The bitmask rows of the constrained requests that sample this step."""
-        by_id = {r.request_id: r for r in self.resource_manager.requests()}
+        by_id = {r.request_id: r for r in self.scheduling.requests()}
         rows = []
         for rid, n in sched.num_scheduled_tokens.items():
             req = by_id.get(rid)
@@ -535,7 +535,7 @@ class EngineCore:
     def _context(self, sched) -> StepContext:
         """The StepContext of a step that ran, before update(): counts from
         each request's state as the scheduler left it."""
-        by_id = {r.request_id: r for r in self.resource_manager.requests()}
+        by_id = {r.request_id: r for r in self.scheduling.requests()}
         infos = []
         for rid, n in sched.num_scheduled_tokens.items():
             req = by_id.get(rid)

@@ -37,10 +37,10 @@ _ALIAS_FLAGS = {
                                  "the host's total memory (CPU; of the memory free after the weights and one "
                                  "largest-batch forward on a GPU); it holds max_num_seqs x max_model_len tokens "
                                  "below that (cache.memory_fraction; default: 0.1)"),
-    "--kv-cache-ratio": ("plugins.resource_manager.v0.kv_cache_ratio", float,
+    "--kv-cache-ratio": ("plugins.kv_scheduler.v0.kv_cache_ratio", float,
                          "FastDeploy: the v0 scheduler's share of KV blocks prompts may take "
-                         "(plugins.resource_manager.v0.kv_cache_ratio; default: 0.75); v0 only: refused "
-                         "under another --resource-manager"),
+                         "(plugins.kv_scheduler.v0.kv_cache_ratio; default: 0.75); v0 only: refused "
+                         "under another --kv-scheduler"),
     "--kv-cache-memory-bytes": ("kv_cache_memory_bytes", int,
                                 "vLLM: the KV cache's size in bytes, whatever the memory (cache.kv_cache_memory_bytes; "
                                 "default: max_num_seqs x max_model_len tokens, capped at cache.memory_fraction of "

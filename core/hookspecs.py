@@ -29,11 +29,12 @@ Register = Callable[[str, Any], None]
 # --- registration hooks -------------------------------------------------
 
 @hookspec
-def fdx_register_resource_managers(register: Register) -> None:
-    """Register KV schedulers (``SchedulerPolicy`` subclasses) by name.
+def fdx_register_kv_schedulers(register: Register) -> None:
+    """Register KV schedulers (``KVScheduler`` subclasses) by name: the
+    policy of what each step runs, on the engine's scheduling core.
 
     Called once at start-up. ``config.scheduler.kv_scheduler`` picks one
-    (built-ins: ``v1``, ``v0``)."""
+    (built-ins: ``v1``, ``v0``); settings: ``plugins.kv_scheduler.<name>``."""
 
 
 @hookspec
@@ -60,12 +61,13 @@ def fdx_register_preemption_policies(register: Register) -> None:
 
 
 @hookspec
-def fdx_register_schedulers(register: Register) -> None:
-    """Register request-level schedulers (queues across engine instances).
+def fdx_register_request_schedulers(register: Register) -> None:
+    """Register request-level schedulers (``RequestScheduler`` subclasses:
+    where a server's requests run, e.g. a queue across engine instances).
 
     Called once at start-up. Built-ins: ``local`` and ``global`` (Redis),
-    picked by ``scheduler.request_scheduler``; the contract is in
-    core/serving/request_scheduler.py."""
+    picked by ``scheduler.request_scheduler``; settings:
+    ``plugins.request_scheduler.<name>``."""
 
 
 @hookspec
@@ -245,3 +247,17 @@ def fdx_request_finished(request: Any, output: Any) -> None:
     ``finished_time``, ``num_preemptions``); ``output`` its
     ``RequestOutput`` (one ``CompletionOutput``: text, token ids, finish
     reason; ``metrics``: the request's times on the monotonic clock)."""
+
+
+# --- deprecated names (kept one release; core/plugins.py DEPRECATED_HOOKS) ---------
+
+@hookspec
+def fdx_register_resource_managers(register: Register) -> None:
+    """Deprecated name of ``fdx_register_kv_schedulers`` (what it registers
+    is a KV scheduler; a warning names the plugin)."""
+
+
+@hookspec
+def fdx_register_schedulers(register: Register) -> None:
+    """Deprecated name of ``fdx_register_request_schedulers`` (what it
+    registers is a request-level scheduler; a warning names the plugin)."""

@@ -385,9 +385,9 @@ class SchedulingExtensions:
     connector: KVConnector | None = None
 
 
-class SchedulerPolicy(abc.ABC):
+class KVScheduler(abc.ABC):
     """A KV scheduler (``scheduler.kv_scheduler``, registered with
-    ``fdx_register_resource_managers``): each step, which requests run and
+    ``fdx_register_kv_schedulers``): each step, which requests run and
     how many of their tokens. It is a policy only: the engine owns the
     scheduling core (``fdx.core.scheduling.SchedulingCore``, passed to
     ``schedule``), which holds the queues and the KV blocks (through
@@ -395,17 +395,21 @@ class SchedulerPolicy(abc.ABC):
     does (preempted requests first, no block held while waiting, rejection
     of what can never fit, freeing, the plain-data step).
 
-    ``schedule(core)`` builds the step through the core's helpers:
-    ``core.schedule_running()`` (running requests, preempting the victim
-    policy's pick when blocks run out), ``core.admit_waiting(grant)`` (the
-    admission loop: queue order, admission rules, ``max_num_seqs``, the
-    budget; ``grant`` sizes each admitted request's tokens) and, for a
-    policy that orders the step itself, ``core.schedule_request(request,
-    n)`` after ``core.kv_cache.allocate_slots(request, n)``. What it may
-    read: ``core.running`` (run order, oldest first), ``core.waiting``
-    (queue order), ``core.budget`` (tokens left this step),
-    ``core.max_num_seqs``, ``core.chunked_prefill``, ``core.preempted_ids``
-    (this step's preemptions).
+    ``schedule(core)`` builds the step through ``core``, a
+    ``fdx.core.scheduling.SchedulingView``: the core's documented surface
+    and nothing else. ``core.schedule_running()`` (running requests,
+    preempting the victim policy's pick when blocks run out),
+    ``core.admit_waiting(grant)`` (the admission loop: queue order,
+    admission rules, ``max_num_seqs``, the budget; ``grant`` sizes each
+    admitted request's tokens) and, for a policy that orders the step
+    itself, ``core.schedule_request(request, n)`` after
+    ``core.kv_cache.allocate_slots(request, n)``, ``core.rotate_running(n)``,
+    ``core.preempt(request)``. What it may read: ``core.running`` (run
+    order, oldest first), ``core.waiting`` (queue order), ``core.loading``
+    (admitted, KV still loading), ``core.budget`` (tokens left this step),
+    ``core.max_num_seqs``, ``core.max_num_batched_tokens``,
+    ``core.max_model_len``, ``core.chunked_prefill``, ``core.preempted_ids``
+    (this step's preemptions), ``core.kv_cache``, ``core.step``.
 
     Rules every policy keeps (``fdx.core.testing.check_scheduler`` checks
     them): never more than ``max_num_batched_tokens`` tokens or
@@ -432,15 +436,18 @@ class SchedulerPolicy(abc.ABC):
         step before and closes it after: ``core.schedule()``)."""
 
 
+SchedulerPolicy = KVScheduler       # its name before issue 36, kept one release (docs/plugins.md)
+
+
 class RequestScheduler(abc.ABC):
     """A request-level scheduler (``scheduler.request_scheduler``,
-    registered with ``fdx_register_schedulers``): where a server's requests
+    registered with ``fdx_register_request_schedulers``): where a server's requests
     run. ``local`` (the default) runs them in the server's own engine and
     is never built (``wraps = False``); any other is built in the API
     process as ``cls(config, engine, metrics, settings)`` around the
     server's ``EngineClient`` (``engine``; ``metrics`` the server's
     ``ServerMetrics``, whose ``registry`` takes its own series;
-    ``settings`` from ``plugins.scheduler.<name>``, validated into
+    ``settings`` from ``plugins.request_scheduler.<name>``, validated into
     ``cls.Settings`` when it declares one) and stands in for it, so it
     keeps the client's interface as the server uses it. It must not import
     Paddle (the API process never does).
@@ -642,9 +649,16 @@ class Sampler(abc.ABC):
     ``device_logits`` (False by default): the sampler takes the model's
     logits tensor as it is (on the device), so a step with no active
     logits processor, no guided bitmask and no prompt logprobs skips the
-    move to the host; False: ``sample`` gets host (numpy) logits."""
+    move to the host; False: ``sample`` gets host (numpy) logits.
+
+    Speculative decoding's verify step (rejection sampling of sampled
+    requests' drafts) also calls ``probs(logits, batch)``, the distribution
+    ``sample`` draws each row from, and draws an unseeded row's random
+    numbers from ``rng`` (the sampler's shared stream, a
+    ``numpy.random.Generator``; None: a fresh one each time)."""
 
     device_logits: bool = False
+    rng: Any = None
 
     def __init__(self, config: "FdxConfig | None" = None, settings: dict | None = None):
         self.config = config
@@ -654,6 +668,14 @@ class Sampler(abc.ABC):
     def sample(self, logits: Any, batch: SamplingBatch, raw_logits: Any = None) -> SamplerOutput:
         """``logits``: processed float32 [B, V]; ``raw_logits``: before the
         processors (for logprobs; None: the same as ``logits``)."""
+
+    def probs(self, logits: Any, batch: SamplingBatch) -> Any:
+        """The distribution ``sample`` draws each row of ``logits`` from,
+        [B, V] float64 (a greedy row: one-hot at the argmax), drawing no
+        random numbers. Default: NotImplementedError, so speculative
+        decoding of sampled requests with this sampler fails naming it."""
+        raise NotImplementedError(f"{type(self).__name__} does not give the distribution it samples from "
+                                  "(Sampler.probs): speculative decoding of sampled requests needs it")
 
 
 @dataclass(slots=True)
@@ -1133,6 +1155,15 @@ class Model(abc.ABC):
     #: each adapter's delta to its requests' rows of every linear it targets). A
     #: config with ``lora.enable_lora`` over a model that says False is a ConfigError.
     supports_lora: bool = False
+    #: The shape of the model's mixture-of-experts layers (number of experts,
+    #: top-k, ...) when it has any, else None; a MoE router
+    #: (``model.moe_router``) is built over it and handed to ``set_router``.
+    moe: Any = None
+
+    def set_router(self, router: Any) -> None:
+        """Route every MoE layer with ``router`` (``(logits, bias) -> (ids,
+        weights)``). Only a model whose ``moe`` is set is asked."""
+        raise NotImplementedError(f"{type(self).__name__} has no mixture-of-experts layers to route")
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
         """The unsharded ``(out_features, in_features)`` of each module an

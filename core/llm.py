@@ -232,7 +232,7 @@ class LLM:
                         pending.discard(seq.request_id)
                         if bar:
                             bar.update(1)
-            rm = eng.resource_manager
+            rm = eng.scheduling
             while eng.has_unfinished() and not (rm.num_running or rm.num_waiting):
                 eng.step()                 # only KV transfers left (a connector saving blocks)
         except BaseException:

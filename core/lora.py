@@ -123,7 +123,7 @@ def check(adapter: Any, shapes: dict[str, tuple[int, int]], num_layers: int, max
 def read_adapter(loader: Any, path: str, model: Any, max_rank: int) -> LoRAWeights:
     """The adapter at ``path`` read by ``loader`` and checked against
     ``model`` (what ``Executor.load_lora`` runs on each rank)."""
-    if not getattr(model, "supports_lora", False):
+    if not model.supports_lora:
         raise ValueError(f"{type(model).__name__} does not apply LoRA adapters (Model.supports_lora)")
     adapter = loader.load(path)
     if isinstance(adapter, LoRAWeights) and not adapter.source:

@@ -84,7 +84,7 @@ def profile_forward(model, attention, backend, spec: KVCacheSpec, num_tokens: in
     tables = [list(range(int(starts[i]), int(starts[i + 1]))) for i in range(seqs)]
     with kernels.using(backend.kernels):           # the kernels the engine's steps will use
         meta = attention.build_metadata(lens, [0] * seqs, tables, spec,
-                                        getattr(model, "num_heads", spec.num_kv_heads))
+                                        model.num_heads)
     ids = paddle.to_tensor(np.ones(num_tokens, dtype=np.int64))
     rows = paddle.to_tensor(np.cumsum(lens).astype(np.int64) - 1)
 

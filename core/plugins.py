@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import pluggy
 
 from fdx.core import hookspecs
+from fdx.core.config import KIND_ALIASES
 
 log = logging.getLogger("fdx.plugins")
 
@@ -75,11 +76,11 @@ SERVING_PLUGINS: tuple[str, ...] = (
 
 # registration hook -> registry kind
 KINDS: dict[str, str] = {
-    "fdx_register_resource_managers": "resource_manager",
+    "fdx_register_kv_schedulers": "kv_scheduler",
     "fdx_register_queue_policies": "queue_policy",
     "fdx_register_admission_rules": "admission_rule",
     "fdx_register_preemption_policies": "preemption_policy",
-    "fdx_register_schedulers": "scheduler",
+    "fdx_register_request_schedulers": "request_scheduler",
     "fdx_register_kv_caches": "kv_cache",
     "fdx_register_connectors": "connector",
     "fdx_register_token_processors": "token_processor",
@@ -99,6 +100,25 @@ KINDS: dict[str, str] = {
     "fdx_register_reasoning_parsers": "reasoning_parser",
     "fdx_register_observers": "observer",
 }
+
+# Registration hooks renamed with their kinds (issue 36), kept one release: what a plugin registers through the
+# old name lands in the new kind, with one warning naming both; the old kind name finds the new registry.
+DEPRECATED_HOOKS: dict[str, str] = {"fdx_register_resource_managers": "fdx_register_kv_schedulers",
+                                    "fdx_register_schedulers": "fdx_register_request_schedulers"}
+
+
+class Registries(dict):
+    """kind -> {name: Registration}; an old kind name (``KIND_ALIASES``) reads the new kind's registry."""
+
+    def __getitem__(self, kind: str) -> dict:
+        return super().__getitem__(KIND_ALIASES.get(kind, kind))
+
+    def __contains__(self, kind: object) -> bool:
+        return super().__contains__(KIND_ALIASES.get(kind, kind) if isinstance(kind, str) else kind)
+
+    def get(self, kind: str, default: Any = None) -> Any:
+        return super().get(KIND_ALIASES.get(kind, kind), default)
+
 
 OBSERVER_HOOKS = ("fdx_engine_started", "fdx_request_added", "fdx_step_finished", "fdx_request_finished")
 
@@ -143,7 +163,7 @@ class PluginManager:
         self.entry_points: list[EntryPoint] = []  # every entry point of the group, loaded or not
         self.errors: dict[str, str] = {}          # plugin name -> why it is not loaded
         self.packages: dict[str, str] = {}        # plugin name -> distribution
-        self.registries: dict[str, dict[str, Registration]] = {k: {} for k in KINDS.values()}
+        self.registries: dict[str, dict[str, Registration]] = Registries({k: {} for k in KINDS.values()})
         builtins = tuple(builtins)
         for modname in builtins:
             self._load(modname, lambda m=modname: importlib.import_module(m), "fdx")
@@ -222,13 +242,17 @@ class PluginManager:
         self._collect(only=name)
 
     def _collect(self, only: str | None = None) -> None:
-        for hook_name, kind in KINDS.items():
+        hooks = [*KINDS.items(), *((old, KINDS[new]) for old, new in DEPRECATED_HOOKS.items())]
+        for hook_name, kind in hooks:
             hook = getattr(self.pm.hook, hook_name)
             # in registration order (built-ins first), not pluggy's call order
             for impl in hook.get_hookimpls():
                 plugin = impl.plugin_name
                 if only is not None and plugin != only:
                     continue
+                if hook_name in DEPRECATED_HOOKS:
+                    log.warning("plugin %r implements %s, which is deprecated: rename it %s (docs/plugins.md)",
+                                plugin, hook_name, DEPRECATED_HOOKS[hook_name])
                 try:
                     impl.function(register=self._registrar(kind, plugin))
                 except PluginError:
@@ -248,6 +272,7 @@ class PluginManager:
 
     # -- lookup ------------------------------------------------------------
     def get(self, kind: str, name: str) -> Any:
+        kind = KIND_ALIASES.get(kind, kind)
         registry = self.registries[kind]
         if name not in registry:
             known = ", ".join(sorted(registry)) or "none"

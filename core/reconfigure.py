@@ -10,7 +10,7 @@ from fdx.core.config import ConfigError, FdxConfig
 # processors and the sampler's seed; plugin settings of those kinds
 RECONFIGURABLE = ("scheduler.", "cache.kv_cache", "cache.num_kv_blocks", "cache.kv_connector",
                   "decoding.logits_processors", "seed", *(f"plugins.{k}." for k in (
-                      "resource_manager", "queue_policy", "admission_rule", "preemption_policy", "kv_cache",
+                      "kv_scheduler", "queue_policy", "admission_rule", "preemption_policy", "kv_cache",
                       "connector", "logits_processor")))
 # the runner side of these (logits processors, sampler seed, connector) is rebuilt by the executor on
 # every rank (Executor.reconfigure), which refuses what it cannot run (a connector under tensor parallel)

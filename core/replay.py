@@ -17,7 +17,7 @@ parts as every recording starts; only the scheduling differs. Each step's decisi
 and which were preempted) is recorded as the scheduler made it.
 
 ``replay(engine, trace, exact=True)`` re-makes the recorded decisions
-instead: a ``RecordedPolicy`` in place of the engine's scheduler policy
+instead: a ``RecordedPolicy`` in place of the engine's KV scheduler
 hands the scheduling core each step's recorded batch (preempting the
 recorded victims when blocks run out, as v1 does), so the run is the
 recording step for step and greedy tokens equal it. A recording that does
@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from fdx.core.interfaces import SchedulerPolicy
+from fdx.core.interfaces import KVScheduler
 from fdx.core.sampling_params import SamplingParams
 
 
@@ -103,14 +103,14 @@ def label_of(engine) -> str:
     sc, cc = engine.config.scheduler, engine.config.cache
     admission = f" admission={','.join(sc.admission)}" if sc.admission else ""
     return (f"{sc.kv_scheduler} policy={sc.policy} preemption={sc.preemption} kv_cache={cc.kv_cache}"
-            f" max_num_seqs={sc.max_num_seqs} budget={engine.resource_manager.max_num_batched_tokens}{admission}")
+            f" max_num_seqs={sc.max_num_seqs} budget={engine.scheduling.max_num_batched_tokens}{admission}")
 
 
 def kv_shape(engine) -> dict[str, int]:
-    return dict(num_blocks=engine.resource_manager.kv_cache.num_blocks, block_size=engine.config.cache.block_size)
+    return dict(num_blocks=engine.scheduling.kv_cache.num_blocks, block_size=engine.config.cache.block_size)
 
 
-class RecordedPolicy(SchedulerPolicy):
+class RecordedPolicy(KVScheduler):
     """Makes the recorded decisions again, one step of ``steps`` per engine
     step: the recorded victims are preempted when a scheduled request's
     blocks do not fit (in the recorded order, the rest at the end of the
@@ -126,7 +126,7 @@ class RecordedPolicy(SchedulerPolicy):
     def schedule(self, core) -> None:
         if self.index >= len(self.steps):
             raise ReplayMismatch(f"the recording has {len(self.steps)} steps; the run needs more "
-                                 f"({core.num_running} running, {core.num_waiting} waiting)")
+                                 f"({len(core.running)} running, {len(core.waiting)} waiting)")
         d = self.steps[self.index]
         self.index += 1
         victims = list(d.preempted)
@@ -173,18 +173,18 @@ class ReplayMismatch(RuntimeError):
 
 
 def record(engine, arrivals: list[Arrival], label: str | None = None, max_steps: int = 100_000,
-           policy: SchedulerPolicy | None = None) -> Trace:
+           policy: KVScheduler | None = None) -> Trace:
     """Run ``arrivals`` on an idle engine, each added just before its step,
     until every request has ended; the trace of what the scheduler decided.
     The run starts from fresh scheduling parts (``engine.reconfigure()``):
     an empty KV cache manager (no prefix hit left from an earlier run) and
     a fresh sampler, so two recordings start alike. ``policy``: in place of
-    the engine's scheduler policy for this run (``RecordedPolicy``)."""
+    the engine's KV scheduler for this run (``RecordedPolicy``)."""
     if engine.has_unfinished():
         raise RuntimeError("record needs an idle engine")
     engine.reconfigure()
     if policy is not None:
-        engine.resource_manager.policy = policy       # these fresh parts only: the next reconfigure drops it
+        engine.scheduling.policy = policy       # these fresh parts only: the next reconfigure drops it
     names = [a.name or f"a{i}" for i, a in enumerate(arrivals)]
     if len(set(names)) != len(names):
         raise ValueError("arrival names must be unique")
@@ -217,7 +217,7 @@ def record(engine, arrivals: list[Arrival], label: str | None = None, max_steps:
                     t.finished_step, t.finish_reason = step, req.status.value
                     t.num_preemptions, t.output_token_ids = req.num_preemptions, list(req.output_token_ids)
                     del live[name]
-            rm = engine.resource_manager
+            rm = engine.scheduling
             steps.append(StepDecision(step, dict(sched.num_scheduled_tokens), list(sched.preempted_req_ids),
                                       rm.num_running, rm.num_waiting))
             step += 1

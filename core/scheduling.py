@@ -1,10 +1,10 @@
 """The scheduling core the engine owns: the waiting queue, admission,
 preemption, freeing, building the plain-data step, and the two loops every
-scheduler policy shares.
+KV scheduler (policy) shares.
 
-The engine holds one ``SchedulingCore`` (``engine.resource_manager``) and
+The engine holds one ``SchedulingCore`` (``engine.scheduling``) and
 asks it for each step; the scheduler plugin (``scheduler.kv_scheduler``,
-a ``SchedulerPolicy`` from core/interfaces.py) only decides which requests
+a ``KVScheduler`` from core/interfaces.py) only decides which requests
 run and how many tokens each gets, through the helpers here. The core keeps
 the correctness-critical rules whatever the policy does:
 
@@ -22,8 +22,12 @@ the correctness-critical rules whatever the policy does:
 A step, as ``schedule()`` runs it::
 
     begin_step()              # a fresh SchedulerOutput, budget = max_num_batched_tokens
-    policy.schedule(core)     # schedule_running(), admit_waiting(grant), schedule_request(...)
+    policy.schedule(view)     # schedule_running(), admit_waiting(grant), schedule_request(...)
     end_step()                # ids that left the runner, the connector's metadata
+
+The policy is handed a ``SchedulingView`` of the core, not the core: the
+documented surface (docs/plugins.md), so a policy cannot come to depend on
+the bookkeeping behind it.
 """
 from __future__ import annotations
 
@@ -33,8 +37,8 @@ import time
 from typing import Callable, Iterator
 
 from fdx.core import activations
-from fdx.core.interfaces import (CachedRequestData, KVCacheManager, ModelRunnerOutput, NewRequestData,
-                                 PrefixHit, QueuePolicy, SchedulerOutput, SchedulerPolicy, SchedulerState,
+from fdx.core.interfaces import (CachedRequestData, KVCacheManager, KVScheduler, ModelRunnerOutput,
+                                 NewRequestData, PrefixHit, QueuePolicy, SchedulerOutput, SchedulerState,
                                  SchedulingExtensions)
 from fdx.core.request import Request, RequestStatus
 
@@ -124,12 +128,123 @@ def unservable_reason(request: Request, kv_cache: KVCacheManager, max_model_len:
     return None
 
 
+class SchedulingView:
+    """What a KV scheduler (``KVScheduler.schedule(core)``) works
+    through: the scheduling core's documented surface, and nothing else (an
+    attribute not listed here is an AttributeError naming this list).
+
+    Read (snapshots: a tuple is a copy taken when read):
+    ``running`` (run order, oldest first), ``waiting`` (queue order,
+    preempted requests first), ``loading`` (admitted requests whose KV a
+    connector is still loading: they hold blocks and will run), ``budget``
+    (tokens left this step), ``step``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``max_model_len``, ``chunked_prefill``,
+    ``preempted_ids`` (this step's preemptions), ``kv_cache`` (the
+    ``KVCacheManager``: ``block_size``, ``num_blocks``, ``num_free_blocks``,
+    ``block_table``, ``allocate_slots``).
+
+    Do: ``schedule_running()``, ``admit_waiting(grant=None, schedule=True)``,
+    ``schedule_request(request, n)``, ``rotate_running(n)`` (the first
+    ``n`` running requests go to the end of the run order),
+    ``preempt(request)`` (a running request gives its blocks back and waits
+    first in the queue: a policy that picks its own victims), and the steps of
+    ``admit_waiting`` for a policy that writes its own admission loop:
+    ``may_admit(request)``, ``lookup(request) -> (hit, num_external)``,
+    ``default_grant(request, hit, num_external)``,
+    ``admit(request, hit, num_external, n)``."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: "SchedulingCore"):
+        self._core = core
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"a KV scheduler's view of the scheduling core has no {name!r}; what it has: "
+                             "fdx.core.scheduling.SchedulingView (docs/plugins.md, 'A KV scheduler')")
+
+    # -- read --------------------------------------------------------------------------
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._core.running)
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        return tuple(self._core.waiting)
+
+    @property
+    def loading(self) -> tuple[Request, ...]:
+        return tuple(self._core.recving.values())
+
+    @property
+    def budget(self) -> int:
+        return self._core.budget
+
+    @property
+    def step(self) -> int:
+        return self._core.step
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._core.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self._core.max_num_batched_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self._core.chunked_prefill
+
+    @property
+    def preempted_ids(self) -> tuple[str, ...]:
+        return tuple(self._core.preempted_ids)
+
+    @property
+    def kv_cache(self) -> KVCacheManager:
+        return self._core.kv_cache
+
+    # -- do ----------------------------------------------------------------------------
+    def schedule_running(self) -> None:
+        self._core.schedule_running()
+
+    def admit_waiting(self, grant: Callable[[Request, PrefixHit, int], int | None] | None = None, *,
+                      schedule: bool = True) -> list[Request]:
+        return self._core.admit_waiting(grant, schedule=schedule)
+
+    def schedule_request(self, request: Request, num_new_tokens: int) -> None:
+        self._core.schedule_request(request, num_new_tokens)
+
+    def preempt(self, request: Request) -> None:
+        self._core.preempt(request)
+
+    def rotate_running(self, n: int) -> None:
+        running = self._core.running
+        n = max(0, min(n, len(running)))
+        running[:] = running[n:] + running[:n]
+
+    def may_admit(self, request: Request) -> bool:
+        return self._core.may_admit(request)
+
+    def lookup(self, request: Request) -> tuple[PrefixHit, int]:
+        return self._core.lookup(request)
+
+    def default_grant(self, request: Request, hit: PrefixHit, num_external: int) -> int | None:
+        return self._core.default_grant(request, hit, num_external)
+
+    def admit(self, request: Request, hit: PrefixHit, num_external: int, num_new_tokens: int) -> bool:
+        return self._core.admit(request, hit, num_external, num_new_tokens)
+
+
 class SchedulingCore:
     """The bookkeeping (queues, blocks, the runner's view, recompute) and
     the step's helpers; ``policy`` decides what each step runs."""
 
     def __init__(self, config, kv_cache: KVCacheManager, max_model_len: int, extensions: SchedulingExtensions,
-                 policy: SchedulerPolicy, token_processor=None):
+                 policy: KVScheduler, token_processor=None):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -155,6 +270,7 @@ class SchedulingCore:
         self.num_computed_total = 0
         self.num_recomputed_total = 0
         self.speculation = None                     # core.spec.Speculation when speculative.method is set
+        self.view = SchedulingView(self)            # what the policy is handed each step
 
     # -- what the engine asks ---------------------------------------------------------
     @property
@@ -173,7 +289,7 @@ class SchedulingCore:
         """This step's batch: the policy fills it through the helpers."""
         self.out = self.begin_step()
         try:
-            self.policy.schedule(self)
+            self.policy.schedule(self.view)
             out = self.out
         finally:
             self.out = None

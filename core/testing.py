@@ -178,7 +178,7 @@ def workloads(max_requests: int = 12):
     return build()
 
 
-def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, preemption: str = "newest",
+def run_workload(kv_scheduler: str, kv_cache: str, policy: str, w: dict, *, preemption: str = "newest",
                  admission: Iterable[str] = (), plugins: dict | None = None,
                  audit: Callable[[Any, Any], None] | None = None, plugin_manager=None):
     """Run one workload through the named plugins (``plugins``: their
@@ -187,7 +187,7 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
     KV cache, the resource manager)."""
     import paddle
     pm = plugin_manager or get_plugin_manager()
-    cfg = FdxConfig.build(kv_scheduler=resource_manager, kv_cache=kv_cache, policy=policy,
+    cfg = FdxConfig.build(kv_scheduler=kv_scheduler, kv_cache=kv_cache, policy=policy,
                           preemption=preemption, admission=list(admission), block_size=w["bs"],
                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                           enable_chunked_prefill=w["chunked"], plugins=plugins or {},
@@ -196,7 +196,7 @@ def run_workload(resource_manager: str, kv_cache: str, policy: str, w: dict, *, 
     assembly = Assembly(cfg, pm)            # the engine's assembly, scheduler side
     tp = assembly.token_processor()
     parts = assembly.scheduler_side(w["num_blocks"], tp, w["max_model_len"])
-    kv, connector, rm = parts["kv_cache"], parts["connector"], parts["resource_manager"]
+    kv, connector, rm = parts["kv_cache"], parts["connector"], parts["scheduling"]
     num_slots = w["num_blocks"] * w["bs"]
     kv_caches = [(paddle.zeros([NUM_KV_HEADS * num_slots, HEAD_DIM]), paddle.zeros([NUM_KV_HEADS * num_slots, HEAD_DIM]))
                  for _ in range(NUM_LAYERS)]
@@ -330,10 +330,10 @@ def check_blocks(rm, kv) -> None:
     assert len(held) + kv.num_free_blocks <= kv.num_blocks, "more blocks held and free than exist"
 
 
-def check_scheduler(resource_manager: str, kv_cache: str = "paged", policy: str = "fcfs", *,
+def check_scheduler(kv_scheduler: str, kv_cache: str = "paged", policy: str = "fcfs", *,
                     preemption: str = "newest", admission: Iterable[str] = (), plugins: dict | None = None,
                     max_examples: int = 30, max_requests: int = 12, audit=None, plugin_manager=None) -> None:
-    """Property-check a resource manager (and cache, queue policy, victim
+    """Property-check a KV scheduler (and cache, queue policy, victim
     policy, admission rules) over ``max_examples`` random workloads."""
     import pprint
 
@@ -344,11 +344,11 @@ def check_scheduler(resource_manager: str, kv_cache: str = "paged", policy: str 
     @given(w=workloads(max_requests))
     def run(w):
         try:
-            run_workload(resource_manager, kv_cache, policy, w, preemption=preemption, admission=admission,
+            run_workload(kv_scheduler, kv_cache, policy, w, preemption=preemption, admission=admission,
                          plugins=plugins, audit=audit, plugin_manager=plugin_manager)
         except AssertionError as e:
             # the workload in full, ready to paste: hypothesis alone prints "run(w=,)" for it
-            call = (f"run_workload({resource_manager!r}, {kv_cache!r}, {policy!r}, w, preemption={preemption!r}, "
+            call = (f"run_workload({kv_scheduler!r}, {kv_cache!r}, {policy!r}, w, preemption={preemption!r}, "
                     f"admission={list(admission)!r}, plugins={plugins!r})")
             raise AssertionError(f"{e}\n\nthe failing workload (fdx.core.testing.{call}):\n"
                                  f"w = {pprint.pformat(w, width=110, compact=True)}") from e

@@ -24,7 +24,7 @@ def main(num_seqs: int, steps: int = 400, repeats: int = 5) -> float:
     tp = assembly.token_processor()
     best = float("inf")
     for _ in range(repeats):
-        rm = assembly.scheduler_side(4096, tp, 2048)["resource_manager"]
+        rm = assembly.scheduler_side(4096, tp, 2048)["scheduling"]
         for i in range(num_seqs):
             r = Request(f"r{i}", list(range(1, 33)), SamplingParams(temperature=0, max_tokens=steps + 10,
                                                                     ignore_eos=True), max_model_len=2048)

@@ -44,7 +44,7 @@ OLD_TO_NEW = [   # (old key as given, value, the new place, the plugin it also s
     (dict(swap_dir="/tmp/t"), ("connector", "swap", "dir", "/tmp/t"), ("cache", "kv_connector", "swap")),
     ({"cache.swap_max_blocks": 8}, ("connector", "swap", "max_blocks", 8), ("cache", "kv_connector", "swap")),
     (dict(swap_max_blocks=0), ("connector", "swap", "max_blocks", 0), ("cache", "kv_connector", None)),
-    (dict(kv_cache_ratio=0.5), ("resource_manager", "v0", "kv_cache_ratio", 0.5), None),
+    (dict(kv_cache_ratio=0.5), ("kv_scheduler", "v0", "kv_cache_ratio", 0.5), None),
     (dict(splitwise_role="decode"), ("connector", "splitwise", "role", "decode"),
      ("cache", "kv_connector", "splitwise")),
     (dict(splitwise={"connector_port": 9, "role": "prefill"}), ("connector", "splitwise", "port", 9),
@@ -115,9 +115,9 @@ def test_plugin_settings_schemas_name_the_full_key():
         ({"plugins.connector.splitwise": {"role": "decode", "port": 70000}, "kv_connector": "splitwise"},
          r"config key 'plugins\.connector\.splitwise\.port': Input should be less than or equal to 65535"),
         ({"plugins.connector.swap.max_blocks": -1}, r"config key 'plugins\.connector\.swap\.max_blocks'"),
-        (dict(kv_cache_ratio=1.5), r"config key 'plugins\.resource_manager\.v0\.kv_cache_ratio': Input should be "
+        (dict(kv_cache_ratio=1.5), r"config key 'plugins\.kv_scheduler\.v0\.kv_cache_ratio': Input should be "
                                    r"less than or equal to 1"),
-        ({"plugins.resource_manager.v0.ratio": 0.5}, r"unknown config key 'plugins\.resource_manager\.v0\.ratio'"),
+        ({"plugins.resource_manager.v0.ratio": 0.5}, r"unknown config key 'plugins\.kv_scheduler\.v0\.ratio'"),
     ]
     for overrides, needle in cases:
         with pytest.raises(ConfigError, match=needle):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import pathlib
+import re
 
 import msgspec
 import numpy as np
@@ -200,23 +201,24 @@ def pm(example_plugin_installed):
 def test_outside_scheduler_queue_order_and_victim_keep_outputs(tiny, reference, ex, pm):
     """The outside scheduler policy runs on the engine's scheduling core;
     its setting (a cap on each new prompt's first chunk) shapes the steps."""
-    llm = make_llm(tiny, plugins=pm, resource_manager="example-fifo", policy="shortest-first",
+    llm = make_llm(tiny, plugins=pm, kv_scheduler="example-fifo", policy="shortest-first",
                    preemption="most-output", num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=3,
-                   **{"plugins.resource_manager.example-fifo": {"max_first_chunk": 5}})
+                   **{"plugins.kv_scheduler.example-fifo": {"max_first_chunk": 5}})
     eng = llm.engine
-    assert type(eng.resource_manager.policy).__name__ == "FifoScheduler"
+    assert type(eng.scheduling.policy).__name__ == "FifoScheduler"
+    assert eng.resource_manager is eng.scheduling                  # the old name, an alias
     firsts = []
-    real = eng.resource_manager.schedule
+    real = eng.scheduling.schedule
 
     def schedule():
         out = real()
         firsts.extend(out.num_scheduled_tokens[d.request_id] for d in out.new_requests)
         return out
-    eng.resource_manager.schedule = schedule
+    eng.scheduling.schedule = schedule
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference
     assert firsts and max(firsts) <= 5
-    with pytest.raises(ConfigError, match="plugins.resource_manager.example-fifo.*max_first_chunk"):
-        make_llm(tiny, plugins=pm, resource_manager="example-fifo",
+    with pytest.raises(ConfigError, match="plugins.kv_scheduler.example-fifo.*max_first_chunk"):
+        make_llm(tiny, plugins=pm, resource_manager="example-fifo",              # the old names, aliases
                  **{"plugins.resource_manager.example-fifo": {"max_first_chunk": 0}})
 
 
@@ -543,6 +545,47 @@ def test_every_registered_scheduler_and_extension_keeps_the_rules(ex):
         check_scheduler("v1", "paged", preemption=name, max_examples=8)
     for name in pm.names("admission_rule"):
         check_scheduler("v1", "paged", admission=[name], max_examples=8)
+
+
+def test_a_policy_sees_only_the_documented_view_of_the_scheduling_core():
+    """schedule(core) is handed a SchedulingView: every name docs/plugins.md
+    lists works, and reaching past it (the core's own bookkeeping, a list to
+    rewrite) is an AttributeError naming the view, in the conformance kit
+    as in the engine; v0 runs on the view alone."""
+    from fdx.core.hookspecs import hookimpl
+    from fdx.core.interfaces import SchedulerPolicy
+    from fdx.core.scheduling import SchedulingView
+    doc = (ROOT / "docs" / "plugins.md").read_text()
+    section = doc[doc.index("### A KV scheduler"):doc.index("```python", doc.index("### A KV scheduler"))]
+    listed = set(re.findall(r"`core\.([a-z_]+)", section))
+    surface = {n for n, v in vars(SchedulingView).items() if not n.startswith("_")}
+    assert listed == surface, (listed ^ surface)
+    seen = {}
+
+    class Reaching(SchedulerPolicy):
+        def schedule(self, core):
+            for name in ("recving", "held", "out", "policy"):
+                try:
+                    getattr(core, name)
+                    seen[name] = "reached"
+                except AttributeError as e:
+                    seen[name] = str(e)
+            seen["lists"] = (type(core.running), type(core.waiting), type(core.loading))
+            core.schedule_running()
+            core.admit_waiting()
+
+    class Plugin:
+        @hookimpl
+        def fdx_register_kv_schedulers(self, register):
+            register("kit-reaching", Reaching)
+
+    pm = PluginManager()
+    pm.add_plugin(Plugin(), name="kit-reaching")
+    check_scheduler("kit-reaching", "paged", max_examples=2, plugin_manager=pm)
+    assert seen["lists"] == (tuple, tuple, tuple)
+    for name in ("recving", "held", "out", "policy"):
+        assert "SchedulingView" in seen[name], (name, seen[name])
+    check_scheduler("v0", "prefix", max_examples=8)
 
 
 def test_conformance_kit_on_the_outside_plugins(ex):

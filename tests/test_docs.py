@@ -93,7 +93,7 @@ def test_the_page_plugins_run_a_real_model_together(doc_plugins, tiny_checkpoint
     prompts = [{"prompt_token_ids": [5, 9, 200, 31, 7]}, {"prompt_token_ids": list(range(60, 90))}]
     base = dict(max_model_len=64, num_kv_blocks=40, block_size=4, progress=False)
     ref = [o.outputs[0].token_ids for o in LLM(path, **base).generate(prompts, sp)]
-    llm = LLM(path, **base, resource_manager="my-fifo", policy="longest-first", preemption="my-oldest",
+    llm = LLM(path, **base, kv_scheduler="my-fifo", policy="longest-first", preemption="my-oldest",
               kv_cache="my-blocks", backend="my-device", kv_connector="my-counter", logits_processors=["my-ban"],
               admission=["my-cap"], **{"plugins.admission_rule.my-cap": {"max_running": 2}})
     assert type(llm.engine.attention).__name__ == "DenseAttention"
@@ -185,3 +185,14 @@ def test_the_page_chat_parsers_give_openai_messages(doc_plugins):
     deltas = [streamed.delta(text[:9], False), streamed.delta(text[9:], True)]
     assert deltas[0] == {} and deltas[1]["reasoning_content"] == "use f" and deltas[1]["content"] == "Calling."
     assert deltas[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+
+
+def test_the_page_says_how_every_kind_is_constructed():
+    """docs/plugins.md's table of constructor shapes has a row for every
+    plugin kind the plugin manager knows (a new kind must say how fdx
+    builds it), and no row for a kind that is gone."""
+    from fdx.core.plugins import KINDS
+    text = DOC.read_text()
+    table = text[text.index("| kind (`plugins.<kind>`) |"):]
+    rows = re.findall(r"^\| `([a-z_]+)` \|", table[:table.index("\n\n")], flags=re.M)
+    assert sorted(rows) == sorted(KINDS.values())

@@ -86,7 +86,7 @@ def redis_server(tmp_path_factory):
 
 
 def global_server(tmp_path_factory, model, redis_url: str, max_num_seqs: int = 2, **settings) -> ServerProcess:
-    plugins = {"scheduler": {"global": {"url": redis_url, "ttl_s": 20, "heartbeat_s": 0.5, **settings}}}
+    plugins = {"request_scheduler": {"global": {"url": redis_url, "ttl_s": 20, "heartbeat_s": 0.5, **settings}}}
     return ServerProcess(tmp_path_factory.mktemp("g"), {"served_model_name": "tiny"},
                          model={"model": str(model), "max_model_len": 256},
                          scheduler={"request_scheduler": "global", "max_num_seqs": max_num_seqs}, plugins=plugins)
@@ -313,7 +313,7 @@ def test_a_redis_password_is_used_and_its_absence_named(tiny_checkpoints, tmp_pa
     srv.start()
     try:
         bare = global_server(tmp_path_factory, model, srv.url)
-        with pytest.raises(RuntimeError, match=r"refused the login.*plugins\.scheduler\.global\.password"):
+        with pytest.raises(RuntimeError, match=r"refused the login.*plugins\.request_scheduler\.global\.password"):
             bare.wait_ready()
         assert "s3cret-pw" not in bare.log()
         monkeypatch.setenv("FDX_REDIS_PASSWORD", "s3cret-pw")

@@ -49,7 +49,7 @@ def test_the_flags_reach_the_config_and_kv_cache_ratio_needs_v0():
     args = build_parser().parse_args(["serve", "--kv-cache-memory-bytes", "1048576", "--kv-cache-ratio", "0.5"])
     cfg = FdxConfig.build(**_overrides(args))
     assert cfg.cache.kv_cache_memory_bytes == 1048576
-    with pytest.raises(ConfigError, match=r"plugins\.resource_manager\.v0\.kv_cache_ratio.*kv_scheduler is "
+    with pytest.raises(ConfigError, match=r"plugins\.kv_scheduler\.v0\.kv_cache_ratio.*kv_scheduler is "
                                           r"v1.*--kv-scheduler v0"):
         Assembly(cfg, get_plugin_manager())
     cfg = FdxConfig.build(**_overrides(build_parser().parse_args(

@@ -142,7 +142,7 @@ def test_bad_config_is_named(tmp_path):
         LLM(model, max_num_sequences=4)
     with pytest.raises(ConfigError, match="cache.num_kv_blocks"):
         LLM(model, max_model_len=512, num_kv_blocks=2, block_size=16, progress=False)
-    with pytest.raises(ConfigError, match="scheduler.kv_scheduler.*no resource_manager named 'v9'; available: .*v1"):
+    with pytest.raises(ConfigError, match="scheduler.kv_scheduler.*no kv_scheduler named 'v9'; available: .*v1"):
         LLM(model, resource_manager="v9", progress=False)
     with pytest.raises(ConfigError, match="backend.name.*no backend named 'tpu'"):
         LLM(model, backend="tpu", progress=False)

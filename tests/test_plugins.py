@@ -24,7 +24,7 @@ def _module(name: str, **attrs) -> types.ModuleType:
 def test_builtins_register_every_reference_name():
     pm = PluginManager(load_entry_points=False)
     assert not pm.errors, pm.errors
-    assert "v1" in pm.names("resource_manager")
+    assert "v1" in pm.names("kv_scheduler")
     assert "paged" in pm.names("kv_cache")
     assert {"cpu", "cuda", "iluvatar"} <= set(pm.names("backend"))
     assert "default" in pm.names("token_processor")
@@ -39,8 +39,8 @@ def test_builtins_register_every_reference_name():
 
 def test_unknown_name_lists_what_exists():
     pm = PluginManager(load_entry_points=False)
-    with pytest.raises(PluginError, match="no resource_manager named 'nope'.*v1"):
-        pm.get("resource_manager", "nope")
+    with pytest.raises(PluginError, match="no kv_scheduler named 'nope'.*v1"):
+        pm.get("kv_scheduler", "nope")
 
 
 def test_name_registered_twice_names_both_plugins():
@@ -76,11 +76,11 @@ def test_disabled_plugins_env(monkeypatch):
 def test_disabled_by_the_distribution_name_fdx_plugins_shows(example_plugin_installed):
     """The name in brackets in ``fdx plugins`` disables that distribution's
     every entry point, however it is spelled (PEP 503)."""
-    shown = PluginManager().registries["resource_manager"]["example-fifo"].package
+    shown = PluginManager().registries["kv_scheduler"]["example-fifo"].package
     assert f"[{shown}]" in PluginManager().report()
     for name in (shown, shown.upper().replace("-", "_")):
         pm = PluginManager(disabled=[name])
-        assert "example-fifo" not in pm.names("resource_manager")
+        assert "example-fifo" not in pm.names("kv_scheduler")
         assert "example_choice" not in pm.names("guided_backend")
         import importlib.metadata
         declared = {ep.name for ep in importlib.metadata.distribution(shown).entry_points if ep.group == "fdx"}
@@ -96,7 +96,7 @@ def test_a_disabled_name_that_matches_nothing_is_a_warning(caplog, example_plugi
     warned = [r.getMessage() for r in caplog.records if "matches no plugin" in r.getMessage()]
     assert warned == ["FDX_DISABLED_PLUGINS names 'fdx-exampel-plugin', which matches no plugin, entry point "
                       "or distribution"]
-    assert "example-fifo" in pm.names("resource_manager") and "cuda" not in pm.names("backend")
+    assert "example-fifo" in pm.names("kv_scheduler") and "cuda" not in pm.names("backend")
     assert "names in FDX_DISABLED_PLUGINS that match nothing: fdx-exampel-plugin" in pm.report()
 
 
@@ -108,7 +108,7 @@ def test_loading_is_idempotent():
 
 def test_entry_point_plugin_is_found(example_plugin_installed):
     pm = PluginManager()
-    reg = pm.registries["resource_manager"]["example-fifo"]
+    reg = pm.registries["kv_scheduler"]["example-fifo"]
     assert reg.plugin == "example" and reg.package == "fdx-example-plugin"
     assert "example-fifo" in pm.report() and "fdx-example-plugin" in pm.report()
 
@@ -116,7 +116,7 @@ def test_entry_point_plugin_is_found(example_plugin_installed):
 def test_fdx_plugins_cli_lists_hooks(example_plugin_installed):
     import subprocess
     out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "plugins"], capture_output=True, text=True, check=True).stdout
-    assert "fdx_register_resource_managers:" in out
+    assert "fdx_register_kv_schedulers:" in out
     assert "v1" in out and "example-fifo" in out and "[fdx-example-plugin]" in out
     # the built-in expert-load tap (plugins/models/moe_taps.py) observes every step first
     assert "fdx_step_finished: fdx.plugins.models.moe_taps, example" in out
@@ -128,7 +128,7 @@ def test_every_hook_is_documented():
     from fdx.core import hookspecs
     doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
     hooks = [n for n in dir(hookspecs) if n.startswith("fdx_")]
-    assert len(hooks) == 27                 # 25, fdx_register_proposers and fdx_register_lora_loaders
+    assert len(hooks) == 29                 # 27, and the two deprecated names (issue 36 item 3)
     missing = [h for h in hooks if f"`{h}" not in doc]
     assert not missing, missing
 
@@ -141,11 +141,12 @@ def test_every_hook_has_a_section_and_an_outside_implementation_a_test_runs(exam
     selected by some test (quoted in a tests/test_*.py other than this one),
     so each outside implementation runs end to end."""
     from fdx.core import hookspecs
-    from fdx.core.plugins import KINDS, PluginManager
+    from fdx.core.plugins import DEPRECATED_HOOKS, KINDS, PluginManager
     hooks = sorted(n for n in dir(hookspecs) if n.startswith("fdx_"))
     headings = [line for line in PLUGINS_DOC.read_text().splitlines() if line.startswith("### ")]
     undocumented = [h for h in hooks if not any(f"`{h}`" in line for line in headings)]
     pm = PluginManager()
+    hooks = [h for h in hooks if h not in DEPRECATED_HOOKS]       # documented above, implemented by none
     outside = [h for h in hooks if any(getattr(impl.plugin, "__name__", "").startswith("fdx_example_plugin")
                                        for impl in getattr(pm.pm.hook, h).get_hookimpls())]
     not_outside = [h for h in hooks if h not in outside]
@@ -193,3 +194,109 @@ def test_a_distribution_disabled_by_name_imports_nothing(tmp_path):
 
     _fdx_plugins(site, marker, "")                   # enabled, the same package is imported
     assert marker.read_text() == "imported"
+
+
+def test_kinds_built_outside_the_assembly_get_their_validated_settings():
+    """A weight format, a MoE router and a chat parser that declare
+    ``Settings`` are built with the validated instance (not the raw dict),
+    and a bad value is a ConfigError naming the full key."""
+    from dataclasses import dataclass
+
+    from fdx.core.chat_output import chat_parser
+    from fdx.core.checkpoint.model import weight_format
+    from fdx.core.config import ConfigError, FdxConfig
+    from fdx.core.interfaces import ToolParser, ToolParseResult, WeightFormat
+
+    @dataclass
+    class Bits:
+        bits: int = 8
+
+    class MyFormat(WeightFormat):
+        Settings = Bits
+
+        def load(self, name, tensor, role):
+            return tensor
+
+    class MyTools(ToolParser):
+        Settings = Bits
+
+        def extract(self, text):
+            return ToolParseResult(text, [])
+
+    class Plugin:
+        @hookimpl
+        def fdx_register_weight_formats(self, register):
+            register("settings-format", MyFormat)
+
+        @hookimpl
+        def fdx_register_tool_parsers(self, register):
+            register("settings-tools", MyTools)
+
+    pm = PluginManager(load_entry_points=False)
+    pm.add_plugin(Plugin(), name="settings-plugin")
+    cfg = FdxConfig.build(quantization="settings-format", tool_call_parser="settings-tools",
+                          **{"plugins.weight_format.settings-format": {"bits": 4},
+                             "plugins.tool_parser.settings-tools": {"bits": 2}})
+    assert weight_format(cfg, pm).settings == Bits(4)
+    cls, settings = chat_parser(pm, cfg, "tool_parser", "tool_call_parser")
+    assert cls is MyTools and settings == Bits(2)
+    bad = FdxConfig.build(quantization="settings-format", **{"plugins.weight_format.settings-format": {"bitz": 4}})
+    with pytest.raises(ConfigError, match="plugins.weight_format.settings-format.bitz"):
+        weight_format(bad, pm)
+
+
+def test_the_old_scheduler_names_are_aliases_with_a_warning(caplog, monkeypatch):
+    """Issue 36 item 3: a plugin on the old hook name registers into the new
+    kind (one warning naming the plugin and the new hook), the old kind
+    names find the new registries, and settings under the old kind move to
+    the new one (one warning), where the assembly validates them."""
+    from fdx.core import config as config_mod
+    from fdx.core.assembly import Assembly
+    from fdx.core.config import ConfigError, FdxConfig
+    from fdx.core.interfaces import KVScheduler, RequestScheduler, SchedulerPolicy
+
+    class Old(SchedulerPolicy):
+        def schedule(self, core):
+            core.schedule_running()
+
+    class OldRequests(RequestScheduler):
+        def add(self, request_id, prompt_token_ids, params, callback, trace=None):
+            pass
+
+        def abort(self, request_ids):
+            pass
+
+    class Plugin:
+        @hookimpl
+        def fdx_register_resource_managers(self, register):
+            register("old-hook", Old)
+
+        @hookimpl
+        def fdx_register_schedulers(self, register):
+            register("old-requests", OldRequests)
+
+    assert SchedulerPolicy is KVScheduler
+    pm = PluginManager(load_entry_points=False)
+    with caplog.at_level("WARNING", logger="fdx.plugins"):
+        pm.add_plugin(Plugin(), name="old-names")
+    warned = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert warned == ["plugin 'old-names' implements fdx_register_resource_managers, which is deprecated: rename "
+                      "it fdx_register_kv_schedulers (docs/plugins.md)",
+                      "plugin 'old-names' implements fdx_register_schedulers, which is deprecated: rename it "
+                      "fdx_register_request_schedulers (docs/plugins.md)"]
+    assert pm.get("kv_scheduler", "old-hook") is Old and pm.get("resource_manager", "old-hook") is Old
+    assert pm.get("request_scheduler", "old-requests") is OldRequests
+    assert pm.names("scheduler") == pm.names("request_scheduler") and {"local", "global"} <= set(pm.names("scheduler"))
+
+    monkeypatch.setattr(config_mod, "_warned", set())
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fdx.config"):
+        cfg = FdxConfig.build(kv_scheduler="v0", **{"plugins.resource_manager.v0": {"kv_cache_ratio": 0.5},
+                                                    "plugins": {"scheduler": {"global": {"ttl_s": 3}}}})
+    assert cfg.plugins == {"kv_scheduler": {"v0": {"kv_cache_ratio": 0.5}}, "request_scheduler": {"global": {"ttl_s": 3}}}
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        "config key 'plugins.resource_manager' is deprecated: use 'plugins.kv_scheduler' (docs/configuration.md)",
+        "config key 'plugins.scheduler' is deprecated: use 'plugins.request_scheduler' (docs/configuration.md)"]
+    assert Assembly(cfg, pm).settings("kv_scheduler", "v0").kv_cache_ratio == 0.5
+    with pytest.raises(ConfigError, match="plugins.kv_scheduler.v0.kv_cache_ratio"):
+        Assembly(FdxConfig.build(kv_scheduler="v0", **{"plugins.resource_manager.v0": {"kv_cache_ratio": 2}}), pm)

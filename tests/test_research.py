@@ -157,9 +157,9 @@ def test_build_parts_with_a_fresh_config(llm):
     fresh = FdxConfig.build(policy="fcfs", enable_chunked_prefill=True)
     assert fresh.scheduler.max_num_batched_tokens is None
     parts = llm.engine.build_parts(fresh, 20)
-    assert parts["resource_manager"].max_num_batched_tokens == 2048
+    assert parts["scheduling"].max_num_batched_tokens == 2048
     unchunked = FdxConfig.build(enable_chunked_prefill=False)
-    assert llm.engine.build_parts(unchunked, 20)["resource_manager"].max_num_batched_tokens == 64
+    assert llm.engine.build_parts(unchunked, 20)["scheduling"].max_num_batched_tokens == 64
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ def make_rm(kind="v0", cache="paged", num_blocks=64, bs=8, **cfg):
         config.scheduler.max_num_batched_tokens = 64
     parts = Assembly(config, get_plugin_manager()).scheduler_side(
         num_blocks, DefaultTokenProcessor(), MAX_LEN)
-    return parts["resource_manager"]
+    return parts["scheduling"]
 
 
 def req(rid, n, max_tokens=4, priority=0, first=1):

@@ -45,7 +45,7 @@ def use_scheduling(engine, num_kv_blocks: int | None = None, **overrides):
     try:
         yield engine
     finally:
-        for req in engine.resource_manager.requests():
+        for req in engine.scheduling.requests():
             engine.abort_request(req.request_id)
         while engine.has_unfinished():      # let a connector finish its transfers
             engine.step()

@@ -63,7 +63,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(num_requests)]
     spec = eng.speculation
     if spec is not None and not speculation:
-        eng.resource_manager.speculation = None
+        eng.scheduling.speculation = None
     reqs = [eng.make_request(p, sp) for p in prompts]
     for r in reqs:
         eng.add_request(r)
@@ -78,7 +78,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
             eng.step()
         steps.append(eng.last_stats)
     total = time.perf_counter() - t0
-    eng.resource_manager.speculation = spec
+    eng.scheduling.speculation = spec
     prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
     decode_steps = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
     prefill_time = sum(s.step_time_s for s in prefill_steps)

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from fdx.core.checkpoint.loader import Checkpoint, GGUFBlocks, load_checkpoint
-from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.config import ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import Model, WeightFormat
 from fdx.core.kernels import REFERENCE, KernelTable
 from fdx.core.plugins import PluginError, PluginManager
@@ -29,7 +29,7 @@ def weight_format(config: FdxConfig, plugins: PluginManager, kernels: KernelTabl
         cls = plugins.get("weight_format", name)
     except PluginError as e:
         raise ConfigError(f"config key '{KEY}': {e}") from None
-    settings = dict(config.plugins.get("weight_format", {}).get(name, {}) or {})
+    settings = plugin_settings("weight_format", name, cls, config.plugins.get("weight_format", {}).get(name))
     try:
         return cls(kernels, settings)
     except (ValueError, TypeError) as e:
@@ -87,13 +87,13 @@ def _set_moe_router(model: Any, arch: str, config: FdxConfig, plugins: PluginMan
     """Put the router ``model.moe_router`` names in every MoE layer (here,
     where every tensor parallel rank builds its model too)."""
     name = config.model.moe_router
-    if not hasattr(model, "set_router"):
+    if model.moe is None:
         raise ConfigError(f"config key 'model.moe_router': {arch} has no mixture-of-experts layers to route")
     try:
         cls = plugins.get("moe_router", name)
     except PluginError as e:
         raise ConfigError(f"config key 'model.moe_router': {e}") from None
-    settings = dict(config.plugins.get("moe_router", {}).get(name, {}) or {})
+    settings = plugin_settings("moe_router", name, cls, config.plugins.get("moe_router", {}).get(name))
     try:
         model.set_router(cls(model.moe, settings))
     except (ValueError, TypeError) as e:

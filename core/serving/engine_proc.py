@@ -219,7 +219,7 @@ class EngineLoop:
             cache_stats = {k: float(v) for k, v in stats.items()}
         except Exception:                         # a plugin's stats must not stop serving
             cache_stats = {}
-        return EngineStats(eng.resource_manager.num_running, eng.resource_manager.num_waiting,
+        return EngineStats(eng.scheduling.num_running, eng.scheduling.num_waiting,
                            float(kv.usage), int(kv.num_free_blocks), int(kv.num_blocks),
                            cache_stats, num_preempted,
                            num_computed_tokens=int(eng.num_computed_tokens),

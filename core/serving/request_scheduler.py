@@ -1,5 +1,5 @@
 """Request-level schedulers (``scheduler.request_scheduler``, registered by
-``fdx_register_schedulers``): where a server's requests run.
+``fdx_register_request_schedulers``): where a server's requests run.
 
 ``local`` (the default): in this server's own engine. Any other name wraps
 the server's ``EngineClient`` in the registered class, a
@@ -16,7 +16,7 @@ def wrap_engine(config, engine, metrics, plugins):
     from fdx.core.plugins import PluginError
     name = config.scheduler.request_scheduler
     try:
-        cls = plugins.get("scheduler", name)
+        cls = plugins.get("request_scheduler", name)
     except PluginError as e:
         raise ConfigError(f"config key 'scheduler.request_scheduler': {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, RequestScheduler)):
@@ -24,8 +24,8 @@ def wrap_engine(config, engine, metrics, plugins):
                           "(fdx.core.interfaces.RequestScheduler)")
     if not cls.wraps:
         return engine
-    settings = plugin_settings("scheduler", name, cls, config.plugins.get("scheduler", {}).get(name))
+    settings = plugin_settings("request_scheduler", name, cls, config.plugins.get("request_scheduler", {}).get(name))
     try:
         return cls(config, engine, metrics, settings)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"config key 'plugins.scheduler.{name}': {e}") from None
+        raise ConfigError(f"config key 'plugins.request_scheduler.{name}': {e}") from None

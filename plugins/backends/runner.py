@@ -227,7 +227,7 @@ class DefaultModelRunner(ModelRunner):
         """One forward of the step's tokens: logits [len(rows), vocab] for those token rows."""
         ctx = self.ctx
         meta = ctx.attention.build_metadata(query_lens, context_lens, tables, self.spec,
-                                            getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
+                                            self.model.num_heads)
         attn = AttentionContext(ctx.attention, meta, ctx.connector, self.layout, self.step_activations,
                                 self.step_lora)
         import paddle                      # here, not at import: a tensor parallel engine process never loads it
@@ -296,7 +296,7 @@ class DefaultModelRunner(ModelRunner):
         target = self.ctx.sampler.probs(x[rows], sub)
         seed = st.params.seed
         rng = (np.random.default_rng([seed, len(st.output_token_ids), 1]) if seed is not None
-               else getattr(self.ctx.sampler, "rng", None) or np.random.default_rng())
+               else self.ctx.sampler.rng or np.random.default_rng())
         kept = rejection_sample(target, drafts, q, rng.random((count, 2)))
         tokens[first:first + len(kept)] = kept
         if st.params.logprobs is not None:

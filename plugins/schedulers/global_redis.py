@@ -105,8 +105,8 @@ JOB, RESULT = b"fdx-global-job\0", b"fdx-global-result\0"     # HMAC domain tags
 
 SETTINGS = {"url", "prefix", "ttl_s", "queue_timeout_s", "result_timeout_s", "heartbeat_s", "max_attempts", "instance_id", "secret",
             "username", "password", "ssl", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"}
-SECRET_HELP = "set plugins.scheduler.global.secret (or $FDX_SCHEDULER_SECRET), the same on every instance"
-PASSWORD_HELP = ("set plugins.scheduler.global.password (or $FDX_REDIS_PASSWORD; username / $FDX_REDIS_USERNAME "
+SECRET_HELP = "set plugins.request_scheduler.global.secret (or $FDX_SCHEDULER_SECRET), the same on every instance"
+PASSWORD_HELP = ("set plugins.request_scheduler.global.password (or $FDX_REDIS_PASSWORD; username / $FDX_REDIS_USERNAME "
                  "for an ACL user), or put it in the url: redis://user:password@host:6379/0")
 
 
@@ -611,6 +611,6 @@ class GlobalScheduler(RequestScheduler):
 
 
 @hookimpl
-def fdx_register_schedulers(register):
+def fdx_register_request_schedulers(register):
     register("local", LocalScheduler)
     register("global", GlobalScheduler)

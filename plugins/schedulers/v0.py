@@ -11,7 +11,7 @@ whole prompts admitted at once, never a preemption.
   its own end, so a decode step always finds a block, nothing is ever
   preempted, and every admitted request finishes. The prompt's blocks are
   allocated at admission; output blocks one by one as decoding needs them.
-- ``plugins.resource_manager.v0.kv_cache_ratio`` (``V0Settings``) bounds the share of the pool that the prompts of
+- ``plugins.kv_scheduler.v0.kv_cache_ratio`` (``V0Settings``) bounds the share of the pool that the prompts of
   running requests may take, leaving the rest to their outputs. A request
   admitted into an empty engine is exempt, so a long prompt always runs.
 - A step either prefills or decodes: while any running request has prompt
@@ -32,17 +32,17 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import SchedulerPolicy
+from fdx.core.interfaces import KVScheduler
 from fdx.core.request import Request
 
 
 class V0Settings(BaseModel):
-    """``plugins.resource_manager.v0``."""
+    """``plugins.kv_scheduler.v0``."""
     model_config = ConfigDict(extra="forbid")
     kv_cache_ratio: float = Field(0.75, gt=0, le=1)   # share of the blocks running prompts may take
 
 
-class V0Policy(SchedulerPolicy):
+class V0Policy(KVScheduler):
     """FastDeploy v0's step, on the engine's scheduling core."""
     Settings = V0Settings
 
@@ -71,7 +71,7 @@ class V0Policy(SchedulerPolicy):
         else:
             batch = [(r, 1) for r in core.running[:core.max_num_batched_tokens]]
             # when the budget is below the running count, the rest go first next step
-            core.running[:] = core.running[len(batch):] + core.running[:len(batch)]
+            core.rotate_running(len(batch))
         for req, n in batch:
             if not core.kv_cache.allocate_slots(req, n):
                 raise RuntimeError(f"v0: the decode reserve of {req.request_id} did not hold "
@@ -84,16 +84,16 @@ class V0Policy(SchedulerPolicy):
         unless chunked, and the decode reserve of everyone running."""
         kv = core.kv_cache
         max_prompt_blocks = self.settings.kv_cache_ratio * kv.num_blocks
-        # requests whose KV a connector is still loading (core.recving) hold blocks and will run:
+        # requests whose KV a connector is still loading (core.loading) hold blocks and will run:
         # their reserve counts as a running one's (a decode found no block when it did not)
-        admitted = [*core.running, *core.recving.values()]
+        admitted = [*core.running, *core.loading]
         acc = dict(reserved=sum(self.reserve(core, r) for r in admitted),
                    prompt_blocks=sum(self._blocks(core, r.num_prompt_tokens) for r in admitted),
                    pending=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in admitted))
 
         def grant(req, hit, external):
             own_prompt_blocks = self._blocks(core, req.num_prompt_tokens)
-            if (core.running or core.recving) and acc["prompt_blocks"] + own_prompt_blocks > max_prompt_blocks:
+            if (core.running or core.loading) and acc["prompt_blocks"] + own_prompt_blocks > max_prompt_blocks:
                 return None
             num_new = req.num_prompt_tokens - hit.num_tokens - external
             fits_budget = core.chunked_prefill or acc["pending"] + num_new <= core.max_num_batched_tokens
@@ -128,5 +128,5 @@ class V0Policy(SchedulerPolicy):
 
 
 @hookimpl
-def fdx_register_resource_managers(register):
+def fdx_register_kv_schedulers(register):
     register("v0", V0Policy)

@@ -14,15 +14,15 @@ in this order.
 from __future__ import annotations
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import SchedulerPolicy
+from fdx.core.interfaces import KVScheduler
 
 
-class V1Policy(SchedulerPolicy):
+class V1Policy(KVScheduler):
     def schedule(self, core) -> None:
         core.schedule_running()     # 1. running requests, oldest first; preempt when blocks run out
         core.admit_waiting()        # 2. waiting requests, in order, unless this step had to preempt
 
 
 @hookimpl
-def fdx_register_resource_managers(register):
+def fdx_register_kv_schedulers(register):
     register("v1", V1Policy)

@@ -2,7 +2,7 @@
 against ``fdx.core`` only (never ``fdx.plugins``), installed with pip and
 found through the ``fdx`` entry-point group. fdx knows nothing about it.
 
-- ``example-fifo`` scheduler policy: the engine's scheduling core's two
+- ``example-fifo`` KV scheduler: the engine's scheduling core's two
   loops, with a cap of its own on each new prompt's first chunk.
 - ``shortest-first`` queue policy, ``tenant-cap`` admission rule (its
   settings declared as a ``Settings`` dataclass), ``most-output``
@@ -41,8 +41,8 @@ from pydantic import Field
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AdmissionRule, AttentionBackend, Backend, KVCacheManager, KVConnector,
-                                 LinearWeight, LogitsProcessor, Observer, PreemptionPolicy, QueuePolicy,
-                                 SchedulerPolicy, WeightFormat)
+                                 KVScheduler, LinearWeight, LogitsProcessor, Observer, PreemptionPolicy,
+                                 QueuePolicy, WeightFormat)
 from fdx.core.kernels import KernelTable
 
 # what the observer saw, for tests to read
@@ -59,7 +59,7 @@ LAYER_CALLS: list[tuple] = []            # the example-layer-recorder connector'
 
 # --- a scheduler ---------------------------------------------------------------
 
-class FifoScheduler(SchedulerPolicy):
+class FifoScheduler(KVScheduler):
     """Running requests first, each its remaining tokens within the budget
     (the oldest first; the victim policy picks who gives way when blocks run
     out); then waiting ones in queue order, each new prompt's first chunk at
@@ -483,7 +483,7 @@ class SlowStep(LogitsProcessor):
 
 
 @hookimpl
-def fdx_register_resource_managers(register):
+def fdx_register_kv_schedulers(register):
     register("example-fifo", FifoScheduler)
 
 

@@ -175,7 +175,7 @@ def fdx_register_model_runners(register):
 
 
 @hookimpl
-def fdx_register_schedulers(register):
+def fdx_register_request_schedulers(register):
     register("example-tally", Tally)
 
 
