@@ -403,11 +403,11 @@ class TensorParallelExecutor(Executor):
 
 
 def _stop(procs, steps, results, ctx, path) -> None:
-    stop = _encoder.encode(WorkerStop())
+    message = _encoder.encode(WorkerStop())
     for proc, sock in zip(procs, steps):
         if proc.poll() is None:
             try:
-                sock.send(stop, zmq.NOBLOCK)
+                sock.send(message, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
     stop(procs, grace_s=3.0)
