@@ -3,10 +3,10 @@ model I/O (Hugging Face and GGUF checkpoints, the tokenizer and chat
 template: fdx.core.checkpoint), which imports the engine's contracts and is
 never imported by the engine.
 
-Model I/O installs its ``ModelLoader`` here when it is imported, and the
-package root (fdx/__init__.py, the composition root, run before any fdx
-module) imports it: every process that runs an engine (``LLM``, the
-serving engine process, a tensor parallel worker, a test) has it. Another
+Model I/O's ``ModelLoader`` is installed here by the package root
+(fdx/__init__.py, the composition root, run before any fdx module):
+every process that runs an engine (``LLM``, the serving engine process, a
+tensor parallel worker, a test) has it. Another
 loader (one that reads from a store of its own) is installed the same way
 (``install``) and serves every engine built after.
 """
@@ -43,6 +43,6 @@ def install(loader: ModelLoader) -> None:
 def model_loader() -> ModelLoader:
     """The installed model loader."""
     if _loader is None:
-        raise RuntimeError("no model loader is installed: model I/O installs one when imported, and importing "
-                           "the fdx package imports it (fdx/__init__.py)")
+        raise RuntimeError("no model loader is installed (importing the fdx package installs model I/O's: "
+                           "fdx/__init__.py)")
     return _loader

@@ -95,8 +95,9 @@ def test_no_import_circle_in_the_package():
 
 # -- the layers ------------------------------------------------------------------------
 
-ENTRY = ("fdx.core.cli", "fdx.core.engine_args", "fdx.core.serving", "fdx.core.bench")
-MODEL_IO = ("fdx.core.checkpoint",)
+# the packages outside the engine (the move out of core/ rewrites these two lines: /work/thin_move.py)
+ENTRY = ("fdx.entrypoints", "fdx.core.cli", "fdx.core.engine_args", "fdx.core.serving", "fdx.core.bench")
+MODEL_IO = ("fdx.model_io", "fdx.core.checkpoint")
 # what model I/O may use: the contracts and the plain helpers under the engine
 CONTRACTS = {f"fdx.core.{m}" for m in ("config", "interfaces", "hookspecs", "plugins", "kernels", "host",
                                        "generation", "request", "sampling_params", "messages",
@@ -175,7 +176,7 @@ def test_core_names_no_plugin_module_and_selects_no_connector_or_runner_by_name(
                 if r.package == "fdx"} - {"default"}        # "default": the Backend contract's own default
     assert {"swap", "splitwise", "cuda-graph", "tp"} <= selected
     found = []
-    for f in sorted((ROOT / "core").rglob("*.py")):
+    for f in sorted(f for d in ("core", "entrypoints", "model_io") for f in (ROOT / d).rglob("*.py")):
         rel = f.relative_to(ROOT).as_posix()
         name = "fdx." + rel[:-3].replace("/", ".")
         for node in _ast.walk(_ast.parse(f.read_text())):
@@ -199,3 +200,30 @@ def test_core_imports_no_entry_point_and_no_model_io():
     assert "fdx.core.engine" in engine and "fdx.core.executor" in engine and "fdx.core.output" in engine
     bad = sorted(f"{m} -> {t}" for m in engine for t in graph[m] if layer(t) in ("entry", "model_io"))
     assert bad == []
+
+
+def test_the_engine_loads_its_model_through_the_installed_loader():
+    """The seam is real: the engine asks fdx.core.loading's loader (the
+    package root installed model I/O's), and another one installed there
+    is the one asked."""
+    import pytest
+    from fdx.core import loading
+    from fdx.core.checkpoint import CheckpointLoader
+    from fdx.core.config import FdxConfig
+    from fdx.core.engine import EngineCore
+    assert isinstance(loading.model_loader(), CheckpointLoader)
+    asked = []
+
+    class Refusing:
+        def load_model(self, config, plugins, kernels, progress=True, defer_tokenizer=False):
+            asked.append(config.model.model)
+            raise LookupError("not in this store")
+
+    default = loading.model_loader()
+    loading.install(Refusing())
+    try:
+        with pytest.raises(LookupError, match="not in this store"):
+            EngineCore(FdxConfig.build(model="store://m1"), progress=False)
+    finally:
+        loading.install(default)
+    assert asked == ["store://m1"]

@@ -11,7 +11,7 @@ import tomllib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TOP = {"core", "plugins", "ops"}
+TOP = {"core", "plugins", "ops", "entrypoints", "model_io"}
 
 
 def _source_files():
