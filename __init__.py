@@ -66,6 +66,12 @@ if not any(getattr(f, "fdx_guard", False) for f in _sys.meta_path):   # once, al
 # compiling Paddle extensions repeatedly); keep it off users' terminals.
 _warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
 
+# The composition root: model I/O becomes the engine's model loader (core/loading.py; the
+# engine imports no model I/O module). Cheap: its readers load with the first model.
+from fdx.core.checkpoint import install_loader as _install_loader  # noqa: E402
+
+_install_loader()
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
            "LoRARequest", "__version__"]

@@ -90,12 +90,11 @@ class EngineCore:
         if config.model.chat_template is not None:          # --chat-template: a file or the text
             self.tokenizer.set_chat_template(config.model.chat_template)
         self.model_path = ckpt.path
-        from fdx.core.checkpoint.loader import is_default_model
         from fdx.core.generation import chat_defaults_for
         from fdx.core.generation import resolve as resolve_generation_config
         # the model's sampling defaults (core/generation.py), as model.generation_config says
         self.generation_config = resolve_generation_config(config.model.generation_config, ckpt.generation_config)
-        self.chat_defaults = chat_defaults_for(is_default_model(ckpt.path))   # fdx's, under them, for chat
+        self.chat_defaults = chat_defaults_for(ckpt.is_default)   # fdx's, under them, for chat
         del ckpt
         self.shape = m = self.executor.shape       # what the engine reads of the model
         self.task = config.model.task               # generate, or embed: every request is a pooling one

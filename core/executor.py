@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from fdx.core.interfaces import Executor, KVCacheSpec, ModelRunnerOutput, ModelShape, SchedulerOutput
+from fdx.core.loading import model_loader
 
 
 class UniProcExecutor(Executor):
@@ -15,14 +16,13 @@ class UniProcExecutor(Executor):
     the KV budget, allocates the KV tensors and runs the config's runner."""
 
     def __init__(self, assembly, backend, dtype: str, progress: bool = True, defer_tokenizer: bool = False):
-        from fdx.core.checkpoint.model import load_model
         self.assembly, self.backend, self.dtype = assembly, backend, dtype
         config = assembly.config
         backend.setup(config)
         assembly.set_backend(backend)        # after setup: a backend may choose its attention by a probe
-        # in model.quantization's format
-        self.model, self.checkpoint = load_model(config, assembly.plugins, backend.kernels, progress,
-                                                 defer_tokenizer)
+        # in model.quantization's format, by model I/O (core/loading.py: the engine imports none of it)
+        self.model, self.checkpoint = model_loader().load_model(config, assembly.plugins, backend.kernels,
+                                                                progress, defer_tokenizer)
         backend.prepare_model(self.model, dtype)
         self.tokenizer = self.checkpoint.tokenizer
         self.shape = ModelShape.of(self.model)
@@ -71,8 +71,7 @@ class UniProcExecutor(Executor):
         self.model.unload_lora(name)
 
     def weight_bytes(self) -> dict[str, int]:
-        from fdx.core.checkpoint.model import held_weight_bytes
-        return held_weight_bytes(self.model)
+        return dict(self.model.weight_bytes())      # Model.weight_bytes: {} for a class that does not say
 
     def close(self) -> None:
         if self.runner is not None:

@@ -91,7 +91,7 @@ def from_gguf_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
 def chat_defaults_for(embedded: bool) -> dict[str, Any]:
     """fdx's chat defaults for a model: CHAT_DEFAULTS, with
     EMBEDDED_CHAT_DEFAULTS over them for the embedded default model
-    (``fdx.core.checkpoint.loader.is_default_model``)."""
+    (the checkpoint's ``is_default``)."""
     return {**CHAT_DEFAULTS, **(EMBEDDED_CHAT_DEFAULTS if embedded else {})}
 
 

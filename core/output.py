@@ -71,11 +71,10 @@ class TextOutput:
     __slots__ = ("params", "detok", "text")
 
     def __init__(self, tokenizer, params: SamplingParams):
-        # imported here: the serving engine process imports this module (DeltaTracker) but no
-        # tokenizer module unless a request has stop strings (tests/test_tokenizer.py)
-        from fdx.core.checkpoint.tokenizer import IncrementalDetokenizer
+        # the tokenizer (model I/O's) makes the detokenizer: core imports no tokenizer module, and
+        # the serving engine process builds its deferred one only for a request with stop strings
         self.params = params
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.detok = tokenizer.detokenizer(skip_special_tokens=params.skip_special_tokens)
         self.text = ""
 
     def add(self, token_id: int, num_tokens: int, check_stop: bool = True) -> str | None:

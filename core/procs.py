@@ -1,11 +1,15 @@
 """Child processes, one way: the serving engine process
 (core/serving/engine_proc.py, started by engine_client.py) and the tensor
-parallel workers (plugins/backends/tp.py) are each started as
-``python -m <module> ... --parent-pid <pid>`` (``child_command``) with their
-config as JSON on stdin, and each begins with ``start_child``: it dies with
-its parent (``die_with_parent``), ignores Ctrl-C (the parent stops it), and
-gives up at once when the parent is already gone. While idle they poll
-``orphaned``. The parent names a child that died with ``exit_message``.
+parallel workers (plugins/backends/tp.py) are each started by ``spawn``
+(``spawn_async`` in an event loop) as ``python -m <module> ... --parent-pid
+<pid>`` (``child_command``) with their config as JSON on stdin, and each
+begins with ``start_child``: it dies with its parent (``die_with_parent``),
+ignores Ctrl-C (the parent stops it), and gives up at once when the parent
+is already gone. While idle they poll ``orphaned``. The parent stops them
+with ``stop`` (``stop_async``): the stop message it sent first, then
+SIGTERM, then SIGKILL, each given its grace. It names a child that ended
+with ``exit_message`` (while starting or serving) or ``death_message`` (a
+death while serving, as the requests in flight read it).
 Messages between them are tagged msgspec structs in msgpack, never pickle
 (core/messages.py, tp.py's ``Worker*``): a decoder typed with their union
 rejects anything else, and the first message back is the handshake
@@ -13,9 +17,13 @@ rejects anything else, and the first message back is the handshake
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import subprocess
 import sys
+import time
+from collections.abc import Iterable, Mapping
 
 from fdx.core.host import signal_name
 
@@ -23,6 +31,59 @@ from fdx.core.host import signal_name
 def child_command(module: str, *args: str) -> list[str]:
     """The command line of a child running ``module``, told this process's pid."""
     return [sys.executable, "-m", module, *args, "--parent-pid", str(os.getpid())]
+
+
+def spawn(module: str, *args: str, payload: bytes, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start ``module`` as a child (``child_command``) and hand it
+    ``payload`` (its config, as JSON) on stdin, closed after."""
+    proc = subprocess.Popen(child_command(module, *args), stdin=subprocess.PIPE, env=env)
+    proc.stdin.write(payload)
+    proc.stdin.close()
+    return proc
+
+
+async def spawn_async(module: str, *args: str, payload: bytes) -> asyncio.subprocess.Process:
+    """``spawn`` from an event loop (an ``asyncio.subprocess.Process``)."""
+    proc = await asyncio.create_subprocess_exec(*child_command(module, *args), stdin=asyncio.subprocess.PIPE)
+    proc.stdin.write(payload)
+    proc.stdin.close()
+    return proc
+
+
+def stop(procs: Iterable[subprocess.Popen], grace_s: float) -> None:
+    """Wait up to ``grace_s`` in all for children already told to stop (by
+    a message of their own), then kill the ones left and reap them."""
+    procs = list(procs)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def stop_async(proc: asyncio.subprocess.Process, grace_s: float, asked: bool) -> None:
+    """Stop one child from an event loop: when it was ``asked`` (sent its
+    stop message) wait ``grace_s`` for it, then SIGTERM and wait as long,
+    then SIGKILL; a child that reads no messages yet is sent SIGTERM at once."""
+    actions = (None, proc.terminate, proc.kill) if asked else (proc.terminate, proc.kill)
+    for action in actions:
+        if proc.returncode is not None:
+            return
+        if action is not None:
+            try:
+                action()
+            except ProcessLookupError:
+                return
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+            return
+        except asyncio.TimeoutError:
+            continue
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
@@ -67,3 +128,11 @@ def exit_message(who: str, returncode: int, when: str) -> str:
                 "names the kernel, `fdx env` shows the CPU and its kernels, and docs/backends.md says what to "
                 "turn off")
     return f"{who} was killed by {name} (status {returncode}) {when} (see its messages above)"
+
+
+def death_message(who: str, returncode: int) -> str:
+    """A death while serving, as a failed request reads it: '``who`` died
+    (status N)', and the signal by name for a negative status."""
+    if returncode is not None and returncode < 0:
+        return f"{who} died (status {returncode}, {signal_name(returncode)})"
+    return f"{who} died (status {returncode})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 
 import pytest
 
@@ -43,3 +44,33 @@ def test_an_engine_killed_by_sigill_while_loading_is_reported_by_name(tmp_path, 
         asyncio.run(go())
     assert client.proc.returncode == -signal.SIGILL
     assert str(e.value).startswith("the engine process was killed by SIGILL (status -4) while loading")
+
+
+def test_death_message_names_the_signal():
+    from fdx.core.procs import death_message
+    assert death_message("the engine process", 1) == "the engine process died (status 1)"
+    assert death_message("the engine process", -int(signal.SIGKILL)) == (
+        f"the engine process died (status -{int(signal.SIGKILL)}, SIGKILL)")
+
+
+def test_spawn_hands_the_payload_and_stop_kills_a_child_that_ignores_its_stop(tmp_path, monkeypatch):
+    """A real child (a shell script in place of Python) that keeps its
+    payload and its command line, then never exits (as a child that
+    missed its stop message): procs.stop kills and reaps it once the grace
+    is over."""
+    from fdx.core import procs
+    child = tmp_path / "child"
+    child.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\ncat > {tmp_path}/payload\n"
+                     f"touch {tmp_path}/ready\nwhile true; do sleep 1; done\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(child))
+    proc = procs.spawn("some.module", "--x", "1", payload=b'{"a": 1}')
+    while not (tmp_path / "ready").exists():          # the child has read all of stdin
+        assert proc.poll() is None
+        time.sleep(0.01)
+    procs.stop([proc], grace_s=0.1)
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "payload").read_bytes() == b'{"a": 1}'
+    import os
+    assert (tmp_path / "args").read_text().split() == ["-m", "some.module", "--x", "1", "--parent-pid",
+                                                      str(os.getpid())]

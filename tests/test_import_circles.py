@@ -4,9 +4,11 @@ fdx, at module level or inside a function, read from the source, makes a
 graph; a strongly connected part of more than one module is a circle, and
 an edge against the layer rules below is a violation.
 
-    entry points   fdx.core.cli, fdx.core.engine_args, fdx.core.serving.*, fdx.core.bench.*
-    engine         fdx.core.* (the rest): the contracts, the engine, the LLM API
-    checkpoint     fdx.core.checkpoint.*: model I/O, over the contracts only
+    root           fdx (the package root): the composition root, installs model I/O's loader
+    entry points   ENTRY below (CLI, server, router, bench): over everything but plugin modules
+    engine         fdx.core.* (the rest): the contracts, the engine, the LLM API; it imports no
+                   entry point and no model I/O (it reaches model I/O through fdx.core.loading)
+    model_io       MODEL_IO below: checkpoints, tokenizer, chat template, over the contracts only
     plugins        fdx.plugins.*: found by the plugin manager, never imported by core
     ops            fdx.ops.*: kernels, over fdx.core.kernels and fdx.core.host only
 """
@@ -93,20 +95,29 @@ def test_no_import_circle_in_the_package():
 
 # -- the layers ------------------------------------------------------------------------
 
-ENTRY = ("fdx.core.cli", "fdx.core.engine_args", "fdx.core.serving", "fdx.core.bench")
+# the packages outside the engine (the move out of core/ rewrites these two lines: /work/thin_move.py)
+ENTRY = ("fdx.entrypoints", "fdx.core.cli", "fdx.core.engine_args", "fdx.core.serving", "fdx.core.bench")
+MODEL_IO = ("fdx.model_io", "fdx.core.checkpoint")
 # what model I/O may use: the contracts and the plain helpers under the engine
 CONTRACTS = {f"fdx.core.{m}" for m in ("config", "interfaces", "hookspecs", "plugins", "kernels", "host",
-                                       "generation", "request", "sampling_params", "messages")} | {"fdx.core"}
+                                       "generation", "request", "sampling_params", "messages",
+                                       "loading")} | {"fdx.core"}
 OPS_MAY_USE = {"fdx.core", "fdx.core.kernels", "fdx.core.host"}   # the kernel table and the CPU's identity
+
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
 
 
 def layer(module: str) -> str:
     if module == "fdx":
         return "root"
+    if _under(module, ENTRY):
+        return "entry"
+    if _under(module, MODEL_IO):
+        return "model_io"
     if module.startswith("fdx.core"):
-        if any(module == e or module.startswith(e + ".") for e in ENTRY):
-            return "entry"
-        return "checkpoint" if module.startswith("fdx.core.checkpoint") else "engine"
+        return "engine"
     return module.split(".")[1]          # plugins, ops
 
 
@@ -117,11 +128,13 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         for t in sorted(targets):
             b = layer(t)
             why = None
-            if a in ("engine", "checkpoint", "plugins", "ops") and b == "entry":
+            if a in ("engine", "model_io", "plugins", "ops") and b == "entry":
                 why = "imports an entry point (cli, serving, bench)"
-            elif a in ("engine", "checkpoint", "entry", "root") and b == "plugins":
+            elif a in ("engine", "model_io", "entry", "root") and b == "plugins":
                 why = "core imports a plugin module (look it up through the plugin manager)"
-            elif a == "checkpoint" and b == "engine" and t not in CONTRACTS:
+            elif a in ("engine", "ops") and b == "model_io":
+                why = "the engine imports model I/O (it reaches it through fdx.core.loading)"
+            elif a == "model_io" and b == "engine" and t not in CONTRACTS:
                 why = "model I/O imports the engine side (it may use only the contracts)"
             elif a == "ops" and b != "ops" and t not in OPS_MAY_USE:
                 why = f"ops imports beyond {sorted(OPS_MAY_USE)}"
@@ -133,19 +146,20 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
 def test_the_layer_check_sees_each_kind_of_violation():
     graph = {"fdx.core.engine": {"fdx.core.serving.app", "fdx.core.config"},
              "fdx.core.assembly": {"fdx.plugins.cache.swap"},
+             "fdx.core.executor": {"fdx.core.checkpoint.model", "fdx.core.loading"},
              "fdx.core.checkpoint.model": {"fdx.core.engine", "fdx.core.interfaces"},
              "fdx.ops.attention": {"fdx.core.kernels", "fdx.core.config"},
              "fdx.plugins.schedulers.x": {"fdx.core.bench.serve", "fdx.core.interfaces", "fdx.ops.attention"},
              "fdx.core.serving.app": {"fdx.core.engine", "fdx.core.checkpoint.loader"}}
     assert [v.split(":")[0] for v in violations(graph)] == [
         "fdx.core.engine -> fdx.core.serving.app", "fdx.core.assembly -> fdx.plugins.cache.swap",
-        "fdx.core.checkpoint.model -> fdx.core.engine", "fdx.ops.attention -> fdx.core.config",
+        "fdx.core.executor -> fdx.core.checkpoint.model", "fdx.core.checkpoint.model -> fdx.core.engine", "fdx.ops.attention -> fdx.core.config",
         "fdx.plugins.schedulers.x -> fdx.core.bench.serve"]
 
 
 def test_every_import_goes_down_the_layers():
     graph = import_graph()
-    assert {layer(m) for m in graph} == {"root", "entry", "engine", "checkpoint", "plugins", "ops"}
+    assert {layer(m) for m in graph} == {"root", "entry", "engine", "model_io", "plugins", "ops"}
     assert violations(graph) == []
 
 
@@ -162,7 +176,7 @@ def test_core_names_no_plugin_module_and_selects_no_connector_or_runner_by_name(
                 if r.package == "fdx"} - {"default"}        # "default": the Backend contract's own default
     assert {"swap", "splitwise", "cuda-graph", "tp"} <= selected
     found = []
-    for f in sorted((ROOT / "core").rglob("*.py")):
+    for f in sorted(f for d in ("core", "entrypoints", "model_io") for f in (ROOT / d).rglob("*.py")):
         rel = f.relative_to(ROOT).as_posix()
         name = "fdx." + rel[:-3].replace("/", ".")
         for node in _ast.walk(_ast.parse(f.read_text())):
@@ -170,7 +184,46 @@ def test_core_names_no_plugin_module_and_selects_no_connector_or_runner_by_name(
                 continue
             if node.value.startswith("fdx.plugins") and rel != "core/plugins.py":
                 found.append(f"{rel}:{node.lineno} {node.value!r}")
-            if (node.value in selected and layer(name) in ("engine", "checkpoint")
+            if (node.value in selected and layer(name) in ("engine", "model_io")
                     and rel not in ("core/config.py", "core/testing.py")):
                 found.append(f"{rel}:{node.lineno} {node.value!r}")
     assert found == []
+
+
+def test_core_imports_no_entry_point_and_no_model_io():
+    """Every module under core/ that is the engine side (after the move, all
+    of core/) imports no entry-point and no model-I/O module, at module level
+    or inside a function: the engine reaches model I/O through
+    fdx.core.loading, and the tokenizer makes its own detokenizer."""
+    graph = import_graph()
+    engine = [m for m in graph if layer(m) == "engine"]
+    assert "fdx.core.engine" in engine and "fdx.core.executor" in engine and "fdx.core.output" in engine
+    bad = sorted(f"{m} -> {t}" for m in engine for t in graph[m] if layer(t) in ("entry", "model_io"))
+    assert bad == []
+
+
+def test_the_engine_loads_its_model_through_the_installed_loader():
+    """The seam is real: the engine asks fdx.core.loading's loader (the
+    package root installed model I/O's), and another one installed there
+    is the one asked."""
+    import pytest
+    from fdx.core import loading
+    from fdx.core.checkpoint import CheckpointLoader
+    from fdx.core.config import FdxConfig
+    from fdx.core.engine import EngineCore
+    assert isinstance(loading.model_loader(), CheckpointLoader)
+    asked = []
+
+    class Refusing:
+        def load_model(self, config, plugins, kernels, progress=True, defer_tokenizer=False):
+            asked.append(config.model.model)
+            raise LookupError("not in this store")
+
+    default = loading.model_loader()
+    loading.install(Refusing())
+    try:
+        with pytest.raises(LookupError, match="not in this store"):
+            EngineCore(FdxConfig.build(model="store://m1"), progress=False)
+    finally:
+        loading.install(default)
+    assert asked == ["store://m1"]

@@ -11,7 +11,7 @@ import tomllib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TOP = {"core", "plugins", "ops"}
+TOP = {"core", "plugins", "ops", "entrypoints", "model_io"}
 
 
 def _source_files():
@@ -32,6 +32,24 @@ def test_package_list_matches_folders_with_init():
             continue
         on_disk.add("fdx." + ".".join(rel.parts))
     assert declared == on_disk
+
+
+def test_console_script_and_package_data_name_what_exists():
+    """The `fdx` command's target is a callable in a declared package, and
+    each package-data entry names a declared package whose files are on
+    disk (a moved package leaves neither pointing at the old place)."""
+    import glob
+    import importlib
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    declared = set(conf["tool"]["setuptools"]["packages"])
+    module, _, attr = conf["project"]["scripts"]["fdx"].partition(":")
+    assert module.rpartition(".")[0] in declared
+    assert callable(getattr(importlib.import_module(module), attr))
+    for package, patterns in conf["tool"]["setuptools"]["package-data"].items():
+        assert package in declared, package
+        folder = ROOT.joinpath(*package.split(".")[1:])
+        for pattern in patterns:
+            assert glob.glob(str(folder / pattern)), f"{package}: nothing matches {pattern}"
 
 
 def test_no_top_level_imports_of_card_folders():

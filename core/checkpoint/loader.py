@@ -82,6 +82,11 @@ class Checkpoint:
     def architecture(self) -> str:
         return self.config["architectures"][0]
 
+    @property
+    def is_default(self) -> bool:
+        """Whether this is the embedded default model (its chat defaults: core/generation.py)."""
+        return is_default_model(self.path)
+
 
 def default_model_path() -> str:
     """Path of the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF)."""

@@ -218,6 +218,12 @@ class Tokenizer:
             return self._backend.token_to_id(tokens)
         return [self._backend.token_to_id(t) for t in tokens]
 
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """An incremental detokenizer over this tokenizer: what the output
+        processor (core/output.py) turns one sequence's token stream into
+        text with (it imports no tokenizer module)."""
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
     def __len__(self) -> int:
         return self.vocab_size
 

@@ -47,6 +47,7 @@ import msgspec
 
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.messages import EngineHeartbeat, EngineReady, EngineRejected, EngineStats, SeqDelta
+from fdx.core.procs import death_message
 from fdx.core.serving.engine_client import EngineClient, EngineDeadError
 
 log = logging.getLogger("fdx.data_parallel")
@@ -305,8 +306,8 @@ class DataParallelClient:
         rank.in_flight.clear()
         if self.stopping:
             return
-        log.error("data-parallel rank %d died (status %s); its requests in flight failed; restarting it",
-                  rank.index, code)
+        log.error("%s; its requests in flight failed; restarting it",
+                  death_message(f"data-parallel rank {rank.index}", code))
         rank.restarting = asyncio.get_running_loop().create_task(self._restart(rank, code))
 
     async def _restart(self, rank: Rank, code: int) -> None:

@@ -26,7 +26,7 @@ from fdx.core.messages import (EngineAbort, EngineAdd, EngineDeadError, EngineFa
                                EngineLoRA, EngineLoRADone, EngineOutputs, EngineReady, EngineRejected,
                                EngineShutdown, EngineStats, FromEngine)
 from fdx.core.messages import encoder as _encoder
-from fdx.core.procs import child_command, exit_message
+from fdx.core.procs import death_message, exit_message, spawn_async, stop_async
 from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.engine_client")
@@ -104,11 +104,9 @@ class EngineClient:
         for name in ("in", "out"):
             os.chmod(os.path.join(self._dir, name), 0o600)
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
-        self.proc = await asyncio.create_subprocess_exec(
-            *child_command("fdx.core.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
-                           "--heartbeat-s", str(self.heartbeat_s)), stdin=asyncio.subprocess.PIPE)
-        self.proc.stdin.write(self.config.model_dump_json().encode())
-        self.proc.stdin.close()
+        self.proc = await spawn_async("fdx.core.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
+                                      "--heartbeat-s", str(self.heartbeat_s),
+                                      payload=self.config.model_dump_json().encode())
         exited = asyncio.ensure_future(self.proc.wait())
         self.last_heard = time.monotonic()
         try:
@@ -277,8 +275,8 @@ class EngineClient:
                 f"the engine process stopped responding (no heartbeat for {self.heartbeat_timeout_s:g} s) "
                 "and was stopped")
         else:
-            log.error("the engine process died (status %s)", code)
-            err = EngineDeadError(f"the engine process died (status {code})")
+            err = EngineDeadError(death_message("the engine process", code))
+            log.error("%s", err)
         callbacks, self.callbacks = self.callbacks, {}
         for cb in callbacks.values():
             cb(err)
@@ -307,20 +305,9 @@ class EngineClient:
         for t in self._tasks:
             t.cancel()
         proc = self.proc
-        if proc is not None and proc.returncode is None:
-            # a loading engine reads no messages: terminate it at once
-            actions = (None, proc.terminate, proc.kill) if self.ready else (proc.terminate, proc.kill)
-            for action in actions:
-                if action is not None:
-                    try:
-                        action()
-                    except ProcessLookupError:
-                        break
-                try:
-                    await asyncio.wait_for(proc.wait(), timeout)
-                    break
-                except asyncio.TimeoutError:
-                    continue
+        if proc is not None:
+            # stop() sent the shutdown message; a loading engine reads none: terminate it at once
+            await stop_async(proc, timeout, asked=self.ready is not None)
         if self._ctx is not None:
             self._push.close(linger=0)
             self._pull.close(linger=0)

@@ -67,7 +67,7 @@ import zmq
 from fdx.core.config import ConfigError
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import Executor, Model, ModelRunnerOutput, ModelShape, SchedulerOutput
-from fdx.core.procs import child_command, exit_message, orphaned, start_child
+from fdx.core.procs import exit_message, orphaned, spawn, start_child, stop
 
 log = logging.getLogger("fdx.backends.tp")
 
@@ -249,13 +249,9 @@ class TensorParallelExecutor(Executor):
                    "PADDLE_TRAINER_ENDPOINTS": endpoints, "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
                    "PADDLE_DISTRI_BACKEND": "gloo", "OMP_NUM_THREADS": str(threads),
                    "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}
-            proc = subprocess.Popen(
-                child_command("fdx.plugins.backends.tp", "--rank", str(rank), "--world", str(world),
-                              "--dir", self._dir, "--threads", str(threads)),
-                stdin=subprocess.PIPE, env=env)
-            self.procs.append(proc)
-            proc.stdin.write(payload.encode())
-            proc.stdin.close()
+            self.procs.append(spawn("fdx.plugins.backends.tp", "--rank", str(rank), "--world", str(world),
+                                    "--dir", self._dir, "--threads", str(threads), payload=payload.encode(),
+                                    env=env))
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
         loaded = self._gather(WorkerLoaded, "loading the model", time.monotonic() + READY_TIMEOUT_S)
         self.held: dict[str, int] = {}      # kind -> bytes, summed over the ranks
@@ -407,23 +403,14 @@ class TensorParallelExecutor(Executor):
 
 
 def _stop(procs, steps, results, ctx, path) -> None:
-    stop = _encoder.encode(WorkerStop())
+    message = _encoder.encode(WorkerStop())
     for proc, sock in zip(procs, steps):
         if proc.poll() is None:
             try:
-                sock.send(stop, zmq.NOBLOCK)
+                sock.send(message, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-    deadline = time.monotonic() + 3.0
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stop(procs, grace_s=3.0)
     for sock in [*steps, results]:
         sock.close(linger=0)
     ctx.term()
