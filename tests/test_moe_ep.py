@@ -50,7 +50,7 @@ def test_ranks_partial_outputs_sum_to_the_whole_layer(folder, world, groups):
             block, parts = whole.layers[i].mlp, [m.layers[i].mlp for m in ranks]
             for r, part in enumerate(parts):
                 first, end = ExpertShare(r, world, groups).experts(E)
-                assert part.held == (first, end) and len(part.w_gate_up) == len(part.w_down) == E // groups
+                assert part.experts_held == (first, end) and len(part.w_gate_up) == len(part.w_down) == E // groups
                 assert part.w_gate_up[0].shape == (2 * 32 * groups // world, 64)
             got = sum(part(x).numpy() for part in parts)
             np.testing.assert_allclose(got, block(x).numpy(), atol=1e-5, rtol=0)
@@ -58,7 +58,20 @@ def test_ranks_partial_outputs_sum_to_the_whole_layer(folder, world, groups):
             assert block.last_load.sum() == rows * K
 
 
-def test_expert_parallel_keys_and_bad_combinations(folder, tiny_checkpoints):
+def _config_only(folder, out, **changes):
+    """The checkpoint with its config.json changed (the weights linked, for
+    their names): the engine checks the ranks' split from the config alone,
+    before any worker starts, so these never reach a load."""
+    import json
+    out.mkdir()
+    for name in ("tokenizer.json", "model.safetensors"):
+        (out / name).symlink_to(folder / name)
+    cfg = {**json.loads((folder / "config.json").read_text()), **changes}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_expert_parallel_keys_and_bad_combinations(folder, tmp_path):
     import argparse
 
     from fdx import LLM
@@ -76,10 +89,68 @@ def test_expert_parallel_keys_and_bad_combinations(folder, tiny_checkpoints):
     with pytest.raises(ConfigError, match=r"^config key 'parallel.enable_expert_parallel'"):
         FdxConfig.build(enable_expert_parallel=True)
     kw = dict(max_model_len=32, num_kv_blocks=8, progress=False)
-    dense, _ = tiny_checkpoints["Qwen3ForCausalLM"]
-    with pytest.raises(ConfigError, match=r"config key 'parallel.expert_parallel_size'.*no mixture-of-experts"):
+    dense = _config_only(folder, tmp_path / "dense", architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    with pytest.raises(ConfigError, match=r"^config key 'parallel.expert_parallel_size': 2: .*no mixture-of-experts"):
         LLM(str(dense), tensor_parallel_size=2, expert_parallel_size=2, **kw)
-    # 8 experts in 4 groups, each expert's 32 columns over 2 ranks: fine; 8 groups of 8 ranks cannot split 32 / 1 ...
-    with pytest.raises(ConfigError, match=r"config key 'parallel.tensor_parallel_size'.*moe_intermediate_size=32 "
-                                          r"does not divide by 64"):
-        LLM(str(folder), tensor_parallel_size=64, expert_parallel_size=1, **kw)
+    six = _config_only(folder, tmp_path / "six", num_experts=6)
+    with pytest.raises(ConfigError, match=r"^config key 'parallel.expert_parallel_size': .*num_experts=6 does not "
+                                          r"divide by 4"):
+        LLM(str(six), tensor_parallel_size=4, expert_parallel_size=4, **kw)
+    narrow = _config_only(folder, tmp_path / "narrow", moe_intermediate_size=30)
+    with pytest.raises(ConfigError, match=r"^config key 'parallel.tensor_parallel_size': .*moe_intermediate_size=30 "
+                                          r"does not divide by 4"):
+        LLM(str(narrow), tensor_parallel_size=4, **kw)
+
+
+# --- through the engine: worker processes -----------------------------------------------------------
+
+PROMPTS = [np.random.default_rng(s).integers(3, 300, n).tolist() for s, n in ((5, 11), (6, 3), (7, 7))]
+
+
+def _generate(folder, **kw) -> tuple[list, list, tuple[int, int]]:
+    """(greedy tokens per prompt, [(tokens, expert_load)] per step, (free, total) KV blocks at the end)."""
+    from fdx import LLM, SamplingParams
+    from fdx.core.hookspecs import hookimpl
+
+    class Observer:
+        def __init__(self):
+            self.steps = []
+
+        @hookimpl
+        def fdx_step_finished(self, scheduler_output, step_stats):
+            self.steps.append((step_stats.num_scheduled_tokens, step_stats.expert_load))
+
+    obs = Observer()
+    llm = LLM(str(folder), max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, num_kv_blocks=24,
+              block_size=4, quantization="none", progress=False, **kw)
+    try:
+        llm.engine.plugins.pm.register(obs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        kv = llm.engine.kv_cache
+        return [o.outputs[0].token_ids for o in outs], obs.steps, (kv.num_free_blocks, kv.num_blocks)
+    finally:
+        llm.engine.plugins.pm.unregister(obs)
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def one_rank(folder):
+    return _generate(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ep", [(2, 2), (4, 2)], ids=["ep2", "tp4xep2"])
+def test_expert_parallel_equals_one_rank(folder, one_rank, tp, ep):
+    """EP 2 (two ranks, four experts each, attention split in two) and TP 4 x
+    EP 2 (four ranks: two groups of four experts, each expert's columns over
+    the group's two ranks; attention split in four) give one rank's greedy
+    tokens; each step's expert load comes back from rank 0 and is one rank's
+    (chunked prefill: 8-token steps, then decode); every KV block is free."""
+    tokens, steps, (free, total) = _generate(folder, tensor_parallel_size=tp, expert_parallel_size=ep)
+    want_tokens, want_steps, _ = one_rank
+    assert tokens == want_tokens
+    ran = [s for s in steps if s[0]]
+    assert ran == [s for s in want_steps if s[0]] and len(ran) > 4 and any(n == 8 for n, _ in ran)
+    assert all(len(load) == 2 and all(sum(layer) == n * K for layer in load) for n, load in ran)
+    assert free == total

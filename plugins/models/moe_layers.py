@@ -102,7 +102,7 @@ def _float_matrix(w: Weights, name: str, shape: tuple[int, int]) -> np.ndarray:
 class SparseMoe:
     """Router, routed experts and optional shared experts of one layer.
 
-    Under expert parallel a rank holds experts ``held`` = [first, end) only
+    Under expert parallel a rank holds experts ``experts_held`` = [first, end) only
     (``w_gate_up[e - first]``); the router still chooses among all of them on
     every rank, and the rank computes the (row, slot) places that chose one of
     its experts, the others' share of the layer's sum being zero here."""
@@ -120,12 +120,12 @@ class SparseMoe:
         self.score_bias = None
         if moe.score_correction_bias:
             self.score_bias = _float_matrix(w, f"{p}.moe_statics.e_score_correction_bias", (1, e))[0]
-        self.held = (0, e) if share is None else share.experts(e)     # [first, end) of the experts held
+        self.experts_held = (0, e) if share is None else share.experts(e)     # [first, end) of the experts held
         self.w_gate_up: list[LinearWeight] = []
         self.w_down: list[LinearWeight] = []
         for x in range(e):
             q = f"{p}.experts.{x}"
-            if not self.held[0] <= x < self.held[1]:          # another rank's: dropped, never converted
+            if not self.experts_held[0] <= x < self.experts_held[1]:          # another rank's: dropped, never converted
                 for name, shape in ((f"{q}.gate_proj.weight", (i, h)), (f"{q}.up_proj.weight", (i, h)),
                                     (f"{q}.down_proj.weight", (h, i))):
                     w._pop(name, shape)
@@ -181,7 +181,7 @@ class SparseMoe:
         ids, weights = self.route(x)
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
         self.last_load = counts                          # the expert-load tap (tokens per expert, all of them)
-        if self.held == (0, self.num_experts):
+        if self.experts_held == (0, self.num_experts):
             y = self._experts(x, ids, weights, counts)
         else:
             y = self._held_experts(x, ids, weights)
@@ -205,7 +205,7 @@ class SparseMoe:
         slots other ranks hold, and each row sums its k slots in slot order (a
         zero adds nothing exactly: a row whose experts are all here gets the
         one-rank sum)."""
-        first, end = self.held
+        first, end = self.experts_held
         n, k = ids.shape
         rows, slots = np.nonzero((ids >= first) & (ids < end))   # row-major: each row's slots in order
         if rows.size == 0:
@@ -260,11 +260,11 @@ class SparseMoe:
         split over all ``world`` ranks."""
         share = ExpertShare(rank, world, groups)
         first, end = share.experts(self.num_experts)
-        if self.held != (first, end):
-            if self.held != (0, self.num_experts):
-                raise ValueError(f"{self.prefix}: built with experts {self.held}, sharded for {(first, end)}")
+        if self.experts_held != (first, end):
+            if self.experts_held != (0, self.num_experts):
+                raise ValueError(f"{self.prefix}: built with experts {self.experts_held}, sharded for {(first, end)}")
             self.w_gate_up, self.w_down = self.w_gate_up[first:end], self.w_down[first:end]
-            self.held = (first, end)
+            self.experts_held = (first, end)
         parts, part = share.per_group, share.column_part
         if parts > 1:
             i, n = self.intermediate_size, self.intermediate_size // parts
