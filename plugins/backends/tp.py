@@ -30,6 +30,9 @@ decoding's bitmask rides in the step (``SchedulerOutput.guided``), so rank
 0 masks as a single-process runner does. Embedding and norms are whole on
 every rank; only rank 0 keeps the lm_head (the others a 1-wide stand-in).
 ``WorkerReconfigure`` rebuilds each rank's runner side for a new config.
+With ``parallel.expert_parallel_size`` a MoE model's ranks hold whole
+experts instead (fdx.plugins.backends.expert_parallel: the load, the shard
+and the checks); rank 0 sends each step's expert load back with its result.
 
 What does not run here yet is refused before any worker starts, a
 ConfigError naming the key: a KV connector (``cache.kv_connector``, the
