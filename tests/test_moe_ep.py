@@ -21,7 +21,7 @@ from fdx.core.checkpoint.loader import load_checkpoint
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.plugins.models.moe_config import ExpertShare, building_share
 from fdx.plugins.models.qwen3_moe import Qwen3MoeForCausalLM
-from test_moe_grouped import E, K, write_qwen3_moe
+from test_moe_grouped import E, K, checkpoints, write_qwen3_moe  # noqa: F401  (checkpoints: a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,38 @@ def test_ranks_partial_outputs_sum_to_the_whole_layer(folder, world, groups):
             np.testing.assert_allclose(got, block(x).numpy(), atol=1e-5, rtol=0)
             assert all(np.array_equal(part.last_load, block.last_load) for part in parts)   # every rank routes all
             assert block.last_load.sum() == rows * K
+
+
+def test_q8_0_gguf_ranks_keep_their_experts_quantized(checkpoints):
+    """The GGUF file's stacked Q8_0 experts: each rank takes its experts'
+    rows of the file's bytes only, keeps them in Q8_0, runs them through the
+    grouped call (its own stack of E/2 experts), and the partial outputs sum
+    to the whole layer's."""
+    from fdx.core import kernels
+    from fdx.plugins.models.weight_formats import AutoFormat, weight_bytes
+    from test_contracts import cpu_kernel_table
+    _, q8 = checkpoints
+    table = cpu_kernel_table()
+
+    def model(share=None):
+        ck = load_checkpoint(str(q8), progress=False, keep_blocks=True)
+        with building_share(share):
+            return Qwen3MoeForCausalLM(ck.config, ck.weights, weight_format=AutoFormat(table, {}))
+    with kernels.using(table):
+        whole, ranks = model(), [model(ExpertShare(r, 2, 2)) for r in range(2)]
+        for r, m in enumerate(ranks):
+            m.shard(r, 2, lambda t: t, 2)
+        x = paddle.to_tensor(np.random.default_rng(3).standard_normal((9, 64)).astype(np.float32))
+        for i in whole.moe.moe_layers:
+            parts = [m.layers[i].mlp for m in ranks]
+            got = sum(part(x).numpy() for part in parts)
+            np.testing.assert_allclose(got, whole.layers[i].mlp(x).numpy(), atol=1e-5, rtol=0)
+            block = whole.layers[i].mlp
+            for part in parts:
+                assert len(part.w_down) == E // 2 and {w.q.kind for w in part.w_gate_up + part.w_down} == {"q8_0"}
+                assert part._stacks not in (None, False) and part._stacks[0].num_experts == E // 2
+                assert 2 * weight_bytes(part.w_gate_up + part.w_down)["q8_0"] == \
+                    weight_bytes(block.w_gate_up + block.w_down)["q8_0"]
 
 
 def _config_only(folder, out, **changes):

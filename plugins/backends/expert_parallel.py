@@ -20,8 +20,8 @@ all_reduce at a decode step's size and slower at a prefill's
 
 Each rank builds its model with ``moe_config.EXPERT_SHARE`` set, so a MoE
 layer converts (quantizes, stacks) only its own experts and drops the
-others' tensors as it meets them (a GGUF file's other experts are never
-read; a Hugging Face folder is read whole by the loader first).
+others' tensors as it meets them (a GGUF file's other experts, kept in their
+block type, are never read; a Hugging Face folder is read whole by the loader first).
 
 ``check`` refuses, before any worker starts, what cannot split (a ConfigError
 naming the key); ``load_rank_model`` is a rank's load and shard.

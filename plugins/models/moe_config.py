@@ -79,7 +79,7 @@ def expert_parallel_counts(moe: MoeConfig, world: int, groups: int) -> list[tupl
 
 
 # Set while a tensor-parallel rank builds its model (fdx.plugins.backends.expert_parallel): a MoE
-# layer then takes only its share's experts out of the checkpoint; the others are dropped unread.
+# layer then takes only its share's experts out of the checkpoint; the others are dropped unconverted.
 EXPERT_SHARE: ContextVar[ExpertShare | None] = ContextVar("fdx_expert_share", default=None)
 
 
