@@ -93,6 +93,12 @@ class ParallelConfig(_Section):
     data_parallel_size: int = Field(1, gt=0, le=64)   # fdx serve: engine processes (each with its own KV
                                                # cache and TP group) behind one API server; the threads
                                                # split between them (core/serving/data_parallel.py)
+    # -- expert parallel (issue 39 item 3; docs/architecture.md "Mixture-of-experts layers")
+    expert_parallel_size: int = Field(1, gt=0, le=64)   # MoE models: the tensor_parallel_size ranks in this
+                                               # many groups, each holding num_experts / N whole experts
+                                               # (their columns split over the group's ranks); must
+                                               # divide tensor_parallel_size and num_experts
+    enable_expert_parallel: bool = False       # vLLM/FastDeploy: expert_parallel_size = tensor_parallel_size
 
 
 class DecodingConfig(_Section):
@@ -245,6 +251,24 @@ class FdxConfig(_Section):
     # plugin settings: {kind: {name: {key: value}}}, validated by the plugin's Settings schema (when it
     # declares one) and handed to its constructor (core/assembly.py)
     plugins: dict[str, dict[str, dict[str, Any]]] = {}
+
+    @model_validator(mode="after")
+    def _expert_parallel(self):
+        """On the whole config (a section's own assignment, e.g. a draft model's
+        tensor_parallel_size = 1, does not re-run it)."""
+        p = self.parallel
+        tp, ep = p.tensor_parallel_size, p.expert_parallel_size
+        if p.enable_expert_parallel and ep == 1:
+            if tp == 1:
+                raise ValueError("config key 'parallel.enable_expert_parallel': expert parallel spreads the "
+                                 "experts over the tensor-parallel ranks; set parallel.tensor_parallel_size "
+                                 "(--tensor-parallel-size) to 2 or more")
+            p.expert_parallel_size = ep = tp
+        if tp % ep:
+            raise ValueError(f"config key 'parallel.expert_parallel_size': {ep} does not divide "
+                             f"parallel.tensor_parallel_size ({tp}): the experts are split over the "
+                             "tensor-parallel ranks, in expert_parallel_size groups of equal size")
+        return self
 
     @classmethod
     def build(cls, yaml_path: str | None = None, /, **overrides: Any) -> "FdxConfig":
@@ -491,6 +515,9 @@ def _describe(e: ValidationError, prefix: str = "") -> str:
     parts = []
     for err in e.errors():
         loc = ".".join([prefix] * bool(prefix) + [str(p) for p in err["loc"]])
+        if not loc and err["msg"].startswith("Value error, config key '"):   # a whole-config check names its key
+            parts.append(err["msg"][len("Value error, "):])
+            continue
         shown = _redacted(err.get("input"), str(err["loc"][-1]) if err["loc"] else "")
         parts.append(f"config key '{loc}': {err['msg']} (got {shown!r})")
     return "; ".join(parts)

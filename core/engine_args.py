@@ -107,14 +107,12 @@ FOREIGN_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "--enable-logprob": (("",), "fdx always computes logprobs when a request asks for them"),
     "--max-waiting-time": ((), "fdx bounds the wait for a first token with server.max_queue (a 429 past it) and "
                                "the global scheduler's queue timeout (docs/deployment.md)"),
-    "--enable-expert-parallel": ((), "fdx loads no mixture-of-experts model across ranks yet; use "
-                                     "--tensor-parallel-size"),
 }
 
 
 _SWITCHES = {"--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--enable-mm",
              "--enable-log-requests", "--enable-request-id-headers", "--return-tokens-as-token-ids",
-             "--enable-logprob", "--enable-expert-parallel"}
+             "--enable-logprob"}
 
 
 class _Foreign(argparse.Action):
@@ -200,6 +198,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="vLLM/FastDeploy: accepted and ignored: fdx runs no code from a model's folder "
                         "(default: off, and on changes nothing)")
+    p.add_argument("--enable-expert-parallel", dest="enable_expert_parallel", action="store_const", const=True,
+                   default=None, help="vLLM/FastDeploy: a mixture-of-experts model's experts split whole over the "
+                                      "--tensor-parallel-size ranks (parallel.expert_parallel_size = "
+                                      "tensor_parallel_size; a divisor of it with --set expert_parallel_size=N; "
+                                      "default: off, each expert's columns split instead)")
     p.add_argument("--use-cudagraph", dest="model_runner", action="store_const", const="cuda-graph",
                    help="FastDeploy: = --set model_runner=cuda-graph (cuda backend only; default: off)")
     for flag in FOREIGN_FLAGS:         # listed in docs/migrating.md, not in --help
@@ -275,7 +278,7 @@ def _overrides(args) -> dict:
     check_foreign_flags(args)
     out = {}
     keys = (*_ENGINE_INT_FLAGS, *_ENGINE_STR_FLAGS, "resource_manager", "enable_chunked_prefill", "batch_invariant",
-            "model_runner", "enable_lora", "max_loras", "max_lora_rank",
+            "model_runner", "enable_lora", "max_loras", "max_lora_rank", "enable_expert_parallel",
             *(key for key, _, _ in _ALIAS_FLAGS.values()))
     for key in keys:
         v = getattr(args, key, None)

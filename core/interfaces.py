@@ -145,8 +145,8 @@ class StepStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_gated: int = 0
-    expert_load: list[list[int]] | None = None   # a MoE model run in-process: tokens routed to each expert,
-                                       # [MoE layer][expert], this step (plugins/models/moe_taps.py); else None
+    expert_load: list[list[int]] | None = None   # a MoE model (in-process or its TP/EP rank 0): tokens routed to
+                                       # each expert, [MoE layer][expert], this step (plugins/models/moe_taps.py)
 
 
 @dataclass(slots=True)

@@ -376,34 +376,53 @@ def test_engine_batch_chunked_preempted_prefix_hits_equal_transformers(gguf_case
 # --- tensor parallel ---------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_tensor_parallel_shards_sum_to_the_whole_layer(tmp_path):
+@pytest.mark.parametrize("groups", [1, 2])
+def test_tensor_parallel_shards_sum_to_the_whole_layer(tmp_path, groups):
     """Each rank keeps its share of every expert's (and the shared experts')
-    intermediate columns; the ranks' partial outputs of a MoE MLP sum to the
-    whole one (the bias of the shared down projection added once)."""
+    intermediate columns, or (expert parallel, ``groups`` 2) half the experts
+    whole and its share of the shared experts' columns; the ranks' partial
+    outputs of a MoE MLP sum to the whole one (the bias of the shared down
+    projection added once)."""
     case = write_case("ernie-moe-bias", tmp_path)
     whole, ranks = case.fdx_model(), [case.fdx_model() for _ in range(2)]
     for r, model in enumerate(ranks):
-        model.shard(r, 2, lambda t: t)
+        model.shard(r, 2, lambda t: t, groups)
     x = paddle.to_tensor(np.random.default_rng(0).standard_normal((9, 64)).astype(np.float32))
     for i in whole.moe.moe_layers:
         block = whole.layers[i].mlp
-        assert ranks[0].layers[i].mlp.w_down[0].shape == (64, 16)
+        assert ranks[0].layers[i].mlp.w_down[0].shape == (64, 32 // (2 // groups))
+        assert len(ranks[0].layers[i].mlp.w_down) == 8 // groups
         got = ranks[0].layers[i].mlp(x) + ranks[1].layers[i].mlp(x) - block.shared.b_down
         np.testing.assert_allclose(got.numpy(), block(x).numpy(), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
 def test_tp2_greedy_equals_tp1(tmp_path):
+    """Greedy tokens, and each step's expert load (StepStats.expert_load: rank
+    0 sends it back under tensor parallel), equal one rank's."""
     from fdx import LLM, SamplingParams
+    from fdx.core.hookspecs import hookimpl
+
+    class Loads(list):
+        @hookimpl
+        def fdx_step_finished(self, scheduler_output, step_stats):
+            self.append(step_stats.expert_load)
+
     case = write_case("ernie-moe-bias", tmp_path)
     ps = [prompt(n, 20 + n) for n in (4, 11)]
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     kw = dict(max_model_len=64, num_kv_blocks=32, block_size=4, quantization="none", progress=False)
-    with LLM(str(case.path), **kw) as one:
-        tp1 = [o.outputs[0].token_ids for o in one.generate([{"prompt_token_ids": p} for p in ps], sp)]
-    with LLM(str(case.path), tensor_parallel_size=2, **kw) as two:
-        tp2 = [o.outputs[0].token_ids for o in two.generate([{"prompt_token_ids": p} for p in ps], sp)]
-    assert tp2 == tp1
+    out, loads = {}, {}
+    for tp in (1, 2):
+        with LLM(str(case.path), tensor_parallel_size=tp, **kw) as llm:
+            loads[tp] = seen = Loads()
+            llm.engine.plugins.pm.register(seen)
+            try:
+                out[tp] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp)]
+            finally:
+                llm.engine.plugins.pm.unregister(seen)
+    assert out[2] == out[1]
+    assert loads[2] == loads[1] and len(loads[1]) >= 8 and all(load is not None for load in loads[1])
 
 
 # --- research taps: expert load and a replaced router ---------------------------------------------

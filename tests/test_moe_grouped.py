@@ -105,12 +105,13 @@ def test_a_row_alone_equals_it_batched(table, kind):
 VOCAB = 300
 
 
-def write_qwen3_moe(root: Path, seed: int = 0) -> Path:
-    """A tiny random Qwen3-MoE folder (hidden 64, 8 experts, top-2, layer 1 dense) in numpy."""
+def write_qwen3_moe(root: Path, seed: int = 0, kv: int = 2, name: str = "qwen3moe") -> Path:
+    """A tiny random Qwen3-MoE folder (hidden 64, 4 heads, ``kv`` KV heads, 8
+    experts, top-2, layer 1 dense) in numpy."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     rng = np.random.default_rng(seed)
-    h, heads, kv, hd, inter, moe_inter, layers = 64, 4, 2, 16, 96, 32, 3
+    h, heads, hd, inter, moe_inter, layers = 64, 4, 16, 96, 32, 3
     cfg = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=h,
                intermediate_size=inter, moe_intermediate_size=moe_inter, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, max_position_embeddings=256,
@@ -135,7 +136,7 @@ def write_qwen3_moe(root: Path, seed: int = 0) -> Path:
             q = f"{p}.mlp.experts.{e}"
             w.update({f"{q}.gate_proj.weight": r(moe_inter, h), f"{q}.up_proj.weight": r(moe_inter, h),
                       f"{q}.down_proj.weight": r(h, moe_inter)})
-    path = root / "qwen3moe"
+    path = root / name
     path.mkdir()
     save_file(w, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg))

@@ -119,6 +119,13 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
             "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
             "proposals_per_step": drafts / max(len(steps), 1),
             "gated_steps": sum(st.spec_gated for st in steps)}
+    loads = [st.expert_load for st in steps if st.expert_load]
+    if loads:                                  # a MoE model: tokens per expert per layer over the run
+        per_layer = np.sum(np.asarray(loads, dtype=np.int64), axis=0)
+        ratios = per_layer.max(axis=1) / np.maximum(per_layer.mean(axis=1), 1e-9)
+        result["expert_load"] = {"moe_layers": int(per_layer.shape[0]), "experts": int(per_layer.shape[1]),
+                                 "max_over_mean": float(ratios.max()), "mean_max_over_mean": float(ratios.mean()),
+                                 "idle_experts": int((per_layer == 0).sum())}
     from fdx.core.memory import rss_bytes
     result["quantization"] = eng.config.model.quantization
     result["weight_bytes"] = eng.executor.weight_bytes()      # by kind ("q4_1", "f32", ...)
@@ -142,6 +149,11 @@ def format_throughput(r: dict) -> str:
         f"  preemptions      {r['preemptions']} (victims: {r['preemption_policy']}), "
         f"recompute tax {100 * r['recompute_tax']:.1f}% of computed tokens",
     ]
+    if r.get("expert_load"):
+        el = r["expert_load"]
+        lines.append(f"  expert load      busiest expert {el['max_over_mean']:.2f}x the mean (layer average "
+                     f"{el['mean_max_over_mean']:.2f}x; 1.00: even) over {el['moe_layers']} MoE layers of "
+                     f"{el['experts']} experts, {el['idle_experts']} (layer, expert) pairs idle")
     if r.get("weight_bytes"):
         from fdx.core.checkpoint.model import format_bytes
         lines.append(f"  weights          {format_bytes(r['weight_bytes'])}, model.quantization "

@@ -30,6 +30,9 @@ decoding's bitmask rides in the step (``SchedulerOutput.guided``), so rank
 0 masks as a single-process runner does. Embedding and norms are whole on
 every rank; only rank 0 keeps the lm_head (the others a 1-wide stand-in).
 ``WorkerReconfigure`` rebuilds each rank's runner side for a new config.
+With ``parallel.expert_parallel_size`` a MoE model's ranks hold whole
+experts instead (fdx.plugins.backends.expert_parallel: the load, the shard
+and the checks); rank 0 sends each step's expert load back with its result.
 
 What does not run here yet is refused before any worker starts, a
 ConfigError naming the key: a KV connector (``cache.kv_connector``, the
@@ -146,6 +149,7 @@ class WorkerResult(msgspec.Struct, tag="result"):
     sampled_request_ids: list[str] = []
     logits: bytes | None = None        # float32 [rows, vocab], when decoding.capture_logits
     hidden_states: bytes | None = None  # float32 [rows, hidden], when decoding.capture_hidden_states
+    expert_load: list[list[int]] | None = None   # a MoE model: the step's tokens per expert per MoE layer
 
 
 class WorkerFailed(msgspec.Struct, tag="failed"):
@@ -199,6 +203,8 @@ def sharded_shape(config, plugins, ckpt) -> ModelShape:
     c = cls.parse_config(ckpt.config)
     shape = ModelShape.of(c, cfg=c)
     check_divisible(shape, world)
+    from fdx.plugins.backends import expert_parallel
+    expert_parallel.check(config, cls, arch, ckpt.config)     # parallel.expert_parallel_size (a MoE model's counts)
     return shape
 
 
@@ -228,6 +234,7 @@ class TensorParallelExecutor(Executor):
         self.num_blocks: int | None = None
         self.failed: str | None = None
         self.taps: dict = {}
+        self.expert_load: list[list[int]] | None = None     # rank 0's, from the last step
         self._dir = tempfile.mkdtemp(prefix="fdx-tp-")
         self._zmq = zmq.Context()
         self._results = self._zmq.socket(zmq.PULL)
@@ -331,6 +338,7 @@ class TensorParallelExecutor(Executor):
             if isinstance(msg, WorkerResult):
                 break
         self.taps = {}
+        self.expert_load = msg.expert_load
         if msg.sampled_request_ids:
             rows = len(msg.sampled_request_ids)
             self.taps["sampled_request_ids"] = msg.sampled_request_ids
@@ -342,6 +350,12 @@ class TensorParallelExecutor(Executor):
 
     def last_step_taps(self) -> dict:
         return self.taps
+
+    def last_expert_load(self) -> list[list[int]] | None:
+        """A MoE model's tokens per expert per MoE layer in the last step (rank 0's
+        count: every rank routes every row), as the in-process model's
+        ``last_expert_load()``; None for another model (plugins/models/moe_taps.py)."""
+        return self.expert_load
 
     def load_lora(self, name: str, path: str) -> None:
         """Every rank reads the adapter and keeps its shard; when one refuses
@@ -430,7 +444,6 @@ class Worker:
 
     def __init__(self, config, rank: int, world: int, threads: int):
         from fdx.core.assembly import Assembly
-        from fdx.core.checkpoint.model import load_model
         from fdx.core.engine import select_backend
         from fdx.core.plugins import get_plugin_manager
 
@@ -468,10 +481,11 @@ class Worker:
             return t.numpy()
 
         self.share_sampled = share_sampled
-        # in model.quantization's format; the tokenizer is built only if a request needs its vocabulary
-        model, ckpt = load_model(config, pm, backend.kernels, progress=False, defer_tokenizer=True)
+        # in model.quantization's format, this rank's shard (and, with expert parallel, its experts only);
+        # the tokenizer is built only if a request needs its vocabulary
+        from fdx.plugins.backends.expert_parallel import load_rank_model
+        model, ckpt = load_rank_model(config, pm, backend.kernels, rank, world, all_reduce)
         self.model = model
-        model.shard(rank, world, all_reduce)
         self.tokenizer = ckpt.tokenizer
         del ckpt
         if rank != 0:        # the other ranks never read logits: a 1-wide head instead of the vocabulary
@@ -565,6 +579,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         config = FdxConfig.model_validate(payload["config"])
         worker = Worker(config, args.rank, args.world, args.threads)
         from fdx.core.checkpoint.model import held_weight_bytes
+        from fdx.plugins.backends.expert_parallel import expert_load
         results.send(_encoder.encode(WorkerLoaded(args.rank, held_weight_bytes(worker.model),
                                                   backend_setup(worker.backend) if args.rank == 0 else None)))
         while True:
@@ -600,7 +615,8 @@ def worker_main(argv: list[str] | None = None) -> int:
                 results.send(_encoder.encode(WorkerResult(
                     out, list(taps.get("sampled_request_ids", [])),
                     None if logits is None else np.ascontiguousarray(logits, np.float32).tobytes(),
-                    None if hidden is None else np.ascontiguousarray(hidden, np.float32).tobytes())))
+                    None if hidden is None else np.ascontiguousarray(hidden, np.float32).tobytes(),
+                    expert_load(worker.model))))
     except Exception as e:
         log.exception("tensor parallel worker rank %d failed", args.rank)
         results.send(_encoder.encode(WorkerFailed(args.rank, f"{type(e).__name__}: {e}")))

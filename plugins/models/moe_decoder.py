@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from fdx.core.interfaces import AttentionContext
 from fdx.plugins.models.decoder import DecoderForCausalLM
-from fdx.plugins.models.moe_config import MoeConfig, check_moe
+from fdx.plugins.models.moe_config import EXPERT_SHARE, MoeConfig, check_moe, expert_parallel_counts
 
 __all__ = ["MoeConfig", "MoeDecoderForCausalLM", "check_moe"]
 
@@ -44,7 +44,11 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     Tensor parallel splits each expert's intermediate dimension (and the
     shared experts' and the dense layers') the way the dense MLP is split;
     the router stays whole on every rank and the layer's output is summed
-    over the ranks once, after the routed and shared parts are added."""
+    over the ranks once, after the routed and shared parts are added.
+    Expert parallel (``shard(..., groups)``) gives each group of ranks whole
+    experts instead (``moe_config.ExpertShare``); built while
+    ``moe_config.EXPERT_SHARE`` is set, the model takes only its share of
+    the experts out of the checkpoint."""
 
     architecture: ClassVar[str] = "MoeDecoderForCausalLM"
     supports_pooling = True
@@ -58,6 +62,7 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         from fdx.plugins.models.moe_layers import default_router
         self.moe = check_moe(self.architecture, self.parse_config(config).num_layers, self.parse_moe_config(config))
         self._router = default_router(self.moe)
+        self._share = EXPERT_SHARE.get()          # expert parallel: the experts this rank will hold
         super().__init__(config, weights, weight_format)
         from fdx.plugins.models.layers import Weights
         # ERNIE-4.5-MoE's head takes a bias with use_bias (transformers' nn.Linear(bias=use_bias))
@@ -67,7 +72,7 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     def make_layer(self, cfg, w, index: int, rope):
         from fdx.plugins.models.moe_layers import MoeDecoderLayer
         if index in self.moe.moe_layers:
-            return MoeDecoderLayer(cfg, self.moe, w, index, rope, self._router)
+            return MoeDecoderLayer(cfg, self.moe, w, index, rope, self._router, self._share)
         return super().make_layer(cfg, w, index, rope)
 
     @property
@@ -89,21 +94,41 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         (``[moe layers][num_experts]``; zeros before the first)."""
         return [block.last_load.tolist() for block in self.moe_blocks]
 
-    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
-        cfg, moe = self.cfg, self.moe
-        counts = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                  ("moe_intermediate_size", moe.moe_intermediate_size)]
+    @classmethod
+    def shard_errors(cls, config: dict[str, Any], world: int, groups: int = 1) -> list[str]:
+        """Why the checkpoint's config cannot split over ``world`` ranks in
+        ``groups`` expert-parallel groups: each reason names its config key
+        ([] when it can). The engine asks before any worker starts."""
+        return cls._shard_errors(cls.parse_config(config), cls.parse_moe_config(config), world, groups)
+
+    @classmethod
+    def _shard_errors(cls, cfg, moe: MoeConfig, world: int, groups: int) -> list[str]:
+        counts = [("parallel.tensor_parallel_size", "num_attention_heads", cfg.num_heads, world),
+                  ("parallel.tensor_parallel_size", "num_key_value_heads", cfg.num_kv_heads, world),
+                  *expert_parallel_counts(moe, world, groups)]
         if len(moe.moe_layers) < cfg.num_layers:
-            counts.append(("intermediate_size", cfg.intermediate_size))
+            counts.append(("parallel.tensor_parallel_size", "intermediate_size", cfg.intermediate_size, world))
         if moe.shared_intermediate_size:
-            counts.append(("shared expert intermediate size", moe.shared_intermediate_size))
-        for key, count in counts:
-            if count % world:
-                raise ValueError(f"config key 'parallel.tensor_parallel_size': {self.architecture}: "
-                                 f"{key}={count} does not divide by tensor_parallel_size={world}")
+            counts.append(("parallel.tensor_parallel_size", "shared expert intermediate size",
+                           moe.shared_intermediate_size, world))
+        sizes = f"tensor_parallel_size={world}" + (f", expert_parallel_size={groups}" if groups > 1 else "")
+        return [f"config key '{key}': {cls.architecture}: {what}={count} does not divide by {by} ({sizes})"
+                for key, what, count, by in counts if count % by]
+
+    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor], groups: int = 1) -> None:
+        """Tensor parallel over ``world`` ranks; with ``groups`` > 1 (expert
+        parallel) the MoE layers' experts go whole to ``groups`` groups of
+        ranks (``SparseMoe.shard``), all else splits as tensor parallel does."""
+        errors = self._shard_errors(self.cfg, self.moe, world, groups)
+        if errors:
+            raise ValueError(errors[0])
+        cfg = self.cfg
         for layer in self.layers:
             layer.attn.shard(rank, world, reduce)
-            layer.mlp.shard(rank, world, reduce)
+            if getattr(layer, "is_moe", False):
+                layer.mlp.shard(rank, world, reduce, groups)
+            else:
+                layer.mlp.shard(rank, world, reduce)
             layer.weights_changed()
         self.num_heads, self.num_kv_heads = cfg.num_heads // world, cfg.num_kv_heads // world
 

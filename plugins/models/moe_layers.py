@@ -25,7 +25,7 @@ from fdx.ops.dense import matmul as dense_matmul
 from fdx.ops.rotary import RotaryEmbedding
 from fdx.plugins.models.decoder_config import DecoderConfig
 from fdx.plugins.models.layers import Attention, DecoderLayer, Weights, _take, linear
-from fdx.plugins.models.moe_config import MoeConfig
+from fdx.plugins.models.moe_config import ExpertShare, MoeConfig
 
 Tensor = paddle.Tensor
 
@@ -100,11 +100,17 @@ def _float_matrix(w: Weights, name: str, shape: tuple[int, int]) -> np.ndarray:
 
 
 class SparseMoe:
-    """Router, routed experts and optional shared experts of one layer."""
+    """Router, routed experts and optional shared experts of one layer.
+
+    Under expert parallel a rank holds experts ``experts_held`` = [first, end) only
+    (``w_gate_up[e - first]``); the router still chooses among all of them on
+    every rank, and the rank computes the (row, slot) places that chose one of
+    its experts, the others' share of the layer's sum being zero here."""
 
     is_moe = True
 
-    def __init__(self, cfg: DecoderConfig, moe: MoeConfig, w: Weights, prefix: str, router: Router):
+    def __init__(self, cfg: DecoderConfig, moe: MoeConfig, w: Weights, prefix: str, router: Router,
+                 share: ExpertShare | None = None):
         p = self.prefix = f"{prefix}.mlp"
         self.fmt = w.fmt
         h, i, e = cfg.hidden_size, moe.moe_intermediate_size, moe.num_experts
@@ -114,10 +120,16 @@ class SparseMoe:
         self.score_bias = None
         if moe.score_correction_bias:
             self.score_bias = _float_matrix(w, f"{p}.moe_statics.e_score_correction_bias", (1, e))[0]
+        self.experts_held = (0, e) if share is None else share.experts(e)     # [first, end) of the experts held
         self.w_gate_up: list[LinearWeight] = []
         self.w_down: list[LinearWeight] = []
         for x in range(e):
             q = f"{p}.experts.{x}"
+            if not self.experts_held[0] <= x < self.experts_held[1]:          # another rank's: dropped, never converted
+                for name, shape in ((f"{q}.gate_proj.weight", (i, h)), (f"{q}.up_proj.weight", (i, h)),
+                                    (f"{q}.down_proj.weight", (h, i))):
+                    w._pop(name, shape)
+                continue
             self.w_gate_up.append(w.fused([f"{q}.gate_proj", f"{q}.up_proj"], h, [i, i], False)[0])
             self.w_down.append(w.fused([f"{q}.down_proj"], i, [h], False)[0])
         self.shared = None
@@ -167,10 +179,16 @@ class SparseMoe:
         if n == 0:
             return paddle.zeros_like(x)
         ids, weights = self.route(x)
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        counts = np.bincount(flat, minlength=self.num_experts)
-        self.last_load = counts                          # the expert-load tap (tokens per expert)
+        counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
+        self.last_load = counts                          # the expert-load tap (tokens per expert, all of them)
+        if self.experts_held == (0, self.num_experts):
+            y = self._experts(x, ids, weights, counts)
+        else:
+            y = self._held_experts(x, ids, weights)
+        return self._finish(x, y)
+
+    def _experts(self, x: Tensor, ids: np.ndarray, weights: np.ndarray, counts: np.ndarray) -> Tensor:
+        """The held experts' weighted sum for each row of x (``ids`` counted from the first held expert)."""
         stacks = self.grouped() if x.dtype == paddle.float32 else None
         y = None
         if stacks is not None:                           # one call: grouped by expert, weighted, summed in slot order
@@ -178,7 +196,29 @@ class SparseMoe:
             y = moe.experts(x, ids, weights, *stacks)
         if y is None:
             y = self._expert_loop(x, ids, weights, counts)
-        return self._finish(x, y)
+        return y
+
+    def _held_experts(self, x: Tensor, ids: np.ndarray, weights: np.ndarray) -> Tensor:
+        """Expert parallel: this rank's part of each row's sum, from the (row,
+        slot) places whose expert it holds. Each such place runs as a row of
+        its own (one slot), then goes back to its slot of its row, zeros in the
+        slots other ranks hold, and each row sums its k slots in slot order (a
+        zero adds nothing exactly: a row whose experts are all here gets the
+        one-rank sum)."""
+        first, end = self.experts_held
+        n, k = ids.shape
+        rows, slots = np.nonzero((ids >= first) & (ids < end))   # row-major: each row's slots in order
+        if rows.size == 0:
+            return paddle.zeros([n, x.shape[1]], dtype=x.dtype)
+        local = (ids[rows, slots] - first).reshape(-1, 1)
+        xs = x if k == 1 and rows.size == n else paddle.gather(x, paddle.to_tensor(rows))
+        ys = self._experts(xs, local, weights[rows, slots].reshape(-1, 1),
+                           np.bincount(local.reshape(-1), minlength=end - first))
+        if k == 1 and rows.size == n:
+            return ys
+        places = paddle.zeros([n * k, x.shape[1]], dtype=ys.dtype)
+        places = paddle.scatter(places, paddle.to_tensor(rows * k + slots), ys)
+        return places.reshape([n, k, -1]).sum(axis=1)
 
     def _expert_loop(self, x: Tensor, ids: np.ndarray, weights: np.ndarray, counts: np.ndarray) -> Tensor:
         """The experts one product call each (any weight format): the fallback of ``fdx.ops.moe.experts``."""
@@ -210,16 +250,30 @@ class SparseMoe:
             y = y + self.shared.b_down
         return y
 
-    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> None:
-        """Each expert keeps this rank's intermediate rows of gate and up and
-        the same columns of down (as FeedForward.shard); the router stays whole."""
-        i, n = self.intermediate_size, self.intermediate_size // world
-        mine = np.arange(rank * n, (rank + 1) * n)
-        cols = np.concatenate([mine, i + mine])
-        self.w_gate_up = [wgu.take_rows(cols) for wgu in self.w_gate_up]
-        self.w_down = [self.fmt.shard_cols(f"{self.prefix}.experts.{e}.down_proj.weight", wd, rank * n, (rank + 1) * n)
-                       for e, wd in enumerate(self.w_down)]
-        self.intermediate_size = n
+    def shard(self, rank: int, world: int, reduce: Callable[[Tensor], Tensor], groups: int = 1) -> None:
+        """Tensor parallel (``groups`` 1): each expert keeps this rank's
+        intermediate rows of gate and up and the same columns of down (as
+        FeedForward.shard). Expert parallel (``groups`` > 1 groups of
+        ``world // groups`` ranks, ``ExpertShare``): the rank keeps its group's
+        experts only (if it built them all), each with its part of the
+        columns within the group. The router stays whole; the shared experts
+        split over all ``world`` ranks."""
+        share = ExpertShare(rank, world, groups)
+        first, end = share.experts(self.num_experts)
+        if self.experts_held != (first, end):
+            if self.experts_held != (0, self.num_experts):
+                raise ValueError(f"{self.prefix}: built with experts {self.experts_held}, sharded for {(first, end)}")
+            self.w_gate_up, self.w_down = self.w_gate_up[first:end], self.w_down[first:end]
+            self.experts_held = (first, end)
+        parts, part = share.per_group, share.column_part
+        if parts > 1:
+            i, n = self.intermediate_size, self.intermediate_size // parts
+            mine = np.arange(part * n, (part + 1) * n)
+            cols = np.concatenate([mine, i + mine])
+            self.w_gate_up = [wgu.take_rows(cols) for wgu in self.w_gate_up]
+            self.w_down = [self.fmt.shard_cols(f"{self.prefix}.experts.{first + e}.down_proj.weight", wd, part * n,
+                                               (part + 1) * n) for e, wd in enumerate(self.w_down)]
+            self.intermediate_size = n
         self._stacks = None
         if self.shared is not None:
             self.shared.shard(rank, world)
@@ -300,13 +354,13 @@ class MoeDecoderLayer(DecoderLayer):
     is_moe = True
 
     def __init__(self, cfg: DecoderConfig, moe: MoeConfig, w: Weights, index: int, rope: RotaryEmbedding,
-                 router: Router):
+                 router: Router, share: ExpertShare | None = None):
         prefix = f"model.layers.{index}"
         self.eps = cfg.rms_norm_eps
         self.input_norm = w.vector(f"{prefix}.input_layernorm.weight", cfg.hidden_size)
         self.post_norm = w.vector(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size)
         self.attn = Attention(cfg, w, prefix, rope)
-        self.mlp = SparseMoe(cfg, moe, w, prefix, router)
+        self.mlp = SparseMoe(cfg, moe, w, prefix, router, share)
         self._fused = None
 
     @property

@@ -1,8 +1,10 @@
 """The expert-load tap: ``StepStats.expert_load`` for a mixture-of-experts
-model the engine runs in-process (``engine.model``; None under tensor
-parallel, whose ranks hold the model): the tokens the step routed to each
-expert, per MoE layer, as ``MoeDecoderForCausalLM.last_expert_load()``
-counted them. Other observers of ``fdx_step_finished`` see it filled.
+model: the tokens the step routed to each expert, per MoE layer, as
+``MoeDecoderForCausalLM.last_expert_load()`` counted them, in the engine's
+process (``engine.model``) or, under tensor and expert parallel, on rank 0,
+which sends it back with the step's result (the executor's
+``last_expert_load()``: every rank routes every row, so rank 0's count is
+the step's). Other observers of ``fdx_step_finished`` see it filled.
 Imports no Paddle."""
 from __future__ import annotations
 
@@ -16,7 +18,11 @@ from fdx.core.hookspecs import hookimpl
 # before every other observer of the step.
 @hookimpl(trylast=True)
 def fdx_step_finished(scheduler_output: Any, step_stats: Any, context: Any) -> None:
-    model = getattr(getattr(context, "engine", None), "model", None)
-    load = getattr(model, "last_expert_load", None)
+    engine = getattr(context, "engine", None)
+    model = getattr(engine, "model", None)
+    source = model if model is not None else getattr(engine, "executor", None)
+    load = getattr(source, "last_expert_load", None)
     if load is not None and scheduler_output.total_num_scheduled_tokens > 0:
-        step_stats.expert_load = load()
+        value = load()
+        if value is not None:
+            step_stats.expert_load = value

@@ -678,6 +678,8 @@ def batch_row(batch: int, llama: dict, fdx: dict, ik: dict | None = None) -> dic
     row = {"batch": batch, "llama": {k: llama[k] for k in keys if k in llama},
            "fdx": {k: fdx[k] for k in keys if k in fdx}}
     row["ratio"] = {k: _ratio(fdx[k], llama[k]) for k in ("prompt_tps", "decode_tps", "all_tps")}
+    if (fdx.get("raw") or {}).get("expert_load"):        # a MoE model: fdx's expert load balance over the run
+        row["expert_load"] = fdx["raw"]["expert_load"]
     if ik is not None:
         row["ik"] = {k: ik[k] for k in keys if k in ik}
         row["ratio_ik"] = {k: _ratio(fdx[k], ik[k]) for k in ("prompt_tps", "decode_tps", "all_tps")}
@@ -878,6 +880,12 @@ def _batch_table(batches: list[dict]) -> list[str]:
             cells += [_r(row["ratio" if p == "llama" else "ratio_ik"][k]) for p in peers_]
         cells.append(" / ".join(_mb(row[p].get("peak_rss_mb")) for p in (*peers_, "fdx")))
         lines.append("| " + " | ".join(cells) + " |")
+    for row in batches:
+        el = row.get("expert_load")
+        if el:
+            lines.append(f"expert load at B={row['batch']} (fdx's count): busiest expert {el['max_over_mean']:.2f}x "
+                         f"the mean (layer average {el['mean_max_over_mean']:.2f}x) over {el['moe_layers']} MoE "
+                         f"layers of {el['experts']} experts, {el['idle_experts']} (layer, expert) pairs idle")
     lines.append("(tok/s; fdx/x = fdx / that peer; prompt = S_PP vs prefill steps, decode = S_TG vs decode-only "
                  "steps, all = (prompt + output) / wall: S vs overall_tokens_per_s"
                  + ("; ik = ik_llama.cpp with -rtr" if ik else "") + ")")

@@ -47,10 +47,16 @@ class Shape:
     tie_word_embeddings: bool = True
     attention_bias: bool = False      # Qwen2: q/k/v carry a bias
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+    # a mixture of experts (Qwen3-MoE): every layer routes; 0 experts: a dense MLP of intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    head_dim_: int = 0                # config.json's head_dim where it is not hidden / heads (Qwen3)
+    qk_norm: bool = False             # Qwen3: per-head q/k RMS norms
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_dim_ or self.hidden_size // self.num_attention_heads
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every tensor, in HF's names and [out, in] layout, in file order."""
@@ -66,9 +72,19 @@ class Shape:
             if self.attention_bias:
                 out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                         (p + "self_attn.v_proj.bias", (kv,))]
-            out += [(p + "self_attn.o_proj.weight", (h, q)),
-                    (p + "post_attention_layernorm.weight", (h,)),
-                    (p + "mlp.gate_proj.weight", (i, h)),
+            out += [(p + "self_attn.o_proj.weight", (h, q))]
+            if self.qk_norm:
+                out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+            out += [(p + "post_attention_layernorm.weight", (h,))]
+            if self.num_experts:
+                m = self.moe_intermediate_size
+                out.append((p + "mlp.gate.weight", (self.num_experts, h)))
+                for e in range(self.num_experts):
+                    out += [(p + f"mlp.experts.{e}.gate_proj.weight", (m, h)),
+                            (p + f"mlp.experts.{e}.up_proj.weight", (m, h)),
+                            (p + f"mlp.experts.{e}.down_proj.weight", (h, m))]
+                continue
+            out += [(p + "mlp.gate_proj.weight", (i, h)),
                     (p + "mlp.up_proj.weight", (i, h)),
                     (p + "mlp.down_proj.weight", (h, i))]
         out.append(("model.norm.weight", (h,)))
@@ -92,6 +108,12 @@ class Shape:
             c.update(attention_bias=False, mlp_bias=False, head_dim=self.head_dim, pretraining_tp=1)
         if self.rope_scaling:
             c["rope_scaling"] = dict(self.rope_scaling)
+        if self.head_dim_:
+            c["head_dim"] = self.head_dim_
+        if self.num_experts:
+            c.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
         return c
 
 
@@ -113,6 +135,11 @@ SHAPES: dict[str, Shape] = {
                           rope_scaling=_LLAMA3_SCALING),
     "llama-3.2-3b": Shape("LlamaForCausalLM", "llama", 3072, 8192, 28, 24, 8, 128256, 500000.0, 1e-5, 131072,
                           rope_scaling=_LLAMA3_SCALING),
+    # Qwen3-30B-A3B's layer shapes (128 experts of 768, top-8, head_dim 128) in 4 of its 48 layers: every
+    # step still streams 4 x 8 experts a row, at the real sizes, from a 5 GB F16 file instead of 61 GB
+    "qwen3-30b-a3b-4l": Shape("Qwen3MoeForCausalLM", "qwen3_moe", 2048, 6144, 4, 32, 4, 151936, 1000000.0, 1e-6,
+                              40960, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                              moe_intermediate_size=768, head_dim_=128, qk_norm=True),
 }
 
 
