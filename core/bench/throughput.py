@@ -64,6 +64,8 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     spec = eng.speculation
     if spec is not None and not speculation:
         eng.resource_manager.speculation = None
+    elif spec is not None:
+        spec.forget()           # each round drafts from its own requests, not an earlier round's same outputs
     reqs = [eng.make_request(p, sp) for p in prompts]
     for r in reqs:
         eng.add_request(r)
