@@ -320,11 +320,14 @@ class DraftRecord:
         self.reached: dict[int, np.ndarray] = {}
         self.kept: dict[int, np.ndarray] = {}
 
+    PRIOR = (3.0, 1.0)          # (kept, missed) counted at every position: an unseen one is tried (3/4)
+
     def rates(self, cls: int) -> np.ndarray:
+        a, b = self.PRIOR
         reached, kept = self.reached.get(cls), self.kept.get(cls)
         if reached is None:
-            return np.full(self.k, 0.5)
-        return (kept + 1) / (reached + 2)
+            return np.full(self.k, a / (a + b))
+        return (kept + a) / (reached + a + b)
 
     def cut(self, cls: int, n: int, threshold: float | None) -> int:
         """How many of a class-``cls`` draft's ``n`` tokens to verify. Every

@@ -170,16 +170,17 @@ def test_draft_record_cuts_where_a_row_stops_paying():
     # position j is reached when the draft has it and all before it were kept
     reached = np.array([sum(j < p and j <= a for p, a in drafts) for j in range(4)])
     kept = np.array([sum(j < a for p, a in drafts) for j in range(4)])
-    assert np.allclose(rec.rates(7), (kept + 1) / (reached + 2))
-    chance = np.cumprod((kept + 1) / (reached + 2))
+    a, b = DraftRecord.PRIOR
+    assert np.allclose(rec.rates(7), (kept + a) / (reached + a + b))
+    chance = np.cumprod((kept + a) / (reached + a + b))
     for threshold in (0.1, 0.6, 0.75, 0.8, 0.99):
         want = int(np.argmin(chance >= threshold)) if chance[-1] < threshold else 4
         assert rec.cut(7, 4, threshold) in (want, want + 1)
-    assert rec.cut(7, 4, None) == 4 and rec.cut(3, 2, 0.2) == 2      # unmeasured: no cut; unseen class: 0.5, 0.25
-    cut = [DraftRecord(2).cut(0, 2, 0.3) for _ in range(1)]
+    assert rec.cut(7, 4, None) == 4                   # the gate has not measured a row's cost: no cut
+    p = a / (a + b)                                   # an unseen class: p, p * p, ...
     fresh = DraftRecord(2)
-    got = [fresh.cut(0, 2, 0.3) for _ in range(32)]  # 0.5 then 0.25: one token, two on every 16th
-    assert got.count(2) == 2 and got.count(1) == 30 and cut == [1]
+    got = [fresh.cut(0, 2, (p + p * p) / 2) for _ in range(32)]  # one token, two on every 16th cut
+    assert got.count(2) == 2 and got.count(1) == 30
 
 
 def test_cost_gate_buckets_decide_alone_and_can_be_off():
