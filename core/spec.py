@@ -373,6 +373,7 @@ class Speculation:
                                      offered_per_pos=[0] * self.k)
         self.step_k = self.k                       # this step's k (0: the step does not speculate)
         self.step_batch = 0
+        self.step_decoding, self.batched = (), None    # this step's decoding requests; propose_batch's drafts
         self.step_counts = [0, 0, 0]               # this step's drafts, draft tokens, accepted tokens
         self.draft_probs: dict[str, np.ndarray] = {}
         # the draft length each request's proposals earn: per draft class (the proposer's
@@ -389,6 +390,14 @@ class Speculation:
                         "which may change any row of the verified logits")
         log.info("speculative decoding: proposer %s, k=%d, cost gate %s", name, self.k,
                  "on" if sc.cost_gate else "off")
+
+    def draft_kv_bytes(self, block_size: int, max_num_seqs: int) -> tuple[int, int]:
+        """(bytes a target KV block adds to the proposer's own KV, bytes it
+        holds whatever the target's count): a draft model's KV cache holds
+        the target's tokens plus each request's drafts; (0, 0) for a
+        proposer without a KV cache."""
+        fn = getattr(self.proposer, "kv_bytes", None)
+        return fn(block_size, max_num_seqs) if fn is not None else (0, 0)
 
     def forget(self) -> None:
         """Forget what earlier requests taught: the proposer's memory of
@@ -434,10 +443,13 @@ class Speculation:
         self.proposer.on_preempted(request.request_id)
 
     # -- a step --------------------------------------------------------------------------------
-    def begin_step(self, num_decoding: int) -> None:
-        """Decide this step's k from the number of requests that decode."""
+    def begin_step(self, num_decoding: int, decoding: Sequence = ()) -> None:
+        """Decide this step's k from the number of requests that decode
+        (``decoding``: those requests, for a proposer that drafts for all of
+        them at once, ``propose_batch``)."""
         self.step_counts = [0, 0, 0]
         self.step_batch = num_decoding
+        self.step_decoding, self.batched = decoding, None
         if self.disable_by_batch_size is not None and num_decoding >= self.disable_by_batch_size:
             self.step_k = 0
         elif num_decoding == 0:                    # nothing decodes: nothing for the gate to decide
@@ -454,9 +466,18 @@ class Speculation:
         self.draft_probs.pop(request.request_id, None)
         if k <= 0 or not self.eligible(request):
             return []
-        tokens = [*request.prompt_token_ids, *request.output_token_ids]
         rid = request.request_id
-        ids, probs = check_proposal(self.name, self.proposer.propose(rid, tokens, k), k, self.vocab_size)
+        if getattr(self.proposer, "propose_batch", None) is not None and self.step_decoding:
+            if self.batched is None:               # the step's first: drafts for every request that decodes
+                self.batched = self._propose_batch()
+            got = self.batched.get(rid)
+        else:
+            got = None
+        if got is None:
+            tokens = [*request.prompt_token_ids, *request.output_token_ids]
+            got = self.proposer.propose(rid, tokens, k)
+        ids, probs = check_proposal(self.name, got, self.step_k, self.vocab_size)
+        ids, probs = ids[:k], (None if probs is None else probs[:k])
         if ids:                                    # cut where a row is unlikely to pay (DraftRecord.cut)
             cls_fn = getattr(self.proposer, "draft_class", None)
             cls = self.cls_of[rid] = int(cls_fn(rid)) if cls_fn is not None else self.outcome.get(rid, 0)
@@ -473,6 +494,17 @@ class Speculation:
         if probs is not None:
             self.draft_probs[request.request_id] = probs
         return ids
+
+    def _propose_batch(self) -> dict:
+        """``propose_batch`` over this step's decoding requests that may
+        speculate, each with this step's k (within its ``max_tokens``): one
+        batched call (draft_model: a forward a draft position for all)."""
+        items = []
+        for r in self.step_decoding:
+            k = min(self.step_k, r.max_tokens - r.num_output_tokens - 1)
+            if k > 0 and self.eligible(r):
+                items.append((r.request_id, [*r.prompt_token_ids, *r.output_token_ids], k))
+        return self.proposer.propose_batch(items) if items else {}
 
     def on_accepted(self, request, num_proposed: int, num_accepted: int) -> None:
         self.draft_probs.pop(request.request_id, None)
