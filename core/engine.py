@@ -120,6 +120,9 @@ class EngineCore:
         self.token_processor = assembly.token_processor(self.tokenizer)
         if self.speculation is not None:
             self.speculation.guided = self.guided          # guided requests speculate through its matchers
+            # the gate times steps by this thread's CPU time where this thread computes them (core/spec.py)
+            self.speculation.cpu_timed = (getattr(self.backend, "name", None) == "cpu"
+                                          and config.parallel.tensor_parallel_size == 1)
         parts = self.build_parts(config, num_blocks)
         self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank
         self._install(parts)

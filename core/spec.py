@@ -22,6 +22,7 @@ Drafts with probabilities (``Proposal.draft_probs``) go through
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -373,6 +374,8 @@ class Speculation:
                                      offered_per_pos=[0] * self.k)
         self.step_k = self.k                       # this step's k (0: the step does not speculate)
         self.step_batch = 0
+        self.step_cpu0 = 0.0
+        self.cpu_timed = False                     # the engine: True where its thread computes the steps (CPU, TP 1)
         self.step_decoding, self.batched = (), None    # this step's decoding requests; propose_batch's drafts
         self.step_counts = [0, 0, 0]               # this step's drafts, draft tokens, accepted tokens
         self.draft_probs: dict[str, np.ndarray] = {}
@@ -449,6 +452,7 @@ class Speculation:
         them at once, ``propose_batch``)."""
         self.step_counts = [0, 0, 0]
         self.step_batch = num_decoding
+        self.step_cpu0 = time.thread_time()
         self.step_decoding, self.batched = decoding, None
         if self.disable_by_batch_size is not None and num_decoding >= self.disable_by_batch_size:
             self.step_k = 0
@@ -526,11 +530,19 @@ class Speculation:
         self.proposer.on_accepted(request.request_id, num_proposed, num_accepted)
 
     def end_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
-        """Time a decode-only step for the cost gate (``seconds``; the gate
-        reads the step's drafts from ``step_counts``, not ``num_tokens``)."""
+        """Time a decode-only step for the cost gate (the gate reads the
+        step's drafts from ``step_counts``, not ``num_tokens``). The time is
+        the engine thread's CPU time since ``begin_step`` where that thread
+        computes (``cpu_timed``: the CPU backend without tensor parallel; the
+        OpenMP master thread does its share of every product), else the wall
+        ``seconds``. CPU time:
+        on a shared machine the time other jobs take the cores is then not
+        counted, and it is the same share of a plain and a speculated step."""
+        cpu = time.thread_time() - self.step_cpu0 if self.cpu_timed else 0.0
         if decode_only and self.step_batch and (self.step_k == 0 or self.step_counts[0]):
             # a step allowed to speculate in which nothing was proposed tells nothing about speculation
-            self.gate.record(self.step_batch, self.step_k, seconds, self.step_counts[0], self.step_counts[1])
+            self.gate.record(self.step_batch, self.step_k, cpu if cpu > 0 else seconds, self.step_counts[0],
+                             self.step_counts[1])
 
     def close(self) -> None:
         self.proposer.close()
