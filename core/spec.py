@@ -168,8 +168,8 @@ class CostGate:
     a step. The gate runs the k' with the best expected gain
     ``(1 + A(k')) / (1 + beta * D(k'))``, or none: it turns on past
     ``1 + margin`` (0 at batch 1, twice ``margin`` from 16 requests, where a
-    wrong guess costs most) and off under ``1 - margin / 2`` (0.98 at batch
-    1), so noise near even does not flip it each step. Off, it tries again so that
+    wrong guess costs most) and off under 0.98, so noise near even does
+    not flip it each step. Off, it tries again so that
     the tries cost at most ``explore_cost`` of the steps (and at least every
     ``explore_every`` steps); a bucket of 16 or more requests first tries
     with k' = 1 (a try there costs about one plain step per draft). The
@@ -183,7 +183,7 @@ class CostGate:
     proposals that could reach them)."""
 
     def __init__(self, enabled: bool = True, min_samples: int = 4, explore_every: int = 32, window: int = 16,
-                 margin: float = 0.02, explore_cost: float = 0.01):
+                 margin: float = 0.05, explore_cost: float = 0.01):
         self.enabled = enabled
         self.min_samples, self.explore_every, self.window = min_samples, explore_every, window
         self.margin, self.explore_cost = margin, explore_cost
@@ -221,11 +221,12 @@ class CostGate:
         unsure = fewest < self.min_samples and (batch < 16 or abs(gain - 1) < 0.25 or (fewest < 2 and gain > 0.6))
         if unsure:
             return 0 if len(spec) > len(plain) else probe
-        # hysteresis: on past 1 + margin (margin 0 at batch 1, doubled from 16 requests), off under 1 - the
-        # half margin (at batch 1: under 0.98), so that noise near even does not flip the decision each step
+        # hysteresis: on past 1 + margin (margin 0 at batch 1, doubled from 16 requests: the estimate's
+        # noise is a few percent, and a wrong 'on' costs most there), off under 0.98, so that noise near
+        # even does not flip the decision each step
         margin = 0.0 if batch == 1 else self.margin * (2 if batch >= 16 else 1)
         was = self.decided.get(b)
-        on = gain > (1 - max(margin / 2, 0.02 if batch == 1 else 0.0) if was else 1 + margin)
+        on = gain > (0.98 if was else 1 + margin)
         choice = best if on else 0
         if was != choice:
             self.decided[b] = choice
