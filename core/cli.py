@@ -157,19 +157,20 @@ def cmd_bench_throughput(args) -> int:
         run = lambda speculation: bench.throughput(llm, args.num_requests, args.input_len, args.output_len,
                                                    seed=args.bench_seed, profile=args.profile,
                                                    workload=args.workload, speculation=speculation)
-        ratios = []                # speculation on / off, per round (the sides alternate: drifting load hits both)
+        ratios, cpu_ratios = [], []    # speculation on / off, per round (the sides alternate: drifting load hits both)
         for _ in range(max(1, args.rounds) if llm.engine.speculation is not None else 1):
             baseline = run(False) if llm.engine.speculation is not None else None
             result = run(True)
             if baseline is not None:
                 ratios.append(result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
+                cpu_ratios.append(baseline["cpu_time_s"] / max(result["cpu_time_s"], 1e-9))   # the same tokens
     except ValueError as e:
         print(f"fdx: error: {e}", file=sys.stderr)
         return 2
     if baseline is not None:       # speculation off, the same engine and prompts, first: the ratio's base
         result["baseline"] = {k: baseline[k] for k in ("output_tokens_per_s", "decode_tokens_per_s", "total_time_s")}
         result["outputs_equal"] = baseline["outputs_sha1"] == result["outputs_sha1"]
-        result["ratios"] = ratios
+        result["ratios"], result["cpu_ratios"] = ratios, cpu_ratios
     print(json.dumps(result, indent=2) if args.json else bench.format_throughput(result))
     return 0
 

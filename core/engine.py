@@ -103,6 +103,10 @@ class EngineCore:
         spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, config.cache.block_size,
                            self.backend.kv_cache_dtype(dtype), layout)
         check_kv_cache_dtype(config, spec.dtype, self.backend.name or "?")
+        self.speculation = None            # speculative decoding (core/spec.py), when speculative.method is set
+        if config.speculative.method is not None:    # first: a draft model's KV shares the KV budget
+            from fdx.core.spec import Speculation
+            self.speculation = Speculation(config, self.plugins, m.vocab_size)
         num_blocks = self._resolve_num_blocks(spec)
         self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks,
                                    spec.block_size, spec.dtype, layout)
@@ -113,11 +117,11 @@ class EngineCore:
         self.guided = GuidedDecoding.from_config(config, self.plugins, self.tokenizer, m.vocab_size,
                                                  self.eos_token_ids)
         self.token_processor = assembly.token_processor(self.tokenizer)
-        self.speculation = None            # speculative decoding (core/spec.py), when speculative.method is set
-        if config.speculative.method is not None:
-            from fdx.core.spec import Speculation
-            self.speculation = Speculation(config, self.plugins, m.vocab_size)
+        if self.speculation is not None:
             self.speculation.guided = self.guided          # guided requests speculate through its matchers
+            # the gate times steps by this thread's CPU time where this thread computes them (core/spec.py)
+            self.speculation.cpu_timed = (getattr(self.backend, "name", None) == "cpu"
+                                          and config.parallel.tensor_parallel_size == 1)
         parts = self.build_parts(config, num_blocks)
         self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank
         self._install(parts)
@@ -254,14 +258,19 @@ class EngineCore:
         demand = need_per_seq * sc.max_num_seqs
         # under tensor parallel a block's bytes over all ranks: the ranks of one host share its memory
         key = "cache.num_kv_blocks"
+        # a draft model (speculative decoding) holds as many tokens' KV as the target, plus its drafts' room:
+        # a sized budget is shared by both (core/spec.py's draft_kv_bytes)
+        draft_per_block, draft_fixed = (self.speculation.draft_kv_bytes(cc.block_size, sc.max_num_seqs)
+                                        if self.speculation is not None else (0, 0))
         if cc.num_kv_blocks is not None:
             why = "cache.num_kv_blocks"
         elif cc.kv_cache_memory_bytes is not None:
             key = why = "cache.kv_cache_memory_bytes"
-            cc.num_kv_blocks = cc.kv_cache_memory_bytes // spec.bytes_per_block
+            cc.num_kv_blocks = max(1, (cc.kv_cache_memory_bytes - draft_fixed) // (spec.bytes_per_block + draft_per_block))
         else:
             kv_bytes = self.executor.kv_budget(sc.max_num_batched_tokens, sc.max_num_seqs, cc.memory_fraction)
-            cc.num_kv_blocks = max(1, min(kv_bytes // spec.bytes_per_block, demand))
+            cc.num_kv_blocks = max(1, min(max(0, kv_bytes - draft_fixed) // (spec.bytes_per_block + draft_per_block),
+                                          demand))
             why = (f"max_num_seqs {sc.max_num_seqs} x max_model_len {self.max_model_len}"
                    if cc.num_kv_blocks == demand else f"capped at cache.memory_fraction {cc.memory_fraction}")
         if cc.num_kv_blocks < need_per_seq:
@@ -457,7 +466,8 @@ class EngineCore:
         changed = self._guided_verdicts()
         spec = self.speculation
         if spec is not None:               # this step's k, from how many requests decode (the cost gate)
-            spec.begin_step(sum(r.num_tokens - r.num_computed_tokens == 1 for r in rm.running))
+            decoding = [r for r in rm.running if r.num_tokens - r.num_computed_tokens == 1]
+            spec.begin_step(len(decoding), decoding)
         sched = rm.schedule()
         if self.guided.entries:
             sched.guided = self._guided_step(sched)

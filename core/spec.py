@@ -22,6 +22,7 @@ Drafts with probabilities (``Proposal.draft_probs``) go through
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -148,9 +149,6 @@ class SpecCounters:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-WEIGHT_BOUND_ROWS = 16     # rows a step up to which the cost gate takes a CPU forward as bound by reading weights
-
-
 class CostGate:
     """How many drafts a step's requests may verify (0: none), from this
     machine's own step times and the proposer's acceptance so far.
@@ -159,25 +157,25 @@ class CostGate:
     timed per decoding request, with and without drafts (medians over the
     last ``window`` of each kind): ``rho``, the cost of a speculated step
     against a plain one, and from it the cost of one draft row per request
-    (``beta``; on a CPU small at batch 1, where a step reads the weights
-    once however many rows it scores, and about one row's worth at a
-    compute-bound batch; up to ``WEIGHT_BOUND_ROWS`` rows a step the
-    measured cost is taken for any k', past them extra rows cost in
-    proportion). The proposer's record (per draft position: how
+    (``beta``, the same for every k': on the Zen 4 about a quarter of a
+    plain step at batch 1, where the rows share each weight block's
+    decoding but not its arithmetic, and a whole one at a compute-bound
+    batch). ``row_threshold`` turns it into the chance of being kept a draft
+    row needs to pay (``DraftRecord.cut``). The proposer's record (per draft position: how
     often it proposed a token there, how often that token was kept; and in
     this bucket how many requests get drafts) gives, for each k' <= k, the
     expected drafts ``D(k')`` and accepted tokens ``A(k')`` a request has in
     a step. The gate runs the k' with the best expected gain
     ``(1 + A(k')) / (1 + beta * D(k'))``, or none: it turns on past
     ``1 + margin`` (0 at batch 1, twice ``margin`` from 16 requests, where a
-    wrong guess costs most) and off under ``1 - margin / 2`` (0.98 at batch
-    1), so noise near even does not flip it each step. Off, it tries again so that
+    wrong guess costs most) and off under 0.98, so noise near even does
+    not flip it each step. Off, it tries again so that
     the tries cost at most ``explore_cost`` of the steps (and at least every
     ``explore_every`` steps); a bucket of 16 or more requests first tries
     with k' = 1 (a try there costs about one plain step per draft). The
-    first steps of a bucket alternate until each kind was timed twice (or
-    once, for a gain under 0.6), and up to ``min_samples`` times while the
-    gain is within 25% of even. Each change between on and off is logged
+    first steps of a bucket alternate until each kind was timed
+    ``min_samples`` times (from 16 requests: twice, or once for a gain
+    under 0.6, and ``min_samples`` times while the gain is within 25% of even). Each change between on and off is logged
 (a change of k' at debug level). On,
     every ``2 * explore_every``-th step is a plain one (the load may
     change) and, at k' < k, one in ``explore_every`` runs at k, so the
@@ -185,7 +183,7 @@ class CostGate:
     proposals that could reach them)."""
 
     def __init__(self, enabled: bool = True, min_samples: int = 4, explore_every: int = 32, window: int = 16,
-                 margin: float = 0.02, explore_cost: float = 0.01):
+                 margin: float = 0.05, explore_cost: float = 0.01):
         self.enabled = enabled
         self.min_samples, self.explore_every, self.window = min_samples, explore_every, window
         self.margin, self.explore_cost = margin, explore_cost
@@ -194,6 +192,8 @@ class CostGate:
         self.decided: dict[int, int] = {}                               # bucket -> k' (0: off)
         self.since: dict[int, int] = {}                                 # bucket -> steps since the last try
         self.steps: dict[int, int] = {}                                 # bucket -> steps decided
+        self.beta: dict[int, float] = {}                                # bucket -> a draft row's cost
+        self.gain: dict[int, float] = {}                                # bucket -> the best k''s expected gain
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -216,14 +216,17 @@ class CostGate:
         total = self.steps[b] = self.steps.get(b, 0) + 1
         best, gain, cost = self.expect(b, k, proposed_per_pos, accepted_per_pos, offered_per_pos)
         fewest = min(len(plain), len(spec))
-        unsure = fewest < self.min_samples and (abs(gain - 1) < 0.25 or (fewest < 2 and gain > 0.6))
+        # below 16 requests a try costs little and the first speculated step pays one-time costs (a new
+        # shape): min_samples of each before deciding; from 16, one of each when far from even
+        unsure = fewest < self.min_samples and (batch < 16 or abs(gain - 1) < 0.25 or (fewest < 2 and gain > 0.6))
         if unsure:
             return 0 if len(spec) > len(plain) else probe
-        # hysteresis: on past 1 + margin (margin 0 at batch 1, doubled from 16 requests), off under 1 - the
-        # half margin (at batch 1: under 0.98), so that noise near even does not flip the decision each step
+        # hysteresis: on past 1 + margin (margin 0 at batch 1, doubled from 16 requests: the estimate's
+        # noise is a few percent, and a wrong 'on' costs most there), off under 0.98, so that noise near
+        # even does not flip the decision each step
         margin = 0.0 if batch == 1 else self.margin * (2 if batch >= 16 else 1)
         was = self.decided.get(b)
-        on = gain > (1 - max(margin / 2, 0.02 if batch == 1 else 0.0) if was else 1 + margin)
+        on = gain > (0.98 if was else 1 + margin)
         choice = best if on else 0
         if was != choice:
             self.decided[b] = choice
@@ -256,7 +259,7 @@ class CostGate:
         rows = float(np.mean([s[2] for s in spec]))        # draft tokens / requests
         rho = t_spec / t_plain if t_plain > 0 else 1.0
         beta = max(0.0, rho - 1) / rows if rows > 0 else 0.0
-        batch = 2 ** (b - 1)
+        self.beta[b] = beta
         best, gain, cost = 0, 0.0, 1.0
         d = a = 0.0
         for j in range(min(k, len(proposed_per_pos), len(accepted_per_pos), len(offered_per_pos))):
@@ -264,13 +267,26 @@ class CostGate:
                 break
             d += drafts * proposed_per_pos[j] / offered_per_pos[j]
             a += drafts * accepted_per_pos[j] / offered_per_pos[j]
-            # up to WEIGHT_BOUND_ROWS rows a step a forward reads the weights once: the measured cost
-            # holds for any k' there; past it, the extra rows cost in proportion
-            small = batch * (1 + max(d, rows)) <= WEIGHT_BOUND_ROWS
-            c = max(rho, 1.0) if small else 1 + beta * d
+            # each draft row costs beta of a request's plain step: measured, on a CPU, from about a
+            # quarter of it at batch 1 (the rows share each weight block's decoding) to a whole one
+            # at a compute-bound batch (no 'a batch-1 step reads the weights once' discount: the
+            # quantized products' arithmetic grows with the rows)
+            c = 1 + beta * d
             if (1 + a) / c > gain:
                 best, gain, cost = j + 1, (1 + a) / c, c
+        self.gain[b] = gain
         return best, gain, cost
+
+    def row_threshold(self, batch: int) -> float | None:
+        """The acceptance probability a draft row must have to pay at
+        ``batch`` decoding requests: a row costs ``beta`` of a request's
+        plain step and the step now yields ``gain`` a unit of time, so a row
+        pays when its chance to be kept is at least ``beta * gain``. None
+        before the bucket was measured."""
+        b = self.bucket(batch)
+        if not self.enabled or b not in self.beta:
+            return None
+        return self.beta[b] * max(1.0, self.gain.get(b, 1.0))
 
     def record(self, batch: int, k_used: int, seconds: float, num_drafts: int = 0,
                num_draft_tokens: int = 0) -> None:
@@ -287,6 +303,53 @@ class CostGate:
             got = self.spec.setdefault(b, [])
             got.append((seconds / batch, num_drafts / batch, num_draft_tokens / batch))
         del got[:-self.window]
+
+
+class DraftRecord:
+    """Per draft class and draft position j: how many drafts reached j (the
+    ones before it all kept) and how many of those had their token at j
+    kept. ``cut`` keeps a draft's positions while the chance that all of
+    them up to j are kept (the product of the per-position rates, each
+    (kept + 1) / (reached + 2), so an unseen position is tried) stays at or
+    above the gate's row threshold (``CostGate.row_threshold``: what a row
+    costs against what the step yields)."""
+
+    EXPLORE = 16
+
+    def __init__(self, k: int):
+        self.k = k
+        self.cuts: dict[int, int] = {}             # class -> drafts cut short
+        self.reached: dict[int, np.ndarray] = {}
+        self.kept: dict[int, np.ndarray] = {}
+
+    PRIOR = (3.0, 1.0)          # (kept, missed) counted at every position: an unseen one is tried (3/4)
+
+    def rates(self, cls: int) -> np.ndarray:
+        a, b = self.PRIOR
+        reached, kept = self.reached.get(cls), self.kept.get(cls)
+        if reached is None:
+            return np.full(self.k, a / (a + b))
+        return (kept + a) / (reached + a + b)
+
+    def cut(self, cls: int, n: int, threshold: float | None) -> int:
+        """How many of a class-``cls`` draft's ``n`` tokens to verify. Every
+        ``EXPLORE``-th draft cut short in a class keeps one token more, so a
+        rate that was low once is measured again (else a position cut from
+        every draft would never be reached and keep its old rate)."""
+        if threshold is None or n == 0:
+            return n
+        chance = np.cumprod(self.rates(cls)[:n])
+        if chance[-1] >= threshold:
+            return n
+        keep = int(np.count_nonzero(chance >= threshold))
+        cuts = self.cuts[cls] = self.cuts.get(cls, 0) + 1
+        return keep + 1 if cuts % self.EXPLORE == 0 else keep
+
+    def add(self, cls: int, num_proposed: int, num_accepted: int) -> None:
+        if cls not in self.reached:
+            self.reached[cls], self.kept[cls] = np.zeros(self.k), np.zeros(self.k)
+        self.reached[cls][:min(num_accepted + 1, num_proposed)] += 1
+        self.kept[cls][:num_accepted] += 1
 
 
 class Speculation:
@@ -312,8 +375,17 @@ class Speculation:
                                      offered_per_pos=[0] * self.k)
         self.step_k = self.k                       # this step's k (0: the step does not speculate)
         self.step_batch = 0
+        self.step_cpu0 = 0.0
+        self.cpu_timed = False                     # the engine: True where its thread computes the steps (CPU, TP 1)
+        self.step_decoding, self.batched = (), None    # this step's decoding requests; propose_batch's drafts
         self.step_counts = [0, 0, 0]               # this step's drafts, draft tokens, accepted tokens
         self.draft_probs: dict[str, np.ndarray] = {}
+        # the draft length each request's proposals earn: per draft class (the proposer's
+        # ``draft_class``, else how the request's last drafts fared) and position, how often a draft
+        # reached it and how often its token there was kept (DraftRecord)
+        self.record = DraftRecord(self.k)
+        self.cls_of: dict[str, int] = {}           # request -> the class of this step's drafts
+        self.outcome: dict[str, int] = {}          # request -> its last drafts: 0 none, 1 one rejected, 2 all kept
         self.guided = None                         # the engine's GuidedDecoding: guided requests speculate
         self.guided_truncated = 0                  # draft tokens the grammar refused (never scored)
         self.plugin_processors = bool(config.decoding.logits_processors)
@@ -322,6 +394,27 @@ class Speculation:
                         "which may change any row of the verified logits")
         log.info("speculative decoding: proposer %s, k=%d, cost gate %s", name, self.k,
                  "on" if sc.cost_gate else "off")
+
+    def draft_kv_bytes(self, block_size: int, max_num_seqs: int) -> tuple[int, int]:
+        """(bytes a target KV block adds to the proposer's own KV, bytes it
+        holds whatever the target's count): a draft model's KV cache holds
+        the target's tokens plus each request's drafts; (0, 0) for a
+        proposer without a KV cache."""
+        fn = getattr(self.proposer, "kv_bytes", None)
+        return fn(block_size, max_num_seqs) if fn is not None else (0, 0)
+
+    def forget(self) -> None:
+        """Forget what earlier requests taught: the proposer's memory of
+        finished requests (its optional ``forget_history``) and the draft
+        record (the benchmark's rounds: an earlier round's outputs of the
+        same prompts would be drafted from, which no real workload gets);
+        the gate's step times stay (they measure the machine)."""
+        forget = getattr(self.proposer, "forget_history", None)    # suffix: its finished requests' outputs
+        if forget is not None:
+            forget()
+        self.record = DraftRecord(self.k)
+        self.cls_of.clear()
+        self.outcome.clear()
 
     # -- requests ----------------------------------------------------------------------------
     def eligible(self, request) -> bool:
@@ -346,16 +439,22 @@ class Speculation:
 
     def remove_request(self, request) -> None:
         self.draft_probs.pop(request.request_id, None)
+        self.outcome.pop(request.request_id, None)
+        self.cls_of.pop(request.request_id, None)
         self.proposer.remove_request(request.request_id, list(request.output_token_ids))
 
     def preempted(self, request) -> None:
         self.proposer.on_preempted(request.request_id)
 
     # -- a step --------------------------------------------------------------------------------
-    def begin_step(self, num_decoding: int) -> None:
-        """Decide this step's k from the number of requests that decode."""
+    def begin_step(self, num_decoding: int, decoding: Sequence = ()) -> None:
+        """Decide this step's k from the number of requests that decode
+        (``decoding``: those requests, for a proposer that drafts for all of
+        them at once, ``propose_batch``)."""
         self.step_counts = [0, 0, 0]
         self.step_batch = num_decoding
+        self.step_cpu0 = time.thread_time()
+        self.step_decoding, self.batched = decoding, None
         if self.disable_by_batch_size is not None and num_decoding >= self.disable_by_batch_size:
             self.step_k = 0
         elif num_decoding == 0:                    # nothing decodes: nothing for the gate to decide
@@ -372,9 +471,25 @@ class Speculation:
         self.draft_probs.pop(request.request_id, None)
         if k <= 0 or not self.eligible(request):
             return []
-        tokens = [*request.prompt_token_ids, *request.output_token_ids]
-        ids, probs = check_proposal(self.name, self.proposer.propose(request.request_id, tokens, k), k,
-                                    self.vocab_size)
+        rid = request.request_id
+        if getattr(self.proposer, "propose_batch", None) is not None and self.step_decoding:
+            if self.batched is None:               # the step's first: drafts for every request that decodes
+                self.batched = self._propose_batch()
+            got = self.batched.get(rid)
+        else:
+            got = None
+        if got is None:
+            tokens = [*request.prompt_token_ids, *request.output_token_ids]
+            got = self.proposer.propose(rid, tokens, k)
+        ids, probs = check_proposal(self.name, got, self.step_k, self.vocab_size)
+        ids, probs = ids[:k], (None if probs is None else probs[:k])
+        if ids:                                    # cut where a row is unlikely to pay (DraftRecord.cut)
+            cls_fn = getattr(self.proposer, "draft_class", None)
+            cls = self.cls_of[rid] = int(cls_fn(rid)) if cls_fn is not None else self.outcome.get(rid, 0)
+            ids = ids[:self.record.cut(cls, len(ids), self.gate.row_threshold(self.step_batch))]
+            probs = None if probs is None or not ids else probs[:len(ids)]
+        if not ids:
+            self.outcome[rid] = 0
         if ids and self.guided is not None and request.request_id in self.guided.entries:
             kept = self.guided.check_drafts(request.request_id, request.output_token_ids, ids,
                                             keep_refused=probs is not None)
@@ -384,6 +499,17 @@ class Speculation:
         if probs is not None:
             self.draft_probs[request.request_id] = probs
         return ids
+
+    def _propose_batch(self) -> dict:
+        """``propose_batch`` over this step's decoding requests that may
+        speculate, each with this step's k (within its ``max_tokens``): one
+        batched call (draft_model: a forward a draft position for all)."""
+        items = []
+        for r in self.step_decoding:
+            k = min(self.step_k, r.max_tokens - r.num_output_tokens - 1)
+            if k > 0 and self.eligible(r):
+                items.append((r.request_id, [*r.prompt_token_ids, *r.output_token_ids], k))
+        return self.proposer.propose_batch(items) if items else {}
 
     def on_accepted(self, request, num_proposed: int, num_accepted: int) -> None:
         self.draft_probs.pop(request.request_id, None)
@@ -397,16 +523,27 @@ class Speculation:
             c.proposed_per_pos[j] += 1
         for j in range(min(self.step_k, self.k)):       # this step's k' bounded the drafts
             c.offered_per_pos[j] += 1
+        rid = request.request_id
+        self.record.add(self.cls_of.pop(rid, 0), num_proposed, num_accepted)
+        self.outcome[rid] = 2 if num_accepted == num_proposed else 1
         s = self.step_counts
         s[0], s[1], s[2] = s[0] + 1, s[1] + num_proposed, s[2] + num_accepted
         self.proposer.on_accepted(request.request_id, num_proposed, num_accepted)
 
     def end_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
-        """Time a decode-only step for the cost gate (``seconds``; the gate
-        reads the step's drafts from ``step_counts``, not ``num_tokens``)."""
+        """Time a decode-only step for the cost gate (the gate reads the
+        step's drafts from ``step_counts``, not ``num_tokens``). The time is
+        the engine thread's CPU time since ``begin_step`` where that thread
+        computes (``cpu_timed``: the CPU backend without tensor parallel; the
+        OpenMP master thread does its share of every product), else the wall
+        ``seconds``. CPU time:
+        on a shared machine the time other jobs take the cores is then not
+        counted, and it is the same share of a plain and a speculated step."""
+        cpu = time.thread_time() - self.step_cpu0 if self.cpu_timed else 0.0
         if decode_only and self.step_batch and (self.step_k == 0 or self.step_counts[0]):
             # a step allowed to speculate in which nothing was proposed tells nothing about speculation
-            self.gate.record(self.step_batch, self.step_k, seconds, self.step_counts[0], self.step_counts[1])
+            self.gate.record(self.step_batch, self.step_k, cpu if cpu > 0 else seconds, self.step_counts[0],
+                             self.step_counts[1])
 
     def close(self) -> None:
         self.proposer.close()

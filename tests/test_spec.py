@@ -123,7 +123,7 @@ def _true_gain(k, row_cost):
     return (1 + sum(ACC["accepted_per_pos"][:k]) / 100) / (1 + row_cost * sum(ACC["proposed_per_pos"][:k]) / 100)
 
 
-@pytest.mark.parametrize("batch,row_cost", [(1, 0.02), (8, 0.3), (32, 1.0), (32, 0.05)])
+@pytest.mark.parametrize("batch,row_cost", [(1, 0.02), (1, 0.3), (8, 0.3), (32, 1.0), (32, 0.05)])
 def test_cost_gate_runs_the_best_k_and_tries_rarely_when_off(batch, row_cost):
     """The gate's k' is the one of best true gain (brute force over k'), or
     none when no k' gains; off, its tries cost at most 3% (what the issue
@@ -132,11 +132,55 @@ def test_cost_gate_runs_the_best_k_and_tries_rarely_when_off(batch, row_cost):
     gains = {k: _true_gain(k, row_cost) for k in range(1, 5)}
     best = max(gains, key=gains.get)
     settled = gate.decided[gate.bucket(batch)]
-    if gains[best] > 1.02 or (batch == 1 and gains[best] > 1):
+    if gains[best] > (1.10 if batch >= 16 else 1.05) or (batch == 1 and gains[best] > 1):
         assert settled == best, (settled, gains)
         assert cost < 1 / gains[best] * 1.02               # nearly the best gain over the whole run
     else:
         assert settled == 0 and cost < 1.03, (ks, cost)
+
+
+def test_cost_gate_at_batch_1_is_not_turned_off_by_a_slow_first_try():
+    """The first speculated step pays one-time costs (a new shape); at batch 1
+    (a try costs little) the gate waits for more than one sample before it
+    decides, and settles on the best k' of the steady machine."""
+    gate = CostGate()
+    first = [True]
+
+    class Slow(CostGate):
+        def record(self, batch, k_used, seconds, num_drafts=0, num_draft_tokens=0):
+            if k_used and first[0]:
+                seconds, first[0] = seconds * 4, False
+            super().record(batch, k_used, seconds, num_drafts, num_draft_tokens)
+    gate, ks, cost = _gate_run(1, 0.3, steps=200, gate=Slow())
+    gains = {k: _true_gain(k, 0.3) for k in range(1, 5)}
+    assert gate.decided[gate.bucket(1)] == max(gains, key=gains.get)
+    assert sum(k > 0 for k in ks[-100:]) >= 95
+
+
+def test_draft_record_cuts_where_a_row_stops_paying():
+    """DraftRecord against brute force: the kept length is the longest prefix
+    whose chance of being kept whole ((kept + 1) / (reached + 2) a position,
+    multiplied) is at least the threshold; every 16th cut draft of a class
+    keeps one position more, so a cut position is measured again."""
+    from fdx.core.spec import DraftRecord
+    rec = DraftRecord(4)
+    drafts = [(4, 4)] * 6 + [(4, 1)] * 2 + [(2, 0)] * 2 + [(3, 2)]
+    for proposed, accepted in drafts:
+        rec.add(7, proposed, accepted)
+    # position j is reached when the draft has it and all before it were kept
+    reached = np.array([sum(j < p and j <= a for p, a in drafts) for j in range(4)])
+    kept = np.array([sum(j < a for p, a in drafts) for j in range(4)])
+    a, b = DraftRecord.PRIOR
+    assert np.allclose(rec.rates(7), (kept + a) / (reached + a + b))
+    chance = np.cumprod((kept + a) / (reached + a + b))
+    for threshold in (0.1, 0.6, 0.75, 0.8, 0.99):
+        want = int(np.argmin(chance >= threshold)) if chance[-1] < threshold else 4
+        assert rec.cut(7, 4, threshold) in (want, want + 1)
+    assert rec.cut(7, 4, None) == 4                   # the gate has not measured a row's cost: no cut
+    p = a / (a + b)                                   # an unseen class: p, p * p, ...
+    fresh = DraftRecord(2)
+    got = [fresh.cut(0, 2, (p + p * p) / 2) for _ in range(32)]  # one token, two on every 16th cut
+    assert got.count(2) == 2 and got.count(1) == 30
 
 
 def test_cost_gate_buckets_decide_alone_and_can_be_off():

@@ -114,6 +114,55 @@ def test_bad_draft_is_a_config_error(models, tmp_path):
         LLM(models["target"], speculative_config={"method": "draft_model"}, **ENGINE)
 
 
+def test_draft_model_drafts_for_every_request_in_one_forward_a_position(models):
+    """A step's drafts for all its decoding requests take k forwards of the
+    draft (catch-up rows included), not k a request."""
+    k = 3
+    llm = LLM(models["target"], speculative_config={"model": models["draft"], "num_speculative_tokens": k,
+                                                    "cost_gate": False}, **ENGINE)
+    eng = llm.engine
+    for p in _prompts():
+        eng.add_request(eng.make_request(p["prompt_token_ids"], GREEDY))
+    most = 0
+    try:
+        while eng.has_unfinished():
+            before = eng.speculation.proposer.forwards
+            eng.step()
+            assert eng.speculation.proposer.forwards - before <= k
+            most = max(most, eng.last_stats.spec_num_drafts)
+    finally:
+        llm.close()
+    assert most == len(_prompts())              # a step where every request verified drafts
+
+
+def test_draft_kv_shares_the_kv_budget_and_tensor_parallel_is_refused(models):
+    """With the KV cache sized from a byte budget, the target's blocks and the
+    draft's (as many tokens, plus the drafts' room) fit in it together;
+    under tensor parallel the draft model is a config error, not a draft
+    running beside the ranks untested."""
+    budget = 64 * 4096
+    engine = {**ENGINE, "num_kv_blocks": None, "kv_cache_memory_bytes": budget, "max_num_seqs": 4}
+    alone = LLM(models["target"], **engine)
+    with_draft = LLM(models["target"], speculative_config={"model": models["draft"], "num_speculative_tokens": 4},
+                     **engine)
+    bpb = alone.engine.kv_spec.bytes_per_block
+    blocks, draft = with_draft.engine.kv_spec.num_blocks, with_draft.engine.speculation.proposer
+    try:
+        assert alone.engine.kv_spec.num_blocks == budget // bpb
+        with_draft.generate(_prompts()[:1], SamplingParams(max_tokens=6))       # the draft proposes: its cache is made
+        assert blocks * bpb + draft.spec.num_blocks * draft.spec.bytes_per_block <= budget
+        assert draft.spec.num_blocks >= blocks and blocks < budget // bpb
+    finally:
+        alone.close()
+        with_draft.close()
+    from fdx.core.config import FdxConfig
+    from fdx.plugins.spec.draft_model import DraftModelProposer
+    cfg = FdxConfig.build(model=models["target"], tensor_parallel_size=2,
+                          speculative_config={"model": models["draft"]})
+    with pytest.raises(ConfigError, match="speculative.model.*does not run under tensor parallel"):
+        DraftModelProposer(cfg, VOCAB)
+
+
 def test_sampled_distribution_matches_speculation_off(models):
     """Unseeded sampling: the tokens at the first three output positions of
     many runs with the draft model and without are one distribution

@@ -64,20 +64,22 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     spec = eng.speculation
     if spec is not None and not speculation:
         eng.scheduling.speculation = None
+    elif spec is not None:
+        spec.forget()           # each round drafts from its own requests, not an earlier round's same outputs
     reqs = [eng.make_request(p, sp) for p in prompts]
     for r in reqs:
         eng.add_request(r)
     steps = []
     computed0, recomputed0 = eng.num_computed_tokens, eng.num_recomputed_tokens
     profiler = StepProfiler(min(num_requests, eng.config.scheduler.max_num_seqs)) if profile else None
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while eng.has_unfinished():
         if profiler is not None:
             profiler.step(eng)
         else:
             eng.step()
         steps.append(eng.last_stats)
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     eng.scheduling.speculation = spec
     prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
     decode_steps = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
@@ -90,7 +92,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         "backend": eng.backend.describe(), "kv_scheduler": eng.config.scheduler.kv_scheduler,
         "max_num_seqs": eng.config.scheduler.max_num_seqs,
         "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens,
-        "total_time_s": total, "steps": len(steps),
+        "total_time_s": total, "cpu_time_s": cpu, "steps": len(steps),
         "mean_step_time_ms": 1000 * total / max(len(steps), 1),
         "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "prompt_tokens_per_s": sum(s.num_prefill_tokens for s in prefill_steps) / prefill_time if prefill_time else 0.0,
@@ -173,6 +175,11 @@ def format_throughput(r: dict) -> str:
             lines.append(f"  rounds           {len(q)} (off, on) alternating: speculation median "
                          f"{float(np.median(q)):.2f}x, {q[0]:.2f}x .. {q[-1]:.2f}x "
                          f"({', '.join(f'{x:.2f}' for x in r['ratios'])})")
+            # by this process's CPU time (all its threads): what a shared machine's other jobs take is not
+            # counted (with backend.num_threads=1 nearly exactly; with more, a thread that waits spinning is)
+            q = sorted(r["cpu_ratios"])
+            lines.append(f"  by CPU time      speculation median {float(np.median(q)):.2f}x, {q[0]:.2f}x .. "
+                         f"{q[-1]:.2f}x ({', '.join(f'{x:.2f}' for x in r['cpu_ratios'])})")
     if "profile" in r:
         lines.append(format_profile(r["profile"]))
     return "\n".join(lines)

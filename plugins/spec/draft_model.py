@@ -58,6 +58,13 @@ class DraftModelProposer(Proposer):
         super().__init__(config, vocab_size, settings)
         sc = config.speculative
         path = sc.model
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1:
+            # the draft would run whole in the engine process, beside the ranks on the same cores, and
+            # its proposals per request serialize every step: refused rather than left untested
+            raise ConfigError(f"config key '{KEY}': method draft_model does not run under tensor parallel "
+                              f"(parallel.tensor_parallel_size {tp}); use method ngram or suffix, or "
+                              "tensor_parallel_size 1")
         if path is None:
             raise ConfigError(f"config key '{KEY}': method draft_model needs the draft model's path (a Hugging "
                               "Face folder or a .gguf file sharing the target's tokenizer), or \"self\"")
@@ -68,23 +75,42 @@ class DraftModelProposer(Proposer):
         dconf = config.model_copy(deep=True)
         dconf.model.model = path
         dconf.model.moe_router = None
-        dconf.parallel.tensor_parallel_size = 1   # the draft runs in the engine process, whole
         self._load(dconf, path, vocab_size)
-        cc = config.cache
-        bs = cc.block_size
-        # the target's KV capacity in tokens, and for each request its drafts' room
-        per_seq = -(-(sc.num_speculative_tokens + 1) // bs) + 1
-        num_blocks = (cc.num_kv_blocks or 0) + config.scheduler.max_num_seqs * per_seq
         m = self.model
-        self.spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, num_blocks, bs,
+        self.path = path
+        # the KV cache is allocated at the first proposal (allocate): the engine sizes the target's
+        # cache first, sharing its budget with this one (kv_bytes)
+        self.spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, 0, config.cache.block_size,
                                 self.backend.kv_cache_dtype(self.dtype), self.attention.layout)
-        self.kv_caches = self.backend.allocate_kv_cache(self.spec)
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.kv_caches, self.free = None, []
+        self.forwards = 0                        # draft forwards run (one a draft position for all requests)
         self.seqs: dict[str, _Seq] = {}
         self.chunk = max(1, config.scheduler.max_num_batched_tokens or 2048)
         self.max_positions = m.max_position_embeddings
-        log.info("draft model %s: %d layers, KV cache of %d blocks of %d tokens (%.1f MiB)", path or "(default)",
-                 m.num_layers, num_blocks, bs, num_blocks * self.spec.bytes_per_block / (1 << 20))
+
+    def _room_per_seq(self) -> int:
+        """Blocks a request's drafts may need past the target's tokens."""
+        return -(-(self.config.speculative.num_speculative_tokens + 1) // self.spec.block_size) + 1
+
+    def kv_bytes(self, block_size: int, max_num_seqs: int) -> tuple[int, int]:
+        """(this cache's bytes per target block, its bytes for the drafts'
+        room): the engine's KV sizing shares its budget with them."""
+        bpb = self.spec.bytes_per_block
+        return bpb, max_num_seqs * self._room_per_seq() * bpb
+
+    def allocate(self) -> None:
+        """The draft's KV cache: as many tokens as the target's
+        (``cache.num_kv_blocks``, resolved by then) plus each request's
+        drafts' room."""
+        cc, bs = self.config.cache, self.spec.block_size
+        num_blocks = (cc.num_kv_blocks or 0) + self.config.scheduler.max_num_seqs * self._room_per_seq()
+        s = self.spec
+        self.spec = KVCacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, num_blocks, bs, s.dtype, s.layout)
+        self.kv_caches = self.backend.allocate_kv_cache(self.spec)
+        self.free = list(range(num_blocks - 1, -1, -1))
+        log.info("draft model %s: %d layers, KV cache of %d blocks of %d tokens (%.1f MiB)",
+                 self.path or "(default)", self.model.num_layers, num_blocks, bs,
+                 num_blocks * self.spec.bytes_per_block / (1 << 20))
 
     def _load(self, dconf, path, vocab_size: int) -> None:
         from fdx.core.assembly import Assembly
@@ -160,11 +186,74 @@ class DraftModelProposer(Proposer):
 
     # -- drafting ----------------------------------------------------------------------------
     def propose(self, request_id, token_ids, k, hidden_states=None):
+        return self.propose_batch([(request_id, token_ids, k)]).get(request_id, [])
+
+    def propose_batch(self, items):
+        """Drafts for several requests at once (the engine asks for every
+        request that decodes in a step): ``items`` (request id, its tokens,
+        k). Each request's catch-up rows (the tokens the target added since)
+        go in one forward of the draft for all of them, then each further
+        draft token is one forward with one row a request; a request's KV
+        and draft are those it would get alone. Returns request id -> drafts
+        (a ``Proposal`` with ``draft_probs`` for unseeded sampled requests)."""
+        if self.kv_caches is None:
+            self.allocate()
+        import paddle
+        from fdx.core import kernels
+        live = []                                # [request id, seq, first position to compute, k]
+        for request_id, token_ids, k in items:
+            got = self._prepare(request_id, token_ids, k)
+            if got is not None:
+                live.append([request_id, *got])
+        out: dict[str, Any] = {}
+        drafts = {rid: [] for rid, *_ in live}
+        probs = {rid: [] for rid, *_ in live}
+        with kernels.using(self.backend.kernels), paddle.no_grad():
+            for entry in live:                   # a long catch-up (the prompt) in chunks, alone, no logits
+                rid, seq, start, _ = entry
+                while len(seq.tokens) - start > self.chunk:
+                    self._forward([(rid, seq, start, start + self.chunk)], logits=False)
+                    start += self.chunk
+                entry[2] = start
+            j = 0
+            while live:
+                logits = self._forward([(rid, seq, start, len(seq.tokens)) for rid, seq, start, _ in live],
+                                       logits=True)
+                still = []
+                for (rid, seq, start, k), row in zip(live, logits):
+                    if seq.params is None:
+                        token = int(row.argmax())
+                    else:
+                        q = self.sampler.probs(row[None], SamplingBatch([seq.params], [()], [()]))[0]
+                        cum = np.cumsum(q)
+                        token = int(min(np.searchsorted(cum, self.rng.random() * cum[-1], side="right"),
+                                        len(q) - 1))
+                        probs[rid].append(q)
+                    drafts[rid].append(token)
+                    if j + 1 < k:
+                        still.append([rid, seq, len(seq.tokens), k])
+                        seq.tokens.append(token)
+                live = still
+                j += 1
+        for request_id, token_ids, _ in items:
+            if request_id not in drafts:
+                continue
+            seq, d, p = self.seqs[request_id], drafts[request_id], probs[request_id]
+            seq.proposed_from, seq.num_drafts = len(token_ids), len(d)
+            out[request_id] = Proposal(d, np.stack(p).astype(np.float32)) if p else d
+        return out
+
+    def _prepare(self, request_id, token_ids, k):
+        """A request's KV made ready to draft ``k`` tokens after
+        ``token_ids``: the positions still valid kept, blocks reserved, its
+        new tokens appended; (its _Seq, the first position to compute, k),
+        or None (no room for a draft, or the pool is short)."""
         seq = self.seqs.setdefault(request_id, _Seq())
         n = len(token_ids)
         k = min(k, self.max_positions - n)
+        seq.num_drafts = 0
         if k <= 0:
-            return []
+            return None
         # the KV positions still valid: the longest common prefix, leaving the last token to compute
         have = seq.tokens
         valid = min(len(have), n - 1)
@@ -173,50 +262,35 @@ class DraftModelProposer(Proposer):
         self._truncate(seq, valid)
         if not self._reserve(seq, n + k - 1):
             self._truncate(seq, 0)               # the pool is short: no drafts, and no KV held
-            return []
+            return None
         seq.tokens.extend(int(t) for t in token_ids[valid:])
-        drafts, probs = [], []
-        import paddle
-        from fdx.core import kernels
-        with kernels.using(self.backend.kernels), paddle.no_grad():
-            start = valid
-            while n - start > self.chunk:        # a long catch-up (the prompt) in chunks, no logits
-                self._forward(request_id, seq, start, start + self.chunk, logits=False)
-                start += self.chunk
-            for j in range(k):
-                logits = self._forward(request_id, seq, start, len(seq.tokens), logits=True)
-                if seq.params is None:
-                    token = int(logits.argmax())
-                else:
-                    q = self.sampler.probs(logits[None], SamplingBatch([seq.params], [()], [()]))[0]
-                    cum = np.cumsum(q)
-                    token = int(min(np.searchsorted(cum, self.rng.random() * cum[-1], side="right"), len(q) - 1))
-                    probs.append(q)
-                drafts.append(token)
-                if j == k - 1:
-                    break
-                start = len(seq.tokens)
-                seq.tokens.append(token)
-        seq.proposed_from, seq.num_drafts = n, len(drafts)
-        return Proposal(drafts, np.stack(probs).astype(np.float32)) if probs else drafts
+        return seq, valid, k
 
-    def _forward(self, request_id: str, seq: _Seq, start: int, end: int, logits: bool) -> np.ndarray | None:
-        """Compute positions ``start .. end`` of the request (KV written); the
-        last one's logits (float32 numpy [vocab]) when ``logits``."""
+    def _forward(self, parts: list, logits: bool) -> list[np.ndarray]:
+        """One forward of the draft over several requests' positions
+        (``parts``: request id, its _Seq, first and end position; KV
+        written); each part's last row's logits (float32 numpy [vocab]) when
+        ``logits``."""
         import paddle
-        q = end - start
-        rows = [q - 1] if logits else []
-        layout = BatchLayout((request_id,), (0,), (q,), (start,), tuple(rows), (None,))
-        meta = self.attention.build_metadata([q], [start], [seq.blocks], self.spec,
+        self.forwards += 1
+        ids, starts, lens, rows, row_starts = [], [], [], [], []
+        for _, seq, start, end in parts:
+            row_starts.append(len(ids))
+            ids += seq.tokens[start:end]
+            starts.append(start)
+            lens.append(end - start)
+            rows.append(len(ids) - 1)
+        layout = BatchLayout(tuple(p[0] for p in parts), tuple(row_starts), tuple(lens), tuple(starts),
+                             tuple(rows) if logits else (), (None,) * len(parts))
+        meta = self.attention.build_metadata(lens, starts, [p[1].blocks for p in parts], self.spec,
                                              getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
         attn = AttentionContext(self.attention, meta, None, layout)
-        ids = paddle.to_tensor(np.asarray(seq.tokens[start:end], dtype=np.int64))
-        out = self.model.forward(ids, attn.positions, self.kv_caches, attn,
-                                 paddle.to_tensor(np.asarray(rows or [q - 1], dtype=np.int64)))
+        out = self.model.forward(paddle.to_tensor(np.asarray(ids, dtype=np.int64)), attn.positions,
+                                 self.kv_caches, attn, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
         if not logits:
-            return None
-        row = out[0]
-        return (row if row.dtype == paddle.float32 else row.astype("float32")).numpy()
+            return []
+        out = (out if out.dtype == paddle.float32 else out.astype("float32")).numpy()
+        return list(out)
 
     def close(self):
         self.kv_caches = []
