@@ -120,7 +120,7 @@ class EngineCore:
         if self.speculation is not None:
             self.speculation.guided = self.guided          # guided requests speculate through its matchers
             # the gate times steps by this thread's CPU time where this thread computes them (core/spec.py)
-            self.speculation.cpu_timed = (getattr(self.backend, "name", None) == "cpu"
+            self.speculation.cpu_timed = (self.backend.name == "cpu"
                                           and config.parallel.tensor_parallel_size == 1)
         parts = self.build_parts(config, num_blocks)
         self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank

@@ -755,6 +755,37 @@ class Proposer(abc.ABC):
     def close(self) -> None:
         """The engine shuts down. Default: nothing."""
 
+    # -- optional: a proposer that overrides these gets more from the engine --------------------
+    def propose_batch(self, items: Sequence[tuple[str, Sequence[int], int]]) -> "dict[str, Any] | None":
+        """Drafts for every request that decodes this step at once (a draft
+        model runs one forward a draft position for all of them): ``items``
+        are (request id, its tokens, k); return request id -> what
+        ``propose`` would return (a request left out proposes nothing).
+        Asked once a step, before ``propose``, only when a subclass
+        overrides it. Default: None (the engine asks ``propose`` per
+        request)."""
+        return None
+
+    def draft_class(self, request_id: str) -> "int | None":
+        """A small int naming the kind of the request's last proposal (suffix:
+        the length of the match it came from): the engine learns how often
+        each kind's drafts are kept, per position, and cuts a proposal where
+        a row is unlikely to pay. Default: None (the engine classes drafts by
+        how the request's last ones fared)."""
+        return None
+
+    def kv_bytes(self, block_size: int, max_num_seqs: int) -> tuple[int, int]:
+        """(bytes the proposer's own KV cache adds per target KV block, bytes
+        it holds whatever the target's block count): the engine sizes the
+        target's KV cache from what is left of the budget. Default: (0, 0),
+        no KV cache of its own."""
+        return (0, 0)
+
+    def forget_history(self) -> None:
+        """Forget what finished requests taught (``fdx bench`` between rounds,
+        so a round does not draft from an earlier round's same outputs).
+        Default: nothing."""
+
 
 class TokenProcessor(abc.ABC):
     """Turns sampled token ids into request state on the engine side:

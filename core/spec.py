@@ -367,6 +367,8 @@ class Speculation:
             raise ConfigError(f"config key 'speculative.method': {name!r} is not a Proposer subclass")
         settings = plugin_settings("proposer", name, cls, config.plugins.get("proposer", {}).get(name))
         self.proposer: Proposer = cls(config, vocab_size, settings)
+        # a proposer that drafts for the whole step at once (overrides Proposer.propose_batch)
+        self.batches = type(self.proposer).propose_batch is not Proposer.propose_batch
         self.k = sc.num_speculative_tokens
         self.vocab_size = vocab_size
         self.disable_by_batch_size = sc.disable_by_batch_size
@@ -400,8 +402,7 @@ class Speculation:
         holds whatever the target's count): a draft model's KV cache holds
         the target's tokens plus each request's drafts; (0, 0) for a
         proposer without a KV cache."""
-        fn = getattr(self.proposer, "kv_bytes", None)
-        return fn(block_size, max_num_seqs) if fn is not None else (0, 0)
+        return self.proposer.kv_bytes(block_size, max_num_seqs)
 
     def forget(self) -> None:
         """Forget what earlier requests taught: the proposer's memory of
@@ -409,9 +410,7 @@ class Speculation:
         record (the benchmark's rounds: an earlier round's outputs of the
         same prompts would be drafted from, which no real workload gets);
         the gate's step times stay (they measure the machine)."""
-        forget = getattr(self.proposer, "forget_history", None)    # suffix: its finished requests' outputs
-        if forget is not None:
-            forget()
+        self.proposer.forget_history()       # suffix: its finished requests' outputs
         self.record = DraftRecord(self.k)
         self.cls_of.clear()
         self.outcome.clear()
@@ -472,7 +471,7 @@ class Speculation:
         if k <= 0 or not self.eligible(request):
             return []
         rid = request.request_id
-        if getattr(self.proposer, "propose_batch", None) is not None and self.step_decoding:
+        if self.batches and self.step_decoding:
             if self.batched is None:               # the step's first: drafts for every request that decodes
                 self.batched = self._propose_batch()
             got = self.batched.get(rid)
@@ -484,8 +483,8 @@ class Speculation:
         ids, probs = check_proposal(self.name, got, self.step_k, self.vocab_size)
         ids, probs = ids[:k], (None if probs is None else probs[:k])
         if ids:                                    # cut where a row is unlikely to pay (DraftRecord.cut)
-            cls_fn = getattr(self.proposer, "draft_class", None)
-            cls = self.cls_of[rid] = int(cls_fn(rid)) if cls_fn is not None else self.outcome.get(rid, 0)
+            cls = self.proposer.draft_class(rid)
+            cls = self.cls_of[rid] = int(cls) if cls is not None else self.outcome.get(rid, 0)
             ids = ids[:self.record.cut(cls, len(ids), self.gate.row_threshold(self.step_batch))]
             probs = None if probs is None or not ids else probs[:len(ids)]
         if not ids:
@@ -509,7 +508,8 @@ class Speculation:
             k = min(self.step_k, r.max_tokens - r.num_output_tokens - 1)
             if k > 0 and self.eligible(r):
                 items.append((r.request_id, [*r.prompt_token_ids, *r.output_token_ids], k))
-        return self.proposer.propose_batch(items) if items else {}
+        got = self.proposer.propose_batch(items) if items else None
+        return got if got is not None else {}
 
     def on_accepted(self, request, num_proposed: int, num_accepted: int) -> None:
         self.draft_probs.pop(request.request_id, None)
