@@ -112,9 +112,10 @@ def experts(x: Tensor, ids: np.ndarray, weights: np.ndarray, gate_up: ExpertStac
     if not invariant and variant_given is None:
         # as the dense products: an expert with this many rows is faster dequantized (or float32) in BLAS
         most = int(np.bincount(np.asarray(ids).reshape(-1)).max()) if np.size(ids) else 0
-        if any(most >= (cpp.f32_blas_min_rows(variant) if s.kind == "f32" else cpp.QUANT_BLAS_MIN_ROWS)
-               for s in (gate_up, down)):
-            return None
+        for s in (gate_up, down):       # the dense products' switch points (None: this kind never goes to BLAS)
+            start = cpp.f32_blas_min_rows(variant) if s.kind == "f32" else cpp.quant_blas_min_rows(s.kind, variant)
+            if start is not None and most >= start:
+                return None
     gu_data, gu_scales = gate_up.tensors()
     d_data, d_scales = down.tensors()
     return cpp._module_or_raise().fdx_moe_experts(
