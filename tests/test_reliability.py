@@ -666,6 +666,27 @@ def test_hung_engine_is_detected_by_its_heartbeat(tmp_path, tiny_model):
         srv.stop()
 
 
+
+@pytest.mark.slow
+def test_a_slow_engine_start_is_not_taken_for_a_hang(tmp_path, tiny_model, monkeypatch):
+    """On a busy host the engine process's interpreter start (before its
+    heartbeat thread runs) took longer than a short heartbeat timeout, and
+    the server killed a healthy engine "while loading". Replayed: every
+    process of this server sleeps 3 s in sitecustomize, twice the timeout;
+    the engine must still come up and answer."""
+    slow = tmp_path / "slow_start"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import time\ntime.sleep(3.0)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")]))
+    srv = start_server(tmp_path, tiny_model, engine_heartbeat_interval_s=0.25, engine_heartbeat_timeout_s=1.5)
+    try:
+        with httpx.Client(base_url=srv.base_url, headers=HEADERS, timeout=60) as http:
+            r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert "stopped responding" not in srv.log()
+    finally:
+        srv.stop()
+
 # -- 2. the file tier on a full or read-only disk ------------------------------------------------
 
 @pytest.fixture

@@ -34,6 +34,10 @@ log = logging.getLogger("fdx.engine_client")
 
 # -- the client, in the API process ----------------------------------------------------
 
+
+START_GRACE_S = 30.0     # the longest a new engine process may take to send its first message
+
+
 class EngineHungError(EngineDeadError):
     """The engine process sent nothing, not even a heartbeat, for too long."""
 
@@ -55,7 +59,9 @@ class EngineClient:
     Liveness: the engine process sends a heartbeat every
     ``server.engine_heartbeat_interval_s`` from its start (loading and
     kernel builds included); if nothing at all arrives for
-    ``server.engine_heartbeat_timeout_s`` the engine is taken as hung: it is
+    ``server.engine_heartbeat_timeout_s`` the engine is taken as hung (its
+    first beat may take up to ``START_GRACE_S``: the child's interpreter
+    start, before its heartbeat thread runs, is slow on a busy host): it is
     killed and handled as a death, so requests fail with a message instead
     of waiting forever. A step that runs past ``server.engine_step_timeout_s``
     (each beat says how long the current one has run) is not a hang, but it
@@ -109,6 +115,7 @@ class EngineClient:
                                       payload=self.config.model_dump_json().encode())
         exited = asyncio.ensure_future(self.proc.wait())
         self.last_heard = time.monotonic()
+        heard = False                                 # anything from the child yet (its heartbeat thread runs)
         try:
             while True:                               # heartbeats until EngineReady or EngineFailed
                 first = asyncio.ensure_future(self._pull.recv())
@@ -120,7 +127,10 @@ class EngineClient:
                         raise EngineDeadError(exit_message("the engine process", self.proc.returncode,
                                                            "while loading"))
                     silent = time.monotonic() - self.last_heard
-                    if silent > self.heartbeat_timeout_s:
+                    # until its first message the child may still be starting its interpreter (slow on a busy
+                    # host): the timeout counts from then, with START_GRACE_S for the start itself
+                    limit = self.heartbeat_timeout_s if heard else max(self.heartbeat_timeout_s, START_GRACE_S)
+                    if silent > limit:
                         self.proc.kill()
                         await self.proc.wait()
                         raise EngineHungError(f"the engine process stopped responding while loading "
@@ -129,7 +139,7 @@ class EngineClient:
                 msg = self._decode(first.result())
                 if msg is None:
                     continue
-                self.last_heard = time.monotonic()
+                self.last_heard, heard = time.monotonic(), True
                 if isinstance(msg, EngineHeartbeat):
                     self.last_beat = msg
                     continue
