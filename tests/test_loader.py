@@ -104,7 +104,9 @@ def test_smollm_weights_match_transformers(smollm, smollm_reference):
     for name in sorted(ref_names):
         assert ours[name].dtype == np.float32, name
         assert ours[name].shape == reference[name].shape, name
-        np.testing.assert_allclose(ours[name], reference[name], rtol=0, atol=1e-6, err_msg=name)
+        diff = np.subtract(ours[name], reference[name])    # one temporary (assert_allclose makes several of
+        np.abs(diff, out=diff)                             # the 113 MB embedding: 0.6 GB at the suite's peak)
+        assert diff.max() <= 1e-6, (name, float(diff.max()))
 
 
 def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
