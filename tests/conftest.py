@@ -349,6 +349,32 @@ def _ours(fixturedef) -> bool:
             and pathlib.Path(code.co_filename).resolve().is_relative_to(ROOT / "tests"))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """FDX_TEST_MEASURE=file: also one JSON line a fixture set-up that took
+    over half a second of CPU (this process's and its waited children's) or
+    grew the resident set by over 100 MiB: what a shared fixture costs once."""
+    path = os.environ.get("FDX_TEST_MEASURE")
+    if not path or not os.path.exists("/proc/self/status"):
+        yield
+        return
+    import json
+    import time
+    out = request.config.stash.get(_MEASURE, None)
+    if out is None:
+        out = request.config.stash[_MEASURE] = open(path, "a", buffering=1)
+    t0, c0, r0 = time.monotonic(), os.times(), _proc_status_mib("VmRSS")["VmRSS"]
+    yield
+    c1, r1 = os.times(), _proc_status_mib("VmRSS")["VmRSS"]
+    cpu = c1.user - c0.user + c1.system - c0.system
+    children = c1.children_user - c0.children_user + c1.children_system - c0.children_system
+    if cpu + children > 0.5 or r1 - r0 > 100:
+        out.write(json.dumps({
+            "fixture": fixturedef.argname, "scope": fixturedef.scope, "node": request.node.nodeid,
+            "wall_s": round(time.monotonic() - t0, 3), "cpu_s": round(cpu, 3), "children_cpu_s": round(children, 3),
+            "rss_growth_mib": r1 - r0}) + "\n")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _memory_released_after_each_module():
     """Engines a module built (and dropped) hold their weights, KV tensors
