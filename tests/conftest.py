@@ -48,6 +48,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# Session fixtures that hold a SmolLM2 each (about 0.65 GB resident apiece): the modules that
+# use them run first, so that both are gone (pytest_runtest_teardown below) before the rest run.
+HEAVY_SESSION_FIXTURES = ("smollm_llm", "hf_smollm_model")
+
+
+class _HeavyModulesFirst:
+    @pytest.hookimpl(trylast=True)              # after pytest's reordering and -m/-k deselection
+    def pytest_collection_modifyitems(self, items):
+        _heavy_modules_first(items)
+
+
+def _heavy_modules_first(items) -> None:
+    """Modules that use a fixture of HEAVY_SESSION_FIXTURES first (in their
+    collected order), then the others; each module's items keep their order."""
+    rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if rank.get(module) == 0:
+            continue
+        uses = bool(set(HEAVY_SESSION_FIXTURES) & set(getattr(item, "fixturenames", ())))
+        if module not in rank and not uses:
+            try:
+                text = item.path.read_text()
+            except (OSError, AttributeError):
+                text = ""
+            uses = any(f'getfixturevalue("{n}")' in text for n in HEAVY_SESSION_FIXTURES)
+        rank[module] = 0 if uses else rank.get(module, 1)
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
 # -- a crash names its test ---------------------------------------------------------------
 
 @pytest.hookimpl(trylast=True)                  # after pytest's faulthandler plugin enabled it
@@ -56,7 +86,10 @@ def pytest_configure(config):
     faulthandler among them), so a test that dies by SIGILL or SIGSEGV in a
     kernel left no word of which test it was. Import Paddle now and enable
     faulthandler again over its handlers, writing to stderr as it was before
-    pytest captured it: the Python traceback then names the test."""
+    pytest captured it: the Python traceback then names the test.
+    (Also registers the module order of _heavy_modules_first.)"""
+    if not config.pluginmanager.has_plugin("fdx-heavy-modules-first"):
+        config.pluginmanager.register(_HeavyModulesFirst(), "fdx-heavy-modules-first")
     import faulthandler
     import warnings
     if not faulthandler.is_enabled():            # -p no:faulthandler
@@ -254,6 +287,94 @@ def pytest_runtest_protocol(item, nextitem):
         "rss_mib": mem.get("VmRSS"), "peak_rss_mib": mem.get("VmHWM")}) + "\n")
 
 
+_LAST_USERS = pytest.StashKey[dict]()
+
+
+def _session_fixtures_by_last_user(items) -> dict[str, list]:
+    """nodeid of an item -> the session-scoped fixtures to tear down after
+    it: those that no later item uses. An item uses a fixture when any item
+    of its module names it (directly or through another fixture: a
+    module-scoped fixture may hold it until the module ends) or the module's
+    source asks for it by name (``request.getfixturevalue("name")``)."""
+    if not items:
+        return {}
+    defs_by_name = items[0].session._fixturemanager._arg2fixturedefs
+    session_names = {n for n, defs in defs_by_name.items() if any(_ours(d) for d in defs)}
+    last_index: dict[str, int] = {}             # module -> index of its last item
+    used: dict[str, set] = {}                   # module -> session fixtures it uses
+    for i, item in enumerate(items):
+        module = item.nodeid.split("::")[0]
+        last_index[module] = i
+        if module not in used:
+            try:
+                text = item.path.read_text()
+            except (OSError, AttributeError):
+                text = ""
+            used[module] = {n for n in session_names if f'getfixturevalue("{n}")' in text}
+        used[module].update(n for n in getattr(item, "fixturenames", ()) if n in session_names)
+    last: dict[str, int] = {}
+    for module, names in used.items():
+        for n in names:
+            last[n] = max(last.get(n, -1), last_index[module])
+    out: dict[str, list] = {}
+    for n, i in last.items():
+        out.setdefault(items[i].nodeid, []).append(n)
+    return out
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A session fixture is torn down after the last module that uses it,
+    not at the end of the session: the session's SmolLM2 engine and its
+    transformers twin (about 1.3 GB together) are not resident while the
+    modules after them run (tests/README.md)."""
+    yield
+    plan = item.config.stash.get(_LAST_USERS, None)
+    if plan is None:
+        plan = item.config.stash[_LAST_USERS] = _session_fixtures_by_last_user(item.session.items)
+    done = plan.get(item.nodeid, ())
+    for name in done:
+        for fixturedef in item.session._fixturemanager._arg2fixturedefs.get(name, ()):
+            if _ours(fixturedef) and fixturedef.cached_result is not None:
+                fixturedef.finish(item._request)
+    if done:
+        from fdx.core.host import release_free_heap
+        release_free_heap()
+
+
+def _ours(fixturedef) -> bool:
+    """A session-scoped fixture defined in tests/ (not one of pytest's)."""
+    code = getattr(fixturedef.func, "__code__", None)
+    return (fixturedef.scope == "session" and code is not None
+            and pathlib.Path(code.co_filename).resolve().is_relative_to(ROOT / "tests"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """FDX_TEST_MEASURE=file: also one JSON line a fixture set-up that took
+    over half a second of CPU (this process's and its waited children's) or
+    grew the resident set by over 100 MiB: what a shared fixture costs once."""
+    path = os.environ.get("FDX_TEST_MEASURE")
+    if not path or not os.path.exists("/proc/self/status"):
+        yield
+        return
+    import json
+    import time
+    out = request.config.stash.get(_MEASURE, None)
+    if out is None:
+        out = request.config.stash[_MEASURE] = open(path, "a", buffering=1)
+    t0, c0, r0 = time.monotonic(), os.times(), _proc_status_mib("VmRSS")["VmRSS"]
+    yield
+    c1, r1 = os.times(), _proc_status_mib("VmRSS")["VmRSS"]
+    cpu = c1.user - c0.user + c1.system - c0.system
+    children = c1.children_user - c0.children_user + c1.children_system - c0.children_system
+    if cpu + children > 0.5 or r1 - r0 > 100:
+        out.write(json.dumps({
+            "fixture": fixturedef.argname, "scope": fixturedef.scope, "node": request.node.nodeid,
+            "wall_s": round(time.monotonic() - t0, 3), "cpu_s": round(cpu, 3), "children_cpu_s": round(children, 3),
+            "rss_growth_mib": r1 - r0}) + "\n")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _memory_released_after_each_module():
     """Engines a module built (and dropped) hold their weights, KV tensors
@@ -305,8 +426,9 @@ def smollm_llm():
     with transformers on the file's dequantized weights, and other engines
     with it (each of those pins none too)."""
     from fdx import LLM
-    return LLM(max_model_len=512, max_num_seqs=16, num_kv_blocks=256, block_size=16, quantization="none",
-               progress=False)
+    with LLM(max_model_len=512, max_num_seqs=16, num_kv_blocks=256, block_size=16, quantization="none",
+             progress=False) as llm:
+        yield llm
 
 
 def smollm_gguf_path() -> str:

@@ -14,6 +14,7 @@ test_block_attention.py and test_quant_repack.py.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -36,23 +37,25 @@ def _params() -> SamplingParams:
 QUANT = {"float32": "none", "q4_1": "auto"}
 
 
-def _run(batches: list[list[str]], recomputed: list | None = None, **kw) -> list[list[tuple]]:
-    """(token ids, top logprobs) of each prompt, a batch a ``generate`` call,
-    all on one engine; ``recomputed`` gets the engine's count of recomputed
-    (preempted) tokens."""
-    args = dict(resource_manager="v1", kv_cache="paged", block_size=16, num_kv_blocks=96,
-                max_num_batched_tokens=64, max_num_seqs=4, max_model_len=1024, progress=False,
-                batch_invariant=True)
-    args.update(kw)
-    llm = LLM(**args)
+BASE = dict(resource_manager="v1", kv_cache="paged", block_size=16, num_kv_blocks=96,
+            max_num_batched_tokens=64, max_num_seqs=4, max_model_len=1024, progress=False,
+            batch_invariant=True)
+
+
+def _generate(llm: LLM, batches: list[list[str]]) -> list[list[tuple]]:
+    """(token ids, top logprobs) of each prompt, a batch a ``generate`` call."""
+    got = []
+    for prompts in batches:
+        out = llm.generate(prompts, _params())
+        got.append([(tuple(o.outputs[0].token_ids), repr(o.outputs[0].logprobs)) for o in out])
+    return got
+
+
+def _run(batches: list[list[str]], **kw) -> list[list[tuple]]:
+    """_generate on an engine of its own (BASE with ``kw``), closed after."""
+    llm = LLM(**{**BASE, **kw})
     try:
-        got = []
-        for prompts in batches:
-            out = llm.generate(prompts, _params())
-            got.append([(tuple(o.outputs[0].token_ids), repr(o.outputs[0].logprobs)) for o in out])
-        if recomputed is not None:
-            recomputed.append(llm.engine.num_recomputed_tokens)
-        return got
+        return _generate(llm, batches)
     finally:
         llm.close()
         del llm
@@ -60,13 +63,45 @@ def _run(batches: list[list[str]], recomputed: list | None = None, **kw) -> list
 
 
 @pytest.fixture(scope="module")
-def in_order():
-    """quant -> the six prompts generated together in order (one engine each, built on first use)."""
+def engines():
+    """quant -> one engine with BASE's settings (built on first use), shared
+    by the module's tests: a test that needs other scheduling settings
+    (chunk budget, KV scheduler, KV cache, pool size, batch size) swaps
+    them in with ``EngineCore.reconfigure``, which keeps the model and the
+    KV tensors and builds the scheduling side anew, and swaps BASE's back
+    after. Loading SmolLM2 once per quantization, not once per variant."""
+    built: dict[str, LLM] = {}
+
+    def get(quant: str) -> LLM:
+        if quant not in built:
+            built[quant] = LLM(**{**BASE, "quantization": QUANT[quant]})
+        return built[quant]
+    yield get
+    for llm in built.values():
+        llm.close()
+    built.clear()
+    gc.collect()
+
+
+@contextlib.contextmanager
+def reconfigured(llm: LLM, **changes):
+    engine = llm.engine
+    keys = ("resource_manager", "kv_cache", "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks")
+    engine.reconfigure(**changes)
+    try:
+        yield engine
+    finally:
+        engine.reconfigure(**{k: BASE[k] for k in keys})
+
+
+@pytest.fixture(scope="module")
+def in_order(engines):
+    """quant -> the six prompts generated together in order, on BASE's settings."""
     done: dict[str, list[tuple]] = {}
 
     def get(quant: str) -> list[tuple]:
         if quant not in done:
-            (done[quant],) = _run([PROMPTS], quantization=QUANT[quant])
+            (done[quant],) = _generate(engines(quant), [PROMPTS])
         return done[quant]
     return get
 
@@ -79,17 +114,18 @@ def _same(got: list[tuple], want: list[tuple], what: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", list(QUANT))
-def test_reversed_and_solo_equal_in_order(in_order, quant):
-    """On a second engine: the prompts reversed, then each alone (a generate call of one prompt)."""
-    rev, *solo = _run([PROMPTS[::-1], *([p] for p in PROMPTS)], quantization=QUANT[quant])
-    _same(rev[::-1], in_order(quant), "reversed")
-    _same([s[0] for s in solo], in_order(quant), "one at a time")
+def test_reversed_and_solo_equal_in_order(engines, in_order, quant):
+    """The prompts reversed, then each alone (a generate call of one prompt)."""
+    want = in_order(quant)
+    rev, *solo = _generate(engines(quant), [PROMPTS[::-1], *([p] for p in PROMPTS)])
+    _same(rev[::-1], want, "reversed")
+    _same([s[0] for s in solo], want, "one at a time")
 
 
 # Every other variant once, the two quantizations taking turns (pairwise: a
 # variant changes the steps' shapes, the quantization the products in them;
 # each product kind meets chunking, a scheduler/cache change and a thread
-# change): (id, quant, engine settings)
+# change): (id, quant, scheduling settings swapped in)
 VARIANTS = [
     ("chunk-32", "float32", dict(max_num_batched_tokens=32)),
     ("chunk-256", "q4_1", dict(max_num_batched_tokens=256)),
@@ -98,25 +134,39 @@ VARIANTS = [
     ("v1-prefix", "float32", dict(resource_manager="v1", kv_cache="prefix")),
     # the shared system prompt's blocks are cached by the first request and hit by the later ones
     ("prefix-hit", "q4_1", dict(kv_cache="prefix", max_num_seqs=1)),
-    ("one-thread", "q4_1", dict(num_threads=1)),     # the thread split does not move a row's bits
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quant, settings", [pytest.param(q, s, id=f"{name}-{q}") for name, q, s in VARIANTS])
-def test_variant_equals_in_order(in_order, quant, settings):
-    (got,) = _run([PROMPTS], quantization=QUANT[quant], **settings)
-    _same(got, in_order(quant), str(settings))
+def test_variant_equals_in_order(engines, in_order, quant, settings):
+    want = in_order(quant)
+    with reconfigured(engines(quant), **settings) as engine:
+        assert all(getattr(engine.config.scheduler, k, v) == v for k, v in settings.items()
+                   if k.startswith("max_num")), engine.config.scheduler
+        (got,) = _generate(engines(quant), [PROMPTS])
+    _same(got, want, str(settings))
 
 
 @pytest.mark.slow
-def test_preempted_and_resumed(in_order):
+def test_one_thread_equals_in_order(in_order):
+    """The thread split does not move a row's bits (an engine of its own: the
+    thread count is the backend's)."""
+    (got,) = _run([PROMPTS], quantization=QUANT["q4_1"], num_threads=1)
+    _same(got, in_order("q4_1"), "one thread")
+
+
+@pytest.mark.slow
+def test_preempted_and_resumed(engines, in_order):
     # 6 prompts of about 40 tokens + 16 generated, four running at once: 8 blocks of 16
     # cannot hold four (4 blocks each), so requests are preempted and recomputed
-    recomputed: list[int] = []
-    (got,) = _run([PROMPTS], recomputed, num_kv_blocks=8, max_model_len=128, quantization="none")
-    _same(got, in_order("float32"), "preempted")
-    assert recomputed[0] > 0, "no request was preempted"
+    want = in_order("float32")
+    llm = engines("float32")
+    before = llm.engine.num_recomputed_tokens
+    with reconfigured(llm, num_kv_blocks=8):
+        (got,) = _generate(llm, [PROMPTS])
+    _same(got, want, "preempted")
+    assert llm.engine.num_recomputed_tokens > before, "no request was preempted"
 
 
 @pytest.mark.slow

@@ -104,7 +104,9 @@ def test_smollm_weights_match_transformers(smollm, smollm_reference):
     for name in sorted(ref_names):
         assert ours[name].dtype == np.float32, name
         assert ours[name].shape == reference[name].shape, name
-        np.testing.assert_allclose(ours[name], reference[name], rtol=0, atol=1e-6, err_msg=name)
+        diff = np.subtract(ours[name], reference[name])    # one temporary (assert_allclose makes several of
+        np.abs(diff, out=diff)                             # the 113 MB embedding: 0.6 GB at the suite's peak)
+        assert diff.max() <= 1e-6, (name, float(diff.max()))
 
 
 def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -332,24 +334,28 @@ def _tokenizer_ids(tok) -> tuple:
     return tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, set(tok.eos_token_ids)
 
 
-# (3, 5) and (99, 5) are slow (4 s each: a tokenizer built a case); (1, None) stays in the quick subset
-@pytest.mark.parametrize("eos, eot", [(1, None), pytest.param(3, 5, marks=pytest.mark.slow),
-                                      pytest.param(99, 5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("eos, eot", [(1, None), (3, 5), (99, 5)])
 def test_special_ids_from_the_metadata_equal_the_built_tokenizers(tmp_path, eos, eot):
     """The eos ids the engine stops on, read from the metadata scalars, are
     the ones the tokenizer built from the whole vocabulary gives (an eos id
-    past the vocabulary's end included: none, then the eot id)."""
+    past the vocabulary's end included: none, then the eot id). The embedded
+    file is the same in every case: checked in the first only (its tokenizer
+    is the costly one to build)."""
     from fdx.core.checkpoint.gguf_file import read_gguf_index
     from fdx.core.checkpoint.loader import GgufSpecialIds, _gguf_fields
     from fdx.core.checkpoint.tokenizer import Tokenizer
     from tiny_models import TinyLlama
-    files = [Path(default_model_path()), TinyLlama().gguf_file(tmp_path / "t.gguf", eos_token_id=eos, eot_token_id=eot)]
+    default = Path(default_model_path())
+    files = [TinyLlama().gguf_file(tmp_path / "t.gguf", eos_token_id=eos, eot_token_id=eot)]
+    if (eos, eot) == (1, None):
+        files.insert(0, default)
     for path in files:
         special = GgufSpecialIds.of(_gguf_fields(read_gguf_index(path)), str(path))
         built = Tokenizer.from_gguf(path)
         assert (special.bos_token_id, special.eos_token_id, special.pad_token_id, set(special.eos_token_ids)) == \
             _tokenizer_ids(built), path
-    assert _tokenizer_ids(Tokenizer.from_gguf(files[0])) == (1, 2, 2, {2})
+        if path == default:
+            assert _tokenizer_ids(built) == (1, 2, 2, {2})
 
 
 def test_a_deferred_gguf_load_gives_the_same_checkpoint_and_parses_no_vocabulary(tmp_path):

@@ -410,25 +410,37 @@ def solo_outputs(smollm_llm):
                      for p in prompts]
 
 
+# KV scheduler x KV cache x queue policy pairwise (every pair of values in some row: 6 rows,
+# not the 12 of every combination): kind -> its (cache, policy) rows
+PAIRWISE = {"v0": [("paged", "fcfs"), ("prefix", "priority"), ("prefix", "lpm")],
+            "v1": [("prefix", "fcfs"), ("paged", "priority"), ("paged", "lpm")]}
+
+
+def test_the_rows_cover_every_pair():
+    rows = [(kind, cache, policy) for kind, pairs in PAIRWISE.items() for cache, policy in pairs]
+    values = (("v0", "v1"), ("paged", "prefix"), ("fcfs", "priority", "lpm"))
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        assert {(r[i], r[j]) for r in rows} == {(a, b) for a in values[i] for b in values[j]}, (i, j)
+
+
 @pytest.mark.parametrize("kind", ["v0", "v1"])
 def test_outputs_identical_across_caches_and_policies(smollm_llm, solo_outputs, kind):
     from fdx.core.bench.prefix import use_scheduling
     prompts, solo = solo_outputs
     priorities = [3, 1, 2, 0, 1, 2, 0]
-    for cache in ("paged", "prefix"):
-        for policy in ("fcfs", "priority", "lpm"):
-            # few slots and a small step budget: later requests hit what earlier ones cached,
-            # prefills are chunked, and (with v1) decodes mix with prefill chunks
-            with use_scheduling(smollm_llm.engine, resource_manager=kind, kv_cache=cache, policy=policy,
-                                max_num_seqs=3, max_num_batched_tokens=48) as eng:
-                outs = _generate(smollm_llm, prompts, priorities)
-                again = _generate(smollm_llm, prompts[:2], priorities[:2])     # warm: hits
-                stats = eng.kv_cache.stats()
-                assert eng.kv_cache.num_free_blocks == eng.kv_cache.num_blocks
-            assert outs == solo, (kind, cache, policy)
-            assert again == solo[:2], (kind, cache, policy)
-            if cache == "prefix":
-                assert stats["prefix_cache_hits"] > 0, (kind, policy, stats)
+    for cache, policy in PAIRWISE[kind]:
+        # few slots and a small step budget: later requests hit what earlier ones cached,
+        # prefills are chunked, and (with v1) decodes mix with prefill chunks
+        with use_scheduling(smollm_llm.engine, resource_manager=kind, kv_cache=cache, policy=policy,
+                            max_num_seqs=3, max_num_batched_tokens=48) as eng:
+            outs = _generate(smollm_llm, prompts, priorities)
+            again = _generate(smollm_llm, prompts[:2], priorities[:2])     # warm: hits
+            stats = eng.kv_cache.stats()
+            assert eng.kv_cache.num_free_blocks == eng.kv_cache.num_blocks
+        assert outs == solo, (kind, cache, policy)
+        assert again == solo[:2], (kind, cache, policy)
+        if cache == "prefix":
+            assert stats["prefix_cache_hits"] > 0, (kind, policy, stats)
 
 
 def test_second_tier_hit_equals_recompute_and_survives_restart(smollm_llm, tmp_path, caplog):
