@@ -144,7 +144,9 @@ def _logprobs(raw: paddle.Tensor, ids: paddle.Tensor, rows: list[int], top_n: li
     import paddle
     idx = paddle.to_tensor(np.asarray(rows, dtype=np.int64))
     x = paddle.gather(raw, idx)
-    lp = paddle.nn.functional.log_softmax(x, axis=1)
+    # composed: Paddle's CPU log_softmax took 0.74 s on a [3, 49152] tensor (this, 2 ms), same values
+    z = x - x.max(axis=1, keepdim=True)
+    lp = z - paddle.log(paddle.exp(z).sum(axis=1, keepdim=True))
     chosen_ids = paddle.gather(ids, idx)[:, None]
     chosen = paddle.take_along_axis(lp, chosen_ids, axis=1)
     ranks = (lp > chosen).astype("int64").sum(axis=1) + 1
