@@ -68,7 +68,7 @@ _warnings.filterwarnings("ignore", message="No ccache found", category=UserWarni
 
 # The composition root: model I/O becomes the engine's model loader (core/loading.py; the
 # engine imports no model I/O module). Cheap: its readers load with the first model.
-from fdx.core.checkpoint import install_loader as _install_loader  # noqa: E402
+from fdx.model_io import install_loader as _install_loader  # noqa: E402
 
 _install_loader()
 

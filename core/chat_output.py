@@ -2,7 +2,7 @@
 tool plan: which calls, and the guided constraint that guarantees them),
 and each choice's output parsers (reasoning first, then tool calls) as
 OpenAI's message fields and stream deltas. One implementation for the
-server (core/serving/app.py) and ``LLM.chat(..., tools=...)``.
+server (entrypoints/serving/app.py) and ``LLM.chat(..., tools=...)``.
 
 The seam with the output path is ``ChoiceOutput``: one per choice, fed
 the choice's text deltas (``stream``) or its whole text (``message``). It

@@ -92,7 +92,7 @@ class ParallelConfig(_Section):
     runner: str = "tp"                         # the executor under tensor_parallel_size > 1 (core Executor)
     data_parallel_size: int = Field(1, gt=0, le=64)   # fdx serve: engine processes (each with its own KV
                                                # cache and TP group) behind one API server; the threads
-                                               # split between them (core/serving/data_parallel.py)
+                                               # split between them (entrypoints/serving/data_parallel.py)
     # -- expert parallel (issue 39 item 3; docs/architecture.md "Mixture-of-experts layers")
     expert_parallel_size: int = Field(1, gt=0, le=64)   # MoE models: the tensor_parallel_size ranks in this
                                                # many groups, each holding num_experts / N whole experts
@@ -125,7 +125,7 @@ class ServerConfig(_Section):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # uvicorn's
     access_log: bool = False
     # -- first-run UX (issue 12)
-    ui: bool = True                            # the web page at / and GET /v1/engine/stats (core/serving/ui.py)
+    ui: bool = True                            # the web page at / and GET /v1/engine/stats (entrypoints/serving/ui.py)
 
     # -- reliability and security (issue 13)
     engine_heartbeat_interval_s: float = Field(1.0, gt=0)   # the engine process says it is alive this often
@@ -141,7 +141,7 @@ class ServerConfig(_Section):
                                                             # completions together; past it 400
     health_access: Literal["open", "key", "off"] = "open"   # /health: no key needed, the API key, or 404
     metrics_access: Literal["open", "key", "off"] = "open"  # /metrics likewise
-    # -- what one request may carry (issue 21; checked at the edge, serve and router: core/serving/edge.py)
+    # -- what one request may carry (issue 21; checked at the edge, serve and router: entrypoints/serving/edge.py)
     max_stop_strings: int = Field(16, gt=0)          # stop strings per request
     max_stop_string_chars: int = Field(1024, gt=0)   # characters in each stop string
     max_bad_words: int = Field(256, ge=0)            # bad_words entries (each is tokenized)

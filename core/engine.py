@@ -53,7 +53,7 @@ class EngineCore:
                  defer_tokenizer: bool = False):
         """``defer_tokenizer``: hold a ``DeferredTokenizer`` (its eos ids, the
         rest built on first use): the serving engine process, whose API
-        process tokenizes and detokenizes (core/serving/engine_proc.py)."""
+        process tokenizes and detokenizes (entrypoints/serving/engine_proc.py)."""
         self.config = config = config.model_copy(deep=True)
         if config.parallel.data_parallel_size > 1:   # the API server starts one engine per rank
             raise ConfigError(f"config key 'parallel.data_parallel_size' ({config.parallel.data_parallel_size}): "

@@ -1048,7 +1048,7 @@ class WeightFormat(abc.ABC):
 
     The loader hands each 2-D checkpoint tensor in HF order ``[out, in]``:
     float32 numpy, or, for a GGUF tensor in a block type when
-    ``keeps_blocks`` is true, ``fdx.core.checkpoint.loader.GGUFBlocks``
+    ``keeps_blocks`` is true, ``fdx.model_io.loader.GGUFBlocks``
     holding the file's raw blocks (llama.cpp's Q/K row permutation already
     undone).
     1-D tensors (norms, biases) never reach the format: they stay float32.

@@ -1,6 +1,6 @@
 """How the engine gets its model: the one seam between the engine and
 model I/O (Hugging Face and GGUF checkpoints, the tokenizer and chat
-template: fdx.core.checkpoint), which imports the engine's contracts and is
+template: fdx.model_io), which imports the engine's contracts and is
 never imported by the engine.
 
 Model I/O's ``ModelLoader`` is installed here by the package root

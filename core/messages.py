@@ -11,7 +11,7 @@ from fdx.core.sampling_params import SamplingParams
 class EngineDeadError(RuntimeError):
     """The engine process is gone (or hung, and was stopped): what a
     request-level scheduler or the API's client raises or hands a waiting
-    request (core/serving/engine_client.py, plugins/schedulers/)."""
+    request (entrypoints/serving/engine_client.py, plugins/schedulers/)."""
 
 
 # -- messages --------------------------------------------------------------------

@@ -241,7 +241,7 @@ def logprob_dict(tokenizer, rows: list[list[float]] | None) -> dict[int, TokenLo
 class DeltaTracker:
     """The engine side of the output path: how many tokens of each request
     were handed on, and the ``SeqDelta`` of a changed request. Used by the
-    serving engine process (core/serving/engine_proc.py, which adds a
+    serving engine process (entrypoints/serving/engine_proc.py, which adds a
     pooling request's embedding and the activation captures to a finishing
     delta, and sends refusals as EngineRejected) and by ``OutputProcessor``."""
 

@@ -1,5 +1,5 @@
 """Child processes, one way: the serving engine process
-(core/serving/engine_proc.py, started by engine_client.py) and the tensor
+(entrypoints/serving/engine_proc.py, started by engine_client.py) and the tensor
 parallel workers (plugins/backends/tp.py) are each started by ``spawn``
 (``spawn_async`` in an event loop) as ``python -m <module> ... --parent-pid
 <pid>`` (``child_command``) with their config as JSON on stdin, and each

@@ -37,8 +37,8 @@ def worker(n: int, threads: int, output_len: int) -> None:
     """One tree's engine: one step per line on stdin, its figures as a JSON line."""
     import numpy as np
 
-    from fdx.core.engine_args import _make_llm
-    from fdx.core.cli import build_parser
+    from fdx.entrypoints.engine_args import _make_llm
+    from fdx.entrypoints.cli import build_parser
     from fdx.core.sampling_params import SamplingParams
     blocks = max(64, n * (INPUT_LEN + output_len) // 16 + 2 * n + 8)
     argv = ["bench", "throughput", "--max-model-len", str(INPUT_LEN + output_len + 16),

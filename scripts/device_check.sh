@@ -44,7 +44,7 @@ FDX_DEVICE_CHECK=1 timeout 150 python -m pytest -q tests/test_device_sampler.py 
 # a short benchmark, in the backend's half precision and in float32
 for extra in "model.dtype=auto" "model.dtype=float32" "backend.model_runner=cuda-graph"; do
     [ "$backend" != cuda ] && [ "$extra" = "backend.model_runner=cuda-graph" ] && continue
-    timeout 50 python -m fdx.core.cli bench throughput --backend "$backend" --num-requests 32 \
+    timeout 50 python -m fdx.entrypoints.cli bench throughput --backend "$backend" --num-requests 32 \
         --input-len 128 --output-len 64 --max-model-len 512 --set "$extra" || status=1
 done
 exit $status

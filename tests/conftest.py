@@ -219,7 +219,7 @@ def _drop_example_modules() -> None:
 
 @pytest.fixture(autouse=True)
 def _cli_environment_restored():
-    """``fdx.core.cli.main`` exports FDX_LOG_LEVEL (for the engine process)
+    """``fdx.entrypoints.cli.main`` exports FDX_LOG_LEVEL (for the engine process)
     and drops OMP_NUM_THREADS: a test that calls it in process (``--quiet``
     exports WARNING) must not change the level of every server a later test
     starts (request log lines went missing that way). It also gives the
@@ -432,7 +432,7 @@ def smollm_llm():
 
 
 def smollm_gguf_path() -> str:
-    from fdx.core.checkpoint.loader import default_model_path
+    from fdx.model_io.loader import default_model_path
     return default_model_path()
 
 

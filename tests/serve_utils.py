@@ -59,7 +59,7 @@ class ServerProcess:
         self.log_path = tmp / "server.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fdx.core.cli", "serve", "--config", str(cfg), "--port", str(self.port)],
+            [sys.executable, "-m", "fdx.entrypoints.cli", "serve", "--config", str(cfg), "--port", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=preexec_fn)
 
@@ -83,7 +83,7 @@ class ServerProcess:
         children = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         for pid in children:
             cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"fdx.core.serving.engine_proc" in cmd:
+            if b"fdx.entrypoints.serving.engine_proc" in cmd:
                 return int(pid)
         raise RuntimeError("no engine process found")
 
@@ -137,7 +137,7 @@ class RouterProcess:
         self.log_path = tmp / f"router-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fdx.core.cli", "router", "--port", str(self.port), "--health-interval", "0.5",
+            [sys.executable, "-m", "fdx.entrypoints.cli", "router", "--port", str(self.port), "--health-interval", "0.5",
              "--log-level", "info", *extra, "--prefill", *prefill, "--decode", *decode],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=preexec_fn)

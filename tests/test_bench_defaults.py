@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fdx.core.bench import defaults as bd
+from fdx.entrypoints.bench import defaults as bd
 
 
 def test_a_right_answer_is_a_whole_word_or_a_number_standing_alone():
@@ -112,7 +112,7 @@ def test_measure_asks_each_point_with_its_own_settings(smollm_llm):
 
 @pytest.mark.slow
 def test_fdx_bench_defaults_runs_a_tiny_grid(capsys):
-    from fdx.core.cli import main
+    from fdx.entrypoints.cli import main
     assert main(["bench", "defaults", "--temperatures", "0", "--top-ps", "1", "--repetition-penalties", "1",
                  "--presence-penalties", "0", "--num-questions", "2", "--max-tokens", "8",
                  "--max-model-len", "256", "--num-kv-blocks", "32", "--json", "--quiet"]) == 0

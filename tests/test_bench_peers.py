@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdx.core.bench import load_peers
+from fdx.entrypoints.bench import load_peers
 
 peers = load_peers()                    # scripts/bench_peers/fdx_bench_peers.py, outside the runtime package
 
@@ -137,7 +137,7 @@ def test_machine_probes_give_sane_positive_numbers():
 
 @pytest.mark.slow
 def test_help_lists_every_default():
-    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--help"],
+    out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "bench", "peers", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     p = peers.build_parser()
@@ -159,7 +159,7 @@ def _env(tmp_path, path: str) -> dict:
 def test_missing_cmake_is_one_line(tmp_path):
     empty = tmp_path / "bin"
     empty.mkdir()
-    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--skip-serve"],
+    out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "bench", "peers", "--skip-serve"],
                          capture_output=True, text=True, timeout=120, env=_env(tmp_path, str(empty)))
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
@@ -181,7 +181,7 @@ def test_a_failed_build_is_one_line_with_the_log(tmp_path):
     """A real cmake run on a source tree whose CMakeLists.txt fails."""
     sdist = tmp_path / peers.SDIST_NAME
     _fake_sdist(sdist, 'cmake_minimum_required(VERSION 3.14)\nproject(x C)\nmessage(FATAL_ERROR "broken on purpose")\n')
-    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--skip-serve",
+    out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "bench", "peers", "--skip-serve",
                           "--llama-sdist", str(sdist)],
                          capture_output=True, text=True, timeout=120, env=_env(tmp_path, os.environ["PATH"]))
     assert out.returncode == 1, out.stderr
@@ -296,7 +296,7 @@ def test_quant_types_are_checked_and_named_by_the_flag():
 def test_a_file_already_of_the_type_is_used_as_it_is(tmp_path):
     """The embedded SmolLM2 is a Q4_1 file (general.file_type 3): --quant Q4_1
     compares on it, with no llama-quantize run (the binary need not exist)."""
-    from fdx.core.checkpoint.loader import default_model_path
+    from fdx.model_io.loader import default_model_path
     model = Path(default_model_path())
     assert peers.gguf_file_type(model) == peers._FILE_TYPES["Q4_1"]
     assert peers.make_quant(tmp_path / "no-such-llama-quantize", model, "Q4_1", root=tmp_path) == model
@@ -307,7 +307,7 @@ def test_other_types_are_quantized_from_the_f32_file_once(tmp_path):
     """A stand-in llama-quantize (llama.cpp is not built in CI) that logs its
     arguments: Q8_0 is made from the F32 file, which is made from the source,
     and both are cached."""
-    from fdx.core.checkpoint.loader import default_model_path
+    from fdx.model_io.loader import default_model_path
     model = Path(default_model_path())
     calls = tmp_path / "calls.txt"
     fake = tmp_path / "llama-quantize"
@@ -426,7 +426,7 @@ def test_command_lines_of_each_side():
                   "-t", "2", "-tb", "2", "-c", str(8 * 256)]
     assert peers.batched_bench_command(Path("/b/x"), m, 1, 128, 128, 2, ik=True)[-1] == "-rtr"
     fx = peers.fdx_throughput_command(m, 1, 512, 1, 2, ["--quantization", "auto"])
-    assert fx[:3] == [sys.executable, "-m", "fdx.core.cli"]
+    assert fx[:3] == [sys.executable, "-m", "fdx.entrypoints.cli"]
     i = fx.index("throughput")
     assert fx[i + 1:] == ["--model", "/m/x.Q4_0.gguf", "--num-requests", "1", "--input-len", "512",
                           "--output-len", "1", "--json", "--quiet", "--num-threads", "2", "--quantization", "auto"]
@@ -526,7 +526,7 @@ def test_peak_resident_memory_of_a_run_is_the_childs(tmp_path):
 @pytest.mark.slow
 def test_the_tool_missing_is_one_line_saying_where_to_get_it(tmp_path):
     env = dict(os.environ, FDX_PEERS_TOOL=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--help"],
+    out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "bench", "peers", "--help"],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("fdx bench peers: error: fdx bench peers is a developer tool kept in the "
@@ -548,7 +548,7 @@ def test_end_to_end_on_the_135m_shape_in_q4_0(tmp_path):
     checkpoint is written, converted by convert_hf_to_gguf.py (its tokenizer
     recognized as SmolLM2's), quantized, and both sides report figures."""
     cache = os.environ.get("FDX_PEERS_CACHE") or str(peers.peers_root())
-    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "bench", "peers", "--shape", "smollm2-135m",
+    out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "bench", "peers", "--shape", "smollm2-135m",
                           "--quant", "Q4_0", "--batch-sizes", "1", "--input-len", "16", "--output-len", "4",
                           "--prefill-len", "32", "--skip-serve", "--json", "--quiet", "--cache-dir", cache],
                          capture_output=True, text=True, timeout=1800)
@@ -556,7 +556,7 @@ def test_end_to_end_on_the_135m_shape_in_q4_0(tmp_path):
     report = json.loads(out.stdout)
     (t,) = report["types"]
     assert t["type"] == "Q4_0" and peers.gguf_file_type(Path(t["model"])) == peers._FILE_TYPES["Q4_0"]
-    from fdx.core.checkpoint.gguf_file import read_gguf
+    from fdx.model_io.gguf_file import read_gguf
     fields = read_gguf(Path(t["model"])).fields
     assert fields["tokenizer.ggml.pre"].contents() == "smollm"
     assert fields["llama.block_count"].contents() == 30
@@ -567,7 +567,7 @@ def test_end_to_end_on_the_135m_shape_in_q4_0(tmp_path):
 
 
 def test_the_cli_hands_fdx_bench_peers_its_own_arguments():
-    from fdx.core.cli import _peers_argv
+    from fdx.entrypoints.cli import _peers_argv
     assert _peers_argv(["bench", "peers", "--quant", "Q4_0"]) == ["--quant", "Q4_0"]
     assert _peers_argv(["-q", "bench", "peers", "-m", "x.gguf"]) == ["-q", "-m", "x.gguf"]
     assert _peers_argv(["--log-level", "debug", "bench", "peers"]) == ["--log-level", "debug"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fdx import LLM
-from fdx.core.bench.perplexity import chunk_prompts, default_text_path, perplexity
+from fdx.entrypoints.bench.perplexity import chunk_prompts, default_text_path, perplexity
 from test_weight_formats import TINY, VOCAB, files  # noqa: F401  (the module's GGUF fixture)
 
 
@@ -47,8 +47,8 @@ def test_a_text_shorter_than_one_chunk_is_refused():
 
 @pytest.mark.slow
 def test_cli_on_an_hf_checkpoint_with_the_default_text(tiny_checkpoints, capsys):
-    from fdx.core.checkpoint.tokenizer import Tokenizer
-    from fdx.core.cli import main
+    from fdx.model_io.tokenizer import Tokenizer
+    from fdx.entrypoints.cli import main
     path, hf = tiny_checkpoints["LlamaForCausalLM"]
     assert main(["bench", "perplexity", "--model", str(path), "--ctx", "64", "--chunks", "2", "--json",
                  "--num-kv-blocks", "64"]) == 0

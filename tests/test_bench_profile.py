@@ -12,7 +12,7 @@ import time
 import pytest
 
 from fdx import LLM
-from fdx.core.bench.throughput import format_throughput, throughput
+from fdx.entrypoints.bench.throughput import format_throughput, throughput
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import LogitsProcessor
 from fdx.core.plugins import PluginManager

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from serve_utils import API_KEY, ServerProcess, pid_alive
 
-from fdx.core.bench.serve import RequestResult, format_report, summarize
+from fdx.entrypoints.bench.serve import RequestResult, format_report, summarize
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def server(tmp_path_factory):
 
 def bench(server, *args) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "fdx.core.cli", "bench", "serve", "--base-url", server.base_url,
+        [sys.executable, "-m", "fdx.entrypoints.cli", "bench", "serve", "--base-url", server.base_url,
          "--api-key", API_KEY, "--json", "--warmup-requests", "0", *args],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -62,7 +62,7 @@ def test_bench_serve_completions_poisson(server, tmp_path):
 
 def test_bench_serve_chat_text_report(server):
     out = subprocess.run(
-        [sys.executable, "-m", "fdx.core.cli", "bench", "serve", "--base-url", server.base_url, "--chat",
+        [sys.executable, "-m", "fdx.entrypoints.cli", "bench", "serve", "--base-url", server.base_url, "--chat",
          "--api-key", API_KEY, "--warmup-requests", "1", "--num-requests", "3", "--input-len", "12",
          "--output-len", "4", "--no-progress"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

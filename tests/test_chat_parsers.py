@@ -17,7 +17,7 @@ import pytest
 from fdx.core.plugins import SERVING_PLUGINS, PluginManager
 from fdx.core.sampling_params import SamplingParams as SP
 from fdx.core.chat_output import ChatRequestError, ChoiceOutput, ToolPlan, tool_plan
-from fdx.core.serving.protocol import APIError, ChatCompletionRequest
+from fdx.entrypoints.serving.protocol import APIError, ChatCompletionRequest
 
 DATA = pathlib.Path(__file__).parent / "data"
 CASES = json.loads((DATA / "chat_parser_outputs.json").read_text())
@@ -208,8 +208,8 @@ CONVERSATION = [
 def test_qwen3_template_gets_tools_tool_turns_and_enable_thinking(qwen3_tokenizer_dir, thinking):
     import transformers
 
-    from fdx.core.checkpoint.tokenizer import Tokenizer
-    from fdx.core.serving.rendering import Renderer
+    from fdx.model_io.tokenizer import Tokenizer
+    from fdx.entrypoints.serving.rendering import Renderer
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     req = ChatCompletionRequest(messages=CONVERSATION, tools=[WEATHER, TIME], chat_template_kwargs=kwargs or None)
     text, _ = Renderer(Tokenizer.from_hf_dir(qwen3_tokenizer_dir), "m").chat_prompt(req)
@@ -230,8 +230,8 @@ def test_qwen3_template_gets_tools_tool_turns_and_enable_thinking(qwen3_tokenize
 
 
 def test_serve_flags_set_the_parser_keys():
-    from fdx.core.cli import build_parser
-    from fdx.core.serving.cli import server_config
+    from fdx.entrypoints.cli import build_parser
+    from fdx.entrypoints.serving.cli import server_config
     args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice",
                                       "--reasoning-parser", "deepseek_r1"])
     sc = server_config(args).server
@@ -246,7 +246,7 @@ def test_serve_flags_set_the_parser_keys():
                                         ({"server.enable_auto_tool_choice": True}, "server.enable_auto_tool_choice")])
 def test_a_bad_parser_setting_is_a_config_error_naming_the_key(keys, named):
     from fdx.core.config import ConfigError, FdxConfig
-    from fdx.core.serving.app import Server
+    from fdx.entrypoints.serving.app import Server
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")) as e:
         Server(FdxConfig.build(None, **keys))
     if "nope" in keys.values():
@@ -279,7 +279,7 @@ def test_reasoning_budget_forces_the_end_tokens_after_the_budget():
 
 def test_tools_are_bounded_like_a_guided_schema():
     from fdx.core.config import ServerConfig
-    from fdx.core.serving import edge
+    from fdx.entrypoints.serving import edge
     sc = ServerConfig(max_guided_bytes=2000)
     many = [{"type": "function", "function": {"name": f"f{i}", "parameters": WEATHER["function"]["parameters"]}}
             for i in range(40)]

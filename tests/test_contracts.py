@@ -730,7 +730,7 @@ def test_the_engine_refuses_what_an_outside_model_cannot_give(tiny_checkpoints, 
     assert token_ids(make_llm(notap, plugins=pm).generate(prompts()[:1], GREEDY))   # runs without the tap
     with pytest.raises(ConfigError, match=r"model\.dtype.*float32 only"):
         from fdx.plugins.backends.gpu import cast_model
-        from fdx.core.checkpoint.model import load_model
+        from fdx.model_io.model import load_model
         from fdx.core.config import FdxConfig
         model, _ = load_model(FdxConfig.build(model=notap), pm, progress=False)
         try:

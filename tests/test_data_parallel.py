@@ -1,4 +1,4 @@
-"""Data parallel serving (``--data-parallel-size``, core/serving/data_parallel.py),
+"""Data parallel serving (``--data-parallel-size``, entrypoints/serving/data_parallel.py),
 for real: one ``fdx serve`` with two engine processes on a tiny random Llama.
 
 64 concurrent greedy requests answer as the in-process LLM does (both
@@ -33,7 +33,7 @@ SETTINGS = dict(max_model_len=2048, quantization="none", block_size=16, num_kv_b
 def test_flag_and_key_and_llm_refusal(tmp_path):
     """--data-parallel-size is parallel.data_parallel_size; the in-process
     engine refuses it, naming the key and saying it is a server feature."""
-    from fdx.core.engine_args import _add_engine_args, _overrides
+    from fdx.entrypoints.engine_args import _add_engine_args, _overrides
     import argparse
     p = argparse.ArgumentParser()
     _add_engine_args(p)
@@ -41,7 +41,7 @@ def test_flag_and_key_and_llm_refusal(tmp_path):
     assert FdxConfig.build(**_overrides(p.parse_args(["-dp", "3"]))).parallel.data_parallel_size == 3
     with pytest.raises(ConfigError, match=r"parallel.data_parallel_size.*server feature.*fdx serve"):
         LLM(data_parallel_size=2, progress=False)
-    from fdx.core.serving.data_parallel import check_config, rank_config
+    from fdx.entrypoints.serving.data_parallel import check_config, rank_config
     cfg = FdxConfig.build(data_parallel_size=2, num_threads=5)
     assert [rank_config(cfg, r).backend.num_threads for r in range(2)] == [2, 2]
     assert rank_config(FdxConfig.build(data_parallel_size=4, num_threads=2), 3).backend.num_threads == 1

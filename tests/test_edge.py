@@ -1,5 +1,5 @@
 """The edge both ``fdx serve`` and ``fdx router`` keep (issue 21,
-core/serving/edge.py, docs/security.md): numbers the wire cannot carry and
+entrypoints/serving/edge.py, docs/security.md): numbers the wire cannot carry and
 oversized fields are 400s naming the field, a bad_words list at the limit
 does not hold other streams, and the router checks the key before it reads
 a body and refuses what an instance would. Real subprocesses, real clients."""
@@ -121,9 +121,9 @@ def test_bad_words_are_tokenized_off_the_loop_before_the_engine(tiny_model):
     import asyncio
     import types
 
-    from fdx.core.checkpoint.loader import load_tokenizer
+    from fdx.model_io.loader import load_tokenizer
     from fdx.core.sampling_params import SamplingParams
-    from fdx.core.serving.app import Server
+    from fdx.entrypoints.serving.app import Server
     tok = load_tokenizer(tiny_model)
     words = _at_the_limits()["256 bad_words of 256 letters (64 KiB)"][0]["bad_words"]
 

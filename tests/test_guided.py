@@ -42,7 +42,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from fdx.core.checkpoint.loader import default_model_path, load_tokenizer
+    from fdx.model_io.loader import default_model_path, load_tokenizer
     return load_tokenizer(default_model_path())
 
 

@@ -109,8 +109,8 @@ async def _loop_turns_while_checked(raw: bytes, schema) -> tuple[int, Exception 
     from starlette.requests import Request
 
     from fdx.core.config import ServerConfig
-    from fdx.core.serving import edge
-    from fdx.core.serving.protocol import APIError
+    from fdx.entrypoints.serving import edge
+    from fdx.entrypoints.serving.protocol import APIError
     received = False
 
     async def receive():
@@ -137,7 +137,7 @@ def test_refused_bodies_are_checked_off_the_event_loop():
     that streams every other request's tokens keeps turning meanwhile (on
     the landed main the loop did not turn once, and each body held every
     stream for over a second). The refusal names the field."""
-    from fdx.core.serving.protocol import ChatCompletionRequest, CompletionRequest
+    from fdx.entrypoints.serving.protocol import ChatCompletionRequest, CompletionRequest
     for name, (raw, param) in refused_bodies().items():
         schema = ChatCompletionRequest if param == "tools" else CompletionRequest
         turns, err = asyncio.run(_loop_turns_while_checked(raw, schema))

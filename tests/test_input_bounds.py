@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from fdx.core.sampling_params import SamplingParams
-from fdx.core.serving.protocol import MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest
-from fdx.core.serving.security import check_token_budget, is_loopback
+from fdx.entrypoints.serving.protocol import MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest
+from fdx.entrypoints.serving.security import check_token_budget, is_loopback
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -84,14 +84,14 @@ def test_loopback_addresses():
     assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.1", "example.com"]))
 
 
-# -- issue 21: numbers the wire cannot carry, and the per-request limits (core/serving/edge.py)
+# -- issue 21: numbers the wire cannot carry, and the per-request limits (entrypoints/serving/edge.py)
 
 def _edge_refusal(body: dict, vocab: int | None = 49152) -> APIError:
     """The APIError the edge answers ``body`` with (schema, then limits)."""
     from pydantic import ValidationError
 
     from fdx.core.config import ServerConfig
-    from fdx.core.serving.edge import check_limits, validation_error
+    from fdx.entrypoints.serving.edge import check_limits, validation_error
     try:
         req = CompletionRequest.model_validate(body)
     except APIError as e:                   # the schema's check_untrusted: an integer past 64 bits anywhere
@@ -125,7 +125,7 @@ def test_edge_refuses_numbers_the_wire_cannot_carry(extra, param):
 def test_every_int_the_edge_passes_is_msgpack_encodable():
     import msgspec
     from fdx.core.config import ServerConfig
-    from fdx.core.serving.edge import check_limits
+    from fdx.entrypoints.serving.edge import check_limits
     req = CompletionRequest(prompt="x", max_tokens=2 ** 63 - 1, seed=0, extra_args={"a": [-2 ** 63, 2 ** 63 - 1]},
                             logit_bias={"49151": 5}, allowed_token_ids=[0, 49151])
     check_limits(req, ServerConfig(), 49152)
@@ -145,7 +145,7 @@ def test_every_int_the_edge_passes_is_msgpack_encodable():
 ])
 def test_edge_limits_refuse_one_past_and_pass_at_the_limit(field, at_limit, past_limit):
     from fdx.core.config import ServerConfig
-    from fdx.core.serving.edge import check_limits
+    from fdx.entrypoints.serving.edge import check_limits
     check_limits(CompletionRequest(prompt="x", **{field: at_limit}), ServerConfig(), 49152)
     e = _edge_refusal({"prompt": "x", field: past_limit})
     assert e.status == 400 and e.param == field and e.code == "limit_exceeded"
@@ -153,7 +153,7 @@ def test_edge_limits_refuse_one_past_and_pass_at_the_limit(field, at_limit, past
 
 def test_edge_limits_are_server_settings():
     from fdx.core.config import FdxConfig
-    from fdx.core.serving.edge import check_limits
+    from fdx.entrypoints.serving.edge import check_limits
     sc = FdxConfig.build(**{"server.max_bad_words": 2}).server
     check_limits(CompletionRequest(prompt="x", bad_words=["a", "b"]), sc)
     with pytest.raises(APIError, match="at most 2 words"):
@@ -161,7 +161,7 @@ def test_edge_limits_are_server_settings():
 
 
 def test_router_body_parser_refuses_absurd_nesting_and_non_objects():
-    from fdx.core.serving.edge import parse_json
+    from fdx.entrypoints.serving.edge import parse_json
     for raw in (b'{"extra_args": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001, b"[1]", b'"x"', b"\xff{",
                 b'{"prompt": "x", "extra_args": ' + b'[' * 40 + b']' * 40 + b'}'):
         with pytest.raises(APIError) as e:
@@ -198,7 +198,7 @@ def test_every_integer_in_a_body_is_within_64_bits(body, param, where):
 
 def test_field_sizes_are_refused_before_the_schema_on_any_type():
     from fdx.core.config import ServerConfig
-    from fdx.core.serving.edge import check_sizes
+    from fdx.entrypoints.serving.edge import check_sizes
     sc = ServerConfig()
     for body, param in [({"bad_words": ["w"] * 257}, "bad_words"), ({"bad_words": ["x" * 70000]}, "bad_words"),
                         ({"tools": [{}] * 257}, "tools"), ({"messages": [{}] * 4097}, "messages"),
@@ -213,7 +213,7 @@ def test_field_sizes_are_refused_before_the_schema_on_any_type():
 
 
 def test_refusal_budget_refills_and_is_per_client():
-    from fdx.core.serving.edge import RefusalBudget
+    from fdx.entrypoints.serving.edge import RefusalBudget
     b = RefusalBudget(rate=1000.0, burst=5000.0)
     a, other = ("10.0.0.1", None), ("10.0.0.2", None)
     assert b.wait_s(a, now=0.0) == 0.0

@@ -284,7 +284,7 @@ def test_a_forward_calls_only_the_kernels_its_table_passed(tiny_hf, which):
 
 @pytest.mark.slow
 def test_fdx_env_prints_the_table_cpu_flags_and_settings():
-    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "--quiet", "env"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "--quiet", "env"], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr
     text = out.stdout

@@ -42,9 +42,9 @@ def test_two_starts_report_the_same_kv_size_and_the_flags_change_it(tmp_path, ti
 
 def test_the_flags_reach_the_config_and_kv_cache_ratio_needs_v0():
     from fdx.core.assembly import Assembly
-    from fdx.core.cli import build_parser
+    from fdx.entrypoints.cli import build_parser
     from fdx.core.config import FdxConfig
-    from fdx.core.engine_args import _overrides
+    from fdx.entrypoints.engine_args import _overrides
     from fdx.core.plugins import get_plugin_manager
     args = build_parser().parse_args(["serve", "--kv-cache-memory-bytes", "1048576", "--kv-cache-ratio", "0.5"])
     cfg = FdxConfig.build(**_overrides(args))

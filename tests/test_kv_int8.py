@@ -240,8 +240,8 @@ def test_unknown_dtype_is_a_config_error_naming_the_key(value):
 
 
 def test_cli_flag_sets_the_key():
-    from fdx.core.cli import build_parser
-    from fdx.core.engine_args import _overrides
+    from fdx.entrypoints.cli import build_parser
+    from fdx.entrypoints.engine_args import _overrides
 
     def config(*flags):
         return FdxConfig.build(**_overrides(build_parser().parse_args(["serve", *flags])))
@@ -274,7 +274,7 @@ def test_paddle_attention_path_refuses_an_int8_cache():
 # --- accuracy on the embedded SmolLM2-135M (figures: docs/backends.md) ---------------------------
 
 def _text_ids(tok, n: int) -> list[int]:
-    from fdx.core.bench.perplexity import default_text_path
+    from fdx.entrypoints.bench.perplexity import default_text_path
     try:
         text = open(default_text_path(), encoding="utf-8", errors="replace").read()[20000:60000]
     except FileNotFoundError:

@@ -178,12 +178,12 @@ def test_third_party_resource_manager_selected_by_config(example_plugin_installe
 
 @pytest.mark.slow
 def test_cli_generate_and_bad_flag():
-    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "generate", "The capital of France is",
+    out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "generate", "The capital of France is",
                           "--max-tokens", "8", "--max-model-len", "256", "--num-kv-blocks", "32"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("The capital of France is")
-    bad = subprocess.run([sys.executable, "-m", "fdx.core.cli", "generate", "x", "--set", "blok_size=3"],
+    bad = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "generate", "x", "--set", "blok_size=3"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "blok_size" in bad.stderr and "Traceback" not in bad.stderr
 

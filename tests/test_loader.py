@@ -1,4 +1,4 @@
-"""fdx.core.checkpoint.loader against transformers and brute-force references."""
+"""fdx.model_io.loader against transformers and brute-force references."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdx.core.checkpoint import loader as model_loader
-from fdx.core.checkpoint.loader import Checkpoint, default_model_path, load_checkpoint
+from fdx.model_io import loader as model_loader
+from fdx.model_io.loader import Checkpoint, default_model_path, load_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -303,7 +303,7 @@ def test_gguf_index_reads_what_gguf_reader_reads_without_the_vocabulary():
     """read_gguf_index gives every metadata value GGUFReader gives, the
     tokenizer's arrays by their length only, the same tensor index and,
     tensor by tensor, the same bytes."""
-    from fdx.core.checkpoint.gguf_file import GGML_TYPES, read_gguf_index
+    from fdx.model_io.gguf_file import GGML_TYPES, read_gguf_index
     path = default_model_path()
     ref = gguf.GGUFReader(path)
     index = read_gguf_index(path)
@@ -341,9 +341,9 @@ def test_special_ids_from_the_metadata_equal_the_built_tokenizers(tmp_path, eos,
     past the vocabulary's end included: none, then the eot id). The embedded
     file is the same in every case: checked in the first only (its tokenizer
     is the costly one to build)."""
-    from fdx.core.checkpoint.gguf_file import read_gguf_index
-    from fdx.core.checkpoint.loader import GgufSpecialIds, _gguf_fields
-    from fdx.core.checkpoint.tokenizer import Tokenizer
+    from fdx.model_io.gguf_file import read_gguf_index
+    from fdx.model_io.loader import GgufSpecialIds, _gguf_fields
+    from fdx.model_io.tokenizer import Tokenizer
     from tiny_models import TinyLlama
     default = Path(default_model_path())
     files = [TinyLlama().gguf_file(tmp_path / "t.gguf", eos_token_id=eos, eot_token_id=eot)]
@@ -363,7 +363,7 @@ def test_a_deferred_gguf_load_gives_the_same_checkpoint_and_parses_no_vocabulary
     reader can decode (invalid UTF-8): the same config and weights as the
     tiny model's Hugging Face folder, its eos ids, and the tokenizer unbuilt;
     building it parses the vocabulary and fails, as gguf's reader does."""
-    from fdx.core.checkpoint.loader import DeferredTokenizer
+    from fdx.model_io.loader import DeferredTokenizer
     from tiny_models import TinyLlama
     tiny = TinyLlama()
     poisoned = [b"\xff\xfe" + bytes([65 + i]) for i in range(tiny.vocab)]
@@ -389,7 +389,7 @@ def test_a_deferred_gguf_load_gives_the_same_checkpoint_and_parses_no_vocabulary
 def test_gguf_index_names_a_truncated_or_corrupt_file(tmp_path):
     """The index reader's errors are read_gguf's (tests/test_first_run.py
     checks those words for every command)."""
-    from fdx.core.checkpoint.gguf_file import read_gguf, read_gguf_index
+    from fdx.model_io.gguf_file import read_gguf, read_gguf_index
     from tiny_models import TinyLlama
     full = TinyLlama().gguf_file(tmp_path / "full.gguf")
     data = full.read_bytes()

@@ -49,7 +49,7 @@ def test_the_python_api_and_the_cli_log_in_the_same_format(tmp_path):
     api = subprocess.run([sys.executable, "-c", "import paddle\nfrom fdx import LLM\n"
                           f"LLM({str(model)!r}, max_model_len=64, num_kv_blocks=8, progress=False)"],
                          capture_output=True, text=True, timeout=600)
-    cli = subprocess.run([sys.executable, "-m", "fdx.core.cli", "generate", "w3 w4", "--model", str(model),
+    cli = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "generate", "w3 w4", "--model", str(model),
                           "--max-tokens", "2", "--max-model-len", "64", "--num-kv-blocks", "8"],
                          capture_output=True, text=True, timeout=600)
     assert api.returncode == 0 and cli.returncode == 0, api.stderr + cli.stderr

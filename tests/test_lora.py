@@ -356,7 +356,7 @@ def test_http_model_field_load_and_unload(tiny, tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fdx.core.cli", "serve", "--model", str(path), "--port", str(port),
+        [sys.executable, "-m", "fdx.entrypoints.cli", "serve", "--model", str(path), "--port", str(port),
          "--enable-lora", "--lora-modules", f"a={a}", json.dumps({"name": "b", "path": b}),
          "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "128", "--num-kv-blocks", "64",
          "--block-size", "4", "--set", f"server.api_key={API_KEY}", "--set", "server.log_level=warning"],

@@ -43,7 +43,7 @@ def test_host_zeros_are_resident_only_where_written(dtype, itemsize):
 def test_read_gguf_tensors_are_the_file_bytes(tmp_path):
     """The tokenizer's reader parses the metadata from memory and leaves the
     tensors as views of the file, read only when used: the same bytes."""
-    from fdx.core.checkpoint.gguf_file import read_gguf, read_gguf_index
+    from fdx.model_io.gguf_file import read_gguf, read_gguf_index
     from tiny_models import TinyLlama
     path = TinyLlama().gguf_file(tmp_path / "tiny.gguf")
     reader, index = read_gguf(path), read_gguf_index(path)
@@ -66,7 +66,7 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 import paddle
 from fdx import LLM, SamplingParams
-from fdx.core.checkpoint.model import held_weight_bytes
+from fdx.model_io.model import held_weight_bytes
 base = rss()
 llm = LLM(None, max_model_len=1024, max_num_batched_tokens=256, progress=False)
 loaded = rss()
@@ -90,7 +90,7 @@ ABOVE_FILE = 128 * MiB
 
 @pytest.mark.slow
 def test_loaded_model_holds_its_file_not_its_kv_reservation():
-    from fdx.core.checkpoint.loader import default_model_path
+    from fdx.model_io.loader import default_model_path
     file_size = os.path.getsize(default_model_path())
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "FDX_LOG_LEVEL": "warning"})

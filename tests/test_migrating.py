@@ -15,10 +15,10 @@ import shlex
 import pytest
 import yaml
 
-from fdx.core.cli import build_parser, main
+from fdx.entrypoints.cli import build_parser, main
 from fdx.core.config import DEPRECATED, DEPRECATED_FLAT, FLAT_KEYS, ConfigError, FdxConfig
 from fdx.core.sampling_params import SamplingParams
-from fdx.core.serving.cli import server_config
+from fdx.entrypoints.serving.cli import server_config
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "migrating.md"
 
@@ -84,7 +84,7 @@ def test_each_flag_row_builds_its_config(row, capsys):
 
 
 def test_the_flag_table_covers_the_aliases_and_refusals_in_the_code():
-    from fdx.core.engine_args import _ALIAS_FLAGS, FOREIGN_FLAGS
+    from fdx.entrypoints.engine_args import _ALIAS_FLAGS, FOREIGN_FLAGS
     shown = {shlex.split(code(r[0]))[0] for r in FLAGS}
     assert set(FOREIGN_FLAGS) - shown == set()
     assert set(_ALIAS_FLAGS) - {"--task"} - shown == set()
@@ -190,7 +190,7 @@ def test_every_config_key_is_documented():
 def test_every_command_takes_quiet():
     """README: every command takes --quiet and --log-level."""
     import argparse
-    from fdx.core.cli import _leaf_parsers
+    from fdx.entrypoints.cli import _leaf_parsers
     parser = build_parser()
     leaves = list(_leaf_parsers(parser))
     assert len(leaves) >= 14

@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers
 
-from fdx.core.checkpoint.loader import load_checkpoint
+from fdx.model_io.loader import load_checkpoint
 from fdx.plugins.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from fdx.plugins.models.qwen2_moe import Qwen2MoeForCausalLM
 from fdx.plugins.models.qwen3_moe import Qwen3MoeForCausalLM

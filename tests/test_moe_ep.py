@@ -17,7 +17,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fdx.core.checkpoint.loader import load_checkpoint
+from fdx.model_io.loader import load_checkpoint
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.plugins.models.moe_config import ExpertShare, building_share
 from fdx.plugins.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -107,7 +107,7 @@ def test_expert_parallel_keys_and_bad_combinations(folder, tmp_path):
     import argparse
 
     from fdx import LLM
-    from fdx.core.engine_args import _add_engine_args, _overrides
+    from fdx.entrypoints.engine_args import _add_engine_args, _overrides
     p = argparse.ArgumentParser()
     _add_engine_args(p)
     parsed = FdxConfig.build(**_overrides(p.parse_args(["-tp", "4", "--enable-expert-parallel"]))).parallel

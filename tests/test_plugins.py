@@ -115,7 +115,7 @@ def test_entry_point_plugin_is_found(example_plugin_installed):
 
 def test_fdx_plugins_cli_lists_hooks(example_plugin_installed):
     import subprocess
-    out = subprocess.run([sys.executable, "-m", "fdx.core.cli", "plugins"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "plugins"], capture_output=True, text=True, check=True).stdout
     assert "fdx_register_kv_schedulers:" in out
     assert "v1" in out and "example-fifo" in out and "[fdx-example-plugin]" in out
     # the built-in expert-load tap (plugins/models/moe_taps.py) observes every step first
@@ -176,7 +176,7 @@ def _fdx_plugins(site, marker, disabled: str):
     import subprocess
     env = {**os.environ, "EVIL_MARKER": str(marker), "FDX_DISABLED_PLUGINS": disabled,
            "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "fdx.core.cli", "plugins"], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fdx.entrypoints.cli", "plugins"], capture_output=True,
                           text=True, env=env, check=True, timeout=300)
 
 
@@ -203,7 +203,7 @@ def test_kinds_built_outside_the_assembly_get_their_validated_settings():
     from dataclasses import dataclass
 
     from fdx.core.chat_output import chat_parser
-    from fdx.core.checkpoint.model import weight_format
+    from fdx.model_io.model import weight_format
     from fdx.core.config import ConfigError, FdxConfig
     from fdx.core.interfaces import ToolParser, ToolParseResult, WeightFormat
 

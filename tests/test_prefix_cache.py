@@ -425,7 +425,7 @@ def test_the_rows_cover_every_pair():
 
 @pytest.mark.parametrize("kind", ["v0", "v1"])
 def test_outputs_identical_across_caches_and_policies(smollm_llm, solo_outputs, kind):
-    from fdx.core.bench.prefix import use_scheduling
+    from fdx.entrypoints.bench.prefix import use_scheduling
     prompts, solo = solo_outputs
     priorities = [3, 1, 2, 0, 1, 2, 0]
     for cache, policy in PAIRWISE[kind]:
@@ -444,7 +444,7 @@ def test_outputs_identical_across_caches_and_policies(smollm_llm, solo_outputs, 
 
 
 def test_second_tier_hit_equals_recompute_and_survives_restart(smollm_llm, tmp_path, caplog):
-    from fdx.core.bench.prefix import use_scheduling
+    from fdx.entrypoints.bench.prefix import use_scheduling
     tok = smollm_llm.tokenizer
     a = tok.encode(SYSTEM * 2 + QUESTIONS[0])             # ~140 tokens: 8+ full blocks
     b = tok.encode("Once upon a time, " * 100)[:470]      # 30 blocks: pushes a's blocks out

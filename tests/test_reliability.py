@@ -402,7 +402,7 @@ def test_pickle_sent_to_the_engine_socket_is_rejected(tiny_model, tmp_path):
     sockets drops a pickle and then serves a request."""
     from fdx.core.config import FdxConfig
     from fdx.core.engine import EngineCore
-    from fdx.core.serving.engine_proc import EngineLoop
+    from fdx.entrypoints.serving.engine_proc import EngineLoop
     from fdx.core.messages import EngineAdd, EngineOutputs, EngineShutdown, FromEngine, encoder
 
     engine = EngineCore(FdxConfig.build(None, model=tiny_model, max_model_len=128, num_kv_blocks=32,
@@ -450,7 +450,7 @@ def test_health_and_metrics_open_closed_or_off(server):
     assert httpx.get(server.base_url + "/health").status_code == 200          # open in this server
     assert httpx.get(server.base_url + "/metrics").status_code == 200
     from fdx.core.config import ConfigError, FdxConfig
-    from fdx.core.serving import security
+    from fdx.entrypoints.serving import security
     sc = FdxConfig.build(None, **{"server.api_key": "k", "server.metrics_access": "key"}).server
     assert security.needs_key(sc, "/metrics") and not security.needs_key(sc, "/health")
     assert security.needs_key(sc, "/v1/models")
@@ -491,7 +491,7 @@ def test_bench_soak_reports_what_held(server):
     and the server is idle with its pool free at the end."""
     import sys
     out = subprocess.run(
-        [sys.executable, "-m", "fdx.core.cli", "bench", "soak", "--base-url", server.base_url, "--api-key",
+        [sys.executable, "-m", "fdx.entrypoints.cli", "bench", "soak", "--base-url", server.base_url, "--api-key",
          API_KEY, "--minutes", "0.2", "--concurrency", "16", "--max-input-len", "64", "--max-output-len", "24",
          "--json"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
@@ -551,7 +551,7 @@ def test_a_stopping_engine_gives_up_a_send_nobody_reads():
     send returns by then and the loop stops. Before, a fast engine filled the
     queue within the grace and waited in its send for as long as the API
     process was stopped (the test below failed so on a Zen 4, on every run)."""
-    from fdx.core.serving.engine_proc import EngineLoop
+    from fdx.entrypoints.serving.engine_proc import EngineLoop
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     try:
@@ -582,7 +582,7 @@ def test_sigterm_with_the_server_starved_is_no_engine_death(tmp_path, tiny_model
     stops on its own meanwhile, and the server, which is stopping, takes
     that for the stop it was about to ask for: every stream still ends
     with "shutting down", exit 0, no "died" in the log."""
-    from fdx.core.serving.engine_proc import EngineLoop
+    from fdx.entrypoints.serving.engine_proc import EngineLoop
     srv = start_server(tmp_path, tiny_model)
     try:
         with httpx.Client(base_url=srv.base_url, headers=HEADERS, timeout=60) as http:

@@ -41,7 +41,7 @@ def vllm_server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_line") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fdx.core.cli", "serve", str(tiny_model), "--max-model-len", "4096",
+            [sys.executable, "-m", "fdx.entrypoints.cli", "serve", str(tiny_model), "--max-model-len", "4096",
              "--max-num-seqs", "64", "--enable-prefix-caching", "--tensor-parallel-size", "2",
              "--port", str(port), "--api-key", API_KEY, "--uvicorn-log-level", "warning"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})

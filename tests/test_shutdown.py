@@ -31,10 +31,10 @@ GRAMMAR = 'root ::= "(" [0-9]+ ")"'
 API_SIDE = r"""
 import json, sys
 from fastapi.testclient import TestClient
-from fdx.core.checkpoint.loader import load_tokenizer
+from fdx.model_io.loader import load_tokenizer
 from fdx.core.config import FdxConfig
-from fdx.core.serving.app import Server, build_app
-from fdx.core.serving.rendering import Renderer
+from fdx.entrypoints.serving.app import Server, build_app
+from fdx.entrypoints.serving.rendering import Renderer
 
 cases = json.loads(sys.argv[1])
 tokenizer = load_tokenizer(None)
@@ -185,7 +185,7 @@ def test_router_stops_with_status_0(tmp_path, sig):
     """``fdx router`` (no engine, no socket folder) also exits 0, and loads no Paddle."""
     port = free_port()
     log = open(tmp_path / "router.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "fdx.core.cli", "router", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "fdx.entrypoints.cli", "router", "--port", str(port),
                              "--prefill", f"http://127.0.0.1:{free_port()}",
                              "--decode", f"http://127.0.0.1:{free_port()}"], stdout=log, stderr=subprocess.STDOUT)
 

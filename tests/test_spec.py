@@ -205,8 +205,8 @@ def test_config_takes_vllm_json_fastdeploy_names_and_names_unknown_keys():
 
 
 def test_cli_flag_builds_the_section():
-    from fdx.core.cli import build_parser
-    from fdx.core.serving.cli import server_config
+    from fdx.entrypoints.cli import build_parser
+    from fdx.entrypoints.serving.cli import server_config
     args = build_parser().parse_args(["serve", "--speculative-config",
                                       '{"method": "suffix", "num_speculative_tokens": 5}'])
     cfg = server_config(args)
@@ -474,7 +474,7 @@ def test_default_model_greedy_equal(quantization):
 def test_metrics_serve_the_spec_decode_counters():
     from prometheus_client import generate_latest
 
-    from fdx.core.serving.metrics import ServerMetrics
+    from fdx.entrypoints.serving.metrics import ServerMetrics
     m = ServerMetrics("m")
     for drafts, proposed, accepted in ((2, 8, 3), (5, 20, 12)):
         m._observe_spec({"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": proposed,
@@ -530,7 +530,7 @@ def tiny_smollm_vocab(tmp_path_factory):
     model's tokenizer.json), so that grammars see real tokens."""
     import json
 
-    from fdx.core.checkpoint.loader import default_model_path, load_tokenizer
+    from fdx.model_io.loader import default_model_path, load_tokenizer
     tok = load_tokenizer(default_model_path())
     eos = min(tok.eos_token_ids)
     path = TinyLlama(vocab=49152, hidden=32, intermediate=64, heads=2, kv_heads=1, max_len=256, seed=3).hf_dir(

@@ -1,4 +1,4 @@
-"""fdx.core.checkpoint.tokenizer against transformers' own tokenizers (the reference)."""
+"""fdx.model_io.tokenizer against transformers' own tokenizers (the reference)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fdx.core.checkpoint.loader import default_model_path
-from fdx.core.checkpoint.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from fdx.model_io.loader import default_model_path
+from fdx.model_io.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -412,7 +412,7 @@ def test_deferred_tokenizer_builds_on_first_use_and_equals_transformers(gguf_fil
     other use builds it (once), and it encodes as transformers does."""
     import threading
 
-    from fdx.core.checkpoint.loader import DeferredTokenizer
+    from fdx.model_io.loader import DeferredTokenizer
     lazy = DeferredTokenizer(str(gguf_file), ours.eos_token_ids)
     assert lazy.eos_token_ids == ours.eos_token_ids and not lazy.is_built
     got: list = []
@@ -509,7 +509,7 @@ def run(**params):
         eng.step()
     return list(req.output_token_ids), req.status.value
 out = {"plain": run(), "eos_ids": sorted(eng.eos_token_ids), "built": eng.tokenizer.is_built,
-       "modules": sorted(m for m in ("tokenizers", "fdx.core.checkpoint.tokenizer") if m in sys.modules)}
+       "modules": sorted(m for m in ("tokenizers", "fdx.model_io.tokenizer") if m in sys.modules)}
 out["banned"] = run(bad_words=[sys.argv[2]])
 out["built_after"] = eng.tokenizer.is_built
 print(json.dumps(out))

@@ -1,4 +1,4 @@
-"""The page of `fdx serve` (core/serving/ui.py): its routes in-process, the
+"""The page of `fdx serve` (entrypoints/serving/ui.py): its routes in-process, the
 per-second engine view against a brute-force recompute, and the page itself
 in a real headless Chromium (Debian's package, driven by playwright)."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ CHROMIUM = "/usr/bin/chromium"
 
 def _client(**server):
     from fastapi.testclient import TestClient
-    from fdx.core.serving.app import Server, build_app
+    from fdx.entrypoints.serving.app import Server, build_app
     config = FdxConfig.build(server={"api_key": API_KEY, **server})
     return TestClient(build_app(Server(config)))
 
@@ -50,7 +50,7 @@ def test_ui_false_turns_the_page_and_the_stats_off():
 
 def test_engine_view_per_second_buckets_match_a_recompute():
     import random
-    from fdx.core.serving.ui import EngineView
+    from fdx.entrypoints.serving.ui import EngineView
 
     class FakeServer:           # what snapshot() reads besides the view
         model_name, max_model_len = "m", 512

@@ -141,7 +141,7 @@ def test_auto_keeps_each_type_and_matches_the_dequantized_reference(files, name)
 def test_blocks_kept_by_the_loader_are_the_float_loaders_values(files):
     """keep_blocks: the file's bytes, Q/K rows un-permuted by a row gather on
     them; gguf's dequantization of those equals the float32 load."""
-    from fdx.core.checkpoint.loader import GGUFBlocks, load_checkpoint
+    from fdx.model_io.loader import GGUFBlocks, load_checkpoint
     path, _ = files["mixed"]
     blocks = load_checkpoint(str(path), progress=False, keep_blocks=True).weights
     floats = load_checkpoint(str(path), progress=False).weights
@@ -335,7 +335,7 @@ def test_a_row_parallel_split_that_cuts_blocks_holds_that_shard_in_fp32(files, c
     import logging
 
     import paddle
-    from fdx.core.checkpoint.model import load_model
+    from fdx.model_io.model import load_model
     from fdx.core.config import FdxConfig
     from fdx.core.plugins import get_plugin_manager
     path, model = files["mixed"]
@@ -363,8 +363,8 @@ def test_default_model_loads_with_auto_near_its_file_size():
     file's blocks, not 537 MB of float32."""
     import os
 
-    from fdx.core.checkpoint.loader import default_model_path
-    from fdx.core.checkpoint.model import load_model
+    from fdx.model_io.loader import default_model_path
+    from fdx.model_io.model import load_model
     from fdx.core.config import FdxConfig
     from fdx.core.plugins import get_plugin_manager
     model, _ = load_model(FdxConfig.build(quantization="auto"), get_plugin_manager(), progress=False)
@@ -403,7 +403,7 @@ def test_outside_per_tensor_int8_format_end_to_end(files, example_plugin_install
 # --- memory reports --------------------------------------------------------------------------
 
 def test_bench_throughput_reports_the_weights_held(files):
-    from fdx.core.bench.throughput import format_throughput, throughput
+    from fdx.entrypoints.bench.throughput import format_throughput, throughput
     llm = LLM(str(files["mixed"][0]), quantization="auto", **TINY)
     r = throughput(llm, num_requests=2, input_len=4, output_len=2)
     held = llm.engine.model.weight_bytes()
@@ -420,7 +420,7 @@ def test_engine_stats_report_the_weights_held():
     from types import SimpleNamespace
 
     from fdx.core.messages import EngineReady
-    from fdx.core.serving.ui import EngineView
+    from fdx.entrypoints.serving.ui import EngineView
     ready = EngineReady(128, 256, 8, 16, "m.gguf", "cpu", weight_bytes={"q4_1": 66, "f32": 1}, resident_bytes=900)
     server = SimpleNamespace(engine=SimpleNamespace(ready=ready), model_name="m", max_model_len=128)
     weights = EngineView().snapshot(server)["weights"]

@@ -49,9 +49,9 @@ def built_wheel(tmp_path_factory) -> pathlib.Path:
 
 def test_wheel_holds_the_package_data(built_wheel):
     names = set(zipfile.ZipFile(built_wheel).namelist())
-    for f in ("fdx/core/serving/static/index.html", "fdx/core/serving/static/app.js",
-              "fdx/core/serving/static/style.css", "fdx/ops/csrc/fdx_ops.cc",
-              "fdx/ops/csrc/paged_attention_kernel.h", "fdx/ops/csrc/fused_kernels.h", "fdx/core/serving/ui.py"):
+    for f in ("fdx/entrypoints/serving/static/index.html", "fdx/entrypoints/serving/static/app.js",
+              "fdx/entrypoints/serving/static/style.css", "fdx/ops/csrc/fdx_ops.cc",
+              "fdx/ops/csrc/paged_attention_kernel.h", "fdx/ops/csrc/fused_kernels.h", "fdx/entrypoints/serving/ui.py"):
         assert f in names, f
     assert not any(n.startswith("fdx/tests/") for n in names)
 

@@ -55,7 +55,7 @@ def check(config, cls: type, arch: str, model_config: dict[str, Any]) -> None:
 def load_rank_model(config, plugins, kernels, rank: int, world: int, reduce: Callable) -> tuple[Any, Any]:
     """(model, checkpoint) of tensor-parallel rank ``rank``: loaded holding
     its share of the experts when expert parallel is on, and sharded."""
-    from fdx.core.checkpoint.model import load_model
+    from fdx.model_io.model import load_model
     from fdx.plugins.models.moe_config import ExpertShare, building_share
     groups = config.parallel.expert_parallel_size
     with building_share(ExpertShare(rank, world, groups) if groups > 1 else None):

@@ -190,7 +190,7 @@ def sharded_shape(config, plugins, ckpt) -> ModelShape:
     """The shape of the checkpoint's model class, read from its config
     alone; a ConfigError naming the key when the class, the task or the
     head counts cannot run at ``parallel.tensor_parallel_size``."""
-    from fdx.core.checkpoint.model import model_class
+    from fdx.model_io.model import model_class
     world = config.parallel.tensor_parallel_size
     key = "config key 'parallel.tensor_parallel_size'"
     arch, cls = model_class(ckpt, plugins, config)
@@ -216,8 +216,8 @@ class TensorParallelExecutor(Executor):
     steps; rank 0's output comes back whole."""
 
     def __init__(self, assembly, backend, dtype: str, progress: bool = True, defer_tokenizer: bool = False):
-        from fdx.core.checkpoint.loader import load_metadata
-        from fdx.core.checkpoint.model import weight_format
+        from fdx.model_io.loader import load_metadata
+        from fdx.model_io.model import weight_format
         config = assembly.config
         self.world = world = config.parallel.tensor_parallel_size
         self.backend = backend
@@ -578,7 +578,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         from fdx.core.config import FdxConfig
         config = FdxConfig.model_validate(payload["config"])
         worker = Worker(config, args.rank, args.world, args.threads)
-        from fdx.core.checkpoint.model import held_weight_bytes
+        from fdx.model_io.model import held_weight_bytes
         from fdx.plugins.backends.expert_parallel import expert_load
         results.send(_encoder.encode(WorkerLoaded(args.rank, held_weight_bytes(worker.model),
                                                   backend_setup(worker.backend) if args.rank == 0 else None)))

@@ -3,7 +3,7 @@
 An instance runs the connector (``cache.kv_connector: splitwise``) as
 ``plugins.connector.splitwise.role``: ``prefill`` or ``decode`` (an instance
 without it is mixed); its settings are ``SplitwiseConnector.Settings``.
-The router (core/serving/router.py) opens each request on a decode
+The router (entrypoints/serving/router.py) opens each request on a decode
 instance first, marked ``extra_args: {"splitwise": {"remote_prefill":
 true}}``; that request waits in the queue (``defer_request``). Then it sends
 the same request to a prefill instance with ``max_tokens: 1`` and

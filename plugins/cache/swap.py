@@ -554,7 +554,7 @@ def cc_model(config) -> str:
     """What names the weights in the fingerprint (the model path, or the embedded default)."""
     model = config.model.model
     if model is None:
-        from fdx.core.checkpoint.loader import default_model_path
+        from fdx.model_io.loader import default_model_path
         model = default_model_path()
     return str(model)
 

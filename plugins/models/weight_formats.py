@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from fdx.core.checkpoint.loader import GGUFBlocks
+from fdx.model_io.loader import GGUFBlocks
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import LinearWeight, RowStack, WeightFormat
 from fdx.core.kernels import REFERENCE, KernelTable

@@ -114,7 +114,7 @@ class DraftModelProposer(Proposer):
 
     def _load(self, dconf, path, vocab_size: int) -> None:
         from fdx.core.assembly import Assembly
-        from fdx.core.checkpoint.model import load_model
+        from fdx.model_io.model import load_model
         from fdx.core.engine import select_backend
         from fdx.core.plugins import get_plugin_manager
         plugins = get_plugin_manager()

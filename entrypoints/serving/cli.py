@@ -1,4 +1,4 @@
-"""``fdx serve``: its flags, wired into core/cli.py by ``add_parser``."""
+"""``fdx serve``: its flags, wired into entrypoints/cli.py by ``add_parser``."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ SERVER_FLAGS = {  # flag dest -> config key
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from fdx.core.engine_args import _add_engine_args
+    from fdx.entrypoints.engine_args import _add_engine_args
     s = sub.add_parser("serve", help="the OpenAI-compatible server (default: SmolLM2 on 127.0.0.1:8000)",
                        description="Serve a model over an OpenAI-compatible HTTP API. See docs/serving.md.")
     s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
@@ -46,7 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def server_config(args):
-    from fdx.core.engine_args import _overrides
+    from fdx.entrypoints.engine_args import _overrides
     from fdx.core.config import ConfigError, FdxConfig
     overrides = _overrides(args)
     if args.model_arg is not None:
@@ -68,8 +68,8 @@ def server_config(args):
 
 def cmd_serve(args) -> int:
     config = server_config(args)              # a bad key fails here, before any process starts
-    from fdx.core.checkpoint.loader import check_model_path
-    # a bad model path too: fdx.core.cli.main words it and exits 2, as for fdx generate
+    from fdx.model_io.loader import check_model_path
+    # a bad model path too: fdx.entrypoints.cli.main words it and exits 2, as for fdx generate
     check_model_path(config.model.model)
-    from fdx.core.serving.app import run_server
+    from fdx.entrypoints.serving.app import run_server
     return run_server(config)

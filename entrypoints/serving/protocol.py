@@ -15,7 +15,7 @@ MAX_PROMPTS = 1024             # prompts in one completion request (checked befo
 INT64 = (-2**63, 2**63)        # the integers a body may hold anywhere (check_untrusted)
 
 # numbers as JSON sent them: no bool taken as 1, no 1.0 or "5" taken as an integer, and every
-# integer within 64 bits (msgpack carries no more; core/serving/edge.py checks vocabulary ranges)
+# integer within 64 bits (msgpack carries no more; entrypoints/serving/edge.py checks vocabulary ranges)
 Int = Annotated[int, Strict(), Field(ge=-2**63, lt=2**63)]
 AnyInt = Annotated[int, Strict()]    # ranged later, where the message can say more (vocabulary, 2**31)
 TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]

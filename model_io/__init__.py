@@ -12,10 +12,10 @@ from fdx.core import loading
 
 class CheckpointLoader:
     """The engine's ModelLoader over Hugging Face folders and GGUF files
-    (fdx.core.checkpoint.model.load_model)."""
+    (fdx.model_io.model.load_model)."""
 
     def load_model(self, config, plugins, kernels, progress: bool = True, defer_tokenizer: bool = False):
-        from fdx.core.checkpoint.model import load_model      # numpy, tokenizers: when a model loads
+        from fdx.model_io.model import load_model      # numpy, tokenizers: when a model loads
         return load_model(config, plugins, kernels, progress, defer_tokenizer)
 
 

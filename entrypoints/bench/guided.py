@@ -158,7 +158,7 @@ def stall(llm, batch: int, arrivals: int, offset: int, seed: int) -> dict:
 
 
 def run(args) -> dict:
-    from fdx.core.engine_args import _make_llm
+    from fdx.entrypoints.engine_args import _make_llm
     out = {"backends": {}}
     for name in args.backends.split(","):
         args.set = [s for s in args.set if not s.startswith("guided_backend=")] + [f"guided_backend={name}"]
@@ -204,7 +204,7 @@ def cmd(args) -> int:
 
 def add_parser(bench_subparsers) -> None:
     """Add ``fdx bench guided`` to the ``fdx bench`` sub-commands."""
-    from fdx.core.engine_args import _add_engine_args
+    from fdx.entrypoints.engine_args import _add_engine_args
     p = bench_subparsers.add_parser("guided", help="guided decoding: throughput ratio, compile time, steps "
                                                    "while grammars compile")
     p.add_argument("--backends", default="xgrammar,llguidance",

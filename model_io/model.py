@@ -8,7 +8,7 @@ import inspect
 import logging
 from typing import Any
 
-from fdx.core.checkpoint.loader import Checkpoint, GGUFBlocks, load_checkpoint
+from fdx.model_io.loader import Checkpoint, GGUFBlocks, load_checkpoint
 from fdx.core.config import ConfigError, FdxConfig, plugin_settings
 from fdx.core.interfaces import Model, WeightFormat
 from fdx.core.kernels import REFERENCE, KernelTable

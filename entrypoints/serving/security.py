@@ -16,7 +16,7 @@ import termios
 
 from starlette.responses import StreamingResponse
 
-from fdx.core.serving.protocol import APIError
+from fdx.entrypoints.serving.protocol import APIError
 
 log = logging.getLogger("fdx.server")
 

@@ -106,7 +106,7 @@ def llama_perplexity(binary: str, model: str, text: str, ctx: int, chunks: int |
 
 
 def format_perplexity(r: dict) -> str:
-    from fdx.core.checkpoint.model import format_bytes
+    from fdx.model_io.model import format_bytes
     return "\n".join([
         f"fdx bench perplexity: {r['model']} (model.quantization {r['quantization']})",
         f"  text             {r['text']} ({r['text_tokens']} tokens)",
@@ -120,7 +120,7 @@ def format_perplexity(r: dict) -> str:
 
 
 def cmd(args) -> int:
-    from fdx.core.engine_args import _make_llm
+    from fdx.entrypoints.engine_args import _make_llm
     text_path = args.text or default_text_path()
     text = pathlib.Path(text_path).read_text(encoding="utf-8", errors="replace")
     if args.max_model_len is None:
@@ -132,8 +132,8 @@ def cmd(args) -> int:
     r = perplexity(llm, ids, args.ctx, args.chunks, bos)
     r["text"] = text_path
     if args.llama_cpp:                     # the same file, text and chunking through llama.cpp
-        from fdx.core.bench import load_peers
-        from fdx.core.checkpoint.loader import check_model_path
+        from fdx.entrypoints.bench import load_peers
+        from fdx.model_io.loader import check_model_path
         binary = load_peers().build_llama_cpp(args.llama_sdist, targets=("llama-perplexity",))
         binary = binary["llama-perplexity"]
         r["llama.cpp"] = llama_perplexity(str(binary), str(check_model_path(args.model)), text_path, args.ctx,
@@ -144,7 +144,7 @@ def cmd(args) -> int:
 
 def add_parser(bench_subparsers) -> None:
     """Add ``fdx bench perplexity`` to the ``fdx bench`` sub-commands."""
-    from fdx.core.engine_args import _add_engine_args
+    from fdx.entrypoints.engine_args import _add_engine_args
     p = bench_subparsers.add_parser("perplexity", help="perplexity of a text, computed as llama-perplexity does")
     p.add_argument("--text", default=None,
                    help="a UTF-8 text file (default: Newton's Opticks, public domain, shipped by apache-tvm-ffi)")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import Field
 
-from fdx.core.serving.protocol import APIError, ChatMessage, TokenId, _Model
+from fdx.entrypoints.serving.protocol import APIError, ChatMessage, TokenId, _Model
 
 
 class TokenizeCompletionRequest(_Model):
@@ -47,7 +47,7 @@ def _ready(server):
 def install(app, server) -> None:
     @app.post("/tokenize")
     async def tokenize(http_request: Request):
-        from fdx.core.serving.edge import check_sizes, parse_json, read_body, validation_error
+        from fdx.entrypoints.serving.edge import check_sizes, parse_json, read_body, validation_error
         from pydantic import ValidationError
         raw = await read_body(http_request)
         data = parse_json(raw, http_request.headers.get("content-type"))

@@ -150,7 +150,7 @@ def format_result(r: dict) -> str:
 
 
 def run(args) -> dict:
-    from fdx.core.engine_args import _make_llm
+    from fdx.entrypoints.engine_args import _make_llm
     need = max(args.prefix_len + args.suffix_len, args.system_len + args.question_len + args.output_len) + 1
     if args.max_model_len is None:
         args.max_model_len = max(1024, 1 << (need - 1).bit_length())
@@ -170,7 +170,7 @@ def cmd(args) -> int:
 
 def add_parser(bench_subparsers) -> None:
     """Add ``fdx bench prefix`` to the ``fdx bench`` sub-commands."""
-    from fdx.core.engine_args import _add_engine_args
+    from fdx.entrypoints.engine_args import _add_engine_args
     p = bench_subparsers.add_parser("prefix", help="what prefix caching buys: TTFT and shared-prompt throughput")
     p.add_argument("--prefix-len", type=int, default=1000, help="TTFT case: shared prefix tokens (default: 1000)")
     p.add_argument("--suffix-len", type=int, default=16, help="TTFT case: tokens after the prefix (default: 16)")

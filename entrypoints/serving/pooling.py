@@ -13,10 +13,10 @@ from typing import Literal
 import numpy as np
 from fastapi import Request
 
-from fdx.core.serving.engine_client import EngineDeadError
+from fdx.entrypoints.serving.engine_client import EngineDeadError
 from fdx.core.messages import EngineRejected, SeqDelta
 from fdx.core.sampling_params import POOLING_PARAMS
-from fdx.core.serving.protocol import APIError, Int, TokenId, _Model
+from fdx.entrypoints.serving.protocol import APIError, Int, TokenId, _Model
 
 MAX_INPUTS = 2048                      # OpenAI's limit on inputs in one request
 
@@ -110,7 +110,7 @@ def _prompts(server, req: EmbeddingRequest) -> list[list[int]]:
 def install(app, server) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(http_request: Request):
-        from fdx.core.serving.edge import read_request
+        from fdx.entrypoints.serving.edge import read_request
         req = await read_request(http_request, EmbeddingRequest, server.sc)   # large bodies off the loop
         server.check_model(req.model)
         if server.config.model.task != "embed":

@@ -198,7 +198,7 @@ def _floats(text: str) -> list[float]:
 
 def run(args) -> dict:
     import time
-    from fdx.core.engine_args import _make_llm
+    from fdx.entrypoints.engine_args import _make_llm
     from fdx.core.host import cpu_model
     points = grid(_floats(args.temperatures), _floats(args.top_ps), _floats(args.repetition_penalties),
                   _floats(args.presence_penalties), _floats(args.frequency_penalties))
@@ -222,7 +222,7 @@ def cmd(args) -> int:
 
 def add_parser(bench_subparsers) -> None:
     """Add ``fdx bench defaults`` to the ``fdx bench`` sub-commands."""
-    from fdx.core.engine_args import _add_engine_args
+    from fdx.entrypoints.engine_args import _add_engine_args
     p = bench_subparsers.add_parser("defaults", help="right answers and repetition over a grid of sampling "
                                                      "settings: how a model's chat defaults are chosen")
     p.add_argument("--temperatures", default=",".join(f"{t:g}" for t in TEMPERATURES),

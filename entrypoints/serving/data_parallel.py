@@ -6,7 +6,7 @@
                                   ...
 
 One API server tokenizes, detokenizes and streams for every rank; each rank is
-an ordinary engine process (core/serving/engine_proc.py, started by its own
+an ordinary engine process (entrypoints/serving/engine_proc.py, started by its own
 ``EngineClient``), so everything a single engine does (heartbeats, hang
 detection, TP workers, LoRA) each rank does the same way. The
 ``DataParallelClient`` keeps the ``EngineClient`` interface as the server
@@ -48,7 +48,7 @@ import msgspec
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.messages import EngineHeartbeat, EngineReady, EngineRejected, EngineStats, SeqDelta
 from fdx.core.procs import death_message
-from fdx.core.serving.engine_client import EngineClient, EngineDeadError
+from fdx.entrypoints.serving.engine_client import EngineClient, EngineDeadError
 
 log = logging.getLogger("fdx.data_parallel")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from fdx.core.output import token_text
-from fdx.core.serving.protocol import APIError
+from fdx.entrypoints.serving.protocol import APIError
 
 
 class Renderer:

@@ -7,16 +7,16 @@ import logging
 import os
 import sys
 
-from fdx.core.bench import serve as bench_serve
-from fdx.core.serving import cli as serve_cli
-from fdx.core.bench import guided as bench_guided
-from fdx.core.serving import router as router_cli
-from fdx.core.bench import prefix as bench_prefix
-from fdx.core.bench import soak as bench_soak
-from fdx.core.bench import defaults as bench_defaults
-from fdx.core.bench import perplexity as bench_perplexity
+from fdx.entrypoints.bench import serve as bench_serve
+from fdx.entrypoints.serving import cli as serve_cli
+from fdx.entrypoints.bench import guided as bench_guided
+from fdx.entrypoints.serving import router as router_cli
+from fdx.entrypoints.bench import prefix as bench_prefix
+from fdx.entrypoints.bench import soak as bench_soak
+from fdx.entrypoints.bench import defaults as bench_defaults
+from fdx.entrypoints.bench import perplexity as bench_perplexity
 from fdx.core.config import FLAT_KEYS, ConfigError
-from fdx.core.engine_args import (_ENGINE_INT_FLAGS, _ENGINE_STR_FLAGS, _add_engine_args,  # noqa: F401
+from fdx.entrypoints.engine_args import (_ENGINE_INT_FLAGS, _ENGINE_STR_FLAGS, _add_engine_args,  # noqa: F401
                                   _add_output_args, _make_llm, _overrides, _show_progress)
 
 
@@ -151,7 +151,7 @@ def cmd_env(args) -> int:
 
 
 def cmd_bench_throughput(args) -> int:
-    from fdx.core.bench import throughput as bench
+    from fdx.entrypoints.bench import throughput as bench
     llm = _make_llm(args, progress=False)
     try:
         run = lambda speculation: bench.throughput(llm, args.num_requests, args.input_len, args.output_len,
@@ -268,7 +268,7 @@ def log_level(args) -> str:
 
 def _bench_peers(argv: list[str]) -> int:
     """``fdx bench peers``: the tool in scripts/bench_peers/ parses its own arguments."""
-    from fdx.core.bench import PeersToolMissing, load_peers
+    from fdx.entrypoints.bench import PeersToolMissing, load_peers
     try:
         tool = load_peers()
     except PeersToolMissing as e:
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:
-        from fdx.core.serving.engine_proc import user_message
+        from fdx.entrypoints.serving.engine_proc import user_message
         print(f"fdx: error: {user_message(e)}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:

@@ -1,6 +1,6 @@
 // fdx serve's page: a chat playground over /v1/chat/completions (streamed)
 // and a live view of the engine from /v1/engine/stats. No build step, no
-// third-party code: served from the package (core/serving/static/).
+// third-party code: served from the package (entrypoints/serving/static/).
 "use strict";
 
 const $ = (id) => document.getElementById(id);

@@ -2,7 +2,7 @@
 
 Before anything reads a body: the API key (from the headers, constant-time)
 and the body limit (Content-Length, then counted as it arrives). After the
-schema (core/serving/protocol.py) has parsed it: the sizes a request may
+schema (entrypoints/serving/protocol.py) has parsed it: the sizes a request may
 carry (stop strings, bad words, logit_bias, guided constraints,
 extra_args), so no field can make the engine do unbounded work or put a
 number on the wire that msgpack cannot carry. Every refusal is an
@@ -27,8 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fdx.core.serving import security
-from fdx.core.serving.protocol import MAX_JSON_DEPTH, APIError, check_untrusted, error_body
+from fdx.entrypoints.serving import security
+from fdx.entrypoints.serving.protocol import MAX_JSON_DEPTH, APIError, check_untrusted, error_body
 
 INT64 = (-2**63, 2**63)
 

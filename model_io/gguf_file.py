@@ -26,7 +26,7 @@ import numpy as np
 
 __all__ = ["GGML_TYPES", "GGUF_TOKENIZER_MODELS", "GgufIndex", "GgufTensor", "read_gguf", "read_gguf_index"]
 
-# tokenizer.ggml.model values fdx builds a tokenizer for (core/checkpoint/tokenizer.py)
+# tokenizer.ggml.model values fdx builds a tokenizer for (model_io/tokenizer.py)
 GGUF_TOKENIZER_MODELS = ("gpt2", "llama")
 
 _memmap_lock = threading.Lock()

@@ -24,10 +24,10 @@ import numpy as np
 from tqdm import tqdm
 
 from fdx.core import generation
-from fdx.core.checkpoint.gguf_file import GGUF_TOKENIZER_MODELS, GgufIndex, GgufTensor, read_gguf, read_gguf_index
+from fdx.model_io.gguf_file import GGUF_TOKENIZER_MODELS, GgufIndex, GgufTensor, read_gguf, read_gguf_index
 
 if TYPE_CHECKING:               # the tokenizer module (and `tokenizers`) loads when a tokenizer is built
-    from fdx.core.checkpoint.tokenizer import Tokenizer
+    from fdx.model_io.tokenizer import Tokenizer
 
 log = logging.getLogger("fdx.checkpoint")
 
@@ -174,7 +174,7 @@ def _progress(items: list, desc: str, enabled: bool) -> Iterator:
 def _hf_tokenizer(path: Path, defer: bool) -> Tokenizer | DeferredTokenizer | None:
     if not (path / "tokenizer.json").is_file():
         return None
-    from fdx.core.checkpoint.tokenizer import Tokenizer
+    from fdx.model_io.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_hf_dir(path)
     return DeferredTokenizer(str(path), tokenizer.eos_token_ids) if defer else tokenizer
 
@@ -554,7 +554,7 @@ def _gguf_index_config(path: Path) -> tuple[GgufIndex, dict[str, Any], _GgufArch
 def _gguf_tokenizer(path: Path, special: GgufSpecialIds, defer: bool) -> Tokenizer | DeferredTokenizer:
     if defer:
         return DeferredTokenizer(str(path), special.eos_token_ids)
-    from fdx.core.checkpoint.tokenizer import Tokenizer
+    from fdx.model_io.tokenizer import Tokenizer
     return Tokenizer.from_gguf(str(path))
 
 
@@ -591,7 +591,7 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False, defer_toke
 
 def load_tokenizer(model: str | None) -> Tokenizer:
     """The tokenizer alone (no weights), for the API process."""
-    from fdx.core.checkpoint.tokenizer import Tokenizer
+    from fdx.model_io.tokenizer import Tokenizer
     path = check_model_path(model)
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fdx.core.bench.profile import StepProfiler, format_profile
+from fdx.entrypoints.bench.profile import StepProfiler, format_profile
 from fdx.core.sampling_params import SamplingParams
 
 
@@ -47,7 +47,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     ``workload_prompts``). ``speculation`` False: an engine built with a
     speculative config runs this without it (the baseline of the same run).
     ``profile``: run each step under cProfile and add a breakdown of the
-    decode-only steps at the full batch (``fdx.core.bench.profile``); the
+    decode-only steps at the full batch (``fdx.entrypoints.bench.profile``); the
     profiler slows Python-heavy parts, so time figures of such a run read
     a little low."""
     eng = llm.engine
@@ -157,7 +157,7 @@ def format_throughput(r: dict) -> str:
                      f"{el['mean_max_over_mean']:.2f}x; 1.00: even) over {el['moe_layers']} MoE layers of "
                      f"{el['experts']} experts, {el['idle_experts']} (layer, expert) pairs idle")
     if r.get("weight_bytes"):
-        from fdx.core.checkpoint.model import format_bytes
+        from fdx.model_io.model import format_bytes
         lines.append(f"  weights          {format_bytes(r['weight_bytes'])}, model.quantization "
                      f"{r['quantization']}; process resident {r['resident_bytes'] / 1e6:.1f} MB")
     if "speculative" in r:

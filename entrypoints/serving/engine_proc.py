@@ -306,7 +306,7 @@ def remove_orphaned_sockets(parent_pid: int | None, *addrs: str) -> None:
 
 
 def engine_main(argv: list[str] | None = None) -> int:
-    """Entry point of the engine process: ``python -m fdx.core.serving.engine_proc``."""
+    """Entry point of the engine process: ``python -m fdx.entrypoints.serving.engine_proc``."""
     p = argparse.ArgumentParser(prog="fdx-engine")
     p.add_argument("--inbox", required=True)
     p.add_argument("--outbox", required=True)

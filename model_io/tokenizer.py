@@ -446,7 +446,7 @@ class _GgufTokenizerMeta:
             path = Path(reader_or_path)
             if not path.is_file():
                 raise FileNotFoundError(f"GGUF file not found: {path}")
-            from fdx.core.checkpoint.gguf_file import read_gguf
+            from fdx.model_io.gguf_file import read_gguf
             reader = read_gguf(path)
         fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
         return cls(fields)

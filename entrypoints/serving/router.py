@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from fdx.core.serving.protocol import error_body
+from fdx.entrypoints.serving.protocol import error_body
 
 log = logging.getLogger("fdx.router")
 
@@ -345,7 +345,7 @@ class Router:
 
 def build_router_app(router: Router, sc=None):
     """The router's endpoints behind the same edge as ``fdx serve``
-    (core/serving/edge.py): the key and the body limit before the body is
+    (entrypoints/serving/edge.py): the key and the body limit before the body is
     read, then the same schema and per-request limits, so nothing malformed
     or oversized reaches an instance. ``sc``: a ServerConfig (its api_key,
     max_request_body_bytes and max_* limits; defaults if None)."""
@@ -354,8 +354,8 @@ def build_router_app(router: Router, sc=None):
     from prometheus_client import generate_latest
 
     from fdx.core.config import ServerConfig
-    from fdx.core.serving import edge
-    from fdx.core.serving.protocol import ChatCompletionRequest, CompletionRequest
+    from fdx.entrypoints.serving import edge
+    from fdx.entrypoints.serving.protocol import ChatCompletionRequest, CompletionRequest
     sc = sc if sc is not None else ServerConfig()
     app = FastAPI(title="fdx router")
     app.router.redirect_slashes = False       # a 404 naming the path, as fdx serve
@@ -449,7 +449,7 @@ def _check_url(flag: str, url: str) -> str:
 def cmd_router(args) -> int:
     import uvicorn
 
-    from fdx.core.serving.signals import GracefulServer
+    from fdx.entrypoints.serving.signals import GracefulServer
     try:
         pre = [Instance(_check_url("--prefill", u), "prefill") for u in args.prefill]
         dec = [Instance(_check_url("--decode", u), "decode") for u in args.decode]
@@ -459,7 +459,7 @@ def cmd_router(args) -> int:
     from fdx.core.logs import configure
     configure(args.log_level)
     from fdx.core.config import ServerConfig
-    from fdx.core.serving import edge
+    from fdx.entrypoints.serving import edge
     try:
         sc = ServerConfig(api_key=args.api_key or os.environ.get("FDX_API_KEY") or None,
                           max_request_body_bytes=args.max_request_body_bytes,

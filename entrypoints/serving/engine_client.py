@@ -110,7 +110,7 @@ class EngineClient:
         for name in ("in", "out"):
             os.chmod(os.path.join(self._dir, name), 0o600)
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
-        self.proc = await spawn_async("fdx.core.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
+        self.proc = await spawn_async("fdx.entrypoints.serving.engine_proc", "--inbox", inbox_addr, "--outbox", outbox_addr,
                                       "--heartbeat-s", str(self.heartbeat_s),
                                       payload=self.config.model_dump_json().encode())
         exited = asyncio.ensure_future(self.proc.wait())
