@@ -160,10 +160,10 @@ def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, thread
                           f"{td:11.1f} | {tf:9.1f} {rows * cols * 4 / tf / 1e3:6.1f} | {tf / tq:5.2f}x {tf / td:5.2f}x")
 
 
-def bench_prefill(kinds: list[str], rows_list: tuple[int, ...], rounds: int, threads: int) -> None:
-    """Many activation rows (prefill): the compiled product as it runs now, the tiles
-    before the many-row kernel (kCodeRowTiles: main's integer kernel) and dequantize +
-    BLAS, alternating call by call for ``rounds`` rounds; ratios of medians."""
+def _new_and_old(kinds: list[str], threads: int, header: str):
+    """Prints the CPU line and ``header``; yields, for each kind at 2048x2048 and
+    8192x2048, random weights and the product's arguments now (args) and before
+    (old: kCodeRowTiles, main's integer kernel)."""
     from fdx.core.host import cpu_flags, cpu_model
     from fdx.ops.probes import random_quantized
     from fdx.plugins.backends.cpu import probe_kernels
@@ -172,8 +172,7 @@ def bench_prefill(kinds: list[str], rows_list: tuple[int, ...], rounds: int, thr
     isa = [f for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni") if f in cpu_flags()]
     print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}, load average "
           f"{' '.join(open('/proc/loadavg').read().split()[:3])}")
-    print(f"{'kind':<6} {'out x in':>10} {'M':>4} | {'new ms':>8} {'old ms':>8} {'deq ms':>8} | "
-          f"{'old/new':>7} {'deq/new':>7}")
+    print(header)
     module = cpp._module_or_raise()
     rng = np.random.default_rng(0)
     for kind in kinds:
@@ -182,17 +181,26 @@ def bench_prefill(kinds: list[str], rows_list: tuple[int, ...], rounds: int, thr
             w = random_quantized(kind, rows, cols, rng).prepare()
             data, scales = w.tensors()
             args = (cpp.quant_code(w), cpp._VARIANT_CODE[variant], rows, cols, w.group_size)
-            old = (cpp.quant_code(w) | cpp._CODE_ROW_TILES,) + args[1:]
-            for m in rows_list:
-                x = paddle.randn([m, cols])
-                times = _interleaved({
-                    "new": lambda: module.fdx_quant_matmul(x, data, scales, *args),
-                    "old": lambda: module.fdx_quant_matmul(x, data, scales, *old),
-                    "deq": lambda: paddle.matmul(x, module.fdx_quant_dequantize(data, scales, *args),
-                                                 transpose_y=True)}, rounds)
-                tn, to, td = (np.median(times[k]) / 1e3 for k in ("new", "old", "deq"))
-                print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>4} | {tn:8.2f} {to:8.2f} {td:8.2f} | "
-                      f"{to / tn:6.2f}x {td / tn:6.2f}x", flush=True)
+            yield module, kind, rows, cols, data, scales, args, (cpp.quant_code(w) | cpp._CODE_ROW_TILES,) + args[1:]
+
+
+def bench_prefill(kinds: list[str], rows_list: tuple[int, ...], rounds: int, threads: int) -> None:
+    """Many activation rows (prefill): the compiled product as it runs now, the tiles
+    before the many-row kernel (kCodeRowTiles: main's integer kernel) and dequantize +
+    BLAS, alternating call by call for ``rounds`` rounds; ratios of medians."""
+    header = (f"{'kind':<6} {'out x in':>10} {'M':>4} | {'new ms':>8} {'old ms':>8} {'deq ms':>8} | "
+              f"{'old/new':>7} {'deq/new':>7}")
+    for module, kind, rows, cols, data, scales, args, old in _new_and_old(kinds, threads, header):
+        for m in rows_list:
+            x = paddle.randn([m, cols])
+            times = _interleaved({
+                "new": lambda: module.fdx_quant_matmul(x, data, scales, *args),
+                "old": lambda: module.fdx_quant_matmul(x, data, scales, *old),
+                "deq": lambda: paddle.matmul(x, module.fdx_quant_dequantize(data, scales, *args),
+                                             transpose_y=True)}, rounds)
+            tn, to, td = (np.median(times[k]) / 1e3 for k in ("new", "old", "deq"))
+            print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>4} | {tn:8.2f} {to:8.2f} {td:8.2f} | "
+                  f"{to / tn:6.2f}x {td / tn:6.2f}x", flush=True)
 
 
 def bench_decode(kinds: list[str], rows_list: tuple[int, ...], rounds: int, threads: int) -> None:
@@ -203,46 +211,30 @@ def bench_decode(kinds: list[str], rows_list: tuple[int, ...], rounds: int, thre
     (caches flushed first: in a decode step a layer's weight streams from memory) and
     then once warm, in the order new/old on even rounds and old/new on odd ones;
     medians and their ratios."""
-    from fdx.core.host import cpu_flags, cpu_model
-    from fdx.ops.probes import random_quantized
-    from fdx.plugins.backends.cpu import probe_kernels
-
-    table = probe_kernels(threads)
-    isa = [f for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni") if f in cpu_flags()]
-    print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}, load average "
-          f"{' '.join(open('/proc/loadavg').read().split()[:3])}")
-    print(f"{'kind':<6} {'out x in':>10} {'M':>4} | {'cold new':>8} {'old ms':>8} {'old/new':>7} | "
-          f"{'warm new':>8} {'old ms':>8} {'old/new':>7}")
-    module = cpp._module_or_raise()
-    rng = np.random.default_rng(0)
+    header = (f"{'kind':<6} {'out x in':>10} {'M':>4} | {'cold new':>8} {'old ms':>8} {'old/new':>7} | "
+              f"{'warm new':>8} {'old ms':>8} {'old/new':>7}")
     flush = np.empty(64 << 18, np.float32)              # 64 MiB: more than the L3
-    for kind in kinds:
-        variant = next(v for v in cpp.QUANT_VARIANTS if table.usable(cpp.quant_kernel_name(kind, v)))
-        for rows, cols in ((2048, 2048), (8192, 2048)):
-            w = random_quantized(kind, rows, cols, rng).prepare()
-            data, scales = w.tensors()
-            args = (cpp.quant_code(w), cpp._VARIANT_CODE[variant], rows, cols, w.group_size)
-            old = (cpp.quant_code(w) | cpp._CODE_ROW_TILES,) + args[1:]
-            for m in rows_list:
-                x = paddle.randn([m, cols])
-                fns = {"new": lambda: module.fdx_quant_matmul(x, data, scales, *args),
-                       "old": lambda: module.fdx_quant_matmul(x, data, scales, *old)}
-                times = {(k, c): [] for k in fns for c in ("cold", "warm")}
-                for fn in fns.values():
-                    fn()
-                for i in range(rounds):
-                    for k in (("new", "old") if i % 2 == 0 else ("old", "new")):
-                        for cond in ("cold", "warm"):
-                            if cond == "cold":
-                                flush.fill(i)
-                            t0 = CLOCK()
-                            fns[k]()
-                            times[k, cond].append(CLOCK() - t0)
-                med = {key: 1e3 * np.median(v) for key, v in times.items()}
-                print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>4} | {med['new', 'cold']:8.3f} "
-                      f"{med['old', 'cold']:8.3f} {med['old', 'cold'] / med['new', 'cold']:6.2f}x | "
-                      f"{med['new', 'warm']:8.3f} {med['old', 'warm']:8.3f} "
-                      f"{med['old', 'warm'] / med['new', 'warm']:6.2f}x", flush=True)
+    for module, kind, rows, cols, data, scales, args, old in _new_and_old(kinds, threads, header):
+        for m in rows_list:
+            x = paddle.randn([m, cols])
+            fns = {"new": lambda: module.fdx_quant_matmul(x, data, scales, *args),
+                   "old": lambda: module.fdx_quant_matmul(x, data, scales, *old)}
+            times = {(k, c): [] for k in fns for c in ("cold", "warm")}
+            for fn in fns.values():
+                fn()
+            for i in range(rounds):
+                for k in (("new", "old") if i % 2 == 0 else ("old", "new")):
+                    for cond in ("cold", "warm"):
+                        if cond == "cold":
+                            flush.fill(i)
+                        t0 = CLOCK()
+                        fns[k]()
+                        times[k, cond].append(CLOCK() - t0)
+            med = {key: 1e3 * np.median(v) for key, v in times.items()}
+            print(f"{kind:<6} {f'{rows}x{cols}':>10} {m:>4} | {med['new', 'cold']:8.3f} "
+                  f"{med['old', 'cold']:8.3f} {med['old', 'cold'] / med['new', 'cold']:6.2f}x | "
+                  f"{med['new', 'warm']:8.3f} {med['old', 'warm']:8.3f} "
+                  f"{med['old', 'warm'] / med['new', 'warm']:6.2f}x", flush=True)
 
 
 def bench_layer(kinds: list[str], seqs_list: tuple[int, ...], iters: int, threads: int, ctx: int = 128) -> None:
