@@ -291,17 +291,24 @@ _LAST_USERS = pytest.StashKey[dict]()
 
 
 def _session_fixtures_by_last_user(items) -> dict[str, list]:
-    """nodeid of an item -> the session-scoped fixtures to tear down after
-    it: those that no later item uses. An item uses a fixture when any item
-    of its module names it (directly or through another fixture: a
-    module-scoped fixture may hold it until the module ends) or the module's
-    source asks for it by name (``request.getfixturevalue("name")``)."""
-    if not items:
-        return {}
-    defs_by_name = items[0].session._fixturemanager._arg2fixturedefs
-    session_names = {n for n, defs in defs_by_name.items() if any(_ours(d) for d in defs)}
+    """nodeid of an item -> the session-scoped fixtures (their FixtureDefs) to
+    tear down after it: those that no later item uses. An item uses a
+    fixture when any item of its module needs it (its ``fixturenames``
+    closure: directly or through another fixture, since a module-scoped
+    fixture may hold it until the module ends) or the module's source asks
+    for it by name (``request.getfixturevalue("name")``). The FixtureDefs come
+    from each item's fixture info (pytest's, private: pytest 9.2 dropped the
+    fixture manager's map the first version read; if this one goes too,
+    nothing is torn down early and the suite only holds more memory)."""
+    defs: dict[str, list] = {}                  # our session fixtures' names -> their FixtureDefs
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        for name, fixturedefs in getattr(info, "name2fixturedefs", {}).items():
+            ours = [d for d in fixturedefs if _ours(d)]
+            if ours:
+                defs.setdefault(name, ours)
     last_index: dict[str, int] = {}             # module -> index of its last item
-    used: dict[str, set] = {}                   # module -> session fixtures it uses
+    used: dict[str, set] = {}                   # module -> our session fixtures it uses
     for i, item in enumerate(items):
         module = item.nodeid.split("::")[0]
         last_index[module] = i
@@ -310,15 +317,15 @@ def _session_fixtures_by_last_user(items) -> dict[str, list]:
                 text = item.path.read_text()
             except (OSError, AttributeError):
                 text = ""
-            used[module] = {n for n in session_names if f'getfixturevalue("{n}")' in text}
-        used[module].update(n for n in getattr(item, "fixturenames", ()) if n in session_names)
+            used[module] = {n for n in defs if f'getfixturevalue("{n}")' in text}
+        used[module].update(n for n in getattr(item, "fixturenames", ()) if n in defs)
     last: dict[str, int] = {}
     for module, names in used.items():
         for n in names:
             last[n] = max(last.get(n, -1), last_index[module])
     out: dict[str, list] = {}
     for n, i in last.items():
-        out.setdefault(items[i].nodeid, []).append(n)
+        out.setdefault(items[i].nodeid, []).extend(defs[n])
     return out
 
 
@@ -333,10 +340,10 @@ def pytest_runtest_teardown(item, nextitem):
     if plan is None:
         plan = item.config.stash[_LAST_USERS] = _session_fixtures_by_last_user(item.session.items)
     done = plan.get(item.nodeid, ())
-    for name in done:
-        for fixturedef in item.session._fixturemanager._arg2fixturedefs.get(name, ()):
-            if _ours(fixturedef) and fixturedef.cached_result is not None:
-                fixturedef.finish(item._request)
+    request = getattr(item, "_request", None)
+    for fixturedef in done:
+        if fixturedef.cached_result is not None and request is not None:
+            fixturedef.finish(request)
     if done:
         from fdx.core.host import release_free_heap
         release_free_heap()
