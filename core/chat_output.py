@@ -301,7 +301,7 @@ def choice_outputs(plan: ToolPlan, prompt: str, kwargs: dict[str, Any], tokenize
 def chat_parser(plugins, config, kind: str, key: str):
     """(class, settings) of the chat output parser ``server.<key>`` names
     (kind ``tool_parser`` or ``reasoning_parser``), or None."""
-    from fdx.core.config import ConfigError, plugin_settings
+    from fdx.core.config import ConfigError, configured_settings
     from fdx.core.plugins import PluginError
     name = getattr(config.server, key)
     if name is None:
@@ -310,4 +310,4 @@ def chat_parser(plugins, config, kind: str, key: str):
         cls = plugins.get(kind, name)
     except PluginError as e:
         raise ConfigError(f"config key 'server.{key}': {e}") from None
-    return cls, plugin_settings(kind, name, cls, (config.plugins.get(kind, {}) or {}).get(name))
+    return cls, configured_settings(config, kind, name, cls)

@@ -14,7 +14,7 @@ from typing import Any
 
 from fdx.core import activations
 from fdx.core.assembly import Assembly
-from fdx.core.config import ConfigError, FdxConfig, plugin_settings
+from fdx.core.config import ConfigError, FdxConfig, configured_settings
 from fdx.core.interfaces import Backend, KVCacheSpec, RequestStepInfo, StepContext, StepStats
 from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
 from fdx.core.request import Request, RequestStatus, check_prompt, request_output
@@ -29,8 +29,7 @@ def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
     """The backend ``backend.name`` names (auto: the available one with the
     highest priority), constructed with its settings; not yet set up."""
     def settings(name: str):
-        return plugin_settings("backend", name, plugins.get("backend", name),
-                               config.plugins.get("backend", {}).get(name))
+        return configured_settings(config, "backend", name, plugins.get("backend", name))
 
     name = config.backend.name
     if name != "auto":

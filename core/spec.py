@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fdx.core.config import ConfigError, FdxConfig, plugin_settings
+from fdx.core.config import ConfigError, FdxConfig, configured_settings
 from fdx.core.interfaces import Proposal, Proposer
 
 log = logging.getLogger("fdx.spec")
@@ -365,7 +365,7 @@ class Speculation:
             raise ConfigError(f"config key 'speculative.method': {e}") from None
         if not (isinstance(cls, type) and issubclass(cls, Proposer)):
             raise ConfigError(f"config key 'speculative.method': {name!r} is not a Proposer subclass")
-        settings = plugin_settings("proposer", name, cls, config.plugins.get("proposer", {}).get(name))
+        settings = configured_settings(config, "proposer", name, cls)
         self.proposer: Proposer = cls(config, vocab_size, settings)
         # a proposer that drafts for the whole step at once (overrides Proposer.propose_batch)
         self.batches = type(self.proposer).propose_batch is not Proposer.propose_batch

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from fdx.model_io.loader import Checkpoint, GGUFBlocks, load_checkpoint
-from fdx.core.config import ConfigError, FdxConfig, plugin_settings
+from fdx.core.config import ConfigError, FdxConfig, configured_settings
 from fdx.core.interfaces import Model, WeightFormat
 from fdx.core.kernels import REFERENCE, KernelTable
 from fdx.core.plugins import PluginError, PluginManager
@@ -29,7 +29,7 @@ def weight_format(config: FdxConfig, plugins: PluginManager, kernels: KernelTabl
         cls = plugins.get("weight_format", name)
     except PluginError as e:
         raise ConfigError(f"config key '{KEY}': {e}") from None
-    settings = plugin_settings("weight_format", name, cls, config.plugins.get("weight_format", {}).get(name))
+    settings = configured_settings(config, "weight_format", name, cls)
     try:
         return cls(kernels, settings)
     except (ValueError, TypeError) as e:
@@ -93,7 +93,7 @@ def _set_moe_router(model: Any, arch: str, config: FdxConfig, plugins: PluginMan
         cls = plugins.get("moe_router", name)
     except PluginError as e:
         raise ConfigError(f"config key 'model.moe_router': {e}") from None
-    settings = plugin_settings("moe_router", name, cls, config.plugins.get("moe_router", {}).get(name))
+    settings = configured_settings(config, "moe_router", name, cls)
     try:
         model.set_router(cls(model.moe, settings))
     except (ValueError, TypeError) as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 def wrap_engine(config, engine, metrics, plugins):
     """``engine`` as the configured request scheduler wraps it (``plugins``:
     the API process's plugin manager)."""
-    from fdx.core.config import ConfigError, plugin_settings
+    from fdx.core.config import ConfigError, configured_settings
     from fdx.core.interfaces import RequestScheduler
     from fdx.core.plugins import PluginError
     name = config.scheduler.request_scheduler
@@ -24,7 +24,7 @@ def wrap_engine(config, engine, metrics, plugins):
                           "(fdx.core.interfaces.RequestScheduler)")
     if not cls.wraps:
         return engine
-    settings = plugin_settings("request_scheduler", name, cls, config.plugins.get("request_scheduler", {}).get(name))
+    settings = configured_settings(config, "request_scheduler", name, cls)
     try:
         return cls(config, engine, metrics, settings)
     except (TypeError, ValueError) as e:
