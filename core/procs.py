@@ -106,11 +106,22 @@ def orphaned(parent_pid: int | None) -> bool:
     return parent_pid is not None and os.getppid() != parent_pid
 
 
+def stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` writes every thread's Python stack to this
+    process's stderr (the server's log) and the process goes on: how a
+    process that serves nothing but is alive (a step that never ends, a
+    loop waiting on something) says where it is (docs/reliability.md)."""
+    import faulthandler
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
 def start_child(parent_pid: int | None, sig: signal.Signals = signal.SIGTERM) -> bool:
     """What a child does first: die with its parent, leave Ctrl-C to it
-    (the parent stops its children), and return False when the parent is
-    already gone (the child then exits at once)."""
+    (the parent stops its children), say its stacks on SIGUSR1, and return
+    False when the parent is already gone (the child then exits at once)."""
     die_with_parent(sig)
+    stacks_on_sigusr1()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return not orphaned(parent_pid)
 

@@ -82,6 +82,29 @@ def rest_of(events, timeout: float) -> list:
     return out
 
 
+@contextlib.contextmanager
+def stacks_if_stuck(srv):
+    """A wait in the block that times out fails with what the server was
+    doing: every thread's stack of the API process and the engine (SIGUSR1,
+    docs/reliability.md), its /metrics and the end of its log."""
+    try:
+        yield
+    except (subprocess.TimeoutExpired, httpx.TimeoutException) as e:
+        pids = [srv.proc.pid]
+        with contextlib.suppress(Exception):
+            pids.append(srv.engine_pid())
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)                          # the stacks are written by the processes themselves
+        try:
+            m = {k: v for k, v in srv.metrics().items() if "request" in k or "kv_cache" in k}
+        except Exception as me:  # noqa: BLE001 (a server that does not answer is the diagnosis)
+            m = f"/metrics did not answer: {me!r}"
+        raise AssertionError(f"{type(e).__name__}: {e}\nmetrics: {m}\n"
+                             f"server log (end):\n{srv.log_path.read_text()[-12000:]}") from e
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model):
     srv = start_server(tmp_path_factory.mktemp("rel"), tiny_model, stream_send_timeout_s=3,
@@ -397,6 +420,24 @@ def test_pickle_sent_to_the_api_socket_is_rejected(server):
     assert r.status_code == 200
 
 
+def test_sigusr1_writes_every_threads_stack_and_serving_goes_on(server):
+    """kill -USR1 to the API process and to the engine: each writes its
+    threads' Python stacks to the server's log (the engine's step loop and
+    heartbeat thread among them), and both go on serving."""
+    start = len(server.log_path.read_text())
+    engine = server.engine_pid()
+    for pid in (server.proc.pid, engine):
+        os.kill(pid, signal.SIGUSR1)
+    # a thread each: the API's event loop; the engine's step loop and heartbeat thread
+    wait_for(lambda: server.log_path.read_text()[start:].count("most recent call first") >= 3,
+             what="the stacks of both processes in the log")
+    stacks = server.log_path.read_text()[start:]
+    assert "engine_proc.py" in stacks and "uvicorn" in stacks, stacks[-3000:]
+    r = httpx.post(server.base_url + "/v1/completions", headers=HEADERS,
+                   json={"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and server.proc.poll() is None and pid_alive(engine)
+
+
 def test_pickle_sent_to_the_engine_socket_is_rejected(tiny_model, tmp_path):
     """The engine process's inbox likewise: a real engine loop on real ZMQ
     sockets drops a pickle and then serves a request."""
@@ -490,10 +531,11 @@ def test_bench_soak_reports_what_held(server):
     an error; none errs; memory of both processes is reported from /metrics
     and the server is idle with its pool free at the end."""
     import sys
-    out = subprocess.run(
-        [sys.executable, "-m", "fdx.entrypoints.cli", "bench", "soak", "--base-url", server.base_url, "--api-key",
-         API_KEY, "--minutes", "0.2", "--concurrency", "16", "--max-input-len", "64", "--max-output-len", "24",
-         "--json"], capture_output=True, text=True, timeout=180)
+    with stacks_if_stuck(server):
+        out = subprocess.run(
+            [sys.executable, "-m", "fdx.entrypoints.cli", "bench", "soak", "--base-url", server.base_url,
+             "--api-key", API_KEY, "--minutes", "0.2", "--concurrency", "16", "--max-input-len", "64",
+             "--max-output-len", "24", "--json"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
     r = json.loads(out.stdout)
     assert r["errors"] == 0, r["error_samples"]
@@ -537,7 +579,8 @@ def test_sigterm_during_a_burst_ends_every_stream(server):
     process is gone, and nobody reports a crash."""
     with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60) as http:
         with contextlib.ExitStack() as stack:
-            engine, streams = sigterm_with_streams(server, http, stack, 12)
+            with stacks_if_stuck(server):
+                engine, streams = sigterm_with_streams(server, http, stack, 12)
             end_shutting_down(streams)
     assert server.proc.wait(30) == 0
     wait_for(lambda: not pid_alive(engine), timeout=10, what="the engine process to exit")

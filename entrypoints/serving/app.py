@@ -873,6 +873,8 @@ def run_server(config: FdxConfig) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"fdx: error: {e}", file=sys.stderr)
         return 1
+    from fdx.core.procs import stacks_on_sigusr1
+    stacks_on_sigusr1()                       # kill -USR1: every thread's stack to the log
     server = Server(config)
     app = build_app(server)
     uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
