@@ -89,7 +89,7 @@ def stacks_if_stuck(srv):
     docs/reliability.md), its /metrics and the end of its log."""
     try:
         yield
-    except (subprocess.TimeoutExpired, httpx.TimeoutException) as e:
+    except (subprocess.TimeoutExpired, httpx.TimeoutException, TimeoutError) as e:
         pids = [srv.proc.pid]
         with contextlib.suppress(Exception):
             pids.append(srv.engine_pid())
@@ -175,7 +175,8 @@ def test_200_concurrent_streams_quarter_cancelled(server):
             return await asyncio.wait_for(asyncio.gather(*[
                 _one_stream(client, i, random.Random(i), i in cancel) for i in range(NUM_STREAMS)]), 300)
 
-    results = asyncio.run(main())
+    with stacks_if_stuck(server):
+        results = asyncio.run(main())
     done = [r for r in results if not r["cancel"]]
     assert len(done) == NUM_STREAMS - len(cancel) == 150
     for r in done:
