@@ -74,3 +74,56 @@ def test_spawn_hands_the_payload_and_stop_kills_a_child_that_ignores_its_stop(tm
     import os
     assert (tmp_path / "args").read_text().split() == ["-m", "some.module", "--x", "1", "--parent-pid",
                                                       str(os.getpid())]
+
+
+def test_a_failing_output_callback_does_not_stop_the_reader(tmp_path):
+    """The API process's reader of engine messages, over real ZMQ sockets:
+    a callback that raises (one request's delivery failing) is logged, the
+    other request of the same step still gets its delta, and later
+    messages (a heartbeat, the next step) are still read. Before, the
+    exception ended the reader task: every stream then waited forever while
+    the watchdog, seeing messages queued, took the engine for alive."""
+    import zmq
+    import zmq.asyncio
+
+    from fdx.core.config import FdxConfig
+    from fdx.core.messages import EngineHeartbeat, EngineOutputs, EngineStats, SeqDelta
+    from fdx.core.messages import encoder
+    from fdx.entrypoints.serving.engine_client import EngineClient
+
+    client = EngineClient(FdxConfig.build(None))
+    addr = f"ipc://{tmp_path}/out"
+    got: list[tuple[str, list[int]]] = []
+
+    def broken(delta):
+        raise RuntimeError("a callback that fails")
+
+    async def go():
+        ctx = zmq.asyncio.Context()
+        client._pull = ctx.socket(zmq.PULL)
+        client._pull.bind(addr)
+        import msgspec
+
+        from fdx.core.messages import FromEngine
+        client._decoder = msgspec.msgpack.Decoder(FromEngine)
+        push = ctx.socket(zmq.PUSH)
+        push.connect(addr)
+        client.callbacks = {"a": broken, "b": lambda d: got.append((d.request_id, d.token_ids))}
+        reader = asyncio.ensure_future(client._read_outputs())
+        stats = EngineStats(1, 0, 0.0, 10, 10)
+        await push.send(encoder.encode(EngineOutputs([SeqDelta("a", [1]), SeqDelta("b", [2])], stats)))
+        await push.send(encoder.encode(EngineHeartbeat(False, 0.0, 123)))
+        await push.send(encoder.encode(EngineOutputs([SeqDelta("b", [3], "length")], stats)))
+        deadline = time.monotonic() + 30
+        while (len(got) < 2 or client.last_beat is None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not reader.done()
+        reader.cancel()
+        push.close(linger=0)
+        client._pull.close(linger=0)
+        ctx.term()
+
+    asyncio.run(go())
+    assert got == [("b", [2]), ("b", [3])]
+    assert client.last_beat is not None and client.last_beat.resident_bytes == 123
+    assert "b" not in client.callbacks and "a" in client.callbacks

@@ -212,34 +212,54 @@ class EngineClient:
         self.callbacks.pop(request_id, None)
 
     async def _read_outputs(self) -> None:
+        """Read the engine's messages for as long as the client runs. A
+        message whose handling fails is logged with its traceback and the
+        next one is read: were this task to end, every stream would wait
+        forever while the watchdog, seeing messages queued, took the engine
+        for alive."""
         while True:
             msg = self._decode(await self._pull.recv())
             if msg is None:
                 continue
-            self.last_heard = time.monotonic()
-            if isinstance(msg, EngineHeartbeat):
-                self.last_beat = msg
-                self._watch_step(msg.step_s)
-            elif isinstance(msg, EngineOutputs):
-                self._watch_step(0.0, msg.stats.step_time_s)
-                for delta in msg.outputs:
-                    cb = self.callbacks.get(delta.request_id)
-                    if cb is not None:
-                        if delta.finish_reason is not None:
-                            del self.callbacks[delta.request_id]
-                        cb(delta)
-                if self.on_stats:
-                    self.on_stats(msg.stats)
-            elif isinstance(msg, EngineRejected):
-                cb = self.callbacks.pop(msg.request_id, None)
+            try:
+                self._handle(msg)
+            except Exception:  # noqa: BLE001 (one bad callback must not stop every stream)
+                log.exception("handling the engine's %s failed", type(msg).__name__)
+
+    def _handle(self, msg) -> None:
+        self.last_heard = time.monotonic()
+        if isinstance(msg, EngineHeartbeat):
+            self.last_beat = msg
+            self._watch_step(msg.step_s)
+        elif isinstance(msg, EngineOutputs):
+            self._watch_step(0.0, msg.stats.step_time_s)
+            for delta in msg.outputs:
+                cb = self.callbacks.get(delta.request_id)
                 if cb is not None:
-                    cb(msg)
-            elif isinstance(msg, EngineLoRADone):
-                cb = self.callbacks.pop(msg.call_id, None)
-                if cb is not None:
-                    cb(msg)
-            elif isinstance(msg, EngineFailed):
-                log.error("engine failed: %s", msg.message)
+                    if delta.finish_reason is not None:
+                        del self.callbacks[delta.request_id]
+                    self._call(cb, delta)
+            if self.on_stats:
+                self.on_stats(msg.stats)
+        elif isinstance(msg, EngineRejected):
+            cb = self.callbacks.pop(msg.request_id, None)
+            if cb is not None:
+                cb(msg)
+        elif isinstance(msg, EngineLoRADone):
+            cb = self.callbacks.pop(msg.call_id, None)
+            if cb is not None:
+                cb(msg)
+        elif isinstance(msg, EngineFailed):
+            log.error("engine failed: %s", msg.message)
+
+    @staticmethod
+    def _call(cb: Callable[[Any], None], delta) -> None:
+        """One request's delta to its callback; a callback that fails is
+        logged and the other requests of the step still get theirs."""
+        try:
+            cb(delta)
+        except Exception:  # noqa: BLE001
+            log.exception("delivering request %s's output failed", delta.request_id)
 
     def _watch_step(self, running_s: float, took_s: float = 0.0) -> None:
         """Note a step running past engine_step_timeout_s, once, and its end."""
