@@ -27,6 +27,7 @@ from fdx.plugins.backends.attention import FUSED_LAYERS_ENV
 from test_contracts import cpu_kernel_table
 from test_llm import hf_greedy
 from test_weight_formats import GREEDY, QUANT_TIE, TINY, check_greedy, files, prompts  # noqa: F401 (files: a fixture)
+from torch_threads import one_torch_thread  # noqa: F401 (an autouse fixture: the references' torch on one thread)
 
 pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"compiled ops unavailable: {cpp.unavailable_reason()}")
 
@@ -382,11 +383,13 @@ def test_greedy_tokens_with_the_fused_path_on_and_off(files, name, fused, monkey
     path, model = files[name]
     llm = LLM(str(path), quantization="auto", **TINY)
     check_greedy(llm, model, prompts(5))
-    chunked = LLM(str(path), quantization="auto", kv_cache="prefix", max_num_batched_tokens=8, **TINY)
+    chunked = llm                             # the same model, its scheduling side swapped (one load, not two)
+    chunked.engine.reconfigure(kv_cache="prefix", max_num_batched_tokens=8)
     shared = prompts(6, (24,))[0]
     check_greedy(chunked, model, [shared + [7, 8, 9]])
     check_greedy(chunked, model, [shared + [11], shared + [12, 13]])
     assert chunked.engine.kv_cache.stats()["prefix_cache_hits"] > 0
+    llm.close()
     assert (spy.calls > 0) == fused
     assert (spy.by_name["decoder_stack"] > 0) == fused, spy.by_name
 
@@ -413,4 +416,5 @@ def test_default_model_greedy_tokens_on_the_fused_path(hf_smollm_model, monkeypa
             got = out.outputs[0].token_ids
             assert got == hf_greedy(hf_smollm_model, p, 16, follow=got, rel_tie=QUANT_TIE), p
     assert chunked.engine.kv_cache.stats()["prefix_cache_hits"] > 0
+    chunked.close()
     assert spy.calls > 0

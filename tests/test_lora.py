@@ -363,14 +363,15 @@ def test_http_model_field_load_and_unload(tiny, tmp_path):
         stdout=log, stderr=subprocess.STDOUT)
     auth = {"Authorization": f"Bearer {API_KEY}"}
 
-    def healthy() -> bool:
+    def healthy(http) -> bool:
         assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
         try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
+            return http.get(url + "/health").status_code == 200
         except httpx.HTTPError:
             return False
     try:
-        wait_for(healthy, 240, "fdx serve to answer /health")
+        with httpx.Client(timeout=2) as http:  # one client for the polls (httpx.get builds an SSL context a call)
+            wait_for(lambda: healthy(http), 240, "fdx serve to answer /health")
         models = httpx.get(url + "/v1/models", headers=auth).json()["data"]
         base = models[0]["id"]
         assert [(m["id"], m["parent"]) for m in models] == [(base, None), ("a", base), ("b", base)]

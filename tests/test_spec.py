@@ -437,12 +437,25 @@ def test_outside_proposer_selected_by_config(tiny, example_plugin_installed):
     assert check_proposer("example-lookback", plugins=PluginManager())["acceptance_rate"] > 0
 
 
+OPT_OUT = {"speculative": False}      # a request's opt-out: test_opt_out_... shows it equals an engine without
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_greedy_equal(tiny):
+    """At TP 2, one engine (two workers, not four): the batch opted out of
+    speculation (no draft at all) is the reference, then the same batch speculated."""
     prompts = _prompts(seed=8)[:3]
-    ref, _, _ = _run(tiny, prompts, GREEDY, tensor_parallel_size=2)
-    got, _, counters = _run(tiny, prompts, GREEDY, spec={"method": "ngram", "prompt_lookup_min": 1},
-                            tensor_parallel_size=2)
+    llm = LLM(tiny, tensor_parallel_size=2, speculative_config={"method": "ngram", "prompt_lookup_min": 1,
+                                                                 "num_speculative_tokens": 4, "cost_gate": False},
+              **ENGINE)
+    try:
+        ref = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, extra_args=OPT_OUT))]
+        assert llm.engine.speculation.counters.num_drafts == 0
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        counters = llm.engine.speculation.counters
+    finally:
+        llm.close()
     assert got == ref and counters.num_drafts > 0
 
 
@@ -451,24 +464,27 @@ DEFAULT_PROMPTS = ["Copy this line exactly: def add(a, b): return a + b\ndef add
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", ["none", "auto"])
-def test_default_model_greedy_equal(quantization):
+@pytest.mark.parametrize("quantization, method", [("none", "ngram"), ("auto", "suffix")])
+def test_default_model_greedy_equal(quantization, method):
     """The embedded model in float32 and in its file's Q4_1, batch-invariant
-    (the quantized products score k+1 rows as they score one)."""
+    (the quantized products score k+1 rows as they score one). One engine a
+    quantization: the prompts opted out of speculation are the reference (no
+    draft), then the same prompts speculated. Each proposer on one
+    quantization (pairwise: what the model adds is its products scoring k+1
+    rows, the same for any proposer's drafts; both proposers run against
+    speculation off on the tiny model above, in every combination there)."""
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    kw = dict(max_model_len=512, num_kv_blocks=96, block_size=16, quantization=quantization, progress=False,
-              batch_invariant=True)
-    base = LLM(**kw)
-    ref = [o.outputs[0].token_ids for o in base.generate(DEFAULT_PROMPTS, sp)]
-    base.close()
-    for method in ("ngram", "suffix"):
-        llm = LLM(**kw, speculative_config={"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-                                            "prompt_lookup_max": 4, "cost_gate": False})
+    with LLM(max_model_len=512, num_kv_blocks=96, block_size=16, quantization=quantization, progress=False,
+             batch_invariant=True, speculative_config={"method": method, "num_speculative_tokens": 4,
+                                                       "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                                                       "cost_gate": False}) as llm:
+        off = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, extra_args=OPT_OUT)
+        ref = [o.outputs[0].token_ids for o in llm.generate(DEFAULT_PROMPTS, off)]
+        assert llm.engine.speculation.counters.num_drafts == 0
         got = [o.outputs[0].token_ids for o in llm.generate(DEFAULT_PROMPTS, sp)]
         accepted = llm.engine.speculation.counters.num_accepted_tokens
-        llm.close()
-        assert got == ref, method
-        assert accepted > 0, method
+    assert got == ref, method
+    assert accepted > 0, method
 
 
 def test_metrics_serve_the_spec_decode_counters():

@@ -29,6 +29,7 @@ from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.hookspecs import hookimpl
 from serve_utils import API_KEY, ServerProcess, pid_alive
 from test_llm import hf_greedy
+from torch_threads import one_torch_thread  # noqa: F401 (an autouse fixture: the references' torch on one thread)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 TINY = dict(max_model_len=128, num_kv_blocks=48, block_size=8, progress=False)
