@@ -238,8 +238,8 @@ def test_kinds_built_outside_the_assembly_get_their_validated_settings():
                           **{"plugins.weight_format.settings-format": {"bits": 4},
                              "plugins.tool_parser.settings-tools": {"bits": 2}})
     assert weight_format(cfg, pm).settings == Bits(4)
-    cls, settings = chat_parser(pm, cfg, "tool_parser", "tool_call_parser")
-    assert cls is MyTools and settings == Bits(2)
+    parser = chat_parser(pm, cfg, "tool_parser", "tool_call_parser")
+    assert parser.cls is MyTools and parser.settings == Bits(2)
     bad = FdxConfig.build(quantization="settings-format", **{"plugins.weight_format.settings-format": {"bitz": 4}})
     with pytest.raises(ConfigError, match="plugins.weight_format.settings-format.bitz"):
         weight_format(bad, pm)

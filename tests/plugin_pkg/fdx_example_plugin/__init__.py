@@ -571,7 +571,11 @@ class TensorInt8(LinearWeight):
 
 class TensorInt8Format(WeightFormat):
     """``model.quantization: example-int8``: float32 checkpoint tensors (GGUF
-    blocks arrive dequantized: keeps_blocks is False) quantized per tensor."""
+    blocks arrive dequantized: keeps_blocks is False) quantized per tensor.
+    Written to the one constructor shape, ``(settings, context)``."""
+
+    def __init__(self, settings, context):
+        super().__init__(context.kernels, settings)
 
     def load(self, name, tensor, role):
         return TensorInt8.quantize(np.asarray(tensor, dtype=np.float32))

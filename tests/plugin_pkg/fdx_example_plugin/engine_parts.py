@@ -129,8 +129,9 @@ class Tally(RequestScheduler):
     """Every request runs in the server's own engine; /metrics counts them
     as ``example_tally_requests_total{event="added"|"finished"|"aborted"}``."""
 
-    def __init__(self, config, engine, metrics, settings=None):
-        super().__init__(config, engine, metrics, settings)
+    def __init__(self, settings, context):
+        metrics = context.metrics
+        super().__init__(context.config, context.engine, metrics, settings)
         from prometheus_client import Counter
         self.counts = Counter("example_tally_requests", "Requests seen by the example-tally request scheduler.",
                               ["event"], registry=metrics.registry)
