@@ -1278,6 +1278,21 @@ class Model(abc.ABC):
         weights)``). Only a model whose ``moe`` is set is asked."""
         raise NotImplementedError(f"{type(self).__name__} has no mixture-of-experts layers to route")
 
+    def last_expert_load(self) -> list[list[int]] | None:
+        """Tokens routed to each expert in each MoE layer by the last forward
+        (``[moe layers][num_experts]``), for ``StepStats.expert_load``.
+        Default None: no MoE layers."""
+        return None
+
+    @classmethod
+    def shard_errors(cls, config: dict[str, Any], world: int, groups: int = 1) -> list[str] | None:
+        """Why the checkpoint's ``config`` cannot split over ``world`` tensor
+        parallel ranks in ``groups`` expert-parallel groups (each reason names
+        its config key; [] when it can). Default None: a model without
+        mixture-of-experts layers (expert parallel is refused, and the dense
+        tensor-parallel checks apply)."""
+        return None
+
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
         """The unsharded ``(out_features, in_features)`` of each module an
         adapter may target (``q_proj``, ``k_proj``, ... ``down_proj``), the
@@ -1800,6 +1815,11 @@ class Executor(abc.ABC):
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of weights held, by kind, summed over the ranks."""
         return {}
+
+    def last_expert_load(self) -> list[list[int]] | None:
+        """The model's ``Model.last_expert_load()`` of the last step, from
+        rank 0 (None by default: no MoE layers, or not counted)."""
+        return None
 
     def close(self) -> None:
         """Stop what the executor started (idempotent)."""
