@@ -17,17 +17,22 @@ Then:
 
 each built over what the caller holds (the KV block count, the model, its
 KV tensors), so a rank builds only the runner side and the kit only the
-scheduler side.
+scheduler side. Every part is constructed by ``Assembly.make``, which
+hands it to ``fdx.core.plugins.make_plugin`` (the one constructor path,
+also used by the parts built elsewhere: backend, model, weight format, MoE
+router, proposer, LoRA loader, chat parsers, guided and request
+schedulers): ``cls(settings, context)`` with a ``BuildContext``.
 """
 from __future__ import annotations
 
 import copy
 
 from fdx.core.config import KIND_ALIASES, ConfigError, FdxConfig, plugin_settings
-from fdx.core.kernels import REFERENCE
 from fdx.core.interfaces import BuildContext, Executor, Observer, RunnerContext, SchedulingExtensions
+from fdx.core.kernels import REFERENCE
 from fdx.core.plugins import PluginError, PluginManager, make_plugin
 from fdx.core.scheduling import SchedulingCore
+
 
 class Assembly:
     def __init__(self, config: FdxConfig, plugins: PluginManager, backend=None):
