@@ -438,6 +438,14 @@ def new_shape(cls: Any) -> bool:
     return _shapes[cls]
 
 
+def _own_old_shape(cls: Any) -> bool:
+    """Whether the older shape is the plugin's own constructor (worth a
+    warning), not one it inherits from fdx's base class (which moves to the
+    new shape with it)."""
+    module = inspect.getmodule(cls.__init__ if isinstance(cls, type) else cls)
+    return module is None or not module.__name__.startswith("fdx.")
+
+
 def make_plugin(context: BuildContext, key: str, settings: Any = _UNSET, cls: Any = None) -> Any:
     """The one place a plugin is constructed: the class ``context.kind`` /
     ``context.name`` (``key``: the config key that selected it, named by
@@ -458,7 +466,7 @@ def make_plugin(context: BuildContext, key: str, settings: Any = _UNSET, cls: An
         args, kwargs = (settings, context), {}
     else:
         args, kwargs = OLD_SHAPES[kind](settings, context)
-        if not (context.plugins is not None and name in context.plugins.builtin_names(kind)):
+        if _own_old_shape(cls) and not (context.plugins is not None and name in context.plugins.builtin_names(kind)):
             msg = (f"{kind} {name!r} ({cls.__module__}.{cls.__qualname__}) is constructed in the older "
                    f"per-kind shape; write its constructor as __init__(self, settings, context) "
                    f"(fdx.core.interfaces.BuildContext, docs/plugins.md)")

@@ -387,7 +387,7 @@ def test_an_observer_is_called_only_for_the_hooks_it_overrides():
 
     seen = []
 
-    class Finished(Observer):                    # one hook, the older constructor shape
+    class Finished(Observer):                    # one hook; Observer's own constructor
         def fdx_request_finished(self, request):
             seen.append(request)
 
@@ -402,8 +402,7 @@ def test_an_observer_is_called_only_for_the_hooks_it_overrides():
             register("not-an-observer", NotAnObserver)
     pm = PluginManager(load_entry_points=False)
     pm.add_plugin(Plugin(), name="observers")
-    with pytest.warns(DeprecationWarning):
-        (obs,) = Assembly(FdxConfig.build(observers=["finished-only"]), pm).observers()
+    (obs,) = Assembly(FdxConfig.build(observers=["finished-only"]), pm).observers()
     assert obs.name == "finished-only"
     assert obs.observes("fdx_request_finished") and not obs.observes("fdx_step_finished")
     assert pm.has_observers("fdx_request_finished", [obs])
