@@ -17,15 +17,20 @@ Then:
 
 each built over what the caller holds (the KV block count, the model, its
 KV tensors), so a rank builds only the runner side and the kit only the
-scheduler side.
+scheduler side. Every part is constructed by ``Assembly.make``, which
+hands it to ``fdx.core.plugins.make_plugin`` (the one constructor path,
+also used by the parts built elsewhere: backend, model, weight format, MoE
+router, proposer, LoRA loader, chat parsers, guided and request
+schedulers): ``cls(settings, context)`` with a ``BuildContext``.
 """
 from __future__ import annotations
 
 import copy
 
 from fdx.core.config import KIND_ALIASES, ConfigError, FdxConfig, plugin_settings
-from fdx.core.interfaces import Executor, RunnerContext, SchedulingExtensions
-from fdx.core.plugins import PluginError, PluginManager
+from fdx.core.interfaces import BuildContext, Executor, Observer, RunnerContext, SchedulingExtensions
+from fdx.core.kernels import REFERENCE
+from fdx.core.plugins import PluginError, PluginManager, make_plugin
 from fdx.core.scheduling import SchedulingCore
 
 
@@ -140,20 +145,24 @@ class Assembly:
                                       f"blocks between prompts and decodes; v1 mixes them in one step and has "
                                       f"no such share); set --kv-scheduler {name} or drop it")
 
-    @staticmethod
-    def make(kind: str, name: str, cls, *args, **kwargs):
-        """Construct a plugin; a setting it rejects is a config error naming the key."""
-        try:
-            return cls(*args, **kwargs)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"config key 'plugins.{kind}.{name}': {e}") from None
+    def make(self, kind: str, name: str, cls=None, key: str | None = None, **fields):
+        """Construct the plugin ``kind``/``name`` (``cls``: its class, when
+        already resolved) with its settings and a ``BuildContext`` of
+        ``fields`` (``make_plugin``); ``key``: the config key that selects it."""
+        ctx = BuildContext(config=self.config, plugins=self.plugins, kind=KIND_ALIASES.get(kind, kind), name=name,
+                           backend=self.backend, kernels=self.backend.kernels if self.backend is not None else REFERENCE,
+                           **fields)
+        return make_plugin(ctx, key or f"plugins.{kind}", self.settings(kind, name), cls)
 
     def observers(self) -> list:
         """The observers ``observability.observers`` selects, each built with
         its settings (``plugins.observer.<name>``)."""
         built = []
         for name, cls in self.classes["observers"]:
-            obs = self.make("observer", name, cls, self.config, self.settings("observer", name))
+            if not (isinstance(cls, type) and issubclass(cls, Observer)):
+                raise ConfigError(f"config key 'observability.observers': {name!r} does not subclass "
+                                  "fdx.core.interfaces.Observer")
+            obs = self.make("observer", name, cls)
             obs.name = name
             built.append(obs)
         return built
@@ -164,35 +173,28 @@ class Assembly:
         strings; None where no request has any: the conformance kit) and its
         settings."""
         name = self.config.decoding.token_processor
-        return self.make("token_processor", name, self.classes["token_processor"], tokenizer,
-                         self.settings("token_processor", name))
+        return self.make("token_processor", name, self.classes["token_processor"], tokenizer=tokenizer)
 
     def extensions(self, kv_cache, connector=None, extra_rules=()) -> SchedulingExtensions:
-        config, c, s, make = self.config, self.classes, self.settings, self.make
-        sc = config.scheduler
+        c, make = self.classes, self.make
+        sc = self.config.scheduler
         return SchedulingExtensions(
-            queue_policy=make("queue_policy", sc.policy, c["queue_policy"], kv_cache, s("queue_policy", sc.policy)),
-            admission_rules=[make("admission_rule", n, cls, config, s("admission_rule", n))
-                             for n, cls in c["admission"]] + list(extra_rules),
-            preemption_policy=make("preemption_policy", sc.preemption, c["preemption"], config,
-                                   s("preemption_policy", sc.preemption)),
+            queue_policy=make("queue_policy", sc.policy, c["queue_policy"], kv_cache=kv_cache),
+            admission_rules=[make("admission_rule", n, cls) for n, cls in c["admission"]] + list(extra_rules),
+            preemption_policy=make("preemption_policy", sc.preemption, c["preemption"]),
             connector=connector)
 
     def scheduler_side(self, num_blocks: int, token_processor, max_model_len: int, extra_rules=()) -> dict:
         """The KV cache manager (``num_blocks``), the connector and the
         scheduling core running the KV scheduler, with its extensions (``extra_rules``: admission
         rules the engine adds, e.g. guided decoding's)."""
-        config, c, s, make = self.config, self.classes, self.settings, self.make
+        config, c, make = self.config, self.classes, self.make
         sc, cc = config.scheduler, config.cache
-        kv_cache = make("kv_cache", cc.kv_cache, c["kv_cache"], num_blocks, cc.block_size, config,
-                        settings=s("kv_cache", cc.kv_cache))
+        kv_cache = make("kv_cache", cc.kv_cache, c["kv_cache"], num_blocks=num_blocks, block_size=cc.block_size)
         connector = None
         if c["connector"] is not None:
-            name = self.connector_name
-            connector = make("connector", name, c["connector"], config, cc.block_size,
-                             settings=s("connector", name))
-        policy = make("kv_scheduler", sc.kv_scheduler, c["kv_scheduler"], config,
-                      settings=s("kv_scheduler", sc.kv_scheduler))
+            connector = make("connector", self.connector_name, c["connector"], block_size=cc.block_size)
+        policy = make("kv_scheduler", sc.kv_scheduler, c["kv_scheduler"])
         # the engine's scheduling core, running the policy (engine.scheduling)
         scheduling = SchedulingCore(config, kv_cache, max_model_len,
                                     self.extensions(kv_cache, connector, extra_rules), policy, token_processor)
@@ -201,7 +203,7 @@ class Assembly:
     # -- the runner side ------------------------------------------------------------------
     def attention(self):
         name = self.backend.attention_backend
-        return self.make("attention_backend", name, self.classes["attention"], self.settings("attention_backend", name))
+        return self.make("attention_backend", name, self.classes["attention"])
 
     def runner_side(self, model, kv_caches: list, kv_spec, tokenizer, eos_token_ids, connector=None,
                     attention=None, rank: int = 0, world_size: int = 1, share_sampled=None) -> dict:
@@ -209,16 +211,17 @@ class Assembly:
         config names over ``model`` and its KV tensors: what an executor
         builds on each rank (processors on rank 0 only: the one that samples)."""
         config, c, s, make, b = self.config, self.classes, self.settings, self.make, self.backend
-        processors = [make("logits_processor", n, cls, config, tokenizer, model.vocab_size, s("logits_processor", n))
+        processors = [make("logits_processor", n, cls, tokenizer=tokenizer, vocab_size=model.vocab_size)
                       for n, cls in c["processors"]] if rank == 0 else []
         attention = attention if attention is not None else self.attention()
-        sampler = make("sampler", b.sampler, c["sampler"], config=config, settings=s("sampler", b.sampler))
+        sampler = make("sampler", b.sampler, c["sampler"])
         # the tensors' layout (num_slots) stays that of the whole allocation, even when the pool
         # the KV cache manages uses fewer of its blocks
-        runner = c["runner"](RunnerContext(
+        runner = make("model_runner", self.runner_name, c["runner"], runner=RunnerContext(
             config=config, model=model, kv_caches=kv_caches, kv_spec=kv_spec, attention=attention,
             sampler=sampler, logits_processors=processors, eos_token_ids=frozenset(eos_token_ids),
             connector=connector, settings=s("model_runner", self.runner_name), kernels=b.kernels,
-            rank=rank, world_size=world_size, share_sampled=share_sampled, plugins=self.plugins))
+            rank=rank, world_size=world_size, share_sampled=share_sampled, plugins=self.plugins),
+                      eos_token_ids=frozenset(eos_token_ids), tokenizer=tokenizer)
         return dict(logits_processors=processors, processor_classes=[cls for _, cls in c["processors"]],
                     attention=attention, sampler=sampler, runner=runner)

@@ -257,7 +257,7 @@ def choice_outputs(plan: ToolPlan, prompt: str, kwargs: dict[str, Any], tokenize
     tools and reasoning need (the guided schema of a required / named call,
     where it starts, the reasoning budget) and return the factory of each
     choice's ChoiceOutput (None: plain content). ``tool_parser`` and
-    ``reasoning_parser``: (class, settings) or None."""
+    ``reasoning_parser``: a ``ChatParser`` (``chat_parser``) or None."""
     from fdx.core.sampling_params import SamplingParams
     schema = plan.guided_json()
     if schema is not None:
@@ -272,8 +272,7 @@ def choice_outputs(plan: ToolPlan, prompt: str, kwargs: dict[str, Any], tokenize
             raise ChatRequestError("reasoning_max_tokens needs a reasoning parser: start the server with "
                                    "--reasoning-parser (server.reasoning_parser)", param="reasoning_max_tokens")
     else:
-        cls, settings = reasoning
-        probe = cls(tokenizer, settings)
+        probe = reasoning.make(tokenizer)
         if probe.begin(prompt) is not False:       # thinking may come first
             end_ids = tokenizer.encode(probe.end, add_special_tokens=False)
             guided = any(kwargs.get(k) not in (None, False) for k in SamplingParams.GUIDED_FIELDS)
@@ -291,17 +290,34 @@ def choice_outputs(plan: ToolPlan, prompt: str, kwargs: dict[str, Any], tokenize
     def make() -> ChoiceOutput:
         r = None
         if reasoning is not None:
-            r = reasoning[0](tokenizer, reasoning[1])
+            r = reasoning.make(tokenizer)
             r.begin(prompt)
-        t = tool_cls[0](tokenizer, plan.tools, tool_cls[1]) if plan.mode == "auto" else None
+        t = tool_cls.make(tokenizer, plan.tools) if plan.mode == "auto" else None
         return ChoiceOutput(plan, r, t)
     return make
 
 
-def chat_parser(plugins, config, kind: str, key: str):
-    """(class, settings) of the chat output parser ``server.<key>`` names
-    (kind ``tool_parser`` or ``reasoning_parser``), or None."""
-    from fdx.core.config import ConfigError, configured_settings
+class ChatParser:
+    """The chat output parser the config selects: its class and validated
+    settings, and ``make`` to build one per choice (through the assembly's
+    ``make_plugin``, with the tokenizer and the request's tools)."""
+
+    def __init__(self, plugins, config, kind: str, key: str, name: str, cls):
+        from fdx.core.config import plugin_settings
+        self.plugins, self.config, self.kind, self.key, self.name, self.cls = plugins, config, kind, key, name, cls
+        self.settings = plugin_settings(kind, name, cls, (config.plugins.get(kind) or {}).get(name))
+
+    def make(self, tokenizer, tools=None):
+        from fdx.core.plugins import make_plugin
+        from fdx.core.interfaces import BuildContext
+        return make_plugin(BuildContext(self.config, self.plugins, self.kind, self.name, tokenizer=tokenizer,
+                                        tools=tools), self.key, self.settings, self.cls)
+
+
+def chat_parser(plugins, config, kind: str, key: str) -> ChatParser | None:
+    """The chat output parser ``server.<key>`` names (kind ``tool_parser``
+    or ``reasoning_parser``), or None."""
+    from fdx.core.config import ConfigError
     from fdx.core.plugins import PluginError
     name = getattr(config.server, key)
     if name is None:
@@ -310,4 +326,4 @@ def chat_parser(plugins, config, kind: str, key: str):
         cls = plugins.get(kind, name)
     except PluginError as e:
         raise ConfigError(f"config key 'server.{key}': {e}") from None
-    return cls, configured_settings(config, kind, name, cls)
+    return ChatParser(plugins, config, kind, f"server.{key}", name, cls)

@@ -387,13 +387,6 @@ def _implied(old: str, value: Any) -> tuple[str, Any] | None | bool:
     return None
 
 
-def configured_settings(config: "FdxConfig", kind: str, name: str, cls: Any) -> Any:
-    """``plugin_settings`` of the config's own ``plugins.<kind>.<name>``
-    section (absent: the class's defaults): how every kind built outside
-    the assembly gets its validated settings."""
-    return plugin_settings(kind, name, cls, (config.plugins.get(kind) or {}).get(name))
-
-
 def plugin_settings(kind: str, name: str, cls: Any, raw: dict | None) -> Any:
     """The ``plugins.<kind>.<name>`` mapping ``raw`` as the plugin class
     declares it: validated into ``cls.Settings`` (a pydantic model or a

@@ -14,9 +14,9 @@ from typing import Any
 
 from fdx.core import activations
 from fdx.core.assembly import Assembly
-from fdx.core.config import ConfigError, FdxConfig, configured_settings
-from fdx.core.interfaces import Backend, KVCacheSpec, RequestStepInfo, StepContext, StepStats
-from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager
+from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.interfaces import Backend, BuildContext, KVCacheSpec, RequestStepInfo, StepContext, StepStats
+from fdx.core.plugins import PluginError, PluginManager, get_plugin_manager, make_plugin
 from fdx.core.request import Request, RequestStatus, check_prompt, request_output
 from fdx.core.sampling_params import POOLING_PARAMS, SamplingParams
 
@@ -28,8 +28,8 @@ DEFAULT_MAX_MODEL_LEN = 8192
 def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
     """The backend ``backend.name`` names (auto: the available one with the
     highest priority), constructed with its settings; not yet set up."""
-    def settings(name: str):
-        return configured_settings(config, "backend", name, plugins.get("backend", name))
+    def make(name: str, cls):
+        return make_plugin(BuildContext(config, plugins, "backend", name), "backend.name", cls=cls)
 
     name = config.backend.name
     if name != "auto":
@@ -39,11 +39,11 @@ def select_backend(config: FdxConfig, plugins: PluginManager) -> Backend:
             raise ConfigError(f"config key 'backend.name': {e}") from None
         if not cls.is_available():
             raise ConfigError(f"config key 'backend.name': backend {name!r} is not available here")
-        return cls(settings=settings(name))
+        return make(name, cls)
     candidates = sorted(plugins.registries["backend"].items(), key=lambda kv: -kv[1].obj.priority)
     for reg_name, reg in candidates:
         if reg.obj.is_available():
-            return reg.obj(settings=settings(reg_name))
+            return make(reg_name, reg.obj)
     raise ConfigError("config key 'backend.name': no available backend")
 
 

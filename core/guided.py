@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from fdx.core.config import ConfigError
-from fdx.core.interfaces import AdmissionRule, GuidedBackend, GuidedStep
+from fdx.core.interfaces import AdmissionRule, BuildContext, GuidedBackend, GuidedStep
 from fdx.core.sampling_params import SamplingParams
 
 log = logging.getLogger("fdx.guided")
@@ -126,8 +126,10 @@ class GuidedDecoding:
 
     def __init__(self, name: str | None, backend_cls: type[GuidedBackend] | None, tokenizer: Any,
                  vocab_size: int, eos_token_ids, settings: dict | None = None,
-                 compile_timeout_s: float | None = None, max_compiles: int | None = None):
+                 compile_timeout_s: float | None = None, max_compiles: int | None = None,
+                 config: Any = None, plugins: Any = None):
         settings = dict(settings or {})
+        self.config, self.plugins = config, plugins         # for the backend's BuildContext
         self.name = name
         self.backend_cls = backend_cls
         self.tokenizer = tokenizer
@@ -190,7 +192,8 @@ class GuidedDecoding:
         settings = (config.plugins.get("guided_backend", {}) or {}).get(name or "", {}) or {}
         sc = config.server
         service = cls(name, backend_cls, tokenizer, vocab_size, eos_token_ids, settings,
-                      compile_timeout_s=sc.guided_compile_timeout_s, max_compiles=sc.max_guided_compiles)
+                      compile_timeout_s=sc.guided_compile_timeout_s, max_compiles=sc.max_guided_compiles,
+                      config=config, plugins=plugins)
         if warm_up and named and backend_cls is not None:
             service._pool.submit(service.backend_or_error)      # import and build off the step loop
         return service
@@ -207,8 +210,11 @@ class GuidedDecoding:
         with self._backend_lock:
             if self._backend is None:
                 try:
-                    self._backend = self.backend_cls(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                     settings=self.settings)
+                    from fdx.core.plugins import make_plugin
+                    self._backend = make_plugin(BuildContext(
+                        self.config, self.plugins, "guided_backend", self.name or "", tokenizer=self.tokenizer,
+                        vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids),
+                        "decoding.guided_backend", dict(self.settings), self.backend_cls)
                 except ImportError as e:
                     raise ValueError(f"guided decoding backend {self.name!r} cannot load: {e}; "
                                      f"install it with {INSTALL_HINT}") from None

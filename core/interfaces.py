@@ -31,6 +31,63 @@ if TYPE_CHECKING:
 
 
 # =============================================================================
+# How every kind is constructed: factory(settings, context)
+# =============================================================================
+
+@dataclass
+class BuildContext:
+    """What the engine hands every plugin it constructs, beside its settings:
+    every kind's factory is called as ``factory(settings, context)``
+    (``fdx.core.assembly.make_plugin``, the one place that constructs a
+    plugin). ``settings`` is the validated ``plugins.<kind>.<name>``
+    (the class's ``Settings`` instance, or the dict when it declares none);
+    ``context`` is this object, with the fields the kind may need set and
+    the others left at their defaults:
+
+    - every kind: ``config`` (the engine's ``FdxConfig``), ``plugins`` (the
+      plugin manager), ``kind`` and ``name`` (what it was selected as);
+    - ``kv_cache``: ``num_blocks``, ``block_size``; ``connector``:
+      ``block_size``; ``queue_policy``: ``kv_cache``;
+    - ``token_processor``: ``tokenizer`` (None where no request has stop
+      strings: the conformance kit); ``logits_processor``: ``tokenizer``,
+      ``vocab_size``; ``guided_backend``: ``tokenizer``, ``vocab_size``,
+      ``eos_token_ids``;
+    - ``request_scheduler``: ``engine`` (the server's ``EngineClient``),
+      ``metrics`` (its ``ServerMetrics``);
+    - ``weight_format``: ``kernels`` (the backend's probed table);
+      ``model``: ``hf_config``, ``weights``, ``weight_format``;
+      ``moe_router``: ``moe`` (``Model.moe``); ``proposer``: ``vocab_size``;
+    - ``tool_parser``: ``tokenizer``, ``tools`` (the request's);
+      ``reasoning_parser``: ``tokenizer``;
+    - ``attention_backend``, ``sampler``: ``backend``, ``kernels``;
+    - ``model_runner``: ``runner`` (the ``RunnerContext``: model, KV
+      tensors, attention, sampler, ...).
+
+    A class whose constructor is still one of the older per-kind shapes
+    (docs/plugins.md) is called in that shape, with a DeprecationWarning."""
+    config: Any
+    plugins: Any = None
+    kind: str = ""
+    name: str = ""
+    backend: Any = None
+    kernels: KernelTable = REFERENCE
+    tokenizer: Any = None
+    vocab_size: int = 0
+    eos_token_ids: Any = frozenset()
+    num_blocks: int = 0
+    block_size: int = 0
+    kv_cache: Any = None
+    engine: Any = None
+    metrics: Any = None
+    hf_config: Any = None
+    weights: Any = None
+    weight_format: Any = None
+    moe: Any = None
+    tools: Any = None
+    runner: Any = None
+
+
+# =============================================================================
 # The step: what the scheduler hands the model runner, and what comes back
 # =============================================================================
 
@@ -857,6 +914,24 @@ class Observer:
     def close(self) -> None:
         """The engine is shutting down."""
 
+    # The observer hooks, declared with a default that does nothing; the engine calls only those a subclass
+    # overrides (``observes``), so one it does not define costs nothing.
+    def fdx_engine_started(self, engine: Any) -> None:
+        """Once, the engine built."""
+
+    def fdx_request_added(self, request: "Request", trace_headers: dict | None = None) -> None:
+        """A ``Request`` joined the engine."""
+
+    def fdx_step_finished(self, scheduler_output: Any, step_stats: Any, context: Any) -> None:
+        """Each step."""
+
+    def fdx_request_finished(self, request: "Request", output: Any) -> None:
+        """The ``Request`` in its final state and its ``RequestOutput``."""
+
+    def observes(self, hook_name: str) -> bool:
+        """Whether this observer's class overrides the hook ``hook_name``."""
+        return getattr(type(self), hook_name) is not getattr(Observer, hook_name)
+
 
 # -- guided decoding (decoding.guided_backend; the built-in `guided` logits processor drives it) --
 
@@ -1115,7 +1190,7 @@ class LoRALoader(abc.ABC):
 
     name: str = ""
 
-    def __init__(self, settings: Any = None):
+    def __init__(self, settings: Any = None, context: "BuildContext | None" = None):
         self.settings = settings if settings is not None else {}
 
     @abc.abstractmethod
@@ -1186,6 +1261,13 @@ class Model(abc.ABC):
     #: each adapter's delta to its requests' rows of every linear it targets). A
     #: config with ``lora.enable_lora`` over a model that says False is a ConfigError.
     supports_lora: bool = False
+    #: A class constructed as ``(settings, context)``: True when it builds its
+    #: linears with ``context.weight_format`` (any ``model.quantization``); False
+    #: (the default) when it takes float32 weights only (``model.quantization``
+    #: none or auto: auto dequantizes a GGUF file's blocks before construction).
+    #: A class in the older ``(hf_config, weights, weight_format=...)`` shape says
+    #: so by its ``weight_format`` keyword instead.
+    takes_weight_format: bool = False
     #: The shape of the model's mixture-of-experts layers (number of experts,
     #: top-k, ...) when it has any, else None; a MoE router
     #: (``model.moe_router``) is built over it and handed to ``set_router``.
@@ -1195,6 +1277,21 @@ class Model(abc.ABC):
         """Route every MoE layer with ``router`` (``(logits, bias) -> (ids,
         weights)``). Only a model whose ``moe`` is set is asked."""
         raise NotImplementedError(f"{type(self).__name__} has no mixture-of-experts layers to route")
+
+    def last_expert_load(self) -> list[list[int]] | None:
+        """Tokens routed to each expert in each MoE layer by the last forward
+        (``[moe layers][num_experts]``), for ``StepStats.expert_load``.
+        Default None: no MoE layers."""
+        return None
+
+    @classmethod
+    def shard_errors(cls, config: dict[str, Any], world: int, groups: int = 1) -> list[str] | None:
+        """Why the checkpoint's ``config`` cannot split over ``world`` tensor
+        parallel ranks in ``groups`` expert-parallel groups (each reason names
+        its config key; [] when it can). Default None: a model without
+        mixture-of-experts layers (expert parallel is refused, and the dense
+        tensor-parallel checks apply)."""
+        return None
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
         """The unsharded ``(out_features, in_features)`` of each module an
@@ -1346,7 +1443,7 @@ class AttentionBackend(abc.ABC):
     layout: str = "head_major"  # the KV cache layout it reads and writes (KVCacheSpec.layout)
     status: str = ""           # what it built or loaded at start-up, in words (reported when ready)
 
-    def __init__(self, settings: dict | None = None):
+    def __init__(self, settings: dict | None = None, context: "BuildContext | None" = None):
         """Build or load any compiled kernel here: the engine constructs its
         attention backend before it reports ready, never on a request."""
         self.settings = settings or {}
@@ -1481,7 +1578,7 @@ class Backend(abc.ABC):
                                              # their probe here (fdx.core.kernels); the model runner
                                              # installs it for each step
 
-    def __init__(self, settings: dict | None = None):
+    def __init__(self, settings: dict | None = None, context: "BuildContext | None" = None):
         self.settings = settings or {}
 
     @classmethod
@@ -1718,6 +1815,11 @@ class Executor(abc.ABC):
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of weights held, by kind, summed over the ranks."""
         return {}
+
+    def last_expert_load(self) -> list[list[int]] | None:
+        """The model's ``Model.last_expert_load()`` of the last step, from
+        rank 0 (None by default: no MoE layers, or not counted)."""
+        return None
 
     def close(self) -> None:
         """Stop what the executor started (idempotent)."""

@@ -133,14 +133,16 @@ def read_adapter(loader: Any, path: str, model: Any, max_rank: int) -> LoRAWeigh
 
 def make_loader(config: Any, plugins: Any) -> Any:
     """The ``lora.lora_loader`` plugin, constructed with its settings."""
-    from fdx.core.config import ConfigError, configured_settings
+    from fdx.core.plugins import make_plugin
+    from fdx.core.config import ConfigError
+    from fdx.core.interfaces import BuildContext
     name = config.lora.lora_loader
     try:
         cls = plugins.get("lora_loader", name)
     except Exception:
         raise ConfigError(f"config key 'lora.lora_loader': no LoRA loader named {name!r} "
                           "(fdx_register_lora_loaders)") from None
-    return cls(configured_settings(config, "lora_loader", name, cls))
+    return make_plugin(BuildContext(config, plugins, "lora_loader", name), "lora.lora_loader", cls=cls)
 
 
 # --- in the forward ------------------------------------------------------------------------

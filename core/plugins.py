@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pluggy
 
 from fdx.core import hookspecs
-from fdx.core.config import KIND_ALIASES
+from fdx.core.config import KIND_ALIASES, ConfigError, plugin_settings
+from fdx.core.interfaces import BuildContext
 
 log = logging.getLogger("fdx.plugins")
 
@@ -302,19 +305,18 @@ class PluginManager:
                 log.warning("observer %s of %s raised %s: %s", impl.plugin_name, hook_name,
                             type(e).__name__, e)
         for obs in observers:
-            method = getattr(obs, hook_name, None)
-            if method is None:
+            if not obs.observes(hook_name):
                 continue
+            method = getattr(obs, hook_name)         # one of the hooks Observer declares
             try:
                 method(**{k: kwargs[k] for k in observer_argnames(method)})
             except Exception as e:
-                log.warning("observer %s of %s raised %s: %s", getattr(obs, "name", type(obs).__name__),
+                log.warning("observer %s of %s raised %s: %s", obs.name or type(obs).__name__,
                             hook_name, type(e).__name__, e)
 
     def has_observers(self, hook_name: str, observers: Iterable[Any] = ()) -> bool:
         """Whether anything implements this observer hook (so its arguments are worth building)."""
-        return bool(getattr(self.pm.hook, hook_name).get_hookimpls()) or any(
-            getattr(o, hook_name, None) is not None for o in observers)
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls()) or any(o.observes(hook_name) for o in observers)
 
     def report(self) -> str:
         lines = []
@@ -385,3 +387,99 @@ def get_serving_plugin_manager() -> PluginManager:
     if _serving is None:
         _serving = PluginManager(builtins=SERVING_PLUGINS)
     return _serving
+
+
+# -- constructing a plugin: the one place ---------------------------------------------------
+
+_UNSET: Any = object()
+
+# The per-kind constructor shapes before ``factory(settings, context)`` (docs/plugins.md, "Older constructor
+# shapes"): a class still written to one is called so, with a DeprecationWarning (one adapter, here).
+OLD_SHAPES: dict[str, Callable[[Any, BuildContext], tuple[tuple, dict]]] = {
+    "kv_scheduler": lambda s, c: ((c.config,), {"settings": s}),
+    "queue_policy": lambda s, c: ((c.kv_cache, s), {}),
+    "admission_rule": lambda s, c: ((c.config, s), {}),
+    "preemption_policy": lambda s, c: ((c.config, s), {}),
+    "request_scheduler": lambda s, c: ((c.config, c.engine, c.metrics, s), {}),
+    "kv_cache": lambda s, c: ((c.num_blocks, c.block_size, c.config), {"settings": s}),
+    "connector": lambda s, c: ((c.config, c.block_size), {"settings": s}),
+    "token_processor": lambda s, c: ((c.tokenizer, s), {}),
+    "logits_processor": lambda s, c: ((c.config, c.tokenizer, c.vocab_size, s), {}),
+    "guided_backend": lambda s, c: ((c.tokenizer, c.vocab_size, c.eos_token_ids), {"settings": s}),
+    "backend": lambda s, c: ((), {"settings": s}),
+    "attention_backend": lambda s, c: ((s,), {}),
+    "sampler": lambda s, c: ((), {"config": c.config, "settings": s}),
+    "model_runner": lambda s, c: ((c.runner,), {}),
+    "model": lambda s, c: ((c.hf_config, c.weights),
+                           {} if c.weight_format is None else {"weight_format": c.weight_format}),
+    "weight_format": lambda s, c: ((c.kernels, s), {}),
+    "moe_router": lambda s, c: ((c.moe, s), {}),
+    "lora_loader": lambda s, c: ((s,), {}),
+    "proposer": lambda s, c: ((c.config, c.vocab_size, s), {}),
+    "tool_parser": lambda s, c: ((c.tokenizer, c.tools, s), {}),
+    "reasoning_parser": lambda s, c: ((c.tokenizer, s), {}),
+    "observer": lambda s, c: ((c.config, s), {}),
+}
+
+_shapes: dict[Any, bool] = {}
+_warned: set = set()
+
+
+def new_shape(cls: Any) -> bool:
+    """Whether ``cls`` is constructed as ``cls(settings, context)``: its
+    first two parameters are named ``settings`` and ``context``."""
+    if cls not in _shapes:
+        try:
+            params = [p.name for p in inspect.signature(cls).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            params = []
+        _shapes[cls] = params[:2] == ["settings", "context"]
+    return _shapes[cls]
+
+
+def _own_old_shape(cls: Any) -> bool:
+    """Whether the older shape is the plugin's own constructor (worth a
+    warning), not one it inherits from fdx's base class (which moves to the
+    new shape with it)."""
+    module = inspect.getmodule(cls.__init__ if isinstance(cls, type) else cls)
+    return module is None or not module.__name__.startswith("fdx.")
+
+
+def make_plugin(context: BuildContext, key: str, settings: Any = _UNSET, cls: Any = None) -> Any:
+    """The one place a plugin is constructed: the class ``context.kind`` /
+    ``context.name`` (``key``: the config key that selected it, named by
+    the ConfigError when nothing has that name), its validated settings
+    (``plugins.<kind>.<name>``; ``settings`` when the caller validated them
+    already), then ``cls(settings, context)``, or the kind's older shape
+    for a class written to one. A ``ValueError`` or ``TypeError`` it raises
+    is a ConfigError naming ``plugins.<kind>.<name>``."""
+    kind, name, config = context.kind, context.name, context.config
+    if cls is None:
+        try:
+            cls = context.plugins.get(kind, name)
+        except PluginError as e:
+            raise ConfigError(f"config key '{key}': {e}") from None
+    if settings is _UNSET:
+        settings = plugin_settings(kind, name, cls, (config.plugins.get(kind) or {}).get(name))
+    if new_shape(cls):
+        args, kwargs = (settings, context), {}
+    else:
+        args, kwargs = OLD_SHAPES[kind](settings, context)
+        if _own_old_shape(cls) and not (context.plugins is not None and name in context.plugins.builtin_names(kind)):
+            msg = (f"{kind} {name!r} ({cls.__module__}.{cls.__qualname__}) is constructed in the older "
+                   f"per-kind shape; write its constructor as __init__(self, settings, context) "
+                   f"(fdx.core.interfaces.BuildContext, docs/plugins.md)")
+            warnings.warn(msg, DeprecationWarning, stacklevel=2)
+            if cls not in _warned:                  # the log says it once a class
+                _warned.add(cls)
+                log.warning("%s", msg)
+    log.debug("built %s %s: %s.%s", kind, name, cls.__module__, cls.__qualname__)
+    try:
+        return cls(*args, **kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        if str(e).startswith("config key "):               # it named the key itself
+            raise ConfigError(str(e)) from None
+        raise ConfigError(f"config key 'plugins.{kind}.{name}': {e}") from None

@@ -28,8 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fdx.core.config import ConfigError, FdxConfig, configured_settings
-from fdx.core.interfaces import Proposal, Proposer
+from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.interfaces import BuildContext, Proposal, Proposer
 
 log = logging.getLogger("fdx.spec")
 
@@ -365,8 +365,9 @@ class Speculation:
             raise ConfigError(f"config key 'speculative.method': {e}") from None
         if not (isinstance(cls, type) and issubclass(cls, Proposer)):
             raise ConfigError(f"config key 'speculative.method': {name!r} is not a Proposer subclass")
-        settings = configured_settings(config, "proposer", name, cls)
-        self.proposer: Proposer = cls(config, vocab_size, settings)
+        from fdx.core.plugins import make_plugin
+        self.proposer: Proposer = make_plugin(BuildContext(config, plugins, "proposer", name, vocab_size=vocab_size),
+                                              "speculative.method", cls=cls)
         # a proposer that drafts for the whole step at once (overrides Proposer.propose_batch)
         self.batches = type(self.proposer).propose_batch is not Proposer.propose_batch
         self.k = sc.num_speculative_tokens

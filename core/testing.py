@@ -409,17 +409,24 @@ def check_logits_processor(name: str, params: list[SamplingParams], *, vocab_siz
         assigned = [params[i] for i in order] * 2
         schedule = join_leave_schedule(rng, len(assigned), num_steps)
         try:
-            _run_processor_schedule(cls, name, assigned, schedule, rng, cfg, tokenizer, vocab_size, settings)
+            _run_processor_schedule(pm, cls, name, assigned, schedule, rng, cfg, tokenizer, vocab_size, settings)
         except AssertionError as e:
             raise AssertionError(
                 f"{e}\nparameter order {order} (request q<i> has params[order[i % {len(params)}]]); "
                 f"batch rows per step (request indices): {schedule}") from None
 
 
-def _run_processor_schedule(cls, name, assigned, schedule, rng, cfg, tokenizer, vocab_size, settings) -> None:
-    batch_proc = cls(cfg, tokenizer, vocab_size, settings)
+def _run_processor_schedule(pm, cls, name, assigned, schedule, rng, cfg, tokenizer, vocab_size, settings) -> None:
+    from fdx.core.interfaces import BuildContext
+    from fdx.core.plugins import make_plugin
+
+    def make():                                  # as the engine builds it (settings None: the config's)
+        ctx = BuildContext(cfg, pm, "logits_processor", name, tokenizer=tokenizer, vocab_size=vocab_size)
+        return make_plugin(ctx, "decoding.logits_processors", cls=cls,
+                           **({} if settings is None else {"settings": settings}))
+    batch_proc = make()
     rids = [f"q{i}" for i in range(len(assigned))]
-    solo = {rid: cls(cfg, tokenizer, vocab_size, settings) for rid in rids}
+    solo = {rid: make() for rid in rids}
     outputs = {rid: [] for rid in rids}
     rows_state = {rid: RowState(rid, assigned[i], [int(t) for t in rng.integers(1, vocab_size, int(rng.integers(1, 6)))],
                                 outputs[rid]) for i, rid in enumerate(rids)}

@@ -9,8 +9,9 @@ import logging
 from typing import Any
 
 from fdx.model_io.loader import Checkpoint, GGUFBlocks, load_checkpoint
-from fdx.core.config import ConfigError, FdxConfig, configured_settings
-from fdx.core.interfaces import Model, WeightFormat
+from fdx.core.plugins import make_plugin, new_shape
+from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.interfaces import BuildContext, Model, WeightFormat
 from fdx.core.kernels import REFERENCE, KernelTable
 from fdx.core.plugins import PluginError, PluginManager
 
@@ -29,11 +30,7 @@ def weight_format(config: FdxConfig, plugins: PluginManager, kernels: KernelTabl
         cls = plugins.get("weight_format", name)
     except PluginError as e:
         raise ConfigError(f"config key '{KEY}': {e}") from None
-    settings = configured_settings(config, "weight_format", name, cls)
-    try:
-        return cls(kernels, settings)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"config key 'plugins.weight_format.{name}': {e}") from None
+    return make_plugin(BuildContext(config, plugins, "weight_format", name, kernels=kernels), KEY, cls=cls)
 
 
 def _takes_weight_format(cls: Any) -> bool:
@@ -53,25 +50,23 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
     ckpt = load_checkpoint(config.model.model, progress=progress, keep_blocks=fmt.keeps_blocks,
                            defer_tokenizer=defer_tokenizer)
     arch, cls = model_class(ckpt, plugins, config)
-    try:
-        if _takes_weight_format(cls):
-            model = cls(ckpt.config, ckpt.weights, weight_format=fmt)
-        elif config.model.quantization not in ("none", "auto"):
-            raise ConfigError(f"config key '{KEY}': the model class {cls.__name__} ({arch}) takes float32 "
-                              "weights only (its constructor has no weight_format argument); use none or auto")
-        else:           # auto, the default, is none for a class that takes float32 only
-            if any(isinstance(w, GGUFBlocks) for w in ckpt.weights.values()):
-                log.info("%s (%s) takes float32 weights only: model.quantization auto dequantizes the file's "
-                         "blocks at load", cls.__name__, arch)
-                ckpt.weights = {k: w.dequantize() if isinstance(w, GGUFBlocks) else w
-                                for k, w in ckpt.weights.items()}
-            model = cls(ckpt.config, ckpt.weights)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        if str(e).startswith("config key "):
-            raise ConfigError(str(e)) from None
-        raise
+
+    def make(weight_format=None):
+        return make_plugin(BuildContext(config, plugins, "model", arch, kernels=kernels, hf_config=ckpt.config,
+                                        weights=ckpt.weights, weight_format=weight_format), "model.model", cls=cls)
+    if cls.takes_weight_format if new_shape(cls) else _takes_weight_format(cls):
+        model = make(fmt)
+    elif config.model.quantization not in ("none", "auto"):
+        raise ConfigError(f"config key '{KEY}': the model class {cls.__name__} ({arch}) takes float32 "
+                          "weights only (Model.takes_weight_format is False, or its constructor has no weight_format "
+                          "argument); use none or auto")
+    else:               # auto, the default, is none for a class that takes float32 only
+        if any(isinstance(w, GGUFBlocks) for w in ckpt.weights.values()):
+            log.info("%s (%s) takes float32 weights only: model.quantization auto dequantizes the file's "
+                     "blocks at load", cls.__name__, arch)
+            ckpt.weights = {k: w.dequantize() if isinstance(w, GGUFBlocks) else w
+                            for k, w in ckpt.weights.items()}
+        model = make()
     if config.model.moe_router is not None:
         _set_moe_router(model, arch, config, plugins)
     ckpt.weights = {}
@@ -93,9 +88,9 @@ def _set_moe_router(model: Any, arch: str, config: FdxConfig, plugins: PluginMan
         cls = plugins.get("moe_router", name)
     except PluginError as e:
         raise ConfigError(f"config key 'model.moe_router': {e}") from None
-    settings = configured_settings(config, "moe_router", name, cls)
+    router = make_plugin(BuildContext(config, plugins, "moe_router", name, moe=model.moe), "model.moe_router", cls=cls)
     try:
-        model.set_router(cls(model.moe, settings))
+        model.set_router(router)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config key 'plugins.moe_router.{name}': {e}") from None
 

@@ -430,6 +430,44 @@ def test_outside_token_processor_sampler_and_runner(tiny, ex, pm):
     assert eng.runner.closed
 
 
+def test_every_kind_the_engine_builds_goes_through_make_plugin(tiny, ex, pm, caplog, tmp_path):
+    """Issue 36 item 2: one constructor path. Outside plugins of every kind an
+    engine builds, selected by config, end to end through LLM: each is
+    constructed by ``fdx.core.plugins.make_plugin`` (its log line names kind,
+    name and class; so are the built-in parts), every one of them in the
+    ``(settings, context)`` shape but example-fifo, the package's one
+    older-shape class, which goes through the adapter with the only
+    DeprecationWarning; every selected part is the outside class."""
+    import logging
+    caplog.set_level(logging.DEBUG, logger="fdx.plugins")
+    selected = {"backend": "fakedev", "attention_backend": "example-naive", "weight_format": "example-int8",
+                "kv_cache": "example-blocks", "kv_scheduler": "example-fifo", "queue_policy": "shortest-first",
+                "admission_rule": "tenant-cap", "preemption_policy": "most-output",
+                "token_processor": "example-no-repeat", "logits_processor": "stop-after",
+                "observer": "example-recorder", "proposer": "example-lookback"}
+    with pytest.warns(DeprecationWarning, match=r"kv_scheduler 'example-fifo' .*older per-kind shape") as warned:
+        llm = make_llm(tiny, plugins=pm, backend="fakedev", quantization="example-int8", kv_cache="example-blocks",
+                       kv_scheduler="example-fifo", policy="shortest-first", admission=["tenant-cap"],
+                       preemption="most-output", token_processor="example-no-repeat",
+                       logits_processors=["stop-after"], observers=["example-recorder"],
+                       speculative_config={"method": "example-lookback", "num_speculative_tokens": 2},
+                       **{"plugins.observer.example-recorder": {"path": str(tmp_path / "records.jsonl")}})
+    assert {str(w.message).split("'")[1] for w in warned if "older per-kind shape" in str(w.message)} == {"example-fifo"}
+    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert all(o.outputs[0].token_ids for o in outs)
+    built = {(r.args[0], r.args[1]): r.args[2] + "." + r.args[3] for r in caplog.records
+             if r.name == "fdx.plugins" and r.msg.startswith("built ")}
+    for kind, name in selected.items():
+        cls = pm.get(kind, name)
+        assert built.get((kind, name)) == f"{cls.__module__}.{cls.__qualname__}", (kind, name)
+    # the built-in parts this engine chose went the same way
+    assert {"sampler", "model_runner", "model"} <= {kind for kind, _ in built}
+    eng = llm.engine
+    assert type(eng.backend).__name__ == "FakeDevice" and type(eng.speculation.proposer).__name__ == "LookbackProposer"
+    assert (tmp_path / "records.jsonl").read_text().count('"finished"') == len(PROMPTS)
+    llm.close()
+
+
 def test_outside_activation_function_equals_a_transformers_hook(tiny_checkpoints, pm):
     from test_llm import hf_greedy
     path, hf = tiny_checkpoints["LlamaForCausalLM"]

@@ -238,8 +238,8 @@ def test_kinds_built_outside_the_assembly_get_their_validated_settings():
                           **{"plugins.weight_format.settings-format": {"bits": 4},
                              "plugins.tool_parser.settings-tools": {"bits": 2}})
     assert weight_format(cfg, pm).settings == Bits(4)
-    cls, settings = chat_parser(pm, cfg, "tool_parser", "tool_call_parser")
-    assert cls is MyTools and settings == Bits(2)
+    parser = chat_parser(pm, cfg, "tool_parser", "tool_call_parser")
+    assert parser.cls is MyTools and parser.settings == Bits(2)
     bad = FdxConfig.build(quantization="settings-format", **{"plugins.weight_format.settings-format": {"bitz": 4}})
     with pytest.raises(ConfigError, match="plugins.weight_format.settings-format.bitz"):
         weight_format(bad, pm)
@@ -300,3 +300,114 @@ def test_the_old_scheduler_names_are_aliases_with_a_warning(caplog, monkeypatch)
     assert Assembly(cfg, pm).settings("kv_scheduler", "v0").kv_cache_ratio == 0.5
     with pytest.raises(ConfigError, match="plugins.kv_scheduler.v0.kv_cache_ratio"):
         Assembly(FdxConfig.build(kv_scheduler="v0", **{"plugins.resource_manager.v0": {"kv_cache_ratio": 2}}), pm)
+
+
+def test_make_plugin_one_shape_an_adapter_for_the_old_ones_and_errors_naming_the_key():
+    """Issue 36 item 2: ``make_plugin`` calls a ``(settings, context)`` class
+    so, with its validated settings and the context; an outside class in
+    its kind's older shape through the adapter, with a DeprecationWarning
+    naming it (a built-in one silently); an unknown name is a ConfigError
+    naming the selecting key, a bad setting one naming
+    ``plugins.<kind>.<name>.<key>``, a constructor's ValueError one naming
+    ``plugins.<kind>.<name>``."""
+    import warnings
+    from dataclasses import dataclass
+
+    from fdx.core.config import ConfigError, FdxConfig
+    from fdx.core.interfaces import BuildContext, LoRALoader, Proposer
+    from fdx.core.plugins import get_plugin_manager, make_plugin, new_shape
+
+    @dataclass
+    class Limit:
+        limit: int = 3
+
+    class NewProposer(Proposer):
+        Settings = Limit
+
+        def __init__(self, settings, context):
+            if settings.limit < 1:
+                raise ValueError("limit must be >= 1")
+            super().__init__(context.config, context.vocab_size, settings)
+
+        def propose(self, request_id, token_ids, k, hidden_states=None):
+            return list(token_ids[-self.settings.limit:])[:k]
+
+    class OldProposer(NewProposer):
+        def __init__(self, config, vocab_size, settings=None):
+            Proposer.__init__(self, config, vocab_size, settings)
+
+    class Loader(LoRALoader):                    # the base's (settings=None, context=None): the new shape
+        def load(self, path):
+            return None
+
+    class Plugin:
+        @hookimpl
+        def fdx_register_proposers(self, register):
+            register("new-p", NewProposer)
+            register("old-p", OldProposer)
+
+        @hookimpl
+        def fdx_register_lora_loaders(self, register):
+            register("my-loader", Loader)
+    pm = PluginManager(load_entry_points=False)
+    pm.add_plugin(Plugin(), name="shapes")
+    assert new_shape(NewProposer) and new_shape(Loader) and not new_shape(OldProposer)
+    cfg = FdxConfig.build(**{"plugins.proposer.new-p": {"limit": 2}})
+
+    def make(name, config=cfg, kind="proposer"):
+        return make_plugin(BuildContext(config, pm, kind, name, vocab_size=99), "speculative.method")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # the new shape warns of nothing
+        p = make("new-p")
+        assert make("my-loader", kind="lora_loader").settings == {}
+    assert (p.settings, p.vocab_size, p.config) == (Limit(2), 99, cfg)
+    assert p.propose("r", [1, 2, 3, 4], 4) == [3, 4]
+    with pytest.warns(DeprecationWarning, match=r"proposer 'old-p' .*OldProposer.* older per-kind shape"):
+        old = make("old-p")
+    assert (old.settings, old.vocab_size) == (Limit(), 99)
+    with warnings.catch_warnings():              # a built-in in an older shape: no warning
+        warnings.simplefilter("error")
+        make_plugin(BuildContext(cfg, get_plugin_manager(), "proposer", "ngram", vocab_size=99), "speculative.method")
+    with pytest.raises(ConfigError, match=r"config key 'speculative.method': .*no-such"):
+        make("no-such")
+    with pytest.raises(ConfigError, match=r"plugins\.proposer\.new-p\.limit"):
+        make("new-p", FdxConfig.build(**{"plugins.proposer.new-p": {"limit": "x"}}))
+    with pytest.raises(ConfigError, match=r"config key 'plugins\.proposer\.new-p': limit must be >= 1"):
+        make("new-p", FdxConfig.build(**{"plugins.proposer.new-p": {"limit": 0}}))
+
+
+def test_an_observer_is_called_only_for_the_hooks_it_overrides():
+    """``Observer`` declares the four observer hooks with defaults; the
+    engine calls only those a class overrides (``observes``), never reads
+    them with getattr, and refuses a registered observer that is no
+    ``Observer``."""
+    from fdx.core.assembly import Assembly
+    from fdx.core.config import ConfigError, FdxConfig
+    from fdx.core.interfaces import Observer
+
+    seen = []
+
+    class Finished(Observer):                    # one hook; Observer's own constructor
+        def fdx_request_finished(self, request):
+            seen.append(request)
+
+    class NotAnObserver:
+        def __init__(self, config, settings=None):
+            pass
+
+    class Plugin:
+        @hookimpl
+        def fdx_register_observers(self, register):
+            register("finished-only", Finished)
+            register("not-an-observer", NotAnObserver)
+    pm = PluginManager(load_entry_points=False)
+    pm.add_plugin(Plugin(), name="observers")
+    (obs,) = Assembly(FdxConfig.build(observers=["finished-only"]), pm).observers()
+    assert obs.name == "finished-only"
+    assert obs.observes("fdx_request_finished") and not obs.observes("fdx_step_finished")
+    assert pm.has_observers("fdx_request_finished", [obs])
+    pm.notify("fdx_step_finished", [obs], scheduler_output=None, step_stats=None, context=None)
+    pm.notify("fdx_request_finished", [obs], request="r1", output=None)
+    assert seen == ["r1"]
+    with pytest.raises(ConfigError, match=r"observability\.observers.*not-an-observer.*does not subclass"):
+        Assembly(FdxConfig.build(observers=["not-an-observer"]), pm).observers()

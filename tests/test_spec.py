@@ -14,7 +14,7 @@ import pytest
 from fdx import LLM, SamplingParams
 from fdx.core.config import ConfigError, FdxConfig
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import Proposal, Proposer
+from fdx.core.interfaces import Observer, Proposal, Proposer
 from fdx.core.plugins import PluginManager
 from fdx.core.spec import CostGate, ProposerError, accept_sampled, rejection_sample
 from fdx.core.testing import check_proposer
@@ -510,8 +510,7 @@ def test_step_stats_count_the_steps_drafts(tiny):
     def fdx_step_finished(step_stats):
         seen.append(step_stats)
 
-    llm.engine.observers.append(types.SimpleNamespace(name="t", close=lambda: None,
-                                                      fdx_step_finished=fdx_step_finished))
+    llm.engine.observers.append(type("T", (Observer,), {"fdx_step_finished": staticmethod(fdx_step_finished)})(None))
     llm.generate(prompts, GREEDY)
     c = llm.engine.speculation.counters
     assert sum(s.spec_num_drafts for s in seen) == c.num_drafts > 0
@@ -605,8 +604,7 @@ def test_guided_greedy_equal_with_speculation_and_matchers_roll_back(tiny_smollm
                 assert (masks[0] == masks[1]).all(), (rid, len(outs[rid]))
                 checked.append(rid)
 
-        llm.engine.observers.append(types.SimpleNamespace(name="t", close=lambda: None,
-                                                          fdx_step_finished=fdx_step_finished))
+        llm.engine.observers.append(type("T", (Observer,), {"fdx_step_finished": staticmethod(fdx_step_finished)})(None))
         outs = llm.generate(prompts, sps)
         got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
         spec_state = llm.engine.speculation

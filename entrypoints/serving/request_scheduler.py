@@ -11,8 +11,9 @@ from __future__ import annotations
 def wrap_engine(config, engine, metrics, plugins):
     """``engine`` as the configured request scheduler wraps it (``plugins``:
     the API process's plugin manager)."""
-    from fdx.core.config import ConfigError, configured_settings
-    from fdx.core.interfaces import RequestScheduler
+    from fdx.core.plugins import make_plugin
+    from fdx.core.config import ConfigError
+    from fdx.core.interfaces import BuildContext, RequestScheduler
     from fdx.core.plugins import PluginError
     name = config.scheduler.request_scheduler
     try:
@@ -24,8 +25,5 @@ def wrap_engine(config, engine, metrics, plugins):
                           "(fdx.core.interfaces.RequestScheduler)")
     if not cls.wraps:
         return engine
-    settings = configured_settings(config, "request_scheduler", name, cls)
-    try:
-        return cls(config, engine, metrics, settings)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"config key 'plugins.request_scheduler.{name}': {e}") from None
+    return make_plugin(BuildContext(config, plugins, "request_scheduler", name, engine=engine, metrics=metrics),
+                       "scheduler.request_scheduler", cls=cls)

@@ -153,8 +153,8 @@ class PaddleBlockAttention(AttentionBackend):
     layout = "block_major"
     status = "Paddle block_multihead_attention (new prompts and decodes), the ops/ reference for the rest"
 
-    def __init__(self, settings=None):
-        super().__init__(settings)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
         self.kernel_state = "untried"            # "works", or why it failed
 
     def build_metadata(self, query_lens, context_lens, block_tables, spec: KVCacheSpec, num_heads: int):

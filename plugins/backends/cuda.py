@@ -37,8 +37,8 @@ class CudaBackend(Backend):
     model_runner = "default"
     dtypes = ("bfloat16", "float16", "float32")
 
-    def __init__(self, settings=None):
-        super().__init__(settings)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
         import paddle
         major, _ = paddle.device.cuda.get_device_capability(0)
         if major < 8:                              # no bfloat16 before Ampere

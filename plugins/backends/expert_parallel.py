@@ -40,14 +40,13 @@ def check(config, cls: type, arch: str, model_config: dict[str, Any]) -> None:
     groups: a ConfigError naming the key that cannot (also the tensor-parallel
     counts of a MoE model, which its ``shard_errors`` knows)."""
     world, groups = config.parallel.tensor_parallel_size, config.parallel.expert_parallel_size
-    errors = getattr(cls, "shard_errors", None)
-    if errors is None:
+    found = cls.shard_errors(model_config, world, groups)       # Model.shard_errors: None without MoE layers
+    if found is None:
         if groups > 1:
             raise ConfigError(f"{KEY}: {groups}: the model {cls.__name__} ({arch}) has no mixture-of-experts "
-                              "layers to split over expert-parallel ranks (it has no shard_errors); "
+                              "layers to split over expert-parallel ranks (Model.shard_errors is None); "
                               "leave it at 1")
         return
-    found = errors(model_config, world, groups)
     if found:
         raise ConfigError(found[0])
 
@@ -71,5 +70,4 @@ def expert_load(model: Any) -> list[list[int]] | None:
     """The last forward's tokens per expert per MoE layer (rank 0 sends it
     back with the step's result: every rank routes every row), or None for
     a model without MoE layers."""
-    load = getattr(model, "last_expert_load", None)
-    return None if load is None else load()
+    return model.last_expert_load()

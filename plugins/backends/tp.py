@@ -519,7 +519,7 @@ class Worker:
         """Load (or, with no path, drop) a LoRA adapter: this rank's shard. A
         refused adapter's reason, or None."""
         if msg.path is None:
-            if getattr(self.model, "supports_lora", False):
+            if self.model.supports_lora:
                 self.model.unload_lora(msg.name)
             return None
         from fdx.core.lora import make_loader, read_adapter

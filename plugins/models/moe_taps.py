@@ -18,11 +18,11 @@ from fdx.core.hookspecs import hookimpl
 # before every other observer of the step.
 @hookimpl(trylast=True)
 def fdx_step_finished(scheduler_output: Any, step_stats: Any, context: Any) -> None:
-    engine = getattr(context, "engine", None)
-    model = getattr(engine, "model", None)
-    source = model if model is not None else getattr(engine, "executor", None)
-    load = getattr(source, "last_expert_load", None)
-    if load is not None and scheduler_output.total_num_scheduled_tokens > 0:
-        value = load()
+    engine = context.engine
+    if engine is None:
+        return
+    source = engine.model if engine.model is not None else engine.executor   # Model / Executor.last_expert_load
+    if scheduler_output.total_num_scheduled_tokens > 0:
+        value = source.last_expert_load()
         if value is not None:
             step_stats.expert_load = value

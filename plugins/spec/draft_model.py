@@ -140,7 +140,7 @@ class DraftModelProposer(Proposer):
         self.attention = assembly.attention()
         # the distribution a sampled request draws from (temperature, top-k/p, min-p), as the target's
         # verification computes it (Sampler.probs); drafts drawn with the engine's seed
-        self.sampler = plugins.get("sampler", "host")(config=dconf)
+        self.sampler = assembly.make("sampler", "host", key=KEY)
         self.rng = np.random.default_rng([dconf.seed, 37])
 
     # -- requests --------------------------------------------------------------------------
@@ -283,7 +283,7 @@ class DraftModelProposer(Proposer):
         layout = BatchLayout(tuple(p[0] for p in parts), tuple(row_starts), tuple(lens), tuple(starts),
                              tuple(rows) if logits else (), (None,) * len(parts))
         meta = self.attention.build_metadata(lens, starts, [p[1].blocks for p in parts], self.spec,
-                                             getattr(self.model, "num_heads", None) or self.spec.num_kv_heads)
+                                             self.model.num_heads)
         attn = AttentionContext(self.attention, meta, None, layout)
         out = self.model.forward(paddle.to_tensor(np.asarray(ids, dtype=np.int64)), attn.positions,
                                  self.kv_caches, attn, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))

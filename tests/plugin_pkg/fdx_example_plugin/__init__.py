@@ -66,6 +66,9 @@ class FifoScheduler(KVScheduler):
     most ``max_first_chunk`` tokens (a setting; chunked prefill only), so a
     long prompt arriving cannot take a whole step from the decodes."""
 
+    # Deliberately in the older per-kind shape, ``(config, settings)``: the one class here that
+    # keeps fdx's adapter for it tested (make_plugin calls it so, with a DeprecationWarning);
+    # every other class in this package is written to ``(settings, context)``.
     def __init__(self, config, settings=None):
         super().__init__(config, settings)
         self.max_first_chunk = self.settings.get("max_first_chunk")
@@ -90,6 +93,9 @@ class FifoScheduler(KVScheduler):
 class ShortestFirst(QueuePolicy):
     """Shortest prompt first; ties by arrival."""
 
+    def __init__(self, settings, context):
+        super().__init__(context.kv_cache, settings)
+
     def key(self, request):
         return (request.num_prompt_tokens,)
 
@@ -105,8 +111,8 @@ class TenantCap(AdmissionRule):
     """At most ``max_running`` running requests per tenant (``extra_args["tenant"]``)."""
     Settings = TenantCapSettings
 
-    def __init__(self, config, settings: TenantCapSettings | None = None):
-        super().__init__(config, settings if settings is not None else TenantCapSettings())
+    def __init__(self, settings: TenantCapSettings, context):
+        super().__init__(context.config, settings)
         self.max_running = self.settings.max_running
 
     @staticmethod
@@ -123,6 +129,9 @@ class TenantCap(AdmissionRule):
 class MostOutput(PreemptionPolicy):
     """The request with the most generated tokens gives way (ties: the newest)."""
 
+    def __init__(self, settings, context):
+        super().__init__(context.config, settings)
+
     def choose_victim(self, running, state):
         return max(reversed(running), key=lambda r: r.num_output_tokens)
 
@@ -132,8 +141,9 @@ class MostOutput(PreemptionPolicy):
 class SimpleBlocks(KVCacheManager):
     """A free list and a block table per request; no sharing."""
 
-    def __init__(self, num_blocks, block_size, config=None, settings=None):
-        super().__init__(num_blocks, block_size, config, settings)
+    def __init__(self, settings, context):
+        num_blocks = context.num_blocks
+        super().__init__(num_blocks, context.block_size, context.config, settings)
         self.free_ids = list(range(num_blocks - 1, -1, -1))   # pops the lowest id first
         self.tables: dict[str, list[int]] = {}
 
@@ -299,8 +309,9 @@ class StopAfter(LogitsProcessor):
     may follow. Counts from the request's own outputs, so a request that
     comes back after a preemption resumes its count."""
 
-    def __init__(self, config, tokenizer, vocab_size, settings=None):
-        super().__init__(config, tokenizer, vocab_size, settings)
+    def __init__(self, settings, context):
+        tokenizer = context.tokenizer
+        super().__init__(context.config, tokenizer, context.vocab_size, settings)
         self.eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())[:1]
         self.limits: dict[str, tuple[int, object]] = {}    # request id -> (n, its live output list)
         self.rows: list[str] = []
@@ -340,8 +351,8 @@ class LayerRecorder(KVConnector):
     forward, ("wait", layer) and ("save", layer, whether ``kv_layer`` is the
     registered KV of that layer)."""
 
-    def __init__(self, config, block_size, settings=None):
-        super().__init__(config, block_size, settings)
+    def __init__(self, settings, context):
+        super().__init__(context.config, context.block_size, settings)
         self.step, self.kv_caches = 0, None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -373,8 +384,8 @@ class MemoryStore(KVConnector):
     by the token prefix they hold, and loads it back for a later request
     with the same prefix (a toy prefix cache beside the pool)."""
 
-    def __init__(self, config, block_size, settings=None):
-        super().__init__(config, block_size, settings)
+    def __init__(self, settings, context):
+        super().__init__(context.config, context.block_size, settings)
         self.store: dict[tuple[int, ...], np.ndarray] = {}
         self.loads, self.saves, self.done = [], [], set()
         self.loaded_blocks = 0
@@ -454,8 +465,8 @@ class SlowStep(LogitsProcessor):
     thread as a slow processor would. fdx's tests use it to make a step
     longer than a timeout, or a stream slower than its client."""
 
-    def __init__(self, config, tokenizer, vocab_size, settings=None):
-        super().__init__(config, tokenizer, vocab_size, settings)
+    def __init__(self, settings, context):
+        super().__init__(context.config, context.tokenizer, context.vocab_size, settings)
         self.sleeps: dict[str, float] = {}
         self.rows: list[str] = []
 
@@ -571,7 +582,11 @@ class TensorInt8(LinearWeight):
 
 class TensorInt8Format(WeightFormat):
     """``model.quantization: example-int8``: float32 checkpoint tensors (GGUF
-    blocks arrive dequantized: keeps_blocks is False) quantized per tensor."""
+    blocks arrive dequantized: keeps_blocks is False) quantized per tensor.
+    Written to the one constructor shape, ``(settings, context)``."""
+
+    def __init__(self, settings, context):
+        super().__init__(context.kernels, settings)
 
     def load(self, name, tensor, role):
         return TensorInt8.quantize(np.asarray(tensor, dtype=np.float32))
@@ -611,8 +626,8 @@ class Recorder(Observer):
     """One JSON line per request added and finished, appended to
     ``settings["path"]`` (flushed at once: another process may read it)."""
 
-    def __init__(self, config, settings=None):
-        super().__init__(config, settings)
+    def __init__(self, settings, context):
+        super().__init__(context.config, settings)
         if "path" not in self.settings:
             raise ValueError("the path setting is required: the file to write to")
         self.file = open(self.settings["path"], "a", buffering=1)

@@ -45,8 +45,9 @@ class NoRepeat(TokenProcessor):
     ``stop_reason`` "repeat"."""
     Settings = NoRepeatSettings
 
-    def __init__(self, tokenizer=None, settings: NoRepeatSettings | None = None):
-        super().__init__(tokenizer, settings if settings is not None else NoRepeatSettings())
+    def __init__(self, settings: NoRepeatSettings, context):
+        tokenizer = context.tokenizer
+        super().__init__(tokenizer, settings)
         from fdx.core.plugins import get_plugin_manager
         self.inner = get_plugin_manager().get("token_processor", "default")(tokenizer)
 
@@ -73,6 +74,9 @@ class NoRepeat(TokenProcessor):
 class Argmax(Sampler):
     """The most likely token of each row, whatever the request's temperature
     (an experiment's sampler); logprobs from the raw logits, in float64."""
+
+    def __init__(self, settings, context):
+        super().__init__(context.config, settings)
 
     def sample(self, logits, batch, raw_logits=None):
         x = np.asarray(logits, dtype=np.float32)
@@ -104,7 +108,8 @@ class CountingRunner(ModelRunner):
     """The ``default`` runner (looked up in the engine's plugin manager),
     counting the tokens each step gives it (``num_tokens``) and its steps."""
 
-    def __init__(self, ctx):
+    def __init__(self, settings, context):
+        ctx = context.runner                     # the RunnerContext (its settings: ctx.settings)
         super().__init__(ctx)
         self.inner = ctx.plugins.get("model_runner", "default")(ctx)
         self.num_tokens = self.num_steps = 0
@@ -129,8 +134,9 @@ class Tally(RequestScheduler):
     """Every request runs in the server's own engine; /metrics counts them
     as ``example_tally_requests_total{event="added"|"finished"|"aborted"}``."""
 
-    def __init__(self, config, engine, metrics, settings=None):
-        super().__init__(config, engine, metrics, settings)
+    def __init__(self, settings, context):
+        metrics = context.metrics
+        super().__init__(context.config, context.engine, metrics, settings)
         from prometheus_client import Counter
         self.counts = Counter("example_tally_requests", "Requests seen by the example-tally request scheduler.",
                               ["event"], registry=metrics.registry)

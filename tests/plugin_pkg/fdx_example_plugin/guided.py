@@ -57,6 +57,9 @@ class ChoiceMatcher(GuidedMatcher):
 class ChoiceBackend(GuidedBackend):
     kinds = ("choice",)
 
+    def __init__(self, settings, context):
+        super().__init__(context.tokenizer, context.vocab_size, context.eos_token_ids, settings)
+
     def compile(self, kind, spec, whitespace_flexible=False):
         if kind != "choice":
             raise ValueError(f"example_choice compiles choices only, not {kind}")

@@ -45,8 +45,9 @@ class ExampleLlamaForCausalLM(Model):
     def parse_config(cls, config):
         return _Shape(config)
 
-    def __init__(self, config, weights):
+    def __init__(self, settings, context):
         import paddle
+        config, weights = context.hf_config, context.weights
         s = self.shape = _Shape(config)
         for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                      "max_position_embeddings"):

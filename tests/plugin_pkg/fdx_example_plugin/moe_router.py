@@ -11,7 +11,8 @@ from fdx.core.hookspecs import hookimpl
 
 
 class UniformTopK:
-    def __init__(self, moe_config, settings: dict):
+    def __init__(self, settings: dict, context):
+        moe_config = context.moe
         self.top_k = int(settings.get("top_k", moe_config.top_k))
         if not 1 <= self.top_k <= moe_config.num_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and {moe_config.num_experts}")

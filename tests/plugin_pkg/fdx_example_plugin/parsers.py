@@ -17,6 +17,9 @@ from fdx.core.interfaces import ReasoningParser, ReasoningResult, ToolCall, Tool
 
 
 class ActionLines(ToolParser):
+    def __init__(self, settings, context):
+        super().__init__(context.tokenizer, context.tools, settings)
+
     def extract(self, text):
         calls, content = [], []
         for line in text.split("\n"):
@@ -40,6 +43,9 @@ class Thoughts(ReasoningParser):
     start = "[[thought]]"
     end = "[[/thought]]"
     implicit_reasoning = True
+
+    def __init__(self, settings, context):
+        super().__init__(context.tokenizer, settings)
 
     def extract(self, text):
         if self.prompt_state is False:

@@ -20,6 +20,9 @@ class LookbackSettings:
 class LookbackProposer(Proposer):
     Settings = LookbackSettings
 
+    def __init__(self, settings, context):
+        super().__init__(context.config, context.vocab_size, settings)
+
     def add_request(self, request_id, prompt_token_ids):
         EVENTS.append(("add", request_id, len(prompt_token_ids)))
 
