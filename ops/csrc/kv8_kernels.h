@@ -48,19 +48,64 @@ inline F16v LoadI8(const int8_t* p) {
 inline F16v LoadF(const float* p) { return *reinterpret_cast<const F16v*>(p); }
 inline void StoreF(float* p, F16v v) { *reinterpret_cast<F16v*>(p) = v; }
 
+typedef int32_t I16v __attribute__((vector_size(64)));
+
+// Lane i of the result: the sum of v[i]'s 16 lanes, for every i by the same tree (lanes l and
+// l + 8, then the 8 partial sums' l and l + 4, then + 2, then + 1), by whole-vector shuffles
+// and adds: 15 adds for 16 sums.
+inline F16v SumLanes16(const F16v* v) {
+  F16v w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)   // lanes 0-7: v[2i]'s l + (l + 8), lanes 8-15: v[2i + 1]'s
+    w[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], I16v{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(v[2 * i], v[2 * i + 1], I16v{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  for (int i = 0; i < 4; ++i)   // 4 lanes a key, keys 4i .. 4i + 3 in order
+    x[i] = __builtin_shuffle(w[2 * i], w[2 * i + 1], I16v{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(w[2 * i], w[2 * i + 1], I16v{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  for (int i = 0; i < 2; ++i)   // 2 lanes a key, keys 8i .. 8i + 7
+    y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], I16v{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+           __builtin_shuffle(x[2 * i], x[2 * i + 1], I16v{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  return __builtin_shuffle(y[0], y[1], I16v{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(y[0], y[1], I16v{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
 inline float RowScale(const int8_t* row, int64_t D) {
   float s;
   std::memcpy(&s, row + D, sizeof(s));
   return s;
 }
 
-// One row of D floats into D int8 values and the scale (layout above).
+// One row of D floats into D int8 values and the scale (layout above). D a multiple of 16:
+// 16 lanes at a time, the same values as the scalar loop (max is exact in any order; the
+// rounding to nearest-even by adding and subtracting 1.5 * 2^23, exact for |r| < 2^22, as
+// nearbyint in the default rounding mode; the division kept, not a reciprocal's product).
 inline void QuantizeRow(const float* x, int64_t D, int8_t* row) {
   float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  if (D % 16 == 0) {
+    F16v m = {};
+    for (int64_t d = 0; d < D; d += 16) {
+      const F16v v = LoadF(x + d);
+      const F16v a = v < 0 ? -v : v;
+      m = m > a ? m : a;
+    }
+    for (int l = 0; l < 16; ++l) amax = std::max(amax, m[l]);
+  } else {
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  }
   const float scale = amax / 127.f;
   if (scale == 0.f) {
     std::memset(row, 0, D);
+  } else if (D % 16 == 0) {
+    const F16v magic = F16v{} + 12582912.f, lo = F16v{} - 127.f, hi = F16v{} + 127.f;
+    for (int64_t d = 0; d < D; d += 16) {
+      F16v r = LoadF(x + d) / scale;
+      r = (r + magic) - magic;
+      r = r < lo ? lo : r;
+      r = r > hi ? hi : r;
+      int8_t out[16];
+#pragma GCC unroll 16
+      for (int l = 0; l < 16; ++l) out[l] = static_cast<int8_t>(r[l]);
+      std::memcpy(row + d, out, 16);
+    }
   } else {
     for (int64_t d = 0; d < D; ++d) {
       const float r = std::nearbyint(x[d] / scale);
@@ -131,39 +176,68 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   }
   w.scores.resize(rows * width);
   float* sc = w.scores.data();
-  w.kt.resize(D * kKeys + width);
+  w.kt.resize(D * kKeys + width);             // a chunk's keys as floats, then each key's V scale
   float* kt = w.kt.data();
   float* vscale = kt + D * kKeys;              // each key's V scale
   // scores[r, j] = (sum_d q_r[d] k_j[d]) * kscale_j, 16 keys per vector
-  for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
-    const int64_t m = std::min(kKeys, n - c0);
-    alignas(64) float ks[kKeys];
-    for (int64_t i = 0; i < kKeys; ++i) {
-      if (i < m) {
-        const int8_t* kr = a.k + krow[c0 + i];
-        ks[i] = RowScale(kr, D);
-        vscale[c0 + i] = RowScale(a.v + krow[c0 + i], D);
-        if constexpr (kD > 0) {
-          for (int64_t c = 0; c < kD / 16; ++c) {
-            const F16v x = LoadI8(kr + 16 * c);
+  if constexpr (kD > 0) {
+    // each chunk's keys converted to floats once, row by row (no transpose); a row's score for
+    // key j: the 16 lanes of the FMA chain over d's vectors in d order, then summed by
+    // SumLanes16's fixed tree; the same operations for a key whatever its chunk or row.
+    float* kf = kt;                            // [kKeys, kD]
+    for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
+      const int64_t m = std::min(kKeys, n - c0);
+      alignas(64) float ks[kKeys];
+      for (int64_t i = 0; i < kKeys; ++i) {
+        if (i < m) {
+          const int8_t* kr = a.k + krow[c0 + i];
+          ks[i] = RowScale(kr, kD);
+          vscale[c0 + i] = RowScale(a.v + krow[c0 + i], kD);
 #pragma GCC unroll 16
-            for (int l = 0; l < 16; ++l) kt[(16 * c + l) * kKeys + i] = x[l];
-          }
+          for (int64_t c = 0; c < kD / 16; ++c) StoreF(kf + i * kD + 16 * c, LoadI8(kr + 16 * c));
         } else {
-          for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = static_cast<float>(kr[d]);
+          ks[i] = 0.f;
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < kD / 16; ++c) StoreF(kf + i * kD + 16 * c, F16v{});
         }
-      } else {
-        ks[i] = 0.f;
-        for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = 0.f;
+      }
+      if (c0 + kKeys < n) __builtin_prefetch(a.k + krow[c0 + kKeys]);
+      const F16v kscale = LoadF(ks);
+      for (int64_t r = std::max<int64_t>(0, c0 - first) * G; r < rows; ++r) {  // rows whose token sees key c0
+        F16v qv[kD / 16], part[kKeys];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < kD / 16; ++c) qv[c] = LoadF(qs + r * kD + 16 * c);
+        for (int64_t i = 0; i < kKeys; ++i) {
+          F16v acc = qv[0] * LoadF(kf + i * kD);
+#pragma GCC unroll 16
+          for (int64_t c = 1; c < kD / 16; ++c) acc += qv[c] * LoadF(kf + i * kD + 16 * c);
+          part[i] = acc;
+        }
+        StoreF(sc + r * width + c0, SumLanes16(part) * kscale);
       }
     }
-    if (c0 + kKeys < n) __builtin_prefetch(a.k + krow[c0 + kKeys]);
-    const F16v kscale = LoadF(ks);
-    for (int64_t r = std::max<int64_t>(0, c0 - first) * G; r < rows; ++r) {  // rows whose token sees key c0
-      const float* qr = qs + r * D;
-      F16v acc = qr[0] * LoadF(kt);
-      for (int64_t d = 1; d < D; ++d) acc += qr[d] * LoadF(kt + d * kKeys);
-      StoreF(sc + r * width + c0, acc * kscale);
+  } else {
+    for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
+      const int64_t m = std::min(kKeys, n - c0);
+      alignas(64) float ks[kKeys];
+      for (int64_t i = 0; i < kKeys; ++i) {
+        if (i < m) {
+          const int8_t* kr = a.k + krow[c0 + i];
+          ks[i] = RowScale(kr, D);
+          vscale[c0 + i] = RowScale(a.v + krow[c0 + i], D);
+          for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = static_cast<float>(kr[d]);
+        } else {
+          ks[i] = 0.f;
+          for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = 0.f;
+        }
+      }
+      const F16v kscale = LoadF(ks);
+      for (int64_t r = std::max<int64_t>(0, c0 - first) * G; r < rows; ++r) {
+        const float* qr = qs + r * D;
+        F16v acc = qr[0] * LoadF(kt);
+        for (int64_t d = 1; d < D; ++d) acc += qr[d] * LoadF(kt + d * kKeys);
+        StoreF(sc + r * width + c0, acc * kscale);
+      }
     }
   }
   // softmax numerators times each key's V scale; inv[r] = 1 / the row's sum
