@@ -171,3 +171,33 @@ def test_q8_0_with_a_kv_connector_is_a_config_error_naming_the_key(tiny_checkpoi
     with pytest.raises(ConfigError, match=r"cache\.kv_cache_dtype.*kv_connector"):
         LLM(str(tiny_checkpoints["LlamaForCausalLM"][0]), max_model_len=64, num_kv_blocks=16, progress=False,
             kv_cache_dtype="q8_0", kv_connector="swap")
+
+
+# --- fdx bench perplexity --kl-divergence ---------------------------------------------------------
+
+def test_kl_divergence_perplexities_equal_the_engines_own_on_each_cache(tiny_checkpoints):
+    """kv_divergence runs the model itself into a float32 and an int8 cache; its two
+    perplexities must be what the engine's prompt logprobs give (fdx bench perplexity's
+    measure, through the scheduler) with a float and with an int8 KV cache, on the same chunks
+    at the same prefill chunking; the KL is 0 against itself and above 0 with int8."""
+    import math
+
+    from fdx.entrypoints.bench.perplexity import kv_divergence, perplexity
+    path = str(tiny_checkpoints["LlamaForCausalLM"][0])
+    ids = np.random.default_rng(4).integers(0, 1000, 100).tolist()
+    kw = dict(max_model_len=40, num_kv_blocks=48, block_size=4, progress=False, max_num_batched_tokens=8)
+    got = {}
+    for dtype in ("auto", "int8"):
+        llm = LLM(path, kv_cache_dtype=dtype, **kw)
+        try:
+            got[dtype] = (perplexity(llm, ids, ctx=32, bos=1)["perplexity"],
+                          kv_divergence(llm, ids, ctx=32, bos=1, step=8))
+        finally:
+            llm.close()
+    ppl_float, same = got["auto"]
+    ppl_int8, r = got["int8"]
+    assert same["kl_mean"] == 0 and same["top1_agree"] == 1 and same["perplexity"] == same["perplexity_reference"]
+    assert r["tokens_scored"] == 3 * 15 and r["kv_cache_dtype"] == "int8"
+    assert math.isclose(r["perplexity_reference"], ppl_float, rel_tol=1e-4)
+    assert math.isclose(r["perplexity"], ppl_int8, rel_tol=1e-4)
+    assert 0 < r["kl_mean"] < 0.05 and r["kl_max"] >= r["kl_p99"] >= 0

@@ -1,7 +1,8 @@
 // The 8-bit KV cache (cache.kv_cache_dtype: int8): the KV write that quantizes and the
 // paged attention that reads int8 rows and dequantizes them in registers. Free of Paddle
 // (bound in fdx_ops.cc), compiled with the build's flags (-march=native: AVX-512 or AVX2
-// vectors from the GCC vector types below; the baseline under FDX_PORTABLE_KERNELS).
+// vectors from the GCC vector types below, the int8 loads and stores by the build's
+// intrinsics where it has AVX-512 or AVX2; the baseline under FDX_PORTABLE_KERNELS).
 //
 // Row layout (fdx/core/interfaces.py KVCacheSpec, dtype "int8"): the cache tensors are int8
 // [KVH * num_slots, D + 4], the row of (kv head h, slot s) at h * num_slots + s as in the
@@ -10,14 +11,15 @@
 // q = round-half-even(x / scale), in [-127, 127]; an all-zero row has scale 0.
 // One scale per row (not llama.cpp's q8_0 blocks of 32 with an f16 scale each): the score
 // q . k is then one dot product over the converted int8 values times one scale (16 keys a
-// vector, from a transposed chunk), and a V row enters P.V as one FMA per 16 values with
-// p_j * scale_j folded in, no per-32 scale in the inner loops; the bytes are q8_0's at
-// head_dim 64 (68 per row).
+// vector, their lanes summed by SumLanes16's tree), and a V row enters P.V as one FMA per
+// 16 values with p_j * scale_j folded in, no per-32 scale in the inner loops; the bytes are
+// q8_0's at head_dim 64 (68 per row). cache.kv_cache_dtype q8_0 is taken for this layout.
 //
 // The attention is batch-invariant by construction: a work item is a tile of up to 16 query
 // tokens of one sequence against one kv head (their G query heads), and each row's
-// reductions (the score's FMA chain over d, the softmax and the P.V sum over keys in key
-// order) are the same operations whatever tile, item or thread the row falls in. So
+// reductions (the score's FMA chains over d and its lane tree, the softmax's max and its
+// lane sums over the keys in key order, and the P.V sum over keys in key order) are the same
+// operations whatever tile, item, register group or thread the row falls in. So
 // backend.batch_invariant and the default path run the same code.
 #pragma once
 
@@ -30,25 +32,80 @@
 
 #include <omp.h>
 
-#include "paged_attention_kernel.h"   // ExpNonPositive
+#if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(FDX_NO_X86)
+#include <immintrin.h>
+#endif
+
+#include "paged_attention_kernel.h"   // ExpNonPositive (the steps ExpNonPositive16 vectorizes)
 
 namespace fdx::kv8 {
 
 typedef float F16v __attribute__((vector_size(64), aligned(4), may_alias));
 
-// 16 int8 values as floats. Written as a loop: GCC 12 lowers __builtin_convertvector from 16
-// bytes to 16 floats to scalar loads and converts, this loop to vpmovsx + vcvtdq2ps.
+typedef int32_t I16v __attribute__((vector_size(64)));
+
+// 16 int8 values as floats. GCC 12 widens int8 vectors (by __builtin_convertvector or a
+// loop) with scalar loads and converts, a few times slower than the attention's arithmetic:
+// the sign-extending loads of the build's instruction set where it has them (the same values).
 inline F16v LoadI8(const int8_t* p) {
+#if defined(__AVX512F__) && !defined(FDX_NO_X86)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  F16v v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+#elif defined(__AVX2__) && !defined(FDX_NO_X86)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  F16v v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+#else
   float r[16];
   for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
   F16v v;
   std::memcpy(&v, r, sizeof(v));
   return v;
+#endif
 }
 inline F16v LoadF(const float* p) { return *reinterpret_cast<const F16v*>(p); }
 inline void StoreF(float* p, F16v v) { *reinterpret_cast<F16v*>(p) = v; }
 
-typedef int32_t I16v __attribute__((vector_size(64)));
+// 16 floats holding integers in [-127, 127] stored as int8 (exact).
+inline void StoreI8(int8_t* p, F16v r) {
+#if defined(__AVX512F__) && !defined(FDX_NO_X86)
+  __m512 f;
+  std::memcpy(&f, &r, sizeof(f));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(f)));
+#else
+  const I16v i = __builtin_convertvector(r, I16v);
+  for (int l = 0; l < 16; ++l) p[l] = static_cast<int8_t>(i[l]);
+#endif
+}
+
+// ExpNonPositive (paged_attention_kernel.h) on 16 lanes, the same steps (the floor by a
+// truncating convert and a correction, exact), for the softmax's numerators: each lane's
+// value depends on its input only.
+inline F16v ExpNonPositive16(F16v x) {
+  const F16v lo = F16v{} - 87.0f;
+  const F16v xc = x < lo ? lo : x;
+  const F16v t = xc * 1.44269504f + 0.5f;
+  const F16v tr = __builtin_convertvector(__builtin_convertvector(t, I16v), F16v);
+  const F16v n = tr > t ? tr - 1.f : tr;
+  const F16v r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  F16v q = F16v{} + 1.f / 720.f;
+  q = q * r + 1.f / 120.f;
+  q = q * r + 1.f / 24.f;
+  q = q * r + 1.f / 6.f;
+  q = q * r + 0.5f;
+  q = q * r + 1.f;
+  q = q * r + 1.f;
+  const I16v bits = (__builtin_convertvector(n, I16v) + 127) << 23;
+  F16v scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < lo ? F16v{} : q * scale;
+}
 
 // Lane i of the result: the sum of v[i]'s 16 lanes, for every i by the same tree (lanes l and
 // l + 8, then the 8 partial sums' l and l + 4, then + 2, then + 1), by whole-vector shuffles
@@ -101,10 +158,7 @@ inline void QuantizeRow(const float* x, int64_t D, int8_t* row) {
       r = (r + magic) - magic;
       r = r < lo ? lo : r;
       r = r > hi ? hi : r;
-      int8_t out[16];
-#pragma GCC unroll 16
-      for (int l = 0; l < 16; ++l) out[l] = static_cast<int8_t>(r[l]);
-      std::memcpy(row + d, out, 16);
+      StoreI8(row + d, r);
     }
   } else {
     for (int64_t d = 0; d < D; ++d) {
@@ -147,6 +201,34 @@ struct Scratch {
 
 constexpr int64_t kTile = 16;   // query tokens per work item
 constexpr int64_t kKeys = 16;   // keys per chunk: one vector of scores
+constexpr int64_t kPvRows = 4;  // score rows whose P.V accumulators stay in registers together
+
+// o[rr] += sum_i p[rr * width + i] * vf[i] over m keys (float rows [m, kD]), for kR rows, each
+// row's sum in key order, one FMA a key and value (as one row alone would do it).
+template <int64_t kD, int64_t kR>
+inline void PvRows(const float* p, int64_t width, const float* vf, int64_t m, float* o) {
+  constexpr int64_t kV = kD / 16;
+  F16v reg[kR][kV];
+#pragma GCC unroll 4
+  for (int64_t rr = 0; rr < kR; ++rr)
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kV; ++v) reg[rr][v] = LoadF(o + rr * kD + 16 * v);
+  for (int64_t i = 0; i < m; ++i) {
+    F16v vv[kV];
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kV; ++v) vv[v] = LoadF(vf + i * kD + 16 * v);
+#pragma GCC unroll 4
+    for (int64_t rr = 0; rr < kR; ++rr) {
+      const float pr = p[rr * width + i];
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < kV; ++v) reg[rr][v] += pr * vv[v];
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t rr = 0; rr < kR; ++rr)
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kV; ++v) StoreF(o + rr * kD + 16 * v, reg[rr][v]);
+}
 
 // Query tokens [t0, t0 + tq) of sequence s (token t at position ctx + t sees keys 0..ctx + t)
 // against kv head h: their G query heads each, row r = (t - t0) * G + g. Each key chunk is
@@ -244,34 +326,63 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   w.acc.assign(rows * D + rows, 0.f);
   float* acc = w.acc.data();
   float* inv = acc + rows * D;
+  for (int64_t j = n; j < width; ++j) vscale[j] = 0.f;
+  const I16v iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const F16v neg_inf = F16v{} - INFINITY;
   for (int64_t r = 0; r < rows; ++r) {
+    // 16 keys a vector; lanes of keys the row does not see are 0 (they add +-0 to P.V: nothing).
+    // The sum: 16 lane sums over the chunks in key order, then the lanes in lane order.
     float* row = sc + r * width;
     const int64_t valid = first + r / G + 1;
-    float mx = row[0];
-    for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
-    for (int64_t j = 0; j < valid; ++j) row[j] = ExpNonPositive(row[j] - mx);   // vectorized: no reduction
-    float sum = 0.f;
-    for (int64_t j = 0; j < valid; ++j) sum += row[j];                   // in key order
-    inv[r] = 1.f / sum;
-    for (int64_t j = 0; j < valid; ++j) row[j] *= vscale[j];
-  }
-  // acc[r] = sum_j p[r, j] v_j over the row's keys, in key order
-  for (int64_t j = 0; j < n; ++j) {
-    const int8_t* vr = a.v + krow[j];
-    if (j + 2 < n) __builtin_prefetch(a.v + krow[j + 2]);
-    const int64_t r0 = std::max<int64_t>(0, j - first) * G;
-    if constexpr (kD > 0) {
-      F16v vv[kD / 16];
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < kD / 16; ++c) vv[c] = LoadI8(vr + 16 * c);
-      for (int64_t r = r0; r < rows; ++r) {
-        const float p = sc[r * width + j];
-        float* o = acc + r * kD;
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < kD / 16; ++c) StoreF(o + 16 * c, LoadF(o + 16 * c) + p * vv[c]);
+    F16v m = neg_inf;
+    for (int64_t c0 = 0; c0 < valid; c0 += kKeys) {
+      const F16v x = LoadF(row + c0);
+      m = (iota + static_cast<int32_t>(c0) < static_cast<int32_t>(valid) && x > m) ? x : m;
+    }
+    float mx = m[0];
+    for (int l = 1; l < 16; ++l) mx = std::max(mx, m[l]);
+    F16v sum = {};
+    for (int64_t c0 = 0; c0 < width; c0 += kKeys) {
+      if (c0 >= valid) {
+        StoreF(row + c0, F16v{});
+        continue;
       }
-    } else {
-      for (int64_t r = r0; r < rows; ++r) {
+      const F16v e = ExpNonPositive16(LoadF(row + c0) - mx);
+      const F16v p = iota + static_cast<int32_t>(c0) < static_cast<int32_t>(valid) ? e : F16v{};
+      sum += p;
+      StoreF(row + c0, p * LoadF(vscale + c0));
+    }
+    float total = sum[0];
+    for (int l = 1; l < 16; ++l) total += sum[l];
+    inv[r] = 1.f / total;
+  }
+  // acc[r] = sum_j p[r, j] v_j over the row's keys, in key order (one FMA a key and value)
+  if constexpr (kD > 0) {
+    // a chunk's V rows converted to floats once; rows kR at a time, accumulators in registers
+    float* vf = kt;                            // [kKeys, kD]
+    for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
+      const int64_t m = std::min(kKeys, n - c0);
+      for (int64_t i = 0; i < m; ++i) {
+        const int8_t* vr = a.v + krow[c0 + i];
+        if (c0 + i + kKeys < n) __builtin_prefetch(a.v + krow[c0 + i + kKeys]);
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < kD / 16; ++c) StoreF(vf + i * kD + 16 * c, LoadI8(vr + 16 * c));
+      }
+      for (int64_t r = std::max<int64_t>(0, c0 - first) * G; r < rows; r += kPvRows) {  // rows that see key c0
+        const float* p = sc + r * width + c0;
+        float* o = acc + r * kD;
+        switch (std::min(kPvRows, rows - r)) {
+          case 1: PvRows<kD, 1>(p, width, vf, m, o); break;
+          case 2: PvRows<kD, 2>(p, width, vf, m, o); break;
+          case 3: PvRows<kD, 3>(p, width, vf, m, o); break;
+          default: PvRows<kD, 4>(p, width, vf, m, o); break;
+        }
+      }
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const int8_t* vr = a.v + krow[j];
+      for (int64_t r = std::max<int64_t>(0, j - first) * G; r < rows; ++r) {
         const float p = sc[r * width + j];
         float* o = acc + r * D;
         for (int64_t d = 0; d < D; ++d) o[d] += p * static_cast<float>(vr[d]);
