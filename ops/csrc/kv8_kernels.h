@@ -201,35 +201,6 @@ struct Scratch {
 
 constexpr int64_t kTile = 16;   // query tokens per work item
 constexpr int64_t kKeys = 16;   // keys per chunk: one vector of scores
-constexpr int64_t kPvRows = 4;  // score rows whose P.V accumulators stay in registers together
-
-// o[rr] += sum_i p[rr * width + i] * vf[i] over m keys (float rows [m, kD]), for kR rows, each
-// row's sum in key order, one FMA a key and value (as one row alone would do it).
-template <int64_t kD, int64_t kR>
-inline void PvRows(const float* p, int64_t width, const float* vf, int64_t m, float* o) {
-  constexpr int64_t kV = kD / 16;
-  F16v reg[kR][kV];
-#pragma GCC unroll 4
-  for (int64_t rr = 0; rr < kR; ++rr)
-#pragma GCC unroll 16
-    for (int64_t v = 0; v < kV; ++v) reg[rr][v] = LoadF(o + rr * kD + 16 * v);
-  for (int64_t i = 0; i < m; ++i) {
-    F16v vv[kV];
-#pragma GCC unroll 16
-    for (int64_t v = 0; v < kV; ++v) vv[v] = LoadF(vf + i * kD + 16 * v);
-#pragma GCC unroll 4
-    for (int64_t rr = 0; rr < kR; ++rr) {
-      const float pr = p[rr * width + i];
-#pragma GCC unroll 16
-      for (int64_t v = 0; v < kV; ++v) reg[rr][v] += pr * vv[v];
-    }
-  }
-#pragma GCC unroll 4
-  for (int64_t rr = 0; rr < kR; ++rr)
-#pragma GCC unroll 16
-    for (int64_t v = 0; v < kV; ++v) StoreF(o + rr * kD + 16 * v, reg[rr][v]);
-}
-
 // Query tokens [t0, t0 + tq) of sequence s (token t at position ctx + t sees keys 0..ctx + t)
 // against kv head h: their G query heads each, row r = (t - t0) * G + g. Each key chunk is
 // dequantized and transposed once for all rows; a row's score for key j is the FMA chain
@@ -258,9 +229,14 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   }
   w.scores.resize(rows * width);
   float* sc = w.scores.data();
-  w.kt.resize(D * kKeys + width);             // a chunk's keys as floats, then each key's V scale
+  w.kt.resize(D * kKeys + 2 * width);         // a chunk's keys (or values) as floats, the keys' V and K scales
   float* kt = w.kt.data();
   float* vscale = kt + D * kKeys;              // each key's V scale
+  float* kscales = vscale + width;              // and K scale; 0 past the n keys
+  for (int64_t j = 0; j < width; ++j) {
+    kscales[j] = j < n ? RowScale(a.k + krow[j], D) : 0.f;
+    vscale[j] = j < n ? RowScale(a.v + krow[j], D) : 0.f;
+  }
   // scores[r, j] = (sum_d q_r[d] k_j[d]) * kscale_j, 16 keys per vector
   if constexpr (kD > 0) {
     // each chunk's keys converted to floats once, row by row (no transpose); a row's score for
@@ -269,22 +245,12 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
     float* kf = kt;                            // [kKeys, kD]
     for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
       const int64_t m = std::min(kKeys, n - c0);
-      alignas(64) float ks[kKeys];
-      for (int64_t i = 0; i < kKeys; ++i) {
-        if (i < m) {
-          const int8_t* kr = a.k + krow[c0 + i];
-          ks[i] = RowScale(kr, kD);
-          vscale[c0 + i] = RowScale(a.v + krow[c0 + i], kD);
+      for (int64_t i = 0; i < kKeys; ++i)
 #pragma GCC unroll 16
-          for (int64_t c = 0; c < kD / 16; ++c) StoreF(kf + i * kD + 16 * c, LoadI8(kr + 16 * c));
-        } else {
-          ks[i] = 0.f;
-#pragma GCC unroll 16
-          for (int64_t c = 0; c < kD / 16; ++c) StoreF(kf + i * kD + 16 * c, F16v{});
-        }
-      }
+        for (int64_t c = 0; c < kD / 16; ++c)
+          StoreF(kf + i * kD + 16 * c, i < m ? LoadI8(a.k + krow[c0 + i] + 16 * c) : F16v{});
       if (c0 + kKeys < n) __builtin_prefetch(a.k + krow[c0 + kKeys]);
-      const F16v kscale = LoadF(ks);
+      const F16v kscale = LoadF(kscales + c0);
       for (int64_t r = std::max<int64_t>(0, c0 - first) * G; r < rows; ++r) {  // rows whose token sees key c0
         F16v qv[kD / 16], part[kKeys];
 #pragma GCC unroll 16
@@ -301,19 +267,9 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   } else {
     for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
       const int64_t m = std::min(kKeys, n - c0);
-      alignas(64) float ks[kKeys];
-      for (int64_t i = 0; i < kKeys; ++i) {
-        if (i < m) {
-          const int8_t* kr = a.k + krow[c0 + i];
-          ks[i] = RowScale(kr, D);
-          vscale[c0 + i] = RowScale(a.v + krow[c0 + i], D);
-          for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = static_cast<float>(kr[d]);
-        } else {
-          ks[i] = 0.f;
-          for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = 0.f;
-        }
-      }
-      const F16v kscale = LoadF(ks);
+      for (int64_t i = 0; i < kKeys; ++i)
+        for (int64_t d = 0; d < D; ++d) kt[d * kKeys + i] = i < m ? static_cast<float>(a.k[krow[c0 + i] + d]) : 0.f;
+      const F16v kscale = LoadF(kscales + c0);
       for (int64_t r = std::max<int64_t>(0, c0 - first) * G; r < rows; ++r) {
         const float* qr = qs + r * D;
         F16v acc = qr[0] * LoadF(kt);
@@ -326,7 +282,6 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   w.acc.assign(rows * D + rows, 0.f);
   float* acc = w.acc.data();
   float* inv = acc + rows * D;
-  for (int64_t j = n; j < width; ++j) vscale[j] = 0.f;
   const I16v iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const F16v neg_inf = F16v{} - INFINITY;
   for (int64_t r = 0; r < rows; ++r) {
@@ -358,8 +313,10 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
   }
   // acc[r] = sum_j p[r, j] v_j over the row's keys, in key order (one FMA a key and value)
   if constexpr (kD > 0) {
-    // a chunk's V rows converted to floats once; rows kR at a time, accumulators in registers
+    // a chunk's V rows converted to floats once; rows kPvRows at a time, accumulators in registers
+    // (the float kernel's PvGroup: each row's sum in key order, one FMA a key and value)
     float* vf = kt;                            // [kKeys, kD]
+    const float* vrows[kKeys];
     for (int64_t c0 = 0; c0 < n; c0 += kKeys) {
       const int64_t m = std::min(kKeys, n - c0);
       for (int64_t i = 0; i < m; ++i) {
@@ -367,15 +324,16 @@ void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scr
         if (c0 + i + kKeys < n) __builtin_prefetch(a.v + krow[c0 + i + kKeys]);
 #pragma GCC unroll 16
         for (int64_t c = 0; c < kD / 16; ++c) StoreF(vf + i * kD + 16 * c, LoadI8(vr + 16 * c));
+        vrows[i] = vf + i * kD;
       }
       for (int64_t r = std::max<int64_t>(0, c0 - first) * G; r < rows; r += kPvRows) {  // rows that see key c0
         const float* p = sc + r * width + c0;
         float* o = acc + r * kD;
         switch (std::min(kPvRows, rows - r)) {
-          case 1: PvRows<kD, 1>(p, width, vf, m, o); break;
-          case 2: PvRows<kD, 2>(p, width, vf, m, o); break;
-          case 3: PvRows<kD, 3>(p, width, vf, m, o); break;
-          default: PvRows<kD, 4>(p, width, vf, m, o); break;
+          case 1: PvGroup<kD, 1>(p, width, vrows, m, o, nullptr); break;
+          case 2: PvGroup<kD, 2>(p, width, vrows, m, o, nullptr); break;
+          case 3: PvGroup<kD, 3>(p, width, vrows, m, o, nullptr); break;
+          default: PvGroup<kD, 4>(p, width, vrows, m, o, nullptr); break;
         }
       }
     }
