@@ -203,9 +203,10 @@ constexpr int64_t kTile = 16;   // query tokens per work item
 constexpr int64_t kKeys = 16;   // keys per chunk: one vector of scores
 // Query tokens [t0, t0 + tq) of sequence s (token t at position ctx + t sees keys 0..ctx + t)
 // against kv head h: their G query heads each, row r = (t - t0) * G + g. Each key chunk is
-// dequantized and transposed once for all rows; a row's score for key j is the FMA chain
-// over d of q[d] * k_j[d] in d order, times k_j's scale; its softmax and its P.V sum run
-// over its own keys in key order. kD > 0: head_dim fixed at compile time (a multiple of 16).
+// converted to floats once for all rows; a row's score for key j is, with kD > 0 (head_dim
+// fixed at compile time, a multiple of 16), the FMA chain over d's 16-lane vectors and then
+// SumLanes16's tree, else the scalar FMA chain over d from a transposed chunk, times k_j's
+// scale; its softmax and its P.V sum run over its own keys in key order.
 template <int64_t kD>
 void AttendTile(const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scratch& w) {
   const int64_t D = kD > 0 ? kD : a.head_dim, R = D + 4, G = a.group, bs = a.block_size;
