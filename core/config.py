@@ -11,7 +11,7 @@ import logging
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 log = logging.getLogger("fdx.config")
 
@@ -55,8 +55,14 @@ class CacheConfig(_Section):
     memory_fraction: float = Field(0.1, gt=0, le=0.95)
     kv_connector: str | None = None            # KV connector plugin name; None: none
     # the KV cache's element type: auto (the model's dtype) or int8 (CPU backend: per (token, kv head) row
-    # head_dim int8 values + one float32 scale, about 3.8x less than float32 at head_dim 64; docs/backends.md)
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    # head_dim int8 values + one float32 scale, about 3.8x less than float32 at head_dim 64; docs/backends.md);
+    # q8_0 (llama.cpp's -ctk/-ctv name) is taken for int8: the same bytes at head_dim 64, one scale a row
+    kv_cache_dtype: Literal["auto", "int8", "q8_0"] = "auto"
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _q8_0_is_int8(cls, value: str) -> str:
+        return "int8" if value == "q8_0" else value
 
 
 class SchedulerConfig(_Section):

@@ -47,7 +47,8 @@ _ALIAS_FLAGS = {
                                 "the host's memory)"),
     "--kv-cache-dtype": ("kv_cache_dtype", str,
                          "vLLM: the KV cache's element type: auto (the model's dtype) or int8 (CPU backend: "
-                         "8-bit rows with a float32 scale each, about a quarter of float32's bytes; "
+                         "8-bit rows with a float32 scale each, about a quarter of float32's bytes; q8_0, "
+                         "llama.cpp's name, is taken for int8; "
                          "cache.kv_cache_dtype; default: auto)"),
     "--num-gpu-blocks-override": ("num_kv_blocks", int, "vLLM/FastDeploy: = --num-kv-blocks (default: sized by "
                                                          "cache.memory_fraction)"),

@@ -708,11 +708,14 @@ def _part_tensor(w) -> paddle.Tensor:
 def _fill_layer(entry, binding: _Stack, keep: list, input_norm, post_norm, weights, variants, biases, q_norm,
                 k_norm, k_cache, v_cache) -> None:
     """One FdxStackLayer: pointers to the layer's tensors (held in ``keep``), each part's (kind, build, rows, cols)."""
-    vectors = [input_norm, post_norm, k_cache, v_cache, *biases, q_norm, k_norm]
+    vectors = [input_norm, post_norm, *biases, q_norm, k_norm]
     for t in vectors:
         if t is not None and (t.dtype != paddle.float32 or not t.is_contiguous()):
-            raise ValueError("decoder_stack: norms, biases and caches must be contiguous float32")
-    keep += [t for t in vectors if t is not None]
+            raise ValueError("decoder_stack: norms and biases must be contiguous float32")
+    if k_cache.dtype not in (paddle.float32, paddle.int8) or v_cache.dtype != k_cache.dtype \
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decoder_stack: the caches must be contiguous, both float32 or both int8")
+    keep += [t for t in [*vectors, k_cache, v_cache] if t is not None]
     entry.input_norm, entry.post_norm = input_norm.data_ptr(), post_norm.data_ptr()
     entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
     for i, b in enumerate(biases):
@@ -753,12 +756,24 @@ class StackLayers:
         self.neox = bool(first.rope.is_neox_style)
         self.hidden = int(first.input_norm.shape[0])
         self.num_slots = int(kv_caches[0][0].shape[0]) // first.num_kv_heads
+        self.kv8 = _kv8_caches(kv_caches, self.head_dim)
         self.first_cache = kv_caches[0][0]
         self.cache_ptr = self.first_cache.data_ptr()
 
     def valid_for(self, kv_caches: list) -> bool:
         """Whether the caches are still the ones (and the memory) this table points at."""
         return kv_caches[0][0] is self.first_cache and self.first_cache.data_ptr() == self.cache_ptr
+
+
+def _kv8_caches(kv_caches: list, head_dim: int) -> bool:
+    """Whether the caches are int8 (cache.kv_cache_dtype int8: rows of head_dim int8 values and a
+    float32 scale, csrc/kv8_kernels.h) rather than float32; ValueError for a mix or a wrong width."""
+    kinds = {k.dtype for kv in kv_caches for k in kv}
+    int8 = kinds == {paddle.int8}
+    if len(kinds) != 1 or any(int(k.shape[1]) != head_dim + 4 * int8 for kv in kv_caches for k in kv):
+        raise ValueError(f"decoder_stack: every cache float32 [rows, {head_dim}] or every one int8 "
+                         f"[rows, {head_dim + 4}]")
+    return int8
 
 
 def stack_layers(layers: list, variants: list[list[list[str]]], kv_caches: list) -> StackLayers:
@@ -795,7 +810,7 @@ def _run(binding: _Stack, table, first: int, count: int, x, out, residual, resid
     step.num_heads, step.num_kv_heads, step.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
     step.rotary_dim, step.block_size, step.num_slots = shape.rotary_dim, int(block_size), shape.num_slots
     step.max_pos, step.neox, step.eps, step.scale = shape.cos.shape[0], int(shape.neox), shape.eps, shape.scale
-    step.invariant, step.residual_in = int(invariant), int(residual_in)
+    step.invariant, step.residual_in, step.kv8 = int(invariant), int(residual_in), int(shape.kv8)
     err = ctypes.create_string_buffer(256)
     if binding.fn(ctypes.byref(step), err, len(err)) != 0:
         raise ValueError(f"decoder_stack: {err.value.decode()}")
@@ -842,7 +857,8 @@ class _OneLayer:
         _fill_layer(self.table[0], binding, self.keep, input_norm, post_norm, weights, variants, biases, q_norm,
                     k_norm, k_cache, v_cache)
         self.num_heads, self.num_kv_heads = int(num_heads), int(num_kv_heads)
-        self.head_dim = int(k_cache.shape[1])
+        self.kv8 = _kv8_caches([(k_cache, v_cache)], int(k_cache.shape[1]) - 4 * (k_cache.dtype == paddle.int8))
+        self.head_dim = int(k_cache.shape[1]) - 4 * self.kv8
         self.rotary_dim, self.neox, self.eps, self.scale = int(rotary_dim), bool(neox), float(eps), float(scale)
         self.cos, self.sin = cos, sin
         self.hidden = int(input_norm.shape[0])
@@ -892,7 +908,11 @@ def decoder_layer(
     fdx.ops.quant.QuantizedTensor of DECODER_LAYER_KINDS or a float32
     [in, out] tensor; ``variants``: the build ("avx2", ...) of each part, in
     the same nesting; ``biases``: each weight's [rows] bias or None. Float
-    tensors float32. ``invariant``: the batch-invariant attention."""
+    tensors float32; the caches float32 [KVH * num_slots, head_dim], or both
+    int8 [KVH * num_slots, head_dim + 4] (cache.kv_cache_dtype int8: written
+    quantized and read by csrc/kv8_kernels.h, as rope_write_kv and
+    paged_attention do for such caches). ``invariant``: the batch-invariant
+    attention (the int8 one is invariant either way)."""
     binding = _stack_binding()
     one = _OneLayer(binding, input_norm, post_norm, weights, variants, biases, q_norm, k_norm, k_cache, v_cache,
                     cos, sin, num_heads, num_kv_heads, rotary_dim, neox, eps, scale)

@@ -31,7 +31,10 @@ over every row in batch order; fewer rows than
 fdx.ops.cpp.QUANT_BLAS_MIN_ROWS, or than ``f32_blas_min_rows`` of the
 float32 build when a weight is float32 (any count under
 ``backend.batch_invariant``); float32 activations; for the stack, one shape
-and one rotary table for all layers. ``FDX_FUSED_LAYERS=0`` turns it off
+and one rotary table for all layers. An int8 KV cache (cache.kv_cache_dtype int8) is served too:
+the layers write K/V quantized and attend over the int8 rows (csrc/kv8_kernels.h,
+by the kernels the composed path calls for such a cache: the same bits).
+``FDX_FUSED_LAYERS=0`` turns it off
 (every layer composed: the A/B switch of docs/benchmarks.md).
 
 It is not part of ``AttentionBackend``: attention backends own attention
@@ -119,7 +122,7 @@ class _Port:
 
     def decoder_stack(self, x, layers, kv_caches, meta):
         metadata = meta.metadata
-        if not layers or any(f is None for f in layers) or not self.fits(x, metadata) or _int8_kv(kv_caches[0]):
+        if not layers or any(f is None for f in layers) or not self.fits(x, metadata):
             return None
         key = (kernels.active(), [id(f) for f in layers])
         cached = self._stack
@@ -143,7 +146,7 @@ class _Port:
 
     def decoder_layer(self, x, residual, layer, kv_cache, meta):
         metadata = meta.metadata
-        if layer is None or not self.fits(x, metadata) or _int8_kv(kv_cache):
+        if layer is None or not self.fits(x, metadata):
             return None
         if layer.has_float and not self.f32_rows(metadata.num_tokens):
             return None
@@ -157,13 +160,6 @@ class _Port:
                                  layer.num_kv_heads, getattr(rope, "rotary_dim", layer.head_dim),
                                  metadata.block_size, rope.is_neox_style, layer.eps, layer.scale,
                                  layer.biases, layer.q_norm, layer.k_norm, kernels.active().batch_invariant)
-
-
-def _int8_kv(kv_cache) -> bool:
-    """An int8 KV cache (cache.kv_cache_dtype int8): the port's layers attend over float32
-    caches only (csrc/decoder_layer.h), so such a step runs its layers composed, where the
-    attention backend reads the int8 cache (csrc/kv8_kernels.h)."""
-    return kv_cache[0].dtype == paddle.int8
 
 
 _PORT = _Port()

@@ -16,6 +16,16 @@ domain), Project Gutenberg's transcription, which the PyPI package
 (``tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt``, 567 kB, about
 150k SmolLM2 tokens); it is installed with xgrammar. Figures are reported,
 never asserted.
+
+``--kl-divergence`` (llama-perplexity's name) measures what the KV cache's
+element type costs (cache.kv_cache_dtype int8 / q8_0): the engine's model
+and kernels run each chunk twice, into a float32 KV cache (the reference)
+and into one of the configured type, ``--kl-step`` tokens a forward (later
+steps read the earlier ones from the cache, as decode steps do); reported:
+both perplexities over the same scored tokens, the KL divergence
+KL(float || configured) of the full next-token distributions at each scored
+position (mean, 99th percentile, max; float64 from the float32 logits) and
+how often the argmax agrees. With the float cache configured it is 0.
 """
 from __future__ import annotations
 
@@ -86,6 +96,64 @@ def perplexity(llm, ids: list[int], ctx: int = 512, max_chunks: int | None = Non
             "weight_bytes": eng.executor.weight_bytes()}
 
 
+def kv_divergence(llm, ids: list[int], ctx: int = 512, max_chunks: int | None = None, bos: int | None = None,
+                  step: int = 128) -> dict:
+    """The configured KV cache's type against a float32 one (module docstring): ``llm`` an
+    ``LLM`` on the cpu backend without tensor parallelism; chunks as ``perplexity``'s."""
+    import numpy as np
+    import paddle
+
+    from fdx.core import kernels
+    from fdx.core.interfaces import AttentionContext, KVCacheSpec
+    chunks = chunk_prompts(ids, ctx, bos, max_chunks)
+    eng = llm.engine
+    ex, spec0 = eng.executor, eng.kv_spec
+    if step < 1:
+        raise ValueError(f"--kl-step must be positive, got {step}")
+    if not hasattr(ex, "model") or not hasattr(ex, "attention"):
+        raise ValueError("--kl-divergence needs the engine's model in this process (no tensor parallelism)")
+    n_blocks = -(-ctx // spec0.block_size)
+    dtypes = {"reference": "float32", "configured": spec0.dtype}
+    caches = {side: ex.backend.allocate_kv_cache(KVCacheSpec(spec0.num_layers, spec0.num_kv_heads, spec0.head_dim,
+                                                             n_blocks, spec0.block_size, d))
+              for side, d in dtypes.items()}
+    scored = scored_positions(ctx)
+    nll = {side: 0.0 for side in dtypes}
+    kl, top1 = [], 0
+    t0 = time.perf_counter()
+    with paddle.no_grad(), kernels.using(ex.backend.kernels):
+        for chunk in chunks:
+            for start in range(0, ctx - 1, step):
+                q = min(step, ctx - 1 - start)         # positions start .. start + q - 1 predict the next token
+                want = [j for j in range(start, start + q) if j + 1 in scored]
+                logp = {}
+                for side, cache in caches.items():
+                    meta = ex.attention.build_metadata([q], [start], [list(range(n_blocks))],
+                                                       KVCacheSpec(spec0.num_layers, spec0.num_kv_heads,
+                                                                   spec0.head_dim, n_blocks, spec0.block_size,
+                                                                   dtypes[side]), ex.model.num_heads)
+                    out = ex.model.forward(paddle.to_tensor(np.asarray(chunk[start:start + q], dtype=np.int64)),
+                                           meta.positions, cache, AttentionContext(ex.attention, meta),
+                                           paddle.to_tensor(np.asarray([j - start for j in want] or [q - 1], dtype=np.int64)))
+                    if not want:
+                        continue
+                    z = out.numpy().astype(np.float64)
+                    z -= z.max(-1, keepdims=True)
+                    logp[side] = z - np.log(np.exp(z).sum(-1, keepdims=True))
+                    nll[side] -= logp[side][np.arange(len(want)), [chunk[j + 1] for j in want]].sum()
+                if want:
+                    ref, got = logp["reference"], logp["configured"]
+                    kl.append((np.exp(ref) * (ref - got)).sum(-1))
+                    top1 += int((ref.argmax(-1) == got.argmax(-1)).sum())
+    kl = np.concatenate(kl)
+    n = len(kl)
+    return {"kv_cache_dtype": spec0.dtype, "reference_kv_cache_dtype": "float32", "ctx": ctx, "chunks": len(chunks),
+            "step": step, "tokens_scored": n, "perplexity_reference": math.exp(nll["reference"] / n),
+            "perplexity": math.exp(nll["configured"] / n), "kl_mean": float(kl.mean()),
+            "kl_p99": float(np.quantile(kl, 0.99)), "kl_max": float(kl.max()), "top1_agree": top1 / n,
+            "seconds": time.perf_counter() - t0}
+
+
 _LLAMA_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 
 
@@ -116,7 +184,19 @@ def format_perplexity(r: dict) -> str:
         f"  weights          {format_bytes(r['weight_bytes'])}" if r["weight_bytes"] else "",
         (f"  llama-perplexity {r['llama.cpp']['perplexity']:.4f} +/- {r['llama.cpp']['stderr_estimate']:.4f} "
          f"(fdx / llama.cpp {r['perplexity'] / r['llama.cpp']['perplexity']:.4f})") if "llama.cpp" in r else "",
+        format_divergence(r["kl"]) if "kl" in r else "",
     ]).rstrip()
+
+
+def format_divergence(k: dict) -> str:
+    return "\n".join([
+        f"  KV {k['kv_cache_dtype']} against {k['reference_kv_cache_dtype']} ({k['chunks']} chunks, "
+        f"{k['step']} tokens a forward, {k['tokens_scored']} tokens scored):",
+        f"    perplexity     {k['perplexity']:.4f} against {k['perplexity_reference']:.4f} "
+        f"({100 * (k['perplexity'] / k['perplexity_reference'] - 1):+.2f}%)",
+        f"    KL divergence  mean {k['kl_mean']:.5f}, p99 {k['kl_p99']:.4f}, max {k['kl_max']:.4f} nats",
+        f"    same argmax    {100 * k['top1_agree']:.1f}%",
+    ])
 
 
 def cmd(args) -> int:
@@ -131,6 +211,8 @@ def cmd(args) -> int:
     bos = tok.bos_token_id if tok.add_bos_token else None
     r = perplexity(llm, ids, args.ctx, args.chunks, bos)
     r["text"] = text_path
+    if args.kl_divergence:
+        r["kl"] = kv_divergence(llm, ids, args.ctx, args.chunks, bos, args.kl_step)
     if args.llama_cpp:                     # the same file, text and chunking through llama.cpp
         from fdx.entrypoints.bench import load_peers
         from fdx.model_io.loader import check_model_path
@@ -155,6 +237,13 @@ def add_parser(bench_subparsers) -> None:
                         "as fdx bench peers builds it; default: off)")
     p.add_argument("--llama-sdist", default=None,
                    help="with --llama-cpp: the llama-cpp-python sdist to build from (default: cached, else pip download)")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="also the configured KV cache type (--kv-cache-dtype int8) against a float32 KV cache: "
+                        "both perplexities and the KL divergence of the next-token distributions on the same "
+                        "chunks (cpu backend, no tensor parallelism; default: off)")
+    p.add_argument("--kl-step", type=int, default=128,
+                   help="with --kl-divergence: tokens a forward, later ones reading the earlier from the cache "
+                        "(default: 128)")
     p.add_argument("--json", action="store_true", help="print every figure as JSON (default: a table)")
     _add_engine_args(p)
     p.set_defaults(func=cmd)

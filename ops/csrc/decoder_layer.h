@@ -8,6 +8,9 @@
 //   q, k = rms_norm per head (Qwen3's q_norm, k_norm, when given)
 //   q = rope(q); k, v -> paged caches          (RopeWriteKv)
 //   a = paged_attention(q)                     (PagedAttention, paged_attention_kernel.h)
+//     (an int8 cache, LayerArgs::kv8: k, v rotated into a float buffer of the step's rows,
+//      quantized into their slots, and the int8 attention: kv8_kernels.h, the calls of
+//      kv8_ops.inc's fdx_rope_write_kv8 and fdx_kv8_attention)
 //   o = a @ wo.T (+ bo)
 //   h = rms_norm(o + residual)
 //   out = silu_and_mul(h @ w_gate_up.T (+ b)) @ w_down.T (+ b)
@@ -29,6 +32,7 @@
 
 #include "f32_kernels.h"
 #include "fused_kernels.h"
+#include "kv8_kernels.h"
 #include "paged_attention_kernel.h"
 #include "quant_kernels.h"
 
@@ -91,10 +95,12 @@ struct LayerArgs {
   float eps;
   float* out;           // [N, hidden]: the MLP output
   float* residual_out;  // [N, hidden]
+  bool kv8;             // rope.k_cache/v_cache and attn.k/v are int8 [KVH * num_slots, D + 4] (kv8_kernels.h)
 };
 
 struct LayerScratch {
-  std::vector<float> h, qkv, q, attn, o, gate_up, act, part;
+  std::vector<float> h, qkv, q, attn, o, gate_up, act, part, kbuf, vbuf;  // kbuf, vbuf: an int8 cache's rows
+  std::vector<int64_t> ident;
 };
 
 inline void DecoderLayer(LayerArgs a, int64_t N) {
@@ -117,10 +123,25 @@ inline void DecoderLayer(LayerArgs a, int64_t N) {
   Product(a.qkv, s.h.data(), N, s.qkv.data(), s.part);
   a.rope.qkv = s.qkv.data();
   a.rope.q_out = s.q.data();
-  RopeWriteKv(a.rope, N);
   a.attn.q = s.q.data();
   a.attn.out = s.attn.data();
-  PagedAttention(a.attn, a.num_seqs, KVH);
+  if (a.kv8) {
+    // token t's head h at row h * N + t of the buffers (slot t of an N-slot cache), then quantized
+    s.kbuf.resize(KVH * N * D), s.vbuf.resize(KVH * N * D), s.ident.resize(N);
+    for (int64_t t = 0; t < N; ++t) s.ident[t] = t;
+    RopeArgs r = a.rope;
+    r.slots = s.ident.data(), r.k_cache = s.kbuf.data(), r.v_cache = s.vbuf.data(), r.num_slots = N;
+    RopeWriteKv(r, N);
+    int8_t* kc = reinterpret_cast<int8_t*>(a.rope.k_cache);
+    int8_t* vc = reinterpret_cast<int8_t*>(a.rope.v_cache);
+    kv8::WriteKv(s.kbuf.data(), s.vbuf.data(), D, N * D, a.rope.slots, N, KVH, D, a.rope.num_slots, kc, vc);
+    const kv8::Args k8{s.q.data(), kc, vc, s.attn.data(), a.attn.seq_info, a.attn.tables, a.attn.table_width,
+                       a.attn.num_heads, a.attn.group, D, a.attn.block_size, a.attn.num_slots, a.attn.scale};
+    kv8::PagedAttention(k8, a.num_seqs, KVH);
+  } else {
+    RopeWriteKv(a.rope, N);
+    PagedAttention(a.attn, a.num_seqs, KVH);
+  }
   Product(a.o, s.attn.data(), N, s.o.data(), s.part);
   // residual_out holds the residual after attention's input norm; add o to it in place
   RmsNorm(s.o.data(), a.residual_out, a.post_norm, a.eps, N, a.hidden, s.h.data(), a.residual_out);

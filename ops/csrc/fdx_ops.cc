@@ -495,6 +495,7 @@ struct FdxStackStep {
   int64_t invariant;    // the batch-invariant attention (backend.batch_invariant)
   int64_t residual_in;  // 1: `residual` holds the residual stream before the first layer (x is then
                         // the previous layer's output, which may be `out` itself); 0: x is the embedding
+  int64_t kv8;          // 1: the layers' caches are int8 [KVH * num_slots, D + 4] (cache.kv_cache_dtype int8)
 };
 
 // The layout of the two structs above, from which ops/cpp.py builds its ctypes structs when
@@ -536,6 +537,7 @@ const char* fdx_stack_layout() {
     FDX_FIELD(FdxStackStep, rotary_dim); FDX_FIELD(FdxStackStep, block_size); FDX_FIELD(FdxStackStep, num_slots);
     FDX_FIELD(FdxStackStep, max_pos); FDX_FIELD(FdxStackStep, neox); FDX_FIELD(FdxStackStep, eps);
     FDX_FIELD(FdxStackStep, scale); FDX_FIELD(FdxStackStep, invariant); FDX_FIELD(FdxStackStep, residual_in);
+    FDX_FIELD(FdxStackStep, kv8);
 #undef FDX_FIELD
     return out;
   }();
@@ -602,6 +604,7 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
   a.eps = s->eps;
   a.out = s->out;
   a.residual_out = s->residual;
+  a.kv8 = s->kv8 != 0;
   for (int64_t l = 0; l < s->num_layers; ++l) {
     const FdxStackLayer& L = s->layers[l];
     fdx::LayerWeight* lw[4] = {&a.qkv, &a.o, &a.gate_up, &a.down};
