@@ -29,6 +29,7 @@
 
 #include "f32_kernels.h"
 #include "fused_kernels.h"
+#include "fused_parts.h"
 #include "paged_attention_kernel.h"
 #include "quant_kernels.h"
 
@@ -57,7 +58,13 @@ struct LayerWeight {
 // several rows beside others through `tmp` (quant::Matmul writes whole rows).
 inline void Product(const LayerWeight& w, const float* x, int64_t N, float* out, std::vector<float>& tmp) {
   int64_t col = 0;
-  for (int i = 0; i < w.num_parts; ++i) {
+  if (quant::PartsOneCall(w.parts, w.num_parts)) {  // fused_parts.h: x quantized once for all the parts
+    quant::Weights q[kMaxParts];
+    for (int i = 0; i < w.num_parts; ++i) q[i] = w.parts[i].q;
+    quant::PartsMatmul(w.parts[0].variant, q, w.num_parts, x, N, out, w.rows, tmp);
+    col = w.rows;
+  }
+  for (int i = 0; i < w.num_parts && col < w.rows; ++i) {
     const WeightPart& p = w.parts[i];
     if (p.kind == kF32Weight) {
       f32::Matmul(p.variant, p.f32, p.cols, p.rows, x, N, out + col, w.rows);
