@@ -19,9 +19,10 @@
 // tensor-parallel reduction: such layers take the composed path (the caller decides).
 //
 // Each of the four weights is one to three parts stacked along its output rows
-// (a q/k/v or gate/up that a file stores in different kinds: Q4_K_M's Q5_0 q and k
-// beside a Q8_0 v), each part GGML blocks (quant_kernels.h) or float32 [in, out]
-// (f32_kernels.h), each writing its own columns of the product.
+// (a q/k/v or gate/up that a file stores in different kinds: Q4_K_M's Q5_0 q and k,
+// one part at load, beside a Q8_0 v), each part GGML blocks (quant_kernels.h) or float32
+// [in, out] (f32_kernels.h), each writing its own columns of the product; block parts of
+// one build in one PartsMatmul (fused_parts.h: the activations quantized once for all).
 #pragma once
 
 #include <cstdint>

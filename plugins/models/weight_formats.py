@@ -21,6 +21,10 @@ holds and multiplies its linear layers, embedding and LM head.
 
 Products go through ``fdx.ops.quant.matmul`` (the compiled kernel the
 backend's table passed for the kind, else the reference that dequantizes).
+Fused q/k/v and gate/up (``fuse``): neighbours of one kind are one
+row-concatenated weight; GGML parts of different kinds a ``BlockStack``,
+multiplied in one compiled call (fdx.ops.parts: each activation row
+quantized once for all its parts).
 A row-parallel shard that would cut a block or group is held in float32
 on that rank (logged), so tensor parallel runs on every file.
 """
