@@ -120,7 +120,8 @@ def probe_kernels(threads: int) -> kernels.KernelTable:
     cpp.prepare()
     if cpp.loaded():
         # FDX_PORTABLE_KERNELS: only the baseline build of the quantized products
-        off = ({n: f"off ({PORTABLE_ENV})" for n in QUANT_KERNELS + F32_KERNELS + MOE_KERNELS if "." in n[4:]}
+        off = ({n: f"off ({PORTABLE_ENV})" for n in QUANT_KERNELS + F32_KERNELS + MOE_KERNELS + PARTS_KERNELS
+                if "." in n[4:]}
                if portable_kernels() else {})
         return probe_table(list(KERNELS), threads, off, cpp.build_dir().name)
     why = cpp.unavailable_reason() or "unavailable"
