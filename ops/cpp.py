@@ -939,3 +939,7 @@ def decoder_layer(
 # (kernel-table names cpp.moe_experts, .avx2, .avx512).
 _HEADERS.append(_CSRC / "moe_kernels.h")
 # --- end of mixture-of-experts ---------------------------------------------------------------------
+
+# --- a fused weight's parts in one product (csrc/fused_parts.h, bound in fused_parts_ops.inc) -----
+# fdx_parts_matmul; fdx.ops.parts drives it (kernel-table names cpp.parts_matmul, .avx2, .avx512).
+_HEADERS += [_CSRC / "fused_parts.h", _CSRC / "fused_parts.inc", _CSRC / "fused_parts_ops.inc"]

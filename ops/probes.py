@@ -416,3 +416,15 @@ def main(argv: list[str] | None = None, probes: dict[str, Callable[[str], None]]
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- a fused weight's parts in one product (fdx.ops.parts) ---------------------------------------
+def _probe_parts(variant: str) -> Callable[[str], None]:
+    def run(dtype: str = "float32") -> None:
+        from fdx.ops.parts import probe
+        probe(variant)
+    return run
+
+
+PROBES.update({"cpp.parts_matmul" + ("" if v == "portable" else "." + v): _probe_parts(v)
+               for v in ("avx512", "avx2", "portable")})

@@ -142,7 +142,7 @@ def test_fused_layer_matches_numpy(kind, first):
     layer, cfg, caches, x, residual = random_case(kind, 1)
     assert layer.fused is not None
     assert [len(parts) for parts in layer.fused.weights] == (
-        [3, 1, 2, 1] if kind.startswith("mixed") else [1, 1, 1, 1])
+        [2, 1, 2, 1] if kind.startswith("mixed") else [1, 1, 1, 1])
     assert (layer.fused.q_norm is not None) == all(b is not None for b in layer.fused.biases) == (
         kind.endswith("-extras"))
     got = run_layer(layer, x, None if first else residual, caches, "fused", best_variant)

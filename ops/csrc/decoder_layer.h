@@ -22,9 +22,10 @@
 // tensor-parallel reduction: such layers take the composed path (the caller decides).
 //
 // Each of the four weights is one to three parts stacked along its output rows
-// (a q/k/v or gate/up that a file stores in different kinds: Q4_K_M's Q5_0 q and k
-// beside a Q8_0 v), each part GGML blocks (quant_kernels.h) or float32 [in, out]
-// (f32_kernels.h), each writing its own columns of the product.
+// (a q/k/v or gate/up that a file stores in different kinds: Q4_K_M's Q5_0 q and k,
+// one part at load, beside a Q8_0 v), each part GGML blocks (quant_kernels.h) or float32
+// [in, out] (f32_kernels.h), each writing its own columns of the product; block parts of
+// one build in one PartsMatmul (fused_parts.h: the activations quantized once for all).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,7 @@
 
 #include "f32_kernels.h"
 #include "fused_kernels.h"
+#include "fused_parts.h"
 #include "kv8_kernels.h"
 #include "paged_attention_kernel.h"
 #include "quant_kernels.h"
@@ -61,7 +63,13 @@ struct LayerWeight {
 // several rows beside others through `tmp` (quant::Matmul writes whole rows).
 inline void Product(const LayerWeight& w, const float* x, int64_t N, float* out, std::vector<float>& tmp) {
   int64_t col = 0;
-  for (int i = 0; i < w.num_parts; ++i) {
+  if (quant::PartsOneCall(w.parts, w.num_parts)) {  // fused_parts.h: x quantized once for all the parts
+    quant::Weights q[kMaxParts];
+    for (int i = 0; i < w.num_parts; ++i) q[i] = w.parts[i].q;
+    quant::PartsMatmul(w.parts[0].variant, q, w.num_parts, x, N, out, w.rows, tmp);
+    col = w.rows;
+  }
+  for (int i = 0; i < w.num_parts && col < w.rows; ++i) {
     const WeightPart& p = w.parts[i];
     if (p.kind == kF32Weight) {
       f32::Matmul(p.variant, p.f32, p.cols, p.rows, x, N, out + col, w.rows);

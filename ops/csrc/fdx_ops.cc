@@ -745,3 +745,6 @@ PD_BUILD_OP(fdx_moe_experts)
     .SetInferShapeFn(PD_INFER_SHAPE(MoeExpertsInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(MoeExpertsInferDtype));
 // --- end of mixture-of-experts ---------------------------------------------------------------
+
+// --- a fused weight's parts in one product (fused_parts.h, bindings in fused_parts_ops.inc) -
+#include "fused_parts_ops.inc"

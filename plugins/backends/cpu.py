@@ -30,8 +30,11 @@ QUANT_KERNELS = tuple(f"cpp.{kind}_matmul{suffix}" for suffix in ("", ".avx2", "
 F32_KERNELS = ("cpp.f32_matmul", "cpp.f32_matmul.avx2", "cpp.f32_matmul.avx512")
 # A mixture-of-experts layer's experts in one call (fdx.ops.moe.MOE_KERNEL_NAMES), AVX-512 last likewise.
 MOE_KERNELS = ("cpp.moe_experts", "cpp.moe_experts.avx2", "cpp.moe_experts.avx512")
+# A fused weight's parts in one product (fdx.ops.parts.PARTS_KERNEL_NAMES), AVX-512 last likewise.
+PARTS_KERNELS = ("cpp.parts_matmul", "cpp.parts_matmul.avx2", "cpp.parts_matmul.avx512")
 COMPILED_KERNELS = ("cpp.rms_norm", "cpp.add_rms_norm", "cpp.silu_and_mul", "cpp.paged_attention",
-                    "cpp.rope_write_kv", "cpp.decoder_layer") + QUANT_KERNELS + F32_KERNELS + MOE_KERNELS
+                    "cpp.rope_write_kv", "cpp.decoder_layer") + QUANT_KERNELS + F32_KERNELS + MOE_KERNELS \
+    + PARTS_KERNELS
 KERNELS = PADDLE_KERNELS + COMPILED_KERNELS
 
 _logged: set[str] = set()
@@ -117,7 +120,8 @@ def probe_kernels(threads: int) -> kernels.KernelTable:
     cpp.prepare()
     if cpp.loaded():
         # FDX_PORTABLE_KERNELS: only the baseline build of the quantized products
-        off = ({n: f"off ({PORTABLE_ENV})" for n in QUANT_KERNELS + F32_KERNELS + MOE_KERNELS if "." in n[4:]}
+        off = ({n: f"off ({PORTABLE_ENV})" for n in QUANT_KERNELS + F32_KERNELS + MOE_KERNELS + PARTS_KERNELS
+                if "." in n[4:]}
                if portable_kernels() else {})
         return probe_table(list(KERNELS), threads, off, cpp.build_dir().name)
     why = cpp.unavailable_reason() or "unavailable"

@@ -232,7 +232,8 @@ class FusedLayer:
     (fdx.ops.layer_port, the model-level kernel port): its norms, its four linear weights,
     their biases, the per-head q/k norms and the attention shape. Each weight
     is one to three parts stacked along its output rows (a q/k/v or gate/up
-    whose parts a file stores in different kinds), each part an
+    whose parts a file stores in different kinds; same-kind neighbours are
+    one part, weight_formats.stack), each part an
     fdx.ops.quant.QuantizedTensor of GGML blocks or a float32 ``[in, out]``
     tensor (the ``none`` format's). ``biases``: each weight's float32 [rows]
     bias or None (Qwen2's q/k/v); ``q_norm``/``k_norm``: float32 [head_dim]

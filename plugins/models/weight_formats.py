@@ -21,6 +21,10 @@ holds and multiplies its linear layers, embedding and LM head.
 
 Products go through ``fdx.ops.quant.matmul`` (the compiled kernel the
 backend's table passed for the kind, else the reference that dequantizes).
+Fused q/k/v and gate/up (``fuse``): neighbours of one kind are one
+row-concatenated weight; GGML parts of different kinds a ``BlockStack``,
+multiplied in one compiled call (fdx.ops.parts: each activation row
+quantized once for all its parts).
 A row-parallel shard that would cut a block or group is held in float32
 on that rank (logged), so tensor parallel runs on every file.
 """
@@ -64,6 +68,13 @@ def _paddle():
     call, four a layer and the LM head); imported on first use, as _quant."""
     import paddle
     return paddle
+
+
+@functools.cache
+def _parts():
+    """fdx.ops.parts (a fused weight's parts in one product), imported on first use, as _quant."""
+    from fdx.ops import parts
+    return parts
 
 
 @functools.cache
@@ -207,7 +218,46 @@ class BlockWeight(LinearWeight):
         qs = [p.q for p in parts]
         scales = None if qs[0].scales is None else np.concatenate([q.scales for q in qs])
         return BlockWeight(_quant().QuantizedTensor(qs[0].kind, (sum(q.shape[0] for q in qs), qs[0].shape[1]),
-                                                    np.concatenate([q.data for q in qs]), scales, qs[0].group_size))
+                                                    np.concatenate([q.plain_data() for q in qs]), scales,
+                                                    qs[0].group_size))
+
+
+class BlockStack(RowStack):
+    """GGML-block weights of different kinds stacked along rows (a Q4_K_M
+    q/k/v: q and k in Q4_K, v in Q6_K), made by ``stack``: multiplied in one
+    compiled call where the kernel table has it (fdx.ops.parts: each
+    activation row quantized once for all the parts), else part by part."""
+
+    def matmul(self, x: Tensor) -> Tensor:
+        if x.dtype == _paddle().float32:
+            out = _parts().matmul(x, [p.q for p in self.parts])
+            if out is not None:
+                return out
+        return super().matmul(x)
+
+    def take_rows(self, index) -> LinearWeight:
+        w = super().take_rows(index)
+        return stack(w.parts) if isinstance(w, RowStack) else w
+
+    def take_cols(self, start: int, stop: int) -> LinearWeight:
+        return stack(super().take_cols(start, stop).parts)
+
+
+def stack(parts: Sequence[LinearWeight]) -> LinearWeight:
+    """Weights stacked along rows as one: neighbours of one block kind (and
+    group) concatenated (rows are independent in GGML blocks), then one
+    weight, a ``BlockStack`` of block weights, or a ``RowStack`` of anything else."""
+    merged: list[LinearWeight] = []
+    for p in parts:
+        last = merged[-1] if merged else None
+        if (isinstance(p, BlockWeight) and isinstance(last, BlockWeight) and last.kind == p.kind
+                and last.q.group_size == p.q.group_size):
+            merged[-1] = BlockWeight.concat([last, p])
+        else:
+            merged.append(p)
+    if len(merged) == 1:
+        return merged[0]
+    return BlockStack(merged) if all(isinstance(p, BlockWeight) for p in merged) else RowStack(merged)
 
 
 def weight_bytes(weights) -> dict[str, int]:
@@ -262,10 +312,7 @@ class _Format(WeightFormat):
             return parts[0]
         if all(type(p) is DenseWeight for p in parts):
             return DenseWeight(paddle.concat([p.t for p in parts], axis=1))
-        if all(isinstance(p, BlockWeight) for p in parts) and len({p.kind for p in parts}) == 1 \
-                and len({p.q.group_size for p in parts}) == 1:
-            return BlockWeight.concat(parts)
-        return RowStack(parts)                # mixed kinds: each part multiplies on its own
+        return stack(parts)                   # one kind: one weight; mixed: a BlockStack (one call) or RowStack
 
     def tied_head(self, embedding: LinearWeight) -> LinearWeight:
         import paddle
