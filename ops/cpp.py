@@ -412,7 +412,8 @@ def kv8_write(k: paddle.Tensor, v: paddle.Tensor, slots: paddle.Tensor, k_cache:
 
 # --- products with quantized weights (csrc/quant_kernels.h) -----------------------------------
 
-QUANT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4")  # = C++ Kind
+QUANT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4",
+               "q2_k", "q3_k")  # = C++ Kind
 QUANT_VARIANTS = ("avx512", "avx2", "portable")            # best first
 _VARIANT_CODE = {"portable": 0, "avx2": 1, "avx512": 2}     # = C++ Variant
 # From this many activation rows a product dequantizes the weight (compiled, threaded)
@@ -442,7 +443,7 @@ QUANT_BLAS_MIN_ROWS = 128
 # never dequantized (no float32 copy of a Q4_K_M file's gate/up in a prefill).
 QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
     "q8_0": None, "q4_0": None, "wint8": None, "wint4": None, "q4_k": None, "q5_k": None, "q6_k": None,
-    "q5_0": 512, "q4_1": 512}
+    "q2_k": None, "q3_k": None, "q5_0": 512, "q4_1": 512}
 
 
 def quant_blas_min_rows(kind: str, variant: str) -> int | None:
