@@ -412,7 +412,8 @@ def kv8_write(k: paddle.Tensor, v: paddle.Tensor, slots: paddle.Tensor, k_cache:
 
 # --- products with quantized weights (csrc/quant_kernels.h) -----------------------------------
 
-QUANT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4")  # = C++ Kind
+QUANT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4",
+               "q2_k", "q3_k")  # = C++ Kind
 QUANT_VARIANTS = ("avx512", "avx2", "portable")            # best first
 _VARIANT_CODE = {"portable": 0, "avx2": 1, "avx512": 2}     # = C++ Variant
 # From this many activation rows a product dequantizes the weight (compiled, threaded)
@@ -439,10 +440,14 @@ QUANT_BLAS_MIN_ROWS = 128
 # and 8192x2048, load 14-17 (bench_kernels --prefill q4_k,q5_k,q6_k --rows 32,128,512
 # --iters 5, --threads 1 --cpu-time and --threads 2): 1 thread 5.2-6.8x at 32 rows,
 # 2.2-2.6x at 128, 1.31-1.51x at 512; 2 threads 1.9-2.6x at 128, 1.45-2.09x at 512:
-# never dequantized (no float32 copy of a Q4_K_M file's gate/up in a prefill).
+# never dequantized (no float32 copy of a Q4_K_M file's gate/up in a prefill). q4_1 and
+# q5_1 take their VNNI tiles (M1VnniMatmul) at every row count: dequantize + BLAS / those
+# tiles, 1 thread, CPU time, load 25 (bench_kernels --prefill q4_1,q5_1 --rows 128,512
+# --iters 5 --threads 1 --cpu-time): q4_1 2.7-3.0x at 128 rows, 1.72-1.73x at 512; q5_1
+# 2.5x and 1.5x: never dequantized either.
 QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
     "q8_0": None, "q4_0": None, "wint8": None, "wint4": None, "q4_k": None, "q5_k": None, "q6_k": None,
-    "q5_0": 512, "q4_1": 512}
+    "q2_k": None, "q3_k": None, "q4_1": None, "q5_1": None, "q5_0": 512}
 
 
 def quant_blas_min_rows(kind: str, variant: str) -> int | None:

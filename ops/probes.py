@@ -171,7 +171,8 @@ def random_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
     elems, nbytes = block_shape(kind)
     data = rng.integers(0, 256, (rows, cols // elems * nbytes), dtype=np.uint8)
     blocks = data.reshape(rows, cols // elems, nbytes)
-    offsets = {"q4_1": (0, 2), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}.get(kind, (0,))  # d, m
+    offsets = {"q4_1": (0, 2), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q2_k": (80, 82),
+               "q3_k": (108,)}.get(kind, (0,))  # d, m
     for at in offsets:
         half = rng.uniform(0.002, 0.02, blocks.shape[:2]).astype(np.float16)
         blocks[..., at:at + 2] = half.view(np.uint8).reshape(*blocks.shape[:2], 2)

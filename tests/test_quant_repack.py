@@ -8,7 +8,7 @@ blocks dequantized by the ``gguf`` package (wint8/4: numpy), with the
 activations quantized as the kernels quantize them (``int8_blocks``: per 32, per
 256 for the k-quants), so the tolerance is float32 accumulation: 1e-4 of the
 largest output. Then bitwise: each row computed alone equals the same row
-inside every row count (1, 2, 7, 8, 33, 512). A weight whose rows are not a
+inside every row count (1, 2, 3, 7, 8, 33, 512). A weight whose rows are not a
 multiple of 4 keeps the plain layout; repacking is undone exactly.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fdx.ops import cpp, quant
 from fdx.ops.probes import act_block, int8_blocks, random_quantized
 from test_contracts import cpu_kernel_table
 
-ROW_COUNTS = (1, 2, 7, 8, 33, 512)
+ROW_COUNTS = (1, 2, 3, 7, 8, 33, 512)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +80,8 @@ def test_default_path_at_many_rows_against_numpy(module, variant):
     (issue 34 item 3: prefill without dequantizing), another order of the float
     sums than below 12 rows, so the check is numpy's at 1e-4, and bitwise only
     among the row counts on one side (a row's bits do not depend on its tile).
-    The k-quants take their VNNI tiles at every row count there; their 256-bit
-    path (an AVX-512 CPU without VNNI) is checked too (kCodeRowTiles)."""
+    The k-quants, q4_1 and q5_1 take their VNNI tiles at every row count there;
+    their 256-bit path (an AVX-512 CPU without VNNI) is checked too (kCodeRowTiles)."""
     import paddle
     _variant_ok("q8_0", variant)                            # one build for every kind
     rng = np.random.default_rng(zlib.crc32(f"{variant}/many".encode()))
@@ -100,7 +100,7 @@ def test_default_path_at_many_rows_against_numpy(module, variant):
                 assert np.abs(g - want[:m]).max() <= 1e-4 * np.abs(want).max(), f"{kind} {variant} {rows} M={m}"
             assert np.array_equal(got[33], got[512][:33]), f"{kind} {variant} {rows}: 33 rows vs 512"
             assert np.array_equal(got[7], got[8][:7]) and np.array_equal(got[1], got[2][:1]), f"{kind} {variant}"
-            if kind.endswith("_k") and variant == "avx512":
+            if (kind.endswith("_k") or kind in ("q4_1", "q5_1")) and variant == "avx512":
                 # the 256-bit path, which an AVX-512 CPU without VNNI takes (here: the VNNI tiles)
                 code = cpp.quant_code(w) | cpp._CODE_ROW_TILES
                 old = {m: module.fdx_quant_matmul(paddle.to_tensor(x[:m]), data, scales, code,

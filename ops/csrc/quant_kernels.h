@@ -14,11 +14,12 @@
 // threads. The kinds with blocks of 32 (q8_0, q4_0/1, q5_0/1, wint8/4) in the SIMD
 // builds multiply tiles of two weight rows x up to four activation rows (TileDot,
 // 256-bit, in the AVX-512 build too; there q8_0, q4_0, q5_0, wint8/4 from 12 rows take
-// 512-bit VNNI tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul); every kind in the portable build
+// 512-bit VNNI tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul, and q4_1, q5_1 at every row
+// count 4 weight rows x up to 8 activation rows, M1VnniMatmul); every kind in the portable build
 // one weight row against one activation row (RowDot). The k-quants quantize the
 // activations per 256 instead (XBlockK) and sum each sub-block in int32 times its
 // integer scale (TileDotK; with AVX-512 VNNI, vpdpbusd then vpdpwssd by the scales,
-// TileKVnni). Weights repacked at load (kInterleave rows' blocks
+// TileKVnni): q2_k, q3_k, q4_k, q5_k, q6_k. Weights repacked at load (kInterleave rows' blocks
 // side by side) take tiles of 4 weight rows from one stream.
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
@@ -42,12 +43,12 @@
 
 namespace fdx::quant {
 
-enum Kind : int { kQ8_0 = 0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K, kWint8, kWint4, kNumKinds };
+enum Kind : int { kQ8_0 = 0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K, kWint8, kWint4, kQ2_K, kQ3_K, kNumKinds };
 enum Variant : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // Elements and bytes per block of each kind (wint: per 32 elements).
-constexpr int64_t kBlockElems[kNumKinds] = {32, 32, 32, 32, 32, 256, 256, 256, 32, 32};
-constexpr int64_t kBlockBytes[kNumKinds] = {34, 18, 20, 22, 24, 144, 176, 210, 32, 16};
+constexpr int64_t kBlockElems[kNumKinds] = {32, 32, 32, 32, 32, 256, 256, 256, 32, 32, 256, 256};
+constexpr int64_t kBlockBytes[kNumKinds] = {34, 18, 20, 22, 24, 144, 176, 210, 32, 16, 84, 110};
 
 struct XBlock {  // one block of 32 activations as int8: x ~ d * q
   float d;
@@ -150,6 +151,17 @@ inline void ScaleMinK4(int j, const uint8_t* q, int* sc, int* mn) {
     *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
     *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
+}
+
+// q3_k's 12 packed bytes -> its 16 6-bit scales minus 32 (ggml's order).
+inline void ScalesQ3K(const uint8_t* p, int8_t* out) {
+  constexpr uint32_t kM1 = 0x03030303u, kM2 = 0x0f0f0f0fu;
+  const uint32_t a0 = Load32(p), a1 = Load32(p + 4), a2 = Load32(p + 8);
+  const uint32_t aux[4] = {(a0 & kM2) | ((a2 & kM1) << 4), (a1 & kM2) | (((a2 >> 2) & kM1) << 4),
+                           ((a0 >> 4) & kM2) | (((a2 >> 4) & kM1) << 4), ((a1 >> 4) & kM2) | (((a2 >> 6) & kM1) << 4)};
+  uint8_t u[16];
+  std::memcpy(u, aux, 16);
+  for (int k = 0; k < 16; ++k) out[k] = static_cast<int8_t>(u[k] - 32);
 }
 
 inline int64_t Weights::BlockBytes() const {

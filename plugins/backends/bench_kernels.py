@@ -283,9 +283,9 @@ def main() -> None:
     parser.add_argument("--prefill", nargs="?", const="q4_k,q6_k,q8_0,q4_0,q4_1,q5_k",
                         help="many-row products (--rows, default 32,128,512): now, before the many-row "
                              "tiles, dequantize + BLAS")
-    parser.add_argument("--decode", nargs="?", const="q4_k,q5_k,q6_k",
+    parser.add_argument("--decode", nargs="?", const="q4_1,q4_k,q5_k,q6_k",
                         help="few-row products (--rows, default 1,2,4,8), cold and warm: now against the "
-                             "kernel before (the k-quants' 256-bit path)")
+                             "kernel before (the 256-bit path of the k-quants and q4_1/q5_1)")
     parser.add_argument("--layer", nargs="?", const="q4_1,q8_0",
                         help="time one whole decoder layer, composed and fused (comma-separated kinds)")
     args = parser.parse_args()

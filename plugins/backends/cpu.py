@@ -25,7 +25,8 @@ PADDLE_KERNELS = ("fused_rms_norm", "swiglu", "fused_rotary_position_embedding")
 # The quantized products: one name per kind and instruction-set build, the
 # AVX-512 ones probed last (on a CPU without it each kills its probe child).
 QUANT_KERNELS = tuple(f"cpp.{kind}_matmul{suffix}" for suffix in ("", ".avx2", ".avx512")
-                      for kind in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4"))
+                      for kind in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4",
+                                   "q2_k", "q3_k"))
 # The float32 product for a few rows (fdx.ops.cpp.F32_KERNEL_NAMES), AVX-512 last likewise.
 F32_KERNELS = ("cpp.f32_matmul", "cpp.f32_matmul.avx2", "cpp.f32_matmul.avx512")
 # A mixture-of-experts layer's experts in one call (fdx.ops.moe.MOE_KERNEL_NAMES), AVX-512 last likewise.
