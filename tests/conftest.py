@@ -133,6 +133,8 @@ def pytest_cmdline_main(config):
         opt.numprocesses = WORKERS
     if opt.numprocesses and opt.dist == "no" and not opt.tx:
         opt.dist = "load"                        # what xdist would set; the scheduler is ours
+        if isinstance(opt.numprocesses, int):    # (not "auto"): xdist's hook may have run first (-p conftest)
+            opt.tx = ["popen"] * opt.numprocesses
         opt.loadscopereorder = False             # units in the collected order (_heavy_modules_first)
         config.stash[_OURS] = True
         config.pluginmanager.register(_Distribution(), "fdx-distribution")
