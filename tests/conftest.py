@@ -165,8 +165,9 @@ class _Distribution:
 def _module_scheduling(config, log):
     """xdist's load-by-scope scheduler with a module as the scope, except
     that the modules of _heavy_modules are one unit (one process). The units
-    come from a file the first worker writes after its collection (before it
-    reports the collection, so that it is there when the scheduler starts):
+    come from a file each worker writes after its collection (before it
+    reports the collection, so that it is there when the scheduler starts;
+    the workers' collections are the same, or xdist stops the run):
     xdist's own `--dist loadgroup` appends a group to each test's node id,
     and pytest 9.2 ignores that (pytest-xdist#1386): the groups were lost
     silently and both processes loaded SmolLM2."""
@@ -280,23 +281,36 @@ def _dpkg_packages() -> set[str]:
 _APT_INSTALLED: set[str] = set()                 # Debian packages this session brought
 
 
+def _apt_lock():
+    """One apt-get at a time across the suite's processes (xdist's workers):
+    a second one fails on dpkg's lock instead of waiting, and each process
+    must see only its own packages arrive."""
+    import fcntl
+    import tempfile
+    lock = open(os.path.join(tempfile.gettempdir(), "fdx-tests-apt.lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock                                  # released when closed
+
+
 def apt_install(package: str) -> None:
     """Install a Debian package for this session only (CI runs as root):
     it and what it brought along are purged when the session ends."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    before = _dpkg_packages()
-    subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True, timeout=900)
-    try:
-        subprocess.run(["apt-get", "install", "-y", "-q", package], check=True, env=env, capture_output=True,
-                       timeout=1800)
-    finally:
-        _APT_INSTALLED.update(_dpkg_packages() - before)
+    with _apt_lock():
+        before = _dpkg_packages()
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True, timeout=900)
+        try:
+            subprocess.run(["apt-get", "install", "-y", "-q", package], check=True, env=env, capture_output=True,
+                           timeout=1800)
+        finally:
+            _APT_INSTALLED.update(_dpkg_packages() - before)
 
 
 def _apt_purge() -> None:
     if _APT_INSTALLED:
-        subprocess.run(["apt-get", "purge", "-y", "-q", *sorted(_APT_INSTALLED)], check=True, capture_output=True,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
+        with _apt_lock():
+            subprocess.run(["apt-get", "purge", "-y", "-q", *sorted(_APT_INSTALLED)], check=True,
+                           capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
         _APT_INSTALLED.clear()
 
 
