@@ -52,6 +52,11 @@ def pytest_collection_modifyitems(config, items):
 # use them run first, so that both are gone (pytest_runtest_teardown below) before the rest run.
 HEAVY_SESSION_FIXTURES = ("smollm_llm", "hf_smollm_model")
 
+# Modules that took over a minute (FDX_TEST_MEASURE, tests/README.md), longest first: they run
+# right after the SmolLM2 modules, so that on two processes none of them is the last to end
+# while the other process has nothing left to do. A name here that no longer exists is ignored.
+LONG_MODULES = ("test_wheel.py", "test_kernel_cache.py", "test_reliability.py", "test_spec.py", "test_shutdown.py")
+
 
 class _HeavyModulesFirst:
     @pytest.hookimpl(trylast=True)              # after pytest's reordering and -m/-k deselection
@@ -59,23 +64,132 @@ class _HeavyModulesFirst:
         _heavy_modules_first(items)
 
 
-def _heavy_modules_first(items) -> None:
-    """Modules that use a fixture of HEAVY_SESSION_FIXTURES first (in their
-    collected order), then the others; each module's items keep their order."""
-    rank: dict[str, int] = {}
+def _module(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def _heavy_modules(items) -> set[str]:
+    """The modules that use a fixture of HEAVY_SESSION_FIXTURES (by name,
+    through another fixture, or ``getfixturevalue("name")`` in their source)."""
+    heavy: set[str] = set()
+    seen: set[str] = set()
     for item in items:
-        module = item.nodeid.split("::")[0]
-        if rank.get(module) == 0:
+        module = _module(item)
+        if module in heavy:
             continue
         uses = bool(set(HEAVY_SESSION_FIXTURES) & set(getattr(item, "fixturenames", ())))
-        if module not in rank and not uses:
+        if module not in seen and not uses:
             try:
                 text = item.path.read_text()
             except (OSError, AttributeError):
                 text = ""
             uses = any(f'getfixturevalue("{n}")' in text for n in HEAVY_SESSION_FIXTURES)
-        rank[module] = 0 if uses else rank.get(module, 1)
-    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+        seen.add(module)
+        if uses:
+            heavy.add(module)
+    return heavy
+
+
+def _heavy_modules_first(items) -> None:
+    """Modules that use a fixture of HEAVY_SESSION_FIXTURES first (in their
+    collected order), then LONG_MODULES, then the others; each module's items
+    keep their order and stay together."""
+    heavy = _heavy_modules(items)
+
+    def rank(item) -> int:
+        module = _module(item)
+        if module in heavy:
+            return 0
+        name = module.rsplit("/", 1)[-1]
+        return 1 + LONG_MODULES.index(name) if name in LONG_MODULES else 1 + len(LONG_MODULES)
+    items.sort(key=rank)
+
+
+# -- two processes (pytest-xdist) ----------------------------------------------------------
+#
+# `python -m pytest` runs on two processes when pytest-xdist is installed (the test extra has
+# it), each module on one process; the modules that use the session's SmolLM2 (_heavy_modules)
+# run on one process as one unit, so that only one process ever holds it. -n N sets how many,
+# -n 0 or -p no:xdist runs in this process, and a run of one file (or --pdb) stays here too.
+
+WORKERS = 2
+_OURS = pytest.StashKey[bool]()                  # this run's distribution is ours (ModuleScheduling)
+_UNITS_DIR = pytest.StashKey[str]()
+
+
+def _one_file(args) -> bool:
+    files = {a.split("::")[0] for a in args}
+    return len(files) == 1 and os.path.isfile(next(iter(files)))
+
+
+@pytest.hookimpl(tryfirst=True)                  # before xdist's, which reads these options
+def pytest_cmdline_main(config):
+    opt = config.option
+    if not hasattr(opt, "numprocesses") or hasattr(config, "workerinput"):
+        return                                   # no xdist (or -p no:xdist), or a worker
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if (opt.numprocesses is None and opt.dist == "no" and not opt.tx and cores >= WORKERS
+            and not (opt.usepdb or opt.collectonly or _one_file(config.args))):
+        opt.numprocesses = WORKERS
+    if opt.numprocesses and opt.dist == "no" and not opt.tx:
+        opt.dist = "load"                        # what xdist would set; the scheduler is ours
+        if isinstance(opt.numprocesses, int):    # (not "auto"): xdist's hook may have run first (-p conftest)
+            opt.tx = ["popen"] * opt.numprocesses
+        opt.loadscopereorder = False             # units in the collected order (_heavy_modules_first)
+        config.stash[_OURS] = True
+        config.pluginmanager.register(_Distribution(), "fdx-distribution")
+
+
+class _Distribution:
+    """xdist's hooks (registered by pytest_cmdline_main when the distribution
+    is ours: a conftest's hooks must all be known, and these are not
+    without xdist)."""
+
+    def pytest_configure_node(self, node):
+        """(In the controller) Where a worker writes the units that
+        ModuleScheduling reads: a folder of this run."""
+        import tempfile
+        folder = node.config.stash.get(_UNITS_DIR, None)
+        if folder is None:
+            folder = node.config.stash[_UNITS_DIR] = tempfile.mkdtemp(prefix="fdx-xdist-")
+        node.workerinput["fdx_units"] = folder
+
+    def pytest_xdist_make_scheduler(self, config, log):
+        return _module_scheduling(config, log)
+
+    def pytest_unconfigure(self, config):
+        import shutil
+        shutil.rmtree(config.stash.get(_UNITS_DIR, ""), ignore_errors=True)
+
+
+def _module_scheduling(config, log):
+    """xdist's load-by-scope scheduler with a module as the scope, except
+    that the modules of _heavy_modules are one unit (one process). The units
+    come from a file each worker writes after its collection (before it
+    reports the collection, so that it is there when the scheduler starts;
+    the workers' collections are the same, or xdist stops the run):
+    xdist's own `--dist loadgroup` appends a group to each test's node id,
+    and pytest 9.2 ignores that (pytest-xdist#1386): the groups were lost
+    silently and both processes loaded SmolLM2."""
+    import glob
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        units: dict[str, str] | None = None
+
+        def schedule(self) -> None:
+            if self.units is None:
+                found = sorted(glob.glob(os.path.join(config.stash[_UNITS_DIR], "*.json")))
+                self.units = json.loads(pathlib.Path(found[0]).read_text()) if found else {}
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return (self.units or {}).get(module, module)
+
+    return ModuleScheduling(config, log)
 
 
 # -- a crash names its test ---------------------------------------------------------------
@@ -87,13 +201,15 @@ def pytest_configure(config):
     kernel left no word of which test it was. Import Paddle now and enable
     faulthandler again over its handlers, writing to stderr as it was before
     pytest captured it: the Python traceback then names the test.
-    (Also registers the module order of _heavy_modules_first.)"""
+    (Also registers the module order of _heavy_modules_first and the
+    fixtures' costs of FDX_TEST_MEASURE.)"""
     if not config.pluginmanager.has_plugin("fdx-heavy-modules-first"):
         config.pluginmanager.register(_HeavyModulesFirst(), "fdx-heavy-modules-first")
+        config.pluginmanager.register(_FixtureCosts(), "fdx-fixture-costs")
     import faulthandler
     import warnings
-    if not faulthandler.is_enabled():            # -p no:faulthandler
-        return
+    if not faulthandler.is_enabled() or config.stash.get(_OURS, False):
+        return                                   # -p no:faulthandler, or xdist's controller (runs no test)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="No ccache found")
@@ -152,7 +268,8 @@ _DISTRIBUTIONS = pytest.StashKey[set]()
 
 
 def pytest_sessionstart(session):
-    session.config.stash[_DISTRIBUTIONS] = installed_distributions()
+    if not hasattr(session.config, "workerinput"):       # xdist's workers: their controller checks
+        session.config.stash[_DISTRIBUTIONS] = installed_distributions()
 
 
 def _dpkg_packages() -> set[str]:
@@ -164,31 +281,48 @@ def _dpkg_packages() -> set[str]:
 _APT_INSTALLED: set[str] = set()                 # Debian packages this session brought
 
 
+def _apt_lock():
+    """One apt-get at a time across the suite's processes (xdist's workers):
+    a second one fails on dpkg's lock instead of waiting, and each process
+    must see only its own packages arrive."""
+    import fcntl
+    import tempfile
+    lock = open(os.path.join(tempfile.gettempdir(), "fdx-tests-apt.lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock                                  # released when closed
+
+
 def apt_install(package: str) -> None:
     """Install a Debian package for this session only (CI runs as root):
     it and what it brought along are purged when the session ends."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    before = _dpkg_packages()
-    subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True, timeout=900)
-    try:
-        subprocess.run(["apt-get", "install", "-y", "-q", package], check=True, env=env, capture_output=True,
-                       timeout=1800)
-    finally:
-        _APT_INSTALLED.update(_dpkg_packages() - before)
+    with _apt_lock():
+        before = _dpkg_packages()
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True, timeout=900)
+        try:
+            subprocess.run(["apt-get", "install", "-y", "-q", package], check=True, env=env, capture_output=True,
+                           timeout=1800)
+        finally:
+            _APT_INSTALLED.update(_dpkg_packages() - before)
 
 
 def _apt_purge() -> None:
     if _APT_INSTALLED:
-        subprocess.run(["apt-get", "purge", "-y", "-q", *sorted(_APT_INSTALLED)], check=True, capture_output=True,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
+        with _apt_lock():
+            subprocess.run(["apt-get", "purge", "-y", "-q", *sorted(_APT_INSTALLED)], check=True,
+                           capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
         _APT_INSTALLED.clear()
 
 
 def pytest_sessionfinish(session, exitstatus):
     """The suite installs nothing into the environment it runs in: the
     Debian packages it installed are purged, and a Python distribution
-    added, removed or changed during the run fails it."""
+    added, removed or changed during the run fails it. (FDX_TEST_MEASURE:
+    also a line with the process's peak resident MiB.)"""
     _apt_purge()
+    out = _measure_file(session.config)
+    if out is not None:
+        _measure_line(out, session_peak_rss_mib=_proc_status_mib("VmHWM")["VmHWM"])
     before = session.config.stash.get(_DISTRIBUTIONS, None)
     if before is None:
         return
@@ -243,12 +377,21 @@ def _cli_environment_restored():
 
 # -- what the suite costs ------------------------------------------------------------------
 
+@pytest.hookimpl(tryfirst=True)                  # before xdist reports the collection
 def pytest_collection_finish(session):
     """Every engine load runs a full garbage collection (fdx.core.host.
     release_free_heap), and in this process it walks every object torch,
     transformers, Paddle and the collected test modules made: move those
     into the permanent generation once collected, so that a collection
-    looks only at what the tests made since."""
+    looks only at what the tests made since. (A worker of xdist also writes
+    the heavy unit for ModuleScheduling.)"""
+    folder = getattr(session.config, "workerinput", {}).get("fdx_units")
+    if folder:
+        import json
+        unit = {m: "smollm" for m in _heavy_modules(session.items)}
+        tmp = pathlib.Path(folder, f"{session.config.workerinput['workerid']}.tmp")
+        tmp.write_text(json.dumps(unit))
+        os.replace(tmp, tmp.with_suffix(".json"))
     import gc
     gc.collect()
     gc.freeze()
@@ -262,29 +405,44 @@ def _proc_status_mib(*keys: str) -> dict[str, int]:
         return {k: int(line.split()[1]) // 1024 for line in f for k in keys if line.startswith(k + ":")}
 
 
+def _measure_file(config):
+    """FDX_TEST_MEASURE's file, opened once a process (each xdist worker
+    appends its own lines, one write each), or None when not measuring."""
+    path = os.environ.get("FDX_TEST_MEASURE")
+    if not path or not os.path.exists("/proc/self/status"):
+        return None
+    out = config.stash.get(_MEASURE, None)
+    if out is None:
+        out = config.stash[_MEASURE] = open(path, "a", buffering=1)
+    return out
+
+
+def _measure_line(out, **fields) -> None:
+    import json
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    out.write(json.dumps({**fields, **({"worker": worker} if worker else {})}) + "\n")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """FDX_TEST_MEASURE=file: one JSON line a test (wall and CPU seconds,
     this process's and its waited children's, resident MiB now and at its
-    peak) so that a contributor sees what a new test costs (tests/README.md)."""
-    path = os.environ.get("FDX_TEST_MEASURE")
-    if not path or not os.path.exists("/proc/self/status"):
+    peak, and the xdist worker that ran it) so that a contributor sees what
+    a new test costs (tests/README.md)."""
+    out = _measure_file(item.config)
+    if out is None:
         yield
         return
-    import json
     import time
-    out = item.config.stash.get(_MEASURE, None)
-    if out is None:
-        out = item.config.stash[_MEASURE] = open(path, "a", buffering=1)
     t0, c0 = time.monotonic(), os.times()
     yield
     c1 = os.times()
     mem = _proc_status_mib("VmRSS", "VmHWM")
-    out.write(json.dumps({
-        "test": item.nodeid, "wall_s": round(time.monotonic() - t0, 3),
-        "cpu_s": round(c1.user - c0.user + c1.system - c0.system, 3),
-        "children_cpu_s": round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 3),
-        "rss_mib": mem.get("VmRSS"), "peak_rss_mib": mem.get("VmHWM")}) + "\n")
+    _measure_line(
+        out, test=item.nodeid, wall_s=round(time.monotonic() - t0, 3),
+        cpu_s=round(c1.user - c0.user + c1.system - c0.system, 3),
+        children_cpu_s=round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 3),
+        rss_mib=mem.get("VmRSS"), peak_rss_mib=mem.get("VmHWM"))
 
 
 _LAST_USERS = pytest.StashKey[dict]()
@@ -356,30 +514,36 @@ def _ours(fixturedef) -> bool:
             and pathlib.Path(code.co_filename).resolve().is_relative_to(ROOT / "tests"))
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef, request):
+class _FixtureCosts:
+    """Registered as a plugin (pytest_configure): a conftest's own
+    pytest_fixture_setup is not called for a session-scoped fixture (pytest
+    asks the hooks of the session node's folder, above tests/), and those
+    are the costly ones (smollm_llm, hf_smollm_model)."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        yield from _fixture_cost(fixturedef, request)
+
+
+def _fixture_cost(fixturedef, request):
     """FDX_TEST_MEASURE=file: also one JSON line a fixture set-up that took
     over half a second of CPU (this process's and its waited children's) or
     grew the resident set by over 100 MiB: what a shared fixture costs once."""
-    path = os.environ.get("FDX_TEST_MEASURE")
-    if not path or not os.path.exists("/proc/self/status"):
+    out = _measure_file(request.config)
+    if out is None:
         yield
         return
-    import json
     import time
-    out = request.config.stash.get(_MEASURE, None)
-    if out is None:
-        out = request.config.stash[_MEASURE] = open(path, "a", buffering=1)
     t0, c0, r0 = time.monotonic(), os.times(), _proc_status_mib("VmRSS")["VmRSS"]
     yield
     c1, r1 = os.times(), _proc_status_mib("VmRSS")["VmRSS"]
     cpu = c1.user - c0.user + c1.system - c0.system
     children = c1.children_user - c0.children_user + c1.children_system - c0.children_system
     if cpu + children > 0.5 or r1 - r0 > 100:
-        out.write(json.dumps({
-            "fixture": fixturedef.argname, "scope": fixturedef.scope, "node": request.node.nodeid,
-            "wall_s": round(time.monotonic() - t0, 3), "cpu_s": round(cpu, 3), "children_cpu_s": round(children, 3),
-            "rss_growth_mib": r1 - r0}) + "\n")
+        _measure_line(
+            out, fixture=fixturedef.argname, scope=fixturedef.scope, node=request.node.nodeid,
+            wall_s=round(time.monotonic() - t0, 3), cpu_s=round(cpu, 3), children_cpu_s=round(children, 3),
+            rss_growth_mib=r1 - r0)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -143,7 +143,7 @@ class RouterProcess:
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=preexec_fn)
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2) as http:
             while time.monotonic() < deadline:
