@@ -75,26 +75,3 @@ def matmul(x: Tensor, parts: Sequence, variant: str | None = None) -> Tensor | N
         int(parts[0].shape[1]), cpp._VARIANT_CODE[variant])
     return out if len(x.shape) == 2 else out.reshape(x.shape[:-1] + [out.shape[-1]])
 
-
-# Part kinds the probe (and tests/test_fused_parts.py) stack: both activation forms, alone and mixed.
-PROBE_STACKS = (("q4_k", "q4_k", "q6_k"), ("q4_0", "q8_0"), ("q5_k", "q4_1", "q5_0"), ("q6_k", "q5_1"))
-
-
-def probe(variant: str) -> None:
-    """``fdx_parts_matmul`` of one build against float64 numpy over each part's
-    dequantized blocks, x quantized as that part's kind quantizes it
-    (fdx.ops.probes.int8_blocks), 1, 5 and 13 rows; raises WrongResult."""
-    import numpy as np
-
-    from fdx.ops.probes import WrongResult, act_block, int8_blocks, random_quantized
-    rng = np.random.default_rng(0)
-    for kinds in PROBE_STACKS:
-        parts = [random_quantized(k, 8 * (i + 1), 512, rng) for i, k in enumerate(kinds)]
-        for m in (1, 5, 13):
-            x = rng.standard_normal((m, 512)).astype(np.float32)
-            got = matmul(paddle.to_tensor(x), parts, variant).numpy()
-            want = np.concatenate([int8_blocks(x, act_block(q.kind)).astype(np.float64)
-                                   @ q.dequantize().astype(np.float64).T for q in parts], axis=1)
-            err = float(np.abs(got - want).max() / (np.abs(want).max() or 1.0))
-            if not err < 1e-4:
-                raise WrongResult(f"wrong result ({'+'.join(kinds)}, {m} rows: max relative error {err:.3g})")

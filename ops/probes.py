@@ -344,6 +344,35 @@ PROBES.update(_moe_probes())
 
 
 
+# --- a fused weight's parts in one product (fdx.ops.parts) ---------------------------------------
+# Part kinds the probe (and tests/test_fused_parts.py) stack: both activation forms, alone and mixed.
+PARTS_PROBE_STACKS = (("q4_k", "q4_k", "q6_k"), ("q4_0", "q8_0"), ("q5_k", "q4_1", "q5_0"), ("q6_k", "q5_1"))
+
+
+def _probe_parts(variant: str) -> Callable[[str], None]:
+    """``fdx_parts_matmul`` of one build against float64 numpy over each part's
+    dequantized blocks, x quantized as that part's kind quantizes it
+    (``int8_blocks``), 1, 5 and 13 rows; raises WrongResult."""
+    def run(dtype: str = "float32") -> None:
+        from fdx.ops.parts import matmul
+        rng = np.random.default_rng(0)
+        for kinds in PARTS_PROBE_STACKS:
+            parts = [random_quantized(k, 8 * (i + 1), 512, rng) for i, k in enumerate(kinds)]
+            for m in (1, 5, 13):
+                x = rng.standard_normal((m, 512)).astype(np.float32)
+                got = matmul(_tensor(x), parts, variant).numpy()
+                want = np.concatenate([int8_blocks(x, act_block(q.kind)).astype(np.float64)
+                                       @ q.dequantize().astype(np.float64).T for q in parts], axis=1)
+                err = float(np.abs(got - want).max() / (np.abs(want).max() or 1.0))
+                if not err < 1e-4:
+                    raise WrongResult(f"wrong result ({'+'.join(kinds)}, {m} rows: max relative error {err:.3g})")
+    return run
+
+
+PROBES.update({"cpp.parts_matmul" + ("" if v == "portable" else "." + v): _probe_parts(v)
+               for v in ("avx512", "avx2", "portable")})
+
+
 def run(names, dtype: str = "float32", probes: dict[str, Callable[[str], None]] | None = None
         ) -> dict[str, str | None]:
     """Run the probes (default: PROBES) in this process: name -> None
@@ -418,14 +447,3 @@ def main(argv: list[str] | None = None, probes: dict[str, Callable[[str], None]]
 if __name__ == "__main__":
     sys.exit(main())
 
-
-# --- a fused weight's parts in one product (fdx.ops.parts) ---------------------------------------
-def _probe_parts(variant: str) -> Callable[[str], None]:
-    def run(dtype: str = "float32") -> None:
-        from fdx.ops.parts import probe
-        probe(variant)
-    return run
-
-
-PROBES.update({"cpp.parts_matmul" + ("" if v == "portable" else "." + v): _probe_parts(v)
-               for v in ("avx512", "avx2", "portable")})

@@ -21,13 +21,13 @@ import pytest
 from fdx.core import kernels
 from fdx.core.interfaces import RowStack
 from fdx.ops import cpp, parts
-from fdx.ops.probes import act_block, int8_blocks, random_quantized
+from fdx.ops.probes import PARTS_PROBE_STACKS, act_block, int8_blocks, random_quantized
 from fdx.plugins.models.weight_formats import AutoFormat, BlockStack, BlockWeight, stack
 from test_contracts import cpu_kernel_table
 
 pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"compiled ops unavailable: {cpp.unavailable_reason()}")
 
-STACKS = (("q4_k", "q4_k", "q6_k"), ("q4_k", "q6_k"), ("q5_0", "q8_0"), *parts.PROBE_STACKS[1:])
+STACKS = (("q4_k", "q4_k", "q6_k"), ("q4_k", "q6_k"), ("q5_0", "q8_0"), *PARTS_PROBE_STACKS[1:])
 ROWS = (1, 2, 7, 8, 13, 33)
 
 
