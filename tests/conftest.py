@@ -423,6 +423,19 @@ def _measure_line(out, **fields) -> None:
     out.write(json.dumps({**fields, **({"worker": worker} if worker else {})}) + "\n")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The transformers references' torch on one thread, in every module
+    (tests/torch_threads.py says why: a reference decodes a row at a time,
+    where torch's second OpenMP thread only spins; with two test processes
+    on two cores it also takes the other process's core). Set once torch is
+    imported (by a test or a fixture), never importing it here. Paddle's
+    threads and fdx's kernels are not torch's and do not change."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """FDX_TEST_MEASURE=file: one JSON line a test (wall and CPU seconds,
