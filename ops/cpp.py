@@ -62,7 +62,9 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
             _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h",
-            _CSRC / "invariant_attention.h", _CSRC / "kv8_kernels.h", _CSRC / "kv8_ops.inc"]
+            _CSRC / "invariant_attention.h", _CSRC / "kv8_kernels.h", _CSRC / "kv8_ops.inc",
+            # fdx_moe_experts (fdx.ops.moe drives it) and fdx_parts_matmul (fdx.ops.parts)
+            _CSRC / "moe_kernels.h", _CSRC / "fused_parts.h", _CSRC / "fused_parts.inc", _CSRC / "fused_parts_ops.inc"]
 _CFLAGS = [
     "-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast", "-fno-math-errno",
     # no -fassociative-math: every sum keeps the order the source writes, so a row's bits
@@ -938,13 +940,3 @@ def decoder_layer(
          block_size, invariant, one)
     return out, res
 
-
-# --- mixture-of-experts: a layer's routed experts in one call (csrc/moe_kernels.h) ---------------
-# fdx_moe_experts, bound in csrc/fdx_ops.cc; fdx.ops.moe drives it and holds its probes
-# (kernel-table names cpp.moe_experts, .avx2, .avx512).
-_HEADERS.append(_CSRC / "moe_kernels.h")
-# --- end of mixture-of-experts ---------------------------------------------------------------------
-
-# --- a fused weight's parts in one product (csrc/fused_parts.h, bound in fused_parts_ops.inc) -----
-# fdx_parts_matmul; fdx.ops.parts drives it (kernel-table names cpp.parts_matmul, .avx2, .avx512).
-_HEADERS += [_CSRC / "fused_parts.h", _CSRC / "fused_parts.inc", _CSRC / "fused_parts_ops.inc"]

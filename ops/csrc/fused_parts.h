@@ -19,31 +19,7 @@
 
 #include "quant_kernels.h"
 
-#pragma GCC push_options
-#define FDX_Q_NS portable
-#define FDX_Q_SIMD 0
-#include "fused_parts.inc"
-#undef FDX_Q_NS
-#undef FDX_Q_SIMD
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define FDX_Q_NS avx2
-#define FDX_Q_SIMD 2
-#include "fused_parts.inc"
-#undef FDX_Q_NS
-#undef FDX_Q_SIMD
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
-#define FDX_Q_NS avx512
-#define FDX_Q_SIMD 3
-#include "fused_parts.inc"
-#undef FDX_Q_NS
-#undef FDX_Q_SIMD
-#pragma GCC pop_options
+// The per-ISA builds of PartsMatmul come with quant_kernels.h's (fused_parts.inc).
 
 namespace fdx::quant {
 
