@@ -99,6 +99,17 @@ class Assembly:
                               "(fdx.core.interfaces.Executor); backend.model_runner picks the runner")
         return cls
 
+    def executor(self, backend, dtype: str, progress: bool = True, defer_tokenizer: bool = False) -> Executor:
+        """The executor (``executor_class``) over ``backend``, built as every
+        plugin is (``make_plugin``)."""
+        cls = self.executor_class()
+        tp = self.config.parallel.tensor_parallel_size > 1
+        name = self.config.parallel.runner if tp else "uniproc"
+        ctx = BuildContext(config=self.config, plugins=self.plugins, kind="model_runner", name=name, backend=backend,
+                           kernels=backend.kernels, assembly=self, dtype=dtype, progress=progress,
+                           defer_tokenizer=defer_tokenizer)
+        return make_plugin(ctx, "parallel.runner", self.settings("model_runner", name) if tp else {}, cls)
+
     # -- lookups --------------------------------------------------------------------
     def pick(self, kind: str, key: str, name: str):
         try:

@@ -67,7 +67,7 @@ class EngineCore:
         # where the model runs, at every tensor parallel size: it sets the backend up (in this process,
         # or in each rank's, taking rank 0's findings), loads the weights and reports their shape
         dtype = self._resolve_dtype()
-        self.executor = assembly.executor_class()(assembly, self.backend, dtype, progress, defer_tokenizer)
+        self.executor = assembly.executor(self.backend, dtype, progress, defer_tokenizer)
         try:
             self._set_up(dtype)
         except BaseException:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fdx.core.interfaces import Executor, KVCacheSpec, ModelRunnerOutput, ModelShape, SchedulerOutput
+from fdx.core.interfaces import BuildContext, Executor, KVCacheSpec, ModelRunnerOutput, ModelShape, SchedulerOutput
 from fdx.core.loading import model_loader
 
 
@@ -15,15 +15,17 @@ class UniProcExecutor(Executor):
     """Sets the backend up here, loads the model, profiles one forward for
     the KV budget, allocates the KV tensors and runs the config's runner."""
 
-    def __init__(self, assembly, backend, dtype: str, progress: bool = True, defer_tokenizer: bool = False):
-        self.assembly, self.backend, self.dtype = assembly, backend, dtype
+    def __init__(self, settings: Any, context: BuildContext):
+        assembly, backend, progress, defer_tokenizer = (context.assembly, context.backend, context.progress,
+                                                        context.defer_tokenizer)
+        self.assembly, self.backend, self.dtype = assembly, backend, context.dtype
         config = assembly.config
         backend.setup(config)
         assembly.set_backend(backend)        # after setup: a backend may choose its attention by a probe
         # in model.quantization's format, by model I/O (core/loading.py: the engine imports none of it)
         self.model, self.checkpoint = model_loader().load_model(config, assembly.plugins, backend.kernels,
                                                                 progress, defer_tokenizer)
-        backend.prepare_model(self.model, dtype)
+        backend.prepare_model(self.model, self.dtype)
         self.tokenizer = self.checkpoint.tokenizer
         self.shape = ModelShape.of(self.model)
         self.attention = assembly.attention()

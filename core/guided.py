@@ -200,7 +200,7 @@ class GuidedDecoding:
 
     def admission_rules(self, config) -> list[AdmissionRule]:
         """The always-on guided admission rule, when a backend is set."""
-        return [GuidedAdmission(config, guided=self)] if self.enabled else []
+        return [GuidedAdmission(None, BuildContext(config), guided=self)] if self.enabled else []
 
     @property
     def enabled(self) -> bool:
@@ -520,8 +520,9 @@ class GuidedAdmission(AdmissionRule):
     always on when a guided backend is configured. A failed compile never
     runs: the engine rejects the request when ``poll`` reports it."""
 
-    def __init__(self, config, settings: dict | None = None, guided: GuidedDecoding | None = None):
-        super().__init__(config, settings)
+    def __init__(self, settings: dict | None = None, context: BuildContext | None = None, *,
+                 guided: GuidedDecoding | None = None):
+        super().__init__(settings, context)
         self.guided = guided
 
     def admit(self, request, state) -> bool:

@@ -153,9 +153,9 @@ def fdx_register_lora_loaders(register: Register) -> None:
 @hookspec
 def fdx_register_moe_routers(register: Register) -> None:
     """Register mixture-of-experts routers: classes constructed once per
-    model as ``cls(moe_config, settings)`` (the model's ``MoeConfig``:
-    ``num_experts``, ``top_k``, ...; the ``plugins.moe_router.<name>``
-    settings), whose instances are called in every MoE layer as
+    model as ``cls(settings, context)`` (``context.moe``, the model's
+    ``MoeConfig``: ``num_experts``, ``top_k``, ...; the
+    ``plugins.moe_router.<name>`` settings), whose instances are called in every MoE layer as
     ``router(logits, bias) -> (ids, weights)``: the router's float32 logits
     (numpy ``[rows, num_experts]``) and the checkpoint's expert-choice bias
     (float32 ``[num_experts]``, or None) in; each row's expert ids (int64

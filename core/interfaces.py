@@ -18,6 +18,7 @@ encodes every one of them; see core/messages.py).
 from __future__ import annotations
 
 import abc
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -61,11 +62,18 @@ class BuildContext:
       ``reasoning_parser``: ``tokenizer``;
     - ``attention_backend``, ``sampler``: ``backend``, ``kernels``;
     - ``model_runner``: ``runner`` (the ``RunnerContext``: model, KV
-      tensors, attention, sampler, ...).
+      tensors, attention, sampler, ...); an executor (``parallel.runner``,
+      registered with the model runners): ``assembly`` (the engine's
+      ``Assembly``), ``backend``, ``dtype``, ``progress``,
+      ``defer_tokenizer``.
 
-    A class whose constructor is still one of the older per-kind shapes
-    (docs/plugins.md) is called in that shape, with a DeprecationWarning."""
-    config: Any
+    Every fdx base class takes ``(settings, context)`` too, so a subclass
+    calls ``super().__init__(settings, context)``. A class whose
+    constructor is still one of the older per-kind shapes (docs/plugins.md)
+    is called in that shape, with a DeprecationWarning; so is a subclass
+    that calls its base's constructor positionally in the older shape
+    (``base_args``)."""
+    config: Any = None
     plugins: Any = None
     kind: str = ""
     name: str = ""
@@ -85,6 +93,52 @@ class BuildContext:
     moe: Any = None
     tools: Any = None
     runner: Any = None
+    assembly: Any = None
+    dtype: str = ""
+    progress: bool = True
+    defer_tokenizer: bool = False
+
+
+# Each kind's base-class constructor before issue 36, positionally: a subclass that still calls
+# ``super().__init__`` so gets ``base_args``' mapping onto (settings, context), with a DeprecationWarning.
+# (fdx.core.plugins.OLD_SHAPES is the other half: a class whose own constructor is in an older shape.)
+OLD_BASE_ARGS: dict[str, tuple[str, ...]] = {
+    "kv_scheduler": ("config", "settings"),
+    "queue_policy": ("kv_cache", "settings"),
+    "admission_rule": ("config", "settings"),
+    "preemption_policy": ("config", "settings"),
+    "request_scheduler": ("config", "engine", "metrics", "settings"),
+    "kv_cache": ("num_blocks", "block_size", "config", "settings"),
+    "connector": ("config", "block_size", "settings"),
+    "token_processor": ("tokenizer", "settings"),
+    "logits_processor": ("config", "tokenizer", "vocab_size", "settings"),
+    "guided_backend": ("tokenizer", "vocab_size", "eos_token_ids", "settings"),
+    "sampler": ("config", "settings"),
+    "model_runner": ("runner",),
+    "weight_format": ("kernels", "settings"),
+    "proposer": ("config", "vocab_size", "settings"),
+    "tool_parser": ("tokenizer", "tools", "settings"),
+    "reasoning_parser": ("tokenizer", "settings"),
+    "observer": ("config", "settings"),
+}
+
+
+def base_args(part: Any, kind: str, settings: Any, context: Any, old: tuple) -> tuple[Any, BuildContext]:
+    """``(settings, context)`` for the base-class constructor of ``kind``
+    called by ``part``: as ``(settings, context)`` (``context`` None, for a
+    part built by hand: an empty ``BuildContext``), or, deprecated,
+    positionally in the kind's older shape (``OLD_BASE_ARGS``)."""
+    if isinstance(context, BuildContext):
+        return settings, context
+    schema = getattr(type(part), "Settings", None)
+    if context is None and not old and (settings is None or isinstance(settings, dict)
+                                        or (isinstance(schema, type) and isinstance(settings, schema))):
+        return settings, BuildContext(kind=kind)
+    warnings.warn(f"{type(part).__qualname__} calls its base class's constructor in the older {kind} shape; "
+                  f"call super().__init__(settings, context) (docs/plugins.md)", DeprecationWarning, stacklevel=3)
+    values = {k: v for k, v in zip(OLD_BASE_ARGS[kind], (settings, context, *old)) if v is not None}
+    settings = values.pop("settings", None)
+    return settings, BuildContext(kind=kind, **values)
 
 
 # =============================================================================
@@ -257,11 +311,11 @@ class KVCacheManager(abc.ABC):
     nothing.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, config: "FdxConfig | None" = None,
-                 settings: dict | None = None):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.config = config
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "kv_cache", settings, context, old)
+        self.num_blocks = context.num_blocks
+        self.block_size = context.block_size
+        self.config = context.config
         self.settings = settings or {}
 
     def lookup_prefix(self, request: "Request") -> PrefixHit:
@@ -335,9 +389,10 @@ class KVConnector(abc.ABC):
     ``finished_sending``.
     """
 
-    def __init__(self, config: "FdxConfig", block_size: int, settings: dict | None = None):
-        self.config = config
-        self.block_size = block_size
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "connector", settings, context, old)
+        self.config = context.config
+        self.block_size = context.block_size
         self.settings = settings or {}
 
     # -- scheduler side ------------------------------------------------------
@@ -483,8 +538,9 @@ class KVScheduler(abc.ABC):
 
     bounded_wait: bool = True
 
-    def __init__(self, config: "FdxConfig", settings: dict | None = None):
-        self.config = config
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "kv_scheduler", settings, context, old)
+        self.config = context.config
         self.settings = settings or {}
 
     @abc.abstractmethod
@@ -501,8 +557,8 @@ class RequestScheduler(abc.ABC):
     registered with ``fdx_register_request_schedulers``): where a server's requests
     run. ``local`` (the default) runs them in the server's own engine and
     is never built (``wraps = False``); any other is built in the API
-    process as ``cls(config, engine, metrics, settings)`` around the
-    server's ``EngineClient`` (``engine``; ``metrics`` the server's
+    process as ``cls(settings, context)`` around the server's
+    ``EngineClient`` (``context.engine``; ``context.metrics`` the server's
     ``ServerMetrics``, whose ``registry`` takes its own series;
     ``settings`` from ``plugins.request_scheduler.<name>``, validated into
     ``cls.Settings`` when it declares one) and stands in for it, so it
@@ -514,8 +570,9 @@ class RequestScheduler(abc.ABC):
 
     wraps: bool = True                   # False: requests run in the server's engine, unwrapped
 
-    def __init__(self, config: "FdxConfig", engine: Any, metrics: Any, settings: Any = None):
-        self.config, self.engine, self.metrics = config, engine, metrics
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "request_scheduler", settings, context, old)
+        self.config, self.engine, self.metrics = context.config, context.engine, context.metrics
         self.settings = settings if settings is not None else {}
 
     def __getattr__(self, name: str) -> Any:
@@ -558,8 +615,9 @@ class QueuePolicy(abc.ABC):
     max_dynamic_queue: int | None = None   # past this many waiting, a dynamic policy's re-sort falls
                                            # back to arrival order (its lookups would cost too much)
 
-    def __init__(self, kv_cache: KVCacheManager, settings: dict | None = None):
-        self.kv_cache = kv_cache
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "queue_policy", settings, context, old)
+        self.kv_cache = context.kv_cache
         self.settings = settings or {}
 
     @abc.abstractmethod
@@ -584,8 +642,9 @@ class AdmissionRule(abc.ABC):
     one is tried; rules are never asked about preempted requests, which
     resume first. A rule that refuses forever starves a request: bound it."""
 
-    def __init__(self, config: "FdxConfig", settings: dict | None = None):
-        self.config = config
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "admission_rule", settings, context, old)
+        self.config = context.config
         self.settings = settings or {}
 
     @abc.abstractmethod
@@ -596,8 +655,9 @@ class PreemptionPolicy(abc.ABC):
     """Which running request gives up its blocks when a step runs out of
     them (``scheduler.preemption``)."""
 
-    def __init__(self, config: "FdxConfig", settings: dict | None = None):
-        self.config = config
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "preemption_policy", settings, context, old)
+        self.config = context.config
         self.settings = settings or {}
 
     @abc.abstractmethod
@@ -650,10 +710,11 @@ class LogitsProcessor(abc.ABC):
 
     active: bool = True
 
-    def __init__(self, config: "FdxConfig", tokenizer: Any, vocab_size: int, settings: dict | None = None):
-        self.config = config
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "logits_processor", settings, context, old)
+        self.config = context.config
+        self.tokenizer = context.tokenizer
+        self.vocab_size = context.vocab_size
         self.settings = settings or {}
 
     @classmethod
@@ -717,8 +778,9 @@ class Sampler(abc.ABC):
     device_logits: bool = False
     rng: Any = None
 
-    def __init__(self, config: "FdxConfig | None" = None, settings: dict | None = None):
-        self.config = config
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "sampler", settings, context, old)
+        self.config = context.config
         self.settings = settings or {}
 
     @abc.abstractmethod
@@ -756,8 +818,8 @@ class Proposer(abc.ABC):
     distribution exactly). A proposer can therefore change speed, never
     output.
 
-    Built once per engine as ``cls(config, vocab_size, settings)`` in the
-    engine process (``settings``: ``plugins.proposer.<name>``, validated
+    Built once per engine as ``cls(settings, context)`` (``context.vocab_size``)
+    in the engine process (``settings``: ``plugins.proposer.<name>``, validated
     into ``cls.Settings`` when the class declares one; the built-ins read
     the ``speculative`` section). Called on the engine thread, between
     steps; it must be quick (it runs every step for every decoding
@@ -780,9 +842,10 @@ class Proposer(abc.ABC):
     uses_sampling_params: bool = False   # True: add_request also gets ``sampling_params=`` (the request's
                                          # SamplingParams), so drafts can be drawn as the request samples
 
-    def __init__(self, config: "FdxConfig", vocab_size: int, settings: Any = None):
-        self.config = config
-        self.vocab_size = vocab_size
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "proposer", settings, context, old)
+        self.config = context.config
+        self.vocab_size = context.vocab_size
         self.settings = settings if settings is not None else {}
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
@@ -860,13 +923,14 @@ class TokenProcessor(abc.ABC):
     ``min_tokens`` are out; eos and stop token ids are checked first, the
     length last). The text callers get, cut at the stop string, and
     logprob text are the output processor's (core/output.py), which serves
-    ``LLM`` and the server alike. Built as ``cls(tokenizer, settings)``
-    (``plugins.token_processor.<name>``); the serving engine's tokenizer is
+    ``LLM`` and the server alike. Built as ``cls(settings, context)``
+    (``context.tokenizer``; ``plugins.token_processor.<name>``); the serving engine's tokenizer is
     built on first use (a ``DeferredTokenizer``: the first request with
     stop strings builds it)."""
 
-    def __init__(self, tokenizer: Any = None, settings: dict | None = None):
-        self.tokenizer = tokenizer
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "token_processor", settings, context, old)
+        self.tokenizer = context.tokenizer
         self.settings = settings or {}
 
     def start(self, request: "Request") -> None:
@@ -884,7 +948,7 @@ class TokenProcessor(abc.ABC):
 class Observer:
     """An observer an engine builds because its config selects it
     (``observability.observers``; registered by ``fdx_register_observers``),
-    one per engine, constructed as ``cls(config, settings)`` with
+    one per engine, constructed as ``cls(settings, context)`` with
     ``settings`` from ``plugins.observer.<name>`` (raise ``ValueError`` on a
     bad one: the engine reports it as a config error naming that key).
 
@@ -907,8 +971,9 @@ class Observer:
 
     name: str = ""                                # set by the engine: the name it was selected by
 
-    def __init__(self, config: "FdxConfig", settings: dict | None = None):
-        self.config = config
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "observer", settings, context, old)
+        self.config = context.config
         self.settings = settings or {}
 
     def close(self) -> None:
@@ -989,11 +1054,11 @@ class GuidedBackend(abc.ABC):
     requires: tuple[str, ...] = ()               # importable packages it needs (checked at start-up)
     setting_keys: tuple[str, ...] = ()           # the settings it reads (others are a config error)
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 settings: dict | None = None):
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size             # the model's (bitmask width), >= the tokenizer's
-        self.eos_token_ids = sorted(eos_token_ids)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "guided_backend", settings, context, old)
+        self.tokenizer = context.tokenizer
+        self.vocab_size = context.vocab_size     # the model's (bitmask width), >= the tokenizer's
+        self.eos_token_ids = sorted(context.eos_token_ids)
         self.settings = settings or {}
 
     @abc.abstractmethod
@@ -1135,8 +1200,9 @@ class WeightFormat(abc.ABC):
     name: str = ""
     keeps_blocks: bool = False      # True: GGUF block tensors arrive as QuantizedTensor, else float32 numpy
 
-    def __init__(self, kernels: KernelTable = REFERENCE, settings: dict | None = None):
-        self.kernels = kernels          # the backend's probed table: which products have a kernel here
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "weight_format", settings, context, old)
+        self.kernels = context.kernels  # the backend's probed table: which products have a kernel here
         self.settings = settings or {}
 
     @abc.abstractmethod
@@ -1177,7 +1243,7 @@ class LoRALoader(abc.ABC):
     """Reads a LoRA adapter in one file format (``fdx_register_lora_loaders``;
     ``lora.lora_loader`` picks one, built-in ``peft``: a PEFT folder with
     adapter_config.json and adapter_model.safetensors). Constructed as
-    ``cls(settings)``; runs wherever the model runs (every tensor parallel
+    ``cls(settings, context)``; runs wherever the model runs (every tensor parallel
     rank), never in the API process.
 
     ``load`` returns a ``fdx.core.lora.LoRAWeights``: per (layer, module)
@@ -1208,13 +1274,13 @@ class Model(abc.ABC):
     the GGUF architecture fdx maps to one). Subclass it: the engine refuses a
     registered class that does not.
 
-    Construction: ``cls(config, weights)`` or, when the constructor takes it,
-    ``cls(config, weights, weight_format=fmt)``. ``config`` is the Hugging
-    Face config dict; ``weights`` maps Hugging Face tensor names to float32
-    numpy arrays (or, when ``fmt.keeps_blocks``, to GGUF block tensors the
-    format loads); ``fmt`` is the ``WeightFormat`` that
-    ``model.quantization`` names, whose ``load`` turns a tensor into a
-    ``LinearWeight``. A class without ``weight_format`` takes
+    Construction: ``cls(settings, context)``. ``context.hf_config`` is the
+    Hugging Face config dict; ``context.weights`` maps Hugging Face tensor
+    names to float32 numpy arrays (or, when ``fmt.keeps_blocks``, to GGUF
+    block tensors the format loads); ``context.weight_format`` (``fmt``) is
+    the ``WeightFormat`` that ``model.quantization`` names, whose ``load``
+    turns a tensor into a ``LinearWeight``, when the class says
+    ``takes_weight_format``. A class that does not takes
     ``model.quantization`` none or auto only, and gets float32 weights (any
     other value is a config error). A
     ValueError from the constructor that starts with ``config key`` is shown
@@ -1696,8 +1762,9 @@ class ModelRunner(abc.ABC):
 
     tensor_parallel: bool = False       # follows the rank contract above (DefaultModelRunner does)
 
-    def __init__(self, ctx: RunnerContext):
-        self.ctx = ctx
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "model_runner", settings, context, old)
+        self.ctx: RunnerContext = context.runner
 
     @abc.abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -1746,8 +1813,9 @@ class Executor(abc.ABC):
     .. N-1 in worker processes). The engine holds no model: it sizes the
     KV cache, builds it and steps only through these methods.
 
-    Built as ``cls(assembly, backend, dtype, progress, defer_tokenizer)``
-    (``core.assembly.Assembly.executor_class`` picks the class): it sets the
+    Built as ``cls(settings, context)`` with ``context.assembly``, ``backend``,
+    ``dtype``, ``progress`` and ``defer_tokenizer`` (``core.assembly.Assembly.executor``
+    builds the class ``parallel.runner`` names, or ``UniProcExecutor``): it sets the
     backend up wherever the model runs (``backend``, the engine's, ends up
     holding what that setup found, and ``assembly.set_backend`` has run),
     loads the checkpoint (``checkpoint``: its config, tokenizer and
@@ -1876,9 +1944,10 @@ class ToolParser(abc.ABC):
     ``stream`` holds everything back and answers ``extract`` at the end:
     correct, not incremental."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, settings: dict | None = None):
-        self.tokenizer = tokenizer
-        self.tools = tools or []
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "tool_parser", settings, context, old)
+        self.tokenizer = context.tokenizer
+        self.tools = context.tools or []
         self.settings = settings or {}
         self._held = ""
 
@@ -1927,8 +1996,9 @@ class ReasoningParser(abc.ABC):
         """After ``begin``: does the output start in reasoning?"""
         return self.prompt_state is True or (self.prompt_state is None and self.implicit_reasoning)
 
-    def __init__(self, tokenizer: Any, settings: dict | None = None):
-        self.tokenizer = tokenizer
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
+        settings, context = base_args(self, "reasoning_parser", settings, context, old)
+        self.tokenizer = context.tokenizer
         self.settings = settings or {}
         self.prompt_state: bool | None = None
         self._held = ""

@@ -394,7 +394,8 @@ def get_serving_plugin_manager() -> PluginManager:
 _UNSET: Any = object()
 
 # The per-kind constructor shapes before ``factory(settings, context)`` (docs/plugins.md, "Older constructor
-# shapes"): a class still written to one is called so, with a DeprecationWarning (one adapter, here).
+# shapes"): an outside class still written to one is called so, with a DeprecationWarning (one adapter, here;
+# every fdx plugin and base class is in the one shape, and one that were not would warn too).
 OLD_SHAPES: dict[str, Callable[[Any, BuildContext], tuple[tuple, dict]]] = {
     "kv_scheduler": lambda s, c: ((c.config,), {"settings": s}),
     "queue_policy": lambda s, c: ((c.kv_cache, s), {}),
@@ -409,7 +410,8 @@ OLD_SHAPES: dict[str, Callable[[Any, BuildContext], tuple[tuple, dict]]] = {
     "backend": lambda s, c: ((), {"settings": s}),
     "attention_backend": lambda s, c: ((s,), {}),
     "sampler": lambda s, c: ((), {"config": c.config, "settings": s}),
-    "model_runner": lambda s, c: ((c.runner,), {}),
+    "model_runner": lambda s, c: (((c.runner,) if c.assembly is None       # an executor: parallel.runner
+                                   else (c.assembly, c.backend, c.dtype, c.progress, c.defer_tokenizer)), {}),
     "model": lambda s, c: ((c.hf_config, c.weights),
                            {} if c.weight_format is None else {"weight_format": c.weight_format}),
     "weight_format": lambda s, c: ((c.kernels, s), {}),
@@ -438,14 +440,6 @@ def new_shape(cls: Any) -> bool:
     return _shapes[cls]
 
 
-def _own_old_shape(cls: Any) -> bool:
-    """Whether the older shape is the plugin's own constructor (worth a
-    warning), not one it inherits from fdx's base class (which moves to the
-    new shape with it)."""
-    module = inspect.getmodule(cls.__init__ if isinstance(cls, type) else cls)
-    return module is None or not module.__name__.startswith("fdx.")
-
-
 def make_plugin(context: BuildContext, key: str, settings: Any = _UNSET, cls: Any = None) -> Any:
     """The one place a plugin is constructed: the class ``context.kind`` /
     ``context.name`` (``key``: the config key that selected it, named by
@@ -466,14 +460,13 @@ def make_plugin(context: BuildContext, key: str, settings: Any = _UNSET, cls: An
         args, kwargs = (settings, context), {}
     else:
         args, kwargs = OLD_SHAPES[kind](settings, context)
-        if _own_old_shape(cls) and not (context.plugins is not None and name in context.plugins.builtin_names(kind)):
-            msg = (f"{kind} {name!r} ({cls.__module__}.{cls.__qualname__}) is constructed in the older "
-                   f"per-kind shape; write its constructor as __init__(self, settings, context) "
-                   f"(fdx.core.interfaces.BuildContext, docs/plugins.md)")
-            warnings.warn(msg, DeprecationWarning, stacklevel=2)
-            if cls not in _warned:                  # the log says it once a class
-                _warned.add(cls)
-                log.warning("%s", msg)
+        msg = (f"{kind} {name!r} ({cls.__module__}.{cls.__qualname__}) is constructed in the older "
+               f"per-kind shape; write its constructor as __init__(self, settings, context) "
+               f"(fdx.core.interfaces.BuildContext, docs/plugins.md)")
+        warnings.warn(msg, DeprecationWarning, stacklevel=2)
+        if cls not in _warned:                      # the log says it once a class
+            _warned.add(cls)
+            log.warning("%s", msg)
     log.debug("built %s %s: %s.%s", kind, name, cls.__module__, cls.__qualname__)
     try:
         return cls(*args, **kwargs)

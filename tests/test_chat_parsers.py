@@ -14,6 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from fdx.core.interfaces import BuildContext
 from fdx.core.plugins import SERVING_PLUGINS, PluginManager
 from fdx.core.sampling_params import SamplingParams as SP
 from fdx.core.chat_output import ChatRequestError, ChoiceOutput, ToolPlan, tool_plan
@@ -256,10 +257,10 @@ def test_a_bad_parser_setting_is_a_config_error_naming_the_key(keys, named):
 def test_reasoning_budget_forces_the_end_tokens_after_the_budget():
     """The reasoning_budget processor against a recompute by hand: past
     ``budget`` tokens with no end sequence, row i may only take end[k]."""
-    from fdx.core.interfaces import BatchUpdate, RowState
+    from fdx.core.interfaces import BatchUpdate, BuildContext, RowState
     from fdx.plugins.decoding.logits_processors import ReasoningBudget
     end = [7, 8, 9]
-    proc = ReasoningBudget(None, None, 20)
+    proc = ReasoningBudget(None, BuildContext(vocab_size=20))
     outs = {"a": [1, 2], "b": [1, 2, 3], "c": [1, 2, 3, 7], "d": [7, 8, 9, 1], "e": [1, 2, 3, 7, 8, 9]}
     params = SP(max_tokens=None, reasoning_max_tokens=3, reasoning_end_token_ids=end)
     rows = list(outs)
@@ -295,9 +296,9 @@ def test_auto_keeps_one_call_without_parallel_tool_calls(registry, parallel):
             '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
     plan = tool_plan(_req(tools=[WEATHER, TIME], parallel_tool_calls=parallel), _SC)
     hermes = registry.get("tool_parser", "hermes")
-    msg = ChoiceOutput(plan, None, hermes(None, plan.tools)).message(text)
+    msg = ChoiceOutput(plan, None, hermes(None, BuildContext(tools=plan.tools))).message(text)
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "get_time"][:2 if parallel else 1]
-    streamed = ChoiceOutput(plan, None, hermes(None, plan.tools))
+    streamed = ChoiceOutput(plan, None, hermes(None, BuildContext(tools=plan.tools)))
     pieces = [streamed.delta(text[i:i + 7], i + 7 >= len(text)) for i in range(0, len(text), 7)]
     names = [tc["function"]["name"] for d in pieces for tc in d.get("tool_calls", []) if "name" in tc["function"]]
     assert names == [c["function"]["name"] for c in msg["tool_calls"]]

@@ -267,8 +267,8 @@ def test_a_request_the_connector_fails_is_reported_finished(tiny):
 
     class NeverArrives(KVConnector):
         """Every request's KV "comes from elsewhere" and never does."""
-        def __init__(self, config, block_size, settings=None):
-            super().__init__(config, block_size, settings)
+        def __init__(self, settings, context):
+            super().__init__(settings, context)
             self.deferred: set[str] = set()
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -466,6 +466,56 @@ def test_every_kind_the_engine_builds_goes_through_make_plugin(tiny, ex, pm, cap
     assert type(eng.backend).__name__ == "FakeDevice" and type(eng.speculation.proposer).__name__ == "LookbackProposer"
     assert (tmp_path / "records.jsonl").read_text().count('"finished"') == len(PROMPTS)
     llm.close()
+
+
+def _built_classes(caplog) -> dict[tuple[str, str], type]:
+    """(kind, name) -> the class ``make_plugin`` logged building."""
+    import importlib
+    built = {}
+    for r in caplog.records:
+        if r.name == "fdx.plugins" and r.msg.startswith("built "):
+            kind, name, module, qualname = r.args
+            obj = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            built[(kind, name)] = obj
+    return built
+
+
+def test_every_builtin_part_is_built_in_the_one_shape_without_the_adapter(tiny, caplog):
+    """Issue 36 item 2: an LLM run on the default parts, and one on the
+    other built-in scheduling, cache, connector and proposer choices, with
+    DeprecationWarning an error (the adapter for older shapes warns, for a
+    built-in too): every part of every kind the engine builds, the executor
+    and the model included, is an fdx class constructed as
+    ``cls(settings, context)``, and the runs answer as the default parts
+    alone do."""
+    import logging
+    import warnings
+
+    from fdx.core.plugins import new_shape
+    caplog.set_level(logging.DEBUG, logger="fdx.plugins")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    others = dict(kv_scheduler="v0", kv_cache="prefix", policy="priority", preemption="least-computed",
+                  kv_connector="swap", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    runs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for kw in ({}, others):
+            caplog.clear()
+            llm = make_llm(tiny, **kw)
+            runs.append(token_ids(llm.generate(prompts(), sp)))
+            llm.close()
+            built = _built_classes(caplog)
+            kinds = {kind for kind, _ in built}
+            assert {"backend", "attention_backend", "sampler", "model_runner", "model", "weight_format",
+                    "kv_cache", "kv_scheduler", "queue_policy", "preemption_policy", "token_processor",
+                    "logits_processor"} <= kinds, kinds
+            if kw:
+                assert {"connector", "proposer"} <= kinds and ("kv_scheduler", "v0") in built
+            for (kind, name), cls in built.items():
+                assert cls.__module__.startswith("fdx.") and new_shape(cls), (kind, name, cls)
+    assert runs[0] == runs[1]
 
 
 def test_outside_activation_function_equals_a_transformers_hook(tiny_checkpoints, pm):

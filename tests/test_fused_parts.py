@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from fdx.core import kernels
-from fdx.core.interfaces import RowStack
+from fdx.core.interfaces import BuildContext, RowStack
 from fdx.ops import cpp, parts
 from fdx.ops.probes import PARTS_PROBE_STACKS, act_block, int8_blocks, random_quantized
 from fdx.plugins.models.weight_formats import AutoFormat, BlockStack, BlockWeight, stack
@@ -119,7 +119,7 @@ def test_loading_concatenates_same_kind_neighbours_and_stacks_the_rest():
     q, k, v = (BlockWeight(random_quantized(kind, rows, 512, rng))
                for kind, rows in (("q4_k", 16), ("q4_k", 8), ("q6_k", 8)))
     plain = [w.q.dequantize() for w in (q, k, v)]
-    fused = AutoFormat(cpu_kernel_table()).fuse([q, k, v])
+    fused = AutoFormat({}, BuildContext(kernels=cpu_kernel_table())).fuse([q, k, v])
     assert type(fused) is BlockStack
     assert [(p.kind, p.shape[0]) for p in fused.parts] == [("q4_k", 24), ("q6_k", 8)]
     assert np.array_equal(fused.dequantize(), np.concatenate(plain))

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from fdx.ops import cpp
-from fdx.core.interfaces import AttentionContext
+from fdx.core.interfaces import AttentionContext, BuildContext
 from fdx.ops.attention import build_attention_metadata
 from fdx.plugins.backends.attention import CpuAttention, PaddleAttention
 
@@ -60,7 +60,7 @@ class Case:
 
     def fdx_model(self):
         weights = {k: v.detach().numpy().copy() for k, v in self.hf.state_dict().items()}
-        return getattr(MODULES[self.arch], self.arch)(self.config, weights)
+        return getattr(MODULES[self.arch], self.arch)({}, BuildContext(hf_config=self.config, weights=weights))
 
     def hf_logits(self, ids: list[int]) -> np.ndarray:
         with torch.no_grad():
@@ -250,7 +250,7 @@ def test_step_without_logits_rows():
 def test_weights_consumed_and_layout():
     case = build_case("qwen2-bias-untied")
     weights = {k: v.detach().numpy().copy() for k, v in case.hf.state_dict().items()}
-    model = qwen2.Qwen2ForCausalLM(case.config, weights)
+    model = qwen2.Qwen2ForCausalLM({}, BuildContext(hf_config=case.config, weights=weights))
     assert weights == {}  # every tensor converted and released
     attn, mlp = model.layers[0].attn, model.layers[0].mlp
     # LinearWeight shapes are (out, in); the float32 format keeps [in, out] tensors underneath
@@ -270,7 +270,7 @@ def test_missing_weight_is_named(missing):
     weights = {k: v.detach().numpy() for k, v in case.hf.state_dict().items()}
     del weights[missing]
     with pytest.raises(ValueError, match=f"missing weight '{missing}'"):
-        qwen2.Qwen2ForCausalLM(case.config, weights)
+        qwen2.Qwen2ForCausalLM({}, BuildContext(hf_config=case.config, weights=weights))
 
 
 def test_wrong_shape_is_named():
@@ -278,14 +278,14 @@ def test_wrong_shape_is_named():
     weights = {k: v.detach().numpy() for k, v in case.hf.state_dict().items()}
     weights["model.layers.0.self_attn.o_proj.weight"] = np.zeros((64, 32), np.float32)
     with pytest.raises(ValueError, match=r"o_proj.weight' has shape \(64, 32\), expected \(64, 64\)"):
-        llama.LlamaForCausalLM(case.config, weights)
+        llama.LlamaForCausalLM({}, BuildContext(hf_config=case.config, weights=weights))
 
 
 def test_tied_model_without_lm_head_in_weights():
     case = build_case("qwen3-tied-hd32")
     weights = {k: v.detach().numpy().copy() for k, v in case.hf.state_dict().items()}
     weights.pop("lm_head.weight", None)
-    model = qwen3.Qwen3ForCausalLM(case.config, weights)
+    model = qwen3.Qwen3ForCausalLM({}, BuildContext(hf_config=case.config, weights=weights))
     (logits,) = PagedRunner(model, impl="paddle").step([("a", [5, 6, 7])])
     np.testing.assert_allclose(logits, case.hf_logits([5, 6, 7]), atol=ATOL, rtol=0)
 

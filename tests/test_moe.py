@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 
+from fdx.core.interfaces import BuildContext
 from fdx.model_io.loader import load_checkpoint
 from fdx.plugins.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from fdx.plugins.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -69,7 +70,7 @@ class Case:
 
     def fdx_model(self):
         ck = load_checkpoint(str(self.path), progress=False)
-        return CLASSES[self.arch](ck.config, ck.weights)
+        return CLASSES[self.arch]({}, BuildContext(hf_config=ck.config, weights=ck.weights))
 
 
 def _tokenizer(path: Path) -> None:
@@ -252,7 +253,7 @@ def test_missing_expert_is_named(case):
     name = f"model.layers.{layer}.mlp.experts.5.down_proj.weight"
     del ck.weights[name]
     with pytest.raises(ValueError, match=f"missing weight '{name}'"):
-        CLASSES[case.arch](ck.config, ck.weights)
+        CLASSES[case.arch]({}, BuildContext(hf_config=ck.config, weights=ck.weights))
 
 
 def test_bad_top_k_is_a_clear_error():
@@ -287,7 +288,7 @@ def test_gguf_f32_config_and_logits(gguf_case):
     assert dataclasses.replace(got, rms_norm_eps=want.rms_norm_eps) == want
     assert set(ck.weights) == set(hf_ck.weights)
     ids = prompt(12, 3)
-    (logits,) = PagedRunner(cls(ck.config, ck.weights), impl="paddle").step([("a", ids)])
+    (logits,) = PagedRunner(cls({}, BuildContext(hf_config=ck.config, weights=ck.weights)), impl="paddle").step([("a", ids)])
     np.testing.assert_allclose(logits, case.logits(ids), atol=ATOL, rtol=0)
 
 
@@ -304,7 +305,8 @@ def test_gguf_q8_0_experts_stay_quantized(gguf_case, tmp_path):
     from fdx.plugins.models.weight_formats import AutoFormat, BlockWeight
     case, _, q8 = gguf_case
     ck = load_checkpoint(str(q8), progress=False, keep_blocks=True)
-    model = CLASSES[case.arch](ck.config, ck.weights, AutoFormat())
+    model = CLASSES[case.arch]({}, BuildContext(hf_config=ck.config, weights=ck.weights,
+                                                   weight_format=AutoFormat()))
     block = model.layers[model.moe.moe_layers[0]].mlp
     assert all(isinstance(w, BlockWeight) and w.kind == "q8_0" for w in block.w_gate_up + block.w_down)
     # the reference: transformers on the file's values (dequantized by the gguf package)
@@ -476,7 +478,8 @@ def test_quantized_on_load_experts_stay_quantized(fmt, tmp_path):
     from fdx.plugins.models.weight_formats import FORMATS, BlockWeight
     case = write_case("ernie-moe", tmp_path)
     ck = load_checkpoint(str(case.path), progress=False)
-    model = CLASSES[case.arch](ck.config, ck.weights, FORMATS[fmt]())
+    model = CLASSES[case.arch]({}, BuildContext(hf_config=ck.config, weights=ck.weights,
+                                                   weight_format=FORMATS[fmt]()))
     block = model.layers[model.moe.moe_layers[0]].mlp
     assert all(isinstance(w, BlockWeight) and w.kind == fmt for w in block.w_gate_up + block.w_down)
     assert fmt in model.weight_bytes()

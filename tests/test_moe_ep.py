@@ -19,6 +19,7 @@ import pytest
 
 from fdx.model_io.loader import load_checkpoint
 from fdx.core.config import ConfigError, FdxConfig
+from fdx.core.interfaces import BuildContext
 from fdx.plugins.models.moe_config import ExpertShare, building_share
 from fdx.plugins.models.qwen3_moe import Qwen3MoeForCausalLM
 from test_moe_grouped import E, K, checkpoints, write_qwen3_moe  # noqa: F401  (checkpoints: a fixture)
@@ -32,7 +33,7 @@ def folder(tmp_path_factory):
 def _model(folder, share: ExpertShare | None = None) -> Qwen3MoeForCausalLM:
     ck = load_checkpoint(str(folder), progress=False)
     with building_share(share):
-        return Qwen3MoeForCausalLM(ck.config, ck.weights)
+        return Qwen3MoeForCausalLM({}, BuildContext(hf_config=ck.config, weights=ck.weights))
 
 
 @pytest.mark.parametrize("world,groups", [(2, 2), (4, 2), (4, 4), (2, 1)])
@@ -72,7 +73,8 @@ def test_q8_0_gguf_ranks_keep_their_experts_quantized(checkpoints):
     def model(share=None):
         ck = load_checkpoint(str(q8), progress=False, keep_blocks=True)
         with building_share(share):
-            return Qwen3MoeForCausalLM(ck.config, ck.weights, weight_format=AutoFormat(table, {}))
+            return Qwen3MoeForCausalLM({}, BuildContext(hf_config=ck.config, weights=ck.weights,
+                                                        weight_format=AutoFormat({}, BuildContext(kernels=table))))
     with kernels.using(table):
         whole, ranks = model(), [model(ExpertShare(r, 2, 2)) for r in range(2)]
         for r, m in enumerate(ranks):

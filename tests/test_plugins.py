@@ -3,6 +3,7 @@ documented and implemented from outside."""
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 import types
 
@@ -306,7 +307,9 @@ def test_make_plugin_one_shape_an_adapter_for_the_old_ones_and_errors_naming_the
     """Issue 36 item 2: ``make_plugin`` calls a ``(settings, context)`` class
     so, with its validated settings and the context; an outside class in
     its kind's older shape through the adapter, with a DeprecationWarning
-    naming it (a built-in one silently); an unknown name is a ConfigError
+    naming it (a built-in one too: fdx's are all in the one shape), and a
+    subclass calling its base's constructor in the older shape gets it
+    mapped, with a warning; an unknown name is a ConfigError
     naming the selecting key, a bad setting one naming
     ``plugins.<kind>.<name>.<key>``, a constructor's ValueError one naming
     ``plugins.<kind>.<name>``."""
@@ -327,7 +330,7 @@ def test_make_plugin_one_shape_an_adapter_for_the_old_ones_and_errors_naming_the
         def __init__(self, settings, context):
             if settings.limit < 1:
                 raise ValueError("limit must be >= 1")
-            super().__init__(context.config, context.vocab_size, settings)
+            super().__init__(settings, context)
 
         def propose(self, request_id, token_ids, k, hidden_states=None):
             return list(token_ids[-self.settings.limit:])[:k]
@@ -362,18 +365,60 @@ def test_make_plugin_one_shape_an_adapter_for_the_old_ones_and_errors_naming_the
         assert make("my-loader", kind="lora_loader").settings == {}
     assert (p.settings, p.vocab_size, p.config) == (Limit(2), 99, cfg)
     assert p.propose("r", [1, 2, 3, 4], 4) == [3, 4]
-    with pytest.warns(DeprecationWarning, match=r"proposer 'old-p' .*OldProposer.* older per-kind shape"):
+    with pytest.warns(DeprecationWarning) as seen:
         old = make("old-p")
-    assert (old.settings, old.vocab_size) == (Limit(), 99)
-    with warnings.catch_warnings():              # a built-in in an older shape: no warning
+    assert (old.settings, old.vocab_size, old.config) == (Limit(), 99, cfg)
+    said = [str(w.message) for w in seen]
+    assert any(re.search(r"proposer 'old-p' .*OldProposer.* older per-kind shape", m) for m in said), said
+    assert any(re.search(r"OldProposer calls its base class's constructor in the older proposer shape", m)
+               for m in said), said
+    with warnings.catch_warnings():              # the built-ins are in the one shape: no warning
         warnings.simplefilter("error")
         make_plugin(BuildContext(cfg, get_plugin_manager(), "proposer", "ngram", vocab_size=99), "speculative.method")
+
+    class Builtin:                               # a plugin shipped as fdx's own, in an older shape: it warns
+        @hookimpl
+        def fdx_register_proposers(self, register):
+            register("old-builtin", OldProposer)
+    pm.add_plugin(Builtin(), name="fdx.plugins.spec.old", package="fdx")
+    assert "old-builtin" in pm.builtin_names("proposer")
+    with pytest.warns(DeprecationWarning) as seen:
+        make("old-builtin")
+    assert any(re.search(r"proposer 'old-builtin' .*OldProposer.* older per-kind shape", str(w.message))
+               for w in seen)
     with pytest.raises(ConfigError, match=r"config key 'speculative.method': .*no-such"):
         make("no-such")
     with pytest.raises(ConfigError, match=r"plugins\.proposer\.new-p\.limit"):
         make("new-p", FdxConfig.build(**{"plugins.proposer.new-p": {"limit": "x"}}))
     with pytest.raises(ConfigError, match=r"config key 'plugins\.proposer\.new-p': limit must be >= 1"):
         make("new-p", FdxConfig.build(**{"plugins.proposer.new-p": {"limit": 0}}))
+
+
+def test_every_builtin_of_every_kind_and_every_base_class_takes_settings_and_context():
+    """Issue 36 item 2: every class fdx's own plugins register, of every
+    kind (activation functions are functions, not constructed), and every
+    base class in fdx.core.interfaces a plugin inherits its constructor
+    from, is constructed as ``cls(settings, context)``; the executors too."""
+    from fdx.core import interfaces
+    from fdx.core.executor import UniProcExecutor
+    from fdx.core.plugins import KINDS, new_shape
+    pm = PluginManager(load_entry_points=False)
+    checked = set()
+    for kind in KINDS.values():
+        if kind == "activation_function":
+            continue
+        for name in pm.builtin_names(kind):
+            cls = pm.get(kind, name)
+            assert new_shape(cls), (kind, name, cls)
+            checked.add(kind)
+    assert checked == set(KINDS.values()) - {"activation_function", "admission_rule", "moe_router"}
+    bases = [interfaces.KVScheduler, interfaces.QueuePolicy, interfaces.AdmissionRule, interfaces.PreemptionPolicy,
+             interfaces.RequestScheduler, interfaces.KVCacheManager, interfaces.KVConnector,
+             interfaces.TokenProcessor, interfaces.LogitsProcessor, interfaces.GuidedBackend, interfaces.Backend,
+             interfaces.AttentionBackend, interfaces.Sampler, interfaces.ModelRunner, interfaces.WeightFormat,
+             interfaces.LoRALoader, interfaces.Proposer, interfaces.ToolParser, interfaces.ReasoningParser,
+             interfaces.Observer, UniProcExecutor]
+    assert [b.__name__ for b in bases if not new_shape(b)] == []
 
 
 def test_an_observer_is_called_only_for_the_hooks_it_overrides():

@@ -13,7 +13,7 @@ import pytest
 
 from fdx.core.assembly import Assembly
 from fdx.core.config import FdxConfig
-from fdx.core.interfaces import KVCacheSpec
+from fdx.core.interfaces import BuildContext, KVCacheSpec
 from fdx.core.plugins import get_plugin_manager
 from fdx.core.request import Request
 from fdx.core.sampling_params import SamplingParams
@@ -73,14 +73,15 @@ def block_data(tokens, index: int) -> np.ndarray:
 
 def make_cache(num_blocks: int = 8) -> PrefixKVCache:
     cfg = FdxConfig.build(kv_cache="prefix", block_size=BS)
-    return PrefixKVCache(num_blocks, BS, cfg)
+    return PrefixKVCache(None, BuildContext(cfg, num_blocks=num_blocks, block_size=BS))
 
 
 def make_connector(num_blocks: int, model: str = "fake-model", **cache_cfg) -> SwapConnector:
     import paddle
     cfg = FdxConfig.build(model=model, kv_cache="prefix", block_size=BS, kv_connector="swap",
                           plugins={"connector": {"swap": cache_cfg}})
-    conn = SwapConnector(cfg, BS, Assembly(cfg, get_plugin_manager()).settings("connector", "swap"))
+    conn = SwapConnector(Assembly(cfg, get_plugin_manager()).settings("connector", "swap"),
+                         BuildContext(cfg, block_size=BS))
     rows = KVH * num_blocks * BS
     conn.register_kv_caches([(paddle.zeros([rows, HD]), paddle.zeros([rows, HD])) for _ in range(LAYERS)],
                             KVCacheSpec(LAYERS, KVH, HD, num_blocks, BS, "float32"))

@@ -152,7 +152,7 @@ def test_probs_match_reference_for_many_shapes():
     params = [c for c in cases for _ in range(4)]
     scales = np.array([0.3, 1.5, 4.0, 10.0] * len(cases))
     logits = (rng.standard_normal((len(params), V)) * scales[:, None]).astype(np.float32)
-    got = Sampler([]).probs(logits, make_batch(params))
+    got = Sampler(logits_processors=[]).probs(logits, make_batch(params))
     for i, p in enumerate(params):
         ref = ref_probs(logits[i], p)
         np.testing.assert_array_equal(got[i] > 0, ref > 0, err_msg=f"row {i}: {p}")
@@ -161,7 +161,7 @@ def test_probs_match_reference_for_many_shapes():
 
 def test_top_k_keeps_ties_and_greedy_probs_are_one_hot():
     logits = np.array([[5, 4, 4, 4, 1, 0], [0, 1, 9, 2, 3, 4]], dtype=np.float32)
-    got = Sampler([]).probs(logits, make_batch([SP(top_k=2), SP(temperature=0)]))
+    got = Sampler(logits_processors=[]).probs(logits, make_batch([SP(top_k=2), SP(temperature=0)]))
     assert (got[0] > 0).tolist() == [True, True, True, True, False, False]   # vLLM: ties at the k-th kept
     assert got[1].tolist() == [0, 0, 1, 0, 0, 0]
 
@@ -276,7 +276,7 @@ def test_processors_registered_through_the_hook():
 def test_no_processors_means_none_run():
     logits = np.array([[0.0, 3.0, 2.0]], dtype=np.float32)
     batch = make_batch([SP(temperature=0, repetition_penalty=2.0)], prompts=[[1]])
-    assert Sampler([]).sample(logits, batch).token_ids[0] == 1
+    assert Sampler(logits_processors=[]).sample(logits, batch).token_ids[0] == 1
     assert Sampler().sample(logits, batch).token_ids[0] == 2      # the built-ins: 3 / 2 < 2
 
 

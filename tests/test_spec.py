@@ -265,8 +265,8 @@ class Oracle(Proposer):
     acceptance, and rejections at every draft position."""
     ANSWERS: dict[tuple, list[int]] = {}
 
-    def __init__(self, config, vocab_size, settings=None):
-        super().__init__(config, vocab_size, settings)
+    def __init__(self, settings, context):
+        super().__init__(settings, context)
         self.rng = np.random.default_rng(0)
         self.prompts = {}
 

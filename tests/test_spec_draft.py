@@ -156,11 +156,12 @@ def test_draft_kv_shares_the_kv_budget_and_tensor_parallel_is_refused(models):
         alone.close()
         with_draft.close()
     from fdx.core.config import FdxConfig
+    from fdx.core.interfaces import BuildContext
     from fdx.plugins.spec.draft_model import DraftModelProposer
     cfg = FdxConfig.build(model=models["target"], tensor_parallel_size=2,
                           speculative_config={"model": models["draft"]})
     with pytest.raises(ConfigError, match="speculative.model.*does not run under tensor parallel"):
-        DraftModelProposer(cfg, VOCAB)
+        DraftModelProposer(None, BuildContext(cfg, vocab_size=VOCAB))
 
 
 def test_sampled_distribution_matches_speculation_off(models):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fdx.core.config import ConfigError, FdxConfig
-from fdx.core.interfaces import KVConnector, ModelRunnerOutput
+from fdx.core.interfaces import BuildContext, KVConnector, ModelRunnerOutput
 from fdx.core.request import Request, RequestStatus
 from fdx.core.sampling_params import SamplingParams
 from fdx.core.scheduling import WaitingQueue
@@ -107,7 +107,7 @@ def test_v0_counts_the_reserve_of_a_request_whose_kv_is_still_loading():
     waits when both could not finish (it was admitted, and a decode later
     found no block: "the decode reserve ... did not hold")."""
     rm = make_rm(num_blocks=8, max_num_batched_tokens=64, kv_cache_ratio=1.0)
-    rm.connector = LoadsInTheBackground(FdxConfig.build(), 8)
+    rm.connector = LoadsInTheBackground(None, BuildContext(FdxConfig.build(), block_size=8))
     rm.add_request(req("remote", 9, max_tokens=30))         # 2 blocks now, 5 at worst
     assert step(rm)[0] == {} and "remote" in rm.recving
     rm.add_request(req("local", 9, max_tokens=30))          # 5 at worst: 3 + 5 > the 6 free

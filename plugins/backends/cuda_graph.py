@@ -125,8 +125,9 @@ class CudaGraphRunner(DefaultModelRunner):
     def check_backend(cls, config, backend) -> None:
         check_config(config, backend)
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
+        ctx = self.ctx
         if not isinstance(ctx.attention, PaddleBlockAttention):
             raise ValueError("the cuda-graph runner needs the paddle-block attention")
         cfg = ctx.config

@@ -36,6 +36,7 @@ def random_layer(kind, rng, hidden: int = _LAYER_HIDDEN, inter: int = _LAYER_INT
     a RowStack) and norm weights near 1, kept as blocks by the ``auto`` format
     under ``table`` (default: the portable builds of the kinds passed), and its
     DecoderConfig."""
+    from fdx.core.interfaces import BuildContext
     from fdx.core.kernels import KernelTable
     from fdx.ops import cpp
     from fdx.plugins.models import layers
@@ -60,7 +61,7 @@ def random_layer(kind, rng, hidden: int = _LAYER_HIDDEN, inter: int = _LAYER_INT
         weights[f"{p}.{n}.weight"] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
     if table is None:
         table = KernelTable({cpp.quant_kernel_name(k, "portable"): None for k in set(kinds.values()) if k != "f32"})
-    w = layers.Weights("LlamaForCausalLM", weights, AutoFormat(table))
+    w = layers.Weights("LlamaForCausalLM", weights, AutoFormat({}, BuildContext(kernels=table)))
     return layers.DecoderLayer(cfg, w, 0, layers.build_rotary(cfg)), cfg
 
 

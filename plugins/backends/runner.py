@@ -51,8 +51,9 @@ class RequestState:
 class DefaultModelRunner(ModelRunner):
     tensor_parallel = True          # follows rank 0's sampling on the other ranks (ModelRunner's contract)
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
+        ctx = self.ctx
         self.model = ctx.model
         self.spec = ctx.kv_spec
         self.requests: dict[str, RequestState] = {}

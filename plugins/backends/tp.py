@@ -215,9 +215,10 @@ class TensorParallelExecutor(Executor):
     and sharded, then asked for a KV budget, told the block count, and fed
     steps; rank 0's output comes back whole."""
 
-    def __init__(self, assembly, backend, dtype: str, progress: bool = True, defer_tokenizer: bool = False):
+    def __init__(self, settings, context):
         from fdx.model_io.loader import load_metadata
         from fdx.model_io.model import weight_format
+        assembly, backend, defer_tokenizer = context.assembly, context.backend, context.defer_tokenizer
         config = assembly.config
         self.world = world = config.parallel.tensor_parallel_size
         self.backend = backend

@@ -50,9 +50,9 @@ class BlockPool:
 
 
 class PagedKVCache(KVCacheManager):
-    def __init__(self, num_blocks: int, block_size: int, config=None, settings=None):
-        super().__init__(num_blocks, block_size, config, settings)
-        self.pool = BlockPool(num_blocks)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
+        self.pool = BlockPool(self.num_blocks)
         self.tables: dict[str, list[int]] = {}
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:

@@ -75,9 +75,9 @@ class CachingBlockPool(BlockPool):
 
 
 class PrefixKVCache(PagedKVCache):
-    def __init__(self, num_blocks: int, block_size: int, config=None, settings=None):
-        super().__init__(num_blocks, block_size, config, settings)
-        self.pool = CachingBlockPool(num_blocks, self._evict)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
+        self.pool = CachingBlockPool(self.num_blocks, self._evict)
         self.by_key: dict[bytes, int] = {}        # key -> block, for cached blocks
         self.meta: dict[int, BlockMeta] = {}      # block -> what it holds
         self.req_keys: dict[str, list[bytes]] = {}   # request -> keys of its full blocks so far (a memo)

@@ -308,10 +308,11 @@ def resolve_secret(sw: SplitwiseSettings) -> str:
 class SplitwiseConnector(KVConnector):
     Settings = SplitwiseSettings
 
-    def __init__(self, config, block_size: int, settings: SplitwiseSettings | None = None):
+    def __init__(self, settings: SplitwiseSettings | None = None, context=None):
         if not isinstance(settings, SplitwiseSettings):      # built by hand, not by the assembly
             settings = SplitwiseSettings(**(settings or {}))
-        super().__init__(config, block_size, settings)
+        super().__init__(settings, context)
+        config = self.config
         sw = self.settings
         self.role = sw.role
         try:

@@ -418,8 +418,8 @@ class SwapConnector(KVConnector):
 
     Settings = SwapSettings
 
-    def __init__(self, config, block_size: int, settings: SwapSettings | None = None):
-        super().__init__(config, block_size, settings if settings is not None else SwapSettings())
+    def __init__(self, settings: SwapSettings | None = None, context=None):
+        super().__init__(settings if settings is not None else SwapSettings(), context)
         size = self.settings.max_blocks
         if size is None:
             size = DEFAULT_SWAP_BLOCKS if self.settings.dir else 0

@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 class DeviceSampler(SamplerContract):
     device_logits = True        # the runner may hand it the model's logits tensor as it is
 
-    def __init__(self, config=None, settings=None, seed: int | None = None):
-        super().__init__(config, settings)
+    def __init__(self, settings=None, context=None, *, seed: int | None = None):
+        super().__init__(settings, context)
+        config = self.config
         if config is not None and seed is None:
             seed = config.seed
         self.rng = np.random.default_rng(seed)

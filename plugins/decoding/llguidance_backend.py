@@ -53,8 +53,9 @@ class LLGuidanceBackend(GuidedBackend):
     setting_keys = ("log_level",)
     kinds = ("json", "json_object", "regex", "choice", "grammar")
 
-    def __init__(self, tokenizer, vocab_size, eos_token_ids, settings=None):
-        super().__init__(tokenizer, vocab_size, eos_token_ids, settings)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
+        tokenizer, vocab_size, eos_token_ids = self.tokenizer, self.vocab_size, context.eos_token_ids
         import llguidance
         import llguidance.numpy as llnp
         from llguidance.gbnf_to_lark import gbnf_to_lark

@@ -93,8 +93,8 @@ class RowsProcessor(LogitsProcessor):
     ``self.rows`` (RowState per logits row) in ``apply``. ``wants(params)``
     says which requests concern it: others cost nothing."""
 
-    def __init__(self, config, tokenizer, vocab_size, settings=None):
-        super().__init__(config, tokenizer, vocab_size, settings)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
         self.states: dict[str, RowState] = {}
         self.rows: list[RowState] = []
         self.active = False                     # some row wants this processor
@@ -160,8 +160,8 @@ class MinTokens(RowsProcessor):
 class LogitBias(RowsProcessor):
     """OpenAI's logit_bias: token id -> added to its logit."""
 
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def wants(self, p) -> bool:
@@ -187,8 +187,8 @@ class LogitBias(RowsProcessor):
 class AllowedTokenIds(RowsProcessor):
     """Only the listed token ids may be sampled."""
 
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
         self._ids: dict[str, np.ndarray] = {}
 
     def wants(self, p) -> bool:
@@ -217,8 +217,8 @@ class BadWords(RowsProcessor):
     tokens before it were the last ones generated (a one-token word is
     always banned). vLLM's semantics."""
 
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
         self._seqs: dict[str, list[tuple[int, ...]]] = {}
 
     def wants(self, p) -> bool:
@@ -254,8 +254,8 @@ class ReasoningBudget(RowsProcessor):
     (a reasoning parser's ``</think>``, tokenized) is made to write them
     next, one forced token a step, which closes its think block."""
 
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
         self._ended: dict[str, tuple[int, bool]] = {}     # request id -> (tokens searched, end seen)
 
     def wants(self, p) -> bool:

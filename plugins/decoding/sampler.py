@@ -43,15 +43,16 @@ def make_generator(params: SamplingParams) -> np.random.Generator | None:
 class Sampler(SamplerContract):
     """The ``host`` sampler (numpy).
 
-    Standalone, ``Sampler(logits_processors, seed)`` applies the given
-    functional transforms first (None: the built-in penalties and
-    min_tokens). Built by the engine (``config`` given), it applies none:
-    the runner has run the stateful logits processors already, and the
-    seed is ``config.seed``."""
+    Standalone, ``Sampler(logits_processors=..., seed=...)`` applies the
+    given functional transforms first (None: the built-in penalties and
+    min_tokens). Built by the engine (``context.config`` given), it applies
+    none: the runner has run the stateful logits processors already, and
+    the seed is ``config.seed``."""
 
-    def __init__(self, logits_processors: list[LogitsTransform] | None = None, seed: int | None = None, *,
-                 config=None, settings=None):
-        super().__init__(config, settings)
+    def __init__(self, settings=None, context=None, *, logits_processors: list[LogitsTransform] | None = None,
+                 seed: int | None = None):
+        super().__init__(settings, context)
+        config = self.config
         if logits_processors is None:
             logits_processors = [] if config is not None else list(BUILTIN_TRANSFORMS.values())
         if config is not None and seed is None:

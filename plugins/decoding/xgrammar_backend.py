@@ -62,8 +62,9 @@ class XGrammarBackend(GuidedBackend):
     setting_keys = ("max_threads",)
     kinds = GUIDED_KINDS
 
-    def __init__(self, tokenizer, vocab_size, eos_token_ids, settings=None):
-        super().__init__(tokenizer, vocab_size, eos_token_ids, settings)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
+        tokenizer, vocab_size, eos_token_ids = self.tokenizer, self.vocab_size, context.eos_token_ids
         import xgrammar as xgr
         self.xgr = xgr
         tokens, kind, prefix_space = vocab_of(tokenizer)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from fdx.core.interfaces import AttentionContext, LinearWeight, Model, WeightFormat
+from fdx.core.interfaces import AttentionContext, BuildContext, LinearWeight, Model
 from fdx.plugins.models.decoder_config import DecoderConfig
 
 if TYPE_CHECKING:
@@ -111,11 +111,12 @@ def decoder_config(hf: dict[str, Any], arch: str, defaults: dict[str, Any],
 # --- the model -----------------------------------------------------------------
 
 class DecoderForCausalLM(Model):
-    """Construct with the HF config.json dict and HF-named weights (float32
+    """Constructed as ``cls(settings, context)`` with ``context.hf_config``
+    (the HF config.json dict), ``context.weights`` (HF-named: float32
     numpy, or ``QuantizedTensor`` for a GGUF block tensor when the format
-    keeps blocks), and the weight format (None: float32, ``none``). The
-    weights dict is consumed: each entry is popped as it is converted, so
-    the numpy copy is freed once the caller drops its own references;
+    keeps blocks) and ``context.weight_format`` (None: float32, ``none``).
+    The weights dict is consumed: each entry is popped as it is converted,
+    so the numpy copy is freed once the caller drops its own references;
     entries the model does not use are left in it."""
 
     architecture: ClassVar[str] = "DecoderForCausalLM"
@@ -123,13 +124,14 @@ class DecoderForCausalLM(Model):
     supports_pooling = True
     supports_activation_hooks = True
     supports_lora = True
+    takes_weight_format = True
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
         raise NotImplementedError
 
-    def __init__(self, config: dict[str, Any], weights: dict[str, Any],
-                 weight_format: WeightFormat | None = None):
+    def __init__(self, settings: Any, context: BuildContext):
+        config, weights, weight_format = context.hf_config, context.weights, context.weight_format
         if weight_format is None:
             from fdx.plugins.models.weight_formats import NoQuantization
             weight_format = NoQuantization()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from fdx.core.interfaces import AttentionContext
+from fdx.core.interfaces import AttentionContext, BuildContext
 from fdx.plugins.models.decoder import DecoderForCausalLM
 from fdx.plugins.models.moe_config import EXPERT_SHARE, MoeConfig, check_moe, expert_parallel_counts
 
@@ -58,12 +58,13 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     def parse_moe_config(cls, config: dict[str, Any]) -> MoeConfig:
         raise NotImplementedError
 
-    def __init__(self, config: dict[str, Any], weights: dict[str, Any], weight_format=None):
+    def __init__(self, settings: Any, context: BuildContext):
         from fdx.plugins.models.moe_layers import default_router
+        config, weights = context.hf_config, context.weights
         self.moe = check_moe(self.architecture, self.parse_config(config).num_layers, self.parse_moe_config(config))
         self._router = default_router(self.moe)
         self._share = EXPERT_SHARE.get()          # expert parallel: the experts this rank will hold
-        super().__init__(config, weights, weight_format)
+        super().__init__(settings, context)
         from fdx.plugins.models.layers import Weights
         # ERNIE-4.5-MoE's head takes a bias with use_bias (transformers' nn.Linear(bias=use_bias))
         self.lm_head_bias = (Weights(self.architecture, weights, self.weight_format).vector(

@@ -39,7 +39,6 @@ import numpy as np
 from fdx.model_io.loader import GGUFBlocks
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import LinearWeight, RowStack, WeightFormat
-from fdx.core.kernels import REFERENCE, KernelTable
 
 if TYPE_CHECKING:
     from paddle import Tensor
@@ -348,8 +347,8 @@ class AutoFormat(_Format):
     name = "auto"
     keeps_blocks = True
 
-    def __init__(self, kernels: KernelTable = REFERENCE, settings: dict | None = None):
-        super().__init__(kernels, settings)
+    def __init__(self, settings: dict | None = None, context=None):
+        super().__init__(settings, context)
         self.without_kernel = self.settings.get("without_kernel", "keep")
         if self.without_kernel not in ("keep", "fp32"):
             raise ValueError(f"without_kernel must be keep or fp32, not {self.without_kernel!r}")
@@ -377,8 +376,8 @@ class GgmlFormat(_Format):
     """One GGML block type for every linear weight of the layers."""
     keeps_blocks = True
 
-    def __init__(self, kernels: KernelTable = REFERENCE, settings: dict | None = None):
-        super().__init__(kernels, settings)
+    def __init__(self, settings: dict | None = None, context=None):
+        super().__init__(settings, context)
         self._kept: set[str] = set()
 
     def load(self, name: str, tensor: Any, role: str) -> LinearWeight:
@@ -412,8 +411,8 @@ class WintFormat(_Format):
     """Weight-only int8 / int4 of the layers' linear weights, quantized on
     load; embedding and LM head float32."""
 
-    def __init__(self, kernels: KernelTable = REFERENCE, settings: dict | None = None):
-        super().__init__(kernels, settings)
+    def __init__(self, settings: dict | None = None, context=None):
+        super().__init__(settings, context)
         self.group_size = int(self.settings.get("group_size", 128))
         if self.group_size < 2 or self.group_size & (self.group_size - 1):
             raise ValueError(f"group_size must be a power of two of at least 2, not {self.group_size}")
@@ -434,7 +433,8 @@ class WintFormat(_Format):
 
 
 def _named(cls: type, name: str) -> type:
-    return type(f"{name.upper()}Format", (cls,), {"name": name, "__doc__": f"``{name}``: {cls.__doc__}"})
+    return type(f"{name.upper()}Format", (cls,), {"name": name, "__doc__": f"``{name}``: {cls.__doc__}",
+                                                  "__module__": __name__})
 
 
 FORMATS: dict[str, type] = {"none": NoQuantization, "auto": AutoFormat,

@@ -44,8 +44,9 @@ class OtelObserver(Observer):
     (console, memory) span processor, on a ``TracerProvider`` of its own
     (the process's global one is left alone)."""
 
-    def __init__(self, config, settings: dict | None = None):
-        super().__init__(config, settings)
+    def __init__(self, settings: dict | None = None, context=None):
+        super().__init__(settings, context)
+        config = self.config
         s = dict(self.settings)
         unknown = sorted(set(s) - set(SETTINGS))
         if unknown:

@@ -33,8 +33,8 @@ def _hold(text: str, tag: str) -> str:
 
 class ThinkParser(ReasoningParser):
 
-    def __init__(self, tokenizer, settings=None):
-        super().__init__(tokenizer, settings)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
         self._text = ""
         self._sent = [0, 0]             # reasoning, content characters sent
 

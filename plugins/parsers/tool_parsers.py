@@ -119,8 +119,8 @@ class SegmentToolParser(ToolParser):
     """Streaming by difference: ``segments`` (subclasses) reads the text
     so far; ``stream`` sends what grew since the last read."""
 
-    def __init__(self, tokenizer, tools=None, settings=None):
-        super().__init__(tokenizer, tools, settings)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
         self._text = ""
         self._sent_content = 0
         self._sent: list[tuple[str, int]] = []      # per call: (name, arguments characters sent)

@@ -209,8 +209,9 @@ class _Running:
 
 
 class GlobalScheduler(RequestScheduler):
-    def __init__(self, config, engine, metrics, settings: dict):
-        super().__init__(config, engine, metrics, settings)
+    def __init__(self, settings: dict, context):
+        super().__init__(settings, context)
+        engine, metrics = self.engine, self.metrics
         bad = set(settings) - SETTINGS
         if bad:
             raise ValueError(f"unknown setting {sorted(bad)[0]!r}; known: {', '.join(sorted(SETTINGS))}")
@@ -219,7 +220,6 @@ class GlobalScheduler(RequestScheduler):
         except ImportError:
             raise ValueError("the global scheduler needs the redis client: pip install 'fdx[scaleout]'") from None
         self.local = engine
-        self.config = config
         self.url, self.redis_options = redis_options(str(settings.get("url", "redis://127.0.0.1:6379/0")), settings)
         secret = settings.get("secret") or os.environ.get("FDX_SCHEDULER_SECRET")
         self.key = str(secret).encode() if secret else None    # checked at start (SECRET_HELP)

@@ -46,8 +46,8 @@ class V0Policy(KVScheduler):
     """FastDeploy v0's step, on the engine's scheduling core."""
     Settings = V0Settings
 
-    def __init__(self, config, settings: V0Settings | None = None):
-        super().__init__(config, settings if settings is not None else V0Settings())
+    def __init__(self, settings: V0Settings | None = None, context=None):
+        super().__init__(settings if settings is not None else V0Settings(), context)
 
     # -- block accounting ---------------------------------------------------
     @staticmethod

@@ -54,8 +54,9 @@ class _Seq:
 class DraftModelProposer(Proposer):
     uses_sampling_params = True
 
-    def __init__(self, config, vocab_size, settings=None):
-        super().__init__(config, vocab_size, settings)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
+        config = self.config
         sc = config.speculative
         path = sc.model
         tp = config.parallel.tensor_parallel_size
@@ -75,7 +76,7 @@ class DraftModelProposer(Proposer):
         dconf = config.model_copy(deep=True)
         dconf.model.model = path
         dconf.model.moe_router = None
-        self._load(dconf, path, vocab_size)
+        self._load(dconf, path, self.vocab_size)
         m = self.model
         self.path = path
         # the KV cache is allocated at the first proposal (allocate): the engine sizes the target's

@@ -29,9 +29,9 @@ def lookup(tokens: Sequence[int], lo: int, hi: int, k: int) -> list[int]:
 
 
 class NgramProposer(Proposer):
-    def __init__(self, config, vocab_size, settings=None):
-        super().__init__(config, vocab_size, settings)
-        self.lo, self.hi = config.speculative.lookup_bounds
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
+        self.lo, self.hi = self.config.speculative.lookup_bounds
 
     def propose(self, request_id, token_ids, k, hidden_states=None):
         return lookup(token_ids, self.lo, self.hi, k)

@@ -98,8 +98,9 @@ class SuffixTrie:
 
 
 class SuffixProposer(Proposer):
-    def __init__(self, config, vocab_size, settings=None):
-        super().__init__(config, vocab_size, settings)
+    def __init__(self, settings=None, context=None):
+        super().__init__(settings, context)
+        config = self.config
         sc = config.speculative
         self.depth = sc.suffix_decoding_max_tree_depth
         self.factor, self.min_prob = sc.suffix_decoding_max_spec_factor, sc.suffix_decoding_min_token_prob

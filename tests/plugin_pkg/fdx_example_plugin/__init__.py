@@ -66,8 +66,9 @@ class FifoScheduler(KVScheduler):
     most ``max_first_chunk`` tokens (a setting; chunked prefill only), so a
     long prompt arriving cannot take a whole step from the decodes."""
 
-    # Deliberately in the older per-kind shape, ``(config, settings)``: the one class here that
-    # keeps fdx's adapter for it tested (make_plugin calls it so, with a DeprecationWarning);
+    # Deliberately in the older per-kind shape, ``(config, settings)``, calling its base's constructor
+    # in that shape too: the one class here that keeps fdx's adapters for both tested (make_plugin calls it
+    # so, and the base maps its call, each with a DeprecationWarning);
     # every other class in this package is written to ``(settings, context)``.
     def __init__(self, config, settings=None):
         super().__init__(config, settings)
@@ -94,7 +95,7 @@ class ShortestFirst(QueuePolicy):
     """Shortest prompt first; ties by arrival."""
 
     def __init__(self, settings, context):
-        super().__init__(context.kv_cache, settings)
+        super().__init__(settings, context)
 
     def key(self, request):
         return (request.num_prompt_tokens,)
@@ -112,7 +113,7 @@ class TenantCap(AdmissionRule):
     Settings = TenantCapSettings
 
     def __init__(self, settings: TenantCapSettings, context):
-        super().__init__(context.config, settings)
+        super().__init__(settings, context)
         self.max_running = self.settings.max_running
 
     @staticmethod
@@ -130,7 +131,7 @@ class MostOutput(PreemptionPolicy):
     """The request with the most generated tokens gives way (ties: the newest)."""
 
     def __init__(self, settings, context):
-        super().__init__(context.config, settings)
+        super().__init__(settings, context)
 
     def choose_victim(self, running, state):
         return max(reversed(running), key=lambda r: r.num_output_tokens)
@@ -143,7 +144,7 @@ class SimpleBlocks(KVCacheManager):
 
     def __init__(self, settings, context):
         num_blocks = context.num_blocks
-        super().__init__(num_blocks, context.block_size, context.config, settings)
+        super().__init__(settings, context)
         self.free_ids = list(range(num_blocks - 1, -1, -1))   # pops the lowest id first
         self.tables: dict[str, list[int]] = {}
 
@@ -311,7 +312,7 @@ class StopAfter(LogitsProcessor):
 
     def __init__(self, settings, context):
         tokenizer = context.tokenizer
-        super().__init__(context.config, tokenizer, context.vocab_size, settings)
+        super().__init__(settings, context)
         self.eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())[:1]
         self.limits: dict[str, tuple[int, object]] = {}    # request id -> (n, its live output list)
         self.rows: list[str] = []
@@ -352,7 +353,7 @@ class LayerRecorder(KVConnector):
     registered KV of that layer)."""
 
     def __init__(self, settings, context):
-        super().__init__(context.config, context.block_size, settings)
+        super().__init__(settings, context)
         self.step, self.kv_caches = 0, None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -385,7 +386,7 @@ class MemoryStore(KVConnector):
     with the same prefix (a toy prefix cache beside the pool)."""
 
     def __init__(self, settings, context):
-        super().__init__(context.config, context.block_size, settings)
+        super().__init__(settings, context)
         self.store: dict[tuple[int, ...], np.ndarray] = {}
         self.loads, self.saves, self.done = [], [], set()
         self.loaded_blocks = 0
@@ -466,7 +467,7 @@ class SlowStep(LogitsProcessor):
     longer than a timeout, or a stream slower than its client."""
 
     def __init__(self, settings, context):
-        super().__init__(context.config, context.tokenizer, context.vocab_size, settings)
+        super().__init__(settings, context)
         self.sleeps: dict[str, float] = {}
         self.rows: list[str] = []
 
@@ -586,7 +587,7 @@ class TensorInt8Format(WeightFormat):
     Written to the one constructor shape, ``(settings, context)``."""
 
     def __init__(self, settings, context):
-        super().__init__(context.kernels, settings)
+        super().__init__(settings, context)
 
     def load(self, name, tensor, role):
         return TensorInt8.quantize(np.asarray(tensor, dtype=np.float32))
@@ -627,7 +628,7 @@ class Recorder(Observer):
     ``settings["path"]`` (flushed at once: another process may read it)."""
 
     def __init__(self, settings, context):
-        super().__init__(context.config, settings)
+        super().__init__(settings, context)
         if "path" not in self.settings:
             raise ValueError("the path setting is required: the file to write to")
         self.file = open(self.settings["path"], "a", buffering=1)

@@ -46,10 +46,9 @@ class NoRepeat(TokenProcessor):
     Settings = NoRepeatSettings
 
     def __init__(self, settings: NoRepeatSettings, context):
-        tokenizer = context.tokenizer
-        super().__init__(tokenizer, settings)
+        super().__init__(settings, context)
         from fdx.core.plugins import get_plugin_manager
-        self.inner = get_plugin_manager().get("token_processor", "default")(tokenizer)
+        self.inner = get_plugin_manager().get("token_processor", "default")({}, context)
 
     def start(self, request):
         self.inner.start(request)
@@ -76,7 +75,7 @@ class Argmax(Sampler):
     (an experiment's sampler); logprobs from the raw logits, in float64."""
 
     def __init__(self, settings, context):
-        super().__init__(context.config, settings)
+        super().__init__(settings, context)
 
     def sample(self, logits, batch, raw_logits=None):
         x = np.asarray(logits, dtype=np.float32)
@@ -110,8 +109,8 @@ class CountingRunner(ModelRunner):
 
     def __init__(self, settings, context):
         ctx = context.runner                     # the RunnerContext (its settings: ctx.settings)
-        super().__init__(ctx)
-        self.inner = ctx.plugins.get("model_runner", "default")(ctx)
+        super().__init__(settings, context)
+        self.inner = ctx.plugins.get("model_runner", "default")(ctx.settings, context)
         self.num_tokens = self.num_steps = 0
         self.closed = False
 
@@ -136,7 +135,7 @@ class Tally(RequestScheduler):
 
     def __init__(self, settings, context):
         metrics = context.metrics
-        super().__init__(context.config, context.engine, metrics, settings)
+        super().__init__(settings, context)
         from prometheus_client import Counter
         self.counts = Counter("example_tally_requests", "Requests seen by the example-tally request scheduler.",
                               ["event"], registry=metrics.registry)

@@ -58,7 +58,7 @@ class ChoiceBackend(GuidedBackend):
     kinds = ("choice",)
 
     def __init__(self, settings, context):
-        super().__init__(context.tokenizer, context.vocab_size, context.eos_token_ids, settings)
+        super().__init__(settings, context)
 
     def compile(self, kind, spec, whitespace_flexible=False):
         if kind != "choice":

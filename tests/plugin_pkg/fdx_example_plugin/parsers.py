@@ -18,7 +18,7 @@ from fdx.core.interfaces import ReasoningParser, ReasoningResult, ToolCall, Tool
 
 class ActionLines(ToolParser):
     def __init__(self, settings, context):
-        super().__init__(context.tokenizer, context.tools, settings)
+        super().__init__(settings, context)
 
     def extract(self, text):
         calls, content = [], []
@@ -45,7 +45,7 @@ class Thoughts(ReasoningParser):
     implicit_reasoning = True
 
     def __init__(self, settings, context):
-        super().__init__(context.tokenizer, settings)
+        super().__init__(settings, context)
 
     def extract(self, text):
         if self.prompt_state is False:

@@ -21,7 +21,7 @@ class LookbackProposer(Proposer):
     Settings = LookbackSettings
 
     def __init__(self, settings, context):
-        super().__init__(context.config, context.vocab_size, settings)
+        super().__init__(settings, context)
 
     def add_request(self, request_id, prompt_token_ids):
         EVENTS.append(("add", request_id, len(prompt_token_ids)))
