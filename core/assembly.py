@@ -10,7 +10,7 @@ Then:
 
     scheduler side   kv_cache, connector, scheduling   (what schedules: the
                      scheduling core, running the KV scheduler config names)
-    executor         where the model runs (executor_class: in-process at TP 1,
+    executor         where the model runs (executor_class, built by executor: in-process at TP 1,
                      parallel.runner's worker processes above)
     runner side      logits processors, attention, sampler, runner (what computes:
                      the executor builds it on each rank)

@@ -167,6 +167,7 @@ def test_the_page_chat_parsers_give_openai_messages(doc_plugins):
     finds them, through the server's per-choice seam (ChoiceOutput), whole
     and streamed (their default stream)."""
     from fdx.core.chat_output import ChoiceOutput, ToolPlan
+    from fdx.core.interfaces import BuildContext
     pm, _ = doc_plugins
     assert {"my-actions"} <= set(pm.names("tool_parser")) and "my-notes" in pm.names("reasoning_parser")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
@@ -174,7 +175,8 @@ def test_the_page_chat_parsers_give_openai_messages(doc_plugins):
     def output():
         notes = pm.get("reasoning_parser", "my-notes")(None)
         notes.begin("prompt")
-        return ChoiceOutput(ToolPlan("auto", tools), notes, pm.get("tool_parser", "my-actions")(None, tools))
+        actions = pm.get("tool_parser", "my-actions")(None, BuildContext(tools=tools))
+        return ChoiceOutput(ToolPlan("auto", tools), notes, actions)
     text = '<note>use f</note>Calling.\nCALL f {"x": 1}'
     one = output()
     msg = one.message(text)
