@@ -179,18 +179,18 @@ def to_plain(value: Any) -> Any:
     return out
 
 
-def check(spec: ActivationSpec | None, model: Any, functions: Callable[[str], Any] | None = None) -> None:
-    """A request's hooks against the engine's model: the model runs hooks, each
-    layer exists, each vector has the model's hidden size, each function is
+def check(spec: ActivationSpec | None, shape: Any, functions: Callable[[str], Any] | None = None) -> None:
+    """A request's hooks against the engine's model (``shape``, its
+    ``ModelShape``): the model runs hooks, each layer exists, each vector
+    has the model's hidden size (when its ``cfg`` says), each function is
     registered (``functions(name)`` raises for one that is not). ValueError
     naming the field."""
     if spec is None:
         return
-    if not getattr(model, "supports_activation_hooks", True):   # a stand-in shape (TP) says nothing
-        _bad("", f"{type(model).__name__} does not run activation hooks (Model.supports_activation_hooks)")
-    num_layers = getattr(model, "num_layers", None)
-    cfg = getattr(model, "cfg", None)
-    hidden = getattr(model, "hidden_size", None) or getattr(cfg, "hidden_size", None)
+    if not shape.supports_activation_hooks:
+        _bad("", "the model does not run activation hooks (Model.supports_activation_hooks)")
+    num_layers = shape.num_layers
+    hidden = getattr(shape.cfg, "hidden_size", None)          # the model's own config: hidden_size is optional
     for h in spec.hooks:
         if num_layers is not None and h.layer >= num_layers:
             _bad("", f"layer {h.layer} does not exist (the model has {num_layers} layers: 0 to {num_layers - 1})")

@@ -353,7 +353,7 @@ class EngineCore:
         for cls in self.processor_classes:
             cls.validate_params(params)
         self.guided.check(params)       # a kind the backend cannot compile is refused now
-        activations.check(activations.parse(params.activations), self.model if self.model is not None else self.shape,
+        activations.check(activations.parse(params.activations), self.shape,
                           lambda name: self.plugins.get("activation_function", name))
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if lora_request is not None:

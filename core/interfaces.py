@@ -1334,6 +1334,11 @@ class Model(abc.ABC):
     #: A class in the older ``(hf_config, weights, weight_format=...)`` shape says
     #: so by its ``weight_format`` keyword instead.
     takes_weight_format: bool = False
+    #: The parsed config (``parse_config``'s result: ``hidden_size``,
+    #: ``intermediate_size``, ...) when the model keeps one, else None; the
+    #: engine reads it through ``ModelShape.cfg`` (tensor parallel's head and
+    #: width checks, an activation vector's length).
+    cfg: Any = None
     #: The shape of the model's mixture-of-experts layers (number of experts,
     #: top-k, ...) when it has any, else None; a MoE router
     #: (``model.moe_router``) is built over it and handed to ``set_router``.
@@ -1797,13 +1802,16 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     cfg: Any = None
+    supports_activation_hooks: bool = False     # the class's (a request's hooks are refused without)
 
     @classmethod
-    def of(cls, m: Any, cfg: Any = None) -> "ModelShape":
-        """The shape of a model (``cfg``: its ``cfg``), or of a ``parse_config``
-        result (pass it as ``cfg`` too)."""
+    def of(cls, m: Any, cfg: Any = None, hooks: bool | None = None) -> "ModelShape":
+        """The shape of a model (``cfg``: its ``Model.cfg``), or of a
+        ``parse_config`` result (pass it as ``cfg`` too, and ``hooks``: the
+        class's ``supports_activation_hooks``)."""
         return cls(m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size,
-                   m.max_position_embeddings, cfg if cfg is not None else getattr(m, "cfg", None))
+                   m.max_position_embeddings, cfg if cfg is not None else m.cfg,
+                   m.supports_activation_hooks if hooks is None else hooks)
 
 
 class Executor(abc.ABC):

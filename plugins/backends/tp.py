@@ -201,7 +201,7 @@ def sharded_shape(config, plugins, ckpt) -> ModelShape:
         raise ConfigError(f"{key}: the model {cls.__name__} ({arch}) cannot run over {world} ranks: the engine "
                           "process reads its shape from Model.parse_config, which it does not override")
     c = cls.parse_config(ckpt.config)
-    shape = ModelShape.of(c, cfg=c)
+    shape = ModelShape.of(c, cfg=c, hooks=cls.supports_activation_hooks)
     check_divisible(shape, world)
     from fdx.plugins.backends import expert_parallel
     expert_parallel.check(config, cls, arch, ckpt.config)     # parallel.expert_parallel_size (a MoE model's counts)
