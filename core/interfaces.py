@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 class BuildContext:
     """What the engine hands every plugin it constructs, beside its settings:
     every kind's factory is called as ``factory(settings, context)``
-    (``fdx.core.assembly.make_plugin``, the one place that constructs a
+    (``fdx.core.plugins.make_plugin``, the one place that constructs a
     plugin). ``settings`` is the validated ``plugins.<kind>.<name>``
     (the class's ``Settings`` instance, or the dict when it declares none);
     ``context`` is this object, with the fields the kind may need set and
@@ -70,9 +70,9 @@ class BuildContext:
     Every fdx base class takes ``(settings, context)`` too, so a subclass
     calls ``super().__init__(settings, context)``. A class whose
     constructor is still one of the older per-kind shapes (docs/plugins.md)
-    is called in that shape, with a DeprecationWarning; so is a subclass
-    that calls its base's constructor positionally in the older shape
-    (``base_args``)."""
+    is called in that shape, with a DeprecationWarning; a subclass that
+    calls its base's constructor in the older shape has the call mapped
+    (``base_args``), with one too."""
     config: Any = None
     plugins: Any = None
     kind: str = ""
@@ -99,7 +99,7 @@ class BuildContext:
     defer_tokenizer: bool = False
 
 
-# Each kind's base-class constructor before issue 36, positionally: a subclass that still calls
+# Each kind's base-class constructor before issue 36, in order: a subclass that still calls
 # ``super().__init__`` so gets ``base_args``' mapping onto (settings, context), with a DeprecationWarning.
 # (fdx.core.plugins.OLD_SHAPES is the other half: a class whose own constructor is in an older shape.)
 OLD_BASE_ARGS: dict[str, tuple[str, ...]] = {
@@ -123,22 +123,32 @@ OLD_BASE_ARGS: dict[str, tuple[str, ...]] = {
 }
 
 
-def base_args(part: Any, kind: str, settings: Any, context: Any, old: tuple) -> tuple[Any, BuildContext]:
+def base_args(part: Any, kind: str, settings: Any, context: Any, old: tuple,
+              kw: dict[str, Any]) -> tuple[Any, BuildContext]:
     """``(settings, context)`` for the base-class constructor of ``kind``
-    called by ``part``: as ``(settings, context)`` (``context`` None, for a
-    part built by hand: an empty ``BuildContext``), or, deprecated,
-    positionally in the kind's older shape (``OLD_BASE_ARGS``)."""
-    if isinstance(context, BuildContext):
-        return settings, context
-    schema = getattr(type(part), "Settings", None)
-    if context is None and not old and (settings is None or isinstance(settings, dict)
-                                        or (isinstance(schema, type) and isinstance(settings, schema))):
-        return settings, BuildContext(kind=kind)
+    called by ``part``: as ``(settings, context)``, by position or by name
+    (``context`` None, for a part built by hand: an empty ``BuildContext``),
+    or, deprecated, in the kind's older shape (``OLD_BASE_ARGS``, by
+    position, ``settings`` and the others also by name)."""
+    if not old and set(kw) <= {"settings", "context"} and not any(
+            name in kw and given is not None for name, given in (("settings", settings), ("context", context))):
+        s, c = kw.get("settings", settings), kw.get("context", context)
+        if isinstance(c, BuildContext):
+            return s, c
+        schema = getattr(type(part), "Settings", None)
+        if c is None and (s is None or isinstance(s, dict) or (isinstance(schema, type) and isinstance(s, schema))):
+            return s, BuildContext(kind=kind)
+    names = OLD_BASE_ARGS[kind]
+    values = dict(zip(names, (settings, context, *old)))
+    values.update(kw)
+    unknown = sorted(set(values) - set(names))
+    if unknown or len(old) > max(len(names) - 2, 0):
+        raise TypeError(f"{type(part).__qualname__}: the {kind} base class takes (settings, context)"
+                        + (f", not {unknown[0]!r}" if unknown else ""))
     warnings.warn(f"{type(part).__qualname__} calls its base class's constructor in the older {kind} shape; "
                   f"call super().__init__(settings, context) (docs/plugins.md)", DeprecationWarning, stacklevel=3)
-    values = {k: v for k, v in zip(OLD_BASE_ARGS[kind], (settings, context, *old)) if v is not None}
     settings = values.pop("settings", None)
-    return settings, BuildContext(kind=kind, **values)
+    return settings, BuildContext(kind=kind, **{k: v for k, v in values.items() if v is not None})
 
 
 # =============================================================================
@@ -311,8 +321,8 @@ class KVCacheManager(abc.ABC):
     nothing.
     """
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "kv_cache", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "kv_cache", settings, context, old, kw)
         self.num_blocks = context.num_blocks
         self.block_size = context.block_size
         self.config = context.config
@@ -389,8 +399,8 @@ class KVConnector(abc.ABC):
     ``finished_sending``.
     """
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "connector", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "connector", settings, context, old, kw)
         self.config = context.config
         self.block_size = context.block_size
         self.settings = settings or {}
@@ -538,8 +548,8 @@ class KVScheduler(abc.ABC):
 
     bounded_wait: bool = True
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "kv_scheduler", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "kv_scheduler", settings, context, old, kw)
         self.config = context.config
         self.settings = settings or {}
 
@@ -570,8 +580,8 @@ class RequestScheduler(abc.ABC):
 
     wraps: bool = True                   # False: requests run in the server's engine, unwrapped
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "request_scheduler", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "request_scheduler", settings, context, old, kw)
         self.config, self.engine, self.metrics = context.config, context.engine, context.metrics
         self.settings = settings if settings is not None else {}
 
@@ -615,8 +625,8 @@ class QueuePolicy(abc.ABC):
     max_dynamic_queue: int | None = None   # past this many waiting, a dynamic policy's re-sort falls
                                            # back to arrival order (its lookups would cost too much)
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "queue_policy", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "queue_policy", settings, context, old, kw)
         self.kv_cache = context.kv_cache
         self.settings = settings or {}
 
@@ -642,8 +652,8 @@ class AdmissionRule(abc.ABC):
     one is tried; rules are never asked about preempted requests, which
     resume first. A rule that refuses forever starves a request: bound it."""
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "admission_rule", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "admission_rule", settings, context, old, kw)
         self.config = context.config
         self.settings = settings or {}
 
@@ -655,8 +665,8 @@ class PreemptionPolicy(abc.ABC):
     """Which running request gives up its blocks when a step runs out of
     them (``scheduler.preemption``)."""
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "preemption_policy", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "preemption_policy", settings, context, old, kw)
         self.config = context.config
         self.settings = settings or {}
 
@@ -710,8 +720,8 @@ class LogitsProcessor(abc.ABC):
 
     active: bool = True
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "logits_processor", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "logits_processor", settings, context, old, kw)
         self.config = context.config
         self.tokenizer = context.tokenizer
         self.vocab_size = context.vocab_size
@@ -778,8 +788,8 @@ class Sampler(abc.ABC):
     device_logits: bool = False
     rng: Any = None
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "sampler", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "sampler", settings, context, old, kw)
         self.config = context.config
         self.settings = settings or {}
 
@@ -842,8 +852,8 @@ class Proposer(abc.ABC):
     uses_sampling_params: bool = False   # True: add_request also gets ``sampling_params=`` (the request's
                                          # SamplingParams), so drafts can be drawn as the request samples
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "proposer", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "proposer", settings, context, old, kw)
         self.config = context.config
         self.vocab_size = context.vocab_size
         self.settings = settings if settings is not None else {}
@@ -928,8 +938,8 @@ class TokenProcessor(abc.ABC):
     built on first use (a ``DeferredTokenizer``: the first request with
     stop strings builds it)."""
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "token_processor", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "token_processor", settings, context, old, kw)
         self.tokenizer = context.tokenizer
         self.settings = settings or {}
 
@@ -971,8 +981,8 @@ class Observer:
 
     name: str = ""                                # set by the engine: the name it was selected by
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "observer", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "observer", settings, context, old, kw)
         self.config = context.config
         self.settings = settings or {}
 
@@ -1054,8 +1064,8 @@ class GuidedBackend(abc.ABC):
     requires: tuple[str, ...] = ()               # importable packages it needs (checked at start-up)
     setting_keys: tuple[str, ...] = ()           # the settings it reads (others are a config error)
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "guided_backend", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "guided_backend", settings, context, old, kw)
         self.tokenizer = context.tokenizer
         self.vocab_size = context.vocab_size     # the model's (bitmask width), >= the tokenizer's
         self.eos_token_ids = sorted(context.eos_token_ids)
@@ -1200,8 +1210,8 @@ class WeightFormat(abc.ABC):
     name: str = ""
     keeps_blocks: bool = False      # True: GGUF block tensors arrive as QuantizedTensor, else float32 numpy
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "weight_format", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "weight_format", settings, context, old, kw)
         self.kernels = context.kernels  # the backend's probed table: which products have a kernel here
         self.settings = settings or {}
 
@@ -1767,8 +1777,8 @@ class ModelRunner(abc.ABC):
 
     tensor_parallel: bool = False       # follows the rank contract above (DefaultModelRunner does)
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "model_runner", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "model_runner", settings, context, old, kw)
         self.ctx: RunnerContext = context.runner
 
     @abc.abstractmethod
@@ -1952,8 +1962,8 @@ class ToolParser(abc.ABC):
     ``stream`` holds everything back and answers ``extract`` at the end:
     correct, not incremental."""
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "tool_parser", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "tool_parser", settings, context, old, kw)
         self.tokenizer = context.tokenizer
         self.tools = context.tools or []
         self.settings = settings or {}
@@ -2004,8 +2014,8 @@ class ReasoningParser(abc.ABC):
         """After ``begin``: does the output start in reasoning?"""
         return self.prompt_state is True or (self.prompt_state is None and self.implicit_reasoning)
 
-    def __init__(self, settings: Any = None, context: BuildContext | None = None, *old: Any):
-        settings, context = base_args(self, "reasoning_parser", settings, context, old)
+    def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
+        settings, context = base_args(self, "reasoning_parser", settings, context, old, kw)
         self.tokenizer = context.tokenizer
         self.settings = settings or {}
         self.prompt_state: bool | None = None

@@ -421,6 +421,57 @@ def test_every_builtin_of_every_kind_and_every_base_class_takes_settings_and_con
     assert [b.__name__ for b in bases if not new_shape(b)] == []
 
 
+def test_a_base_class_maps_its_older_constructor_call_with_a_warning():
+    """A subclass written to the old docs calls its base's constructor in
+    the kind's older shape, by position or with keywords: the base maps it
+    onto ``(settings, context)`` with a DeprecationWarning naming the
+    class; the one shape, by position or by name (or nothing, for a part
+    built by hand), warns of nothing; an argument the older shape never
+    had is a TypeError."""
+    import warnings
+
+    from fdx.core.config import FdxConfig
+    from fdx.core.interfaces import BuildContext, KVCacheManager, KVScheduler, ModelRunner, RunnerContext
+    cfg = FdxConfig.build()
+
+    class Policy(KVScheduler):
+        def schedule(self, core):
+            pass
+
+    class Blocks(KVCacheManager):
+        def __init__(self, num_blocks, block_size, config=None, settings=None):
+            super().__init__(num_blocks, block_size, config, settings=settings)
+        allocate_slots = free = block_table = num_free_blocks = None
+
+    class Runner(ModelRunner):
+        def execute(self, scheduler_output):
+            pass
+    rc = RunnerContext(cfg, None, [], None, None, None, [], frozenset())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for p in (Policy({"x": 1}, BuildContext(cfg)), Policy(settings={"x": 1}, context=BuildContext(cfg)),
+                  Policy({"x": 1}, context=BuildContext(cfg))):
+            assert (p.config, p.settings) == (cfg, {"x": 1})
+        assert (Policy().config, Policy().settings) == (None, {})
+        assert Runner({}, BuildContext(cfg, runner=rc)).ctx is rc
+    for build, want in [(lambda: Policy(cfg), (cfg, {})), (lambda: Policy(cfg, {"y": 2}), (cfg, {"y": 2})),
+                        (lambda: Policy(cfg, settings={"y": 2}), (cfg, {"y": 2})),
+                        (lambda: Policy(config=cfg, settings={"y": 2}), (cfg, {"y": 2}))]:
+        with pytest.warns(DeprecationWarning, match="Policy calls its base class's constructor in the older "
+                                                    "kv_scheduler shape"):
+            p = build()
+        assert (p.config, p.settings) == want
+    with pytest.warns(DeprecationWarning, match="older kv_cache shape"):
+        b = Blocks(8, 4, cfg, {"z": 3})
+    assert (b.num_blocks, b.block_size, b.config, b.settings) == (8, 4, cfg, {"z": 3})
+    with pytest.warns(DeprecationWarning, match="older model_runner shape"):
+        assert Runner(rc).ctx is rc
+    with pytest.raises(TypeError, match="takes \\(settings, context\\), not 'bogus'"):
+        Policy(cfg, bogus=1)
+    with pytest.raises(TypeError, match="kv_scheduler base class takes"):
+        Policy(cfg, {}, 3)
+
+
 def test_an_observer_is_called_only_for_the_hooks_it_overrides():
     """``Observer`` declares the four observer hooks with defaults; the
     engine calls only those a class overrides (``observes``), never reads

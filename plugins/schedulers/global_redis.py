@@ -235,7 +235,7 @@ class GlobalScheduler(RequestScheduler):
         self.grace = 3 * self.heartbeat + 1.0          # a job in no list this long is lost
         self.run_id: str | None = None                 # Redis's run_id: another one means it restarted
         self.id = str(settings.get("instance_id") or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
-        self.capacity = config.scheduler.max_num_seqs
+        self.capacity = self.config.scheduler.max_num_seqs
         self.pending: dict[str, _Pending] = {}         # origin side: requests this server received
         self.running: dict[str, _Running] = {}         # executor: jobs in this instance's engine
         self.outbox: asyncio.Queue = asyncio.Queue()   # executor: results to publish, in order
