@@ -45,14 +45,14 @@ WINT_KINDS = ("wint8", "wint4")
 # kind) keeps the plain layout. FDX_REPACK=0 turns it off (for benchmarks).
 # REPACK_KINDS are listed where the interleaved tiles measured at least as fast as the
 # plain ones on every machine tried (docs/benchmarks.md). PROBED_REPACK_KINDS (q4_0:
-# 0.88-0.93x at one 2048x2048 row on a Zen 4 with the 256-bit tiles; wint4) are
+# 0.88-0.93x at one 2048x2048 row on a Zen 4 with the 256-bit tiles; wint4, q2_k, q3_k) are
 # interleaved only where this machine's probe measured the interleaved layout faster
 # for the build that runs (the kernel-table entry ``cpp.<kind>_interleave[.build]``,
 # fdx.ops.probes: both layouts timed once, cached with the table; its finding says
 # why not). FDX_REPACK=all interleaves them regardless (benchmarks, tests).
 INTERLEAVE = 4
 REPACK_KINDS = ("q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8")
-PROBED_REPACK_KINDS = ("q4_0", "wint4")
+PROBED_REPACK_KINDS = ("q4_0", "wint4", "q2_k", "q3_k")
 
 
 def interleave_kernel_name(kind: str, variant: str) -> str:

@@ -1,5 +1,6 @@
 """Interleaved (repacked at load) against plain weights of the kinds whose layout
-is chosen per machine (fdx.ops.quant.PROBED_REPACK_KINDS: q4_0, wint4), through
+is chosen per machine (fdx.ops.quant.PROBED_REPACK_KINDS: q4_0, wint4,
+q2_k, q3_k), through
 fdx.ops.quant.matmul in one build (the table lists only that build): CPU time
 of the process (all its threads), the two sides alternating round by round,
 median of the rounds; the ratio is plain time / interleaved time (above 1: the
@@ -29,7 +30,7 @@ def main() -> None:
     paddle.base.core.set_num_threads(args.threads)
     from fdx.core import kernels
     from fdx.ops import cpp, quant
-    from fdx.ops.probes import int8_blocks, random_blocks
+    from fdx.ops.probes import act_block, int8_blocks, random_blocks
 
     cpp.prepare()
     kinds = args.kinds.split(",")
@@ -51,7 +52,7 @@ def main() -> None:
                 for m in (int(r) for r in args.rows.split(",")):
                     x = rng.standard_normal((m, cols)).astype(np.float32)
                     xt = paddle.to_tensor(x)
-                    want = int8_blocks(x).astype(np.float64) @ values.T
+                    want = int8_blocks(x, act_block(kind)).astype(np.float64) @ values.T
                     blas = cpp.quant_blas_min_rows(kind, args.build)
                     if blas is not None and m >= blas:
                         want = x.astype(np.float64) @ values.T

@@ -126,7 +126,7 @@ def test_take_rows_and_embedding_read_the_interleaved_layout():
         assert np.array_equal(quant.embedding(idx, w).numpy(), ref[idx])
 
 
-# --- the layout chosen per machine (q4_0, wint4) -----------------------------------------------
+# --- the layout chosen per machine (q4_0, wint4, q2_k, q3_k) ----------------------------------------
 
 def test_the_layout_of_q4_0_and_wint4_follows_the_probe_of_the_build_that_runs(monkeypatch):
     from fdx.core import kernels

@@ -29,7 +29,7 @@ QUANT_KERNELS = tuple(f"cpp.{kind}_matmul{suffix}" for suffix in ("", ".avx2", "
                                    "q2_k", "q3_k"))
 # The per-machine layout choice of fdx.ops.quant.PROBED_REPACK_KINDS (interleaved where it measured faster).
 LAYOUT_KERNELS = tuple(f"cpp.{kind}_interleave{suffix}" for suffix in ("", ".avx2", ".avx512")
-                       for kind in ("q4_0", "wint4"))
+                       for kind in ("q4_0", "wint4", "q2_k", "q3_k"))
 # The float32 product for a few rows (fdx.ops.cpp.F32_KERNEL_NAMES), AVX-512 last likewise.
 F32_KERNELS = ("cpp.f32_matmul", "cpp.f32_matmul.avx2", "cpp.f32_matmul.avx512")
 # A mixture-of-experts layer's experts in one call (fdx.ops.moe.MOE_KERNEL_NAMES), AVX-512 last likewise.
