@@ -427,8 +427,8 @@ _VARIANT_CODE = {"portable": 0, "avx2": 1, "avx512": 2}     # = C++ Variant
 # the 49152x576 LM head), at 128 rows about 1.0x summed, at 512 rows 1.3-1.8x.
 QUANT_BLAS_MIN_ROWS = 128
 # On a CPU with AVX-512 VNNI (the avx512 build): per kind, the row count from which
-# dequantize + BLAS takes over (None: never; absent: QUANT_BLAS_MIN_ROWS). q8_0, q4_0,
-# q5_0, wint8 and wint4 take 512-bit vpdpbusd tiles from 12 rows (quant_kernels.inc,
+# dequantize + BLAS takes over (None: never; absent: QUANT_BLAS_MIN_ROWS). q8_0,
+# q5_0 and wint8 take 512-bit vpdpbusd tiles from 12 rows (q4_0, wint4: M1VnniMatmul now) (quant_kernels.inc,
 # Q8VnniMatmul); the others their 256-bit tiles. Measured on the Zen 4 of issue 34,
 # shared with 4 other jobs (load 6-10: single ratios moved by 30%), 1 and 2 threads,
 # alternating call by call, 7 rounds, 2048x2048 and 8192x2048, two runs (python -m

@@ -234,7 +234,68 @@ def _probe_quant(kind: str, variant: str) -> Callable[[str], None]:
 
 def _quant_probes() -> dict[str, Callable[[str], None]]:
     from fdx.ops.cpp import QUANT_KINDS, QUANT_VARIANTS, quant_kernel_name
-    return {quant_kernel_name(k, v): _probe_quant(k, v) for v in QUANT_VARIANTS for k in QUANT_KINDS}
+    from fdx.ops.quant import PROBED_REPACK_KINDS, interleave_kernel_name
+    return {**{quant_kernel_name(k, v): _probe_quant(k, v) for v in QUANT_VARIANTS for k in QUANT_KINDS},
+            **{interleave_kernel_name(k, v): _probe_interleave(k, v) for v in QUANT_VARIANTS
+               for k in PROBED_REPACK_KINDS}}
+
+
+# The weight the layout choice times: 16384 x 2048 (q4_0: 38 MB), larger than a Zen's
+# L3, streamed from memory as a model's weights are at decode.
+INTERLEAVE_PROBE_SHAPE = (16384, 2048)
+# The activation rows it times (decode at batch 1 and a small batch); the layout is
+# chosen when the geometric mean of the two speed ratios is at least 1 (the AVX2 build
+# on a Zen 5: 1.00-1.04x at 1 row, 0.81-0.85x at 8; AVX-512 VNNI: 1.8-2.0x and 2.7-2.9x).
+INTERLEAVE_PROBE_ROWS = (1, 8)
+
+
+def _probe_interleave(kind: str, variant: str) -> Callable[[str], None]:
+    """The per-machine layout choice for a kind of fdx.ops.quant.PROBED_REPACK_KINDS
+    in one build: its interleaved product against float64 numpy (1, 5, 13 rows),
+    then both layouts of one weight timed at 1 and 8 activation rows, calls
+    alternated, best of 15 each (the best of many is what a busy machine leaves
+    least disturbed). Passes (the layout is chosen) when the interleaved one is
+    at least as fast (geometric mean of the two ratios); else WrongResult says
+    by how much it lost."""
+    def probe(dtype: str = "float32") -> None:
+        import time
+
+        from fdx.ops import cpp, quant
+        fn = dict(quant.KERNELS[kind])[cpp.quant_kernel_name(kind, variant)]
+        rng = _rng()
+        for m in (1, 5, 13):
+            w = random_quantized(kind, 36, 512, rng).prepare(interleave=True)
+            if not w.interleaved:
+                raise WrongResult(f"{kind} was not repacked")
+            x = rng.standard_normal((m, 512)).astype(np.float32)
+            want = int8_blocks(x, act_block(kind)).astype(np.float64) @ w.dequantize().astype(np.float64).T
+            scale = float(np.abs(want).max()) or 1.0
+            _close(fn(_tensor(x), w).numpy() / scale, want / scale, f"interleaved {m}x512 @ 36x512", atol=1e-4, rtol=0)
+        rows, cols = INTERLEAVE_PROBE_SHAPE
+        if kind == "wint4":
+            data = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+            plain = quant.QuantizedTensor(kind, (rows, cols), data, rng.uniform(0.01, 0.02, (rows, cols // 128))
+                                          .astype(np.float32), 128)
+        else:
+            plain = quant.QuantizedTensor(kind, (rows, cols), random_blocks(kind, rows, cols, rng))
+        inter = quant.QuantizedTensor(kind, plain.shape, plain.data.copy(), plain.scales, plain.group_size)
+        plain.prepare(interleave=False)
+        inter.prepare(interleave=True)
+        ratios = []
+        for m in INTERLEAVE_PROBE_ROWS:
+            x = _tensor(rng.standard_normal((m, cols)).astype(np.float32))
+            best = {False: float("inf"), True: float("inf")}
+            for i in range(30):
+                layout = bool(i % 2)
+                t0 = time.perf_counter()
+                fn(x, inter if layout else plain).numpy()
+                best[layout] = min(best[layout], time.perf_counter() - t0)
+            ratios.append(best[False] / best[True])
+        if float(np.prod(ratios)) < 1.0:
+            raise WrongResult(f"the plain layout is faster here (interleaved at "
+                              f"{' / '.join(f'{r:.2f}x' for r in ratios)} its speed at "
+                              f"{' / '.join(map(str, INTERLEAVE_PROBE_ROWS))} rows of {rows}x{cols})")
+    return probe
 
 
 def _probe_f32(variant: str) -> Callable[[str], None]:

@@ -43,11 +43,45 @@ WINT_KINDS = ("wint8", "wint4")
 # place the first time the compiled kernels take it (``tensors()``, at load:
 # ``prepare()``); any other (rows not a multiple of 4, a read-only buffer, another
 # kind) keeps the plain layout. FDX_REPACK=0 turns it off (for benchmarks).
-# A kind is listed only where the interleaved tiles measured at least as fast as
-# main's plain ones (docs/benchmarks.md, Zen 4): not q4_0 (0.88-0.93x at one
-# 2048x2048 row, an L3-resident weight) nor wint4 (one noisy round only).
+# REPACK_KINDS are listed where the interleaved tiles measured at least as fast as the
+# plain ones on every machine tried (docs/benchmarks.md). PROBED_REPACK_KINDS (q4_0:
+# 0.88-0.93x at one 2048x2048 row on a Zen 4 with the 256-bit tiles; wint4, q2_k, q3_k) are
+# interleaved only where this machine's probe measured the interleaved layout faster
+# for the build that runs (the kernel-table entry ``cpp.<kind>_interleave[.build]``,
+# fdx.ops.probes: both layouts timed once, cached with the table; its finding says
+# why not). FDX_REPACK=all interleaves them regardless (benchmarks, tests).
 INTERLEAVE = 4
 REPACK_KINDS = ("q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8")
+PROBED_REPACK_KINDS = ("q4_0", "wint4", "q2_k", "q3_k")
+
+
+def interleave_kernel_name(kind: str, variant: str) -> str:
+    """The kernel-table name of the per-machine layout choice for ``kind`` in one
+    build: ``cpp.q4_0_interleave.avx512`` (usable: the interleaved layout measured faster)."""
+    from fdx.ops import cpp
+
+    return cpp.quant_kernel_name(kind, variant).replace("_matmul", "_interleave")
+
+
+def interleave_chosen(kind: str) -> bool:
+    """Whether ``kind`` is interleaved under the active kernel table: always for
+    REPACK_KINDS; for PROBED_REPACK_KINDS where the probe chose it for the build
+    ``matmul`` runs (or FDX_REPACK=all)."""
+    import os
+
+    if kind in REPACK_KINDS:
+        return True
+    if kind not in PROBED_REPACK_KINDS:
+        return False
+    if os.environ.get("FDX_REPACK") == "all":
+        return True
+    from fdx.ops import cpp
+
+    table = kernels.active()
+    for variant in cpp.QUANT_VARIANTS:          # matmul's order (KERNELS): the widest usable build
+        if table.usable(cpp.quant_kernel_name(kind, variant)):
+            return table.usable(interleave_kernel_name(kind, variant))
+    return False
 
 
 def ggml_type(kind: str):
@@ -76,6 +110,7 @@ class QuantizedTensor:
     group_size: int = 0
     interleaved: bool = False          # data in the repacked layout (see REPACK_KINDS)
     _tensors: tuple | None = field(default=None, init=False, repr=False)
+    _layout: bool | None = field(default=None, init=False, repr=False)   # prepare(interleave=...)
 
     @property
     def nbytes(self) -> int:
@@ -101,25 +136,33 @@ class QuantizedTensor:
             return 16
         return block_shape(self.kind)[1]
 
-    def repack(self) -> bool:
-        """Rewrite ``data`` in place into the interleaved layout (blocks j of
-        rows 4g..4g+3 next to each other), a few row groups at a time (no second
-        copy of the weight); True if it is (now) interleaved. A weight whose
-        rows are not a multiple of INTERLEAVE, of another kind or in a read-only
-        buffer keeps the plain layout."""
+    def repack(self, always: bool = False) -> bool:
+        """Rewrite ``data`` into the interleaved layout (blocks j of rows
+        4g..4g+3 next to each other), a few row groups at a time: in place (no
+        second copy of the weight); True if it is (now) interleaved. A weight
+        whose rows are not a multiple of INTERLEAVE or of a kind not chosen here
+        (``interleave_chosen``; ``always``: any of REPACK_KINDS and
+        PROBED_REPACK_KINDS) keeps the plain layout. A read-only buffer (a GGUF
+        file's memmap) is read once into one new buffer in the interleaved
+        layout, and each ~1 MiB of the file's pages is let go of as soon as it is
+        copied (``_release_file_pages``): one copy resident, not two."""
         if self.interleaved:
             return True
         data = self.data
-        if (self.kind not in REPACK_KINDS or self.shape[0] % INTERLEAVE or not data.flags.c_contiguous
-                or not data.flags.writeable or data.ndim != 2):
+        chosen = self.kind in REPACK_KINDS + PROBED_REPACK_KINDS if always else interleave_chosen(self.kind)
+        if not chosen or self.shape[0] % INTERLEAVE or not data.flags.c_contiguous or data.ndim != 2:
             return False
+        out = data if data.flags.writeable else np.empty(data.shape, np.uint8)
         block = self._block_bytes()
         n = data.shape[1] // block
         step = INTERLEAVE * max(1, (1 << 20) // max(1, INTERLEAVE * data.shape[1]))   # ~1 MiB of rows a pass
         for r0 in range(0, data.shape[0], step):
             part = data[r0:r0 + step]
             g = part.reshape(-1, INTERLEAVE, n, block)
-            part.reshape(-1, n, INTERLEAVE, block)[...] = g.transpose(0, 2, 1, 3).copy()
+            out[r0:r0 + step].reshape(-1, n, INTERLEAVE, block)[...] = g.transpose(0, 2, 1, 3).copy()
+            if out is not data:
+                _release_file_pages(part)
+        self.data = out
         self.interleaved = True
         return True
 
@@ -138,9 +181,14 @@ class QuantizedTensor:
 
         return np.ascontiguousarray(dequantize(data, ggml_type(self.kind)), dtype=np.float32)
 
-    def prepare(self) -> "QuantizedTensor":
+    def prepare(self, interleave: bool | None = None) -> "QuantizedTensor":
         """Make the Paddle views the compiled kernels read (once, at load:
-        ``data`` and ``scales`` must not be replaced afterwards); returns self."""
+        ``data`` and ``scales`` must not be replaced afterwards); returns self.
+        ``interleave``: None, the layout ``tensors()`` chooses; True, interleaved
+        wherever the weight allows (``repack(always=True)``); False, plain
+        (benchmarks, the layout probe)."""
+        if self._tensors is None:
+            self._layout = interleave
         self.tensors()
         return self
 
@@ -153,7 +201,10 @@ class QuantizedTensor:
             from paddle.utils.dlpack import from_dlpack
 
             self.data = np.ascontiguousarray(self.data)
-            if os.environ.get("FDX_REPACK", "1") != "0":
+            if self._layout is not None:
+                if self._layout:
+                    self.repack(always=True)
+            elif os.environ.get("FDX_REPACK", "1") != "0":
                 self.repack()
             scales = None
             if self.scales is not None:
@@ -169,6 +220,27 @@ class QuantizedTensor:
                                self.plain_data(index) if self.interleaved else np.ascontiguousarray(self.data[index]),
                                None if self.scales is None else np.ascontiguousarray(self.scales[index]),
                                self.group_size)
+
+
+def _release_file_pages(a: np.ndarray) -> None:
+    """Drop the whole pages under ``a`` from this process's resident set when ``a``
+    is a view of a file mapping (np.memmap, mmap): the file's bytes stay in the
+    page cache and are read again if ever touched (a read-only mapping: nothing
+    is lost). Anything else: nothing."""
+    import ctypes
+    import mmap
+
+    base = a
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None)
+    if base is None:
+        return
+    page = mmap.PAGESIZE
+    start = -(-a.ctypes.data // page) * page
+    stop = (a.ctypes.data + a.nbytes) // page * page
+    if stop > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), 4)   # MADV_DONTNEED
 
 
 # --- quantizing on load (wint8 / wint4 of an fp32 checkpoint) ------------------------------

@@ -88,7 +88,7 @@ def test_a_probe_killed_by_sigill_leads_to_the_reference_and_transformers_tokens
     assert table.source == "probed" and probe_env() == 1 + 2 + host_deaths()   # a new child after each death
     assert table["cpp.silu_and_mul"] == table["cpp.add_rms_norm"] == "SIGILL on this CPU"
     for name in cpu.KERNELS:                                          # every other finding is the host's own
-        if name not in ("cpp.silu_and_mul", "cpp.add_rms_norm"):
+        if name not in ("cpp.silu_and_mul", "cpp.add_rms_norm") + cpu.LAYOUT_KERNELS:   # layouts: timed
             assert table[name] == host[name], name
     choices = llm.engine.backend.kernel_choices()
     assert choices["silu_and_mul"].startswith("swiglu (cpp.silu_and_mul: SIGILL on this CPU")
@@ -132,7 +132,9 @@ def test_a_cache_written_for_other_cpu_flags_is_ignored(tiny_hf, probe_env, monk
     where.write_text(json.dumps(data))
     again = make_llm(path).engine.backend.kernels
     assert again.source == "probed" and probe_env() == 2 * children
-    assert again.findings == table.findings
+    timed = set(cpu.LAYOUT_KERNELS)                     # the layout choices are measured: they may differ
+    assert {n: f for n, f in again.findings.items() if n not in timed} == \
+        {n: f for n, f in table.findings.items() if n not in timed}
 
 
 def test_the_probe_cache_is_keyed_by_the_cpu_flags(monkeypatch):

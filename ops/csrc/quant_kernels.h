@@ -13,14 +13,15 @@
 // dx * (d * sum(q * qx) + m * sum(qx)). Output rows are split over the OpenMP
 // threads. The kinds with blocks of 32 (q8_0, q4_0/1, q5_0/1, wint8/4) in the SIMD
 // builds multiply tiles of two weight rows x up to four activation rows (TileDot,
-// 256-bit, in the AVX-512 build too; there q8_0, q4_0, q5_0, wint8/4 from 12 rows take
-// 512-bit VNNI tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul, and q4_1, q5_1 at every row
-// count 4 weight rows x up to 8 activation rows, M1VnniMatmul); every kind in the portable build
+// 256-bit, in the AVX-512 build too; there q8_0, q5_0, wint8 from 12 rows take
+// 512-bit VNNI tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul, and q4_1, q5_1, q4_0, wint4 at
+// every row count 4 weight rows x up to 8 activation rows, M1VnniMatmul); every kind in the portable build
 // one weight row against one activation row (RowDot). The k-quants quantize the
 // activations per 256 instead (XBlockK) and sum each sub-block in int32 times its
 // integer scale (TileDotK; with AVX-512 VNNI, vpdpbusd then vpdpwssd by the scales,
 // TileKVnni): q2_k, q3_k, q4_k, q5_k, q6_k. Weights repacked at load (kInterleave rows' blocks
-// side by side) take tiles of 4 weight rows from one stream.
+// side by side) take tiles of 4 weight rows from one stream (q4_0 and wint4 only where the
+// probe measured that layout faster on this machine: fdx.ops.quant.PROBED_REPACK_KINDS).
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
 // Three builds of the same source (quant_kernels.inc, included once per

@@ -27,6 +27,9 @@ PADDLE_KERNELS = ("fused_rms_norm", "swiglu", "fused_rotary_position_embedding")
 QUANT_KERNELS = tuple(f"cpp.{kind}_matmul{suffix}" for suffix in ("", ".avx2", ".avx512")
                       for kind in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "wint8", "wint4",
                                    "q2_k", "q3_k"))
+# The per-machine layout choice of fdx.ops.quant.PROBED_REPACK_KINDS (interleaved where it measured faster).
+LAYOUT_KERNELS = tuple(f"cpp.{kind}_interleave{suffix}" for suffix in ("", ".avx2", ".avx512")
+                       for kind in ("q4_0", "wint4", "q2_k", "q3_k"))
 # The float32 product for a few rows (fdx.ops.cpp.F32_KERNEL_NAMES), AVX-512 last likewise.
 F32_KERNELS = ("cpp.f32_matmul", "cpp.f32_matmul.avx2", "cpp.f32_matmul.avx512")
 # A mixture-of-experts layer's experts in one call (fdx.ops.moe.MOE_KERNEL_NAMES), AVX-512 last likewise.
@@ -34,7 +37,7 @@ MOE_KERNELS = ("cpp.moe_experts", "cpp.moe_experts.avx2", "cpp.moe_experts.avx51
 # A fused weight's parts in one product (fdx.ops.parts.PARTS_KERNEL_NAMES), AVX-512 last likewise.
 PARTS_KERNELS = ("cpp.parts_matmul", "cpp.parts_matmul.avx2", "cpp.parts_matmul.avx512")
 COMPILED_KERNELS = ("cpp.rms_norm", "cpp.add_rms_norm", "cpp.silu_and_mul", "cpp.paged_attention",
-                    "cpp.rope_write_kv", "cpp.decoder_layer") + QUANT_KERNELS + F32_KERNELS + MOE_KERNELS \
+                    "cpp.rope_write_kv", "cpp.decoder_layer") + QUANT_KERNELS + LAYOUT_KERNELS + F32_KERNELS + MOE_KERNELS \
     + PARTS_KERNELS
 KERNELS = PADDLE_KERNELS + COMPILED_KERNELS
 
@@ -90,7 +93,23 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
                                                     f"tokens a step, float32 ones under {f32_rows})"),
                               fallback="composed"),
         "quant_matmul": quant_choices(table),
+        "quant_layout": layout_choices(table),
     }
+
+
+def layout_choices(table: kernels.KernelTable) -> str:
+    """The weight layout of each kind whose layout is chosen per machine, for the
+    build that runs it: ``q4_0=interleaved, wint4=plain (the plain layout is faster here ...)``."""
+    from fdx.ops.cpp import QUANT_VARIANTS, quant_kernel_name
+    from fdx.ops.quant import PROBED_REPACK_KINDS, interleave_chosen, interleave_kernel_name
+    out = []
+    with kernels.using(table):
+        for kind in PROBED_REPACK_KINDS:
+            build = next((v for v in QUANT_VARIANTS if table.usable(quant_kernel_name(kind, v))), None)
+            why = "" if build is None or interleave_chosen(kind) else \
+                f" ({table.why_not(interleave_kernel_name(kind, build))})"
+            out.append(f"{kind}={'interleaved' if interleave_chosen(kind) else 'plain'}{why}")
+    return ", ".join(out)
 
 
 def quant_choices(table: kernels.KernelTable) -> str:
