@@ -72,7 +72,7 @@ def host_zeros(shape, dtype: str = "float32"):
 
 # From this many tokens in one step the step's freed activations go back to the system
 # (malloc_trim). A 512-token prefill of the 1.7B shape (SmolLM2-1.7B, hidden 2048,
-# intermediate 8192) left 85 MiB of freed float32 activations resident in glibc's heap,
+# intermediate 8192) left 69 MiB of freed float32 activations resident in glibc's heap,
 # held through the decode steps after it (whose own buffers are a few hundred KiB); the
 # trim costs milliseconds and the next prefill's first touch of those pages about as much,
 # against the seconds such a step computes. Below it (decode, short prompts) nothing runs.
