@@ -560,6 +560,9 @@ def _gguf_tokenizer(path: Path, special: GgufSpecialIds, defer: bool) -> Tokeniz
 
 def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False, defer_tokenizer: bool = False) -> Checkpoint:
     index, fields, spec, config, special = _gguf_index_config(path)
+    # the tokenizer first: building it parses the whole vocabulary (about 50 MB of Python objects for
+    # SmolLM2's, freed once built), which would otherwise come on top of every weight read
+    tokenizer = _gguf_tokenizer(path, special, defer_tokenizer)
     weights: dict[str, np.ndarray] = {}
     with open(path, "rb") as f:
         for tensor in _progress(list(index.tensors), "Loading GGUF tensors", progress):
@@ -585,8 +588,7 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False, defer_toke
             elif n_head is not None:
                 array = _unpermute_rows(array, n_head)
             weights[name] = array
-    return Checkpoint(config=config, weights=weights, tokenizer=_gguf_tokenizer(path, special, defer_tokenizer),
-                      path=str(path), format="gguf", generation_config=generation.from_gguf_fields(fields))
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), format="gguf", generation_config=generation.from_gguf_fields(fields))
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:

@@ -53,39 +53,63 @@ def test_read_gguf_tensors_are_the_file_bytes(tmp_path):
         assert np.array_equal(np.asarray(r.data).view(np.uint8).reshape(-1), index.read(t).reshape(-1))
 
 
-# The child measures its resident set after importing Paddle and fdx (the
-# floor no model changes: about 480 MB, 225 MB of it Paddle's mapped
-# libraries), then after loading the embedded model with a 1024-token
+def test_release_step_heap_gives_back_a_prefills_freed_pages():
+    """Freed heap chunks between live ones stay resident until trimmed: a
+    step of TRIM_AFTER_TOKENS tokens trims, a shorter one (decode) does not."""
+    from fdx.core.memory import TRIM_AFTER_TOKENS, release_step_heap
+    release_step_heap(TRIM_AFTER_TOKENS)
+    before = _rss()
+    chunks = [(np.ones(60_000, np.uint8), np.ones(16, np.uint8)) for _ in range(1600)]   # ~96 MB in the heap
+    held = [small for _, small in chunks]       # live chunks between the freed ones: no top-of-heap trim
+    del chunks
+    assert _rss() - before > 64 * MiB           # freed, still resident
+    assert not release_step_heap(TRIM_AFTER_TOKENS - 1)
+    assert _rss() - before > 64 * MiB
+    assert release_step_heap(TRIM_AFTER_TOKENS)
+    assert _rss() - before < 16 * MiB
+    del held
+
+
+# The child measures its resident set after importing fdx and Paddle (the
+# floor no model changes: about 300 MiB on a Zen 5, 165 MiB of it Paddle's
+# mapped libraries), then after loading the embedded model with a 1024-token
 # context and the default max_num_seqs (64: a KV cache capped at a tenth of
-# the host's memory, 2.4 GB on 24 GB), then after a 64-token prompt and 8
-# tokens.
+# the host's memory, 2.4 GB on 24 GB) and its high-water mark, then after a
+# 512-token prompt (one step) and 8 tokens.
 CHILD = r"""
 import json, os, sys
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+import fdx            # first, as every fdx process: Paddle then imports without torch
 import paddle
 from fdx import LLM, SamplingParams
 from fdx.model_io.model import held_weight_bytes
 base = rss()
-llm = LLM(None, max_model_len=1024, max_num_batched_tokens=256, progress=False)
+llm = LLM(None, max_model_len=1024, progress=False)
 loaded = rss()
-llm.generate([{"prompt_token_ids": list(range(100, 164))}],
+load_peak = hwm()
+llm.generate([{"prompt_token_ids": list(range(100, 612))}],
              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
 eng = llm.engine
-print(json.dumps({"base": base, "loaded": loaded, "after": rss(),
+print(json.dumps({"base": base, "loaded": loaded, "load_peak": load_peak, "after": rss(),
+                  "kv_written": -(-520 // eng.kv_spec.block_size) * eng.kv_spec.bytes_per_block,
                   "kv_reserved": eng.kv_cache.num_blocks * eng.kv_spec.bytes_per_block,
                   "weights": sum(held_weight_bytes(eng.executor.model).values())}))
 """
 
 # Above the file's bytes (the weights, held once): the tokenizer (about
 # 11 MB), the compiled kernels' modules and the probe table, glibc's heap
-# left between live objects, the rotary tables, a 64-token forward's
-# activations, the few KV pages written: measured 50 MiB on a 2-core Zen 4
-# (144 MiB held for the 94 MiB file). A float32 copy of the embedding
+# left between live objects, the rotary tables, the KV pages written:
+# measured 65 MiB on a 2-core Zen 5 (159 MiB held for the 94 MiB file). A float32 copy of the embedding
 # (108 MiB) or any few layers' weights would cross the bound; the KV
 # cache's reservation (2.4 GB there) would cross it many times over.
 ABOVE_FILE = 128 * MiB
+LOAD_TRANSIENT = 24 * MiB       # measured 8-11 MiB (53 before the tokenizer was built first)
+AFTER_PREFILL = 12 * MiB        # measured 2 MiB (24 before release_step_heap)
 
 
 @pytest.mark.slow
@@ -101,3 +125,9 @@ def test_loaded_model_holds_its_file_not_its_kv_reservation():
     assert held <= file_size + ABOVE_FILE, (
         f"{held / MiB:.0f} MiB resident above import for a {file_size / MiB:.0f} MiB file "
         f"(loaded: {(m['loaded'] - m['base']) / MiB:.0f} MiB; KV reserved {m['kv_reserved'] / MiB:.0f} MiB)")
+    # the load's high-water mark: the weights with no transient on top (the GGUF tokenizer's vocabulary
+    # parse, 50 MiB, came on top of every weight read before it was built first: 53 MiB above)
+    assert m["load_peak"] - m["loaded"] <= LOAD_TRANSIENT, (m["load_peak"] - m["loaded"]) / MiB
+    # after a 512-token prefill and 8 decode steps: the KV pages those wrote, not the prefill's freed
+    # activations (release_step_heap; 24 MiB of them stayed resident before, 2 MiB now)
+    assert m["after"] - m["loaded"] <= m["kv_written"] + AFTER_PREFILL, (m["after"] - m["loaded"]) / MiB

@@ -23,6 +23,7 @@ import numpy as np
 
 from fdx.core import activations, kernels
 from fdx.core.lora import StepLoRA
+from fdx.core.memory import release_step_heap
 from fdx.core.guided import apply_guided
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import (AttentionContext, BatchLayout, BatchUpdate, ModelArgs, ModelRunner,
@@ -118,6 +119,7 @@ class DefaultModelRunner(ModelRunner):
             ctx.connector.start_load_kv(so.kv_connector_metadata)
         if so.num_scheduled_tokens:
             self._forward(so, removed, out)
+            release_step_heap(sum(so.num_scheduled_tokens.values()))     # a prefill's freed activations
         if ctx.connector is not None:
             sending, recving = ctx.connector.get_finished()
             out.finished_sending, out.finished_recving = sorted(sending), sorted(recving)
