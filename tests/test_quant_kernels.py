@@ -208,7 +208,8 @@ AVX2_TILE_ROWS = (1, 2, 7, 8, 33, 128, 512)
 
 @pytest.mark.parametrize("kind", sorted(cpp.QUANT_AVX2_TILE_MIN_ROWS))
 def test_avx2_many_row_tiles_against_numpy_and_their_own_rows(kind):
-    """The AVX2 build's many-row tiles (csrc/avx2_tiles.inc, from
+    """The AVX2 build's many-row tiles (csrc/avx2_tiles.inc: the 32-block kinds and, per
+    super-block, the k-quants but q3_k; from
     cpp.QUANT_AVX2_TILE_MIN_ROWS rows; the kernel under the AVX2 switch points
     cpp.QUANT_BLAS_MIN_ROWS_AVX2), called directly at every row count, against a
     float64 numpy product of the gguf-dequantized blocks with the activations
@@ -222,9 +223,9 @@ def test_avx2_many_row_tiles_against_numpy_and_their_own_rows(kind):
     module = cpp._module_or_raise()
     start = cpp.QUANT_AVX2_TILE_MIN_ROWS[kind]
     rng = np.random.default_rng(zlib.crc32(f"{kind}/avx2-tiles".encode()))
-    cols = 384 if kind == "wint4" else 352                     # 11 blocks of 32 (wint4: 6 groups of 64)
+    cols = 512 if kind.endswith("_k") else 384 if kind == "wint4" else 352   # 11 blocks of 32 (wint4: 6 groups of 64)
     x = rng.standard_normal((max(AVX2_TILE_ROWS), cols)).astype(np.float32)
-    xq = int8_blocks(x, 32).astype(np.float64)
+    xq = int8_blocks(x, act_block(kind)).astype(np.float64)
     for rows in (36, 37):
         w, values = make_weight(kind, rows, cols, rng)
         w.prepare()
@@ -255,7 +256,7 @@ def test_avx2_many_row_tiles_against_numpy_and_their_own_rows(kind):
 
 def test_avx2_switch_points():
     """The AVX2 build dequantizes for BLAS only where measured slower (q8_0, wint8
-    from 512 rows); its tiled kinds start below the other kinds' QUANT_BLAS_MIN_ROWS."""
+    from 512 rows; q3_k, untiled, from 128); its tiled kinds start below QUANT_BLAS_MIN_ROWS."""
     for kind in cpp.QUANT_KINDS:
         blas = cpp.quant_blas_min_rows(kind, "avx2")
         tile = cpp.QUANT_AVX2_TILE_MIN_ROWS.get(kind)
@@ -264,4 +265,5 @@ def test_avx2_switch_points():
         else:
             assert tile < cpp.QUANT_BLAS_MIN_ROWS and (blas is None or blas > tile), kind
     assert cpp.quant_blas_min_rows("q4_0", "avx2") is None and cpp.quant_blas_min_rows("q8_0", "avx2") == 512
+    assert cpp.quant_blas_min_rows("q4_k", "avx2") is None and cpp.quant_blas_min_rows("q3_k", "avx2") == 128
     assert cpp.quant_blas_min_rows("q4_0", "portable") == cpp.QUANT_BLAS_MIN_ROWS
