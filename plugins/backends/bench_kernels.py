@@ -3,7 +3,7 @@ ops they replace (ops/csrc/fused_kernels.h).
 
     python -m fdx.plugins.backends.bench_kernels
     python -m fdx.plugins.backends.bench_kernels --quant [q4_1,q8_0,...]
-    python -m fdx.plugins.backends.bench_kernels --prefill [q4_k,q6_k,...] --iters 7
+    python -m fdx.plugins.backends.bench_kernels --prefill [q4_k,q6_k,...] --iters 7 [--variant avx2]
     python -m fdx.plugins.backends.bench_kernels --decode [q4_k,q5_k,q6_k] --iters 21
 
 Not a test. For SmolLM2-135M's shapes (9/3 heads x 64, intermediate 1536)
