@@ -54,14 +54,16 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
            "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
-           "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI"]
+           "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
+           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
-            _CSRC / "quant_kernels.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc", _CSRC / "decoder_layer.h",
+            _CSRC / "quant_kernels.inc", _CSRC / "avx2_tiles.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc",
+            _CSRC / "decoder_layer.h",
             _CSRC / "invariant_attention.h", _CSRC / "kv8_kernels.h", _CSRC / "kv8_ops.inc",
             # fdx_moe_experts (fdx.ops.moe drives it) and fdx_parts_matmul (fdx.ops.parts)
             _CSRC / "moe_kernels.h", _CSRC / "fused_parts.h", _CSRC / "fused_parts.inc", _CSRC / "fused_parts_ops.inc"]
@@ -452,11 +454,41 @@ QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
     "q2_k": None, "q3_k": None, "q4_1": None, "q5_1": None, "q5_0": 512}
 
 
+# The AVX2 build (an AVX2-only CPU, e.g. Zen 1-3): q8_0, q4_0, q4_1, q5_0, q5_1, wint8 and
+# wint4 take many-row tiles from QUANT_AVX2_TILE_MIN_ROWS rows (= kOctMinRows, kOctMinRowsK,
+# csrc/avx2_tiles.inc: a weight row's 4 quants broadcast against 8 activation rows, one lane
+# each), never dequantized. Measured on the Zen 5 with the AVX2 build and MKL held to AVX2
+# (MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AVX2 CPU), load 11-14, alternating call by call, 5
+# rounds, 2048x2048 and 8192x2048 (python -m fdx.plugins.backends.bench_kernels --prefill
+# q8_0,q4_0,q4_1,q5_0,q5_1,wint8,wint4 --variant avx2 --iters 5, --threads 1 --cpu-time and
+# --threads 2): the tiles against the row tiles 1.5-2.4x from 32 rows for the 4- and 5-bit
+# kinds, 0.99-1.15x at 32 and 1.06-1.16x from 128 for q8_0 and wint8; dequantize + BLAS /
+# the tiles, 1 thread, at 128 rows 0.92-1.10x (2048x2048) and 2.0-2.3x (8192x2048), at 512 0.73-0.84x and
+# 1.02-1.18x (a SmolLM2-1.7B layer's products summed: about 1.09x for q4_0) for the 4- and
+# 5-bit kinds; q8_0 and wint8 0.59-0.81x at 512 (BLAS from 512), 0.78-1.67x at 128. 2
+# threads (wall time on the 2 loaded cores: single figures moved 2x, ratios less): the
+# 4- and 5-bit kinds 1.07-1.79x at 512 rows, 1.3-2.9x at 128; q8_0, wint8 0.75-0.90x at 512.
+# (Here the AVX2 build compiles with -march=native of an AVX-512 CPU: GCC may give it 32
+# vector registers; the tiles are written for 16. To be repeated on the Zen 3.)
+# The k-quants but q3_k take the same lanes per super-block of 256 from 16 rows
+# (OctMatmulK): against TileDotK 1.3-3.7x at 16-512 rows; dequantize + BLAS / these at 512
+# rows, 1 thread (CPU time): q4_k 1.08-1.13x, q5_k 0.99-1.01x, q6_k 1.37-1.44x, q2_k 1.61-1.63x
+# (2.0-3.7x at 128); 2 threads (wall): 1.09-1.14x, 1.09-1.14x, 1.36-1.60x, 1.47-1.73x. q3_k
+# keeps TileDotK (0.78x at 16 rows, 1.12x from 128) and BLAS from 128.
+QUANT_AVX2_TILE_MIN_ROWS = {"q8_0": 32, "wint8": 32, "q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "wint4": 16,
+                            "q4_k": 16, "q5_k": 16, "q6_k": 16, "q2_k": 16}
+QUANT_BLAS_MIN_ROWS_AVX2: dict[str, int | None] = {
+    "q8_0": 512, "wint8": 512, "q4_0": None, "q4_1": None, "q5_0": None, "q5_1": None, "wint4": None,
+    "q4_k": None, "q5_k": None, "q6_k": None, "q2_k": None}
+
+
 def quant_blas_min_rows(kind: str, variant: str) -> int | None:
     """From how many activation rows ``kind``'s product in build ``variant``
     dequantizes + multiplies by BLAS (not under backend.batch_invariant); None: never."""
     if variant == "avx512" and _has_vnni():
         return QUANT_BLAS_MIN_ROWS_VNNI.get(kind, QUANT_BLAS_MIN_ROWS)
+    if variant == "avx2":
+        return QUANT_BLAS_MIN_ROWS_AVX2.get(kind, QUANT_BLAS_MIN_ROWS)
     return QUANT_BLAS_MIN_ROWS
 
 

@@ -201,3 +201,69 @@ def test_q8_0_embedding_rows_equal_gguf_dequantize():
     got = quant.embedding(ids, w).numpy()
     assert np.isfinite(want).all() and np.abs(want).max() > 0
     np.testing.assert_array_equal(got, want)
+
+
+AVX2_TILE_ROWS = (1, 2, 7, 8, 33, 128, 512)
+
+
+@pytest.mark.parametrize("kind", sorted(cpp.QUANT_AVX2_TILE_MIN_ROWS))
+def test_avx2_many_row_tiles_against_numpy_and_their_own_rows(kind):
+    """The AVX2 build's many-row tiles (csrc/avx2_tiles.inc: the 32-block kinds and, per
+    super-block, the k-quants but q3_k; from
+    cpp.QUANT_AVX2_TILE_MIN_ROWS rows; the kernel under the AVX2 switch points
+    cpp.QUANT_BLAS_MIN_ROWS_AVX2), called directly at every row count, against a
+    float64 numpy product of the gguf-dequantized blocks with the activations
+    quantized as the kernels do (1e-4 of the largest output). Which path ran: below
+    the tiles' row count the bits are the row tiles' (kCodeRowTiles), from it they
+    are not (another order of the float sums). Bitwise: from that count a row's
+    output does not depend on M or on the rows beside it (one SIMD lane a pair), so
+    any row set computed alone equals the same rows inside 512. Interleaved (36
+    rows, where repacked) and plain weights with an odd tile tail (37 rows)."""
+    variant_fn(kind, "avx2")                                   # skips where the AVX2 build does not run
+    module = cpp._module_or_raise()
+    start = cpp.QUANT_AVX2_TILE_MIN_ROWS[kind]
+    rng = np.random.default_rng(zlib.crc32(f"{kind}/avx2-tiles".encode()))
+    cols = 512 if kind.endswith("_k") else 384 if kind == "wint4" else 352   # 11 blocks of 32 (wint4: 6 groups of 64)
+    x = rng.standard_normal((max(AVX2_TILE_ROWS), cols)).astype(np.float32)
+    xq = int8_blocks(x, act_block(kind)).astype(np.float64)
+    for rows in (36, 37):
+        w, values = make_weight(kind, rows, cols, rng)
+        w.prepare()
+        data, scales = w.tensors()
+
+        def product(xs, extra=0):
+            return module.fdx_quant_matmul(to_tensor(xs), data, scales, cpp.quant_code(w) | extra,
+                                           cpp._VARIANT_CODE["avx2"], rows, cols, w.group_size).numpy()
+
+        want = xq @ values.T
+        scale = np.abs(want).max()
+        got = {m: product(x[:m]) for m in AVX2_TILE_ROWS + (start - 1, start)}
+        for m, g in got.items():
+            what = f"{kind} avx2 {rows} rows (interleaved {w.interleaved}) M={m}"
+            assert g.shape == (m, rows) and np.abs(g - want[:m]).max() <= 1e-4 * scale, what
+            row_tiles = product(x[:m], cpp._CODE_ROW_TILES)
+            if m < start:
+                assert np.array_equal(g, row_tiles), what + ": not the row tiles"
+            else:
+                assert not np.array_equal(g, row_tiles), what + ": the row tiles ran, not the many-row tiles"
+                assert np.array_equal(g, got[512][:m]), what + ": differs from the same rows within 512"
+        for lo in (5, 100, 333):                               # a row set of its own, elsewhere in the 512
+            alone = product(x[lo:lo + start + 3])
+            assert np.array_equal(alone, got[512][lo:lo + start + 3]), f"{kind} rows {lo}..: not their bits in 512"
+        invariant = product(x[:33], cpp._CODE_INVARIANT)       # backend.batch_invariant: the row tiles
+        assert np.array_equal(invariant, product(x[:33], cpp._CODE_ROW_TILES))
+
+
+def test_avx2_switch_points():
+    """The AVX2 build dequantizes for BLAS only where measured slower (q8_0, wint8
+    from 512 rows; q3_k, untiled, from 128); its tiled kinds start below QUANT_BLAS_MIN_ROWS."""
+    for kind in cpp.QUANT_KINDS:
+        blas = cpp.quant_blas_min_rows(kind, "avx2")
+        tile = cpp.QUANT_AVX2_TILE_MIN_ROWS.get(kind)
+        if tile is None:
+            assert blas == cpp.QUANT_BLAS_MIN_ROWS, kind
+        else:
+            assert tile < cpp.QUANT_BLAS_MIN_ROWS and (blas is None or blas > tile), kind
+    assert cpp.quant_blas_min_rows("q4_0", "avx2") is None and cpp.quant_blas_min_rows("q8_0", "avx2") == 512
+    assert cpp.quant_blas_min_rows("q4_k", "avx2") is None and cpp.quant_blas_min_rows("q3_k", "avx2") == 128
+    assert cpp.quant_blas_min_rows("q4_0", "portable") == cpp.QUANT_BLAS_MIN_ROWS

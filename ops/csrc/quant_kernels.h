@@ -15,13 +15,16 @@
 // builds multiply tiles of two weight rows x up to four activation rows (TileDot,
 // 256-bit, in the AVX-512 build too; there q8_0, q5_0, wint8 from 12 rows take
 // 512-bit VNNI tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul, and q4_1, q5_1, q4_0, wint4 at
-// every row count 4 weight rows x up to 8 activation rows, M1VnniMatmul); every kind in the portable build
+// every row count 4 weight rows x up to 8 activation rows, M1VnniMatmul; in the AVX2 build from 16
+// rows (q8_0, wint8: 32) 2 weight rows x 16 activation rows a lane each, OctMatmul,
+// avx2_tiles.inc); every kind in the portable build
 // one weight row against one activation row (RowDot). The k-quants quantize the
 // activations per 256 instead (XBlockK) and sum each sub-block in int32 times its
 // integer scale (TileDotK; with AVX-512 VNNI, vpdpbusd then vpdpwssd by the scales,
-// TileKVnni): q2_k, q3_k, q4_k, q5_k, q6_k. Weights repacked at load (kInterleave rows' blocks
-// side by side) take tiles of 4 weight rows from one stream (q4_0 and wint4 only where the
-// probe measured that layout faster on this machine: fdx.ops.quant.PROBED_REPACK_KINDS).
+// TileKVnni; in the AVX2 build from 16 rows, but q3_k, OctMatmulK): q2_k, q3_k, q4_k, q5_k, q6_k.
+// Weights repacked at load (kInterleave rows' blocks side by side) take tiles of 4 weight rows
+// from one stream (q4_0 and wint4 only where the probe measured that layout faster on this
+// machine: fdx.ops.quant.PROBED_REPACK_KINDS).
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
 // Three builds of the same source (quant_kernels.inc, included once per

@@ -3,7 +3,7 @@ ops they replace (ops/csrc/fused_kernels.h).
 
     python -m fdx.plugins.backends.bench_kernels
     python -m fdx.plugins.backends.bench_kernels --quant [q4_1,q8_0,...]
-    python -m fdx.plugins.backends.bench_kernels --prefill [q4_k,q6_k,...] --iters 7
+    python -m fdx.plugins.backends.bench_kernels --prefill [q4_k,q6_k,...] --iters 7 [--variant avx2]
     python -m fdx.plugins.backends.bench_kernels --decode [q4_k,q5_k,q6_k] --iters 21
 
 Not a test. For SmolLM2-135M's shapes (9/3 heads x 64, intermediate 1536)
@@ -160,10 +160,11 @@ def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, thread
                           f"{td:11.1f} | {tf:9.1f} {rows * cols * 4 / tf / 1e3:6.1f} | {tf / tq:5.2f}x {tf / td:5.2f}x")
 
 
-def _new_and_old(kinds: list[str], threads: int, header: str):
+def _new_and_old(kinds: list[str], threads: int, header: str, build: str | None = None):
     """Prints the CPU line and ``header``; yields, for each kind at 2048x2048 and
     8192x2048, random weights and the product's arguments now (args) and before
-    (old: kCodeRowTiles, main's integer kernel)."""
+    (old: kCodeRowTiles, main's integer kernel), in instruction-set build ``build``
+    (default: the widest the probed table passed)."""
     from fdx.core.host import cpu_flags, cpu_model
     from fdx.ops.probes import random_quantized
     from fdx.plugins.backends.cpu import probe_kernels
@@ -171,12 +172,12 @@ def _new_and_old(kinds: list[str], threads: int, header: str):
     table = probe_kernels(threads)
     isa = [f for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni") if f in cpu_flags()]
     print(f"cpu: {cpu_model()}, {threads} threads, flags {' '.join(isa)}, load average "
-          f"{' '.join(open('/proc/loadavg').read().split()[:3])}")
+          f"{' '.join(open('/proc/loadavg').read().split()[:3])}, build {build or 'the widest passed'}")
     print(header)
     module = cpp._module_or_raise()
     rng = np.random.default_rng(0)
     for kind in kinds:
-        variant = next(v for v in cpp.QUANT_VARIANTS if table.usable(cpp.quant_kernel_name(kind, v)))
+        variant = build or next(v for v in cpp.QUANT_VARIANTS if table.usable(cpp.quant_kernel_name(kind, v)))
         for rows, cols in ((2048, 2048), (8192, 2048)):
             w = random_quantized(kind, rows, cols, rng).prepare()
             data, scales = w.tensors()
@@ -184,13 +185,14 @@ def _new_and_old(kinds: list[str], threads: int, header: str):
             yield module, kind, rows, cols, data, scales, args, (cpp.quant_code(w) | cpp._CODE_ROW_TILES,) + args[1:]
 
 
-def bench_prefill(kinds: list[str], rows_list: tuple[int, ...], rounds: int, threads: int) -> None:
+def bench_prefill(kinds: list[str], rows_list: tuple[int, ...], rounds: int, threads: int,
+                  build: str | None = None) -> None:
     """Many activation rows (prefill): the compiled product as it runs now, the tiles
     before the many-row kernel (kCodeRowTiles: main's integer kernel) and dequantize +
     BLAS, alternating call by call for ``rounds`` rounds; ratios of medians."""
     header = (f"{'kind':<6} {'out x in':>10} {'M':>4} | {'new ms':>8} {'old ms':>8} {'deq ms':>8} | "
               f"{'old/new':>7} {'deq/new':>7}")
-    for module, kind, rows, cols, data, scales, args, old in _new_and_old(kinds, threads, header):
+    for module, kind, rows, cols, data, scales, args, old in _new_and_old(kinds, threads, header, build):
         for m in rows_list:
             x = paddle.randn([m, cols])
             times = _interleaved({
@@ -283,6 +285,9 @@ def main() -> None:
     parser.add_argument("--prefill", nargs="?", const="q4_k,q6_k,q8_0,q4_0,q4_1,q5_k",
                         help="many-row products (--rows, default 32,128,512): now, before the many-row "
                              "tiles, dequantize + BLAS")
+    parser.add_argument("--variant", choices=cpp.QUANT_VARIANTS,
+                        help="with --prefill: this instruction-set build (default: the widest the CPU runs), "
+                             "e.g. avx2 on an AVX-512 CPU")
     parser.add_argument("--decode", nargs="?", const="q4_1,q4_k,q5_k,q6_k",
                         help="few-row products (--rows, default 1,2,4,8), cold and warm: now against the "
                              "kernel before (the 256-bit path of the k-quants and q4_1/q5_1)")
@@ -301,7 +306,8 @@ def main() -> None:
         raise SystemExit(f"compiled ops unavailable: {cpp.unavailable_reason()}")
     if args.prefill:
         rows = "32,128,512" if args.rows == "1,8,64" else args.rows
-        bench_prefill(args.prefill.split(","), tuple(int(m) for m in rows.split(",")), args.iters, args.threads)
+        bench_prefill(args.prefill.split(","), tuple(int(m) for m in rows.split(",")), args.iters, args.threads,
+                      args.variant)
         return
     if args.decode:
         rows = "1,2,4,8" if args.rows == "1,8,64" else args.rows
