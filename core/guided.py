@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from fdx.core.config import ConfigError
+from fdx.core.config import ConfigError, plugin_settings
 from fdx.core.interfaces import AdmissionRule, BuildContext, GuidedBackend, GuidedStep
 from fdx.core.sampling_params import SamplingParams
 
@@ -135,16 +135,21 @@ class GuidedDecoding:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        threads = settings.pop("compile_threads", 2)
-        cache_size = settings.pop("cache_size", 512)
+        if backend_cls is not None:      # validated into its Settings (a GuidedSettings), as every kind's
+            settings = plugin_settings("guided_backend", name or "", backend_cls, settings)
+        if isinstance(settings, dict):   # no Settings: the older form, its keys listed in setting_keys
+            threads = settings.pop("compile_threads", 2)
+            cache_size = settings.pop("cache_size", 512)
+            known = backend_cls.setting_keys if backend_cls is not None else tuple(settings)   # off: nothing to check
+            unknown = sorted(set(settings) - set(known))
+            if unknown:
+                raise ConfigError(f"config key 'plugins.guided_backend.{name}.{unknown[0]}': unknown setting; "
+                                  f"known: {', '.join([*known, 'compile_threads', 'cache_size'])}")
+        else:
+            threads, cache_size = settings.compile_threads, settings.cache_size
         for key, value in (("compile_threads", threads), ("cache_size", cache_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"config key 'plugins.guided_backend.{name}.{key}' must be an integer >= 1")
-        known = backend_cls.setting_keys if backend_cls is not None else tuple(settings)   # off: nothing to check
-        unknown = sorted(set(settings) - set(known))
-        if unknown:
-            raise ConfigError(f"config key 'plugins.guided_backend.{name}.{unknown[0]}': unknown setting; "
-                              f"known: {', '.join([*known, 'compile_threads', 'cache_size'])}")
         self.settings = settings
         self.cache_size = cache_size
         self.compile_timeout_s = compile_timeout_s
@@ -214,7 +219,7 @@ class GuidedDecoding:
                     self._backend = make_plugin(BuildContext(
                         self.config, self.plugins, "guided_backend", self.name or "", tokenizer=self.tokenizer,
                         vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids),
-                        "decoding.guided_backend", dict(self.settings), self.backend_cls)
+                        "decoding.guided_backend", self.settings, self.backend_cls)
                 except ImportError as e:
                     raise ValueError(f"guided decoding backend {self.name!r} cannot load: {e}; "
                                      f"install it with {INSTALL_HINT}") from None

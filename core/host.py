@@ -96,13 +96,27 @@ def release_free_heap() -> None:
     freed pages between live objects resident until asked."""
     import gc
     gc.collect()
-    if not platform.system() == "Linux":
-        return
-    import ctypes
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):           # musl and other C libraries have no malloc_trim
-        pass
+    trim = malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+_TRIM: list = []
+
+
+def malloc_trim():
+    """glibc's ``malloc_trim`` (a ctypes function), None elsewhere (musl and
+    other C libraries, other systems); looked up once."""
+    if not _TRIM:
+        fn = None
+        if platform.system() == "Linux":
+            import ctypes
+            try:
+                fn = ctypes.CDLL(None).malloc_trim
+            except (OSError, AttributeError):   # musl and other C libraries have no malloc_trim
+                fn = None
+        _TRIM.append(fn)
+    return _TRIM[0]
 
 
 def proc_kib_field(path: str, key: str) -> int | None:

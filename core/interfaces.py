@@ -1053,6 +1053,15 @@ class GuidedMatcher(abc.ABC):
         return n
 
 
+@dataclass
+class GuidedSettings:
+    """The settings every guided backend takes (``plugins.guided_backend.<name>``),
+    read by the guided-decoding service around it; a backend's own ``Settings``
+    dataclass subclasses it and adds its keys."""
+    compile_threads: int = 2                     # threads compiling constraints (>= 1)
+    cache_size: int = 512                        # compiled constraints kept (>= 1)
+
+
 class GuidedBackend(abc.ABC):
     """Compiles constraints for one model's tokenizer and makes matchers
     (``fdx_register_guided_backends``). Built once per model, from fdx's
@@ -1062,7 +1071,8 @@ class GuidedBackend(abc.ABC):
 
     kinds: tuple[str, ...] = GUIDED_KINDS[:5]    # the constraint kinds it compiles (GUIDED_KINDS)
     requires: tuple[str, ...] = ()               # importable packages it needs (checked at start-up)
-    setting_keys: tuple[str, ...] = ()           # the settings it reads (others are a config error)
+    Settings: type | None = None                 # a GuidedSettings subclass (validated); None: a dict,
+    setting_keys: tuple[str, ...] = ()           # checked against these keys (the older form)
 
     def __init__(self, settings: Any = None, context: BuildContext | None = None, /, *old: Any, **kw: Any):
         settings, context = base_args(self, "guided_backend", settings, context, old, kw)

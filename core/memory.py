@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 
 from fdx.core import kernels
-from fdx.core.host import host_peak_bytes, rss_bytes  # noqa: F401  (rss_bytes: re-exported)
+from fdx.core.host import host_peak_bytes, malloc_trim, rss_bytes  # noqa: F401  (rss_bytes: re-exported)
 from fdx.core.interfaces import AttentionContext, KVCacheSpec
 
 log = logging.getLogger("fdx.memory")
@@ -86,25 +86,11 @@ def release_step_heap(num_tokens: int) -> bool:
     if it trimmed."""
     if num_tokens < TRIM_AFTER_TOKENS:
         return False
-    trim = _malloc_trim()
+    trim = malloc_trim()
     if trim is None:
         return False
     trim(0)
     return True
-
-
-_TRIM: list = []
-
-
-def _malloc_trim():
-    """glibc's malloc_trim, None elsewhere (looked up once)."""
-    if not _TRIM:
-        import ctypes
-        try:
-            _TRIM.append(ctypes.CDLL(None).malloc_trim)
-        except (OSError, AttributeError):           # musl and other C libraries have no malloc_trim
-            _TRIM.append(None)
-    return _TRIM[0]
 
 
 def profile_forward(model, attention, backend, spec: KVCacheSpec, num_tokens: int, num_seqs: int

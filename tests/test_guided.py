@@ -244,6 +244,22 @@ def test_off_missing_package_and_bad_settings_are_clear_errors(tokenizer):
         service("no_such_backend", tokenizer)
 
 
+@pytest.mark.parametrize("name,key,value", [("llguidance", "log_level", 2), ("xgrammar", "max_threads", 3)])
+def test_a_builtin_backend_gets_its_validated_settings_object(tokenizer, name, key, value):
+    """Issue 36 item 2: the built-in guided backends are constructed with a
+    validated Settings instance (a GuidedSettings), as every kind is, not a dict."""
+    from fdx.core.interfaces import GuidedSettings
+    svc = service(name, tokenizer, compile_threads=1, **{key: value})
+    assert isinstance(svc.settings, GuidedSettings) and getattr(svc.settings, key) == value
+    assert svc.settings.compile_threads == 1 and svc.cache_size == 512
+    backend = svc.backend
+    assert backend.settings is svc.settings or backend.settings == svc.settings
+    with pytest.raises(ConfigError, match=f"plugins.guided_backend.{name}.{key}"):
+        service(name, tokenizer, **{key: "many"})
+    with pytest.raises(ConfigError, match=f"plugins.guided_backend.{name}.cache_size"):
+        service(name, tokenizer, cache_size=0)
+
+
 # -- end to end on a tiny random-weight model: its free output is noise --------------
 
 def tiny_llm(tiny_checkpoints, backend: str, **kw) -> LLM:

@@ -10,9 +10,10 @@ default 0), plus the service's ``compile_threads`` and ``cache_size``.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import GuidedBackend, GuidedMatcher
+from fdx.core.interfaces import GuidedBackend, GuidedMatcher, GuidedSettings
 
 
 class LLGuidanceMatcher(GuidedMatcher):
@@ -48,9 +49,15 @@ class LLGuidanceMatcher(GuidedMatcher):
         return self.m.validate_tokens([int(t) for t in token_ids])
 
 
+@dataclass
+class LLGuidanceSettings(GuidedSettings):
+    """``plugins.guided_backend.llguidance``."""
+    log_level: int = 0                  # llguidance's own log verbosity (0: quiet)
+
+
 class LLGuidanceBackend(GuidedBackend):
     requires = ("llguidance",)
-    setting_keys = ("log_level",)
+    Settings = LLGuidanceSettings
     kinds = ("json", "json_object", "regex", "choice", "grammar")
 
     def __init__(self, settings=None, context=None):
@@ -62,7 +69,7 @@ class LLGuidanceBackend(GuidedBackend):
         self.llg, self.gbnf_to_lark = llguidance, gbnf_to_lark
         import numpy
         self.fill, self.np = llnp.fill_next_token_bitmask, numpy
-        self.log_level = int(self.settings.get("log_level", 0))
+        self.log_level = self.settings.log_level
         self.lltok = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                             eos_token=self.eos_token_ids or None)
 

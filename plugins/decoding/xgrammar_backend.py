@@ -11,9 +11,10 @@ compiler threads, default 1), plus the service's ``compile_threads`` and
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import GUIDED_KINDS, GuidedBackend, GuidedMatcher
+from fdx.core.interfaces import GUIDED_KINDS, GuidedBackend, GuidedMatcher, GuidedSettings
 
 
 def vocab_of(tokenizer) -> tuple[list[str], str, bool]:
@@ -57,9 +58,15 @@ class XGrammarMatcher(GuidedMatcher):
         return self.m.is_terminated()
 
 
+@dataclass
+class XGrammarSettings(GuidedSettings):
+    """``plugins.guided_backend.xgrammar``."""
+    max_threads: int = 1                # xgrammar's GrammarCompiler threads
+
+
 class XGrammarBackend(GuidedBackend):
     requires = ("xgrammar",)
-    setting_keys = ("max_threads",)
+    Settings = XGrammarSettings
     kinds = GUIDED_KINDS
 
     def __init__(self, settings=None, context=None):
@@ -72,7 +79,7 @@ class XGrammarBackend(GuidedBackend):
                       "raw": xgr.VocabType.RAW}[kind]
         self.info = xgr.TokenizerInfo(tokens, vocab_type=vocab_type, vocab_size=max(vocab_size, len(tokens)),
                                       stop_token_ids=self.eos_token_ids, add_prefix_space=prefix_space)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=int(self.settings.get("max_threads", 1)))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=self.settings.max_threads)
 
     def compile(self, kind, spec, whitespace_flexible=False):
         c = self.compiler
