@@ -5,6 +5,7 @@ checkpoint (pairwise over chunked prefill, preemption, prefix cache, n > 1,
 logprobs, stops, seeded sampling) and on the embedded default model."""
 from __future__ import annotations
 
+import json
 import pathlib
 import types
 
@@ -619,3 +620,19 @@ def test_guided_greedy_equal_with_speculation_and_matchers_roll_back(tiny_smollm
     c = spec.counters
     assert c.num_drafts > 0 and c.num_accepted_tokens > c.num_drafts and 0 < c.acceptance_rate < 1
     assert spec.guided_truncated > 0 and checked
+
+
+def test_bench_workload_answers_stop_at_eos_unless_ignore_eos(tmp_path):
+    """`fdx bench throughput --workload`: each prompt is answered up to its
+    eos (``--output-len`` at most), or, with ``ignore_eos``, to exactly
+    ``--output-len`` tokens; the bench's figures count what was generated.
+    On the embedded model a one-word answer ends long before the cap."""
+    from fdx.entrypoints.bench.throughput import throughput
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Reply with the single word yes."}]}) + "\n")
+    with LLM(max_model_len=256, num_kv_blocks=64, progress=False) as llm:
+        short = throughput(llm, 2, 0, 48, workload=str(path))
+        full = throughput(llm, 2, 0, 48, workload=str(path), ignore_eos=True)
+    assert short["ignore_eos"] is False and 2 <= short["output_tokens"] < 2 * 48
+    assert full["ignore_eos"] is True and full["output_tokens"] == 2 * 48
+    assert 0 < short["decode_output_tokens"] <= short["output_tokens"] - 2   # the first tokens come from prefill
