@@ -898,7 +898,7 @@ class Proposer(abc.ABC):
 
     def draft_class(self, request_id: str) -> "int | None":
         """A small int naming the kind of the request's last proposal (suffix:
-        the length of the match it came from): the engine learns how often
+        the strength of the match it came from): the engine learns how often
         each kind's drafts are kept, per position, and cuts a proposal where
         a row is unlikely to pay. Default: None (the engine classes drafts by
         how the request's last ones fared)."""

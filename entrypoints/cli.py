@@ -156,21 +156,28 @@ def cmd_bench_throughput(args) -> int:
     try:
         run = lambda speculation: bench.throughput(llm, args.num_requests, args.input_len, args.output_len,
                                                    seed=args.bench_seed, profile=args.profile,
-                                                   workload=args.workload, speculation=speculation)
-        ratios, cpu_ratios = [], []    # speculation on / off, per round (the sides alternate: drifting load hits both)
+                                                   workload=args.workload, speculation=speculation,
+                                                   ignore_eos=True if args.ignore_eos else None)
+        ratios, cpu_ratios, decode_ratios = [], [], []    # speculation on / off, per round (the sides alternate)
         for _ in range(max(1, args.rounds) if llm.engine.speculation is not None else 1):
             baseline = run(False) if llm.engine.speculation is not None else None
             result = run(True)
             if baseline is not None:
                 ratios.append(result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
-                cpu_ratios.append(baseline["cpu_time_s"] / max(result["cpu_time_s"], 1e-9))   # the same tokens
+                # output tokens a CPU second (stopping at eos, the two sides' outputs may differ in length
+                # where they differ: without --batch-invariant a near tie can go the other way)
+                per_cpu = lambda r, n, t: r[n] / max(r[t], 1e-9)
+                cpu_ratios.append(per_cpu(result, "output_tokens", "cpu_time_s")
+                                  / per_cpu(baseline, "output_tokens", "cpu_time_s"))
+                decode_ratios.append(per_cpu(result, "decode_output_tokens", "decode_cpu_time_s")
+                                     / per_cpu(baseline, "decode_output_tokens", "decode_cpu_time_s"))
     except ValueError as e:
         print(f"fdx: error: {e}", file=sys.stderr)
         return 2
     if baseline is not None:       # speculation off, the same engine and prompts, first: the ratio's base
         result["baseline"] = {k: baseline[k] for k in ("output_tokens_per_s", "decode_tokens_per_s", "total_time_s")}
         result["outputs_equal"] = baseline["outputs_sha1"] == result["outputs_sha1"]
-        result["ratios"], result["cpu_ratios"] = ratios, cpu_ratios
+        result["ratios"], result["cpu_ratios"], result["decode_cpu_ratios"] = ratios, cpu_ratios, decode_ratios
     print(json.dumps(result, indent=2) if args.json else bench.format_throughput(result))
     return 0
 
@@ -221,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--num-requests, or 'grounded' (shipped: code to copy with one change, passages to quote, "
                         "JSON to echo with edits) or 'chat' (shipped: free-form questions); with --speculative-config the run is made without speculation "
                         "first and the ratio printed (default: random prompts of --input-len)")
+    t.add_argument("--ignore-eos", action="store_true",
+                   help="with --workload: generate --output-len tokens past eos (default: each answer stops at its "
+                        "eos, --output-len at most; random prompts always ignore eos)")
     t.add_argument("--rounds", type=int, default=1,
                    help="with --speculative-config: rounds of (without, with) speculation, alternating; the "
                         "ratio of each round is printed (default: 1)")

@@ -5,6 +5,7 @@ checkpoint (pairwise over chunked prefill, preemption, prefix cache, n > 1,
 logprobs, stops, seeded sampling) and on the embedded default model."""
 from __future__ import annotations
 
+import json
 import pathlib
 import types
 
@@ -72,6 +73,25 @@ def test_suffix_trie_counts_equal_brute_force_and_removal_undoes():
         trie.add(s, delta=-1)
     assert trie.root.children == {}
 
+
+
+def test_suffix_draft_class_is_the_match_length_and_whether_it_was_unambiguous():
+    """suffix's draft_class: the matched suffix's length bucket (1, 2, 3-4,
+    5-7, 8+ -> 0..4), +5 when every draft token was (nearly) the only
+    continuation seen; the engine learns kept-rates per class."""
+    from fdx.plugins.spec.suffix import SuffixProposer
+    cfg = FdxConfig.build(speculative_config={"method": "suffix", "num_speculative_tokens": 4,
+                                              "suffix_decoding_max_cached_requests": 0})
+    p = SuffixProposer(cfg, 100)
+    p.add_request("a", [])
+    assert p.propose("a", [1, 2, 3, 4, 5, 6, 1, 2, 3], 4) == [4, 5, 6]   # one earlier occurrence: sure
+    assert p.draft_class("a") == 2 + 5                                     # a 3-token match
+    p.add_request("b", [])
+    # after "7 8": 9 once and 5 once: the draft's first token has a share of 1/2
+    assert p.propose("b", [7, 8, 9, 1, 7, 8, 5, 2, 7, 8], 4) in ([9, 1], [5, 2])
+    assert p.draft_class("b") == 1
+    p.remove_request("a", [])
+    assert p.draft_class("a") == 0
 
 def test_accept_sampled_keeps_the_agreeing_prefix_and_the_targets_token():
     assert accept_sampled([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
@@ -619,3 +639,20 @@ def test_guided_greedy_equal_with_speculation_and_matchers_roll_back(tiny_smollm
     c = spec.counters
     assert c.num_drafts > 0 and c.num_accepted_tokens > c.num_drafts and 0 < c.acceptance_rate < 1
     assert spec.guided_truncated > 0 and checked
+
+
+@pytest.mark.slow
+def test_bench_workload_answers_stop_at_eos_unless_ignore_eos(tmp_path):
+    """`fdx bench throughput --workload`: each prompt is answered up to its
+    eos (``--output-len`` at most), or, with ``ignore_eos``, to exactly
+    ``--output-len`` tokens; the bench's figures count what was generated.
+    On the embedded model a one-word answer ends long before the cap."""
+    from fdx.entrypoints.bench.throughput import throughput
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Reply with the single word yes."}]}) + "\n")
+    with LLM(max_model_len=256, num_kv_blocks=64, progress=False) as llm:
+        short = throughput(llm, 2, 0, 48, workload=str(path))
+        full = throughput(llm, 2, 0, 48, workload=str(path), ignore_eos=True)
+    assert short["ignore_eos"] is False and 2 <= short["output_tokens"] < 2 * 48
+    assert full["ignore_eos"] is True and full["output_tokens"] == 2 * 48
+    assert 0 < short["decode_output_tokens"] <= short["output_tokens"] - 2   # the first tokens come from prefill

@@ -40,11 +40,13 @@ def workload_prompts(llm, workload: str) -> list[list[int]]:
 
 
 def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: int = 0,
-               profile: bool = False, workload: str | None = None, speculation: bool = True) -> dict:
+               profile: bool = False, workload: str | None = None, speculation: bool = True,
+               ignore_eos: bool | None = None) -> dict:
     """N requests of I random prompt tokens and O generated tokens (ignore_eos),
     all queued at once, driven step by step through the LLM's engine.
     ``workload``: the prompts of a workload file instead (cycled to N; see
-    ``workload_prompts``). ``speculation`` False: an engine built with a
+    ``workload_prompts``), each answered up to its eos (O at most: an
+    answer, not the model chatting past its end) unless ``ignore_eos``. ``speculation`` False: an engine built with a
     speculative config runs this without it (the baseline of the same run).
     ``profile``: run each step under cProfile and add a breakdown of the
     decode-only steps at the full batch (``fdx.entrypoints.bench.profile``); the
@@ -53,7 +55,9 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     eng = llm.engine
     rng = np.random.default_rng(seed)
     vocab = eng.shape.vocab_size
-    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if ignore_eos is None:
+        ignore_eos = workload is None
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
     # warm-up: one short request, so one-time costs are not counted
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True))
     if workload is not None:
@@ -73,12 +77,18 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     computed0, recomputed0 = eng.num_computed_tokens, eng.num_recomputed_tokens
     profiler = StepProfiler(min(num_requests, eng.config.scheduler.max_num_seqs)) if profile else None
     t0, cpu0 = time.perf_counter(), time.process_time()
+    # the decode-only steps' process CPU time and output tokens (prefill is not speculated)
+    decode_cpu, decode_out = 0.0, 0
     while eng.has_unfinished():
+        c, n = time.process_time(), sum(r.num_output_tokens for r in reqs)
         if profiler is not None:
             profiler.step(eng)
         else:
             eng.step()
-        steps.append(eng.last_stats)
+        steps.append(st := eng.last_stats)
+        if st.num_prefill_tokens == 0 and st.num_decode_tokens > 0:
+            decode_cpu += time.process_time() - c
+            decode_out += sum(r.num_output_tokens for r in reqs) - n
     total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     eng.scheduling.speculation = spec
     prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
@@ -92,7 +102,8 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         "backend": eng.backend.describe(), "kv_scheduler": eng.config.scheduler.kv_scheduler,
         "max_num_seqs": eng.config.scheduler.max_num_seqs,
         "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens,
-        "total_time_s": total, "cpu_time_s": cpu, "steps": len(steps),
+        "total_time_s": total, "cpu_time_s": cpu, "decode_cpu_time_s": decode_cpu,
+        "decode_output_tokens": decode_out, "steps": len(steps),
         "mean_step_time_ms": 1000 * total / max(len(steps), 1),
         "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "prompt_tokens_per_s": sum(s.num_prefill_tokens for s in prefill_steps) / prefill_time if prefill_time else 0.0,
@@ -110,6 +121,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     result["outputs_sha1"] = hashlib.sha1(json.dumps([r.output_token_ids for r in reqs]).encode()).hexdigest()
     if workload is not None:
         result["workload"] = workload
+        result["ignore_eos"] = ignore_eos
     if spec is not None and speculation:       # vLLM's spec_decode figures, for this run's steps
         drafts = sum(st.spec_num_drafts for st in steps)
         proposed = sum(st.spec_num_draft_tokens for st in steps)
@@ -141,7 +153,8 @@ def format_throughput(r: dict) -> str:
     lines = [
         f"fdx bench throughput: {r['num_requests']} requests x ({r['input_len']} prompt + {r['output_len']} output) tokens"
         if "workload" not in r else f"fdx bench throughput: {r['num_requests']} requests of workload {r['workload']} "
-        f"({r['prompt_tokens']} prompt tokens) x {r['output_len']} output tokens",
+        f"({r['prompt_tokens']} prompt tokens) x {r['output_len'] if r['ignore_eos'] else 'up to eos, at most ' + str(r['output_len'])}"
+        f" output tokens ({r['output_tokens']} in all)",
         f"  backend {r['backend']}, KV scheduler {r['kv_scheduler']}, "
         f"max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens {r['max_num_batched_tokens']}",
         f"  total            {r['total_time_s']:.2f} s over {r['steps']} steps (mean step {r['mean_step_time_ms']:.1f} ms)",
@@ -177,9 +190,10 @@ def format_throughput(r: dict) -> str:
                          f"({', '.join(f'{x:.2f}' for x in r['ratios'])})")
             # by this process's CPU time (all its threads): what a shared machine's other jobs take is not
             # counted (with backend.num_threads=1 nearly exactly; with more, a thread that waits spinning is)
-            q = sorted(r["cpu_ratios"])
-            lines.append(f"  by CPU time      speculation median {float(np.median(q)):.2f}x, {q[0]:.2f}x .. "
-                         f"{q[-1]:.2f}x ({', '.join(f'{x:.2f}' for x in r['cpu_ratios'])})")
+            for key, what in (("cpu_ratios", "by CPU time     "), ("decode_cpu_ratios", "decode steps CPU")):
+                q = sorted(r[key])
+                lines.append(f"  {what} speculation median {float(np.median(q)):.2f}x, {q[0]:.2f}x .. "
+                             f"{q[-1]:.2f}x ({', '.join(f'{x:.2f}' for x in r[key])})")
     if "profile" in r:
         lines.append(format_profile(r["profile"]))
     return "\n".join(lines)

@@ -108,7 +108,7 @@ class SuffixProposer(Proposer):
         self.shared = SuffixTrie(self.depth)
         self.cached: deque[list[int]] = deque()
         self.requests: dict[str, tuple[SuffixTrie, list, int]] = {}   # id -> (trie, active nodes, tokens in it)
-        self.match: dict[str, int] = {}                                # id -> the last draft's match length
+        self.match: dict[str, tuple[int, bool]] = {}    # id -> the last draft's (match length, unambiguous)
 
     def add_request(self, request_id, prompt_token_ids):
         self.requests[request_id] = (SuffixTrie(self.depth), [], 0)
@@ -125,17 +125,23 @@ class SuffixProposer(Proposer):
         if self.cached:
             other, other_score, other_m = self.shared.draft(token_ids, k, self.factor, self.min_prob)
             if other_score > own_score:
-                own, m = other, other_m
-        self.match[request_id] = m
+                own, own_score, m = other, other_score, other_m
+        # unambiguous: every token was (nearly) the only continuation seen (the sum of the cumulative
+        # probabilities at least 0.9 x the length)
+        self.match[request_id] = (m, bool(own) and own_score >= 0.9 * len(own))
         return own
 
     def draft_class(self, request_id):
         """The class of the last draft (core/spec.py's DraftRecord keeps
-        acceptance per class): the length of the suffix it matched, 1, 2,
-        3-4, 5-7 or 8 and more; a one-token match is kept far less often
-        (13% against 60-100% on the grounded workload)."""
-        m = self.match.get(request_id, 0)
-        return 0 if m <= 1 else 1 if m == 2 else 2 if m <= 4 else 3 if m <= 7 else 4
+        acceptance per class, and cuts each draft to the length its class
+        pays for): the strength of its match, as suffix decoding scores a
+        candidate by match length and frequency. The length of the suffix it
+        matched, 1, 2, 3-4, 5-7 or 8 and more (a one-token match is kept far
+        less often), and whether every token of it was unambiguous (+5: its
+        share of the branches after the match, times the ones before it,
+        stayed near 1)."""
+        m, sure = self.match.get(request_id, (0, False))
+        return (0 if m <= 1 else 1 if m == 2 else 2 if m <= 4 else 3 if m <= 7 else 4) + (5 if sure else 0)
 
     def forget_history(self):
         """Drop the finished requests' outputs (``fdx bench`` between rounds)."""
