@@ -423,6 +423,11 @@ OLD_SHAPES: dict[str, Callable[[Any, BuildContext], tuple[tuple, dict]]] = {
     "observer": lambda s, c: ((c.config, s), {}),
 }
 
+# Kinds whose constructors load the checkpoint: a ValueError there is about the files
+# (not a GGUF file, truncated, an unsupported architecture), already worded for the user,
+# not about plugins.<kind>.<name>, so make_plugin passes it on as it is.
+LOADING_KINDS = frozenset({"model_runner", "model"})
+
 _shapes: dict[Any, bool] = {}
 _warned: set = set()
 
@@ -447,7 +452,8 @@ def make_plugin(context: BuildContext, key: str, settings: Any = _UNSET, cls: An
     (``plugins.<kind>.<name>``; ``settings`` when the caller validated them
     already), then ``cls(settings, context)``, or the kind's older shape
     for a class written to one. A ``ValueError`` or ``TypeError`` it raises
-    is a ConfigError naming ``plugins.<kind>.<name>``."""
+    is a ConfigError naming ``plugins.<kind>.<name>`` (not for the
+    LOADING_KINDS, whose errors are about the checkpoint)."""
     kind, name, config = context.kind, context.name, context.config
     if cls is None:
         try:
@@ -473,6 +479,8 @@ def make_plugin(context: BuildContext, key: str, settings: Any = _UNSET, cls: An
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
+        if kind in LOADING_KINDS:                          # the checkpoint's error, worded by the loader
+            raise
         if str(e).startswith("config key "):               # it named the key itself
             raise ConfigError(str(e)) from None
         raise ConfigError(f"config key 'plugins.{kind}.{name}': {e}") from None

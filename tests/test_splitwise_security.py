@@ -133,9 +133,18 @@ class Dealer:
         self.sock.connect(peer)
 
     def ask(self, frames: list[bytes], timeout_s: float = 3.0, step=None) -> dict | None:
-        """Send; the reply's header (None if none came), stepping ``step`` while waiting."""
-        self.sock.send_multipart(frames)
+        """Send; the reply's header (None if none came), stepping ``step`` while waiting.
+        A send that cannot leave by the deadline (no connection: a refused CURVE
+        handshake leaves none, and a DEALER's send then blocks) is None too."""
         deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.01)
         while time.monotonic() < deadline:
             if self.sock.poll(5):
                 return header(self.sock.recv_multipart())
