@@ -531,6 +531,10 @@ def test_peak_resident_memory_of_a_run_is_the_childs(tmp_path):
     _, _, _, _, idle = peers.run_measured([sys.executable, "-c", "import time; time.sleep(0.5)"], tmp_path / "t.log")
     assert busy >= 0.5 and idle < busy - 0.4 and cpu < 0.5
     rc, *_ = peers.run_measured([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "z.log")
+    (tmp_path / "w").mkdir()                   # run where asked (ik_llama.cpp's tools write llama.log there)
+    _, out, *_ = peers.run_measured([sys.executable, "-c", "import os; print(os.getcwd())"], tmp_path / "c.log",
+                                    cwd=tmp_path / "w")
+    assert out.strip() == str(tmp_path / "w")
     assert rc == 3
     assert (tmp_path / "x.log").read_text().startswith(f"$ {sys.executable} -c ")
 

@@ -532,18 +532,21 @@ sys.exit(code if code >= 0 else 128 - code)
 """
 
 
-def run_measured(cmd: list[str], log_path: Path, env: dict | None = None) -> tuple[int, str, str, float, float]:
+def run_measured(cmd: list[str], log_path: Path, env: dict | None = None,
+                 cwd: Path | None = None) -> tuple[int, str, str, float, float]:
     """Run cmd to completion: (exit code, stdout, stderr, peak resident MB of
     its process, its CPU seconds), from wait4's rusage in a small wrapper;
     the command and its output go to log_path. CPU seconds well above threads
     x wall seconds of work show threads spinning (llama.cpp's barriers wait
-    busily for a thread the OS has descheduled on a loaded machine)."""
+    busily for a thread the OS has descheduled on a loaded machine). cwd: where it runs
+    (ik_llama.cpp's tools write a llama.log into theirs)."""
     out_path, err_path = log_path.with_suffix(".stdout"), log_path.with_suffix(".stderr")
     rss_path = log_path.with_suffix(".maxrss")
     rss_path.unlink(missing_ok=True)
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _RSS_WRAPPER, str(rss_path), *cmd],
-                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                cwd=cwd)
         try:
             rc = proc.wait()
         except BaseException:
@@ -598,8 +601,8 @@ def llama_bench_command(binary: Path, model: Path, n_prompt: int, threads: int, 
 def run_llama_bench(binary: Path, model: Path, n_prompt: int, threads: int, repeats: int, log_dir: Path,
                     tag: str, ik: bool = False, mmap: bool = False) -> dict:
     name = "ik-llama-bench" if ik else "llama-bench"
-    cmd = llama_bench_command(binary, model, n_prompt, threads, repeats, ik, mmap)
-    rc, out, err, rss, cpu = run_measured(cmd, log_dir / f"{name}-{tag}.log")
+    cmd = llama_bench_command(binary.resolve(), model.resolve(), n_prompt, threads, repeats, ik, mmap)  # run in log_dir
+    rc, out, err, rss, cpu = run_measured(cmd, log_dir / f"{name}-{tag}.log", cwd=log_dir)
     if rc != 0:
         raise PeerError(f"{name} -p {n_prompt} failed with exit code {rc}: {_tail(err)}")
     return {"prompt_tps": parse_llama_bench_json(out, n_prompt), "peak_rss_mb": rss, "cpu_s": cpu}
@@ -618,8 +621,8 @@ def batched_bench_command(binary: Path, model: Path, batch: int, input_len: int,
 def run_llama_batched(binary: Path, model: Path, batch: int, input_len: int, output_len: int, threads: int,
                       log_dir: Path, tag: str = "", ik: bool = False, mmap: bool = False) -> dict:
     name = "ik-llama-batched-bench" if ik else "llama-batched-bench"
-    cmd = batched_bench_command(binary, model, batch, input_len, output_len, threads, ik, mmap)
-    rc, out, err, rss, cpu = run_measured(cmd, log_dir / f"{name}-{tag or f'B{batch}'}.log")
+    cmd = batched_bench_command(binary.resolve(), model.resolve(), batch, input_len, output_len, threads, ik, mmap)
+    rc, out, err, rss, cpu = run_measured(cmd, log_dir / f"{name}-{tag or f'B{batch}'}.log", cwd=log_dir)
     if rc != 0:
         raise PeerError(f"{name} (B={batch}) failed with exit code {rc}: {_tail(err)}")
     return {**llama_figures(parse_batched_bench(out + "\n" + err)[-1]), "peak_rss_mb": rss, "cpu_s": cpu}
