@@ -418,18 +418,23 @@ def test_the_safetensors_file_holds_the_seeded_values(tmp_path, dtype, monkeypat
 
 def test_command_lines_of_each_side():
     m, b = Path("/m/x.Q4_0.gguf"), Path("/b/llama-bench")
-    assert peers.llama_bench_command(b, m, 512, 2, 3) == [
-        "/b/llama-bench", "-m", "/m/x.Q4_0.gguf", "-p", "512", "-n", "0", "-t", "2", "-r", "3", "-o", "json"]
-    assert peers.llama_bench_command(b, m, 512, 2, 3, ik=True)[-2:] == ["-rtr", "1"]
-    bb = peers.batched_bench_command(Path("/b/llama-batched-bench"), m, 8, 128, 128, 2)
-    assert bb == ["/b/llama-batched-bench", "-m", "/m/x.Q4_0.gguf", "-npp", "128", "-ntg", "128", "-npl", "8",
-                  "-t", "2", "-tb", "2", "-c", str(8 * 256)]
-    assert peers.batched_bench_command(Path("/b/x"), m, 1, 128, 128, 2, ik=True)[-1] == "-rtr"
+    lb = ["/b/llama-bench", "-m", "/m/x.Q4_0.gguf", "-p", "512", "-n", "0", "-t", "2", "-r", "3", "-o", "json"]
+    # llama.cpp reads the file at load (load mode none) unless asked to map it; ik's -rtr reads it at load
+    assert peers.llama_bench_command(b, m, 512, 2, 3) == lb + ["-lm", "none"]
+    assert peers.llama_bench_command(b, m, 512, 2, 3, mmap=True) == lb
+    assert peers.llama_bench_command(b, m, 512, 2, 3, ik=True) == lb + ["-rtr", "1"]
+    bb = ["/b/llama-batched-bench", "-m", "/m/x.Q4_0.gguf", "-npp", "128", "-ntg", "128", "-npl", "8",
+          "-t", "2", "-tb", "2", "-c", str(8 * 256)]
+    assert peers.batched_bench_command(Path(bb[0]), m, 8, 128, 128, 2) == bb + ["-lm", "none"]
+    assert peers.batched_bench_command(Path(bb[0]), m, 8, 128, 128, 2, mmap=True) == bb
+    assert peers.batched_bench_command(Path(bb[0]), m, 8, 128, 128, 2, ik=True) == bb + ["-rtr"]
     fx = peers.fdx_throughput_command(m, 1, 512, 1, 2, ["--quantization", "auto"])
     assert fx[:3] == [sys.executable, "-m", "fdx.entrypoints.cli"]
     i = fx.index("throughput")
     assert fx[i + 1:] == ["--model", "/m/x.Q4_0.gguf", "--num-requests", "1", "--input-len", "512",
-                          "--output-len", "1", "--json", "--quiet", "--num-threads", "2", "--quantization", "auto"]
+                          "--output-len", "1", "--json", "--quiet", "--num-threads", "2", "--max-model-len", "513",
+                          "--quantization", "auto"]
+    assert peers.fdx_throughput_command(m, 8, 16, 8, 2, [])[-2:] == ["--max-model-len", "256"]
     assert peers.fdx_throughput_command(m, 65, 8, 8, 2, [])[-2:] == ["--max-num-seqs", "65"]
     src, hf, out = Path("/s"), Path("/h"), Path("/o.gguf")
     assert models.convert_command(src, hf, out, "bf16")[1:] == ["/s/convert_hf_to_gguf.py", "/h", "--outfile",
@@ -466,8 +471,10 @@ def test_llama_bench_json_is_read_for_its_prompt_test():
     rows = json.loads(text)
     row = next(r for r in rows if r["n_prompt"] == 64 and r["n_gen"] == 0)
     got = peers.parse_llama_bench_json("noise before\n" + text, 64)
-    assert got == row["avg_ts"]
-    assert got == pytest.approx(sum(row["samples_ts"]) / len(row["samples_ts"]), rel=1e-6)
+    assert got == max(row["samples_ts"]) > row["avg_ts"]         # its best repetition, as fdx's best run
+    assert row["avg_ts"] == pytest.approx(sum(row["samples_ts"]) / len(row["samples_ts"]), rel=1e-6)
+    no_samples = json.dumps([{k: v for k, v in row.items() if k != "samples_ts"}])
+    assert peers.parse_llama_bench_json(no_samples, 64) == row["avg_ts"]
     with pytest.raises(peers.PeerError, match="no pp512 result"):
         peers.parse_llama_bench_json(text, 512)
     with pytest.raises(peers.PeerError, match="no pp64 result"):
@@ -512,13 +519,22 @@ def test_peak_resident_memory_of_a_run_is_the_childs(tmp_path):
     """The child's own peak, not this process's memory (which a forked child
     counts until its exec): 300 MB held here, a child that holds nothing."""
     held = np.ones(300 * 2 ** 20 // 8)
-    rc, out, err, rss = peers.run_measured([sys.executable, "-c", "print(1)"], tmp_path / "y.log")
+    rc, out, err, rss, cpu = peers.run_measured([sys.executable, "-c", "print(1)"], tmp_path / "y.log")
     assert rc == 0 and out.strip() == "1" and rss < 100 and held[-1] == 1.0
     code = "import numpy as np; a = np.ones(300 * 2**20 // 8); print(a.sum())"
-    rc, out, err, rss = peers.run_measured([sys.executable, "-c", code], tmp_path / "x.log")
+    rc, out, err, rss, _ = peers.run_measured([sys.executable, "-c", code], tmp_path / "x.log")
     assert rc == 0 and float(out) == 300 * 2 ** 20 // 8
     assert 300 < rss < 2000
-    rc, _, err, _ = peers.run_measured([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "z.log")
+    # its CPU seconds: a child spinning for 0.5 s of its own CPU time, and one sleeping 0.5 s
+    spin = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    _, _, _, _, busy = peers.run_measured([sys.executable, "-c", spin], tmp_path / "s.log")
+    _, _, _, _, idle = peers.run_measured([sys.executable, "-c", "import time; time.sleep(0.5)"], tmp_path / "t.log")
+    assert busy >= 0.5 and idle < busy - 0.4 and cpu < 0.5
+    rc, *_ = peers.run_measured([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "z.log")
+    (tmp_path / "w").mkdir()                   # run where asked (ik_llama.cpp's tools write llama.log there)
+    _, out, *_ = peers.run_measured([sys.executable, "-c", "import os; print(os.getcwd())"], tmp_path / "c.log",
+                                    cwd=tmp_path / "w")
+    assert out.strip() == str(tmp_path / "w")
     assert rc == 3
     assert (tmp_path / "x.log").read_text().startswith(f"$ {sys.executable} -c ")
 

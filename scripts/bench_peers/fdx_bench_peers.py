@@ -366,7 +366,7 @@ def make_shape_gguf(name: str, src: Path, tokenizer_gguf: Path, seed: int = 0, d
     stub = peer_models.sentencepiece_stub(d / "stub")
     if stub:
         _say(f"sentencepiece is not installed: a stand-in in {stub} lets the converter reach the tokenizer.json")
-    rc, _, err, rss = run_measured(peer_models.convert_command(src, hf, tmp, dtype), log,
+    rc, _, err, rss, _ = run_measured(peer_models.convert_command(src, hf, tmp, dtype), log,
                                    env=peer_models.convert_env(stub))
     if rc != 0 or not tmp.is_file():
         raise PeerError(f"convert_hf_to_gguf.py failed on the {name} checkpoint (exit code {rc}): {_tail(err)}; "
@@ -517,8 +517,8 @@ def _tail(text: str) -> str:
     return (said or lines or ["no output"])[-1]
 
 
-# Runs the command given after it and writes its peak resident KiB to the file
-# given first. A child forked from this tool would count the tool's own memory
+# Runs the command given after it and writes its peak resident KiB and its CPU
+# seconds (user + system, threads summed) to the file given first. A child forked from this tool would count the tool's own memory
 # (Paddle, from the sgemm probe) until its exec; this small interpreter spawns
 # it with posix_spawn (vfork: the child shares the wrapper's ~10 MB until exec).
 _RSS_WRAPPER = """import os, sys
@@ -526,22 +526,27 @@ out, cmd = sys.argv[1], sys.argv[2:]
 pid = os.posix_spawnp(cmd[0], cmd, os.environ)
 _, status, usage = os.wait4(pid, 0)
 with open(out, "w") as f:
-    f.write(str(usage.ru_maxrss))
+    f.write(f"{usage.ru_maxrss} {usage.ru_utime + usage.ru_stime}")
 code = os.waitstatus_to_exitcode(status)
 sys.exit(code if code >= 0 else 128 - code)
 """
 
 
-def run_measured(cmd: list[str], log_path: Path, env: dict | None = None) -> tuple[int, str, str, float]:
+def run_measured(cmd: list[str], log_path: Path, env: dict | None = None,
+                 cwd: Path | None = None) -> tuple[int, str, str, float, float]:
     """Run cmd to completion: (exit code, stdout, stderr, peak resident MB of
-    its process, from wait4's rusage in a small wrapper); the command and its
-    output go to log_path."""
+    its process, its CPU seconds), from wait4's rusage in a small wrapper;
+    the command and its output go to log_path. CPU seconds well above threads
+    x wall seconds of work show threads spinning (llama.cpp's barriers wait
+    busily for a thread the OS has descheduled on a loaded machine). cwd: where it runs
+    (ik_llama.cpp's tools write a llama.log into theirs)."""
     out_path, err_path = log_path.with_suffix(".stdout"), log_path.with_suffix(".stderr")
     rss_path = log_path.with_suffix(".maxrss")
     rss_path.unlink(missing_ok=True)
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _RSS_WRAPPER, str(rss_path), *cmd],
-                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                cwd=cwd)
         try:
             rc = proc.wait()
         except BaseException:
@@ -554,15 +559,16 @@ def run_measured(cmd: list[str], log_path: Path, env: dict | None = None) -> tup
     out_path.unlink()
     err_path.unlink()
     try:
-        kib = float(rss_path.read_text())                      # Linux: ru_maxrss in KiB
+        kib, cpu = (float(x) for x in rss_path.read_text().split())     # Linux: ru_maxrss in KiB
         rss_path.unlink()
     except (OSError, ValueError):
-        kib = float("nan")
-    return rc, stdout, stderr, kib / 1024
+        kib = cpu = float("nan")
+    return rc, stdout, stderr, kib / 1024, cpu
 
 
 def parse_llama_bench_json(text: str, n_prompt: int) -> float:
-    """tok/s of the prompt-only test (n_prompt tokens, n_gen 0) in ``llama-bench -o json``'s output."""
+    """tok/s of the prompt-only test (n_prompt tokens, n_gen 0) in ``llama-bench -o json``'s output:
+    its best repetition (samples_ts), as fdx's side reports its best run, else its average."""
     start = text.find("[")
     try:
         rows = json.JSONDecoder().raw_decode(text[start:])[0] if start >= 0 else []
@@ -570,45 +576,56 @@ def parse_llama_bench_json(text: str, n_prompt: int) -> float:
         rows = []
     for row in rows if isinstance(rows, list) else []:
         if isinstance(row, dict) and row.get("n_prompt") == n_prompt and row.get("n_gen") == 0:
-            return float(row["avg_ts"])
+            return float(max(row.get("samples_ts") or [row["avg_ts"]]))
     raise PeerError(f"llama-bench printed no pp{n_prompt} result")
 
 
+# llama.cpp reads the whole file into memory at load (its load mode "none", as --no-mmap did), as
+# ik_llama.cpp does with -rtr and as fdx does: with its default mmap, a mixture of experts' weights
+# are first touched (and, out of the page cache, read from disk) inside the timed decode
+READ_AT_LOAD = ("-lm", "none")
+
+
 def llama_bench_command(binary: Path, model: Path, n_prompt: int, threads: int, repeats: int,
-                        ik: bool = False) -> list[str]:
+                        ik: bool = False, mmap: bool = False) -> list[str]:
     """``llama-bench -p N -n 0``: prompt processing of N tokens in one batch, as users quote it
-    (pp512); ik_llama.cpp with run-time repack (-rtr 1)."""
+    (pp512); ik_llama.cpp with run-time repack (-rtr 1, which reads the file at load);
+    llama.cpp reading the file at load unless ``mmap``."""
     cmd = [str(binary), "-m", str(model), "-p", str(n_prompt), "-n", "0", "-t", str(threads),
            "-r", str(repeats), "-o", "json"]
-    return cmd + (["-rtr", "1"] if ik else [])
+    if ik:
+        return cmd + ["-rtr", "1"]
+    return cmd + ([] if mmap else list(READ_AT_LOAD))
 
 
 def run_llama_bench(binary: Path, model: Path, n_prompt: int, threads: int, repeats: int, log_dir: Path,
-                    tag: str, ik: bool = False) -> dict:
+                    tag: str, ik: bool = False, mmap: bool = False) -> dict:
     name = "ik-llama-bench" if ik else "llama-bench"
-    cmd = llama_bench_command(binary, model, n_prompt, threads, repeats, ik)
-    rc, out, err, rss = run_measured(cmd, log_dir / f"{name}-{tag}.log")
+    cmd = llama_bench_command(binary.resolve(), model.resolve(), n_prompt, threads, repeats, ik, mmap)  # run in log_dir
+    rc, out, err, rss, cpu = run_measured(cmd, log_dir / f"{name}-{tag}.log", cwd=log_dir)
     if rc != 0:
         raise PeerError(f"{name} -p {n_prompt} failed with exit code {rc}: {_tail(err)}")
-    return {"prompt_tps": parse_llama_bench_json(out, n_prompt), "peak_rss_mb": rss}
+    return {"prompt_tps": parse_llama_bench_json(out, n_prompt), "peak_rss_mb": rss, "cpu_s": cpu}
 
 
 def batched_bench_command(binary: Path, model: Path, batch: int, input_len: int, output_len: int,
-                          threads: int, ik: bool = False) -> list[str]:
+                          threads: int, ik: bool = False, mmap: bool = False) -> list[str]:
     ctx = max(batch * (input_len + output_len), 256)      # its warm-up decodes 16 tokens in one batch
     cmd = [str(binary), "-m", str(model), "-npp", str(input_len), "-ntg", str(output_len), "-npl", str(batch),
            "-t", str(threads), "-tb", str(threads), "-c", str(ctx)]
-    return cmd + (["-rtr"] if ik else [])
+    if ik:
+        return cmd + ["-rtr"]
+    return cmd + ([] if mmap else list(READ_AT_LOAD))
 
 
 def run_llama_batched(binary: Path, model: Path, batch: int, input_len: int, output_len: int, threads: int,
-                      log_dir: Path, tag: str = "", ik: bool = False) -> dict:
+                      log_dir: Path, tag: str = "", ik: bool = False, mmap: bool = False) -> dict:
     name = "ik-llama-batched-bench" if ik else "llama-batched-bench"
-    cmd = batched_bench_command(binary, model, batch, input_len, output_len, threads, ik)
-    rc, out, err, rss = run_measured(cmd, log_dir / f"{name}-{tag or f'B{batch}'}.log")
+    cmd = batched_bench_command(binary.resolve(), model.resolve(), batch, input_len, output_len, threads, ik, mmap)
+    rc, out, err, rss, cpu = run_measured(cmd, log_dir / f"{name}-{tag or f'B{batch}'}.log", cwd=log_dir)
     if rc != 0:
         raise PeerError(f"{name} (B={batch}) failed with exit code {rc}: {_tail(err)}")
-    return {**llama_figures(parse_batched_bench(out + "\n" + err)[-1]), "peak_rss_mb": rss}
+    return {**llama_figures(parse_batched_bench(out + "\n" + err)[-1]), "peak_rss_mb": rss, "cpu_s": cpu}
 
 
 def llama_figures(row: dict) -> dict:
@@ -630,9 +647,11 @@ def _json_out(stdout: str) -> dict:
 
 def fdx_throughput_command(model: Path, batch: int, input_len: int, output_len: int, threads: int,
                            extra: list[str]) -> list[str]:
+    # a context of the run's length, as llama-batched-bench's -c: at the model's own (8192 at 1.7B) the
+    # default KV cache (a tenth of the memory) cannot hold one float32 sequence, and fdx refuses
     cmd = _fdx_cmd("bench", "throughput", "--model", str(model), "--num-requests", str(batch),
                    "--input-len", str(input_len), "--output-len", str(output_len), "--json", "--quiet",
-                   "--num-threads", str(threads), *extra)
+                   "--num-threads", str(threads), "--max-model-len", str(max(input_len + output_len, 256)), *extra)
     if batch > 64:                              # fdx's default max_num_seqs
         cmd += ["--max-num-seqs", str(batch)]
     return cmd
@@ -641,14 +660,14 @@ def fdx_throughput_command(model: Path, batch: int, input_len: int, output_len: 
 def run_fdx_throughput(model: Path, batch: int, input_len: int, output_len: int, threads: int,
                        log_dir: Path, extra: list[str], tag: str = "") -> dict:
     cmd = fdx_throughput_command(model, batch, input_len, output_len, threads, extra)
-    rc, out, err, rss = run_measured(cmd, log_dir / f"fdx-throughput-{tag or f'B{batch}'}.log")
+    rc, out, err, rss, cpu = run_measured(cmd, log_dir / f"fdx-throughput-{tag or f'B{batch}'}.log")
     if rc != 0:
         raise PeerError(f"fdx bench throughput (B={batch}) failed with exit code {rc}: {_tail(err)}")
     try:
         d = _json_out(out)
     except ValueError as e:
         raise PeerError(f"fdx bench throughput (B={batch}) printed no JSON ({e})") from None
-    return {**fdx_figures(d), "peak_rss_mb": rss}
+    return {**fdx_figures(d), "peak_rss_mb": rss, "cpu_s": cpu}
 
 
 def fdx_figures(d: dict) -> dict:
@@ -674,7 +693,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def batch_row(batch: int, llama: dict, fdx: dict, ik: dict | None = None) -> dict:
     """One table row: each side's prompt, decode and all tok/s and peak resident MB,
     and fdx / llama.cpp (ratio) and fdx / ik_llama.cpp (ratio_ik) ratios."""
-    keys = ("prompt_tps", "decode_tps", "all_tps", "total_s", "all_tps_runs", "peak_rss_mb")
+    keys = ("prompt_tps", "decode_tps", "all_tps", "total_s", "all_tps_runs", "peak_rss_mb", "cpu_s")
     row = {"batch": batch, "llama": {k: llama[k] for k in keys if k in llama},
            "fdx": {k: fdx[k] for k in keys if k in fdx}}
     row["ratio"] = {k: _ratio(fdx[k], llama[k]) for k in ("prompt_tps", "decode_tps", "all_tps")}
@@ -967,6 +986,10 @@ def build_parser(prog: str = "fdx bench peers") -> argparse.ArgumentParser:
                    help=f"an ik_llama.cpp source tree to build (once) and compare with, run with -rtr; never "
                         f"cloned (default: ${IK_ENV}, else none)")
     s.add_argument("--threads", type=int, default=None, help="threads for every engine (default: the cores)")
+    s.add_argument("--llama-mmap", action="store_true",
+                   help="let llama.cpp memory-map the file (its own default) instead of reading it at load as "
+                        "fdx and ik_llama.cpp -rtr do; a mixture of experts then reads experts inside the timed "
+                        "decode (default: off, llama.cpp runs with -lm none)")
     s.add_argument("--repeats", type=int, default=1,
                    help="runs of each side per batch size, alternating, the best all tok/s of each side reported; "
                         "llama-bench's -r (default: %(default)s)")
@@ -1115,7 +1138,7 @@ def _run(args, sizes: list[int], model: Path) -> dict:
         if args.prefill_len:
             n = args.prefill_len
             sides = [("llama.cpp", lambda: run_llama_bench(bins["llama-bench"], path, n, threads, args.repeats,
-                                                           log_dir, f"{kind}-pp{n}")),
+                                                           log_dir, f"{kind}-pp{n}", mmap=args.llama_mmap)),
                      ("fdx", lambda: best_run([run_fdx_throughput(path, 1, n, 1, threads, log_dir, fdx_extra,
                                                                   f"{kind}-pp{n}-{r + 1}")
                                                for r in range(args.repeats)], "prompt_tps"))]
@@ -1135,7 +1158,8 @@ def _run(args, sizes: list[int], model: Path) -> dict:
             for rep in range(args.repeats):
                 tag = f"{kind}-B{b}" + (f"-{rep + 1}" if args.repeats > 1 else "")
                 sides = [("llama.cpp", lambda: run_llama_batched(bins["llama-batched-bench"], path, b, args.input_len,
-                                                                 args.output_len, threads, log_dir, tag)),
+                                                                 args.output_len, threads, log_dir, tag,
+                                                                 mmap=args.llama_mmap)),
                          ("fdx", lambda: run_fdx_throughput(path, b, args.input_len, args.output_len, threads,
                                                             log_dir, fdx_extra, tag))]
                 if ik_bins:
@@ -1163,7 +1187,8 @@ def _serve(args, bins: dict, f32: Path, threads: int, log_dir: Path, extra: list
     results = {}
     port = free_port()
     llama_cmd = [str(bins["llama-server"]), "-m", str(f32), "--host", "127.0.0.1", "--port", str(port),
-                 "-np", str(c), "-c", str(ctx), "-t", str(threads), "-tb", str(threads)]
+                 "-np", str(c), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
+                 *(() if args.llama_mmap else READ_AT_LOAD)]
     _say(f"serving: llama-server -np {c} on port {port}")
     with ManagedServer("llama-server", llama_cmd, port, log_dir / "llama-server.log") as srv:
         srv.wait_ready(args.ready_timeout)
