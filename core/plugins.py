@@ -479,8 +479,8 @@ def make_plugin(context: BuildContext, key: str, settings: Any = _UNSET, cls: An
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
-        if kind in LOADING_KINDS:                          # the checkpoint's error, worded by the loader
-            raise
         if str(e).startswith("config key "):               # it named the key itself
             raise ConfigError(str(e)) from None
+        if kind in LOADING_KINDS:                          # the checkpoint's error, worded by the loader
+            raise
         raise ConfigError(f"config key 'plugins.{kind}.{name}': {e}") from None
