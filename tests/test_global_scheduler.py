@@ -450,10 +450,10 @@ def hold_queued(srv: ServerProcess, r: redis.Redis, prefix: str, seconds: float)
     machine's speed (the instance itself, its heartbeat, keeps running)."""
     occupier = long_request(srv.base_url)
     wait_for(lambda: r.llen(f"{prefix}:processing:{srv.instance_id}") == 1, "the long request to start")
-    queued = submit(ask, srv.base_url, 3)
-    wait_for(lambda: r.llen(f"{prefix}:queue") == 1, "the second request to be queued")
-    os.kill(srv.engine_pid(), signal.SIGSTOP)
-    try:
+    os.kill(srv.engine_pid(), signal.SIGSTOP)   # before the short one is sent: a fast machine (or a
+    try:                                        # slow wait here) finished the long one first and ran it
+        queued = submit(ask, srv.base_url, 3)
+        wait_for(lambda: r.llen(f"{prefix}:queue") == 1, "the second request to be queued")
         time.sleep(seconds)
     finally:
         os.kill(srv.engine_pid(), signal.SIGCONT)
