@@ -62,7 +62,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
-            _CSRC / "quant_kernels.inc", _CSRC / "avx2_tiles.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc",
+            _CSRC / "quant_kernels.inc", _CSRC / "avx2_tiles.inc", _CSRC / "panel_gemm.inc", _CSRC / "f32_kernels.h",
+            _CSRC / "f32_kernels.inc",
             _CSRC / "decoder_layer.h",
             _CSRC / "invariant_attention.h", _CSRC / "kv8_kernels.h", _CSRC / "kv8_ops.inc",
             # fdx_moe_experts (fdx.ops.moe drives it) and fdx_parts_matmul (fdx.ops.parts)
@@ -452,6 +453,12 @@ QUANT_BLAS_MIN_ROWS = 128
 QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
     "q8_0": None, "q4_0": None, "wint8": None, "wint4": None, "q4_k": None, "q5_k": None, "q6_k": None,
     "q2_k": None, "q3_k": None, "q4_1": None, "q5_1": None, "q5_0": 512}
+# From this many activation rows, on a CPU with AVX-512 VNNI, the integer products are the
+# panel product (csrc/panel_gemm.inc, = kPanelMinRows there; not under
+# backend.batch_invariant): per 16 weight rows decoded once a call into an L2-resident
+# panel of unsigned bytes, one vpdpbusd microkernel over all the activation rows.
+QUANT_PANEL_MIN_ROWS_VNNI = {k: 16 for k in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "wint8", "wint4",
+                                             "q4_k", "q5_k", "q6_k")}
 
 
 # The AVX2 build (an AVX2-only CPU, e.g. Zen 1-3): q8_0, q4_0, q4_1, q5_0, q5_1, wint8 and
@@ -539,6 +546,8 @@ _QUANT_KIND_CODE = {kind: code for code, kind in enumerate(QUANT_KINDS)}
 _CODE_INTERLEAVED, _CODE_INVARIANT = 1 << 8, 1 << 9       # = kCodeInterleaved, kCodeInvariant (quant_kernels.h)
 _CODE_ROW_TILES = 1 << 10       # = kCodeRowTiles: benchmarks only (bench_kernels --prefill/--decode): main's
 #                                 q4_0 tiles, the k-quants' 256-bit path
+_CODE_NO_PANEL = 1 << 11        # = kCodeNoPanel: benchmarks, tests: the integer kernels without the panel product
+_CODE_PANEL = 1 << 12           # = kCodePanel: tests, benchmarks: the panel product at every row count
 
 
 def quant_code(w, invariant: bool = False) -> int:
