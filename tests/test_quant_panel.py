@@ -55,7 +55,7 @@ def test_the_panel_matches_float64_and_runs_from_its_threshold(kind, interleave)
     for rows, cols in ((36, 256), (72, 2048)):        # 36, 72: a last panel of 4 / 8 rows
         w = weight(kind, rows, cols, interleave, rng)
         values = w.dequantize().astype(np.float64)
-        for m in (1, 16, 17, 33, 64, 512):
+        for m in sorted({1, 16, 17, 33, 64, 512, threshold - 1, threshold}):
             x = rng.standard_normal((m, cols)).astype(np.float32)
             want = int8_blocks(x, blk).astype(np.float64) @ values.T
             scale = np.abs(want).max()
@@ -69,6 +69,8 @@ def test_the_panel_matches_float64_and_runs_from_its_threshold(kind, interleave)
                 old = product(w, x, CODE_NO_PANEL)
                 assert np.abs(old - want).max() <= 1e-4 * scale, what
                 assert not np.array_equal(old, got), what                     # and it is not the old path
+            elif m == threshold - 1:                     # = kPanelMinRows (panel_gemm.inc): below, the old path
+                np.testing.assert_array_equal(got, product(w, x, CODE_NO_PANEL), err_msg=what)
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k", "q6_k", "q4_1", "wint8"])
