@@ -457,14 +457,16 @@ QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
 # panel product (csrc/panel_gemm.inc, = kPanelMinRows there; not under
 # backend.batch_invariant): per 16 weight rows decoded once a call into an L2-resident
 # panel of unsigned bytes, one vpdpbusd microkernel over all the activation rows.
-# Measured on the Zen 5, 1 thread, CPU time, load 7, 2048x2048 and 8192x2048, the panel at
+# Measured on the Zen 5, 1 thread, CPU time, load 9, 2048x2048 and 8192x2048, the panel at
 # every row count against the kernels below it (python -m fdx.plugins.backends.bench_kernels
-# --prefill KINDS --rows 8,16,24,32,48,512 --iters 3-5 --threads 1 --cpu-time --force-panel):
-# level at 16-24 rows for q5_0, q8_0, q5_1, wint4, q4_k, q5_k, at 32 for q4_0, wint8, q6_k
-# and about 40 for q4_1 (the kernels below it already take 4-8 weight rows a vpdpbusd);
-# at 512 rows 1.9-3.6x them (docs/backends.md, "The panel product").
-QUANT_PANEL_MIN_ROWS_VNNI = {"q5_0": 16, "q8_0": 24, "q5_1": 24, "wint4": 24, "q4_k": 24, "q5_k": 24,
-                             "q4_0": 32, "wint8": 32, "q6_k": 32, "q4_1": 40}
+# --prefill KINDS --rows 8,16,24,32 --iters 5 --threads 1 --cpu-time --force-panel): level
+# or ahead from 8-12 rows for wint8 (1.03-1.09x at 8), 16 for q8_0 (0.95-1.38x) and q4_k
+# (1.01x), 24 for q6_k (1.09-1.22x) and q5_k (1.09-1.27x), 32 for q4_0 (1.05-1.19x; 0.83-1.04x at
+# 24) and q4_1 (1.01-1.30x), whose kernels below take 4 weight rows a vpdpbusd already;
+# q5_0, q5_1, wint4 from the first build's figures (before the transposed decode: level at
+# 16-24). At 512 rows 1.9-3.6x them (docs/backends.md, "The panel product").
+QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q5_1": 24, "wint4": 24, "q5_k": 24,
+                             "q6_k": 24, "q4_0": 32, "q4_1": 32}
 
 
 # The AVX2 build (an AVX2-only CPU, e.g. Zen 1-3): q8_0, q4_0, q4_1, q5_0, q5_1, wint8 and
