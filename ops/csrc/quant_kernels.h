@@ -25,6 +25,8 @@
 // Weights repacked at load (kInterleave rows' blocks side by side) take tiles of 4 weight rows
 // from one stream (q4_0 and wint4 only where the probe measured that layout faster on this
 // machine: fdx.ops.quant.PROBED_REPACK_KINDS).
+// From kPanelMinRows (12-32) activation rows every kind but q2_k/q3_k takes the panel
+// product instead where the CPU has AVX-512 VNNI (panel_gemm.inc; not under kCodeInvariant).
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
 // Three builds of the same source (quant_kernels.inc, included once per
