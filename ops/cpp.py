@@ -55,7 +55,7 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
-           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS"]
+           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "read_bandwidth"]
 
 logger = logging.getLogger(__name__)
 
@@ -746,6 +746,27 @@ def _stack_binding() -> _Stack:
             raise RuntimeError("fdx compiled CPU ops: the extension's shared library was not found")
         _stack = _Stack(ctypes.CDLL(str(_library)))
     return _stack
+
+
+def read_bandwidth(threads: int, mib: int = 128, rounds: int = 3) -> float | None:
+    """GB/s at which ``threads`` of the products' OpenMP threads read ``mib`` MiB
+    together (best of ``rounds``; csrc/fdx_ops.cc fdx_read_bandwidth), or None
+    without the compiled kernels. Batch-1 decode reads every weight once a
+    token, so its speed follows this rate, which on a VM can change from one
+    minute to the next (docs/backends.md, "Batch-1 decode and memory
+    bandwidth"): benchmarks record it beside their figures. The buffer
+    (four times the Zen 5's L3: 128 MiB) lives only for the call."""
+    if not available():
+        return None
+    _module_or_raise()
+    if _library is None:
+        return None
+    fn = ctypes.CDLL(str(_library)).fdx_read_bandwidth
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_double
+    import numpy as np
+    buf = np.ones(mib << 20, dtype=np.uint8)           # written: every page resident before the timing
+    return float(fn(buf.ctypes.data, buf.nbytes, threads, rounds))
 
 
 def _part_info(w, variant: str) -> list[int]:
