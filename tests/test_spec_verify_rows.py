@@ -2,8 +2,9 @@
 
 A speculated step scores k + 1 rows; the embedded model's LM head is q8_0. With
 AVX-512 VNNI, q8_0 and wint8 take TileM1VnniQ8 at 2-11 rows (ops/csrc/
-quant_kernels.inc), four weight rows a 512-bit register; 1 row stays on the 256-bit
-row tiles (kCodeRowTiles: the path before), faster there. Checked here by calling the
+quant_kernels.inc), four weight rows a 512-bit register, and interleaved q8_0 (the
+LM head) at 1 row too; 1 row of the others stays on the 256-bit row tiles
+(kCodeRowTiles: the path before), faster there. Checked here by calling the
 compiled product directly: against a float64 numpy product of the blocks dequantized
 by the ``gguf`` package (wint8: numpy), with the activations quantized as the kernels
 do (1e-4 of the largest output); which path ran (the row tiles' bits at 1 row, not at
@@ -51,7 +52,7 @@ def test_few_row_products_against_numpy_alone_and_not_the_row_tiles(kind):
             what = f"{kind} {rows} rows (interleaved {w.interleaved}) M={m}"
             assert g.shape == (m, rows) and np.abs(g - want[:m]).max() <= 1e-4 * scale, what
             row_tiles = product(x[:m], cpp._CODE_ROW_TILES)
-            if m == 1 or not cpp._has_vnni():
+            if m == 1 and not (kind == "q8_0" and w.interleaved) or not cpp._has_vnni():
                 assert np.array_equal(g, row_tiles), what + ": not the row tiles"
             else:
                 assert not np.array_equal(g, row_tiles), what + ": the row tiles ran"
@@ -60,3 +61,33 @@ def test_few_row_products_against_numpy_alone_and_not_the_row_tiles(kind):
             assert np.array_equal(product(x[lo:lo + 2]), got[11][lo:lo + 2]), f"{kind} rows {lo}..: not their bits"
         invariant = product(x[:5], cpp._CODE_INVARIANT)      # backend.batch_invariant: the row tiles, as before
         assert np.array_equal(invariant, product(x[:5], cpp._CODE_ROW_TILES)), kind
+
+
+@pytest.mark.parametrize("kind", ("q4_1", "q5_1", "q4_0"))
+def test_m1vnni_takes_up_to_11_rows_in_one_tile_with_each_rows_bits(kind):
+    """TileM1Vnni (q4_1, q5_1, q4_0: the embedded model's layers) takes a verification
+    step's 9-11 rows in one tile (before: a tile of 8 and one of the rest). Its
+    promise holds there too: against numpy, and every row alone equals the same row
+    inside every row count 1-11 (backend.batch_invariant runs the same tile)."""
+    import paddle
+    finding = cpu_kernel_table().findings.get(cpp.quant_kernel_name(kind, "avx512"), "not probed")
+    if finding is not None:
+        pytest.skip(f"{kind} avx512 does not run here: {finding}")
+    module = cpp._module_or_raise()
+    rng = np.random.default_rng(zlib.crc32(f"{kind}/verify-rows-m1".encode()))
+    cols = 352
+    x = rng.standard_normal((max(FEW_ROWS), cols)).astype(np.float32)
+    xq = int8_blocks(x, act_block(kind)).astype(np.float64)
+    for rows in (36, 38):
+        w = random_quantized(kind, rows, cols, rng).prepare(True if kind in quant.PROBED_REPACK_KINDS else None)
+        data, scales = w.tensors()
+
+        def product(xs):
+            return module.fdx_quant_matmul(paddle.to_tensor(xs), data, scales, cpp.quant_code(w),
+                                           cpp._VARIANT_CODE["avx512"], rows, cols, w.group_size).numpy()
+
+        want = xq @ w.dequantize().astype(np.float64).T
+        alone = np.concatenate([product(x[i:i + 1]) for i in range(max(FEW_ROWS))])
+        assert np.abs(alone - want).max() <= 1e-4 * np.abs(want).max(), f"{kind} {rows} rows"
+        for m in FEW_ROWS:
+            assert np.array_equal(product(x[:m]), alone[:m]), f"{kind} {rows} rows M={m}: a row differs from alone"
