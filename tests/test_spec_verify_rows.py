@@ -1,15 +1,14 @@
 """The few-row products a verification step runs: q8_0 and wint8 at 1-11 rows.
 
 A speculated step scores k + 1 rows; the embedded model's LM head is q8_0. With
-AVX-512 VNNI, q8_0 and wint8 take TileM1VnniQ8 at 2-11 rows (ops/csrc/
-quant_kernels.inc), four weight rows a 512-bit register, and interleaved q8_0 (the
-LM head) at 1 row too; 1 row of the others stays on the 256-bit row tiles
-(kCodeRowTiles: the path before), faster there. Checked here by calling the
-compiled product directly: against a float64 numpy product of the blocks dequantized
-by the ``gguf`` package (wint8: numpy), with the activations quantized as the kernels
-do (1e-4 of the largest output); which path ran (the row tiles' bits at 1 row, not at
-2-11); bitwise, a row's output at 2-11 rows does not depend on M or on the rows beside
-it. Under backend.batch_invariant the row tiles still run.
+AVX-512 VNNI, q8_0 and wint8 take TileM1VnniQ8 at 1-11 rows (ops/csrc/
+quant_kernels.inc), four weight rows a 512-bit register, not the 256-bit row tiles
+(kCodeRowTiles: the path before). Checked here by calling the compiled product
+directly: against a float64 numpy product of the blocks dequantized by the ``gguf``
+package (wint8: numpy), with the activations quantized as the kernels do (1e-4 of
+the largest output); which path ran (not the row tiles' bits); bitwise, a row's
+output does not depend on M or on the rows beside it (so a verified row is the
+plain step's row). Under backend.batch_invariant the row tiles still run.
 """
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ def test_few_row_products_against_numpy_alone_and_not_the_row_tiles(kind):
             what = f"{kind} {rows} rows (interleaved {w.interleaved}) M={m}"
             assert g.shape == (m, rows) and np.abs(g - want[:m]).max() <= 1e-4 * scale, what
             row_tiles = product(x[:m], cpp._CODE_ROW_TILES)
-            if m == 1 and not (kind == "q8_0" and w.interleaved) or not cpp._has_vnni():
+            if not cpp._has_vnni():
                 assert np.array_equal(g, row_tiles), what + ": not the row tiles"
             else:
                 assert not np.array_equal(g, row_tiles), what + ": the row tiles ran"
