@@ -109,10 +109,33 @@ struct LayerArgs {
 struct LayerScratch {
   std::vector<float> h, qkv, q, attn, o, gate_up, act, part, kbuf, vbuf;  // kbuf, vbuf: an int8 cache's rows
   std::vector<int64_t> ident;
+
+  size_t Bytes() const {
+    size_t n = ident.capacity() * sizeof(int64_t);
+    for (const std::vector<float>* v : {&h, &qkv, &q, &attn, &o, &gate_up, &act, &part, &kbuf, &vbuf})
+      n += v->capacity() * sizeof(float);
+    return n;
+  }
 };
 
+// The calling thread's scratch, kept across calls: no allocation per call once grown.
+inline LayerScratch& ThreadLayerScratch() {
+  thread_local LayerScratch s;
+  return s;
+}
+
+// Scratch above this is handed back after a call's layers (ReleaseLargeScratch): a
+// prefill's activations (512 tokens of a 1.7B shape, hidden 2048 and intermediate 8192:
+// 76 MB) are not held resident through the decode steps after it, which need a few MB.
+constexpr size_t kKeepScratchBytes = size_t{16} << 20;
+
+inline void ReleaseLargeScratch() {
+  LayerScratch& s = ThreadLayerScratch();
+  if (s.Bytes() > kKeepScratchBytes) s = LayerScratch{};
+}
+
 inline void DecoderLayer(LayerArgs a, int64_t N) {
-  thread_local LayerScratch s;  // kept across calls: no allocation per call once grown
+  LayerScratch& s = ThreadLayerScratch();
   const int64_t H = a.rope.num_heads, KVH = a.rope.num_kv_heads, D = a.rope.head_dim;
   s.h.resize(N * a.hidden);
   s.qkv.resize(N * (H + 2 * KVH) * D);
