@@ -513,3 +513,37 @@ def test_the_port_composes_a_step_whose_products_would_be_dequantized(monkeypatc
         monkeypatch.setattr(layer_port._PORT, "_stack", None)
         assert layer_port.decoder_stack(paddle.to_tensor(x), fused, kv(), ctx) is not None
         assert layer_port.decoder_layer(paddle.to_tensor(x), None, fused[0], kv()[0], ctx) is not None
+
+
+def test_a_long_step_under_batch_invariance_gives_each_sequence_its_solo_bits():
+    """backend.batch_invariant: the 156-row step in the compiled stack (the port takes it at
+    any row count there: no kind is dequantized) gives each sequence's rows and cache slots
+    the bits of that sequence run alone in its own step."""
+    import dataclasses
+
+    import paddle
+    from fdx.core.interfaces import AttentionContext
+    from fdx.ops import attention, layer_port
+    from fdx.plugins.backends.attention import CpuAttention
+    layers, cfg, x, ctx, kv = long_step("mixed", 13)
+    fused = [layer.fused for layer in layers]
+    slots = kv()[0][0].shape[0] // cfg.num_kv_heads
+    with kernels.using(dataclasses.replace(cpu_kernel_table(), batch_invariant=True)):
+        batched_kv = kv()
+        got = layer_port.decoder_stack(paddle.to_tensor(x), fused, batched_kv, ctx)
+        assert got is not None
+        start = 0
+        for ql, cl, table in zip(LONG_QUERY_LENS, LONG_CONTEXT_LENS, LONG_TABLES):
+            solo_kv = kv()
+            meta = attention.build_attention_metadata([ql], [cl], [table], LONG_BLOCK, cfg.num_kv_heads, slots,
+                                                      impl="cpp")
+            solo = layer_port.decoder_stack(paddle.to_tensor(x[start:start + ql]), fused, solo_kv,
+                                            AttentionContext(CpuAttention(), meta))
+            for g, s in zip(got, solo):
+                np.testing.assert_array_equal(g.numpy()[start:start + ql], s.numpy())
+            rows = np.array([(h * slots + table[p // LONG_BLOCK] * LONG_BLOCK + p % LONG_BLOCK)
+                             for h in range(cfg.num_kv_heads) for p in range(cl, cl + ql)])
+            for (bk, bv), (sk, sv) in zip(batched_kv, solo_kv):
+                np.testing.assert_array_equal(bk.numpy()[rows], sk.numpy()[rows])
+                np.testing.assert_array_equal(bv.numpy()[rows], sv.numpy()[rows])
+            start += ql
