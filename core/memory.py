@@ -78,6 +78,24 @@ def host_zeros(shape, dtype: str = "float32"):
 # against the seconds such a step computes. Below it (decode, short prompts) nothing runs.
 TRIM_AFTER_TOKENS = 256
 
+# A decoder layer's MLP runs a long step's rows in chunks (fdx.plugins.models.layers.FeedForward):
+# its gate/up product and SiLU output, [rows, 3 x intermediate] float32, are a step's largest
+# activations (48 MiB at 512 rows of the 1.7B shape, SmolLM2-1.7B: intermediate 8192), and
+# glibc's heap kept the holes they left between the layers' other buffers. A step of n rows
+# runs in n // mlp_chunk_rows equal chunks (one below twice that): about MLP_CHUNK_BYTES of
+# gate/up each, never fewer than MLP_CHUNK_MIN_ROWS rows (= fdx.ops.cpp.QUANT_BLAS_MIN_ROWS:
+# a chunk's products take the many-row kernels the whole step's took, but where a kind turns
+# to dequantize + BLAS above that: q5_0 from 512 rows on AVX-512 VNNI). A 512-token step of
+# the 1.7B shape peaked 57 MiB lower (docs/benchmarks.md, "Resident memory") at the same CPU
+# time; the embedded model's (intermediate 1536) is one chunk below 1364 rows.
+MLP_CHUNK_BYTES = 8 << 20
+MLP_CHUNK_MIN_ROWS = 128
+
+
+def mlp_chunk_rows(intermediate: int) -> int:
+    """The rows of one MLP chunk for an intermediate size (module note above)."""
+    return max(MLP_CHUNK_MIN_ROWS, MLP_CHUNK_BYTES // (2 * intermediate * 4))
+
 
 def release_step_heap(num_tokens: int) -> bool:
     """After a step of ``num_tokens`` tokens: from TRIM_AFTER_TOKENS, hand the

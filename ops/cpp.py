@@ -55,14 +55,15 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
-           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS"]
+           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "read_bandwidth"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
-            _CSRC / "quant_kernels.inc", _CSRC / "avx2_tiles.inc", _CSRC / "f32_kernels.h", _CSRC / "f32_kernels.inc",
+            _CSRC / "quant_kernels.inc", _CSRC / "avx2_tiles.inc", _CSRC / "panel_gemm.inc", _CSRC / "f32_kernels.h",
+            _CSRC / "f32_kernels.inc",
             _CSRC / "decoder_layer.h",
             _CSRC / "invariant_attention.h", _CSRC / "kv8_kernels.h", _CSRC / "kv8_ops.inc",
             # fdx_moe_experts (fdx.ops.moe drives it) and fdx_parts_matmul (fdx.ops.parts)
@@ -452,6 +453,20 @@ QUANT_BLAS_MIN_ROWS = 128
 QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
     "q8_0": None, "q4_0": None, "wint8": None, "wint4": None, "q4_k": None, "q5_k": None, "q6_k": None,
     "q2_k": None, "q3_k": None, "q4_1": None, "q5_1": None, "q5_0": 512}
+# From this many activation rows, on a CPU with AVX-512 VNNI, the integer products are the
+# panel product (csrc/panel_gemm.inc, = kPanelMinRows there; not under
+# backend.batch_invariant): per 16 weight rows decoded once a call into an L2-resident
+# panel of unsigned bytes, one vpdpbusd microkernel over all the activation rows.
+# Measured on the Zen 5, 1 thread, CPU time, load 9, 2048x2048 and 8192x2048, the panel at
+# every row count against the kernels below it (python -m fdx.plugins.backends.bench_kernels
+# --prefill KINDS --rows 8,16,24,32 --iters 5 --threads 1 --cpu-time --force-panel): level
+# or ahead from 8-12 rows for wint8 (1.03-1.09x at 8), 16 for q8_0 (0.95-1.38x) and q4_k
+# (1.01x), 24 for q6_k (1.09-1.22x) and q5_k (1.09-1.27x), 32 for q4_0 (1.05-1.19x; 0.83-1.04x at
+# 24) and q4_1 (1.01-1.30x), whose kernels below take 4 weight rows a vpdpbusd already;
+# q5_0, q5_1, wint4 from the first build's figures (before the transposed decode: level at
+# 16-24). At 512 rows 1.9-3.6x them (docs/backends.md, "The panel product").
+QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q5_1": 24, "wint4": 24, "q5_k": 24,
+                             "q6_k": 24, "q4_0": 32, "q4_1": 32}
 
 
 # The AVX2 build (an AVX2-only CPU, e.g. Zen 1-3): q8_0, q4_0, q4_1, q5_0, q5_1, wint8 and
@@ -539,6 +554,8 @@ _QUANT_KIND_CODE = {kind: code for code, kind in enumerate(QUANT_KINDS)}
 _CODE_INTERLEAVED, _CODE_INVARIANT = 1 << 8, 1 << 9       # = kCodeInterleaved, kCodeInvariant (quant_kernels.h)
 _CODE_ROW_TILES = 1 << 10       # = kCodeRowTiles: benchmarks only (bench_kernels --prefill/--decode): main's
 #                                 q4_0 tiles, the k-quants' 256-bit path
+_CODE_NO_PANEL = 1 << 11        # = kCodeNoPanel: benchmarks, tests: the integer kernels without the panel product
+_CODE_PANEL = 1 << 12           # = kCodePanel: tests, benchmarks: the panel product at every row count
 
 
 def quant_code(w, invariant: bool = False) -> int:
@@ -729,6 +746,27 @@ def _stack_binding() -> _Stack:
             raise RuntimeError("fdx compiled CPU ops: the extension's shared library was not found")
         _stack = _Stack(ctypes.CDLL(str(_library)))
     return _stack
+
+
+def read_bandwidth(threads: int, mib: int = 128, rounds: int = 3) -> float | None:
+    """GB/s at which ``threads`` of the products' OpenMP threads read ``mib`` MiB
+    together (best of ``rounds``; csrc/fdx_ops.cc fdx_read_bandwidth), or None
+    without the compiled kernels. Batch-1 decode reads every weight once a
+    token, so its speed follows this rate, which on a VM can change from one
+    minute to the next (docs/backends.md, "Batch-1 decode and memory
+    bandwidth"): benchmarks record it beside their figures. The buffer
+    (four times the Zen 5's L3: 128 MiB) lives only for the call."""
+    if not available():
+        return None
+    _module_or_raise()
+    if _library is None:
+        return None
+    fn = ctypes.CDLL(str(_library)).fdx_read_bandwidth
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_double
+    import numpy as np
+    buf = np.ones(mib << 20, dtype=np.uint8)           # written: every page resident before the timing
+    return float(fn(buf.ctypes.data, buf.nbytes, threads, rounds))
 
 
 def _part_info(w, variant: str) -> list[int]:

@@ -134,3 +134,58 @@ def test_loaded_model_holds_its_file_not_its_kv_reservation():
     # after a 512-token prefill and 8 decode steps: the KV pages those wrote, not the prefill's freed
     # activations (release_step_heap; 24 MiB of them stayed resident before, 2 MiB now)
     assert m["after"] - m["loaded"] <= m["kv_written"] + AFTER_PREFILL, (m["after"] - m["loaded"]) / MiB
+
+
+# A 4096-token prefill of the embedded model (intermediate 1536: gate/up and SiLU output
+# 72 MiB float32 at 4096 rows), in one step; "unchunked" runs it with the MLP in one piece
+# (fdx.core.memory.MLP_CHUNK_BYTES past any step), as before the chunks.
+LONG_STEP_CHILD = r"""
+import json, os, sys
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+import fdx
+import paddle
+from fdx import LLM, SamplingParams
+import fdx.core.memory as memory
+if sys.argv[1] == "unchunked":
+    memory.MLP_CHUNK_BYTES = 1 << 50
+n = 4096
+llm = LLM(None, max_model_len=n + 64, max_num_batched_tokens=n, progress=False)
+llm.generate([{"prompt_token_ids": list(range(100, 164))}], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+before = rss()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")                                # the high-water mark from here
+out = llm.generate([{"prompt_token_ids": [100 + 7 * i % 40000 for i in range(n)]}],
+                   SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+spec = llm.engine.kv_spec
+print(json.dumps({"peak": hwm() - before, "kv_written": -(-(n + 8) // spec.block_size) * spec.bytes_per_block,
+                  "tokens": list(out[0].outputs[0].token_ids)}))
+"""
+# Above the KV pages the step writes (180 MiB float32): measured 117-125 MiB with the MLP in
+# chunks, 167-230 MiB in one piece (2-core Zen 5, loaded).
+LONG_STEP_TRANSIENT = 150 * MiB
+
+
+def _long_step(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", LONG_STEP_CHILD, mode], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "FDX_LOG_LEVEL": "warning"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_long_steps_mlp_runs_in_row_chunks_same_tokens_lower_peak():
+    """The MLP of a 4096-token step in row chunks (fdx.core.memory.mlp_chunk_rows: 6 of 683
+    here): the step's high-water mark over the KV it writes stays under a bound the MLP in
+    one piece crosses, and the greedy tokens are the one piece's (each row's products are
+    its own)."""
+    from fdx.core.memory import mlp_chunk_rows
+    assert 4096 // mlp_chunk_rows(1536) == 6
+    chunked = _long_step("chunked")
+    assert chunked["peak"] - chunked["kv_written"] <= LONG_STEP_TRANSIENT, (
+        f"{(chunked['peak'] - chunked['kv_written']) / MiB:.0f} MiB above the KV written")
+    assert chunked["tokens"] == _long_step("unchunked")["tokens"]

@@ -76,6 +76,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     steps = []
     computed0, recomputed0 = eng.num_computed_tokens, eng.num_recomputed_tokens
     profiler = StepProfiler(min(num_requests, eng.config.scheduler.max_num_seqs)) if profile else None
+    read_before = memory_read_rate(eng)
     t0, cpu0 = time.perf_counter(), time.process_time()
     # the decode-only steps' process CPU time and output tokens (prefill is not speculated)
     decode_cpu, decode_out = 0.0, 0
@@ -90,6 +91,7 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
             decode_cpu += time.process_time() - c
             decode_out += sum(r.num_output_tokens for r in reqs) - n
     total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    read_after = memory_read_rate(eng)
     eng.scheduling.speculation = spec
     prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
     decode_steps = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
@@ -112,6 +114,9 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
         "overall_tokens_per_s": (prompt_tokens + out_tokens) / total,
         "output_tokens_per_s": out_tokens / total,
         "preemptions": sum(s.num_preempted for s in steps),
+        # the product threads' memory read rate (GB/s) just before and after the run, or None:
+        # batch-1 decode follows it, and on a VM it can change between runs (docs/backends.md)
+        "memory_read_gbps": [read_before, read_after] if read_before and read_after else None,
         "preemption_policy": eng.config.scheduler.preemption,
         # recomputed tokens / all computed tokens in this run: what preemption cost
         "recompute_tax": ((eng.num_recomputed_tokens - recomputed0) / (eng.num_computed_tokens - computed0)
@@ -149,6 +154,17 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     return result
 
 
+def memory_read_rate(eng) -> float | None:
+    """GB/s at which the CPU backend's threads read memory together now
+    (fdx.ops.cpp.read_bandwidth), None on another backend or without the
+    compiled kernels."""
+    threads = getattr(eng.backend, "num_threads", None)
+    if not threads:
+        return None
+    from fdx.ops import cpp
+    return cpp.read_bandwidth(threads) if cpp.loaded() else None
+
+
 def format_throughput(r: dict) -> str:
     lines = [
         f"fdx bench throughput: {r['num_requests']} requests x ({r['input_len']} prompt + {r['output_len']} output) tokens"
@@ -164,6 +180,10 @@ def format_throughput(r: dict) -> str:
         f"  preemptions      {r['preemptions']} (victims: {r['preemption_policy']}), "
         f"recompute tax {100 * r['recompute_tax']:.1f}% of computed tokens",
     ]
+    if r.get("memory_read_gbps"):
+        before, after = r["memory_read_gbps"]
+        lines.append(f"  memory read      {before:.1f} GB/s before, {after:.1f} after (the backend's threads "
+                     "together: batch-1 decode follows it)")
     if r.get("expert_load"):
         el = r["expert_load"]
         lines.append(f"  expert load      busiest expert {el['max_over_mean']:.2f}x the mean (layer average "

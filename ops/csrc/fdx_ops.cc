@@ -20,7 +20,11 @@
 // fdx_decoder_stack (a plain C function, called through ctypes: the model-level kernel
 //   port, ops/cpp.py decoder_stack and decoder_layer): decoder layers of a step in one call,
 //   a whole Llama-family layer each by the kernels above (decoder_layer.h).
+// fdx_read_bandwidth (plain C, ctypes: ops/cpp.py read_bandwidth): the threads' memory read
+//   rate, which batch-1 decode follows.
 // All inputs are contiguous float32 / int32 / int64 CPU tensors.
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdio>
 #include <string>
@@ -645,6 +649,47 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
 }
 
 }  // extern "C"
+
+// --- the memory read rate of the product threads (fdx.ops.cpp.read_bandwidth) --------------
+// Batch-1 decode streams every weight once a token, so its speed follows the rate at which
+// the cores can read memory together, which on a VM can change while the guest runs (on
+// the 2-vCPU Zen 5 of docs/backends.md "Batch-1 decode and memory bandwidth": 2 threads
+// read at about 85 or about 52 GB/s, flipping every few seconds to minutes; 1 thread at
+// 40-45 either way). Benchmarks record it beside their figures. `buf` [bytes] is summed by
+// `threads` OpenMP threads (the pool the products use), each over its part, `rounds`
+// times; the best round's GB/s (a round's wall time covers the slowest thread).
+// The sum of n words (a multiple of 8); cloned per instruction set where GCC can (a
+// baseline build's 16-byte loads read at about 35 GB/s a thread on the Zen 5, 512-bit at 43).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static uint64_t SumWords(const uint64_t* p, int64_t n) {
+  uint64_t a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < n; i += 8)
+    for (int k = 0; k < 8; ++k) a[k] += p[i + k];
+  return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
+}
+
+extern "C" double fdx_read_bandwidth(const void* buf, int64_t bytes, int threads, int rounds) {
+  const uint64_t* p = static_cast<const uint64_t*>(buf);
+  const int64_t n = bytes / 8 / 32 * 32;  // whole groups of 32 words
+  double best = 0.0;
+  volatile uint64_t sink = 0;
+  for (int r = 0; r < rounds; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t begin = n / 32 * t / nt * 32, end = n / 32 * (t + 1) / nt * 32;
+      total += SumWords(p + begin, end - begin);
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    sink = sink + total;
+    if (secs > 0) best = std::max(best, static_cast<double>(n * 8) / secs / 1e9);
+  }
+  return best;
+}
 
 
 // --- mixture-of-experts: a layer's routed experts in one call (moe_kernels.h) ---------------

@@ -25,6 +25,8 @@
 // Weights repacked at load (kInterleave rows' blocks side by side) take tiles of 4 weight rows
 // from one stream (q4_0 and wint4 only where the probe measured that layout faster on this
 // machine: fdx.ops.quant.PROBED_REPACK_KINDS).
+// From kPanelMinRows (12-32) activation rows every kind but q2_k/q3_k takes the panel
+// product instead where the CPU has AVX-512 VNNI (panel_gemm.inc; not under kCodeInvariant).
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
 // Three builds of the same source (quant_kernels.inc, included once per
@@ -79,6 +81,8 @@ constexpr int64_t kCodeInterleaved = 1 << 8;  // the rows are interleaved by kIn
 constexpr int64_t kCodeInvariant = 1 << 9;    // backend.batch_invariant: one path at every row count
 constexpr int64_t kCodeRowTiles = 1 << 10;    // benchmarks only: main's kernels (q4_0 without the VNNI
                                               // many-row tiles, the k-quants without VNNI)
+constexpr int64_t kCodeNoPanel = 1 << 11;     // benchmarks, tests: no panel product (panel_gemm.inc)
+constexpr int64_t kCodePanel = 1 << 12;       // tests, benchmarks: the panel product at every row count
 
 struct Weights {
   const uint8_t* data;  // [rows, row_bytes]
@@ -88,6 +92,8 @@ struct Weights {
   bool interleaved = false;  // kCodeInterleaved
   bool invariant = false;    // kCodeInvariant
   bool row_tiles = false;    // kCodeRowTiles
+  bool no_panel = false;     // kCodeNoPanel
+  bool panel = false;        // kCodePanel
 
   // Where row r's blocks start, and the distance from one of its blocks to the next.
   const uint8_t* Row(int64_t r) const {
@@ -108,6 +114,8 @@ inline Weights MakeWeights(const uint8_t* data, const float* scales, int64_t row
   w.interleaved = (code & kCodeInterleaved) != 0 && rows % kInterleave == 0;
   w.invariant = (code & kCodeInvariant) != 0;
   w.row_tiles = (code & kCodeRowTiles) != 0;
+  w.no_panel = (code & kCodeNoPanel) != 0;
+  w.panel = (code & kCodePanel) != 0;
   return w;
 }
 

@@ -3,7 +3,7 @@ ops they replace (ops/csrc/fused_kernels.h).
 
     python -m fdx.plugins.backends.bench_kernels
     python -m fdx.plugins.backends.bench_kernels --quant [q4_1,q8_0,...]
-    python -m fdx.plugins.backends.bench_kernels --prefill [q4_k,q6_k,...] --iters 7 [--variant avx2]
+    python -m fdx.plugins.backends.bench_kernels --prefill [q4_k,q6_k,...] --iters 7 [--variant avx2] [--force-panel]
     python -m fdx.plugins.backends.bench_kernels --decode [q4_k,q5_k,q6_k] --iters 21
 
 Not a test. For SmolLM2-135M's shapes (9/3 heads x 64, intermediate 1536)
@@ -160,10 +160,11 @@ def bench_quant(kinds: list[str], rows_list: tuple[int, ...], iters: int, thread
                           f"{td:11.1f} | {tf:9.1f} {rows * cols * 4 / tf / 1e3:6.1f} | {tf / tq:5.2f}x {tf / td:5.2f}x")
 
 
-def _new_and_old(kinds: list[str], threads: int, header: str, build: str | None = None):
+def _new_and_old(kinds: list[str], threads: int, header: str, build: str | None = None,
+                 old_flag: int = cpp._CODE_ROW_TILES):
     """Prints the CPU line and ``header``; yields, for each kind at 2048x2048 and
     8192x2048, random weights and the product's arguments now (args) and before
-    (old: kCodeRowTiles, main's integer kernel), in instruction-set build ``build``
+    (old: ``old_flag``, kCodeRowTiles: main's integer kernel), in instruction-set build ``build``
     (default: the widest the probed table passed)."""
     from fdx.core.host import cpu_flags, cpu_model
     from fdx.ops.probes import random_quantized
@@ -182,17 +183,21 @@ def _new_and_old(kinds: list[str], threads: int, header: str, build: str | None 
             w = random_quantized(kind, rows, cols, rng).prepare()
             data, scales = w.tensors()
             args = (cpp.quant_code(w), cpp._VARIANT_CODE[variant], rows, cols, w.group_size)
-            yield module, kind, rows, cols, data, scales, args, (cpp.quant_code(w) | cpp._CODE_ROW_TILES,) + args[1:]
+            yield module, kind, rows, cols, data, scales, args, (cpp.quant_code(w) | old_flag,) + args[1:]
 
 
 def bench_prefill(kinds: list[str], rows_list: tuple[int, ...], rounds: int, threads: int,
-                  build: str | None = None) -> None:
-    """Many activation rows (prefill): the compiled product as it runs now, the tiles
-    before the many-row kernel (kCodeRowTiles: main's integer kernel) and dequantize +
-    BLAS, alternating call by call for ``rounds`` rounds; ratios of medians."""
+                  build: str | None = None, force_panel: bool = False) -> None:
+    """Many activation rows (prefill): the compiled product as it runs now (on a CPU
+    with AVX-512 VNNI the panel product, csrc/panel_gemm.inc, from its threshold), the
+    integer kernels without it (kCodeNoPanel) and dequantize + BLAS, alternating call
+    by call for ``rounds`` rounds; ratios of medians."""
     header = (f"{'kind':<6} {'out x in':>10} {'M':>4} | {'new ms':>8} {'old ms':>8} {'deq ms':>8} | "
               f"{'old/new':>7} {'deq/new':>7}")
-    for module, kind, rows, cols, data, scales, args, old in _new_and_old(kinds, threads, header, build):
+    for module, kind, rows, cols, data, scales, args, old in _new_and_old(kinds, threads, header, build,
+                                                                          cpp._CODE_NO_PANEL):
+        if force_panel:                                  # --force-panel: "new" is the panel at every row count
+            args = (args[0] | cpp._CODE_PANEL,) + args[1:]
         for m in rows_list:
             x = paddle.randn([m, cols])
             times = _interleaved({
@@ -283,8 +288,11 @@ def main() -> None:
                         help="time by this thread's CPU time, not wall time (with --threads 1 only: the time "
                              "other jobs on the cores take is then not counted)")
     parser.add_argument("--prefill", nargs="?", const="q4_k,q6_k,q8_0,q4_0,q4_1,q5_k",
-                        help="many-row products (--rows, default 32,128,512): now, before the many-row "
-                             "tiles, dequantize + BLAS")
+                        help="many-row products (--rows, default 32,128,512): now (the panel product on "
+                             "AVX-512 VNNI), the integer kernels without the panel, dequantize + BLAS")
+    parser.add_argument("--force-panel", action="store_true",
+                        help="with --prefill: 'new' is the panel product at every row count (kCodePanel), "
+                             "to measure its threshold (QUANT_PANEL_MIN_ROWS_VNNI)")
     parser.add_argument("--variant", choices=cpp.QUANT_VARIANTS,
                         help="with --prefill: this instruction-set build (default: the widest the CPU runs), "
                              "e.g. avx2 on an AVX-512 CPU")
@@ -307,7 +315,7 @@ def main() -> None:
     if args.prefill:
         rows = "32,128,512" if args.rows == "1,8,64" else args.rows
         bench_prefill(args.prefill.split(","), tuple(int(m) for m in rows.split(",")), args.iters, args.threads,
-                      args.variant)
+                      args.variant, args.force_panel)
         return
     if args.decode:
         rows = "1,2,4,8" if args.rows == "1,8,64" else args.rows

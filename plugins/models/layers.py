@@ -12,6 +12,7 @@ import numpy as np
 import paddle
 
 from fdx.core.interfaces import AttentionContext, LinearWeight, WeightFormat
+from fdx.core.memory import mlp_chunk_rows
 from fdx.ops import layer_port
 from fdx.ops.activation import silu_and_mul
 from fdx.ops.norm import add_rms_norm, rms_norm
@@ -206,6 +207,11 @@ class FeedForward:
     def __call__(self, x: Tensor, lora: Any = None) -> Tensor:
         """``lora``: the step's fdx.core.lora.StepLoRA, when a request has an adapter."""
         if lora is None:
+            n = x.shape[0]
+            k = n // mlp_chunk_rows(self.intermediate_size)
+            if k > 1 and self.reduce is None:   # a long step's gate/up in k row chunks (fdx.core.memory)
+                size = -(-n // k)
+                return paddle.concat([self(x[i:i + size]) for i in range(0, n, size)])
             return row_parallel(silu_and_mul(linear(x, self.w_gate_up, self.b_gate_up)),
                                 self.w_down, self.b_down, self.reduce)
         h = silu_and_mul(lora.add(linear(x, self.w_gate_up, self.b_gate_up), x, self.lora_gate_up))

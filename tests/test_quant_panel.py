@@ -1,0 +1,89 @@
+"""The panel product (ops/csrc/panel_gemm.inc): many activation rows against a
+quantized weight with AVX-512 VNNI, every kind but q2_k/q3_k, both layouts.
+
+Reference: the weight dequantized by ``QuantizedTensor.dequantize`` (gguf's
+dequantizer; wint8/4 in numpy) times x quantized as the kernels quantize it
+(``int8_blocks``: per 32, per 256 for the k-quants), in float64; tolerance
+1e-4 of the largest output (float32 accumulation), as tests/test_quant_kernels.py.
+
+That the panel ran: the default call from the kind's threshold rows gives
+bitwise the result of the call with kCodePanel (the panel at every row count),
+and other bits than the call with kCodeNoPanel (the kernels below it). Under
+backend.batch_invariant (kCodeInvariant) the panel does not run: a row alone
+equals that row among 512, bitwise.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from fdx.core.host import cpu_flags
+from fdx.ops import cpp
+from fdx.ops.probes import act_block, int8_blocks, random_quantized
+
+KINDS = tuple(k for k in cpp.QUANT_KINDS if k not in ("q2_k", "q3_k"))
+CODE_NO_PANEL, CODE_PANEL = cpp._CODE_NO_PANEL, cpp._CODE_PANEL
+
+pytestmark = pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="the panel product needs AVX-512 VNNI")
+
+
+def product(w, x: np.ndarray, flags: int = 0, invariant: bool = False) -> np.ndarray:
+    import paddle
+    m = cpp._module_or_raise()
+    data, scales = w.tensors()
+    code = cpp.quant_code(w, invariant) | flags
+    out = m.fdx_quant_matmul(paddle.to_tensor(x), data, scales, code, cpp._VARIANT_CODE["avx512"], w.shape[0],
+                             w.shape[1], w.group_size)
+    return out.numpy()
+
+
+def weight(kind: str, rows: int, cols: int, interleave: bool, rng):
+    w = random_quantized(kind, rows, cols, rng)
+    if interleave:
+        assert w.repack(always=True), kind
+    return w
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["plain", "interleaved"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_panel_matches_float64_and_runs_from_its_threshold(kind, interleave):
+    rng = np.random.default_rng(zlib.crc32(f"panel/{kind}/{interleave}".encode()))
+    blk = act_block(kind)
+    threshold = cpp.QUANT_PANEL_MIN_ROWS_VNNI[kind]
+    for rows, cols in ((36, 256), (72, 2048)):        # 36, 72: a last panel of 4 / 8 rows
+        w = weight(kind, rows, cols, interleave, rng)
+        values = w.dequantize().astype(np.float64)
+        for m in sorted({1, 16, 17, 33, 64, 512, threshold - 1, threshold}):
+            x = rng.standard_normal((m, cols)).astype(np.float32)
+            want = int8_blocks(x, blk).astype(np.float64) @ values.T
+            scale = np.abs(want).max()
+            forced = product(w, x, CODE_PANEL)
+            what = f"{kind} {'interleaved' if interleave else 'plain'} M={m} {rows}x{cols}"
+            assert np.abs(forced - want).max() <= 1e-4 * scale, what
+            got = product(w, x)
+            assert np.abs(got - want).max() <= 1e-4 * scale, what
+            if m >= threshold:
+                np.testing.assert_array_equal(got, forced, err_msg=what)        # the panel ran
+                old = product(w, x, CODE_NO_PANEL)
+                assert np.abs(old - want).max() <= 1e-4 * scale, what
+                assert not np.array_equal(old, got), what                     # and it is not the old path
+            elif m == threshold - 1:                     # = kPanelMinRows (panel_gemm.inc): below, the old path
+                np.testing.assert_array_equal(got, product(w, x, CODE_NO_PANEL), err_msg=what)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k", "q6_k", "q4_1", "wint8"])
+def test_a_row_is_the_same_alone_as_among_512_under_batch_invariant(kind):
+    rng = np.random.default_rng(zlib.crc32(f"panel-invariant/{kind}".encode()))
+    w = weight(kind, 48, 512, False, rng)
+    x = rng.standard_normal((512, 512)).astype(np.float32)
+    many = product(w, x, invariant=True)
+    for i in (0, 17, 511):
+        np.testing.assert_array_equal(product(w, x[i:i + 1], invariant=True)[0], many[i], err_msg=f"{kind} row {i}")
+    assert not np.array_equal(many, product(w, x)), kind   # the default path (the panel) is another order
+
+
+def test_the_panel_thresholds_cover_the_kinds_it_takes():
+    assert set(cpp.QUANT_PANEL_MIN_ROWS_VNNI) == set(KINDS)
+    assert all(1 <= n <= 64 for n in cpp.QUANT_PANEL_MIN_ROWS_VNNI.values())
