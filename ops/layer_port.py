@@ -31,7 +31,8 @@ over every row in batch order; fewer rows than the composed path
 multiplies any GGML-block part of the layers by dequantize + BLAS from
 (fdx.ops.cpp.quant_blas_min_rows: on AVX-512 VNNI never but q5_0 from 512,
 so a long prefill runs compiled too, its activations in the kernel's own
-buffers, handed back after the call when large: csrc/decoder_layer.h), and
+buffers, the MLP in the composed layer's row chunks, the buffers handed back
+after the call when large: csrc/decoder_layer.h), and
 than ``f32_blas_min_rows`` of the float32 build when a weight is float32
 (any count under ``backend.batch_invariant``); float32 activations; for the stack, one shape
 and one rotary table for all layers. An int8 KV cache (cache.kv_cache_dtype int8) is served too:
