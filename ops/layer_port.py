@@ -27,10 +27,14 @@ in the same order: equal bits to the one call).
 the active kernel table (fdx.core.kernels) passed ``cpp.decoder_layer`` and
 a build of each weight part's kind; the attention metadata carries the
 compiled attention's group (the ``cpu`` attention backend's, impl "cpp")
-over every row in batch order; fewer rows than
-fdx.ops.cpp.QUANT_BLAS_MIN_ROWS, or than ``f32_blas_min_rows`` of the
-float32 build when a weight is float32 (any count under
-``backend.batch_invariant``); float32 activations; for the stack, one shape
+over every row in batch order; fewer rows than the composed path
+multiplies any GGML-block part of the layers by dequantize + BLAS from
+(fdx.ops.cpp.quant_blas_min_rows: on AVX-512 VNNI never but q5_0 from 512,
+so a long prefill runs compiled too, its activations in the kernel's own
+buffers, the MLP in the composed layer's row chunks, the buffers handed back
+after the call when large: csrc/decoder_layer.h), and
+than ``f32_blas_min_rows`` of the float32 build when a weight is float32
+(any count under ``backend.batch_invariant``); float32 activations; for the stack, one shape
 and one rotary table for all layers. An int8 KV cache (cache.kv_cache_dtype int8) is served too:
 the layers write K/V quantized and attend over the int8 rows (csrc/kv8_kernels.h,
 by the kernels the composed path calls for such a cache: the same bits).
@@ -44,6 +48,7 @@ ctypes, its structs laid out from what the library reports).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -67,7 +72,7 @@ class _Port:
 
     def __init__(self):
         self._variants: tuple[object, dict[str, str | None]] = (None, {})
-        self._stack: tuple[Any, Any] | None = None     # (key, cpp.StackLayers or None)
+        self._stack: tuple[Any, Any, float] | None = None     # (key, cpp.StackLayers or None, blas_rows)
 
     def variant(self, kind: str) -> str | None:
         """The build of ``kind``'s product the active table passed ("avx2", ...), or None;
@@ -92,8 +97,7 @@ class _Port:
     @staticmethod
     def fits(x, metadata) -> bool:
         group = getattr(metadata, "cpp", None)
-        return not (group is None or group.num_tokens != metadata.num_tokens
-                    or metadata.num_tokens >= cpp.QUANT_BLAS_MIN_ROWS or metadata.out_perm is not None
+        return not (group is None or group.num_tokens != metadata.num_tokens or metadata.out_perm is not None
                     or x.dtype != paddle.float32 or not fused_layers_on()
                     or not kernels.active().usable("cpp.decoder_layer") or not cpp.loaded())
 
@@ -103,8 +107,9 @@ class _Port:
         return [[self.variant("f32" if isinstance(p, tensor) else p.kind) for p in parts] for parts in layer.weights]
 
     def stack_table(self, layers, kv_caches):
-        """cpp.stack_layers for these layers, or None when they differ in shape, rotary
-        table, or in which of biases and q/k norms they have, or a part has no passed build."""
+        """(cpp.stack_layers for these layers, or None when they differ in shape, rotary
+        table, or in which of biases and q/k norms they have, or a part has no passed build;
+        the fewest rows the stack leaves to the composed layers, ``blas_rows``)."""
         tensor = paddle.Tensor
 
         def shape(f):
@@ -114,11 +119,23 @@ class _Port:
         first = layers[0]
         want = shape(first)
         if any(shape(f) != want or f.rope is not first.rope for f in layers):
-            return None
+            return None, 0
         variants = [self.parts_variants(f) for f in layers]
         if any(None in parts for vs in variants for parts in vs):
-            return None
-        return cpp.stack_layers(layers, variants, kv_caches)
+            return None, 0
+        return cpp.stack_layers(layers, variants, kv_caches), min(self.blas_rows(f, vs)
+                                                                   for f, vs in zip(layers, variants))
+
+    def blas_rows(self, layer, variants) -> float:
+        """The fewest rows at which a GGML-block part of ``layer`` is multiplied by dequantize +
+        BLAS on the composed path (fdx.ops.cpp.quant_blas_min_rows; never under batch_invariant),
+        or infinity: from there the layer is composed, so that it keeps that path's product."""
+        if kernels.active().batch_invariant:
+            return math.inf
+        tensor = paddle.Tensor
+        least = [cpp.quant_blas_min_rows(p.kind, v) for parts, vs in zip(layer.weights, variants)
+                 for p, v in zip(parts, vs) if not isinstance(p, tensor)]
+        return min((r for r in least if r is not None), default=math.inf)
 
     def decoder_stack(self, x, layers, kv_caches, meta):
         metadata = meta.metadata
@@ -127,9 +144,10 @@ class _Port:
         key = (kernels.active(), [id(f) for f in layers])
         cached = self._stack
         if cached is None or cached[0] != key or (cached[1] is not None and not cached[1].valid_for(kv_caches)):
-            cached = self._stack = (key, self.stack_table(layers, kv_caches))
-        table = cached[1]
-        if table is None or (table.has_float and not self.f32_rows(metadata.num_tokens)):
+            cached = self._stack = (key, *self.stack_table(layers, kv_caches))
+        _, table, blas_rows = cached
+        if table is None or metadata.num_tokens >= blas_rows or (
+                table.has_float and not self.f32_rows(metadata.num_tokens)):
             return None
         between = None
         connector = meta.connector
@@ -151,7 +169,7 @@ class _Port:
         if layer.has_float and not self.f32_rows(metadata.num_tokens):
             return None
         variants = self.parts_variants(layer)
-        if any(None in v for v in variants):
+        if any(None in v for v in variants) or metadata.num_tokens >= self.blas_rows(layer, variants):
             return None
         rope, group = layer.rope, metadata.cpp
         return cpp.decoder_layer(x, residual, layer.input_norm, layer.post_norm, layer.weights, variants,

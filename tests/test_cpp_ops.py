@@ -254,11 +254,13 @@ def test_greedy_generation_same_with_and_without_compiled_ops(impl, name, monkey
     monkeypatch.setattr(cpp, "rope_write_kv", lambda *a: (fused.append(1), real_fused(*a))[1])
     monkeypatch.setattr(cpp, "silu_and_mul", lambda x: (silu.append(1), real_silu(x))[1])
     monkeypatch.setattr(cpp, "add_rms_norm", lambda *a: (norm.append(1), real_norm(*a))[1])
+    monkeypatch.setattr(cpp, "f32_blas_min_rows", lambda variant: cpp.QUANT_BLAS_MIN_ROWS)
 
     def generate(impl_name):
         runner = PagedRunner(case.fdx_model(), num_blocks=64, seed=3, impl=impl_name)
-        # 130 prompt rows: past the fused layer's QUANT_BLAS_MIN_ROWS (128), so the first
-        # step runs the composed layer (the compiled ops counted below), the decodes the fused one
+        # 130 prompt rows of float32 layers, past the rows the fused layer takes them for (held at
+        # QUANT_BLAS_MIN_ROWS, 128, on every build), so the first step runs the composed layer (the
+        # compiled ops counted below), the decodes the fused one
         prompts = {"a": prompt(63, 1), "b": prompt(5, 2), "c": prompt(62, 3)}
         assert 63 + 5 + 62 >= cpp.QUANT_BLAS_MIN_ROWS
         logits = runner.step(list(prompts.items()), rows="last")

@@ -418,3 +418,132 @@ def test_default_model_greedy_tokens_on_the_fused_path(hf_smollm_model, monkeypa
     assert chunked.engine.kv_cache.stats()["prefix_cache_hits"] > 0
     chunked.close()
     assert spy.calls > 0
+
+
+# A step past QUANT_BLAS_MIN_ROWS (128) rows within the random layers' 64 rotary positions: a
+# 60-token prompt, chunks of 50 and 45 tokens over 10 and 15 cached ones and a decode, 16-slot
+# blocks (the slots of each sequence scattered over the cache).
+LONG_QUERY_LENS, LONG_CONTEXT_LENS, LONG_BLOCK = [60, 50, 45, 1], [0, 10, 15, 40], 16
+LONG_TABLES = [[3, 17, 0, 9], [12, 5, 1, 14], [7, 19, 2, 11], [6, 15, 8]]
+
+
+def long_step(kind: str, seed: int, num_layers: int = 2):
+    """``num_layers`` random layers (LAYERS[kind]) sharing a rotary table, their float32 caches (random
+    where nothing is written), x and the cpu backend's metadata of the long step."""
+    import paddle
+    from fdx.core.interfaces import AttentionContext
+    from fdx.ops import attention
+    from fdx.plugins.backends.attention import CpuAttention
+    rng = np.random.default_rng(seed)
+    made = [make_layer(kind, rng) for _ in range(num_layers)]
+    layers, cfg = [m[0] for m in made], made[0][1]
+    for layer in layers[1:]:
+        layer.attn.rope = layers[0].attn.rope
+        layer.weights_changed()
+    slots = 20 * LONG_BLOCK
+    caches = [[rng.standard_normal((cfg.num_kv_heads * slots, cfg.head_dim)).astype(np.float32) for _ in range(2)]
+              for _ in layers]
+    x = rng.standard_normal((sum(LONG_QUERY_LENS), cfg.hidden_size)).astype(np.float32)
+    with kernels.using(cpu_kernel_table()):
+        meta = attention.build_attention_metadata(LONG_QUERY_LENS, LONG_CONTEXT_LENS, LONG_TABLES, LONG_BLOCK,
+                                                  cfg.num_kv_heads, slots, impl="cpp")
+    kv = lambda: [tuple(paddle.to_tensor(c.copy()) for c in pair) for pair in caches]  # noqa: E731
+    return layers, cfg, x, AttentionContext(CpuAttention(), meta), kv
+
+
+def blas_at(layers, rows: int) -> bool:
+    """Whether a GGML-block part of ``layers`` is multiplied by dequantize + BLAS at ``rows`` on the composed path."""
+    for layer in layers:
+        for parts in layer.fused.weights:
+            for p in parts:
+                kind = part_kind(p)
+                if kind != "f32":
+                    least = cpp.quant_blas_min_rows(kind, best_variant(kind))
+                    if least is not None and rows >= least:
+                        return True
+    return False
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "mixed", "q8_0-extras"])
+def test_the_port_takes_a_prefill_of_many_rows_with_the_composed_bits(kind):
+    """A 156-row step (past QUANT_BLAS_MIN_ROWS, which the port once refused outright) runs
+    compiled whenever every GGML-block part's composed product at that row count is its
+    integer kernel (on AVX-512 VNNI: every kind here), and gives the composed layers' bits:
+    the same kernels (products, norms, rotary + KV write, attention, SiLU) in the same
+    order, no float32 rounding between them that the composed ops round otherwise."""
+    import paddle
+    from fdx.ops import layer_port
+    layers, cfg, x, ctx, kv = long_step(kind, 11)
+    rows = sum(LONG_QUERY_LENS)
+    assert rows >= cpp.QUANT_BLAS_MIN_ROWS
+    with kernels.using(cpu_kernel_table()):
+        fused_kv = kv()
+        got = layer_port.decoder_stack(paddle.to_tensor(x), [layer.fused for layer in layers], fused_kv, ctx)
+        if blas_at(layers, rows):
+            assert got is None              # a kind dequantized from here on this CPU: the composed layers
+            pytest.skip(f"{kind}: dequantize + BLAS at {rows} rows on this CPU")
+        assert got is not None
+        want_kv = kv()
+        want_x, want_res = paddle.to_tensor(x), None
+        for layer, pair in zip(layers, want_kv):
+            want_x, want_res = layer.composed(want_x, want_res, ctx.positions, pair, ctx)
+    for (k, v), (wk, wv) in zip(fused_kv, want_kv):
+        np.testing.assert_array_equal(k.numpy(), wk.numpy())
+        np.testing.assert_array_equal(v.numpy(), wv.numpy())
+    np.testing.assert_array_equal(got[0].numpy(), want_x.numpy())
+    np.testing.assert_array_equal(got[1].numpy(), want_res.numpy())
+
+
+def test_the_port_composes_a_step_whose_products_would_be_dequantized(monkeypatch):
+    """Where the composed product of a layer's kind is dequantize + BLAS from some row count
+    (cpp.quant_blas_min_rows: AVX2's q8_0 from 512), the stack and the one-layer call leave a
+    step of that many rows to the composed layers (which keep that product), and take one
+    row fewer."""
+    import paddle
+    from fdx.ops import layer_port
+    layers, cfg, x, ctx, kv = long_step("q8_0", 12)
+    rows = sum(LONG_QUERY_LENS)
+    monkeypatch.setattr(cpp, "quant_blas_min_rows", lambda kind, variant: rows if kind == "q8_0" else None)
+    monkeypatch.setattr(layer_port._PORT, "_stack", None)
+    fused = [layer.fused for layer in layers]
+    with kernels.using(cpu_kernel_table()):
+        assert layer_port.decoder_stack(paddle.to_tensor(x), fused, kv(), ctx) is None
+        assert layer_port.decoder_layer(paddle.to_tensor(x), None, fused[0], kv()[0], ctx) is None
+        monkeypatch.setattr(cpp, "quant_blas_min_rows", lambda kind, variant: rows + 1 if kind == "q8_0" else None)
+        monkeypatch.setattr(layer_port._PORT, "_stack", None)
+        assert layer_port.decoder_stack(paddle.to_tensor(x), fused, kv(), ctx) is not None
+        assert layer_port.decoder_layer(paddle.to_tensor(x), None, fused[0], kv()[0], ctx) is not None
+
+
+def test_a_long_step_under_batch_invariance_gives_each_sequence_its_solo_bits():
+    """backend.batch_invariant: the 156-row step in the compiled stack (the port takes it at
+    any row count there: no kind is dequantized) gives each sequence's rows and cache slots
+    the bits of that sequence run alone in its own step."""
+    import dataclasses
+
+    import paddle
+    from fdx.core.interfaces import AttentionContext
+    from fdx.ops import attention, layer_port
+    from fdx.plugins.backends.attention import CpuAttention
+    layers, cfg, x, ctx, kv = long_step("mixed", 13)
+    fused = [layer.fused for layer in layers]
+    slots = kv()[0][0].shape[0] // cfg.num_kv_heads
+    with kernels.using(dataclasses.replace(cpu_kernel_table(), batch_invariant=True)):
+        batched_kv = kv()
+        got = layer_port.decoder_stack(paddle.to_tensor(x), fused, batched_kv, ctx)
+        assert got is not None
+        start = 0
+        for ql, cl, table in zip(LONG_QUERY_LENS, LONG_CONTEXT_LENS, LONG_TABLES):
+            solo_kv = kv()
+            meta = attention.build_attention_metadata([ql], [cl], [table], LONG_BLOCK, cfg.num_kv_heads, slots,
+                                                      impl="cpp")
+            solo = layer_port.decoder_stack(paddle.to_tensor(x[start:start + ql]), fused, solo_kv,
+                                            AttentionContext(CpuAttention(), meta))
+            for g, s in zip(got, solo):
+                np.testing.assert_array_equal(g.numpy()[start:start + ql], s.numpy())
+            rows = np.array([(h * slots + table[p // LONG_BLOCK] * LONG_BLOCK + p % LONG_BLOCK)
+                             for h in range(cfg.num_kv_heads) for p in range(cl, cl + ql)])
+            for (bk, bv), (sk, sv) in zip(batched_kv, solo_kv):
+                np.testing.assert_array_equal(bk.numpy()[rows], sk.numpy()[rows])
+                np.testing.assert_array_equal(bv.numpy()[rows], sv.numpy()[rows])
+            start += ql

@@ -109,18 +109,49 @@ struct LayerArgs {
 struct LayerScratch {
   std::vector<float> h, qkv, q, attn, o, gate_up, act, part, kbuf, vbuf;  // kbuf, vbuf: an int8 cache's rows
   std::vector<int64_t> ident;
+
+  size_t Bytes() const {
+    size_t n = ident.capacity() * sizeof(int64_t);
+    for (const std::vector<float>* v : {&h, &qkv, &q, &attn, &o, &gate_up, &act, &part, &kbuf, &vbuf})
+      n += v->capacity() * sizeof(float);
+    return n;
+  }
 };
 
+// The calling thread's scratch, kept across calls: no allocation per call once grown.
+inline LayerScratch& ThreadLayerScratch() {
+  thread_local LayerScratch s;
+  return s;
+}
+
+// Scratch above this is handed back after a call's layers (ReleaseLargeScratch): a
+// prefill's activations (512 tokens of a 1.7B shape, hidden 2048 and intermediate 8192:
+// 36 MB with the MLP's chunks) are not held resident through the decode steps after it.
+constexpr size_t kKeepScratchBytes = size_t{4} << 20;
+constexpr int64_t kMlpChunkBytes = int64_t{8} << 20;  // = fdx.core.memory.MLP_CHUNK_BYTES
+constexpr int64_t kMlpChunkMinRows = 128;             // = MLP_CHUNK_MIN_ROWS
+
+inline void ReleaseLargeScratch() {
+  LayerScratch& s = ThreadLayerScratch();
+  if (s.Bytes() > kKeepScratchBytes) s = LayerScratch{};
+}
+
 inline void DecoderLayer(LayerArgs a, int64_t N) {
-  thread_local LayerScratch s;  // kept across calls: no allocation per call once grown
+  LayerScratch& s = ThreadLayerScratch();
   const int64_t H = a.rope.num_heads, KVH = a.rope.num_kv_heads, D = a.rope.head_dim;
   s.h.resize(N * a.hidden);
   s.qkv.resize(N * (H + 2 * KVH) * D);
   s.q.resize(N * H * D);
   s.attn.resize(N * H * D);
   s.o.resize(N * a.hidden);
-  s.gate_up.resize(N * 2 * a.intermediate);
-  s.act.resize(N * a.intermediate);
+  // The MLP in row chunks as the composed layer runs it (fdx.core.memory.mlp_chunk_rows: k equal
+  // chunks of about kMlpChunkBytes of gate/up, none under kMlpChunkMinRows rows): a long step's
+  // gate/up and SiLU buffers, its largest, are one chunk's.
+  const int64_t I = a.intermediate;
+  const int64_t k = N / std::max<int64_t>(kMlpChunkMinRows, kMlpChunkBytes / (2 * I * 4));
+  const int64_t chunk = k > 1 ? (N + k - 1) / k : N;
+  s.gate_up.resize(chunk * 2 * I);
+  s.act.resize(chunk * I);
 
   if (a.residual) {
     RmsNorm(a.x, a.residual, a.input_norm, a.eps, N, a.hidden, s.h.data(), a.residual_out);
@@ -153,9 +184,12 @@ inline void DecoderLayer(LayerArgs a, int64_t N) {
   Product(a.o, s.attn.data(), N, s.o.data(), s.part);
   // residual_out holds the residual after attention's input norm; add o to it in place
   RmsNorm(s.o.data(), a.residual_out, a.post_norm, a.eps, N, a.hidden, s.h.data(), a.residual_out);
-  Product(a.gate_up, s.h.data(), N, s.gate_up.data(), s.part);
-  SiluAndMul(s.gate_up.data(), s.act.data(), N, a.intermediate);
-  Product(a.down, s.act.data(), N, a.out, s.part);
+  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int64_t n = std::min(chunk, N - r0);
+    Product(a.gate_up, s.h.data() + r0 * a.hidden, n, s.gate_up.data(), s.part);
+    SiluAndMul(s.gate_up.data(), s.act.data(), n, I);
+    Product(a.down, s.act.data(), n, a.out + r0 * a.hidden, s.part);
+  }
 }
 
 }  // namespace fdx

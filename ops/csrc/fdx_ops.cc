@@ -644,6 +644,7 @@ int fdx_decoder_stack(const FdxStackStep* s, char* err, int64_t err_len) {
     a.attn.v = L.v_cache;
     fdx::DecoderLayer(a, N);
   }
+  fdx::ReleaseLargeScratch();  // a prefill's activations: not kept through the decode steps
   return 0;
 }
 

@@ -65,7 +65,7 @@ def host_total_memory_bytes() -> int:
 def op_choices(table: kernels.KernelTable) -> dict[str, str]:
     """op -> what runs for it under ``table``, in words (the ops' own rules,
     fdx.ops.norm / activation / rotary / attention)."""
-    from fdx.ops.cpp import QUANT_BLAS_MIN_ROWS, f32_blas_min_rows, f32_build
+    from fdx.ops.cpp import f32_blas_min_rows, f32_build
     from fdx.ops.norm import CPP_MIN_ROWS
 
     def pick(*options: tuple[str, str], fallback: str) -> str:
@@ -89,8 +89,8 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
         "rotary": pick(("fused_rotary_position_embedding", "fused"), fallback="matmul"),
         "attention": pick(("cpp.paged_attention", "compiled"), fallback="paddle"),
         "rope_write_kv": pick(("cpp.rope_write_kv", "compiled"), fallback="composed"),
-        "decoder_layer": pick(("cpp.decoder_layer", f"compiled (GGML-block layers under {QUANT_BLAS_MIN_ROWS} "
-                                                    f"tokens a step, float32 ones under {f32_rows})"),
+        "decoder_layer": pick(("cpp.decoder_layer", "compiled (GGML-block layers while their kinds' products are "
+                                                    f"integer, float32 ones under {f32_rows} tokens a step)"),
                               fallback="composed"),
         "quant_matmul": quant_choices(table),
         "quant_layout": layout_choices(table),
