@@ -321,10 +321,15 @@ def test_a_real_connector_reloads_what_the_compiled_layers_wrote(files, monkeypa
     batch = [{"prompt_token_ids": p} for p in prompts(12, (21, 18, 9))]
     swap = {"plugins.connector.swap": {"max_blocks": 64}}
     monkeypatch.setenv(FUSED_LAYERS_ENV, "0")
-    want = [o.outputs[0].token_ids for o in LLM(str(path), quantization="auto", **TINY).generate(batch, GREEDY)]
+    # batch_invariant: the second run computes only what the connector did not load, so its
+    # steps have other row counts, and in the default mode a product's last bits may move
+    # with the row count (the panel product from 16 rows); the claim here is about the blocks
+    want = [o.outputs[0].token_ids for o in LLM(str(path), quantization="auto", batch_invariant=True,
+                                                **TINY).generate(batch, GREEDY)]
     monkeypatch.setenv(FUSED_LAYERS_ENV, "1")
     spy = Spy(monkeypatch)
-    llm = LLM(str(path), quantization="auto", kv_cache="paged", kv_connector="swap", **swap, **TINY)
+    llm = LLM(str(path), quantization="auto", kv_cache="paged", kv_connector="swap", batch_invariant=True,
+              **swap, **TINY)
     first = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
     again = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
     assert spy.by_name["decoder_stack"] > 0, spy.by_name
