@@ -249,3 +249,25 @@ def _block_weights(model):
         for v in vars(obj).values():
             stack.extend(v if isinstance(v, (list, tuple)) else [v])
     return out
+
+
+@pytest.mark.parametrize("variant", cpp.QUANT_VARIANTS)
+@pytest.mark.parametrize("kind", cpp.QUANT_KINDS)
+def test_no_activation_rows_give_an_empty_product_in_every_layout_and_path(module, kind, variant):
+    """A step can ask for a product of 0 rows (no row of it needs logits: the LM head of a
+    chunked prefill's middle step). Every kind, both layouts, the default path, the
+    batch-invariant one and the panel forced: an empty [0, rows] result, no read of a
+    row that is not there (the few-row q8_0 VNNI tile read its first row's pointer and
+    died by SIGSEGV: test_decoder_layer's greedy q8_0 runs)."""
+    import paddle
+    _variant_ok(kind, variant)
+    rng = np.random.default_rng(zlib.crc32(f"{kind}/{variant}/empty".encode()))
+    for rows in (36, 38):                                   # interleaved where the kind repacks, plain
+        w = random_quantized(kind, rows, 256, rng)
+        w.prepare(interleave=True if kind in quant.PROBED_REPACK_KINDS else None)
+        data, scales = w.tensors()
+        x = paddle.to_tensor(np.zeros((0, 256), np.float32))
+        for code in (cpp.quant_code(w), cpp.quant_code(w, invariant=True), cpp.quant_code(w) | cpp._CODE_PANEL):
+            got = module.fdx_quant_matmul(x, data, scales, code, cpp._VARIANT_CODE[variant],
+                                          w.shape[0], w.shape[1], w.group_size).numpy()
+            assert got.shape == (0, rows), (kind, variant, rows, code)

@@ -217,6 +217,7 @@ constexpr int64_t kQuantMinParallel = 1 << 16;
 namespace fdx::quant {
 
 inline void Matmul(int variant, const Weights& w, const float* x, int64_t M, float* out) {
+  if (M <= 0) return;  // no activation rows (a step whose rows need no logits): nothing to write
   switch (variant) {
     case kAvx512: avx512::Matmul(w, x, M, out); break;
     case kAvx2: avx2::Matmul(w, x, M, out); break;
