@@ -12,10 +12,13 @@ speculated). Three policies:
 - ``oracle``: each draft cut to exactly the tokens that will be kept (no
   policy of draft length can do better with this proposer's drafts).
 
-    python scripts/spec_replay.py [--workload grounded] [--costs 1,1.44,1.79,1.98,2.29,2.72,3.07,3.42,4.02]
+    python scripts/spec_replay.py [--workload grounded] [--costs 1,1.375,1.55,1.825,2.025,2.225,2.475,2.95,3.1]
+        [--k 8] [--row-scale 0.8,0.6]
 
 ``--costs``: a step's CPU time with 1, 2, ... rows against 1 (measure it
-with a proposer that always drafts r - 1 tokens; docs/benchmarks.md).
+with scripts/spec_rows.py). ``--k``: the longest draft (2: what a gate that
+fixes k' = 2 for every draft leaves). ``--row-scale``: the same with every
+draft row's cost scaled (what cheaper verification rows would give).
 """
 from __future__ import annotations
 
@@ -75,8 +78,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="grounded")
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--costs", default="1,1.44,1.79,1.98,2.29,2.72,3.07,3.42,4.02",
-                    help="a step's cost with 1, 2, ... rows against 1 (default: the Zen 5's, docs/benchmarks.md)")
+    ap.add_argument("--costs", default="1,1.375,1.55,1.825,2.025,2.225,2.475,2.95,3.1",
+                    help="a step's cost with 1, 2, ... rows against 1 (default: the Zen 5's, docs/speculative.md)")
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--row-scale", default="", help="comma-separated factors on a draft row's cost")
     args = ap.parse_args()
     costs = [float(c) for c in args.costs.split(",")]
     from fdx import LLM, SamplingParams
@@ -88,9 +93,13 @@ def main() -> None:
     items = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
     print(f"{args.workload}: {len(items)} answers, {sum(len(o) for _, o in items)} tokens; costs {costs}")
     for policy in ("all", "record", "oracle"):
-        speed, rate, mal, per_step = replay(items, costs, policy)
+        speed, rate, mal, per_step = replay(items, costs, policy, k=args.k)
         print(f"  {policy:<7} {speed:.2f}x decode, acceptance {100 * rate:.0f}%, mean accepted length {mal:.2f}, "
               f"{per_step:.2f} proposals a step")
+    for scale in [float(x) for x in args.row_scale.split(",") if x]:
+        scaled = [1 + scale * (c - 1) for c in costs]
+        got = [replay(items, scaled, policy, k=args.k)[0] for policy in ("all", "record", "oracle")]
+        print(f"  draft rows x{scale:g}: all {got[0]:.2f}x, record {got[1]:.2f}x, oracle {got[2]:.2f}x decode")
 
 
 if __name__ == "__main__":

@@ -522,6 +522,28 @@ def test_metrics_serve_the_spec_decode_counters():
     assert 'fdx:spec_decode_acceptance_rate{model_name="m"} 0.6' in text
 
 
+def test_batch_1_drafts_up_to_k_cut_by_class_when_the_gate_is_on(tiny):
+    """At batch 1, where the gate is on, every draft may run to k (the
+    per-class cut, DraftRecord.cut, decides its length: a strong match pays
+    for more rows than the gate's k' for the average draft); from 2
+    requests the step runs the gate's k'."""
+    llm = LLM(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 8}, **ENGINE)
+    spec = llm.engine.speculation
+    c = spec.counters
+    c.proposed_per_pos[:] = [100, 90, 80, 70, 60, 50, 40, 30]
+    c.accepted_per_pos[:] = [60, 30, 10, 3, 1, 0, 0, 0]
+    c.offered_per_pos[:] = [100] * 8
+    for batch in (1, 2):
+        for _ in range(4):          # a plain step 1 s a request, a speculated one 1.3 s with 2 drafts
+            spec.gate.record(batch, 0, batch * 1.0)
+            spec.gate.record(batch, 2, batch * 1.3, batch, 2 * batch)
+    spec.begin_step(2)
+    assert spec.step_k == spec.gate.decided[spec.gate.bucket(2)] == 2      # the best k' for the average draft
+    spec.begin_step(1)
+    assert spec.gate.decided[spec.gate.bucket(1)] == 2 and spec.step_k == 8
+    llm.close()
+
+
 def test_step_stats_count_the_steps_drafts(tiny):
     prompts = _prompts(seed=9)[:2]
     llm = LLM(tiny, speculative_config={"method": "ngram", "prompt_lookup_min": 1, "cost_gate": False}, **ENGINE)
