@@ -55,14 +55,15 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
-           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "read_bandwidth"]
+           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "QUANT_AVX2_PANEL_MIN_ROWS", "read_bandwidth"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
-            _CSRC / "quant_kernels.inc", _CSRC / "avx2_tiles.inc", _CSRC / "panel_gemm.inc", _CSRC / "f32_kernels.h",
+            _CSRC / "quant_kernels.inc", _CSRC / "avx2_tiles.inc", _CSRC / "panel_gemm.inc", _CSRC / "panel_common.inc",
+            _CSRC / "panel_gemm_avx2.inc", _CSRC / "f32_kernels.h",
             _CSRC / "f32_kernels.inc",
             _CSRC / "decoder_layer.h",
             _CSRC / "invariant_attention.h", _CSRC / "kv8_kernels.h", _CSRC / "kv8_ops.inc",
@@ -492,6 +493,13 @@ QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q
 # keeps TileDotK (0.78x at 16 rows, 1.12x from 128) and BLAS from 128.
 QUANT_AVX2_TILE_MIN_ROWS = {"q8_0": 32, "wint8": 32, "q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "wint4": 16,
                             "q4_k": 16, "q5_k": 16, "q6_k": 16, "q2_k": 16}
+# From this many activation rows the AVX2 build's integer products are the panel product
+# (csrc/panel_gemm_avx2.inc, = kPanelMinRows there; not under backend.batch_invariant): per
+# 8 weight rows decoded once a call into unsigned bytes, one maddubs microkernel over all the
+# activation rows. The 4- to 6-bit kinds (q8_0, wint8: their quants reach 255, the int16
+# sums would saturate; they keep OctMatmul).
+QUANT_AVX2_PANEL_MIN_ROWS = {"q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "wint4": 16, "q4_k": 16, "q5_k": 16,
+                             "q6_k": 16}
 QUANT_BLAS_MIN_ROWS_AVX2: dict[str, int | None] = {
     "q8_0": 512, "wint8": 512, "q4_0": None, "q4_1": None, "q5_0": None, "q5_1": None, "wint4": None,
     "q4_k": None, "q5_k": None, "q6_k": None, "q2_k": None}
