@@ -497,9 +497,18 @@ QUANT_AVX2_TILE_MIN_ROWS = {"q8_0": 32, "wint8": 32, "q4_0": 16, "q4_1": 16, "q5
 # (csrc/panel_gemm_avx2.inc, = kPanelMinRows there; not under backend.batch_invariant): per
 # 8 weight rows decoded once a call into unsigned bytes, one maddubs microkernel over all the
 # activation rows. The 4- to 6-bit kinds (q8_0, wint8: their quants reach 255, the int16
-# sums would saturate; they keep OctMatmul).
-QUANT_AVX2_PANEL_MIN_ROWS = {"q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "wint4": 16, "q4_k": 16, "q5_k": 16,
-                             "q6_k": 16}
+# sums would saturate; they keep OctMatmul). Measured on the Zen 5 with the AVX2 build and
+# MKL held to AVX2, 1 thread, CPU time, load 4-6, 2048x2048 and 8192x2048, the panel at every
+# row count against OctMatmul/OctMatmulK (python -m fdx.plugins.backends.bench_kernels
+# --prefill q4_0,q4_k,q6_k,q5_k,q4_1 --variant avx2 --rows 16,32,128,512 --iters 3 --threads
+# 1 --cpu-time; --force-panel --rows 64,256): at 16 rows 0.59-1.08x, from 32 rows level or
+# ahead (q4_0 0.87-1.14x, q4_k 1.07-1.09x, q5_k 1.07-1.25x, q4_1 1.00-1.03x, q5_0, q5_1
+# 1.11-1.18x), at 512 rows 1.37-1.88x; wint4 1.21-1.26x at 64; q6_k 0.73-0.75x at 32,
+# 0.83-0.89x at 64, 1.01-1.03x at 256, 1.04-1.05x at 512. Dequantize + BLAS / the panel at
+# 512 rows 1.00-1.88x: none of these kinds dequantizes (QUANT_BLAS_MIN_ROWS_AVX2).
+# docs/backends.md, "The panel product on AVX2".
+QUANT_AVX2_PANEL_MIN_ROWS = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "wint4": 64, "q4_k": 32, "q5_k": 32,
+                             "q6_k": 256}
 QUANT_BLAS_MIN_ROWS_AVX2: dict[str, int | None] = {
     "q8_0": 512, "wint8": 512, "q4_0": None, "q4_1": None, "q5_0": None, "q5_1": None, "wint4": None,
     "q4_k": None, "q5_k": None, "q6_k": None, "q2_k": None}
