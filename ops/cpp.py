@@ -55,14 +55,15 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
-           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "read_bandwidth"]
+           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "QUANT_AVX2_PANEL_MIN_ROWS", "read_bandwidth"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "fdx_ops.cc", _CSRC / "isa_avx2.cc", _CSRC / "isa_avx512.cc"]
 _HEADERS = [_CSRC / "paged_attention_kernel.h", _CSRC / "fused_kernels.h", _CSRC / "quant_kernels.h",
-            _CSRC / "quant_kernels.inc", _CSRC / "avx2_tiles.inc", _CSRC / "panel_gemm.inc", _CSRC / "f32_kernels.h",
+            _CSRC / "quant_kernels.inc", _CSRC / "avx2_tiles.inc", _CSRC / "panel_gemm.inc", _CSRC / "panel_common.inc",
+            _CSRC / "panel_gemm_avx2.inc", _CSRC / "f32_kernels.h",
             _CSRC / "f32_kernels.inc",
             _CSRC / "decoder_layer.h",
             _CSRC / "invariant_attention.h", _CSRC / "kv8_kernels.h", _CSRC / "kv8_ops.inc",
@@ -492,6 +493,26 @@ QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q
 # keeps TileDotK (0.78x at 16 rows, 1.12x from 128) and BLAS from 128.
 QUANT_AVX2_TILE_MIN_ROWS = {"q8_0": 32, "wint8": 32, "q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "wint4": 16,
                             "q4_k": 16, "q5_k": 16, "q6_k": 16, "q2_k": 16}
+# From this many activation rows the AVX2 build's integer products are the panel product
+# (csrc/panel_gemm_avx2.inc, = kPanelMinRows there; not under backend.batch_invariant): per
+# 8 weight rows decoded once a call into unsigned bytes, one maddubs microkernel over all the
+# activation rows, 3 at a time. The 4- to 6-bit kinds (q8_0, wint8: their quants reach 255,
+# the int16 sums would saturate; they keep OctMatmul). None: only with kCodePanel (tests,
+# bench_kernels --force-panel). Measured on the Zen 5 with the AVX2 build compiled for 16
+# vector registers as on an AVX2 CPU (-march=znver3 in place of -march=native, which here
+# gives the AVX2 build 32), MKL held to AVX2, 1 thread, CPU time, load 10-12, 2048x2048 and
+# 8192x2048, the panel at every row count against OctMatmul/OctMatmulK (python -m
+# fdx.plugins.backends.bench_kernels --prefill KINDS --variant avx2 --rows 32,128,512 --iters
+# 3 --threads 1 --cpu-time --force-panel): q5_0 1.14-1.17x at 32 rows, 1.43-1.47x at 512; q5_1
+# 1.08-1.09x, 1.38-1.39x; q5_k 1.04x, 1.27-1.32x; q4_0 0.81-0.92x at 32, 1.09-1.15x at 128,
+# 1.13-1.18x at 512; q6_k 0.81-0.85x at 32, 0.96-1.02x at 128, 1.09x at 512; level or behind:
+# q4_k 0.95-1.06x at 128, 0.98-1.02x at 512, q4_1 0.92-0.96x, wint4 0.99-1.06x. With 32
+# registers (the plain -march=native build here, 4 rows a tile) 1.37-1.88x at 512 rows for
+# all of them. Dequantize + BLAS / the panel at 512 rows 0.87-1.47x (q5_k 0.87x at 2048x2048,
+# 1.21x at 8192x2048): none of these kinds dequantizes (QUANT_BLAS_MIN_ROWS_AVX2).
+# docs/backends.md, "The panel product on AVX2".
+QUANT_AVX2_PANEL_MIN_ROWS: dict[str, int | None] = {
+    "q5_0": 32, "q5_1": 32, "q5_k": 32, "q4_0": 128, "q6_k": 512, "q4_k": None, "q4_1": None, "wint4": None}
 QUANT_BLAS_MIN_ROWS_AVX2: dict[str, int | None] = {
     "q8_0": 512, "wint8": 512, "q4_0": None, "q4_1": None, "q5_0": None, "q5_1": None, "wint4": None,
     "q4_k": None, "q5_k": None, "q6_k": None, "q2_k": None}

@@ -231,8 +231,8 @@ def test_avx2_many_row_tiles_against_numpy_and_their_own_rows(kind):
         w.prepare()
         data, scales = w.tensors()
 
-        def product(xs, extra=0):
-            return module.fdx_quant_matmul(to_tensor(xs), data, scales, cpp.quant_code(w) | extra,
+        def product(xs, extra=0):   # the panel product off (kCodeNoPanel): tests/test_quant_panel_avx2.py
+            return module.fdx_quant_matmul(to_tensor(xs), data, scales, cpp.quant_code(w) | cpp._CODE_NO_PANEL | extra,
                                            cpp._VARIANT_CODE["avx2"], rows, cols, w.group_size).numpy()
 
         want = xq @ values.T

@@ -100,7 +100,12 @@ def test_default_path_at_many_rows_against_numpy(module, variant):
                    for m in ROW_COUNTS}
             for m, g in got.items():
                 assert np.abs(g - want[:m]).max() <= 1e-4 * np.abs(want).max(), f"{kind} {variant} {rows} M={m}"
-            assert np.array_equal(got[33], got[512][:33]), f"{kind} {variant} {rows}: 33 rows vs 512"
+            many = got[512]
+            if variant == "avx2" and kind.endswith("_k") and (cpp.QUANT_AVX2_PANEL_MIN_ROWS.get(kind) or 0) > 33:
+                # the AVX2 panel product from its threshold has other bits than OctMatmulK below it
+                many = module.fdx_quant_matmul(paddle.to_tensor(x), data, scales, cpp.quant_code(w) | cpp._CODE_NO_PANEL,
+                                               cpp._VARIANT_CODE[variant], rows, n, w.group_size).numpy()
+            assert np.array_equal(got[33], many[:33]), f"{kind} {variant} {rows}: 33 rows vs 512"
             assert np.array_equal(got[7], got[8][:7]) and np.array_equal(got[1], got[2][:1]), f"{kind} {variant}"
             if (kind.endswith("_k") or kind in ("q4_1", "q5_1") or w.interleaved and kind in ("q4_0", "wint4")) \
                     and variant == "avx512":
