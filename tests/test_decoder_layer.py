@@ -222,9 +222,9 @@ def test_decoder_stack_matches_numpy_layer_after_layer(kind):
     layers, cfg, caches, x, meta, kv = stack_case(kind, 5)
     out, res = run_stack(layers, x, meta, kv)
     want_x, want_res = x, None
-    for layer, pair, (k, v) in zip(layers, caches, kv):
+    for i, (layer, pair, (k, v)) in enumerate(zip(layers, caches, kv)):
         want_x, want_res, want_k, want_v = numpy_layer(layer, cfg, want_x, want_res, pair)
-        assert_close((k.numpy(), v.numpy()), (want_k, want_v), f"{kind} caches", 4e-3)
+        assert_close((k.numpy(), v.numpy()), (want_k, want_v), f"{kind} caches of layer {i}", 4e-3)
     assert_close((out.numpy(), res.numpy()), (want_x, want_res), kind, 4e-3)
 
 
