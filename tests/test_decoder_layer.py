@@ -183,16 +183,22 @@ def test_layers_the_fused_path_leaves_to_the_composed_one():
     assert dense.fused is None                # wint8
 
 
-def stack_case(kind: str, seed: int, num_layers: int = 2):
-    """``num_layers`` random layers (LAYERS[kind]) sharing one rotary table, their caches, x and the probes' step."""
-    import paddle
-    from fdx.ops import attention
-    rng = np.random.default_rng(seed)
+def random_layers(kind: str, rng, num_layers: int):
+    """``num_layers`` random layers (LAYERS[kind]) sharing the first one's rotary table, and their config."""
     made = [make_layer(kind, rng) for _ in range(num_layers)]
     layers, cfg = [m[0] for m in made], made[0][1]
     for layer in layers[1:]:
         layer.attn.rope = layers[0].attn.rope
         layer.weights_changed()
+    return layers, cfg
+
+
+def stack_case(kind: str, seed: int, num_layers: int = 2):
+    """``num_layers`` random layers (LAYERS[kind]) sharing one rotary table, their caches, x and the probes' step."""
+    import paddle
+    from fdx.ops import attention
+    rng = np.random.default_rng(seed)
+    layers, cfg = random_layers(kind, rng, num_layers)
     caches = [[rng.standard_normal((cfg.num_kv_heads * probes._BLOCKS * probes._BLOCK, cfg.head_dim)
                                    ).astype(np.float32) for _ in range(2)] for _ in layers]
     x = rng.standard_normal((sum(probes._QUERY_LENS), cfg.hidden_size)).astype(np.float32)
@@ -440,11 +446,7 @@ def long_step(kind: str, seed: int, num_layers: int = 2):
     from fdx.ops import attention
     from fdx.plugins.backends.attention import CpuAttention
     rng = np.random.default_rng(seed)
-    made = [make_layer(kind, rng) for _ in range(num_layers)]
-    layers, cfg = [m[0] for m in made], made[0][1]
-    for layer in layers[1:]:
-        layer.attn.rope = layers[0].attn.rope
-        layer.weights_changed()
+    layers, cfg = random_layers(kind, rng, num_layers)
     slots = 20 * LONG_BLOCK
     caches = [[rng.standard_normal((cfg.num_kv_heads * slots, cfg.head_dim)).astype(np.float32) for _ in range(2)]
               for _ in layers]

@@ -79,7 +79,8 @@ def test_release_step_heap_gives_back_a_prefills_freed_pages():
 # context and the default max_num_seqs (64: a KV cache capped at a tenth of
 # the host's memory, 2.4 GB on 24 GB) and its high-water mark, then after a
 # 512-token prompt (one step) and 8 tokens.
-CHILD = r"""
+# Every child's start: its resident set and high-water mark, fdx and Paddle imported.
+CHILD_PRELUDE = r"""
 import json, os, sys
 def rss():
     with open("/proc/self/statm") as f:
@@ -90,6 +91,8 @@ def hwm():
 import fdx            # first, as every fdx process: Paddle then imports without torch
 import paddle
 from fdx import LLM, SamplingParams
+"""
+CHILD = CHILD_PRELUDE + r"""
 from fdx.model_io.model import held_weight_bytes
 base = rss()
 llm = LLM(None, max_model_len=1024, progress=False)
@@ -119,10 +122,7 @@ AFTER_PREFILL = 12 * MiB        # measured 2 MiB (24 before release_step_heap)
 def test_loaded_model_holds_its_file_not_its_kv_reservation():
     from fdx.model_io.loader import default_model_path
     file_size = os.path.getsize(default_model_path())
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "FDX_LOG_LEVEL": "warning"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    m = json.loads(out.stdout.strip().splitlines()[-1])
+    m = _child(CHILD)
     assert m["weights"] <= file_size                      # the blocks as the file holds them, no float copy
     held = m["after"] - m["base"]
     assert held <= file_size + ABOVE_FILE, (
@@ -139,17 +139,7 @@ def test_loaded_model_holds_its_file_not_its_kv_reservation():
 # A 4096-token prefill of the embedded model (intermediate 1536: gate/up and SiLU output
 # 72 MiB float32 at 4096 rows), in one step; "unchunked" runs it with the MLP in one piece
 # (fdx.core.memory.MLP_CHUNK_BYTES past any step), as before the chunks.
-LONG_STEP_CHILD = r"""
-import json, os, sys
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-def hwm():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-import fdx
-import paddle
-from fdx import LLM, SamplingParams
+LONG_STEP_CHILD = CHILD_PRELUDE + r"""
 import fdx.core.memory as memory
 if sys.argv[1] == "unchunked":
     memory.MLP_CHUNK_BYTES = 1 << 50
@@ -170,11 +160,16 @@ print(json.dumps({"peak": hwm() - before, "kv_written": -(-(n + 8) // spec.block
 LONG_STEP_TRANSIENT = 150 * MiB
 
 
-def _long_step(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", LONG_STEP_CHILD, mode], capture_output=True, text=True,
+def _child(script: str, *args: str) -> dict:
+    """Run one of the child scripts above in a fresh process: its last line, parsed."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "FDX_LOG_LEVEL": "warning"})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _long_step(mode: str) -> dict:
+    return _child(LONG_STEP_CHILD, mode)
 
 
 @pytest.mark.slow

@@ -29,12 +29,13 @@ CODE_NO_PANEL, CODE_PANEL = cpp._CODE_NO_PANEL, cpp._CODE_PANEL
 pytestmark = pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="the panel product needs AVX-512 VNNI")
 
 
-def product(w, x: np.ndarray, flags: int = 0, invariant: bool = False) -> np.ndarray:
+def product(w, x: np.ndarray, flags: int = 0, invariant: bool = False, variant: str = "avx512") -> np.ndarray:
+    """The compiled product of build ``variant`` with the code bits ``flags`` (test_quant_panel_avx2 too)."""
     import paddle
     m = cpp._module_or_raise()
     data, scales = w.tensors()
     code = cpp.quant_code(w, invariant) | flags
-    out = m.fdx_quant_matmul(paddle.to_tensor(x), data, scales, code, cpp._VARIANT_CODE["avx512"], w.shape[0],
+    out = m.fdx_quant_matmul(paddle.to_tensor(x), data, scales, code, cpp._VARIANT_CODE[variant], w.shape[0],
                              w.shape[1], w.group_size)
     return out.numpy()
 

@@ -18,6 +18,7 @@ kCodeRowTiles the panel does not run: the old paths' bits.
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
@@ -25,7 +26,8 @@ import pytest
 
 from fdx.core.host import cpu_flags
 from fdx.ops import cpp
-from fdx.ops.probes import act_block, int8_blocks, random_quantized
+from fdx.ops.probes import act_block, int8_blocks
+from test_quant_panel import product as panel_product, weight
 
 KINDS = tuple(cpp.QUANT_AVX2_PANEL_MIN_ROWS)
 CODE_NO_PANEL, CODE_PANEL, CODE_ROW_TILES = cpp._CODE_NO_PANEL, cpp._CODE_PANEL, cpp._CODE_ROW_TILES
@@ -34,21 +36,7 @@ pytestmark = pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= set(cpu_flags()),
                                 reason="the AVX2 build needs AVX2, FMA and F16C")
 
 
-def product(w, x: np.ndarray, flags: int = 0, invariant: bool = False) -> np.ndarray:
-    import paddle
-    m = cpp._module_or_raise()
-    data, scales = w.tensors()
-    code = cpp.quant_code(w, invariant) | flags
-    out = m.fdx_quant_matmul(paddle.to_tensor(x), data, scales, code, cpp._VARIANT_CODE["avx2"], w.shape[0],
-                             w.shape[1], w.group_size)
-    return out.numpy()
-
-
-def weight(kind: str, rows: int, cols: int, interleave: bool, rng):
-    w = random_quantized(kind, rows, cols, rng)
-    if interleave:
-        assert w.repack(always=True), kind
-    return w
+product = functools.partial(panel_product, variant="avx2")
 
 
 @pytest.mark.parametrize("interleave", [False, True], ids=["plain", "interleaved"])

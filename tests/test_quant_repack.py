@@ -37,10 +37,11 @@ def _variant_ok(kind: str, variant: str) -> None:
         pytest.skip(f"{kind} {variant} does not run here: {finding}")
 
 
-def _product(module, w: quant.QuantizedTensor, x: np.ndarray, variant: str) -> np.ndarray:
+def _product(module, w: quant.QuantizedTensor, x: np.ndarray, variant: str, code: int | None = None) -> np.ndarray:
+    """The compiled product (``code``: the kernel's code bits, batch-invariant by default)."""
     import paddle
     data, scales = w.tensors()
-    code = cpp.quant_code(w, invariant=True)
+    code = cpp.quant_code(w, invariant=True) if code is None else code
     return module.fdx_quant_matmul(paddle.to_tensor(x), data, scales, code, cpp._VARIANT_CODE[variant],
                                    w.shape[0], w.shape[1], w.group_size).numpy()
 
@@ -264,15 +265,12 @@ def test_no_activation_rows_give_an_empty_product_in_every_layout_and_path(modul
     batch-invariant one and the panel forced: an empty [0, rows] result, no read of a
     row that is not there (a few-row q8_0 VNNI tile, since taken out, read its first
     row's pointer and died by SIGSEGV: test_decoder_layer's greedy q8_0 runs)."""
-    import paddle
     _variant_ok(kind, variant)
     rng = np.random.default_rng(zlib.crc32(f"{kind}/{variant}/empty".encode()))
+    x = np.zeros((0, 256), np.float32)
     for rows in (36, 38):                                   # interleaved where the kind repacks, plain
         w = random_quantized(kind, rows, 256, rng)
         w.prepare(interleave=True if kind in quant.PROBED_REPACK_KINDS else None)
-        data, scales = w.tensors()
-        x = paddle.to_tensor(np.zeros((0, 256), np.float32))
         for code in (cpp.quant_code(w), cpp.quant_code(w, invariant=True), cpp.quant_code(w) | cpp._CODE_PANEL):
-            got = module.fdx_quant_matmul(x, data, scales, code, cpp._VARIANT_CODE[variant],
-                                          w.shape[0], w.shape[1], w.group_size).numpy()
+            got = _product(module, w, x, variant, code)
             assert got.shape == (0, rows), (kind, variant, rows, code)
