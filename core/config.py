@@ -90,6 +90,8 @@ class BackendConfig(_Section):
     model_runner: str | None = None            # model runner plugin name; None: the backend's choice
     batch_invariant: bool = False              # a row's bits independent of the rest of the step
                                                # (compiled kernels; docs/backends.md "Batch invariance")
+    release_library_pages: bool = True         # before and after the model load, hand back the shared libraries'
+                                               # pages only start-up touched (Linux; docs/backends.md "Resident memory")
 
 
 class ParallelConfig(_Section):

@@ -40,6 +40,19 @@ def _takes_weight_format(cls: Any) -> bool:
         return False
 
 
+def _release_library_pages(config: FdxConfig, when: str) -> None:
+    """``backend.release_library_pages``: the shared libraries' start-up
+    pages handed back to the kernel (core/host.py), so that the weights'
+    peak does not stack on Paddle's import (issue 34 item 4)."""
+    if not config.backend.release_library_pages:
+        return
+    from fdx.core.host import release_library_pages
+    released = release_library_pages()
+    if released:
+        log.info("released %.1f MB of shared-library pages %s loading the model (backend.release_library_pages; "
+                 "a page still used is read back on its next use)", released / 1e6, when)
+
+
 def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable = REFERENCE,
                progress: bool = True, defer_tokenizer: bool = False) -> tuple[Any, Checkpoint]:
     """(model, checkpoint) for ``config.model``: the checkpoint keeps its
@@ -47,6 +60,7 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
     load_checkpoint), its weights now live in the model. A format's
     refusal of a tensor (a ValueError naming a config key) is a ConfigError."""
     fmt = weight_format(config, plugins, kernels)
+    _release_library_pages(config, "before")
     ckpt = load_checkpoint(config.model.model, progress=progress, keep_blocks=fmt.keeps_blocks,
                            defer_tokenizer=defer_tokenizer)
     arch, cls = model_class(ckpt, plugins, config)
@@ -72,6 +86,7 @@ def load_model(config: FdxConfig, plugins: PluginManager, kernels: KernelTable =
     ckpt.weights = {}
     from fdx.core.host import release_free_heap
     release_free_heap()                         # what the load freed, not kept resident
+    _release_library_pages(config, "after")
     held = held_weight_bytes(model)
     if held:
         log.info("weights (%s): %s", fmt.describe(), format_bytes(held))

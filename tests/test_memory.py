@@ -184,3 +184,44 @@ def test_a_long_steps_mlp_runs_in_row_chunks_same_tokens_lower_peak():
     assert chunked["peak"] - chunked["kv_written"] <= LONG_STEP_TRANSIENT, (
         f"{(chunked['peak'] - chunked['kv_written']) / MiB:.0f} MiB above the KV written")
     assert chunked["tokens"] == _long_step("unchunked")["tokens"]
+
+
+PAGES_CHILD = r"""
+import json, mmap, os, sys
+from fdx.core.host import release_library_pages
+def resident(path):              # this mapping's resident bytes (/proc/self/smaps)
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(path):
+            return next(int(l.split()[1]) * 1024 for l in lines[i + 1:] if l.startswith("Rss:"))
+size, maps = 16 << 20, {}
+for name in ("libprobe.so", "data.bin"):            # a shared library's name, and another file
+    path = os.path.join(sys.argv[1], name)
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    sum(m[i] for i in range(0, size, 4096))          # every page touched, as a library's start-up does
+    maps[path] = m
+lib, other = maps
+before = {p: resident(p) for p in maps}
+released = release_library_pages()
+after = {p: resident(p) for p in maps}
+same = maps[lib][:] == open(lib, "rb").read()      # read back on use
+print(json.dumps({"before": before, "after": after, "released": released, "same": same, "lib": lib, "other": other}))
+"""
+
+
+def test_release_library_pages_hands_back_a_librarys_pages_and_reads_them_back(tmp_path):
+    """backend.release_library_pages (core/host.py): the clean pages of a
+    read-only shared-library mapping that only this process maps leave its
+    resident set (what Paddle's import touched once, 165 MiB); another
+    file's mapping stays; a page is read back, the same bytes, on its next use."""
+    m = _child(PAGES_CHILD, str(tmp_path))
+    lib, other = m["lib"], m["other"]
+    assert m["before"][lib] >= 15 * MiB and m["before"][other] >= 15 * MiB
+    assert m["after"][lib] <= 1 * MiB, m["after"][lib] / MiB
+    assert m["after"][other] >= 15 * MiB                  # not a library: left alone
+    assert m["released"] >= 14 * MiB
+    assert m["same"]
