@@ -769,25 +769,29 @@ def _stack_binding() -> _Stack:
     return _stack
 
 
-def read_bandwidth(threads: int, mib: int = 128, rounds: int = 3) -> float | None:
+def read_bandwidth(threads: int, mib: int = 128, rounds: int = 3, own_process: bool = False) -> float | None:
     """GB/s at which ``threads`` of the products' OpenMP threads read ``mib`` MiB
     together (best of ``rounds``; csrc/fdx_ops.cc fdx_read_bandwidth), or None
     without the compiled kernels. Batch-1 decode reads every weight once a
     token, so its speed follows this rate, which on a VM can change from one
     minute to the next (docs/backends.md, "Batch-1 decode and memory
     bandwidth"): benchmarks record it beside their figures. The buffer
-    (four times the Zen 5's L3: 128 MiB) lives only for the call."""
+    (four times the Zen 5's L3: 128 MiB) lives only for the call;
+    ``own_process``: in a child process (ctypes and numpy, the same library),
+    so that the buffer is not on this process's resident high-water mark (a
+    benchmark's peak memory, ``/usr/bin/time``'s figure)."""
     if not available():
         return None
     _module_or_raise()
     if _library is None:
         return None
-    fn = ctypes.CDLL(str(_library)).fdx_read_bandwidth
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_double
-    import numpy as np
-    buf = np.ones(mib << 20, dtype=np.uint8)           # written: every page resident before the timing
-    return float(fn(buf.ctypes.data, buf.nbytes, threads, rounds))
+    if own_process:
+        import subprocess
+        out = subprocess.run([sys.executable, "-m", "fdx.ops.bandwidth", str(_library), str(threads), str(mib),
+                              str(rounds)], capture_output=True, text=True, timeout=120)
+        return float(out.stdout.split()[-1]) if out.returncode == 0 and out.stdout.split() else None
+    from fdx.ops.bandwidth import read_bandwidth as read
+    return read(str(_library), threads, mib, rounds)
 
 
 def _part_info(w, variant: str) -> list[int]:

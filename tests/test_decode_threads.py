@@ -16,6 +16,20 @@ def test_read_bandwidth_is_a_rate_memory_can_be_read_at(threads):
     (or timed nothing) gives 0 or a rate far above any memory's."""
     for mib in (8, 32):
         assert 0.5 < cpp.read_bandwidth(threads, mib=mib, rounds=3) < 2000
+    assert 0.5 < cpp.read_bandwidth(threads, mib=8, rounds=3, own_process=True) < 2000   # from a child
+
+
+def test_the_benchs_read_rate_buffer_is_not_on_the_callers_peak_memory():
+    """`fdx bench throughput` reads the rate from a child process: its 128 MiB
+    buffer would otherwise sit on top of the run's peak (what `/usr/bin/time`
+    reports for the run: issue 34 item 4's figure)."""
+    import resource
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss          # KiB
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    mib = (before - rss) // 1024 + 64             # more than the headroom under this process's peak
+    assert cpp.read_bandwidth(1, mib=mib, rounds=1, own_process=True) > 0.5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 16 * 1024
 
 
 def test_bench_throughput_reports_the_read_rate_around_the_run(tmp_path):

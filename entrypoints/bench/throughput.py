@@ -157,12 +157,14 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
 def memory_read_rate(eng) -> float | None:
     """GB/s at which the CPU backend's threads read memory together now
     (fdx.ops.cpp.read_bandwidth), None on another backend or without the
-    compiled kernels."""
+    compiled kernels. From a process of its own: its 128 MiB buffer is not on
+    this process's peak resident memory, which a run under ``/usr/bin/time``
+    measures (docs/benchmarks.md, "Resident memory")."""
     threads = getattr(eng.backend, "num_threads", None)
     if not threads:
         return None
     from fdx.ops import cpp
-    return cpp.read_bandwidth(threads) if cpp.loaded() else None
+    return cpp.read_bandwidth(threads, own_process=True) if cpp.loaded() else None
 
 
 def format_throughput(r: dict) -> str:
