@@ -4,8 +4,9 @@ cost a speculated step pays, against a plain one, on this machine.
 A proposer that always drafts r - 1 tokens (rejected: a step still gives one
 token) decodes one 160-token prompt with the cost gate off, one thread; per
 step: (CPU time of 80 tokens - of 16) / 64, best of ``--reps``, row counts
-alternated. The engine thread's CPU time, so other jobs on the cores do not
-count.
+alternated; a rep where a draft was kept (the model emitted the drafted token:
+fewer steps than tokens) is not counted. The engine thread's CPU time, so
+other jobs on the cores do not count.
 
     python scripts/spec_rows.py [--rows 1,2,3,4,5,6,7,8,9] [--reps 2]
 """
@@ -48,11 +49,13 @@ def main() -> None:
         for r in rows:
             Fixed.drafts = r - 1
             llm.generate([prompt], short)                # the prompt's KV in the prefix cache
+            kept = llm.engine.speculation.counters.num_accepted_tokens
             t = time.thread_time()
             llm.generate([prompt], long)
             mid = time.thread_time()
             llm.generate([prompt], short)
-            best[r] = min(best[r], ((mid - t) - (time.thread_time() - mid)) / 64)
+            if llm.engine.speculation.counters.num_accepted_tokens == kept:   # else fewer steps than tokens
+                best[r] = min(best[r], ((mid - t) - (time.thread_time() - mid)) / 64)
     print(" ".join(f"{r}: {best[r] * 1e3:.2f} ms ({best[r] / best[rows[0]]:.2f})" for r in rows))
     llm.close()
 

@@ -55,8 +55,11 @@ def best_variant(kind: str) -> str:
     return next(v for v in cpp.QUANT_VARIANTS if table.usable(cpp.quant_kernel_name(kind, v)))
 
 
-def numpy_layer(layer, cfg, x, residual, caches):
-    """(out, residual, k cache, v cache) of the probes' mixed step, in numpy."""
+def numpy_layer(layer, cfg, x, residual, caches, margins=None, flip=None):
+    """(out, residual, k cache, v cache) of the probes' mixed step, in numpy. ``margins``:
+    a list that gets, per quantized product, rounding_margin of its activations; ``flip``:
+    (product 0-3: qkv, o, gate/up, down; row, column), that activation rounded to int8 the
+    other way (the other side of the boundary it is nearest)."""
     f = layer.fused
     # each weight's parts, stacked along rows: (float32 or not, [rows, cols] float64)
     wqkv, wo, wgu, wd = ([(part_kind(p) == "f32", p.numpy().T.astype(np.float64) if part_kind(p) == "f32"
@@ -70,9 +73,24 @@ def numpy_layer(layer, cfg, x, residual, caches):
     def norm(v, w):
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
 
+    calls = iter(range(4))
+
     def prod(v, w):   # a float32 part multiplies the activations as they are, a quantized one their int8 blocks
-        return np.concatenate([(v if dense else int8_blocks(v.astype(np.float32), blk).astype(np.float64)) @ part.T
-                               for dense, part, blk in w], axis=1)
+        call = next(calls)
+
+        def blocks(blk):
+            q = int8_blocks(v.astype(np.float32), blk).astype(np.float64)
+            if margins is not None:
+                margins.append(rounding_margin(v, blk))
+            if flip is not None and flip[0] == call:
+                row, col = flip[1:]
+                b = v[row, col // blk * blk:(col // blk + 1) * blk].astype(np.float32)
+                step = float(np.abs(b).max() / np.float32(127))
+                scaled = float(v[row, col]) / step
+                q[row, col] += step * (1.0 if scaled > np.rint(scaled) else -1.0)
+            return q
+
+        return np.concatenate([(v if dense else blocks(blk)) @ part.T for dense, part, blk in w], axis=1)
 
     def rope(v, pos, w=None):   # v [heads, D] at position pos (RMS-normed per head by w first), halves rotated
         if w is not None:
@@ -112,6 +130,44 @@ def numpy_layer(layer, cfg, x, residual, caches):
     g, u = np.split(gu, 2, axis=1)
     out = prod(g / (1 + np.exp(-g)) * u, wd) + b_d
     return out, res, k_cache, v_cache
+
+
+def rounding_margin(v, block: int) -> float:
+    """How near the int8 rounding boundaries activations ``v`` [rows, cols] lie: the least
+    distance of v / step from k + 1/2, relative to v / step (step: each block's
+    max|v| / 127). The compiled paths compute an activation to a few float32 ulps of the
+    float64 layer's (the products' float sums in another order, the norms in float32); one
+    within that of a boundary may round the other way, a whole step of 1/127 of its block:
+    legitimate, and through gate/up and SiLU more than these tolerances allow."""
+    b = np.asarray(v, np.float64).reshape(len(v), -1, block)
+    scaled = np.abs(b) / np.maximum(np.abs(b).max(axis=2, keepdims=True), 1e-30) * 127
+    dist = np.abs(scaled - np.floor(scaled) - 0.5)
+    return float(np.min(np.where(scaled > 0, dist / np.maximum(scaled, 1e-30), np.inf), initial=np.inf))
+
+
+# The least rounding_margin the stack cases below take (about 8 float32 ulps): the
+# q8_0 cases of seeds 5 and 8 had one activation 2-3 ulps from a boundary, and a
+# kernel that sums its floats in another order (the few-row q8_0 VNNI tile) rounded
+# it the other way (test_near_boundary_cases_differ_by_one_rounding_flip). Over seeds
+# 0-39 of q8_0, q8_0-extras, q4_1 and mixed, the two tests below failed 1-4 seeds of a
+# q8_0 kind with that tile and 1-3 of q8_0, q8_0-extras or mixed with main's kernels
+# without it; none of the 69 seeds that keep MARGIN failed with either (2026-12-05).
+MARGIN = 1e-6
+
+
+def conditioned_stack_case(kind: str, seed: int, num_layers: int = 2):
+    """stack_case of the first of seed, seed + 1000, ... whose float64 layer chain quantizes
+    no activation within MARGIN of an int8 rounding boundary: what the stack is compared with
+    then does not depend on a flip of float32 rounding."""
+    for s in range(seed, seed + 30_000, 1000):
+        case = stack_case(kind, s, num_layers)
+        layers, cfg, caches, x = case[:4]
+        margins, want_x, want_res = [], x, None
+        for layer, pair in zip(layers, caches):
+            want_x, want_res, _, _ = numpy_layer(layer, cfg, want_x, want_res, pair, margins)
+        if min(margins, default=np.inf) >= MARGIN:
+            return case
+    raise AssertionError(f"{kind}: no seed from {seed} keeps its activations {MARGIN} from a rounding boundary")
 
 
 def random_case(kind, seed: int):
@@ -225,7 +281,7 @@ def test_decoder_stack_matches_numpy_layer_after_layer(kind):
     first's output in place) against the numpy layer run twice, the first with
     no residual: outputs and every layer's caches. Each layer adds its own int8
     rounding flips (test_fused_layer_matches_numpy): twice that margin."""
-    layers, cfg, caches, x, meta, kv = stack_case(kind, 5)
+    layers, cfg, caches, x, meta, kv = conditioned_stack_case(kind, 5)
     out, res = run_stack(layers, x, meta, kv)
     want_x, want_res = x, None
     for i, (layer, pair, (k, v)) in enumerate(zip(layers, caches, kv)):
@@ -254,7 +310,7 @@ def test_decoder_stack_matches_the_composed_layers(kind):
     """The stack against each layer's composed ops one after another (Paddle
     attention, the cpu table's products): float32 rounding apart, as
     test_fused_layer_matches_the_composed_ops."""
-    layers, cfg, caches, x, meta, kv = stack_case(kind, 8, num_layers=2)
+    layers, cfg, caches, x, meta, kv = conditioned_stack_case(kind, 8, num_layers=2)
     out, res = run_stack(layers, x, meta, kv)
     want_x, want_res = x, None
     with kernels.using(cpu_kernel_table()):
@@ -262,6 +318,33 @@ def test_decoder_stack_matches_the_composed_layers(kind):
             want_x, want_res, want_k, want_v = run_layer(layer, want_x, want_res, pair, "composed")
             assert_close((k.numpy(), v.numpy()), (want_k, want_v), f"{kind} caches", 1e-4)
     assert_close((out.numpy(), res.numpy()), (want_x, want_res), kind, 1e-4)
+
+
+@pytest.mark.parametrize("kind, seed, flip", [("q8_0-extras", 5, (2, 1, 113)), ("q8_0", 8, (3, 5, 167))],
+                         ids=["gate-up-input", "down-input"])
+def test_near_boundary_cases_differ_by_one_rounding_flip(kind, seed, flip):
+    """The q8_0 stack cases the few-row q8_0 VNNI tile failed (seed 5 against numpy, 4.7e-3
+    of the largest value; seed 8 against the composed layers, 9.2e-4) replayed: each has
+    one activation 2-3 float32 ulps from an int8 rounding boundary (the gate/up input of
+    token 1, column 113: 42.50001 steps; the down input of token 5, column 167: 24.500004),
+    and the compiled layer and the composed one each equal the float64 layer with it
+    rounded one way or the other, to float32 rounding: a legitimate flip, not a product's
+    error (a wrong row, column, scale or tail matches neither)."""
+    layers, cfg, caches, x, meta, kv = stack_case(kind, seed)
+    margins = []
+    plain = numpy_layer(layers[0], cfg, x, None, caches[0], margins)
+    assert min(margins) < MARGIN / 2, "no longer near a boundary"
+    flipped = numpy_layer(layers[0], cfg, x, None, caches[0], flip=flip)
+    scale = float(np.abs(plain[0]).max())
+    assert np.abs(plain[0] - flipped[0]).max() > 1e-4 * scale                 # the flip shows
+    got = {"fused": run_layer(layers[0], x, None, caches[0], "fused", best_variant)}
+    with kernels.using(cpu_kernel_table()):
+        got["composed"] = run_layer(layers[0], x, None, caches[0], "composed")
+    for impl, g in got.items():
+        errs = [float(np.abs(g[0] - want[0]).max()) / scale for want in (plain, flipped)]
+        assert min(errs) < 1e-5, f"{kind} seed {seed} {impl}: {errs} of the largest value from either rounding"
+        for part, a, b in zip(("residual", "k cache", "v cache"), g[1:], plain[1:]):  # before the flip: as numpy
+            assert np.abs(a - b).max() < 1e-5 * np.abs(b).max(), f"{kind} seed {seed} {impl} {part}"
 
 
 class Recorder:

@@ -263,8 +263,8 @@ def test_no_activation_rows_give_an_empty_product_in_every_layout_and_path(modul
     """A step can ask for a product of 0 rows (no row of it needs logits: the LM head of a
     chunked prefill's middle step). Every kind, both layouts, the default path, the
     batch-invariant one and the panel forced: an empty [0, rows] result, no read of a
-    row that is not there (a few-row q8_0 VNNI tile, since taken out, read its first
-    row's pointer and died by SIGSEGV: test_decoder_layer's greedy q8_0 runs)."""
+    row that is not there (the few-row q8_0 VNNI tile once read its first row's pointer
+    and died by SIGSEGV: test_decoder_layer's greedy q8_0 runs)."""
     _variant_ok(kind, variant)
     rng = np.random.default_rng(zlib.crc32(f"{kind}/{variant}/empty".encode()))
     x = np.zeros((0, 256), np.float32)
