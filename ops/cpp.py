@@ -466,10 +466,11 @@ QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
 # 24) and q4_1 (1.01-1.30x), whose kernels below take 4 weight rows a vpdpbusd already;
 # q5_0, q5_1, wint4 from the first build's figures (before the transposed decode: level at
 # 16-24). At 512 rows 1.9-3.6x them (docs/backends.md, "The panel product"). q2_k and q3_k
-# (their integer scale per 16 folded into the panel's bytes), against TileKVnni, Zen 5, 1
-# thread, CPU time, load 4-8, two runs (same command, --rows 8,16,24,32,128,512): level or
-# ahead from 24 rows (q2_k 0.99-1.27x, q3_k 1.09-1.44x; 0.67-0.93x at 16), 1.9-2.8x at 128,
-# 2.2-3.1x at 512.
+# (their integer scale per 16 folded into the panel's bytes; q2_k's mins in integers once
+# per 256), against TileKVnni, Zen 5, 1 thread, CPU time, load 2-8, two runs each (same
+# command, --rows 8,16,24,32,128,512): q3_k 0.72-0.93x at 16 rows, 1.09-1.44x at 24,
+# 2.5-2.8x at 128, 3.0-3.1x at 512; q2_k 0.92-1.01x at 16, 1.35-1.53x at 24, 2.4-2.6x at
+# 128, 2.5-2.6x at 512: from 24.
 QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q5_1": 24, "wint4": 24, "q5_k": 24,
                              "q6_k": 24, "q2_k": 24, "q3_k": 24, "q4_0": 32, "q4_1": 32}
 
