@@ -465,9 +465,14 @@ QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
 # (1.01x), 24 for q6_k (1.09-1.22x) and q5_k (1.09-1.27x), 32 for q4_0 (1.05-1.19x; 0.83-1.04x at
 # 24) and q4_1 (1.01-1.30x), whose kernels below take 4 weight rows a vpdpbusd already;
 # q5_0, q5_1, wint4 from the first build's figures (before the transposed decode: level at
-# 16-24). At 512 rows 1.9-3.6x them (docs/backends.md, "The panel product").
+# 16-24). At 512 rows 1.9-3.6x them (docs/backends.md, "The panel product"). q2_k and q3_k
+# (their integer scale per 16 folded into the panel's bytes; q2_k's mins in integers once
+# per 256), against TileKVnni, Zen 5, 1 thread, CPU time, load 2-8, two runs each (same
+# command, --rows 8,16,24,32,128,512): q3_k 0.72-0.93x at 16 rows, 1.09-1.44x at 24,
+# 2.5-2.8x at 128, 3.0-3.1x at 512; q2_k 0.92-1.01x at 16, 1.35-1.53x at 24, 2.4-2.6x at
+# 128, 2.5-2.6x at 512: from 24.
 QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q5_1": 24, "wint4": 24, "q5_k": 24,
-                             "q6_k": 24, "q4_0": 32, "q4_1": 32}
+                             "q6_k": 24, "q2_k": 24, "q3_k": 24, "q4_0": 32, "q4_1": 32}
 
 
 # The AVX2 build (an AVX2-only CPU, e.g. Zen 1-3): q8_0, q4_0, q4_1, q5_0, q5_1, wint8 and
@@ -490,7 +495,7 @@ QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q
 # (OctMatmulK): against TileDotK 1.3-3.7x at 16-512 rows; dequantize + BLAS / these at 512
 # rows, 1 thread (CPU time): q4_k 1.08-1.13x, q5_k 0.99-1.01x, q6_k 1.37-1.44x, q2_k 1.61-1.63x
 # (2.0-3.7x at 128); 2 threads (wall): 1.09-1.14x, 1.09-1.14x, 1.36-1.60x, 1.47-1.73x. q3_k
-# keeps TileDotK (0.78x at 16 rows, 1.12x from 128) and BLAS from 128.
+# has no such tile: the panel product from 16 rows (below), never dequantized.
 QUANT_AVX2_TILE_MIN_ROWS = {"q8_0": 32, "wint8": 32, "q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "wint4": 16,
                             "q4_k": 16, "q5_k": 16, "q6_k": 16, "q2_k": 16}
 # From this many activation rows the AVX2 build's integer products are the panel product
@@ -510,12 +515,19 @@ QUANT_AVX2_TILE_MIN_ROWS = {"q8_0": 32, "wint8": 32, "q4_0": 16, "q4_1": 16, "q5
 # registers (the plain -march=native build here, 4 rows a tile) 1.37-1.88x at 512 rows for
 # all of them. Dequantize + BLAS / the panel at 512 rows 0.87-1.47x (q5_k 0.87x at 2048x2048,
 # 1.21x at 8192x2048): none of these kinds dequantizes (QUANT_BLAS_MIN_ROWS_AVX2).
+# q2_k (u = q s, its scale per 16 folded in) and q3_k (u = q, a scale per 16), the same
+# build and command (--prefill q2_k,q3_k --rows 16,32,64,128,512 --iters 5), load 5-8:
+# q3_k against TileDotK (it has no OctMatmulK) 1.09-1.11x at 16 rows, 1.34-1.48x at 32,
+# 1.66-1.73x at 128, 1.68-1.70x at 512, and dequantize + BLAS / the panel 1.82x / 3.13x at 128
+# rows, 1.09x / 1.41x at 512 (2048x2048 / 8192x2048): the panel from 16 rows, never
+# dequantized (was BLAS from 128). q2_k 0.56-0.60x OctMatmulK at 16, 0.89x at 512: not taken.
 # docs/backends.md, "The panel product on AVX2".
 QUANT_AVX2_PANEL_MIN_ROWS: dict[str, int | None] = {
-    "q5_0": 32, "q5_1": 32, "q5_k": 32, "q4_0": 128, "q6_k": 512, "q4_k": None, "q4_1": None, "wint4": None}
+    "q3_k": 16, "q5_0": 32, "q5_1": 32, "q5_k": 32, "q4_0": 128, "q6_k": 512, "q4_k": None, "q4_1": None,
+    "wint4": None, "q2_k": None}
 QUANT_BLAS_MIN_ROWS_AVX2: dict[str, int | None] = {
     "q8_0": 512, "wint8": 512, "q4_0": None, "q4_1": None, "q5_0": None, "q5_1": None, "wint4": None,
-    "q4_k": None, "q5_k": None, "q6_k": None, "q2_k": None}
+    "q4_k": None, "q5_k": None, "q6_k": None, "q2_k": None, "q3_k": None}
 
 
 def quant_blas_min_rows(kind: str, variant: str) -> int | None:

@@ -1,5 +1,6 @@
 """The panel product (ops/csrc/panel_gemm.inc): many activation rows against a
-quantized weight with AVX-512 VNNI, every kind but q2_k/q3_k, both layouts.
+quantized weight with AVX-512 VNNI, every kind (q2_k and q3_k with their scale per 16
+folded into the panel's bytes), both layouts.
 
 Reference: the weight dequantized by ``QuantizedTensor.dequantize`` (gguf's
 dequantizer; wint8/4 in numpy) times x quantized as the kernels quantize it
@@ -23,7 +24,7 @@ from fdx.core.host import cpu_flags
 from fdx.ops import cpp
 from fdx.ops.probes import act_block, int8_blocks, random_quantized
 
-KINDS = tuple(k for k in cpp.QUANT_KINDS if k not in ("q2_k", "q3_k"))
+KINDS = cpp.QUANT_KINDS
 CODE_NO_PANEL, CODE_PANEL = cpp._CODE_NO_PANEL, cpp._CODE_PANEL
 
 pytestmark = pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="the panel product needs AVX-512 VNNI")
@@ -74,7 +75,7 @@ def test_the_panel_matches_float64_and_runs_from_its_threshold(kind, interleave)
                 np.testing.assert_array_equal(got, product(w, x, CODE_NO_PANEL), err_msg=what)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k", "q6_k", "q4_1", "wint8"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k", "q6_k", "q4_1", "wint8", "q2_k", "q3_k"])
 def test_a_row_is_the_same_alone_as_among_512_under_batch_invariant(kind):
     rng = np.random.default_rng(zlib.crc32(f"panel-invariant/{kind}".encode()))
     w = weight(kind, 48, 512, False, rng)

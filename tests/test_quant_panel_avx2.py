@@ -1,5 +1,5 @@
 """The AVX2 build's panel product (ops/csrc/panel_gemm_avx2.inc): many activation rows
-against a quantized weight with maddubs, the 4- to 6-bit kinds, both layouts; called in
+against a quantized weight with maddubs, the 4- to 6-bit kinds and q2_k/q3_k, both layouts; called in
 the AVX2 variant explicitly (what an AVX2-only CPU runs).
 
 Reference: the weight dequantized by ``QuantizedTensor.dequantize`` (gguf's
@@ -72,7 +72,7 @@ def test_the_avx2_panel_matches_float64_and_runs_from_its_threshold(kind, interl
                 np.testing.assert_array_equal(got, product(w, x, CODE_NO_PANEL), err_msg=what)
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q6_k", "q5_k"])
+@pytest.mark.parametrize("kind", ["q4_0", "q6_k", "q5_k", "q3_k"])
 def test_batch_invariant_and_row_tiles_keep_the_old_paths(kind):
     rng = np.random.default_rng(zlib.crc32(f"panel-avx2-invariant/{kind}".encode()))
     w = weight(kind, 48, 512, False, rng)
@@ -88,5 +88,5 @@ def test_batch_invariant_and_row_tiles_keep_the_old_paths(kind):
 
 
 def test_the_avx2_panel_thresholds_cover_the_kinds_it_takes():
-    assert set(KINDS) <= set(cpp.QUANT_KINDS) and not {"q8_0", "wint8", "q2_k", "q3_k"} & set(KINDS)
+    assert set(KINDS) <= set(cpp.QUANT_KINDS) and not {"q8_0", "wint8"} & set(KINDS)
     assert all(n is None or 1 <= n <= 512 for n in cpp.QUANT_AVX2_PANEL_MIN_ROWS.values())
