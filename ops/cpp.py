@@ -517,14 +517,18 @@ QUANT_AVX2_TILE_MIN_ROWS = {"q8_0": 32, "wint8": 32, "q4_0": 16, "q4_1": 16, "q5
 # 1.15-1.26x at 24, 1.19-1.25x at 32, 1.40-1.54x from 128. Dequantize + BLAS / the panel at 512
 # rows: q8_0 1.11-1.13x (2048x2048) and 1.18-1.19x (8192x2048), wint8 0.86-0.87x and 1.18-1.32x;
 # summed over a SmolLM2-1.7B layer's products (4 of 2048x2048, 3 of 8192x2048's size) q8_0
-# 1.17x, wint8 1.10-1.20x; 2 threads (wall, loaded) q8_0 1.07-1.30x, wint8 0.84-0.85x / 1.21-1.23x:
-# neither dequantizes any more (it did from 512 rows: 0.59-0.81x OctMatmul there).
+# 1.17x, wint8 1.10-1.20x; 2 threads (wall, loaded) q8_0 1.07-1.30x, wint8 0.84-0.85x / 1.21-1.23x.
+# Further up the dequantize is spread over more rows and the BLAS takes over (--rows
+# 768,1024,1536,2048 --iters 3, 1 thread): q8_0 1.04x / 1.31x at 768 rows (that layer summed
+# 1.24x), 0.80x / 0.97x at 1024 (0.93x), 0.88-0.89x at 2048; wint8 0.82x / 1.02x at 768 (0.97x),
+# 0.82x / 0.99x at 1024, 0.80x / 0.96x at 2048. So q8_0 dequantizes from 1024 rows, wint8 from 768
+# (were 512: 0.59-0.81x OctMatmul there); a 512-token prompt runs the panel.
 # docs/backends.md, "The panel product on AVX2".
 QUANT_AVX2_PANEL_MIN_ROWS: dict[str, int | None] = {
     "q8_0": 16, "wint8": 24,
     "q5_0": 32, "q5_1": 32, "q5_k": 32, "q4_0": 128, "q6_k": 512, "q4_k": None, "q4_1": None, "wint4": None}
 QUANT_BLAS_MIN_ROWS_AVX2: dict[str, int | None] = {
-    "q8_0": None, "wint8": None, "q4_0": None, "q4_1": None, "q5_0": None, "q5_1": None, "wint4": None,
+    "q8_0": 1024, "wint8": 768, "q4_0": None, "q4_1": None, "q5_0": None, "q5_1": None, "wint4": None,
     "q4_k": None, "q5_k": None, "q6_k": None, "q2_k": None}
 
 
