@@ -1,6 +1,6 @@
 """The AVX2 build's panel product (ops/csrc/panel_gemm_avx2.inc): many activation rows
-against a quantized weight with maddubs, the 4- to 6-bit kinds, both layouts; called in
-the AVX2 variant explicitly (what an AVX2-only CPU runs).
+against a quantized weight with maddubs, the 4- to 6-bit kinds and q8_0/wint8 (the sign
+trick), both layouts; called in the AVX2 variant explicitly (what an AVX2-only CPU runs).
 
 Reference: the weight dequantized by ``QuantizedTensor.dequantize`` (gguf's
 dequantizer; wint4 in numpy) times x quantized as the kernels quantize it
@@ -15,6 +15,10 @@ checked; that kCodePanel reaches the panel shows at 1 row, where the row tiles t
 another order); one row below the threshold the
 default call is the kCodeNoPanel one. Under backend.batch_invariant (kCodeInvariant) and
 kCodeRowTiles the panel does not run: the old paths' bits.
+
+q8_0 and wint8 also with weights of -128 and 127 against activation rows quantized to
++-127 of one sign (the largest pair sums maddubs sees), where a kernel that saturates its
+int16 sums fails (checked with one that adds two groups in int16).
 """
 from __future__ import annotations
 
