@@ -486,7 +486,8 @@ QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q
 # kinds, 0.99-1.15x at 32 and 1.06-1.16x from 128 for q8_0 and wint8; dequantize + BLAS /
 # the tiles, 1 thread, at 128 rows 0.92-1.10x (2048x2048) and 2.0-2.3x (8192x2048), at 512 0.73-0.84x and
 # 1.02-1.18x (a SmolLM2-1.7B layer's products summed: about 1.09x for q4_0) for the 4- and
-# 5-bit kinds; q8_0 and wint8 0.59-0.81x at 512 (BLAS from 512), 0.78-1.67x at 128. 2
+# 5-bit kinds; q8_0 and wint8 0.59-0.81x at 512 (BLAS from 512 until their panel, below),
+# 0.78-1.67x at 128. 2
 # threads (wall time on the 2 loaded cores: single figures moved 2x, ratios less): the
 # 4- and 5-bit kinds 1.07-1.79x at 512 rows, 1.3-2.9x at 128; q8_0, wint8 0.75-0.90x at 512.
 # (Here the AVX2 build compiles with -march=native of an AVX-512 CPU: GCC may give it 32
@@ -501,11 +502,11 @@ QUANT_AVX2_TILE_MIN_ROWS = {"q8_0": 32, "wint8": 32, "q4_0": 16, "q4_1": 16, "q5
 # From this many activation rows the AVX2 build's integer products are the panel product
 # (csrc/panel_gemm_avx2.inc, = kPanelMinRows there; not under backend.batch_invariant): per
 # 8 weight rows decoded once a call into unsigned bytes, one maddubs microkernel over all the
-# activation rows, 3 at a time. The 4- to 6-bit kinds (q8_0, wint8: their quants reach 255,
-# the int16 sums would saturate; they keep OctMatmul). None: only with kCodePanel (tests,
-# bench_kernels --force-panel). Measured on the Zen 5 with the AVX2 build compiled for 16
-# vector registers as on an AVX2 CPU (-march=znver3 in place of -march=native, which here
-# gives the AVX2 build 32), MKL held to AVX2, 1 thread, CPU time, load 10-12, 2048x2048 and
+# activation rows, 3 at a time; q8_0 and wint8 (quants -128..127) with the sign trick (|w| the
+# unsigned operand, x with w's sign: exact pair sums, widened every group), 6 rows at a time.
+# None: only with kCodePanel (tests, bench_kernels --force-panel). Measured on the Zen 5 with
+# the AVX2 build compiled for 16 vector registers as on an AVX2 CPU (-march=znver3 in place of
+# -march=native, which here gives the AVX2 build 32), MKL held to AVX2, 1 thread, CPU time, load 10-12, 2048x2048 and
 # 8192x2048, the panel at every row count against OctMatmul/OctMatmulK (python -m
 # fdx.plugins.backends.bench_kernels --prefill KINDS --variant avx2 --rows 32,128,512 --iters
 # 3 --threads 1 --cpu-time --force-panel): q5_0 1.14-1.17x at 32 rows, 1.43-1.47x at 512; q5_1
@@ -521,12 +522,25 @@ QUANT_AVX2_TILE_MIN_ROWS = {"q8_0": 32, "wint8": 32, "q4_0": 16, "q4_1": 16, "q5
 # 1.66-1.73x at 128, 1.68-1.70x at 512, and dequantize + BLAS / the panel 1.82x / 3.13x at 128
 # rows, 1.09x / 1.41x at 512 (2048x2048 / 8192x2048): the panel from 16 rows, never
 # dequantized (was BLAS from 128). q2_k 0.56-0.60x OctMatmulK at 16, 0.89x at 512: not taken.
+# q8_0 and wint8, same build and command (--rows 16,32,128,512, load 3-6), the panel / the
+# kernels below it (the row tiles below 32, OctMatmul from there), three runs: q8_0 1.07-1.12x
+# at 16 rows, 1.28-1.39x at 24, 1.14-1.23x at 32, 1.38-1.54x from 128; wint8 0.95-1.11x at 16,
+# 1.15-1.26x at 24, 1.19-1.25x at 32, 1.40-1.54x from 128. Dequantize + BLAS / the panel at 512
+# rows: q8_0 1.11-1.13x (2048x2048) and 1.18-1.19x (8192x2048), wint8 0.86-0.87x and 1.18-1.32x;
+# summed over a SmolLM2-1.7B layer's products (4 of 2048x2048, 3 of 8192x2048's size) q8_0
+# 1.17x, wint8 1.10-1.20x; 2 threads (wall, loaded) q8_0 1.07-1.30x, wint8 0.84-0.85x / 1.21-1.23x.
+# Further up the dequantize is spread over more rows and the BLAS takes over (--rows
+# 768,1024,1536,2048 --iters 3, 1 thread): q8_0 1.04x / 1.31x at 768 rows (that layer summed
+# 1.24x), 0.80x / 0.97x at 1024 (0.93x), 0.88-0.89x at 2048; wint8 0.82x / 1.02x at 768 (0.97x),
+# 0.82x / 0.99x at 1024, 0.80x / 0.96x at 2048. So q8_0 dequantizes from 1024 rows, wint8 from 768
+# (were 512: 0.59-0.81x OctMatmul there); a 512-token prompt runs the panel.
 # docs/backends.md, "The panel product on AVX2".
 QUANT_AVX2_PANEL_MIN_ROWS: dict[str, int | None] = {
-    "q3_k": 16, "q5_0": 32, "q5_1": 32, "q5_k": 32, "q4_0": 128, "q6_k": 512, "q4_k": None, "q4_1": None,
-    "wint4": None, "q2_k": None}
+    "q8_0": 16, "wint8": 24, "q3_k": 16,
+    "q5_0": 32, "q5_1": 32, "q5_k": 32, "q4_0": 128, "q6_k": 512, "q4_k": None, "q4_1": None, "wint4": None,
+    "q2_k": None}
 QUANT_BLAS_MIN_ROWS_AVX2: dict[str, int | None] = {
-    "q8_0": 512, "wint8": 512, "q4_0": None, "q4_1": None, "q5_0": None, "q5_1": None, "wint4": None,
+    "q8_0": 1024, "wint8": 768, "q4_0": None, "q4_1": None, "q5_0": None, "q5_1": None, "wint4": None,
     "q4_k": None, "q5_k": None, "q6_k": None, "q2_k": None, "q3_k": None}
 
 

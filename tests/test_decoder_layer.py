@@ -586,7 +586,7 @@ def test_the_port_takes_a_prefill_of_many_rows_with_the_composed_bits(kind):
 
 def test_the_port_composes_a_step_whose_products_would_be_dequantized(monkeypatch):
     """Where the composed product of a layer's kind is dequantize + BLAS from some row count
-    (cpp.quant_blas_min_rows: AVX2's q8_0 from 512), the stack and the one-layer call leave a
+    (cpp.quant_blas_min_rows: AVX2's q8_0 from 1024), the stack and the one-layer call leave a
     step of that many rows to the composed layers (which keep that product), and take one
     row fewer."""
     import paddle

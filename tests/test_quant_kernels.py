@@ -255,9 +255,9 @@ def test_avx2_many_row_tiles_against_numpy_and_their_own_rows(kind):
 
 
 def test_avx2_switch_points():
-    """The AVX2 build dequantizes for BLAS only where measured slower (q8_0, wint8
-    from 512 rows); its tiled kinds (q3_k: the panel product, no tile of its own) start
-    below QUANT_BLAS_MIN_ROWS."""
+    """The AVX2 build dequantizes for BLAS only where measured slower (q8_0 and wint8,
+    past their panel product, from 1024 and 768 rows); its tiled kinds (q3_k: the panel
+    product, no tile of its own) start below QUANT_BLAS_MIN_ROWS."""
     for kind in cpp.QUANT_KINDS:
         blas = cpp.quant_blas_min_rows(kind, "avx2")
         tile = cpp.QUANT_AVX2_TILE_MIN_ROWS.get(kind) or cpp.QUANT_AVX2_PANEL_MIN_ROWS.get(kind)
@@ -265,6 +265,7 @@ def test_avx2_switch_points():
             assert blas == cpp.QUANT_BLAS_MIN_ROWS, kind
         else:
             assert tile < cpp.QUANT_BLAS_MIN_ROWS and (blas is None or blas > tile), kind
-    assert cpp.quant_blas_min_rows("q4_0", "avx2") is None and cpp.quant_blas_min_rows("q8_0", "avx2") == 512
+    assert cpp.quant_blas_min_rows("q4_0", "avx2") is None and cpp.quant_blas_min_rows("q8_0", "avx2") == 1024
+    assert cpp.quant_blas_min_rows("wint8", "avx2") == 768 > 512 > cpp.QUANT_AVX2_PANEL_MIN_ROWS["wint8"]
     assert cpp.quant_blas_min_rows("q4_k", "avx2") is None and cpp.quant_blas_min_rows("q3_k", "avx2") is None
     assert cpp.quant_blas_min_rows("q4_0", "portable") == cpp.QUANT_BLAS_MIN_ROWS
