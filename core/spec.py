@@ -231,9 +231,12 @@ class CostGate:
         if was != choice:
             self.decided[b] = choice
             lo, hi = 2 ** (b - 1), 2 ** b - 1
+            # at batch 1 (on) the engine lets each draft run to k, cut by its class (Speculation.begin_step)
+            batch_1 = (f"; at batch 1 each draft may run to k={k}, cut by its class's kept-rates"
+                       if choice and b == 1 and choice < k else "")
             (log.info if was is None or bool(was) != bool(choice) else log.debug)("speculation cost gate: %s at %d-%d decoding requests (a speculated step costs %.2fx a "
-                     "plain one per request at k=%d; expected %.2f tokens a request a step: %.2fx)",
-                     f"k={choice}" if choice else "off", lo, hi, cost, max(best, 1), gain * cost, gain)
+                     "plain one per request at k=%d; expected %.2f tokens a request a step: %.2fx%s)",
+                     f"k={choice}" if choice else "off", lo, hi, cost, max(best, 1), gain * cost, gain, batch_1)
         if choice:
             self.since[b] = 0
             # on: now and then a plain step keeps the plain time current (the load may change), and

@@ -6,6 +6,7 @@ logprobs, stops, seeded sampling) and on the embedded default model."""
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import types
 
@@ -82,7 +83,10 @@ def test_suffix_draft_class_is_the_match_length_and_whether_it_was_unambiguous()
     from fdx.plugins.spec.suffix import SuffixProposer
     cfg = FdxConfig.build(speculative_config={"method": "suffix", "num_speculative_tokens": 4,
                                               "suffix_decoding_max_cached_requests": 0})
-    p = SuffixProposer(cfg, 100)
+    from fdx.core.interfaces import BuildContext
+    from fdx.core.plugins import get_plugin_manager, make_plugin
+    p = make_plugin(BuildContext(cfg, get_plugin_manager(), "proposer", "suffix", vocab_size=100), "speculative.method",
+                    cls=SuffixProposer)            # as the engine builds it (core/spec.py)
     p.add_request("a", [])
     assert p.propose("a", [1, 2, 3, 4, 5, 6, 1, 2, 3], 4) == [4, 5, 6]   # one earlier occurrence: sure
     assert p.draft_class("a") == 2 + 5                                     # a 3-token match
@@ -175,6 +179,21 @@ def test_cost_gate_at_batch_1_is_not_turned_off_by_a_slow_first_try():
     gains = {k: _true_gain(k, 0.3) for k in range(1, 5)}
     assert gate.decided[gate.bucket(1)] == max(gains, key=gains.get)
     assert sum(k > 0 for k in ks[-100:]) >= 95
+
+
+def test_cost_gate_log_says_batch_1_drafts_run_to_k(caplog):
+    """At batch 1 the gate's k' is the best for the average draft, but the
+    engine lets each draft run to k cut by its class (Speculation.begin_step):
+    the decision's log line says so, where a bare 'k=2' read as a cap."""
+    with caplog.at_level(logging.INFO, logger="fdx.spec"):
+        gate, _, _ = _gate_run(1, 0.3)
+    assert 0 < gate.decided[gate.bucket(1)] < 4
+    line = next(r.getMessage() for r in caplog.records if "cost gate: k=" in r.getMessage())
+    assert "at batch 1 each draft may run to k=4, cut by its class" in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fdx.spec"):
+        _gate_run(8, 0.3)
+    assert not any("at batch 1" in r.getMessage() for r in caplog.records)
 
 
 def test_draft_record_cuts_where_a_row_stops_paying():
@@ -678,3 +697,25 @@ def test_bench_workload_answers_stop_at_eos_unless_ignore_eos(tmp_path):
     assert short["ignore_eos"] is False and 2 <= short["output_tokens"] < 2 * 48
     assert full["ignore_eos"] is True and full["output_tokens"] == 2 * 48
     assert 0 < short["decode_output_tokens"] <= short["output_tokens"] - 2   # the first tokens come from prefill
+
+
+def test_bench_throughput_with_speculation_says_why_outputs_differ_only_where_they_may(tiny, capsys):
+    """`fdx bench throughput --speculative-config ...` runs speculation off and
+    on in one engine and compares the outputs: where they differ without
+    --batch-invariant it says that is expected (a near tie); under it, where
+    they must be equal, it says nothing of the kind."""
+    from fdx.entrypoints.bench.throughput import format_throughput
+    from fdx.entrypoints.cli import main
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    for invariant in (False, True):
+        argv = ["bench", "throughput", "--model", tiny, "--num-requests", "2", "--input-len", "24",
+                "--output-len", "8", "--max-model-len", "64", "--speculative-config", spec, "--json"]
+        assert main(argv + (["--batch-invariant"] if invariant else [])) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert r["batch_invariant"] is invariant
+        if invariant:
+            assert r["outputs_equal"]                       # lossless, bitwise, under the switch
+        for equal in (True, False):
+            text = format_throughput({**r, "outputs_equal": equal})
+            said = "expected without --batch-invariant" in text
+            assert said == (not equal and not invariant), text

@@ -204,7 +204,10 @@ def format_throughput(r: dict) -> str:
         b = r["baseline"]
         lines.append(f"  without speculation (same run): output {b['output_tokens_per_s']:.1f} tok/s; "
                      f"speculation {r['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x, outputs "
-                     f"{'equal' if r['outputs_equal'] else 'DIFFERENT'}")
+                     f"{'equal' if r['outputs_equal'] else 'DIFFERENT'}"
+                     + ("" if r["outputs_equal"] or r.get("batch_invariant", True) else
+                        " (expected without --batch-invariant: the rows a step scores move a quantized product's "
+                        "last bits, and a near tie can take the other token; docs/speculative.md)"))
         if len(r.get("ratios", ())) > 1:
             q = sorted(r["ratios"])
             lines.append(f"  rounds           {len(q)} (off, on) alternating: speculation median "
