@@ -421,19 +421,27 @@ def test_pickle_sent_to_the_api_socket_is_rejected(server):
     assert r.status_code == 200
 
 
+def _log_still(path, quiet_s: float = 0.3) -> bool:
+    """Whether ``path`` did not grow for ``quiet_s`` seconds."""
+    size = path.stat().st_size
+    time.sleep(quiet_s)
+    return path.stat().st_size == size
+
+
 def test_sigusr1_writes_every_threads_stack_and_serving_goes_on(server):
     """kill -USR1 to the API process and to the engine: each writes its
     threads' Python stacks to the server's log (the engine's step loop and
     heartbeat thread among them), and both go on serving."""
-    start = len(server.log_path.read_text())
     engine = server.engine_pid()
-    for pid in (server.proc.pid, engine):
+    # one process at a time: both write to the server's log in small unbuffered pieces, so two
+    # dumps at once interleave mid-line (a CI run saw "in " and "engine_main" 300 bytes apart)
+    # the API process's main thread (run_server), then the engine's (engine_main, its step loop)
+    for pid, wanted in ((server.proc.pid, ("in run_server",)), (engine, ("in engine_main", "engine_proc.py"))):
+        start = len(server.log_path.read_text())
         os.kill(pid, signal.SIGUSR1)
-    # the API process's main thread (run_server) and the engine's (engine_main, its step loop)
-    def both() -> bool:
-        stacks = server.log_path.read_text()[start:]
-        return "in run_server" in stacks and "in engine_main" in stacks and "engine_proc.py" in stacks
-    wait_for(both, what="the stacks of both processes in the log")
+        wait_for(lambda start=start, wanted=wanted: all(w in server.log_path.read_text()[start:] for w in wanted),
+                 what=f"the stacks of process {pid} in the log")
+        wait_for(lambda: _log_still(server.log_path), what=f"the end of process {pid}'s dump")
     r = httpx.post(server.base_url + "/v1/completions", headers=HEADERS,
                    json={"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and server.proc.poll() is None and pid_alive(engine)
