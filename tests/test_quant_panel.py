@@ -41,6 +41,34 @@ def product(w, x: np.ndarray, flags: int = 0, invariant: bool = False, variant: 
     return out.numpy()
 
 
+def panel_and_default(w, x: np.ndarray, values: np.ndarray, blk: int, what: str, variant: str = "avx512"):
+    """The product of ``x`` with the panel forced (kCodePanel) and by default, each checked
+    against float64 (``values``: the dequantized weight; x quantized per ``blk`` as the
+    kernels quantize it) to 1e-4 of the largest output: (default, forced, float64, that
+    largest output) (test_quant_panel_avx2 too)."""
+    want = int8_blocks(x, blk).astype(np.float64) @ values.T
+    scale = np.abs(want).max()
+    forced = product(w, x, CODE_PANEL, variant=variant)
+    assert np.abs(forced - want).max() <= 1e-4 * scale, what
+    got = product(w, x, variant=variant)
+    assert np.abs(got - want).max() <= 1e-4 * scale, what
+    return got, forced, want, scale
+
+
+def invariant_rows(kind: str, label: str, variant: str = "avx512"):
+    """A 48 x 512 weight of ``kind`` and 512 activation rows (seeded by ``label``): under
+    backend.batch_invariant rows 0, 17 and 511 alone equal themselves among the 512,
+    bitwise; (the weight, the rows, the 512 rows' invariant product) (test_quant_panel_avx2 too)."""
+    rng = np.random.default_rng(zlib.crc32(f"{label}/{kind}".encode()))
+    w = weight(kind, 48, 512, False, rng)
+    x = rng.standard_normal((512, 512)).astype(np.float32)
+    many = product(w, x, invariant=True, variant=variant)
+    for i in (0, 17, 511):
+        np.testing.assert_array_equal(product(w, x[i:i + 1], invariant=True, variant=variant)[0], many[i],
+                                      err_msg=f"{kind} row {i}")
+    return w, x, many
+
+
 def weight(kind: str, rows: int, cols: int, interleave: bool, rng):
     w = random_quantized(kind, rows, cols, rng)
     if interleave:
@@ -59,13 +87,8 @@ def test_the_panel_matches_float64_and_runs_from_its_threshold(kind, interleave)
         values = w.dequantize().astype(np.float64)
         for m in sorted({1, 16, 17, 33, 64, 512, threshold - 1, threshold}):
             x = rng.standard_normal((m, cols)).astype(np.float32)
-            want = int8_blocks(x, blk).astype(np.float64) @ values.T
-            scale = np.abs(want).max()
-            forced = product(w, x, CODE_PANEL)
             what = f"{kind} {'interleaved' if interleave else 'plain'} M={m} {rows}x{cols}"
-            assert np.abs(forced - want).max() <= 1e-4 * scale, what
-            got = product(w, x)
-            assert np.abs(got - want).max() <= 1e-4 * scale, what
+            got, forced, want, scale = panel_and_default(w, x, values, blk, what)
             if m >= threshold:
                 np.testing.assert_array_equal(got, forced, err_msg=what)        # the panel ran
                 old = product(w, x, CODE_NO_PANEL)
@@ -77,12 +100,7 @@ def test_the_panel_matches_float64_and_runs_from_its_threshold(kind, interleave)
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k", "q6_k", "q4_1", "wint8", "q2_k", "q3_k"])
 def test_a_row_is_the_same_alone_as_among_512_under_batch_invariant(kind):
-    rng = np.random.default_rng(zlib.crc32(f"panel-invariant/{kind}".encode()))
-    w = weight(kind, 48, 512, False, rng)
-    x = rng.standard_normal((512, 512)).astype(np.float32)
-    many = product(w, x, invariant=True)
-    for i in (0, 17, 511):
-        np.testing.assert_array_equal(product(w, x[i:i + 1], invariant=True)[0], many[i], err_msg=f"{kind} row {i}")
+    w, x, many = invariant_rows(kind, "panel-invariant")
     assert not np.array_equal(many, product(w, x)), kind   # the default path (the panel) is another order
 
 

@@ -32,7 +32,7 @@ import pytest
 from fdx.core.host import cpu_flags
 from fdx.ops import cpp
 from fdx.ops.probes import act_block, int8_blocks, random_quantized
-from test_quant_panel import product as panel_product, weight
+from test_quant_panel import invariant_rows, panel_and_default, product as panel_product, weight
 
 KINDS = tuple(cpp.QUANT_AVX2_PANEL_MIN_ROWS)
 CODE_NO_PANEL, CODE_PANEL, CODE_ROW_TILES = cpp._CODE_NO_PANEL, cpp._CODE_PANEL, cpp._CODE_ROW_TILES
@@ -56,13 +56,8 @@ def test_the_avx2_panel_matches_float64_and_runs_from_its_threshold(kind, interl
         values = w.dequantize().astype(np.float64)
         for m in sorted({1, 16, 17, 33, 64, 512} | ({threshold - 1, threshold} if threshold <= 512 else set())):
             x = rng.standard_normal((m, cols)).astype(np.float32)
-            want = int8_blocks(x, blk).astype(np.float64) @ values.T
-            scale = np.abs(want).max()
-            forced = product(w, x, CODE_PANEL)
             what = f"{kind} {'interleaved' if interleave else 'plain'} M={m} {rows}x{cols}"
-            assert np.abs(forced - want).max() <= 1e-4 * scale, what
-            got = product(w, x)
-            assert np.abs(got - want).max() <= 1e-4 * scale, what
+            got, forced, want, scale = panel_and_default(w, x, values, blk, what, variant="avx2")
             if m >= threshold:
                 np.testing.assert_array_equal(got, forced, err_msg=what)        # the panel ran
                 old = product(w, x, CODE_NO_PANEL)
@@ -81,12 +76,7 @@ def test_the_avx2_panel_matches_float64_and_runs_from_its_threshold(kind, interl
 
 @pytest.mark.parametrize("kind", ["q4_0", "q6_k", "q5_k", "q3_k", "q8_0", "wint8"])
 def test_batch_invariant_and_row_tiles_keep_the_old_paths(kind):
-    rng = np.random.default_rng(zlib.crc32(f"panel-avx2-invariant/{kind}".encode()))
-    w = weight(kind, 48, 512, False, rng)
-    x = rng.standard_normal((512, 512)).astype(np.float32)
-    many = product(w, x, invariant=True)
-    for i in (0, 17, 511):
-        np.testing.assert_array_equal(product(w, x[i:i + 1], invariant=True)[0], many[i], err_msg=f"{kind} row {i}")
+    w, x, many = invariant_rows(kind, "panel-avx2-invariant", variant="avx2")
     panel = product(w, x)
     assert not np.array_equal(many, panel), kind   # the default path (the panel) is another order
     # kCodeRowTiles: the row tiles, with or without kCodePanel
