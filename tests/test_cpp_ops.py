@@ -326,7 +326,7 @@ def _attention_case(specs, h=9, kvh=3, d=64, bs=16, num_blocks=240, seed=11):
     return k, v, tables
 
 
-def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16):
+def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16, invariant=True):
     info, at = [], 0
     for ql, cl in specs:
         info.append([at, ql, cl, at])
@@ -335,9 +335,29 @@ def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16):
     try:
         return cpp.paged_attention(t(q), t(k), t(v), paddle.to_tensor(np.array(info, np.int32)),
                                    paddle.to_tensor(np.ascontiguousarray(tables)), 0.125, kvh, bs, at,
-                                   invariant=True).numpy()
+                                   invariant=invariant).numpy()
     finally:
         paddle.base.core.set_num_threads(2)
+
+
+@pytest.mark.parametrize("h, kvh, d", [(9, 3, 64), (8, 2, 128)])
+def test_default_attention_gives_a_batch_1_verify_row_its_decode_rows_bits(impl, h, kvh, d):
+    """Issue 37: in the default mode (not backend.batch_invariant) a step of one
+    sequence and T <= 16 query tokens (a speculative step's k + 1 verified rows)
+    gives each row the bits a one-token step at its position gives (a decode
+    step), on 1 and 2 threads, so greedy speculation at batch 1 keeps decoding's
+    tokens. (Before, such a step ran the prefill tiles and a decode row the
+    split over the threads: other last bits.)"""
+    ctx = 300                                           # several parts of keys, split over the threads
+    k, v, tables = _attention_case([None] * 2, h=h, kvh=kvh, d=d)
+    q = np.random.default_rng(13).standard_normal((16, h, d)).astype(np.float32)
+    for threads in (1, 2):
+        decode = [_invariant_attention(q[t:t + 1], k, v, [(1, ctx + t)], tables[:1], threads, h, kvh,
+                                       invariant=False)[0] for t in range(16)]
+        for rows in (2, 9, 16):
+            got = _invariant_attention(q[:rows], k, v, [(rows, ctx)], tables[:1], threads, h, kvh, invariant=False)
+            for t in range(rows):
+                assert np.array_equal(got[t], decode[t]), f"row {t} of {rows}, head_dim {d}, {threads} threads"
 
 
 @pytest.mark.slow

@@ -526,6 +526,32 @@ def test_default_model_greedy_equal(quantization, method):
     assert accepted > 0, method
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization, method", [("auto", "ngram"), ("auto", "suffix"), ("none", "ngram")])
+def test_default_model_batch_1_greedy_equal_in_the_default_mode(quantization, method):
+    """Issue 37's speed configuration, bitwise: the embedded model at batch 1
+    in the default mode (not batch_invariant), the shipped grounded workload
+    (the prompts `fdx bench throughput --workload grounded` runs), k=8 with
+    the cost gate on, as the benchmark runs it. A verified row has the bits of
+    its decode row (the products below 12 rows and the one-sequence attention
+    step give a row the same bits at any row count), so the answers equal
+    those of the prompts opted out of speculation, token for token. The cache
+    is the paged one (no prefix hits), so both sides prefill the same rows."""
+    from fdx.entrypoints.bench.throughput import workload_prompts
+    with LLM(max_model_len=1024, num_kv_blocks=160, block_size=16, quantization=quantization, progress=False,
+             max_num_seqs=1, speculative_config={"method": method, "num_speculative_tokens": 8}) as llm:
+        prompts = [{"prompt_token_ids": p} for p in workload_prompts(llm, "grounded")]
+        prompts = prompts if quantization == "auto" else prompts[:4]      # float32: 3x the time a token
+        sp = SamplingParams(temperature=0.0, max_tokens=64)
+        off = SamplingParams(temperature=0.0, max_tokens=64, extra_args=OPT_OUT)
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, off)]
+        assert llm.engine.speculation.counters.num_drafts == 0
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        accepted = llm.engine.speculation.counters.num_accepted_tokens
+    assert got == ref, [i for i, (a, b) in enumerate(zip(got, ref)) if a != b]
+    assert accepted > 100, accepted
+
+
 def test_metrics_serve_the_spec_decode_counters():
     from prometheus_client import generate_latest
 
