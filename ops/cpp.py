@@ -480,12 +480,14 @@ QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q
 # 1 thread, CPU time, load 4, alternated call by call, 7 rounds, the panel forced (kCodePanel)
 # against TileM1Vnni (kCodeNoPanel), both under kCodeInvariant, the layouts the probe picks (q4_1,
 # q5_1 interleaved; q4_0, wint4 plain), at 576x576, 1536x576, 576x1536 (the embedded model),
-# 2048x8192 and 8192x2048 (a 1.7B layer): q4_0 0.83-1.00x at 16 rows, 0.98-1.14x at 24, 1.05-1.20x
-# at 32, 1.30-1.54x at 128, 1.29-1.58x at 512; q4_1 0.86-1.14x, 1.01-1.28x, 1.03-1.36x, 1.40-1.66x,
-# 1.53-1.74x; q5_1 0.96-1.30x, 1.19-1.48x, 1.31-1.59x, 1.71-1.95x, 1.83-2.10x; wint4 0.81-0.94x,
-# 0.97-1.09x, 1.09-1.19x, 1.47-1.60x, 1.60-1.70x. Tile widths 2, 3, 5, 6 rows (4 float sums each)
-# against 4: none ahead (q4_1 at 2048x8192, 512 rows: 51.7, 41.2, 44.2, 41.0 ms against 39.2).
-# In the default mode this order is 0.68-0.80x the panel's (q4_0, q4_1, 32-512 rows): not taken.
+# 2048x8192 and 8192x2048 (a 1.7B layer) (python scripts/bench_invariant_panel.py), at 16 / 24 /
+# 32 / 128 / 512 rows: q4_0 0.83-1.00x / 0.98-1.14x / 1.05-1.20x / 1.30-1.54x / 1.29-1.58x; q4_1
+# 0.86-1.14x / 1.01-1.28x / 1.03-1.36x / 1.40-1.66x / 1.53-1.74x; q5_1 0.96-1.30x / 1.19-1.48x /
+# 1.31-1.59x / 1.71-1.95x / 1.83-2.10x; wint4 0.81-0.94x / 0.97-1.09x / 1.09-1.19x / 1.47-1.60x /
+# 1.60-1.70x. Tile widths 2, 3, 5, 6 activation rows (4 float sums each) against 4, each in its
+# own run: none ahead (q4_1 at 2048x8192, 512 rows: 51.7, 41.2, 44.2, 41.0 ms against 39.2). In
+# the default mode this order is 0.68-0.80x the panel's (q4_0, q4_1, 32-512 rows, --default):
+# not taken there.
 QUANT_PANEL_M1_MIN_ROWS = {"q4_1": 24, "q5_1": 24, "q4_0": 32, "wint4": 32}
 
 
