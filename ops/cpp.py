@@ -455,8 +455,8 @@ QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
     "q8_0": None, "q4_0": None, "wint8": None, "wint4": None, "q4_k": None, "q5_k": None, "q6_k": None,
     "q2_k": None, "q3_k": None, "q4_1": None, "q5_1": None, "q5_0": 512}
 # From this many activation rows, on a CPU with AVX-512 VNNI, the integer products are the
-# panel product (csrc/panel_gemm.inc, = kPanelMinRows there; not under
-# backend.batch_invariant): per 16 weight rows decoded once a call into an L2-resident
+# panel product (csrc/panel_gemm.inc, = kPanelMinRows there; under backend.batch_invariant
+# QUANT_PANEL_M1_MIN_ROWS, below): per 16 weight rows decoded once a call into an L2-resident
 # panel of unsigned bytes, one vpdpbusd microkernel over all the activation rows.
 # Measured on the Zen 5, 1 thread, CPU time, load 9, 2048x2048 and 8192x2048, the panel at
 # every row count against the kernels below it (python -m fdx.plugins.backends.bench_kernels
@@ -473,6 +473,22 @@ QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
 # 128, 2.5-2.6x at 512: from 24.
 QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q5_1": 24, "wint4": 24, "q5_k": 24,
                              "q6_k": 24, "q2_k": 24, "q3_k": 24, "q4_0": 32, "q4_1": 32}
+# Under backend.batch_invariant the kinds whose kernel below the panel is TileM1Vnni at every
+# row count (q4_0, q4_1, q5_1, wint4) take the panel in TileM1Vnni's float order (PanelTileM1,
+# csrc/panel_gemm.inc: a row's bits are its 1-row product's) from this many rows (= kPanelM1MinRows
+# there); the other kinds keep their invariant kernels at every row count. Measured on the Zen 5,
+# 1 thread, CPU time, load 4, alternated call by call, 7 rounds, the panel forced (kCodePanel)
+# against TileM1Vnni (kCodeNoPanel), both under kCodeInvariant, the layouts the probe picks (q4_1,
+# q5_1 interleaved; q4_0, wint4 plain), at 576x576, 1536x576, 576x1536 (the embedded model),
+# 2048x8192 and 8192x2048 (a 1.7B layer) (python scripts/bench_invariant_panel.py), at 16 / 24 /
+# 32 / 128 / 512 rows: q4_0 0.83-1.00x / 0.98-1.14x / 1.05-1.20x / 1.30-1.54x / 1.29-1.58x; q4_1
+# 0.86-1.14x / 1.01-1.28x / 1.03-1.36x / 1.40-1.66x / 1.53-1.74x; q5_1 0.96-1.30x / 1.19-1.48x /
+# 1.31-1.59x / 1.71-1.95x / 1.83-2.10x; wint4 0.81-0.94x / 0.97-1.09x / 1.09-1.19x / 1.47-1.60x /
+# 1.60-1.70x. Tile widths 2, 3, 5, 6 activation rows (4 float sums each) against 4, each in its
+# own run: none ahead (q4_1 at 2048x8192, 512 rows: 51.7, 41.2, 44.2, 41.0 ms against 39.2). In
+# the default mode this order is 0.68-0.80x the panel's (q4_0, q4_1, 32-512 rows, --default):
+# not taken there.
+QUANT_PANEL_M1_MIN_ROWS = {"q4_1": 24, "q5_1": 24, "q4_0": 32, "wint4": 32}
 
 
 # The AVX2 build (an AVX2-only CPU, e.g. Zen 1-3): q8_0, q4_0, q4_1, q5_0, q5_1, wint8 and

@@ -10,8 +10,10 @@ dequantizer; wint8/4 in numpy) times x quantized as the kernels quantize it
 That the panel ran: the default call from the kind's threshold rows gives
 bitwise the result of the call with kCodePanel (the panel at every row count),
 and other bits than the call with kCodeNoPanel (the kernels below it). Under
-backend.batch_invariant (kCodeInvariant) the panel does not run: a row alone
-equals that row among 512, bitwise.
+backend.batch_invariant (kCodeInvariant) a row alone equals that row among 512,
+bitwise: there the panel runs only for q4_0, q4_1, q5_1 and wint4, in the float
+order of the kernel below it (TileM1Vnni, at every row count), so the forced panel
+(kCodePanel) gives bitwise that kernel's product (kCodeNoPanel) at every row count.
 """
 from __future__ import annotations
 
@@ -104,6 +106,38 @@ def test_a_row_is_the_same_alone_as_among_512_under_batch_invariant(kind):
     assert not np.array_equal(many, product(w, x)), kind   # the default path (the panel) is another order
 
 
+M1_KINDS = tuple(cpp.QUANT_PANEL_M1_MIN_ROWS)
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["plain", "interleaved"])
+@pytest.mark.parametrize("kind", M1_KINDS)
+def test_the_invariant_panel_gives_each_row_its_one_row_bits(kind, interleave):
+    """Under backend.batch_invariant the panel of q4_0, q4_1, q5_1 and wint4 (from
+    QUANT_PANEL_M1_MIN_ROWS rows) runs in TileM1Vnni's float order: rows 0, 17 and 511 of
+    512 equal the rows alone (1 row: TileM1Vnni), the forced panel equals TileM1Vnni at
+    every row count (512 rows: every tile position; 1-5: the short last tiles), and it is
+    within float32 of float64. A panel in its default order fails the first two."""
+    rng = np.random.default_rng(zlib.crc32(f"panel-m1/{kind}/{interleave}".encode()))
+    layout = "interleaved" if interleave else "plain"
+    w = weight(kind, 72, 1024, interleave, rng)                # 72: a last panel of 8 weight rows
+    x = rng.standard_normal((512, 1024)).astype(np.float32)
+    many = product(w, x, invariant=True)
+    for i in (0, 17, 511):
+        np.testing.assert_array_equal(product(w, x[i:i + 1], invariant=True)[0], many[i],
+                                      err_msg=f"{kind} {layout} row {i}")
+    want = int8_blocks(x, 32).astype(np.float64) @ w.dequantize().astype(np.float64).T
+    forced = product(w, x, CODE_PANEL, invariant=True)
+    assert np.abs(forced - want).max() <= 1e-4 * np.abs(want).max(), f"{kind} {layout}"
+    np.testing.assert_array_equal(forced, product(w, x, CODE_NO_PANEL, invariant=True), err_msg=f"{kind} {layout}")
+    np.testing.assert_array_equal(forced, many, err_msg=f"{kind} {layout}")
+    for m in (1, 2, 3, 5):
+        np.testing.assert_array_equal(product(w, x[:m], CODE_PANEL, invariant=True), many[:m],
+                                      err_msg=f"{kind} {layout} M={m}")
+    assert not np.array_equal(forced, product(w, x, CODE_PANEL)), f"{kind} {layout}"   # the default order differs
+
+
 def test_the_panel_thresholds_cover_the_kinds_it_takes():
+    assert set(cpp.QUANT_PANEL_M1_MIN_ROWS) == {"q4_0", "q4_1", "q5_1", "wint4"}
+    assert all(1 <= n <= 64 for n in cpp.QUANT_PANEL_M1_MIN_ROWS.values())
     assert set(cpp.QUANT_PANEL_MIN_ROWS_VNNI) == set(KINDS)
     assert all(1 <= n <= 64 for n in cpp.QUANT_PANEL_MIN_ROWS_VNNI.values())

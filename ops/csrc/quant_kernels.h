@@ -26,7 +26,8 @@
 // from one stream (q4_0 and wint4 only where the probe measured that layout faster on this
 // machine: fdx.ops.quant.PROBED_REPACK_KINDS).
 // From kPanelMinRows (12-32) activation rows every kind but q2_k/q3_k takes the panel
-// product instead where the CPU has AVX-512 VNNI (panel_gemm.inc; not under kCodeInvariant).
+// product instead where the CPU has AVX-512 VNNI (panel_gemm.inc; under kCodeInvariant only
+// q4_0, q4_1, q5_1 and wint4, in TileM1Vnni's float order, from kPanelM1MinRows).
 // Dequantize(w) -> [rows, cols] float32, for the large-M path (BLAS).
 //
 // Three builds of the same source (quant_kernels.inc, included once per
