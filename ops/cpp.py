@@ -472,9 +472,12 @@ QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
 # command, --rows 8,16,24,32,128,512): q3_k 0.72-0.93x at 16 rows, 1.09-1.44x at 24,
 # 2.5-2.8x at 128, 3.0-3.1x at 512; q2_k 0.92-1.01x at 16, 1.35-1.53x at 24, 2.4-2.6x at
 # 128, 2.5-2.6x at 512: from 24.
-# q8_0, q5_0 and wint8 take their 512-bit VNNI tiles (Q8VnniMatmul) from this many rows (= kVnniMinRows,
-# csrc/quant_kernels.inc; q8_0 and wint8 TileM1VnniQ8 below, q5_0 the 256-bit tiles); not under
-# backend.batch_invariant, where q8_0 and wint8 take TileM1VnniQ8 at every row count.
+# q5_0 and wint8 take their 512-bit VNNI tiles (Q8VnniMatmul) from this many rows (= kVnniMinRows,
+# csrc/quant_kernels.inc; wint8 TileM1VnniQ8 below, q5_0 the 256-bit tiles); not under
+# backend.batch_invariant, where wint8 takes TileM1VnniQ8 at every row count. q8_0 takes
+# TileM1VnniQ8 at every row count below its panel product (at 12-15 rows 1.16-1.63x
+# Q8VnniMatmul: 49152x576, 576x576, 1536x576, 2048x8192, both layouts, Zen 5, 1 thread, CPU
+# time, alternated, load 5).
 QUANT_VNNI_MIN_ROWS = 12
 QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q5_1": 24, "wint4": 24, "q5_k": 24,
                              "q6_k": 24, "q2_k": 24, "q3_k": 24, "q4_0": 32, "q4_1": 32}
@@ -693,7 +696,7 @@ def row_invariant_rows(kind: str, variant: str) -> int:
     starts = [quant_blas_min_rows(kind, variant)]
     if variant == "avx512" and _has_vnni():
         starts.append(QUANT_PANEL_MIN_ROWS_VNNI.get(kind))
-        if kind in ("q8_0", "q5_0", "wint8"):
+        if kind in ("q5_0", "wint8"):
             starts.append(QUANT_VNNI_MIN_ROWS)         # Q8VnniMatmul
     elif variant == "avx2":
         starts += [QUANT_AVX2_TILE_MIN_ROWS.get(kind), QUANT_AVX2_PANEL_MIN_ROWS.get(kind)]

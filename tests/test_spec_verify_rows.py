@@ -8,8 +8,8 @@ products take, both layouts, and the float32 product, in every build this CPU ru
 each row of an M-row product bitwise equal to that row alone at every M up to it (and
 at it), and not at the next row count (so the figure is the switch, not a guess).
 
-With AVX-512 VNNI, q8_0 and wint8 take TileM1VnniQ8 at 1-11 rows (ops/csrc/
-quant_kernels.inc), four weight rows a 512-bit register, not the 256-bit row tiles
+With AVX-512 VNNI, q8_0 and wint8 take TileM1VnniQ8 at 1-11 rows (q8_0 up to its panel
+product; ops/csrc/quant_kernels.inc), four weight rows a 512-bit register, not the 256-bit row tiles
 (kCodeRowTiles: the path before); under backend.batch_invariant (kCodeInvariant) at
 every row count. Checked by calling the compiled product directly: against a float64
 numpy product of the blocks dequantized by the ``gguf`` package (wint8: numpy), with
@@ -156,8 +156,8 @@ def test_invariant_q8_rows_alone_equal_them_among_512(kind, interleave):
     bitwise those rows alone (TileM1VnniQ8 at every row count, in tiles of up to 11
     rows, 64-row chunks and both threads' shares), the product is numpy's in float64 to
     1e-6 of its largest output, and it is not the 256-bit row tiles' (kCodeRowTiles, what
-    the mode ran before). The check can fail: the default mode's 512 rows (Q8VnniMatmul,
-    kCodeNoPanel; the panel product otherwise) against its 1-row TileM1VnniQ8 are apart."""
+    the mode ran before). The check can fail: Q8VnniMatmul's 512 rows against a 1-row
+    product, and the default mode's (its panel product from 16 rows, 12 for wint8), are apart."""
     import paddle
     finding = cpu_kernel_table().findings.get(cpp.quant_kernel_name(kind, "avx512"), "not probed")
     if finding is not None:
@@ -183,7 +183,10 @@ def test_invariant_q8_rows_alone_equal_them_among_512(kind, interleave):
     if cpp._has_vnni():
         assert not np.array_equal(got, with_code(cpp.quant_code(w, invariant=True) | cpp._CODE_ROW_TILES)(x)), what
         assert np.array_equal(got[:9], with_code(cpp.quant_code(w))(x[:9])), what + ": not the default's few-row tile"
-        for extra in (cpp._CODE_NO_PANEL, 0):               # the default mode from 12 rows: another path
+        # Q8VnniMatmul at 512 rows against the 1 row's tile (q8_0: kCodeRowTiles, main's choice; wint8:
+        # kCodeNoPanel, the default's kernel below its panel), and the default's panel product: apart
+        q8vnni = cpp._CODE_ROW_TILES if kind == "q8_0" else cpp._CODE_NO_PANEL
+        for extra in (q8vnni, 0):
             assert _rows_apart(with_code(cpp.quant_code(w) | extra), x) != [], f"{what} default {extra}"
 
 
