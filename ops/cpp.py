@@ -55,7 +55,8 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
-           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "QUANT_AVX2_PANEL_MIN_ROWS", "read_bandwidth"]
+           "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "QUANT_AVX2_PANEL_MIN_ROWS", "read_bandwidth",
+           "QUANT_VNNI_MIN_ROWS", "row_invariant_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -471,6 +472,13 @@ QUANT_BLAS_MIN_ROWS_VNNI: dict[str, int | None] = {
 # command, --rows 8,16,24,32,128,512): q3_k 0.72-0.93x at 16 rows, 1.09-1.44x at 24,
 # 2.5-2.8x at 128, 3.0-3.1x at 512; q2_k 0.92-1.01x at 16, 1.35-1.53x at 24, 2.4-2.6x at
 # 128, 2.5-2.6x at 512: from 24.
+# q5_0 and wint8 take their 512-bit VNNI tiles (Q8VnniMatmul) from this many rows (= kVnniMinRows,
+# csrc/quant_kernels.inc; wint8 TileM1VnniQ8 below, q5_0 the 256-bit tiles); not under
+# backend.batch_invariant, where wint8 takes TileM1VnniQ8 at every row count. q8_0 takes
+# TileM1VnniQ8 at every row count below its panel product (at 12-15 rows 1.16-1.63x
+# Q8VnniMatmul: 49152x576, 576x576, 1536x576, 2048x8192, both layouts, Zen 5, 1 thread, CPU
+# time, alternated, load 5).
+QUANT_VNNI_MIN_ROWS = 12
 QUANT_PANEL_MIN_ROWS_VNNI = {"wint8": 12, "q8_0": 16, "q5_0": 16, "q4_k": 16, "q5_1": 24, "wint4": 24, "q5_k": 24,
                              "q6_k": 24, "q2_k": 24, "q3_k": 24, "q4_0": 32, "q4_1": 32}
 # Under backend.batch_invariant the kinds whose kernel below the panel is TileM1Vnni at every
@@ -623,8 +631,9 @@ _CODE_PANEL = 1 << 12           # = kCodePanel: tests, benchmarks: the panel pro
 
 def quant_code(w, invariant: bool = False) -> int:
     """The kind code the compiled products take for ``w``: its kind, whether its
-    rows are interleaved (repacked at load), and backend.batch_invariant (q8_0's
-    AVX-512 VNNI tiles from 12 rows are another order than the tiles below: off)."""
+    rows are interleaved (repacked at load), and backend.batch_invariant (one path at
+    every row count: no panel product, no dequantize + BLAS, q8_0 and wint8 the few-row
+    VNNI tile TileM1VnniQ8 at every row count)."""
     return (_QUANT_KIND_CODE[w.kind] | (_CODE_INTERLEAVED if w.interleaved else 0)
             | (_CODE_INVARIANT if invariant else 0))
 
@@ -685,6 +694,30 @@ def f32_blas_min_rows(variant: str | None) -> int:
 def f32_build(table) -> str | None:
     """The widest build of the float32 product that the kernel table ``table`` passed, or None."""
     return next((v for v in QUANT_VARIANTS if table.usable(f32_kernel_name(v))), None)
+
+def row_invariant_rows(kind: str, variant: str) -> int:
+    """The largest row count up to which the default mode (not backend.batch_invariant) gives
+    every row of a product its 1-row bits: ``kind`` one of QUANT_KINDS or ``"f32"`` (the
+    float32 product, fdx.ops.dense), in build ``variant`` on this CPU. Past it the product
+    takes another path (VNNI tiles, many-row tiles, the panel product, dequantize + BLAS,
+    MKL), another order of its float sums. A speculative step at batch 1 scores k + 1 rows
+    where a decode step scores 1: its greedy tokens are decoding's only while k + 1 is
+    within this for every product of the model (docs/speculative.md; attention: a
+    one-sequence step of up to 16 rows runs the batch-invariant kernel). Under
+    backend.batch_invariant it holds at every row count.
+    (tests/test_spec_verify_rows.py checks each kind, layout and build here: every row
+    count up to it, and that the next one breaks.)"""
+    if kind == "f32":
+        return f32_blas_min_rows(variant) - 1          # the compiled product below, MKL's sgemm from there
+    starts = [quant_blas_min_rows(kind, variant)]
+    if variant == "avx512" and _has_vnni():
+        starts.append(QUANT_PANEL_MIN_ROWS_VNNI.get(kind))
+        if kind in ("q5_0", "wint8"):
+            starts.append(QUANT_VNNI_MIN_ROWS)         # Q8VnniMatmul
+    elif variant == "avx2":
+        starts += [QUANT_AVX2_TILE_MIN_ROWS.get(kind), QUANT_AVX2_PANEL_MIN_ROWS.get(kind)]
+    return min(s for s in starts if s is not None) - 1
+
 
 # ... and from this many rows up the compiled one (fdx.ops.dense and the fused layer).
 # At 1 row the products tied MKL on one thread; at 2 threads under a load average

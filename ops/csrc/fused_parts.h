@@ -8,9 +8,10 @@
 // (quant_kernels.h: XBlock, int8 per 32 with a scale and sum, for q8_0, q4_0/1, q5_0/1,
 // wint8/4; XBlockK, int8 per 256 with per-16 sums, for q4_k, q5_k, q6_k) and runs every
 // part's product over them: the same functions, tiles, threads and order as quant::Matmul
-// on that part alone, so each column's bits equal the per-part product's (and a row's
-// do not depend on the other rows wherever quant::Matmul's do not: the k-quants always,
-// the kinds with blocks of 32 under kCodeInvariant or below kVnniMinRows rows).
+// on that part alone (Tiles, MatmulKQuantized: under kCodeInvariant q8_0 takes TileM1VnniQ8
+// at every row count here too), so each column's bits equal the per-part product's (and a
+// row's do not depend on the other rows wherever quant::Matmul's do not: under
+// kCodeInvariant at every row count, else up to fdx.ops.cpp.row_invariant_rows).
 #pragma once
 
 #include <cstdint>

@@ -13,8 +13,10 @@
 // dx * (d * sum(q * qx) + m * sum(qx)). Output rows are split over the OpenMP
 // threads. The kinds with blocks of 32 (q8_0, q4_0/1, q5_0/1, wint8/4) in the SIMD
 // builds multiply tiles of two weight rows x up to four activation rows (TileDot,
-// 256-bit, in the AVX-512 build too; there q8_0, q5_0, wint8 from 12 rows take
-// 512-bit VNNI tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul, and q4_1, q5_1, q4_0, wint4 at
+// 256-bit, in the AVX-512 build too; there q5_0, wint8 from 12 rows take
+// 512-bit VNNI tiles on a CPU with AVX-512 VNNI, Q8VnniMatmul, q8_0 at every row count, wint8
+// below 12 rows and both at every row count under kCodeInvariant 4 weight rows x up to 11
+// activation rows, TileM1VnniQ8, and q4_1, q5_1, q4_0, wint4 at
 // every row count 4 weight rows x up to 8 activation rows, M1VnniMatmul; in the AVX2 build from 16
 // rows (q8_0, wint8: 32) 2 weight rows x 16 activation rows a lane each, OctMatmul,
 // avx2_tiles.inc); every kind in the portable build
