@@ -178,6 +178,7 @@ def cmd_bench_throughput(args) -> int:
         result["baseline"] = {k: baseline[k] for k in ("output_tokens_per_s", "decode_tokens_per_s", "total_time_s")}
         result["outputs_equal"] = baseline["outputs_sha1"] == result["outputs_sha1"]
         result["batch_invariant"] = bool(llm.engine.config.backend.batch_invariant)
+        result["row_invariant_rows"] = bench.row_invariant_rows(llm.engine)
         result["ratios"], result["cpu_ratios"], result["decode_cpu_ratios"] = ratios, cpu_ratios, decode_ratios
     print(json.dumps(result, indent=2) if args.json else bench.format_throughput(result))
     return 0

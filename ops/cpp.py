@@ -56,7 +56,7 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
            "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "QUANT_AVX2_PANEL_MIN_ROWS", "read_bandwidth",
-           "QUANT_VNNI_MIN_ROWS", "row_invariant_rows"]
+           "QUANT_VNNI_MIN_ROWS", "row_invariant_rows", "ATTENTION_INVARIANT_STEP_ROWS", "step_row_invariant_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -717,6 +717,33 @@ def row_invariant_rows(kind: str, variant: str) -> int:
     elif variant == "avx2":
         starts += [QUANT_AVX2_TILE_MIN_ROWS.get(kind), QUANT_AVX2_PANEL_MIN_ROWS.get(kind)]
     return min(s for s in starts if s is not None) - 1
+
+
+# = kInvariantStepRows (csrc/paged_attention_kernel.h): a one-sequence step of up to this many
+# query tokens runs the batch-invariant attention in the default mode too.
+ATTENTION_INVARIANT_STEP_ROWS = 16
+
+
+def step_row_invariant_rows(kinds, table=None) -> int | None:
+    """The largest one-sequence step (rows) in which the default mode gives every row the
+    bits of a one-row step, for a model whose weights are of ``kinds`` (``Model.weight_bytes``'
+    keys: GGML kinds, "f32"), with the builds the kernel table ``table`` (the active one)
+    takes, and the attention (ATTENTION_INVARIANT_STEP_ROWS). A batch-1 speculative step
+    keeps decoding's greedy tokens while k + 1 is within it. None where a kind is not the
+    compiled products' (another backend's weights, bf16 ...)."""
+    table = table if table is not None else kernels.active()
+    rows = ATTENTION_INVARIANT_STEP_ROWS
+    for kind in kinds:
+        if kind == "f32":
+            variant = f32_build(table)
+        elif kind in QUANT_KINDS:
+            variant = next((v for v in QUANT_VARIANTS if table.usable(quant_kernel_name(kind, v))), None)
+        else:
+            return None
+        if variant is None:
+            return None
+        rows = min(rows, row_invariant_rows(kind, variant))
+    return rows
 
 
 # ... and from this many rows up the compiled one (fdx.ops.dense and the fused layer).

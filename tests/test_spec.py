@@ -741,7 +741,14 @@ def test_bench_throughput_with_speculation_says_why_outputs_differ_only_where_th
         assert r["batch_invariant"] is invariant
         if invariant:
             assert r["outputs_equal"]                       # lossless, bitwise, under the switch
+        assert r["row_invariant_rows"] == 16                # the tiny float32 model: the attention's 16
         for equal in (True, False):
             text = format_throughput({**r, "outputs_equal": equal})
             said = "expected without --batch-invariant" in text
             assert said == (not equal and not invariant), text
+            # at batch 1 in the default mode a difference is expected only past the rows the products keep
+            for k, why in ((3, "not expected"), (15, "not expected"), (16, "expected at k=16")):
+                one = {**r, "outputs_equal": equal, "max_num_seqs": 1,
+                       "speculative": {**r["speculative"], "num_speculative_tokens": k}}
+                text = format_throughput(one)
+                assert (why in text) == (not equal and not invariant), text

@@ -154,6 +154,37 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
     return result
 
 
+def row_invariant_rows(eng) -> int | None:
+    """The largest one-sequence step (rows) in which the CPU backend's kernels give each
+    row its one-row bits in the default mode, for this model's weights
+    (fdx.ops.cpp.step_row_invariant_rows): at batch 1 a speculative step of k + 1 rows
+    within it keeps decoding's greedy tokens. None on another backend or without the
+    compiled kernels."""
+    from fdx.core.kernels import KernelTable
+    table = getattr(eng.backend, "kernels", None)      # the CPU backend's probed table
+    if not getattr(eng.backend, "num_threads", None) or not isinstance(table, KernelTable):
+        return None
+    from fdx.ops import cpp
+    return cpp.step_row_invariant_rows(eng.executor.weight_bytes(), table) if cpp.loaded() else None
+
+
+def outputs_differ_why(r: dict) -> str:
+    """Why speculation's outputs differ from the baseline's in run ``r``, or ""
+    where they must not (docs/speculative.md, "What verification guarantees")."""
+    if r["outputs_equal"] or r.get("batch_invariant", True):
+        return ""
+    near_tie = "a near tie can take the other token; docs/speculative.md"
+    rows, k = r.get("row_invariant_rows"), r.get("speculative", {}).get("num_speculative_tokens")
+    if r.get("max_num_seqs") != 1 or rows is None or k is None:
+        return (" (expected without --batch-invariant at more than one sequence a step: the rows a step "
+                f"scores move a quantized product's last bits, and {near_tie})")
+    if k + 1 > rows:
+        return (f" (expected at k={k}: this model's products keep a row's bits in steps of up to {rows} rows, "
+                f"k up to {rows - 1}; past that {near_tie})")
+    return (f" (not expected: at batch 1 with k={k} every verified row should have its decode row's bits; "
+            "please report it)")
+
+
 def memory_read_rate(eng) -> float | None:
     """GB/s at which the CPU backend's threads read memory together now
     (fdx.ops.cpp.read_bandwidth), None on another backend or without the
@@ -204,10 +235,7 @@ def format_throughput(r: dict) -> str:
         b = r["baseline"]
         lines.append(f"  without speculation (same run): output {b['output_tokens_per_s']:.1f} tok/s; "
                      f"speculation {r['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x, outputs "
-                     f"{'equal' if r['outputs_equal'] else 'DIFFERENT'}"
-                     + ("" if r["outputs_equal"] or r.get("batch_invariant", True) else
-                        " (expected without --batch-invariant: the rows a step scores move a quantized product's "
-                        "last bits, and a near tie can take the other token; docs/speculative.md)"))
+                     f"{'equal' if r['outputs_equal'] else 'DIFFERENT'}" + outputs_differ_why(r))
         if len(r.get("ratios", ())) > 1:
             q = sorted(r["ratios"])
             lines.append(f"  rounds           {len(q)} (off, on) alternating: speculation median "
