@@ -6,7 +6,7 @@
 For each case (S sequences of tq query tokens after ctx cached ones, each sequence's blocks
 contiguous; a one-sequence step of <= 16 tokens gets a one-key second sequence on the default
 side, see make_args) it times ``cpp.paged_attention`` with invariant False and True in alternating
-rounds and prints the best CPU time (process time: every thread's) of each side and the
+rounds and prints the best CPU time (process time: every thread's; --wall: wall-clock) of each side and the
 median of the per-round ratios invariant / default. Run it with another PYTHONPATH to measure
 another tree's kernels (the ratios of two trees are comparable only from the same run or
 the same load).
@@ -47,11 +47,11 @@ def make_args(S, ctx, tq, heads, kv_heads, dim, block_size=16, seed=0, pad=False
             block_size, len(q))
 
 
-def timed(args, invariant, reps):
-    t = time.process_time()
+def timed(args, invariant, reps, clock=time.process_time):
+    t = clock()
     for _ in range(reps):
         cpp.paged_attention(*args, invariant=invariant)
-    return (time.process_time() - t) / reps * 1e3
+    return (clock() - t) / reps * 1e3
 
 
 def main() -> None:
@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--wall", action="store_true", help="wall-clock time in place of CPU time")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--target-ms", type=float, default=40.0, help="CPU time a side spends per round")
     ap.add_argument("--no-pad", action="store_true",
@@ -69,9 +70,10 @@ def main() -> None:
     opt = ap.parse_args()
     cpp.prepare()
     paddle.base.core.set_num_threads(opt.threads)
+    clock = time.perf_counter if opt.wall else time.process_time
     cases = [tuple(int(x) for x in c.split(",")) for c in opt.case] if opt.case else CASES
     print(f"heads {opt.heads} / kv heads {opt.kv_heads}, head_dim {opt.head_dim}, {opt.threads} thread(s), "
-          f"CPU time, best of {opt.rounds} rounds; ratio: median of the rounds' invariant / default")
+          f"{'wall-clock' if opt.wall else 'CPU'} time, best of {opt.rounds} rounds; ratio: median of the rounds' invariant / default")
     for S, ctx, tq in cases:
         args = make_args(S, ctx, tq, opt.heads, opt.kv_heads, opt.head_dim)
         pad = S == 1 and tq <= 16 and not opt.no_pad
@@ -81,8 +83,8 @@ def main() -> None:
         reps = max(1, int(opt.target_ms / max(timed(args, True, 3), 1e-3)))
         ds, vs, ratios = [], [], []
         for _ in range(opt.rounds):
-            d = timed(dargs, False, reps)
-            i = timed(args, True, reps)
+            d = timed(dargs, False, reps, clock)
+            i = timed(args, True, reps, clock)
             ds.append(d), vs.append(i), ratios.append(i / d)
         print(f"S={S:3d} ctx={ctx:5d} tq={tq:4d}: default {min(ds):8.4f} ms  invariant {min(vs):8.4f} ms  "
               f"ratio {statistics.median(ratios):.3f}  (max |diff| {np.abs(a - b).max():.1e})", flush=True)
