@@ -103,29 +103,60 @@ struct Avx512Ops {
       }
   }
 
-  // p[r * ldp + 16 c + i] = q_r . k_{16 c + i} for R rows and chunks c < chunks of the
-  // transposed kt: lane chain l (d % 8 == l) of 16 keys in acc[r][l], the 8 summed as Tree.
-  template <int R>
-  static inline void ScoresT(const float* q, int64_t D, const float* kt, int64_t chunks, float* p, int64_t ldp) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float* kc = kt + c * 16 * D;
-      __m512 acc[R][8];
-      for (int l = 0; l < 8; ++l) {
-        const __m512 kv = _mm512_loadu_ps(kc + l * 16);
-        for (int r = 0; r < R; ++r) acc[r][l] = _mm512_mul_ps(_mm512_set1_ps(q[r * D + l]), kv);
-      }
-      for (int64_t d = 8; d < D; d += 8)
-        for (int l = 0; l < 8; ++l) {
-          __m512 kv = _mm512_loadu_ps(kc + (d + l) * 16);
-          asm("" : "+v"(kv));  // one load a K row, in a register: the q elements broadcast from memory
-          for (int r = 0; r < R; ++r) acc[r][l] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d + l]), kv, acc[r][l]);
-        }
+  // out[r][c] = P_l + P_{l+1} for R rows and NC chunks of 16 keys (kc: the first chunk's
+  // transposed K, chunk stride 16 D): P_l, lane chain l of a score, is q_r[l] k[l] (a product)
+  // then + q_r[d] k[d] (multiply-adds) for d = l + 8, l + 16, ... in order.
+  template <int R, int NC>
+  static inline void LanePair(const float* q, int64_t D, const float* kc, int l, __m512 (&out)[R][NC]) {
+    __m512 a[R][NC], b[R][NC];
+    for (int c = 0; c < NC; ++c) {
+      __m512 k0 = _mm512_loadu_ps(kc + c * 16 * D + l * 16), k1 = _mm512_loadu_ps(kc + c * 16 * D + (l + 1) * 16);
+      asm("" : "+v"(k0), "+v"(k1));  // in registers: the q elements broadcast from memory
       for (int r = 0; r < R; ++r) {
-        const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])),
-                                       _mm512_add_ps(_mm512_add_ps(acc[r][4], acc[r][5]), _mm512_add_ps(acc[r][6], acc[r][7])));
-        _mm512_storeu_ps(p + r * ldp + c * 16, s);
+        a[r][c] = _mm512_mul_ps(_mm512_set1_ps(q[r * D + l]), k0);
+        b[r][c] = _mm512_mul_ps(_mm512_set1_ps(q[r * D + l + 1]), k1);
       }
     }
+    for (int64_t d = 8 + l; d < D; d += 8)
+      for (int c = 0; c < NC; ++c) {
+        __m512 k0 = _mm512_loadu_ps(kc + c * 16 * D + d * 16), k1 = _mm512_loadu_ps(kc + c * 16 * D + (d + 1) * 16);
+        asm("" : "+v"(k0), "+v"(k1));
+        for (int r = 0; r < R; ++r) {
+          a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), k0, a[r][c]);
+          b[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d + 1]), k1, b[r][c]);
+        }
+      }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NC; ++c) out[r][c] = _mm512_add_ps(a[r][c], b[r][c]);
+  }
+
+  // p[r * ldp + 16 c + i] = q_r . k_{16 c + i} for R rows and NC chunks of the transposed K
+  // (kc: the first), the lane chains taken two at a time and summed as Tree sums them:
+  // ((P0 + P1) + (P2 + P3)) + ((P4 + P5) + (P6 + P7)); 4 registers a row and chunk.
+  template <int R, int NC>
+  static inline void ScoresBlock(const float* q, int64_t D, const float* kc, float* p, int64_t ldp) {
+    __m512 x[R][NC], y[R][NC];
+    LanePair<R, NC>(q, D, kc, 0, x);
+    LanePair<R, NC>(q, D, kc, 2, y);
+    for (int r = 0; r < R; ++r)  // (P0 + P1) + (P2 + P3), parked in p
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(p + r * ldp + 16 * c, _mm512_add_ps(x[r][c], y[r][c]));
+    LanePair<R, NC>(q, D, kc, 4, x);
+    LanePair<R, NC>(q, D, kc, 6, y);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NC; ++c) {
+        float* dst = p + r * ldp + 16 * c;
+        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), _mm512_add_ps(x[r][c], y[r][c])));
+      }
+  }
+
+  // R rows against chunks [0, chunks) of the transposed kt (chunks <= 4: a part), a block
+  // of 4 chunks (a whole part: 3 rows x 4 chunks x 2 chains, 24 registers), else of 2 and 1.
+  template <int R>
+  static inline void ScoresT(const float* q, int64_t D, const float* kt, int64_t chunks, float* p, int64_t ldp) {
+    if (chunks == 4) return ScoresBlock<R, 4>(q, D, kt, p, ldp);
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) ScoresBlock<R, 2>(q, D, kt + c * 16 * D, p + 16 * c, ldp);
+    if (c < chunks) ScoresBlock<R, 1>(q, D, kt + c * 16 * D, p + 16 * c, ldp);
   }
 
   static void ScoresRows(int64_t R, const float* q, int64_t D, const float* const* k, const int64_t* len, float* p,
