@@ -22,7 +22,7 @@ import paddle
 
 from fdx.ops import cpp
 
-CASES = [(1, 256, 1), (1, 1024, 1), (1, 1024, 9), (32, 256, 1), (4, 512, 9), (1, 512, 512)]
+CASES = [(1, 256, 1), (1, 1024, 1), (1, 1024, 9), (32, 256, 1), (4, 512, 9), (1, 512, 512), (1, 0, 512)]
 
 
 def make_args(S, ctx, tq, heads, kv_heads, dim, block_size=16, seed=0, pad=False):
