@@ -10,7 +10,10 @@ kernels, attention, float32 products, norms, the compiled layer) and in the
 checkpoint's Q4_1 (the quantized products too: under
 ``backend.batch_invariant`` the int8 kernels at every row count, no
 dequantize + BLAS). The kernel-level tests are in test_f32_kernels.py,
-test_block_attention.py and test_quant_repack.py.
+test_block_attention.py and test_quant_repack.py; the batch-invariant attention
+kernel's are at the end of this file (a row's bits against the rows and keys a
+call takes, and the AVX-512 primitives against the AVX2 ones, through
+tests/data/invariant_isa_check.cc).
 """
 from __future__ import annotations
 
@@ -250,3 +253,69 @@ def test_invariant_attention_row_bits_do_not_depend_on_rows_or_keys_per_call(h, 
         batch = np.concatenate([other[:1], q[t0:t0 + tq], other[1:]])
         got = _paged_invariant(batch, k, v, [(1, 100), (tq, ctx + t0), (9, 20), (1, 3)], tables[[1, 0, 2, 3]], kvh)
         assert np.array_equal(got[1:1 + tq], full[t0:t0 + tq]), f"tokens {t0}..{t0 + tq} beside other sequences"
+
+
+@pytest.fixture(scope="module")
+def primitives_lib(tmp_path_factory):
+    """tests/data/invariant_isa_check.cc with ops/csrc's x86 units, under fdx.ops.cpp's flags."""
+    import ctypes
+    import pathlib
+    import shutil
+    import subprocess
+
+    from fdx.core.host import cpu_flags
+    from fdx.ops import cpp
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on PATH")
+    if "avx512f" not in cpu_flags() or "FDX_NO_X86" in " ".join(cpp._cflags()):
+        pytest.skip("no AVX-512 F here (or a portable build): one build of the primitives to compare")
+    csrc = pathlib.Path(cpp.__file__).resolve().parent / "csrc"
+    driver = pathlib.Path(__file__).resolve().parent / "data" / "invariant_isa_check.cc"
+    out = tmp_path_factory.mktemp("isa") / "invariant_isa_check.so"
+    subprocess.run(["g++", *cpp._cflags(), "-shared", "-fPIC", f"-I{csrc}", str(driver), str(csrc / "isa_avx2.cc"),
+                    str(csrc / "isa_avx512.cc"), "-o", str(out)], check=True, capture_output=True, text=True)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("h, kvh, d", [(9, 3, 64), (32, 8, 128), (8, 1, 64), (4, 4, 32)])
+def test_invariant_attention_avx512_primitives_give_the_avx2_bits(primitives_lib, h, kvh, d):
+    """The AVX-512 primitives (isa_avx512.cc: transposed K from 6 rows, two keys a register
+    below, 16-float exp and P.V) compute the AVX2 primitives' order, so a row has the same bits
+    on a CPU with AVX-512 as on one with AVX2 only: one step of decode rows, a verify-sized
+    chunk, prefills from 0 and 37 cached keys, on 1 and 2 threads; the portable primitives
+    within float32 rounding of both."""
+    import ctypes
+
+    import numpy as np
+    rng = np.random.default_rng(3 * d + h)
+    specs = [(1, 300), (9, 1000), (70, 37), (1, 5), (33, 0), (1, 64)]  # (query_len, context_len)
+    bs, width = 16, 64
+    blocks = width * len(specs)
+    k = rng.standard_normal((kvh * blocks * bs, d)).astype(np.float32)
+    v = rng.standard_normal((kvh * blocks * bs, d)).astype(np.float32)
+    tables = rng.permutation(blocks).reshape(len(specs), width).astype(np.int32)
+    n = sum(ql for ql, _ in specs)
+    q = rng.standard_normal((n, h, d)).astype(np.float32)
+    info, at = [], 0
+    for ql, cl in specs:
+        info.append([at, ql, cl, at])
+        at += ql
+    info = np.array(info, np.int32)
+
+    def run(primitives, threads):
+        out = np.full((n, h, d), np.nan, np.float32)
+        ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+        primitives_lib.check_invariant_attention(
+            ptr(q), ptr(k), ptr(v), ptr(out), ptr(info), ptr(tables), ctypes.c_int64(width), ctypes.c_int64(h),
+            ctypes.c_int64(kvh), ctypes.c_int64(d), ctypes.c_int64(bs), ctypes.c_int64(blocks * bs),
+            ctypes.c_float(d ** -0.5), ctypes.c_int64(len(specs)), ctypes.c_int(threads), ctypes.c_int(primitives))
+        return out
+
+    avx2 = run(1, 1)
+    assert np.isfinite(avx2).all()
+    for threads in (1, 2):
+        got = run(2, threads)
+        bad = np.argwhere((got != avx2).any(axis=(1, 2))).ravel()
+        assert bad.size == 0, f"AVX-512 rows {bad.tolist()} differ from AVX2's on {threads} threads"
+    np.testing.assert_allclose(run(0, 1), avx2, rtol=1e-5, atol=1e-6)
