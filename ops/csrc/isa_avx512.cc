@@ -56,7 +56,7 @@ struct Avx512Ops {
     return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
   }
 
-  // Avx2Ops::ScoresR's values (R <= 3 rows, 4 keys), two keys a 16-float register (keys 0, 1
+  // Avx2Ops::ScoresR's values (R <= 4 rows, 4 keys), two keys a 16-float register (keys 0, 1
   // and 2, 3): half its multiply-adds, its hadd tree on 128-bit lanes.
   template <int R>
   static inline void ScoresZ(const float* q, int64_t D, const float* const* k, float* out, int64_t ld) {
@@ -197,10 +197,11 @@ struct Avx512Ops {
       }
       return;
     }
-    for (int64_t r = 0; r < R; r += 3) {
-      const int n = static_cast<int>(std::min<int64_t>(3, R - r));
+    for (int64_t r = 0; r < R; r += 4) {  // R < 6: groups of 4 (G = 4: one), then the rest
+      const int n = static_cast<int>(std::min<int64_t>(4, R - r));
       for (int64_t j = 0; j < len[r + n - 1]; j += 4) {
-        if (n == 3) ScoresZ<3>(q + r * D, D, k + j, p + r * ldp + j, ldp);
+        if (n == 4) ScoresZ<4>(q + r * D, D, k + j, p + r * ldp + j, ldp);
+        else if (n == 3) ScoresZ<3>(q + r * D, D, k + j, p + r * ldp + j, ldp);
         else if (n == 2) ScoresZ<2>(q + r * D, D, k + j, p + r * ldp + j, ldp);
         else ScoresZ<1>(q + r * D, D, k + j, p + r * ldp + j, ldp);
       }
