@@ -3,7 +3,8 @@
 ops/csrc keeps the x86 builds in translation units of their own, which fdx.ops.cpp
 compiles apart from the bindings' unit and links with it: isa_avx2.cc (the float32
 product, main's AVX2 attention tiles and decode split, the batch-invariant attention's
-AVX2 primitives) and isa_avx512.cc (the float32 product), the only ones of these
+AVX2 primitives) and isa_avx512.cc (the float32 product, the batch-invariant attention's
+AVX-512 primitives), the only ones of these
 kernels that include <immintrin.h>; paged_attention_kernel.h calls them only where
 __builtin_cpu_supports says the CPU runs them. So a compiler or CPU without x86 loses
 only those builds. Shown here on this x86 host: the kernel headers are compiled with

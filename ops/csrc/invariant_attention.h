@@ -23,18 +23,52 @@
 // of its own and the parts are merged in order after (flash-decoding without a
 // batch-dependent split). Same operations either way.
 //
+// A part's rows (the tile's tokens from the first that sees the part's first key, each
+// token's G query heads) go to Ops::ScoresRows and Ops::PvRows together, which take them in
+// groups of their own choosing (3 rows for the AVX2 and portable primitives; the AVX-512 ones
+// transpose the part's K once from 6 rows and take P.V 6 rows at once); a group runs to its
+// last row's key count, its earlier rows' extra scores dropped and their exps 0 (P.V adds
+// 0 v_j: the same bits). Every primitive computes each row's and each key's value by the
+// order above whatever the group, so the grouping is free to follow the row count.
+//
 // The template takes an Ops struct with the primitives (portable here; AVX2 + FMA in
-// isa_avx2.cc); a build's every row goes through the same Ops functions, so within one
-// build the order is one. Include after paged_attention_kernel.h's Args and Scratch.
+// isa_avx2.cc, AVX-512 F in isa_avx512.cc, the AVX2 order in wider registers: the same bits);
+// a build's every row goes through the same Ops functions, so within one build the order is
+// one. Include after paged_attention_kernel.h's Args and Scratch.
 #pragma once
 
 namespace fdx::inv {
 
 constexpr int64_t kPartKeys = 64;  // keys per part: a row's keys are cut at multiples of this
-constexpr int64_t kMaxRows = 3;    // rows per score / P.V call (one token's query heads, in threes)
+constexpr int64_t kMaxRows = 3;    // rows per Scores / Pv call of the AVX2 and portable primitives
+
+// A part's rows (ScoresRows, PvRows) in groups of kMaxRows rows for Ops whose Scores and Pv
+// take up to kMaxRows rows (PortableOps, Avx2Ops): a group runs to its last row's len keys
+// (rows of two tokens in one group: the earlier one's extra scores are dropped, and its P.V
+// adds 0 v_j for them, which leaves every sum's bits as they were).
+template <class Ops>
+struct InThrees {
+  // p[i * ldp + j] = q_i . k_j for rows i < R (stride D) and keys j < len[i] (k: pointers up to
+  // len[R - 1] rounded up to 4).
+  static void ScoresRows(int64_t R, const float* q, int64_t D, const float* const* k, const int64_t* len, float* p,
+                         int64_t ldp, Scratch&) {
+    for (int64_t r = 0; r < R; r += kMaxRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, R - r));
+      for (int64_t j = 0; j < len[r + n - 1]; j += 4) Ops::Scores(n, q + r * D, D, k + j, p + r * ldp + j, ldp);
+    }
+  }
+  // acc[i * D + d] = sum_j p[i * ldp + j] v_j[d] for rows i < R over each group's last len.
+  static void PvRows(int64_t R, const float* p, int64_t ldp, const float* vbase, const int64_t* keys,
+                     const int64_t* len, int64_t D, float* acc, Scratch&) {
+    for (int64_t r = 0; r < R; r += kMaxRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, R - r));
+      Ops::Pv(n, p + r * ldp, ldp, vbase, keys, len[r + n - 1], D, acc + r * D);
+    }
+  }
+};
 
 // The portable primitives (any head_dim); the same contract as the AVX2 ones.
-struct PortableOps {
+struct PortableOps : InThrees<PortableOps> {
   // out[r * ld + u] = (q_r . k_u) for R rows q (stride D) and 4 keys k[0..3].
   static void Scores(int R, const float* q, int64_t D, const float* const* k, float* out, int64_t ld) {
     for (int r = 0; r < R; ++r)
@@ -122,7 +156,8 @@ struct Kernel {
     const int64_t t_first = std::max<int64_t>(0, k0 - first_pos);
     const float* kbase = a.k + h * a.num_slots * D;
     const float* vbase = a.v + h * a.num_slots * D;
-    w.keys.resize(2 * kPartKeys);
+    const int64_t r0 = t_first * G, R = tq * G - r0;  // rows [r0, tq * G) see key k0
+    w.keys.resize(2 * kPartKeys + R);  // this part's keys, the next part's, each row's len
     int64_t* keys = w.keys.data();
     if (!chained || k0 == 0) {  // else the previous part of this decode row fetched them (below)
       KeyRows(a, s, k0, nk, keys);
@@ -136,23 +171,20 @@ struct Kernel {
       KeyRows(a, s, k0 + kPartKeys, na, ahead);
       for (int64_t j = 0; j < na; ++j) PrefetchRow(kbase + ahead[j] * D, D), PrefetchRow(vbase + ahead[j] * D, D);
     }
-    w.p.resize(tq * G * kPartKeys);
+    int64_t* len = keys + 2 * kPartKeys;  // row r0 + i sees len[i] keys of the part (nondecreasing in i)
+    for (int64_t i = 0; i < R; ++i) len[i] = std::min(nk, first_pos + (r0 + i) / G + 1 - k0);
+    const float* kr[kPartKeys];  // each key's K row; past nk, up to a multiple of 16, the last one
+    for (int64_t j = 0; j < kPartKeys; ++j) kr[j] = kbase + keys[std::min(j, nk - 1)] * D;
+    w.p.resize(R * kPartKeys);
     float* p = w.p.data();
-    for (int64_t t = t_first; t < tq; ++t) {
-      const int64_t len = std::min(nk, first_pos + t + 1 - k0);  // keys of the part token t sees
-      for (int64_t g0 = 0; g0 < G; g0 += kMaxRows) {
-        const int R = static_cast<int>(std::min<int64_t>(kMaxRows, G - g0));
-        const int64_t r = t * G + g0, i = r - t_first * G;
-        for (int64_t j = 0; j < len; j += 4) {
-          const float* kr[4];
-          for (int u = 0; u < 4; ++u) kr[u] = kbase + keys[std::min(j + u, len - 1)] * D;
-          Ops::Scores(R, qs + r * D, D, kr, p + i * kPartKeys + j, kPartKeys);
-        }
-        for (int rr = 0; rr < R; ++rr) Ops::ExpSum(p + (i + rr) * kPartKeys, len, pm + i + rr, pl + i + rr);
-        Ops::Pv(R, p + i * kPartKeys, kPartKeys, vbase, keys, len, D, pacc + i * D);
-      }
+    Ops::ScoresRows(R, qs + r0 * D, D, kr, len, p, kPartKeys, w);
+    for (int64_t i = 0; i < R; ++i) {
+      float* row = p + i * kPartKeys;
+      Ops::ExpSum(row, len[i], pm + i, pl + i);
+      for (int64_t j = len[i]; j < nk; ++j) row[j] = 0.f;  // a P.V group runs to its last row's len: + 0 v_j
     }
-    return t_first * G;
+    Ops::PvRows(R, p, kPartKeys, vbase, keys, len, D, pacc, w);
+    return r0;
   }
 
   // Tokens [t0, t0 + tq) of sequence s, kv head h, scaled into qs (row r = t * G + g).

@@ -347,7 +347,7 @@ bool Avx2PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads, TileFn p
 namespace fdx::inv {
 
 // The primitives of invariant_attention.h in AVX2 registers, head_dim % 32 == 0.
-struct Avx2Ops {
+struct Avx2Ops : InThrees<Avx2Ops> {
   // The lanes of v summed ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) (two hadds, the halves added).
   static inline float Tree(__m256 v) {
     const __m256 h = _mm256_hadd_ps(v, v);

@@ -363,6 +363,7 @@ using TileFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, Scratch
 bool Avx2PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads, TileFn prefill);
 namespace inv {
 void Avx2Attention(const Args& a, int64_t S, int64_t num_kv_heads, int threads);
+void Avx512Attention(const Args& a, int64_t S, int64_t num_kv_heads, int threads);  // isa_avx512.cc
 }  // namespace inv
 
 // Whether this CPU runs the AVX2 + FMA builds (asked once).
@@ -370,12 +371,18 @@ inline bool CpuHasAvx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 }
+// Whether it runs the AVX-512 F build of the invariant attention's primitives (asked once).
+inline bool CpuHasAvx512() {
+  static const bool yes = CpuHasAvx2() && __builtin_cpu_supports("avx512f");
+  return yes;
+}
 #endif
 
-// The batch-invariant kernel (invariant_attention.h) over the step: the AVX2 build's
-// primitives where the CPU has them, else the portable ones.
+// The batch-invariant kernel (invariant_attention.h) over the step: the AVX-512 or AVX2
+// build's primitives where the CPU has them (the same bits), else the portable ones.
 inline void InvariantAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
 #ifdef FDX_X86_BUILDS
+  if (a.head_dim % 32 == 0 && CpuHasAvx512()) return inv::Avx512Attention(a, S, num_kv_heads, omp_get_max_threads());
   if (a.head_dim % 32 == 0 && CpuHasAvx2()) return inv::Avx2Attention(a, S, num_kv_heads, omp_get_max_threads());
 #endif
   return inv::Kernel<inv::PortableOps>::Run(a, S, num_kv_heads, omp_get_max_threads());
