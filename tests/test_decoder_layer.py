@@ -372,7 +372,7 @@ def test_the_stack_runs_with_a_kv_connector_whose_hooks_see_each_layers_kv():
     from fdx.core.interfaces import AttentionContext
     from fdx.ops import layer_port
     from fdx.plugins.backends.attention import CpuAttention
-    layers, cfg, caches, x, meta, kv = stack_case("q8_0", 9, num_layers=3)
+    layers, cfg, caches, x, meta, kv = conditioned_stack_case("q8_0", 9, num_layers=3)
     plain_kv = [tuple(paddle.to_tensor(c.copy()) for c in pair) for pair in caches]
     fused = [layer.fused for layer in layers]
     rec = Recorder(kv)

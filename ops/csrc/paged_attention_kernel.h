@@ -388,15 +388,24 @@ inline void InvariantAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
   return inv::Kernel<inv::PortableOps>::Run(a, S, num_kv_heads, omp_get_max_threads());
 }
 
-// A step of one sequence bringing at most this many query tokens (a batch-1 decode row, a
-// speculative step's k + 1 verified rows) runs the batch-invariant kernel in the default
-// mode too: a verified row then has the bits its decode row would have had, so greedy
-// speculation at batch 1 gives the tokens decoding gives (issue 37). Same CPU time as the
-// decode split at batch 1 (1.0x at 256 and 1024 keys, 9 / 3 heads of 64, Zen 5).
-constexpr int64_t kInvariantStepRows = 16;
+// The default mode's attention is the batch-invariant kernel too:
+// - where the CPU runs its AVX-512 primitives (head_dim % 32 == 0), at every step: there it
+//   takes 0.65-0.89x the CPU time of the kernels below (scripts/bench_attention.py, 1 and 2
+//   threads, 9 / 3 heads of 64 and 32 / 8 of 128, Zen 5: batch-1 decode at 256 and 1024
+//   keys, 9 query tokens at 1024, 32 decode rows, 4 x 9 tokens, 512-token prefills);
+// - elsewhere, in a step of one sequence bringing at most kInvariantStepRows query tokens (a
+//   batch-1 decode row, a speculative step's k + 1 verified rows).
+// Either way a verified row has the bits its decode row would have had, so greedy speculation
+// at batch 1 gives the tokens decoding gives (issue 37).
+constexpr int64_t kInvariantStepRows = 16;  // = ATTENTION_INVARIANT_STEP_ROWS (ops/cpp.py)
 
 inline bool InvariantStep(const Args& a, int64_t S) {
-  return a.invariant || (S == 1 && a.seq_info[1] <= kInvariantStepRows);
+  if (a.invariant || (S == 1 && a.seq_info[1] <= kInvariantStepRows)) return true;
+#ifdef FDX_X86_BUILDS
+  return a.head_dim % 32 == 0 && CpuHasAvx512();
+#else
+  return false;
+#endif
 }
 
 // Runs every (sequence, kv head, query tile) item of a batch of S sequences: by the AVX2
