@@ -191,21 +191,9 @@ def test_tp3_is_invariant_within_itself():
 def _paged_invariant(q, k, v, specs, tables, kvh, threads=2):
     """The invariant kernel on sequences ``specs`` [(query_len, context_len)], q rows in order."""
     import numpy as np
-    import paddle
-
-    from fdx.ops import cpp
-    info, at = [], 0
-    for ql, cl in specs:
-        info.append([at, ql, cl, at])
-        at += ql
-    paddle.base.core.set_num_threads(threads)
-    try:
-        return cpp.paged_attention(paddle.to_tensor(np.ascontiguousarray(q)), paddle.to_tensor(k), paddle.to_tensor(v),
-                                   paddle.to_tensor(np.array(info, np.int32)),
-                                   paddle.to_tensor(np.ascontiguousarray(tables)), q.shape[-1] ** -0.5, kvh, 16, at,
-                                   invariant=True).numpy()
-    finally:
-        paddle.base.core.set_num_threads(2)
+    from test_cpp_ops import _invariant_attention
+    return _invariant_attention(np.ascontiguousarray(q), k, v, specs, tables, threads, kvh=kvh,
+                                scale=q.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("h, kvh, d", [(9, 3, 64), (32, 8, 128), (8, 1, 64), (4, 4, 32), (6, 2, 48)])

@@ -326,7 +326,9 @@ def _attention_case(specs, h=9, kvh=3, d=64, bs=16, num_blocks=240, seed=11):
     return k, v, tables
 
 
-def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16, invariant=True):
+def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16, invariant=True, scale=0.125):
+    """cpp.paged_attention on sequences ``specs`` [(query_len, context_len)], q rows in order
+    (tests/test_batch_invariance.py too)."""
     info, at = [], 0
     for ql, cl in specs:
         info.append([at, ql, cl, at])
@@ -334,7 +336,7 @@ def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16, i
     paddle.base.core.set_num_threads(threads)
     try:
         return cpp.paged_attention(t(q), t(k), t(v), paddle.to_tensor(np.array(info, np.int32)),
-                                   paddle.to_tensor(np.ascontiguousarray(tables)), 0.125, kvh, bs, at,
+                                   paddle.to_tensor(np.ascontiguousarray(tables)), scale, kvh, bs, at,
                                    invariant=invariant).numpy()
     finally:
         paddle.base.core.set_num_threads(2)
