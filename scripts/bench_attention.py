@@ -9,7 +9,10 @@ side, see make_args) it times ``cpp.paged_attention`` with invariant False and T
 rounds and prints the best CPU time (process time: every thread's; --wall: wall-clock) of each side and the
 median of the per-round ratios invariant / default. Run it with another PYTHONPATH to measure
 another tree's kernels (the ratios of two trees are comparable only from the same run or
-the same load).
+the same load). Where the CPU runs the invariant kernel's AVX-512 primitives and head_dim is
+a multiple of 32, the default mode takes that kernel at every step (InvariantStep), so both
+sides are the same kernel there (ratios about 1.0); docs/backends.md's figures against the
+other kernels were taken before that change (its parent, 9309923, measures them).
 """
 from __future__ import annotations
 

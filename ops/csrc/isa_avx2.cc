@@ -319,17 +319,15 @@ inline bool AttendSplit(const Args& a, int64_t S, int64_t num_kv_heads, int64_t 
 }
 
 // The step's non-invariant attention (head_dim 64 or 128, else false): a decode-only batch
-// with few items split over the threads, else every item by the AVX2 tiles (those of several
-// query tokens by `prefill` when given: the AVX-512 unit's AttendTile).
-bool PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads, TileFn prefill) {
+// with few items split over the threads, else every item by the AVX2 tiles.
+bool PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
   if (a.head_dim != 64 && a.head_dim != 128) return false;
   if (AttendSplit(a, S, num_kv_heads, omp_get_max_threads())) return true;
-  RunItems(a, S, num_kv_heads, [prefill](const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scratch& w) {
+  RunItems(a, S, num_kv_heads, [](const Args& a, int64_t s, int64_t h, int64_t t0, int64_t tq, Scratch& w) {
     if (tq == 1) {  // a decode token (or a prefill chunk's last, alone in its tile)
       if (a.head_dim == 64) return AttendOne<64>(a, s, h, t0, w);
       return AttendOne<128>(a, s, h, t0, w);
     }
-    if (prefill) return prefill(a, s, h, t0, tq, w);
     if (a.head_dim == 64) return AttendPrefill<64>(a, s, h, t0, tq, w);
     return AttendPrefill<128>(a, s, h, t0, tq, w);
   });
@@ -339,8 +337,8 @@ bool PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads, TileFn prefi
 }  // namespace fdx::avx2
 
 namespace fdx {
-bool Avx2PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads, TileFn prefill) {
-  return avx2::PagedAttention(a, S, num_kv_heads, prefill);
+bool Avx2PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
+  return avx2::PagedAttention(a, S, num_kv_heads);
 }
 }  // namespace fdx
 

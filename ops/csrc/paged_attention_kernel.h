@@ -354,13 +354,9 @@ void RunItems(const Args& a, int64_t S, int64_t num_kv_heads, Tile tile) {
 namespace fdx {
 
 #ifdef FDX_X86_BUILDS
-// A work item's tile function (RunItems): (args, sequence, kv head, first query token, tokens, scratch).
-using TileFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, Scratch&);
-
 // The AVX2 + FMA builds (isa_avx2.cc): the step's attention (false when it does not take
-// it: head_dim other than 64 or 128), its tiles of several query tokens by `prefill` when
-// given, and the batch-invariant kernel's (head_dim % 32 == 0).
-bool Avx2PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads, TileFn prefill);
+// it: head_dim other than 64 or 128), and the batch-invariant kernel's (head_dim % 32 == 0).
+bool Avx2PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads);
 namespace inv {
 void Avx2Attention(const Args& a, int64_t S, int64_t num_kv_heads, int threads);
 void Avx512Attention(const Args& a, int64_t S, int64_t num_kv_heads, int threads);  // isa_avx512.cc
@@ -408,22 +404,15 @@ inline bool InvariantStep(const Args& a, int64_t S) {
 #endif
 }
 
-// Runs every (sequence, kv head, query tile) item of a batch of S sequences: by the AVX2
-// build where the CPU has it (and the build exists: x86 without FDX_NO_X86), else portable.
+// Runs every (sequence, kv head, query tile) item of a batch of S sequences: the invariant
+// kernel where InvariantStep says so, else by the AVX2 build where the CPU has it (and the
+// build exists: x86 without FDX_NO_X86), else portable. (Before the invariant kernel's AVX-512
+// primitives an AVX-512 build handed its AttendTile to the AVX2 build for the tiles of several
+// query tokens; such a CPU now runs the invariant kernel wherever the AVX2 build would run.)
 inline void PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
   if (InvariantStep(a, S)) return InvariantAttention(a, S, num_kv_heads);
 #ifdef FDX_X86_BUILDS
-#ifdef __AVX512F__
-  // This unit built for AVX-512 (-march=native on such a CPU): AttendTile's 16-float vectors
-  // fit its 32 registers, and it takes the tiles of several query tokens (a prefill: 32 heads
-  // of 64 over a 512-token prompt, one thread, CPU time, Zen 5: 15.0-15.5 ms a layer against
-  // 23.0-23.5 by the AVX2 AttendPrefill); decode tokens keep the AVX2 AttendOne (0.28 ms
-  // against 0.35 for 32 sequences of 192 keys, 9 / 3 heads).
-  const TileFn prefill = AttendTileDispatch;
-#else
-  const TileFn prefill = nullptr;
-#endif
-  if (CpuHasAvx2() && Avx2PagedAttention(a, S, num_kv_heads, prefill)) return;
+  if (CpuHasAvx2() && Avx2PagedAttention(a, S, num_kv_heads)) return;
 #endif
   RunItems(a, S, num_kv_heads, AttendTileDispatch);
 }
