@@ -401,6 +401,24 @@ class Speculation:
         log.info("speculative decoding: proposer %s, k=%d, cost gate %s", name, self.k,
                  "on" if sc.cost_gate else "off")
 
+    def say_row_limit(self, rows: int | None) -> None:
+        """At start, in the default mode: whether a batch-1 step's k + 1 verified rows are
+        within ``rows``, the step size to which the backend's kernels give each row its
+        one-row bits (``Backend.row_invariant_rows``; None: not known). Within it greedy
+        outputs at batch 1 equal decoding's; past it, or at more than one sequence a
+        step, a near tie can take the other token (docs/speculative.md)."""
+        if rows is None:
+            return
+        if self.k + 1 <= rows:
+            log.info("speculative decoding: k=%d: at batch 1 the %d verified rows keep decoding's bits (this "
+                     "model's kernels: up to %d rows), so greedy outputs equal decoding's there; at more than one "
+                     "sequence a step only backend.batch_invariant promises that", self.k, self.k + 1, rows)
+        else:
+            log.warning("speculative decoding: k=%d: a batch-1 step verifies %d rows, past the %d to which this "
+                        "model's kernels keep each row's decoding bits: a near tie can take another token than "
+                        "decoding would (k <= %d keeps them; or set backend.batch_invariant; docs/speculative.md)",
+                        self.k, self.k + 1, rows, rows - 1)
+
     def draft_kv_bytes(self, block_size: int, max_num_seqs: int) -> tuple[int, int]:
         """(bytes a target KV block adds to the proposer's own KV, bytes it
         holds whatever the target's count): a draft model's KV cache holds

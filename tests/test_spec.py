@@ -752,3 +752,34 @@ def test_bench_throughput_with_speculation_says_why_outputs_differ_only_where_th
                        "speculative": {**r["speculative"], "num_speculative_tokens": k}}
                 text = format_throughput(one)
                 assert (why in text) == (not equal and not invariant), text
+
+
+def test_engine_says_at_start_whether_k_keeps_decodings_bits(tiny, caplog):
+    """The start log (default mode): k + 1 within the backend's row-invariant step
+    (Backend.row_invariant_rows: the CPU backend's kernels for this model's weights) is an
+    info line saying batch-1 greedy outputs equal decoding's; past it a warning naming the
+    k that would; under backend.batch_invariant neither (every row keeps its bits)."""
+    from fdx.ops import cpp
+
+    def start(k, **kw):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fdx.spec"):
+            llm = LLM(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **ENGINE, **kw)
+        eng = llm.engine
+        rows = eng.backend.row_invariant_rows(eng.executor.weight_bytes())
+        kinds, table = set(eng.executor.weight_bytes()), eng.backend.kernels
+        llm.close()
+        return rows, kinds, table, [r for r in caplog.records if "verif" in r.getMessage()]
+
+    rows, kinds, table, lines = start(4)
+    if not cpp.loaded():
+        assert rows is None and not lines
+        return
+    assert kinds == {"f32"}                          # the tiny model: float32 products, and the attention
+    assert rows == min(cpp.ATTENTION_INVARIANT_STEP_ROWS, cpp.row_invariant_rows("f32", cpp.f32_build(table)))
+    assert [r.levelno for r in lines] == [logging.INFO] and "keep decoding's bits" in lines[0].getMessage()
+    _, _, _, lines = start(rows)                     # k + 1 = rows + 1: one past
+    assert [r.levelno for r in lines] == [logging.WARNING]
+    assert f"k <= {rows - 1} keeps them" in lines[0].getMessage()
+    _, _, _, lines = start(rows, batch_invariant=True)
+    assert not lines

@@ -155,17 +155,12 @@ def throughput(llm, num_requests: int, input_len: int, output_len: int, seed: in
 
 
 def row_invariant_rows(eng) -> int | None:
-    """The largest one-sequence step (rows) in which the CPU backend's kernels give each
+    """The largest one-sequence step (rows) in which the backend's kernels give each
     row its one-row bits in the default mode, for this model's weights
-    (fdx.ops.cpp.step_row_invariant_rows): at batch 1 a speculative step of k + 1 rows
-    within it keeps decoding's greedy tokens. None on another backend or without the
-    compiled kernels."""
-    from fdx.core.kernels import KernelTable
-    table = getattr(eng.backend, "kernels", None)      # the CPU backend's probed table
-    if not getattr(eng.backend, "num_threads", None) or not isinstance(table, KernelTable):
-        return None
-    from fdx.ops import cpp
-    return cpp.step_row_invariant_rows(eng.executor.weight_bytes(), table) if cpp.loaded() else None
+    (``Backend.row_invariant_rows``; the CPU backend's: fdx.ops.cpp.step_row_invariant_rows):
+    at batch 1 a speculative step of k + 1 rows within it keeps decoding's greedy
+    tokens. None where the backend does not say."""
+    return eng.backend.row_invariant_rows(eng.executor.weight_bytes())
 
 
 def outputs_differ_why(r: dict) -> str:
