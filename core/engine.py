@@ -388,9 +388,12 @@ class EngineCore:
         a ValueError, when too many compile). An id already in the engine
         is refused with a ValueError: two requests under one id would share
         its runner state (a global scheduler's retry of a job still running
-        here once crashed the engine that way)."""
+        here once crashed the engine that way), and one finished whose blocks a
+        connector still holds for a transfer would have its blocks freed under
+        the new one (a router's retry on a prefill instance lost its KV offer
+        that way)."""
         rid = request.request_id
-        if any(r.request_id == rid for r in self.scheduling.requests()):
+        if self.scheduling.holds_id(rid):
             raise ValueError(f"request id {rid!r} is already in the engine")
         if request.lora_request is not None:     # loaded (or refused) before anything else holds it
             self.lora.acquire(request.lora_request)

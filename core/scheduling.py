@@ -335,6 +335,12 @@ class SchedulingCore:
     def requests(self) -> list[Request]:
         return [*self.running, *self.recving.values(), *self.waiting]
 
+    def holds_id(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a request here: queued, running, loading its
+        KV, or finished with its blocks still held for a connector's transfer (its
+        id keys that transfer's blocks until the connector reports it done)."""
+        return request_id in self.held or any(r.request_id == request_id for r in self.requests())
+
     def fail_external(self) -> None:
         """End the requests whose external KV will never come (the connector's
         ``take_failed``): aborted with the reason, blocks freed, reported

@@ -123,6 +123,44 @@ def test_router_equals_one_mixed_instance_and_retries_a_refusal(cluster):
         assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"], name
 
 
+def test_a_prefill_retry_under_the_same_request_id_while_the_first_is_held(cluster):
+    """Replays CI's failure by hand: a router retrying a pairing sends the prefill
+    instance the same X-Request-Id again, and the first try's blocks may still be held
+    for its transfer (here: a dead decode peer, held for p_slow's 4 s transfer timeout).
+    The server used the same engine id for both: the retry lost its KV offer (the decode
+    side waited 30 s) or, once the engine refused a held id, was refused. It is answered,
+    and its decode side's answer is the mixed instance's."""
+    servers, _ = cluster
+    ps, d = servers["p_slow"], servers["d"]
+    connector = httpx.get(d.base_url + "/load", timeout=10).json()["connector"]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny", "prompt": PROMPTS[1], "temperature": 0}
+    sw = lambda **kw: {"extra_args": {"splitwise": kw}}
+    first = httpx.post(ps.base_url + "/v1/completions", timeout=60, headers={**auth, "X-Request-Id": "held-retry"},
+                       json={**body, "max_tokens": 1, **sw(remote_decode=f"tcp://127.0.0.1:{free_port()}",
+                                                            transfer_id="held1")})
+    assert first.status_code == 200, first.text
+    with cf.ThreadPoolExecutor(1) as pool:            # the retry: its decode request first, as the router
+        dec = pool.submit(httpx.post, d.base_url + "/v1/completions", timeout=60, headers=auth,
+                          json={**body, "max_tokens": MAX_TOKENS, **sw(remote_prefill=True, transfer_id="held2")})
+        time.sleep(0.2)
+        retry = httpx.post(ps.base_url + "/v1/completions", timeout=60,
+                           headers={**auth, "X-Request-Id": "held-retry"},
+                           json={**body, "max_tokens": 1, **sw(remote_decode=connector, transfer_id="held2")})
+        assert retry.status_code == 200, retry.text
+        got = dec.result()
+    assert got.status_code == 200 and got.json()["choices"][0]["finish_reason"] == "length", got.text
+    assert got.json()["choices"][0]["text"] == complete(servers["mixed"].base_url, PROMPTS[1], False)
+    for name in ("p_slow", "d"):                      # no block leaked (the dead transfer ends after 4 s)
+        deadline = time.monotonic() + 15
+        while True:
+            m = servers[name].metrics()
+            if m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"], name
+
+
 def test_router_passes_the_request_id_and_trace_context_on(cluster):
     """One X-Request-Id and one traceparent at the router: the router echoes
     the id and logs it, both instances log it, and both engines' spans (the

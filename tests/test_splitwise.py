@@ -278,6 +278,33 @@ def test_a_dead_peer_frees_the_prefill_blocks_and_a_missing_offer_ends_the_reque
     assert dec.kv_cache.num_free_blocks == dec.kv_cache.num_blocks
 
 
+@pytest.mark.slow
+def test_an_id_held_for_a_transfer_is_refused_and_a_retry_under_another_goes_through(engines):
+    """Replays CI's failure: the router's first pairing (to a decode instance of another
+    model) was refused, and its retry reached the prefill instance, under the same
+    X-Request-Id and so the same engine id, while the first try's blocks were still held
+    for its transfer. The engine took it; the first transfer's end freed the blocks under
+    that id, the retry finished with none, sent no offer, and the decode side waited 30 s
+    (503 "no KV offer from a prefill instance"). Now the engine refuses an id it holds for
+    a transfer, and the server names a prefill instance's engine requests apart
+    (test_router); the retry under another id goes through."""
+    mixed, pre, dec, peer = engines
+    prompt = PROMPTS[3]
+    dead = f"tcp://127.0.0.1:{free_port()}"             # its transfer holds the blocks until the timeout
+    pre.add_request(pre.make_request(prompt, greedy(1, splitwise={"remote_decode": dead}), request_id="dup-0"))
+    while "dup-0" not in pre.scheduling.held:
+        pre.step()
+    again = pre.make_request(prompt, greedy(1, splitwise={"remote_decode": peer}), request_id="dup-0")
+    with pytest.raises(ValueError, match="'dup-0' is already in the engine"):
+        pre.add_request(again)
+    assert "dup-0" in pre.scheduling.held                 # untouched
+    tid = {"transfer_id": "retry"}                        # the router's retry: wire id "retry-0" both sides
+    dec.add_request(dec.make_request(prompt, greedy(splitwise={"remote_prefill": True, **tid}), request_id="r-0"))
+    pre.add_request(pre.make_request(prompt, greedy(1, splitwise={"remote_decode": peer, **tid}),
+                                     request_id="dup.1a2b3c-0"))
+    _assert_equals_mixed(mixed, pre, dec, prompt, "r-0")  # (steps until the held blocks are back too)
+
+
 def test_the_deployment_page_configs_are_valid(tmp_path):
     import pathlib
     import re

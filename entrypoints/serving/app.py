@@ -409,9 +409,13 @@ class Server:
         """The engine requests of one HTTP request: ids ``<request id>-<choice
         index>``; ``<request id>.<6 hex>-<index>`` for an id already in flight
         here, and always under a shared request scheduler (its queue holds the
-        ids of every instance, and clients choose theirs)."""
+        ids of every instance, and clients choose theirs) or a KV connector (a
+        finished request's blocks stay held under its engine id until its
+        transfer ends, after its HTTP answer: a router retrying a pairing on
+        this prefill instance sends the same X-Request-Id again)."""
         arrival = time.monotonic()
-        if prefix in self.prefixes or self.config.scheduler.request_scheduler != "local":
+        if (prefix in self.prefixes or self.config.scheduler.request_scheduler != "local"
+                or self.config.cache.kv_connector is not None):
             prefix = f"{prefix}.{secrets.token_hex(3)}"
         seqs, params = [], []
         children = split_n(sp)                  # the one n / seed rule (core/output.py)
