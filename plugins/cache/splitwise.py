@@ -865,17 +865,16 @@ class SplitwiseConnector(KVConnector):
         forward, a busy machine) does not count against it; and in any case
         after ``transfer_timeout_s``."""
         now = time.monotonic()
-        with self.lock:
+        with self.lock:     # dropped and remembered at once: a request_added between them would wait 30 s
             stale = [(rid, st) for rid, st in self.offers.items() if rid not in self.expected and (
                 self.step_began - st.arrived > self.unknown_grace or now - st.arrived > self.timeout)]
             for rid, _ in stale:
                 del self.offers[rid]
-        for rid, st in stale:
-            self._refuse(st.identity, rid, st.offer.offer_nonce, "unknown request id")
-            with self.lock:
                 self.counters["splitwise_messages_rejected"] += 1
                 self._remember_refusal(rid, "splitwise: the KV offer came before this request reached the decode "
                                             "instance and was refused as unknown (its KV will not come)")
+        for rid, st in stale:
+            self._refuse(st.identity, rid, st.offer.offer_nonce, "unknown request id")
 
     def _remember_refusal(self, key: str, why: str) -> None:
         """(Under the lock.) An offer refused before its request was queued
