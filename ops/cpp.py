@@ -318,19 +318,33 @@ def paged_attention(
     block_size: int,
     num_out_tokens: int,
     invariant: bool = False,
+    default_kernels: str | None = None,
 ) -> paddle.Tensor:
     """The kernel behind fdx.ops.attention's "cpp" path (see csrc/paged_attention_kernel.h);
-    ``invariant``: the batch-invariant kernel (csrc/invariant_attention.h)."""
+    ``invariant``: the batch-invariant kernel (csrc/invariant_attention.h).
+    ``default_kernels``, TESTS ONLY: "avx2" or "portable" runs that build's default-mode kernels
+    at every step, where the default mode may take the batch-invariant kernel (on a CPU with
+    AVX-512 at every step); ignored with ``invariant``, and "avx2" is the portable build's where
+    the CPU has no AVX2 or head_dim is not 64 or 128 (csrc/paged_attention_kernel.h ForceDefault)."""
     module = _module_or_raise()
     if not q.is_contiguous():
         q = q.contiguous()
     if k_cache.dtype == paddle.int8:        # cache.kv_cache_dtype int8 (csrc/kv8_kernels.h): invariant always
         return module.fdx_kv8_attention(q, k_cache, v_cache, seq_info, block_tables, float(scale),
                                         int(num_kv_heads), int(block_size), int(num_out_tokens))
+    try:
+        route = 1 if invariant else _ATTENTION_ROUTES[default_kernels]
+    except KeyError:
+        raise ValueError(f"default_kernels {default_kernels!r}: one of {list(_ATTENTION_ROUTES)}") from None
     return module.fdx_paged_attention(
         q, k_cache, v_cache, seq_info, block_tables, float(scale), int(num_kv_heads), int(block_size),
-        int(num_out_tokens), bool(invariant),
+        int(num_out_tokens), route,
     )
+
+
+# fdx_paged_attention's route (csrc/fdx_ops.cc): 0 the default mode, 1 (invariant) the batch-invariant
+# kernel; tests only, the default mode's kernels of one build at every step (see paged_attention)
+_ATTENTION_ROUTES = {None: 0, "avx2": 2, "portable": 3}
 
 
 def _module_or_raise() -> ModuleType:

@@ -326,9 +326,10 @@ def _attention_case(specs, h=9, kvh=3, d=64, bs=16, num_blocks=240, seed=11):
     return k, v, tables
 
 
-def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16, invariant=True, scale=0.125):
+def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16, invariant=True, scale=0.125,
+                         default_kernels=None):
     """cpp.paged_attention on sequences ``specs`` [(query_len, context_len)], q rows in order
-    (tests/test_batch_invariance.py too)."""
+    (tests/test_batch_invariance.py too); ``default_kernels``: its test-only switch."""
     info, at = [], 0
     for ql, cl in specs:
         info.append([at, ql, cl, at])
@@ -337,7 +338,7 @@ def _invariant_attention(q, k, v, specs, tables, threads=2, h=9, kvh=3, bs=16, i
     try:
         return cpp.paged_attention(t(q), t(k), t(v), paddle.to_tensor(np.array(info, np.int32)),
                                    paddle.to_tensor(np.ascontiguousarray(tables)), scale, kvh, bs, at,
-                                   invariant=invariant).numpy()
+                                   invariant=invariant, default_kernels=default_kernels).numpy()
     finally:
         paddle.base.core.set_num_threads(2)
 
@@ -393,3 +394,96 @@ def test_invariant_attention_rows_do_not_depend_on_the_batch(impl):
             got = _invariant_attention(batch, k, v, [(1, 50), (1, ctx + tok), (1, 700), (30, 10)],
                                        tables[[1, 0, 2, 3]], threads)
             assert np.array_equal(got[1], full[tok]), f"row {tok} in a batch on {threads} threads"
+
+
+# ---------------------------------------------------------------- the default mode's own kernels
+# Where the CPU runs the invariant kernel's AVX-512 primitives and head_dim % 32 == 0, the default
+# mode takes the batch-invariant kernel at every step (paged_attention_kernel.h InvariantStep), so
+# the tests above reach the default kernels there only at other head_dims. They still run on
+# AVX2-only CPUs and in multi-sequence steps there: cpp.paged_attention's test-only
+# ``default_kernels`` forces them, build by build.
+
+
+def _numpy_attention(q, k, v, specs, tables, h, kvh, bs, scale):
+    """Causal paged attention of the rows of ``specs`` [(query_len, context_len)] in float64."""
+    g, slots = h // kvh, k.shape[0] // kvh
+    out, at = [], 0
+    for s, (ql, cl) in enumerate(specs):
+        pos = np.arange(cl + ql)
+        rows = tables[s][pos // bs] * bs + pos % bs
+        seq = np.empty((ql, h, q.shape[2]))
+        for head in range(h):
+            kk = k[(head // g) * slots + rows].astype(np.float64)
+            vv = v[(head // g) * slots + rows].astype(np.float64)
+            sc = q[at:at + ql, head].astype(np.float64) @ kk.T * scale               # [ql, cl + ql]
+            sc[pos[None, :] > cl + np.arange(ql)[:, None]] = -np.inf                 # causal
+            p = np.exp(sc - sc.max(1, keepdims=True))
+            seq[:, head] = (p / p.sum(1, keepdims=True)) @ vv
+        out.append(seq)
+        at += ql
+    return np.concatenate(out)
+
+
+def _default_builds():
+    """The builds of the default kernels this host runs: the AVX2 one (isa_avx2.cc) where the CPU
+    has AVX2 + FMA and the x86 units are built; the portable one (AttendTile, this CPU's flags)."""
+    from fdx.core.host import cpu_flags
+    x86 = {"avx2", "fma"} <= set(cpu_flags()) and "-DFDX_NO_X86" not in cpp._cflags()
+    return ["avx2", "portable"] if x86 else ["portable"]
+
+
+DEFAULT_STEPS = {  # id -> [(query_len, context_len)]
+    "batch-1-decode": [(1, 700)],                    # 2 threads: AVX2 AttendSplit (2 parts an item)
+    "decodes": [(1, 700), (1, 40), (1, 333)],        # AVX2 AttendOne; AttendTile of 1 token
+    "verify-9": [(9, 500)],                          # one sequence, <= 16 tokens: AttendPrefill
+    "prefill": [(45, 100), (33, 0), (1, 200)],       # tiles of 32 and 13 tokens, one of 1 (AttendOne), a decode
+}
+
+
+@pytest.mark.parametrize("build", ["avx2", "portable"])
+@pytest.mark.parametrize("h, kvh, d", [(9, 3, 64), (8, 2, 128), (6, 2, 80)])
+def test_default_attention_kernels_match_numpy(impl, build, h, kvh, d):
+    """The default mode's kernels (cpp.paged_attention's test-only ``default_kernels``): the AVX2
+    build's AttendSplit, AttendOne and AttendPrefill (head_dim 64 and 128; others run the portable
+    AttendTile), the portable build's AttendTile (here compiled for this CPU), on decode steps
+    with and without the batch-1 split, a verify-sized step and prefill tiles, 1 and 2 threads,
+    against float64 numpy. Each step's output is not the batch-invariant kernel's bits (so the
+    switch did route away from it), and only the AVX2 batch-1 split depends on the threads."""
+    if build not in _default_builds():
+        pytest.skip(f"this host does not run the {build} build of the attention")
+    k, v, tables = _attention_case([None] * 3, h=h, kvh=kvh, d=d)
+    rng = np.random.default_rng(d + h)
+    scale = d ** -0.5
+    for name, specs in DEFAULT_STEPS.items():
+        q = rng.standard_normal((sum(ql for ql, _ in specs), h, d)).astype(np.float32)
+        want = _numpy_attention(q, k, v, specs, tables, h, kvh, 16, scale)
+        run = lambda threads, **kw: _invariant_attention(q, k, v, specs, tables[:len(specs)], threads, h, kvh,  # noqa: E731
+                                                         scale=scale, **kw)
+        got = {threads: run(threads, invariant=False, default_kernels=build) for threads in (1, 2)}
+        for threads, out in got.items():
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"{name} on {threads} threads")
+            assert not np.array_equal(out, run(threads)), f"{name} on {threads} threads: the invariant kernel's bits"
+        split = build == "avx2" and d in (64, 128) and name == "batch-1-decode"
+        assert np.array_equal(got[1], got[2]) != split, f"{name}: AttendSplit {'did not run' if split else 'ran'}"
+
+
+def test_default_kernels_switch_routes_by_build(impl):
+    """``default_kernels`` names the build: "avx2" and "portable" are other kernels at head_dim 64
+    (other bits), the same one at head_dim 80 (the AVX2 build takes 64 and 128 only);
+    ``invariant`` wins over it; an unknown build is refused. Where the default mode itself takes
+    the invariant kernel (AVX-512, head_dim % 32 == 0) its bits are the invariant kernel's."""
+    from fdx.core.host import cpu_flags
+    specs = [(9, 300), (1, 200)]
+    for h, kvh, d in ((9, 3, 64), (6, 2, 80)):
+        k, v, tables = _attention_case(specs, h=h, kvh=kvh, d=d)
+        q = np.random.default_rng(d).standard_normal((10, h, d)).astype(np.float32)
+        run = lambda **kw: _invariant_attention(q, k, v, specs, tables, 1, h, kvh, scale=d ** -0.5, **kw)  # noqa: E731
+        portable = run(invariant=False, default_kernels="portable")
+        if "avx2" in _default_builds():
+            assert np.array_equal(run(invariant=False, default_kernels="avx2"), portable) == (d == 80), d
+        invariant = run(invariant=True)
+        assert np.array_equal(run(invariant=True, default_kernels="portable"), invariant)
+        if d % 32 == 0 and "avx512f" in cpu_flags() and "avx2" in _default_builds():
+            assert np.array_equal(run(invariant=False), invariant)
+    with pytest.raises(ValueError, match="default_kernels 'avx512'"):
+        run(invariant=False, default_kernels="avx512")

@@ -4,7 +4,8 @@
 //
 // fdx_paged_attention(q [N, H, D], k_cache, v_cache [KVH * num_slots, D],
 //   seq_info int32 [S, 4], block_tables int32 [S, W]) -> [num_out_tokens, H, D]
-//   (paged_attention_kernel.h).
+//   (paged_attention_kernel.h); `route` 0: the default mode, 1: the batch-invariant kernel,
+//   2 / 3 (tests only): the default mode's kernels of the AVX2 / portable build at every step.
 // fdx_silu_and_mul(x [N, 2I]) -> [N, I] (fused_kernels.h).
 // fdx_rms_norm(x [N, H], weight [H]) -> [N, H]; fdx_add_rms_norm(x, residual [N, H],
 //   weight) -> (rms_norm(x + residual), x + residual) (fused_kernels.h).
@@ -57,7 +58,7 @@ std::vector<paddle::Tensor> PagedAttentionForward(const paddle::Tensor& q,
                                                   int64_t num_kv_heads,
                                                   int64_t block_size,
                                                   int64_t num_out_tokens,
-                                                  bool invariant) {
+                                                  int64_t route) {
   CheckFloat2d(q, "q");
   CheckFloat2d(k_cache, "k_cache");
   CheckFloat2d(v_cache, "v_cache");
@@ -74,6 +75,7 @@ std::vector<paddle::Tensor> PagedAttentionForward(const paddle::Tensor& q,
   PD_CHECK(block_size > 0, "block_size must be positive");
   PD_CHECK(k_cache.shape()[1] == D, "cache head_dim differs from q's");
   PD_CHECK(k_cache.shape()[0] % num_kv_heads == 0, "cache rows must be a multiple of num_kv_heads");
+  PD_CHECK(route >= 0 && route <= 3, "route must be 0 to 3");
 
   auto out = paddle::empty({num_out_tokens, H, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   const fdx::Args a{q.data<float>(),      k_cache.data<float>(),       v_cache.data<float>(),
@@ -85,7 +87,8 @@ std::vector<paddle::Tensor> PagedAttentionForward(const paddle::Tensor& q,
                     block_size,
                     k_cache.shape()[0] / num_kv_heads,  // num_slots
                     scale,
-                    invariant};
+                    route == 1,
+                    route >= 2 ? static_cast<fdx::ForceDefault>(route - 1) : fdx::ForceDefault::kNo};
   fdx::PagedAttention(a, seq_info.shape()[0], num_kv_heads);
   return {out};
 }
@@ -99,7 +102,7 @@ std::vector<std::vector<int64_t>> PagedAttentionInferShape(const std::vector<int
                                                            int64_t,
                                                            int64_t,
                                                            int64_t num_out_tokens,
-                                                           bool) {
+                                                           int64_t) {
   return {{num_out_tokens, q_shape[1], q_shape[2]}};
 }
 
@@ -115,7 +118,7 @@ PD_BUILD_OP(fdx_paged_attention)
     .Inputs({"Q", "KCache", "VCache", "SeqInfo", "BlockTables"})
     .Outputs({"Out"})
     .Attrs({"scale: float", "num_kv_heads: int64_t", "block_size: int64_t", "num_out_tokens: int64_t",
-            "invariant: bool"})
+            "route: int64_t"})
     .SetKernelFn(PD_KERNEL(PagedAttentionForward))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionInferDtype));

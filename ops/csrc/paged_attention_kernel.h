@@ -48,6 +48,16 @@ typedef float V16 __attribute__((vector_size(64), aligned(4), may_alias));
 inline V16 Load16(const float* p) { return *reinterpret_cast<const V16*>(p); }
 inline void Store16(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
 
+// Tests only (ops/cpp.py paged_attention's `default_kernels`): the default mode's kernels of one
+// build at every step, whatever InvariantStep would pick. A CPU that runs the invariant kernel's
+// AVX-512 primitives takes that kernel at every step (head_dim % 32 == 0), so without this no
+// test would reach the default kernels there, which AVX2-only CPUs still run.
+enum class ForceDefault : int8_t {
+  kNo,        // production: InvariantStep decides
+  kAvx2,      // the AVX2 build's (isa_avx2.cc: head_dim 64 or 128, else the portable tiles)
+  kPortable,  // the portable AttendTile (this unit's flags: -march=native, or the baseline)
+};
+
 struct Args {
   const float* q;    // [N, H, D]
   const float* k;    // [KVH * num_slots, D]
@@ -58,6 +68,7 @@ struct Args {
   int64_t table_width, num_heads, group, head_dim, block_size, num_slots;
   float scale;
   bool invariant = false;  // the batch-invariant kernel (invariant_attention.h): backend.batch_invariant
+  ForceDefault force_default = ForceDefault::kNo;  // tests only (above); invariant wins over it
 };
 
 struct Scratch {
@@ -409,10 +420,12 @@ inline bool InvariantStep(const Args& a, int64_t S) {
 // build exists: x86 without FDX_NO_X86), else portable. (Before the invariant kernel's AVX-512
 // primitives an AVX-512 build handed its AttendTile to the AVX2 build for the tiles of several
 // query tokens; such a CPU now runs the invariant kernel wherever the AVX2 build would run.)
+// a.force_default (tests only) skips InvariantStep, and with kPortable the AVX2 build too.
 inline void PagedAttention(const Args& a, int64_t S, int64_t num_kv_heads) {
-  if (InvariantStep(a, S)) return InvariantAttention(a, S, num_kv_heads);
+  if (a.force_default == ForceDefault::kNo ? InvariantStep(a, S) : a.invariant)
+    return InvariantAttention(a, S, num_kv_heads);
 #ifdef FDX_X86_BUILDS
-  if (CpuHasAvx2() && Avx2PagedAttention(a, S, num_kv_heads)) return;
+  if (a.force_default != ForceDefault::kPortable && CpuHasAvx2() && Avx2PagedAttention(a, S, num_kv_heads)) return;
 #endif
   RunItems(a, S, num_kv_heads, AttendTileDispatch);
 }
