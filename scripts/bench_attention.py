@@ -10,9 +10,10 @@ rounds and prints the best CPU time (process time: every thread's; --wall: wall-
 median of the per-round ratios invariant / default. Run it with another PYTHONPATH to measure
 another tree's kernels (the ratios of two trees are comparable only from the same run or
 the same load). Where the CPU runs the invariant kernel's AVX-512 primitives and head_dim is
-a multiple of 32, the default mode takes that kernel at every step (InvariantStep), so both
-sides are the same kernel there (ratios about 1.0); docs/backends.md's figures against the
-other kernels were taken before that change (its parent, 9309923, measures them).
+a multiple of 32, the default mode takes that kernel at every step (InvariantStep): there
+``--default-kernels native`` times the same kernel on both sides (ratios about 1.0), and
+``avx2`` (the default) or ``portable`` times the default mode's own kernels, which AVX2-only
+CPUs run (cpp.paged_attention's test-only ``default_kernels``).
 """
 from __future__ import annotations
 
@@ -50,10 +51,10 @@ def make_args(S, ctx, tq, heads, kv_heads, dim, block_size=16, seed=0, pad=False
             block_size, len(q))
 
 
-def timed(args, invariant, reps, clock=time.process_time):
+def timed(args, invariant, reps, clock=time.process_time, **kw):
     t = clock()
     for _ in range(reps):
-        cpp.paged_attention(*args, invariant=invariant)
+        cpp.paged_attention(*args, invariant=invariant, **kw)
     return (clock() - t) / reps * 1e3
 
 
@@ -67,9 +68,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--target-ms", type=float, default=40.0, help="CPU time a side spends per round")
     ap.add_argument("--no-pad", action="store_true",
-                    help="time a one-sequence step of <= 16 tokens as it is (the default mode runs the invariant "
-                         "kernel there), not with the extra one-key sequence that sends it to the default kernels")
+                    help="with --default-kernels native: time a one-sequence step of <= 16 tokens as it is (the "
+                         "default mode runs the invariant kernel there), not with the extra one-key sequence that "
+                         "sends it to the default kernels where the CPU has no AVX-512")
     ap.add_argument("--case", action="append", default=None, help="S,ctx,tq (repeatable)")
+    ap.add_argument("--default-kernels", choices=("avx2", "portable", "native"), default="avx2",
+                    help="the default side: the AVX2 build's kernels (AttendSplit, AttendOne, AttendPrefill), the "
+                         "portable build's AttendTile, or what the default mode runs on this CPU (native)")
     opt = ap.parse_args()
     cpp.prepare()
     paddle.base.core.set_num_threads(opt.threads)
@@ -79,14 +84,16 @@ def main() -> None:
           f"{'wall-clock' if opt.wall else 'CPU'} time, best of {opt.rounds} rounds; ratio: median of the rounds' invariant / default")
     for S, ctx, tq in cases:
         args = make_args(S, ctx, tq, opt.heads, opt.kv_heads, opt.head_dim)
-        pad = S == 1 and tq <= 16 and not opt.no_pad
+        native = opt.default_kernels == "native"
+        kw = {} if native else {"default_kernels": opt.default_kernels}
+        pad = native and S == 1 and tq <= 16 and not opt.no_pad
         dargs = make_args(S, ctx, tq, opt.heads, opt.kv_heads, opt.head_dim, pad=True) if pad else args
-        a = cpp.paged_attention(*dargs, invariant=False).numpy()[:S * tq]
+        a = cpp.paged_attention(*dargs, invariant=False, **kw).numpy()[:S * tq]
         b = cpp.paged_attention(*args, invariant=True).numpy()
         reps = max(1, int(opt.target_ms / max(timed(args, True, 3), 1e-3)))
         ds, vs, ratios = [], [], []
         for _ in range(opt.rounds):
-            d = timed(dargs, False, reps, clock)
+            d = timed(dargs, False, reps, clock, **kw)
             i = timed(args, True, reps, clock)
             ds.append(d), vs.append(i), ratios.append(i / d)
         print(f"S={S:3d} ctx={ctx:5d} tq={tq:4d}: default {min(ds):8.4f} ms  invariant {min(vs):8.4f} ms  "
