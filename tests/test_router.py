@@ -92,6 +92,18 @@ def chat(url: str, prompt: str, stream: bool) -> str:
                                      temperature=0).choices[0].message.content
 
 
+def assert_no_block_held(servers, names, wait_s: float = 15.0) -> None:
+    """Every KV block of each named instance comes back within ``wait_s`` (a held transfer may still end)."""
+    for name in names:
+        deadline = time.monotonic() + wait_s
+        while True:
+            m = servers[name].metrics()
+            if m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"], name
+
+
 def test_router_equals_one_mixed_instance_and_retries_a_refusal(cluster):
     servers, (router, _) = cluster
     mixed = servers["mixed"].base_url
@@ -113,14 +125,7 @@ def test_router_equals_one_mixed_instance_and_retries_a_refusal(cluster):
     retries = [line for line in metrics.splitlines() if line.startswith("fdx_router:retries_total")]
     assert retries and float(retries[0].split()[-1]) >= 1
     assert servers["bad"].metrics()["fdx:splitwise_messages_rejected_total"] >= 1
-    for name in ("p", "d", "bad"):                   # no block leaked anywhere
-        deadline = time.monotonic() + 15
-        while True:
-            m = servers[name].metrics()
-            if m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
-        assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"], name
+    assert_no_block_held(servers, ("p", "d", "bad"))
 
 
 def test_a_prefill_retry_under_the_same_request_id_while_the_first_is_held(cluster):
@@ -151,14 +156,7 @@ def test_a_prefill_retry_under_the_same_request_id_while_the_first_is_held(clust
         got = dec.result()
     assert got.status_code == 200 and got.json()["choices"][0]["finish_reason"] == "length", got.text
     assert got.json()["choices"][0]["text"] == complete(servers["mixed"].base_url, PROMPTS[1], False)
-    for name in ("p_slow", "d"):                      # no block leaked (the dead transfer ends after 4 s)
-        deadline = time.monotonic() + 15
-        while True:
-            m = servers[name].metrics()
-            if m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
-        assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"], name
+    assert_no_block_held(servers, ("p_slow", "d"))   # (the dead transfer ends after 4 s)
 
 
 def test_router_passes_the_request_id_and_trace_context_on(cluster):
@@ -218,15 +216,8 @@ def test_killing_the_decode_instance_mid_transfer(cluster):
         victim.proc.kill()
         with pytest.raises(openai.APIError):
             fut.result(timeout=60)
-    # the prefill instance gets its blocks back (after its transfer timeout, 4 s)
-    deadline = time.monotonic() + 60
-    while True:
-        m = p_slow.metrics()
-        if m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
-    assert m["fdx:kv_cache_free_blocks"] == m["fdx:kv_cache_total_blocks"]
-    assert m["fdx:splitwise_transfers_failed_total"] >= 1
+    assert_no_block_held(servers, ("p_slow",), wait_s=60)   # back after its transfer timeout, 4 s
+    assert p_slow.metrics()["fdx:splitwise_transfers_failed_total"] >= 1
     # the dead instance leaves the rotation, and the next request goes to the live one
     deadline = time.monotonic() + 10
     while router.status()["decode"][0]["up"] and time.monotonic() < deadline:
