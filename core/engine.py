@@ -125,7 +125,7 @@ class EngineCore:
         self.executor.allocate(self.kv_spec, parts["connector"])   # KV tensors and runner, on every rank
         self._install(parts)
         if self.speculation is not None and not config.backend.batch_invariant:
-            self.speculation.say_row_limit(self.backend.row_invariant_rows(self.executor.weight_bytes()))
+            self.speculation.say_row_limit(self.backend.row_invariant_rows(self.executor.weight_bytes(), m.head_dim))
         self.step_count = 0
         self.num_computed_tokens = 0
         self.num_recomputed_tokens = 0

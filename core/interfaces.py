@@ -1728,11 +1728,12 @@ class Backend(abc.ABC):
         return [(paddle.zeros(shape, dtype=spec.dtype), paddle.zeros(shape, dtype=spec.dtype))
                 for _ in range(spec.num_layers)]
 
-    def row_invariant_rows(self, weight_kinds) -> int | None:
+    def row_invariant_rows(self, weight_kinds, head_dim: int | None = None) -> int | None:
         """The largest one-sequence step (query rows) in which this backend's
         default mode (not ``backend.batch_invariant``) gives every row the
         bits of a one-row step, for a model whose weights are of
-        ``weight_kinds`` (``Model.weight_bytes``' keys). A batch-1
+        ``weight_kinds`` (``Model.weight_bytes``' keys) and whose attention
+        heads are ``head_dim`` wide (None: not known). A batch-1
         speculative step of k + 1 rows within it keeps decoding's greedy
         tokens; the engine says at start whether k fits. Default None: not
         known (nothing is promised past batch invariance)."""

@@ -56,7 +56,8 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
            "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "QUANT_AVX2_PANEL_MIN_ROWS", "read_bandwidth",
-           "QUANT_VNNI_MIN_ROWS", "row_invariant_rows", "ATTENTION_INVARIANT_STEP_ROWS", "step_row_invariant_rows"]
+           "QUANT_VNNI_MIN_ROWS", "row_invariant_rows", "ATTENTION_INVARIANT_STEP_ROWS", "attention_invariant_every_step",
+           "step_row_invariant_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -738,15 +739,38 @@ def row_invariant_rows(kind: str, variant: str) -> int:
 ATTENTION_INVARIANT_STEP_ROWS = 16
 
 
-def step_row_invariant_rows(kinds, table=None) -> int | None:
+def attention_invariant_every_step(head_dim: int) -> bool:
+    """Whether the default mode's attention is the batch-invariant kernel at every step here
+    (csrc/paged_attention_kernel.h ``InvariantStep``): the x86 builds (not
+    FDX_PORTABLE_KERNELS), a CPU with AVX2, FMA and AVX-512 F, head_dim a multiple of 32."""
+    if head_dim % 32 or portable_kernels() or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    from fdx.core.host import cpu_flags
+    return {"avx2", "fma", "avx512f"} <= set(cpu_flags())
+
+
+def step_row_invariant_rows(kinds, table=None, head_dim: int | None = None) -> int | None:
     """The largest one-sequence step (rows) in which the default mode gives every row the
     bits of a one-row step, for a model whose weights are of ``kinds`` (``Model.weight_bytes``'
-    keys: GGML kinds, "f32"), with the builds the kernel table ``table`` (the active one)
-    takes, and the attention (ATTENTION_INVARIANT_STEP_ROWS). A batch-1 speculative step
-    keeps decoding's greedy tokens while k + 1 is within it. None where a kind is not the
-    compiled products' (another backend's weights, bf16 ...)."""
+    keys: GGML kinds, "f32") and whose attention heads are ``head_dim`` wide (None: not
+    known), with the builds the kernel table ``table`` (the active one) takes. The least of:
+    each kind's product (``row_invariant_rows``); the attention, ATTENTION_INVARIANT_STEP_ROWS
+    unless it is the invariant kernel at every step (``attention_invariant_every_step``);
+    the RMS norm, which takes Paddle's fused_rms_norm below fdx.ops.norm.CPP_MIN_ROWS rows
+    and the compiled kernel from there where both passed (other bits). A batch-1
+    speculative step keeps decoding's greedy tokens while k + 1 is within it. None where a
+    kind is not the compiled products' (another backend's weights, bf16 ...), where the
+    model does not say its kinds, or where the attention is Paddle's (the compiled one did
+    not pass)."""
+    from fdx.ops.norm import CPP_MIN_ROWS
     table = table if table is not None else kernels.active()
-    rows = ATTENTION_INVARIANT_STEP_ROWS
+    kinds = list(kinds)
+    if not kinds or not table.usable("cpp.paged_attention"):
+        return None
+    every = head_dim is not None and attention_invariant_every_step(head_dim)
+    rows = 1 << 30 if every else ATTENTION_INVARIANT_STEP_ROWS
+    if table.usable("fused_rms_norm") and table.usable("cpp.add_rms_norm"):
+        rows = min(rows, CPP_MIN_ROWS - 1)
     for kind in kinds:
         if kind == "f32":
             variant = f32_build(table)

@@ -776,10 +776,43 @@ def test_engine_says_at_start_whether_k_keeps_decodings_bits(tiny, caplog):
         assert rows is None and not lines
         return
     assert kinds == {"f32"}                          # the tiny model: float32 products, and the attention
-    assert rows == min(cpp.ATTENTION_INVARIANT_STEP_ROWS, cpp.row_invariant_rows("f32", cpp.f32_build(table)))
+    attention = 1 << 30 if cpp.attention_invariant_every_step(16) else cpp.ATTENTION_INVARIANT_STEP_ROWS
+    assert rows == min(attention, cpp.row_invariant_rows("f32", cpp.f32_build(table)))     # head_dim 16
     assert [r.levelno for r in lines] == [logging.INFO] and "keep decoding's bits" in lines[0].getMessage()
     _, _, _, lines = start(rows)                     # k + 1 = rows + 1: one past
     assert [r.levelno for r in lines] == [logging.WARNING]
     assert f"k <= {rows - 1} keeps them" in lines[0].getMessage()
     _, _, _, lines = start(rows, batch_invariant=True)
     assert not lines
+
+
+def test_batch_1_verified_rows_have_decodings_bits_up_to_the_limit(tmp_path):
+    """The default mode at batch 1, k + 1 = the backend's row-invariant step for a float32
+    model of head_dim 64: every verified row's logprobs equal decoding's bitwise, and so
+    the tokens. On a CPU whose default attention is the invariant kernel at every step
+    (AVX-512) that step is the RMS norm's 31 rows (Paddle's fused_rms_norm below 32 rows,
+    the compiled kernel from there: at k = 31 the logprobs differed), elsewhere the
+    attention's 16. The oracle proposer drafts the answer, spoiled at random, so steps
+    verify up to k + 1 rows."""
+    from fdx.ops import cpp
+    from fdx.ops.norm import CPP_MIN_ROWS
+    path = str(TinyLlama(vocab=VOCAB, hidden=256, intermediate=256, heads=4, kv_heads=2, max_len=256)
+               .hf_dir(tmp_path / "m64"))
+    prompts = _prompts(lens=(9, 20))
+    sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, logprobs=2)
+    batch_1 = dict(max_num_seqs=1, num_kv_blocks=96)
+    ref, ref_lps, _ = _run(path, prompts, sp, **batch_1)
+    with LLM(path, **{**ENGINE, **batch_1}) as llm:
+        eng = llm.engine
+        rows = eng.backend.row_invariant_rows(eng.executor.weight_bytes(), eng.kv_spec.head_dim)
+        table = eng.backend.kernels
+    if rows is None:
+        pytest.skip("the backend does not say (no compiled kernels)")
+    if cpp.attention_invariant_every_step(64) and table.usable("fused_rms_norm"):
+        assert rows == CPP_MIN_ROWS - 1 < cpp.row_invariant_rows("f32", cpp.f32_build(table))
+    Oracle.ANSWERS = {tuple(p["prompt_token_ids"]): r[0][0] for p, r in zip(prompts, ref)}
+    got, lps, counters = _run(path, prompts, sp, spec={"method": "oracle", "num_speculative_tokens": rows - 1},
+                              plugins=_oracle_plugins(), **batch_1)
+    assert got == ref
+    assert lps == ref_lps                              # the values, bitwise
+    assert counters.num_accepted_tokens > counters.num_drafts     # long drafts kept

@@ -160,7 +160,7 @@ def row_invariant_rows(eng) -> int | None:
     (``Backend.row_invariant_rows``; the CPU backend's: fdx.ops.cpp.step_row_invariant_rows):
     at batch 1 a speculative step of k + 1 rows within it keeps decoding's greedy
     tokens. None where the backend does not say."""
-    return eng.backend.row_invariant_rows(eng.executor.weight_bytes())
+    return eng.backend.row_invariant_rows(eng.executor.weight_bytes(), eng.kv_spec.head_dim)
 
 
 def outputs_differ_why(r: dict) -> str:

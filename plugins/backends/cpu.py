@@ -219,14 +219,14 @@ class CpuBackend(Backend):
         return [(host_zeros(spec.shape(), spec.dtype), host_zeros(spec.shape(), spec.dtype))
                 for _ in range(spec.num_layers)]
 
-    def row_invariant_rows(self, weight_kinds) -> int | None:
+    def row_invariant_rows(self, weight_kinds, head_dim: int | None = None) -> int | None:
         """fdx.ops.cpp.step_row_invariant_rows for these weight kinds with the probed
         table; None before setup or without the compiled kernels (the engine process
         under tensor parallel builds none)."""
         if not getattr(self, "num_threads", None):
             return None
         from fdx.ops import cpp
-        return cpp.step_row_invariant_rows(weight_kinds, self.kernels) if cpp.loaded() else None
+        return cpp.step_row_invariant_rows(weight_kinds, self.kernels, head_dim) if cpp.loaded() else None
 
     def describe(self) -> str:
         return f"cpu ({getattr(self, 'num_threads', '?')} threads, fp32)"
