@@ -786,6 +786,7 @@ def test_engine_says_at_start_whether_k_keeps_decodings_bits(tiny, caplog):
     assert not lines
 
 
+@pytest.mark.slow
 def test_batch_1_verified_rows_have_decodings_bits_up_to_the_limit(tmp_path):
     """The default mode at batch 1, k + 1 = the backend's row-invariant step for a float32
     model of head_dim 64: every verified row's logprobs equal decoding's bitwise, and so
