@@ -5,8 +5,17 @@ process with a real SIGILL when the kernel is called (what a kernel built
 for a missing instruction set does); ``wrong`` returns the real result
 times 1.01. A quantized product (``cpp.<kind>_matmul[.<isa>]``) is
 replaced in fdx.ops.quant.KERNELS, where its probe finds it. FDX_TEST_PROBE_LOG, if set, gets one line per child started.
+FDX_TEST_INTERLEAVE_SHAPE="ROWSxCOLS", if set, is the weight the layout probes
+(cpp.<kind>_interleave[.<isa>]) time in place of fdx.ops.probes.INTERLEAVE_PROBE_SHAPE:
+their interleaved product is still checked against numpy, and the timing (which
+test_kernel_table never compares: a layout is a measured choice) takes a sixteenth
+of the time.
 """
 import os
+
+if os.environ.get("FDX_TEST_INTERLEAVE_SHAPE"):
+    import fdx.ops.probes as _probes
+    _probes.INTERLEAVE_PROBE_SHAPE = tuple(int(n) for n in os.environ["FDX_TEST_INTERLEAVE_SHAPE"].split("x"))
 
 _faults = [f.split("=", 1) for f in os.environ.get("FDX_TEST_FAULTS", "").split(",") if "=" in f]
 if os.environ.get("FDX_TEST_PROBE_LOG"):
