@@ -56,8 +56,8 @@ __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu
            "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
            "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "QUANT_AVX2_PANEL_MIN_ROWS", "read_bandwidth",
-           "QUANT_VNNI_MIN_ROWS", "row_invariant_rows", "ATTENTION_INVARIANT_STEP_ROWS", "attention_invariant_every_step",
-           "step_row_invariant_rows"]
+           "QUANT_VNNI_MIN_ROWS", "row_invariant_rows", "ATTENTION_INVARIANT_STEP_ROWS",
+           "attention_invariant_every_step", "RMS_NORM_CPP_MIN_ROWS", "step_row_invariant_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -734,6 +734,10 @@ def row_invariant_rows(kind: str, variant: str) -> int:
     return min(s for s in starts if s is not None) - 1
 
 
+# fdx.ops.norm.CPP_MIN_ROWS (the reason is there): from this many rows the RMS norm is the
+# compiled kernel, below it Paddle's fused_rms_norm where that passed (other bits).
+RMS_NORM_CPP_MIN_ROWS = 32
+
 # = kInvariantStepRows (csrc/paged_attention_kernel.h): a one-sequence step of up to this many
 # query tokens runs the batch-invariant attention in the default mode too.
 ATTENTION_INVARIANT_STEP_ROWS = 16
@@ -756,13 +760,12 @@ def step_row_invariant_rows(kinds, table=None, head_dim: int | None = None) -> i
     known), with the builds the kernel table ``table`` (the active one) takes. The least of:
     each kind's product (``row_invariant_rows``); the attention, ATTENTION_INVARIANT_STEP_ROWS
     unless it is the invariant kernel at every step (``attention_invariant_every_step``);
-    the RMS norm, which takes Paddle's fused_rms_norm below fdx.ops.norm.CPP_MIN_ROWS rows
+    the RMS norm, which takes Paddle's fused_rms_norm below RMS_NORM_CPP_MIN_ROWS rows
     and the compiled kernel from there where both passed (other bits). A batch-1
     speculative step keeps decoding's greedy tokens while k + 1 is within it. None where a
     kind is not the compiled products' (another backend's weights, bf16 ...), where the
     model does not say its kinds, or where the attention is Paddle's (the compiled one did
     not pass)."""
-    from fdx.ops.norm import CPP_MIN_ROWS
     table = table if table is not None else kernels.active()
     kinds = list(kinds)
     if not kinds or not table.usable("cpp.paged_attention"):
@@ -770,7 +773,7 @@ def step_row_invariant_rows(kinds, table=None, head_dim: int | None = None) -> i
     every = head_dim is not None and attention_invariant_every_step(head_dim)
     rows = 1 << 30 if every else ATTENTION_INVARIANT_STEP_ROWS
     if table.usable("fused_rms_norm") and table.usable("cpp.add_rms_norm"):
-        rows = min(rows, CPP_MIN_ROWS - 1)
+        rows = min(rows, RMS_NORM_CPP_MIN_ROWS - 1)
     for kind in kinds:
         if kind == "f32":
             variant = f32_build(table)

@@ -22,7 +22,7 @@ __all__ = ["rms_norm", "add_rms_norm", "CPP_MIN_ROWS"]
 # at 1 row, 1.7x at 64). Where fused_rms_norm did not pass (it dies by SIGILL
 # on CPUs without AVX-512), the compiled kernel takes every row count: the
 # composed reference is ten Paddle ops (about 0.6 ms at one row).
-CPP_MIN_ROWS = 32
+CPP_MIN_ROWS = cpp.RMS_NORM_CPP_MIN_ROWS   # 32, kept in fdx.ops.cpp (its row-invariant step counts it)
 
 
 def _impl(x: paddle.Tensor, impl: str | None, cpp_name: str) -> str:
