@@ -52,8 +52,8 @@ from fdx.ops import kernel_cache
 __all__ = ["available", "loaded", "unavailable_reason", "paged_attention", "silu_and_mul", "rms_norm",
            "add_rms_norm", "rope_write_kv", "kv8_write", "QUANT_KINDS", "QUANT_VARIANTS", "QUANT_MATMULS", "quant_kernel_name",
            "quant_kernel_names", "quant_supported", "F32_KERNEL_NAMES", "F32_MATMULS", "F32_BLAS_MIN_ROWS",
-           "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "F32_MIN_ROWS", "f32_kernel_name",
-           "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
+           "F32_BLAS_MIN_ROWS_BY_VARIANT", "f32_blas_min_rows", "f32_build", "quant_build", "F32_MIN_ROWS",
+           "f32_kernel_name", "decoder_layer", "decoder_stack", "stack_layers", "DECODER_LAYER_KINDS",
            "build_dir", "prepare", "status", "quant_blas_min_rows", "QUANT_BLAS_MIN_ROWS_VNNI",
            "QUANT_BLAS_MIN_ROWS_AVX2", "QUANT_AVX2_TILE_MIN_ROWS", "QUANT_AVX2_PANEL_MIN_ROWS", "read_bandwidth",
            "QUANT_VNNI_MIN_ROWS", "row_invariant_rows", "ATTENTION_INVARIANT_STEP_ROWS",
@@ -706,9 +706,15 @@ def f32_blas_min_rows(variant: str | None) -> int:
     return F32_BLAS_MIN_ROWS_BY_VARIANT.get(variant, F32_BLAS_MIN_ROWS)
 
 
+def quant_build(kind: str, table) -> str | None:
+    """The widest build of ``kind``'s product (one of QUANT_KINDS, or "f32") that the kernel
+    table ``table`` passed, or None."""
+    return next((v for v in QUANT_VARIANTS if table.usable(quant_kernel_name(kind, v))), None)
+
+
 def f32_build(table) -> str | None:
     """The widest build of the float32 product that the kernel table ``table`` passed, or None."""
-    return next((v for v in QUANT_VARIANTS if table.usable(f32_kernel_name(v))), None)
+    return quant_build("f32", table)
 
 def row_invariant_rows(kind: str, variant: str) -> int:
     """The largest row count up to which the default mode (not backend.batch_invariant) gives
@@ -770,21 +776,17 @@ def step_row_invariant_rows(kinds, table=None, head_dim: int | None = None) -> i
     kinds = list(kinds)
     if not kinds or not table.usable("cpp.paged_attention"):
         return None
-    every = head_dim is not None and attention_invariant_every_step(head_dim)
-    rows = 1 << 30 if every else ATTENTION_INVARIANT_STEP_ROWS
+    limits = []
+    if head_dim is None or not attention_invariant_every_step(head_dim):
+        limits.append(ATTENTION_INVARIANT_STEP_ROWS)
     if table.usable("fused_rms_norm") and table.usable("cpp.add_rms_norm"):
-        rows = min(rows, RMS_NORM_CPP_MIN_ROWS - 1)
+        limits.append(RMS_NORM_CPP_MIN_ROWS - 1)
     for kind in kinds:
-        if kind == "f32":
-            variant = f32_build(table)
-        elif kind in QUANT_KINDS:
-            variant = next((v for v in QUANT_VARIANTS if table.usable(quant_kernel_name(kind, v))), None)
-        else:
-            return None
+        variant = quant_build(kind, table) if kind == "f32" or kind in QUANT_KINDS else None
         if variant is None:
             return None
-        rows = min(rows, row_invariant_rows(kind, variant))
-    return rows
+        limits.append(row_invariant_rows(kind, variant))
+    return min(limits)
 
 
 # ... and from this many rows up the compiled one (fdx.ops.dense and the fused layer).

@@ -100,12 +100,12 @@ def op_choices(table: kernels.KernelTable) -> dict[str, str]:
 def layout_choices(table: kernels.KernelTable) -> str:
     """The weight layout of each kind whose layout is chosen per machine, for the
     build that runs it: ``q4_0=interleaved, wint4=plain (the plain layout is faster here ...)``."""
-    from fdx.ops.cpp import QUANT_VARIANTS, quant_kernel_name
+    from fdx.ops.cpp import quant_build
     from fdx.ops.quant import PROBED_REPACK_KINDS, interleave_chosen, interleave_kernel_name
     out = []
     with kernels.using(table):
         for kind in PROBED_REPACK_KINDS:
-            build = next((v for v in QUANT_VARIANTS if table.usable(quant_kernel_name(kind, v))), None)
+            build = quant_build(kind, table)
             why = "" if build is None or interleave_chosen(kind) else \
                 f" ({table.why_not(interleave_kernel_name(kind, build))})"
             out.append(f"{kind}={'interleaved' if interleave_chosen(kind) else 'plain'}{why}")
