@@ -680,13 +680,27 @@ def test_engine_killed_mid_batch(tmp_path, tiny_model):
 
 # -- 2. the engine hung ------------------------------------------------------------------------
 
-def test_hung_engine_is_detected_by_its_heartbeat(tmp_path, tiny_model):
+def test_hung_engine_is_detected_by_its_heartbeat(tmp_path, tiny_model, monkeypatch):
     """SIGSTOP freezes the engine (alive, not dead). Within the heartbeat
     timeout the server notices, kills it, ends the open streams with an
     error that says the engine stopped responding, answers 503 and exits 1.
     Start-up (paddle import, model load) took longer than that timeout and
-    did not count as a hang: the engine's heartbeat runs while it loads."""
+    did not count as a hang: the engine's heartbeat runs while it loads.
+    (Start-up alone once took 1.45 s on an idle machine, under the timeout:
+    the engine process's import of fdx.core.engine, after its heartbeat
+    starts, now sleeps twice the timeout, so the load always outlasts it.)"""
     timeout = 1.5
+    slow = tmp_path / "slow_load"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import sys, time\n"
+        "class _SlowEngineImport:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'fdx.core.engine':\n"
+        f"            time.sleep({2 * timeout})\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, _SlowEngineImport())\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")]))
     t0 = time.monotonic()
     srv = start_server(tmp_path, tiny_model, engine_heartbeat_interval_s=0.25,
                        engine_heartbeat_timeout_s=timeout, engine_death_grace_s=5)
